@@ -1,0 +1,65 @@
+"""Shared layers as pure functions: RMSNorm, RoPE, GQA attention over a positional cache, SwiGLU.
+
+Numerics follow the Hugging Face reference: norms, softmax and RoPE tables in float32, matmuls in the
+weights' dtype with float32 accumulation, results cast back to the activation dtype.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+
+def rms_norm(x: jax.Array, weight: jax.Array, eps: float) -> jax.Array:
+    dtype = x.dtype
+    xf = x.astype(jnp.float32)
+    xf = xf * jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + eps)
+    return weight * xf.astype(dtype)
+
+
+def linear(x: jax.Array, w: jax.Array, b: jax.Array | None = None) -> jax.Array:
+    """x [..., K] @ w [K, N] with float32 accumulation, result in x's dtype."""
+    y = jnp.einsum("...k,kn->...n", x, w, preferred_element_type=jnp.float32)
+    if b is not None:
+        y = y + b.astype(jnp.float32)
+    return y.astype(x.dtype)
+
+
+def rope_tables(positions: jax.Array, inv_freq: np.ndarray) -> tuple[jax.Array, jax.Array]:
+    """cos/sin tables [B, T, D] for integer positions [B, T] (HF rotate_half layout)."""
+    freqs = positions.astype(jnp.float32)[..., None] * jnp.asarray(inv_freq, jnp.float32)  # [B, T, D/2]
+    emb = jnp.concatenate([freqs, freqs], axis=-1)
+    return jnp.cos(emb), jnp.sin(emb)
+
+
+def apply_rope(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
+    # x: [B, T, N, D]; cos/sin: [B, T, D]
+    half = x.shape[-1] // 2
+    rotated = jnp.concatenate([-x[..., half:], x[..., :half]], axis=-1)
+    cos, sin = cos[:, :, None, :].astype(x.dtype), sin[:, :, None, :].astype(x.dtype)
+    return x * cos + rotated * sin
+
+
+def attention(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array) -> jax.Array:
+    """Grouped-query attention of T queries over S cached keys.
+
+    q: [B, T, H, D]; k, v: [B, S, KVH, D]; mask: [B, T, S] bool (True = visible). Returns [B, T, H, D].
+    """
+    b, t, h, d = q.shape
+    kvh = k.shape[2]
+    qg = q.reshape(b, t, kvh, h // kvh, d)  # [B, T, KVH, G, D]
+    scores = jnp.einsum("btkgd,bskd->bkgts", qg, k, preferred_element_type=jnp.float32)
+    scores = scores * (1.0 / np.sqrt(d))
+    scores = jnp.where(mask[:, None, None, :, :], scores, -jnp.inf)
+    probs = jax.nn.softmax(scores, axis=-1).astype(v.dtype)
+    out = jnp.einsum("bkgts,bskd->btkgd", probs, v, preferred_element_type=jnp.float32)
+    return out.reshape(b, t, h, d).astype(q.dtype)
+
+
+def swiglu(x: jax.Array, gate: jax.Array, up: jax.Array, down: jax.Array,
+           biases: tuple | None = None) -> jax.Array:
+    bg, bu, bd = biases if biases is not None else (None, None, None)
+    g = linear(x, gate, bg)
+    u = linear(x, up, bu)
+    return linear(jax.nn.silu(g) * u, down, bd)
