@@ -1,0 +1,97 @@
+"""A deployment: target (+ drafter), sampling, prompts and cache size, built from a composed config.
+
+Design choices:
+- Everything a method needs is in one `Deployment` value; methods never read the config themselves.
+- Random-weight targets are built at their real shape directly on the device, layer by layer, and the
+  deployment carries notes ("random weights") that every result record repeats.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from omegaconf import DictConfig, OmegaConf
+
+from specpilot.decoding.sampling import SamplingConfig
+from specpilot.models import dense
+from specpilot.models.config import ModelConfig, default_tap_layers
+
+DTYPES = {"bfloat16": jnp.bfloat16, "float32": jnp.float32}
+
+
+@dataclasses.dataclass
+class Deployment:
+    params: Any
+    cfg: ModelConfig
+    sampling: SamplingConfig
+    prompts: list[list[int]]
+    batch_size: int
+    new_tokens: int
+    cache_len: int
+    key: jax.Array
+    drafter: Any = None  # (drafter params, drafter config) or None
+    notes: list[str] = dataclasses.field(default_factory=list)
+    labels: dict = dataclasses.field(default_factory=dict)
+
+    def batches(self) -> list[list[list[int]]]:
+        """Prompts grouped into batches of `batch_size` (a trailing partial batch is dropped)."""
+        n = len(self.prompts) // self.batch_size * self.batch_size
+        return [self.prompts[i:i + self.batch_size] for i in range(0, n, self.batch_size)]
+
+
+def target_tap_layers(tconf: DictConfig, dconf: DictConfig, num_layers: int) -> tuple[int, ...]:
+    if tconf.get("tap_layers"):
+        return tuple(int(t) for t in tconf.tap_layers)
+    if dconf.source == "none":
+        return ()
+    return default_tap_layers(num_layers, int(dconf.num_taps))
+
+
+def build_target(tconf: DictConfig, dconf: DictConfig, seed: int):
+    """-> (params, ModelConfig, notes)."""
+    dtype = DTYPES[tconf.dtype]
+    if tconf.source == "random":
+        hf = OmegaConf.to_container(tconf.model, resolve=True)
+        cfg = ModelConfig.from_hf_dict(hf)
+        cfg = cfg.with_taps(target_tap_layers(tconf, dconf, cfg.num_layers))
+        params = dense.init(jax.random.key(seed), cfg, dtype=dtype, std=float(tconf.init_std))
+        return params, cfg, [f"random weights ({tconf.name} shape)"]
+    if tconf.source == "hf":
+        from specpilot.models.checkpoint import load_hf
+
+        path = Path(str(tconf.path)).expanduser()
+        params, cfg = load_hf(path, dtype=dtype)
+        cfg = cfg.with_taps(target_tap_layers(tconf, dconf, cfg.num_layers))
+        return params, cfg, []
+    if tconf.source == "embedded":
+        raise NotImplementedError("the embedded (locally trained) target is not available yet")
+    raise ValueError(f"unknown target source {tconf.source!r}")
+
+
+def random_prompts(n: int, length: int, vocab_size: int, seed: int) -> list[list[int]]:
+    rng = np.random.default_rng(seed)
+    return rng.integers(0, vocab_size, size=(n, length)).tolist()
+
+
+def build(cfg: DictConfig) -> Deployment:
+    b, dec = cfg.bench, cfg.decoding
+    params, mcfg, notes = build_target(cfg.target, cfg.drafter, int(cfg.seed))
+    if b.prompts == "random":
+        prompts = random_prompts(b.num_prompts, b.prompt_len, mcfg.vocab_size, int(cfg.seed) + 1)
+    else:
+        raise NotImplementedError(f"prompt set {b.prompts!r} needs the embedded corpus (not available yet)")
+    longest = max(len(p) for p in prompts)
+    block = int(cfg.drafter.block_size) if cfg.drafter.source != "none" else 1
+    cache_len = b.cache_len or -(-(longest + b.new_tokens + block) // 128) * 128
+    labels = {"target": cfg.target.name, "drafter": cfg.drafter.name, "gpu": cfg.gpu.name,
+              "batch_size": int(b.batch_size), "prompts": b.prompts, "new_tokens": int(b.new_tokens)}
+    return Deployment(
+        params=params, cfg=mcfg,
+        sampling=SamplingConfig(float(dec.temperature), int(dec.top_k), float(dec.top_p)),
+        prompts=prompts, batch_size=int(b.batch_size), new_tokens=int(b.new_tokens),
+        cache_len=int(cache_len), key=jax.random.key(int(cfg.seed)), notes=notes, labels=labels)

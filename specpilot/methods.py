@@ -1,0 +1,66 @@
+"""Decoding methods by name: what `decoding.methods` in the config chooses from.
+
+Design choices:
+- A method is a function `Deployment -> MethodRun` registered under a name; the runner knows nothing
+  else about it. New mechanisms register here and become a config override (`decoding.methods=[...]`).
+- Each run repeats the whole prompt set `repeats` times after a warm-up and reports the median decode
+  time per output token, so compile time never enters a number.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Callable
+
+import numpy as np
+
+from specpilot.decoding import ar
+
+
+@dataclasses.dataclass
+class MethodRun:
+    tokens: list[list[int]]  # generated tokens per prompt (prompt order)
+    prefill_s: float  # total over batches
+    decode_s: float  # total over batches
+    decode_tokens: int  # output tokens produced by decode steps (first token of each prompt excluded)
+    stats: dict = dataclasses.field(default_factory=dict)  # method-specific (tau, acceptance, ...)
+
+    @property
+    def decode_time_per_token(self) -> float:
+        return self.decode_s / self.decode_tokens
+
+
+@dataclasses.dataclass(frozen=True)
+class Method:
+    name: str
+    run: Callable
+    needs_drafter: bool = False
+    description: str = ""
+
+
+def run_ar(dep) -> MethodRun:
+    tokens, prefill_s, decode_s, decode_tokens = [], 0.0, 0.0, 0
+    for batch in dep.batches():
+        res = ar.generate(dep.params, dep.cfg, batch, dep.new_tokens, dep.sampling, key=dep.key,
+                          cache_len=dep.cache_len)
+        tokens.extend(res.tokens.tolist())
+        prefill_s += res.prefill_s
+        decode_s += res.decode_s
+        decode_tokens += (res.num_new_tokens - 1) * len(batch)
+    return MethodRun(tokens, prefill_s, decode_s, decode_tokens)
+
+
+METHODS: dict[str, Method] = {
+    "ar": Method("ar", run_ar, description="autoregressive baseline, one token per target step"),
+}
+
+
+def register(method: Method) -> None:
+    METHODS[method.name] = method
+
+
+def median_run(method: Method, dep, repeats: int) -> MethodRun:
+    """Run `repeats` times; keep the run with the median decode time (tokens are identical for greedy)."""
+    runs = [method.run(dep) for _ in range(repeats)]
+    order = np.argsort([r.decode_s for r in runs])
+    return runs[int(order[len(order) // 2])]

@@ -1,0 +1,64 @@
+"""Every config composes and types check; impossible values fail with messages naming the key."""
+
+from pathlib import Path
+
+import pytest
+from hydra import compose, initialize_config_dir
+from hydra.errors import ConfigCompositionException
+from omegaconf.errors import ValidationError
+
+from specpilot import config_schema
+from specpilot.config_schema import ConfigValueError, typed, validate
+
+CONF = Path(__file__).resolve().parents[1] / "conf"
+config_schema.register()
+
+
+def _compose(overrides=()):
+    with initialize_config_dir(config_dir=str(CONF), version_base=None):
+        return typed(compose(config_name="config", overrides=list(overrides)))
+
+
+def _options(group):
+    return sorted(p.stem for p in (CONF / group).glob("*.yaml"))
+
+
+@pytest.mark.parametrize("group", ["target", "drafter", "gpu", "decoding", "bench", "experiment"])
+def test_every_option_composes(group):
+    for option in _options(group):
+        cfg = _compose([f"{group}={option}"] if group != "experiment" else [f"experiment={option}"])
+        if not (cfg.target.source == "hf" and not cfg.target.path):
+            validate(cfg)
+
+
+@pytest.mark.parametrize("override,match", [
+    ("drafter.block_size=0", "drafter.block_size"),
+    ("bench.batch_size=8", "bench.batch_size"),
+    ("bench.cache_len=16", "bench.cache_len"),
+    ("decoding.methods=[ar,warp]", "unknown method 'warp'"),
+    ("target.source=cloud", "target.source"),
+    ("bench.prompts=poems", "bench.prompts"),
+    ("decoding.top_p=1.5", "decoding"),
+    ("target=hf", "target.path"),
+])
+def test_impossible_values_fail_clearly(override, match):
+    with pytest.raises(ConfigValueError, match=match):
+        validate(_compose([override]))
+
+
+def test_typos_and_wrong_types_fail_at_composition():
+    with pytest.raises(ConfigCompositionException):
+        _compose(["bench.new_tokenz=5"])
+    with pytest.raises((ConfigCompositionException, ValidationError)):
+        _compose(["bench.new_tokens=many"])
+    with pytest.raises(ConfigCompositionException):
+        _compose(["target=qwen9"])
+
+
+def test_heads_not_dividing_fail_clearly():
+    from specpilot.deploy import build_target
+    from specpilot.models.config import ConfigError
+
+    cfg = _compose(["target.model.num_key_value_heads=3"])
+    with pytest.raises(ConfigError, match="num_kv_heads"):
+        build_target(cfg.target, cfg.drafter, 0)
