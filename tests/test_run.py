@@ -1,0 +1,34 @@
+"""The run entry point end to end on a tiny configuration (subprocess, as a user runs it)."""
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _run(*overrides, cwd):
+    return subprocess.run([sys.executable, str(ROOT / "experiments" / "run.py"), *overrides],
+                          cwd=cwd, capture_output=True, text=True, timeout=300)
+
+
+def test_run_writes_records_and_table(tmp_path):
+    out = tmp_path / "out"
+    proc = _run(f"output_dir={out}", "bench.num_prompts=2", "bench.new_tokens=8",
+                f"hydra.run.dir={tmp_path / 'hydra'}", cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "ms/token" in proc.stdout
+    records = [json.loads(line) for line in (out / "results.jsonl").read_text().splitlines()]
+    assert [r["method"] for r in records] == ["ar"]
+    rec = records[0]
+    assert rec["speedup_vs_ar"] == 1.0 and rec["decode_ms_per_token"] > 0
+    assert "random weights" in rec["notes"]
+    assert rec["config"]["bench"]["new_tokens"] == 8
+    assert (out / "results.csv").read_text().startswith("target,drafter,gpu")
+
+
+def test_bad_override_fails_with_clear_message(tmp_path):
+    proc = _run("drafter.block_size=0", f"hydra.run.dir={tmp_path / 'hydra'}", cwd=tmp_path)
+    assert proc.returncode != 0
+    assert "drafter.block_size" in proc.stderr
