@@ -22,7 +22,9 @@ class MethodRun:
     tokens: list[list[int]]  # generated tokens per prompt (prompt order)
     prefill_s: float  # total over batches
     decode_s: float  # total over batches
-    decode_tokens: int  # output tokens produced by decode steps (first token of each prompt excluded)
+    # output tokens per sequence produced after prefill, summed over batches: decode time per output
+    # token is then per-sequence latency (TPOT), and throughput is batch_size / TPOT
+    decode_tokens: int
     stats: dict = dataclasses.field(default_factory=dict)  # method-specific (tau, acceptance, ...)
 
     @property
@@ -46,7 +48,7 @@ def run_ar(dep) -> MethodRun:
         tokens.extend(res.tokens.tolist())
         prefill_s += res.prefill_s
         decode_s += res.decode_s
-        decode_tokens += (res.num_new_tokens - 1) * len(batch)
+        decode_tokens += res.num_new_tokens - 1
     return MethodRun(tokens, prefill_s, decode_s, decode_tokens)
 
 

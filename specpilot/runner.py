@@ -19,7 +19,7 @@ from pathlib import Path
 import jax
 from omegaconf import DictConfig, OmegaConf
 
-from specpilot import deploy
+from specpilot import costmodel, deploy
 from specpilot.config_schema import validate
 from specpilot.methods import METHODS, median_run
 
@@ -41,6 +41,9 @@ def run(cfg: DictConfig, out_dir: str | Path) -> list[dict]:
     env = environment()
     runs = {name: median_run(METHODS[name], dep, int(cfg.bench.repeats)) for name in methods}
     ar_tpot = runs["ar"].decode_time_per_token
+    hw = costmodel.Hardware.from_conf(cfg.gpu)
+    mean_context = sum(len(p) for p in dep.prompts) / len(dep.prompts) + dep.new_tokens / 2
+    ar_floor = costmodel.ar_ceiling_s(hw, dep.cfg, dep.batch_size, int(mean_context))
     records = []
     for name, r in runs.items():
         rec = dict(dep.labels)
@@ -50,6 +53,7 @@ def run(cfg: DictConfig, out_dir: str | Path) -> list[dict]:
             tokens_per_s=dep.batch_size / r.decode_time_per_token,
             prefill_ms=1e3 * r.prefill_s / max(1, len(dep.batches())),
             speedup_vs_ar=ar_tpot / r.decode_time_per_token,
+            ar_ceiling_ms_per_token=1e3 * ar_floor,
             tau=r.stats.get("tau"),
             mismatches=r.stats.get("mismatches"),
             notes="; ".join(dep.notes + r.stats.get("notes", [])),

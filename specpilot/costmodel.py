@@ -1,0 +1,96 @@
+"""Roofline ceilings for decode, draft and verify steps, and the gap between a measurement and them.
+
+Design choices:
+- A step's floor is max(bytes it must read / memory bandwidth, FLOPs / matmul rate), with the two
+  rates taken from the `gpu` config (measured on the lent H200, datasheet leads elsewhere).
+- "Bytes it must read" counts every weight once per step (the weight format's bits per weight), the
+  embedding rows gathered, and the K/V of the committed context — not what an implementation happens
+  to read (ours reads the whole preallocated cache; that difference is a gap the loop may close).
+- Speculative decoding's ceiling per output token is (draft + verify floors) / tau: the number the agent
+  loop compares with the measured time to find the largest gap.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+from specpilot.models.config import ModelConfig
+
+
+@dataclasses.dataclass(frozen=True)
+class Hardware:
+    memory_bandwidth_gbs: float
+    matmul_tflops: float
+
+    @classmethod
+    def from_conf(cls, gpu) -> "Hardware":
+        return cls(float(gpu.memory_bandwidth_gbs), float(gpu.matmul_tflops_bf16))
+
+    def floor_s(self, nbytes: float, flops: float) -> float:
+        return max(nbytes / (self.memory_bandwidth_gbs * 1e9), flops / (self.matmul_tflops * 1e12))
+
+
+@dataclasses.dataclass(frozen=True)
+class StepCost:
+    weight_bytes: float
+    kv_bytes: float
+    flops: float
+
+    @property
+    def bytes(self) -> float:
+        return self.weight_bytes + self.kv_bytes
+
+    def __add__(self, other: "StepCost") -> "StepCost":
+        return StepCost(self.weight_bytes + other.weight_bytes, self.kv_bytes + other.kv_bytes,
+                        self.flops + other.flops)
+
+
+def matmul_params(cfg: ModelConfig) -> int:
+    """Parameters read as matrices in one step (layers + LM head; embedding rows are gathered)."""
+    h = cfg.hidden_size
+    per_layer = h * (cfg.q_size + 2 * cfg.kv_size) + cfg.q_size * h + 3 * h * cfg.intermediate_size
+    return cfg.num_layers * per_layer + cfg.vocab_size * h
+
+
+def target_step(cfg: ModelConfig, batch: int, tokens: int, context: int,
+                bits_per_weight: float = 16.0, kv_bytes_per_value: int = 2) -> StepCost:
+    """One target forward of `tokens` new positions per sequence over `context` committed ones."""
+    n = batch * tokens
+    weight_bytes = matmul_params(cfg) * bits_per_weight / 8 + n * cfg.hidden_size * 2
+    kv_bytes = cfg.num_layers * 2 * batch * context * cfg.kv_size * kv_bytes_per_value
+    attn_flops = cfg.num_layers * 4 * n * (context + tokens) * cfg.q_size
+    return StepCost(weight_bytes, kv_bytes, 2 * n * matmul_params(cfg) + attn_flops)
+
+
+def drafter_step(target: ModelConfig, num_layers: int, num_taps: int, batch: int, block: int,
+                 context: int, bits_per_weight: float = 16.0) -> StepCost:
+    """One DFlash-style block draft: fc (n*H -> H), `num_layers` target-shaped layers, the LM head."""
+    h = target.hidden_size
+    per_layer = h * (target.q_size + 2 * target.kv_size) + target.q_size * h + 3 * h * target.intermediate_size
+    params = num_taps * h * h + num_layers * per_layer + target.vocab_size * h
+    n = batch * block
+    kv_bytes = num_layers * 2 * batch * context * target.kv_size * 2
+    attn_flops = num_layers * 4 * n * (context + block) * target.q_size
+    return StepCost(params * bits_per_weight / 8, kv_bytes, 2 * n * params + attn_flops)
+
+
+def ar_ceiling_s(hw: Hardware, cfg: ModelConfig, batch: int, context: int,
+                 bits_per_weight: float = 16.0) -> float:
+    """Floor of AR decode time per step (each sequence gains one token per step)."""
+    c = target_step(cfg, batch, 1, context, bits_per_weight)
+    return hw.floor_s(c.bytes, c.flops)
+
+
+def spec_ceiling_s(hw: Hardware, cfg: ModelConfig, batch: int, context: int, block: int, tau: float,
+                   draft_layers: int, num_taps: int, bits_per_weight: float = 16.0) -> dict:
+    """Floor of speculative decode time per output token, split into draft and verify."""
+    d = drafter_step(cfg, draft_layers, num_taps, batch, block, context, bits_per_weight)
+    v = target_step(cfg, batch, block, context, bits_per_weight)
+    draft_s, verify_s = hw.floor_s(d.bytes, d.flops), hw.floor_s(v.bytes, v.flops)
+    return {"draft_s": draft_s, "verify_s": verify_s, "per_token_s": (draft_s + verify_s) / tau}
+
+
+def gaps(measured: dict[str, float], ceiling: dict[str, float]) -> list[tuple[str, float]]:
+    """Measured minus ceiling per component, largest first — where the agent loop should look."""
+    out = [(k, measured[k] - ceiling.get(k, 0.0)) for k in measured]
+    return sorted(out, key=lambda kv: -kv[1])
