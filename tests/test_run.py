@@ -32,3 +32,23 @@ def test_bad_override_fails_with_clear_message(tmp_path):
     proc = _run("drafter.block_size=0", f"hydra.run.dir={tmp_path / 'hydra'}", cwd=tmp_path)
     assert proc.returncode != 0
     assert "drafter.block_size" in proc.stderr
+
+
+def test_report_turns_a_multirun_into_table_and_plots(tmp_path):
+    sweep = tmp_path / "sweep"
+    proc = _run("-m", "bench.batch_size=1,2", "bench.num_prompts=2", "bench.new_tokens=6",
+                f"hydra.sweep.dir={sweep}", cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    rep = subprocess.run([sys.executable, str(ROOT / "experiments" / "report.py"), str(sweep)],
+                         capture_output=True, text=True, timeout=120)
+    assert rep.returncode == 0, rep.stderr[-3000:]
+    rows = [line for line in rep.stdout.splitlines() if line.startswith("| tiny_random")]
+    assert len(rows) == 2 and {r.split("|")[4].strip() for r in rows} == {"1", "2"}
+    assert (sweep / "report.md").exists()
+    assert (sweep / "tpot_per_method.png").stat().st_size > 1000
+
+
+def test_report_on_missing_folder_fails_clearly(tmp_path):
+    rep = subprocess.run([sys.executable, str(ROOT / "experiments" / "report.py"), str(tmp_path / "nope")],
+                         capture_output=True, text=True, timeout=120)
+    assert rep.returncode != 0 and "no such results folder" in rep.stderr
