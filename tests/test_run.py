@@ -52,3 +52,13 @@ def test_report_on_missing_folder_fails_clearly(tmp_path):
     rep = subprocess.run([sys.executable, str(ROOT / "experiments" / "report.py"), str(tmp_path / "nope")],
                          capture_output=True, text=True, timeout=120)
     assert rep.returncode != 0 and "no such results folder" in rep.stderr
+
+
+def test_multirun_with_joblib_launcher(tmp_path):
+    sweep = tmp_path / "sweep"
+    proc = _run("-m", "hydra/launcher=joblib", "hydra.launcher.n_jobs=2", "seed=1,2",
+                "bench.num_prompts=1", "bench.new_tokens=4", f"hydra.sweep.dir={sweep}", cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    seeds = sorted(json.loads(p.read_text().splitlines()[0])["config"]["seed"]
+                   for p in sweep.rglob("results.jsonl"))
+    assert seeds == [1, 2]
