@@ -1,0 +1,179 @@
+"""Decode-step variants of the dense decoder, for measuring where AR decode time goes.
+
+Design choices:
+- "stock" runs `specpilot.models.dense.forward` itself: the baseline is the library's model, not a copy.
+- Every other variant is one `Variant` (a frozen dataclass, so it can be a static jit argument) flipping
+  one mechanism at a time against a re-implementation of the same layer: fused q/k/v and gate/up
+  matrices, weight layout [in, out] vs [out, in], XLA dot vs the Pallas split-K GEMV, attention or
+  not, norms/RoPE or not, one jitted step per token or the whole generation inside one jit.
+- Ablations (no attention, no norms) keep the K/V cache writes: without a consumer, XLA would delete
+  the k and v matmuls and the ablation would read fewer weights than it claims.
+- Variant params are derived on the device from the stock params (concatenate / transpose), so every
+  variant computes the same function of the same weights and their logits can be compared.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+
+from pallas_kernels.gemv import gemv
+from specpilot.cache import KVCache, write_positions
+from specpilot.models import dense
+from specpilot.models.layers import apply_rope, attention, rms_norm, rope_tables
+
+
+@dataclasses.dataclass(frozen=True)
+class Variant:
+    stock: bool = False  # run dense.forward itself (other fields except `loop` ignored)
+    fuse: bool = False  # q/k/v -> one [H, q+2kv] matrix; gate/up -> one [H, 2I]
+    layout: str = "kn"  # "kn": [in, out] (dense.py); "nk": [out, in]
+    gemv: str = "xla"  # "xla" dot or "pallas" split-K GEMV (falls back to XLA when M != 1)
+    attention: bool = True  # False: the attention output is q itself (ablation)
+    elementwise: bool = True  # False: no RMSNorms, qk-norm or RoPE (ablation)
+    loop: str = "host"  # "host": one jitted step per token; "fori": all tokens in one jit
+
+    @property
+    def param_key(self) -> tuple:
+        return ("stock",) if self.stock else (self.fuse, self.layout)
+
+
+VARIANTS: dict[str, Variant] = {
+    "stock": Variant(stock=True),
+    "stock_fori": Variant(stock=True, loop="fori"),
+    "replica": Variant(),
+    "fused": Variant(fuse=True),
+    "fused_nk": Variant(fuse=True, layout="nk"),
+    "fused_fori": Variant(fuse=True, loop="fori"),
+    "pallas": Variant(fuse=True, gemv="pallas"),
+    "pallas_nk": Variant(fuse=True, layout="nk", gemv="pallas"),
+    "pallas_fori": Variant(fuse=True, gemv="pallas", loop="fori"),
+    "no_attention": Variant(attention=False),
+    "matmul_only": Variant(attention=False, elementwise=False),
+    "fused_matmul_only": Variant(fuse=True, attention=False, elementwise=False),
+    "pallas_matmul_only": Variant(fuse=True, gemv="pallas", attention=False, elementwise=False),
+}
+
+_MATRICES = ("q", "k", "v", "o", "gate", "up", "down")
+
+# Pallas interpret mode: None = on a CPU device only (the Triton kernel runs on GPUs). A GPU-free lowering
+# check sets it to False to lower the real kernel for CUDA on the CPU.
+INTERPRET: bool | None = None
+
+
+def prepare_params(params: dict, cfg, v: Variant) -> dict:
+    """Stock params -> this variant's layout (new device arrays; stock params untouched)."""
+    if v.stock:
+        return params
+    tr = (lambda w: w.T) if v.layout == "nk" else (lambda w: w)
+
+    @jax.jit
+    def convert(p):
+        out = {n: p[n] for n in p if n not in _MATRICES}
+        if v.fuse:
+            out["qkv"] = tr(jnp.concatenate([p["q"], p["k"], p["v"]], axis=1))
+            out["gate_up"] = tr(jnp.concatenate([p["gate"], p["up"]], axis=1))
+        else:
+            out.update({n: tr(p[n]) for n in ("q", "k", "v", "gate", "up")})
+        out["o"], out["down"] = tr(p["o"]), tr(p["down"])
+        return out
+
+    new = {n: params[n] for n in params if n not in ("layers", "lm_head")}
+    new["layers"] = tuple(jax.block_until_ready(convert(p)) for p in params["layers"])
+    head = params["embed"].T if cfg.tie_word_embeddings else params["lm_head"]
+    new["lm_head"] = jax.jit(tr)(head) if v.layout == "nk" or cfg.tie_word_embeddings else head
+    return new
+
+
+def _linear(x: jax.Array, w: jax.Array, v: Variant, out_dtype=None) -> jax.Array:
+    """x [B, T, K] @ W -> [B, T, N] in out_dtype (default x's), float32 accumulation."""
+    b, t, k = x.shape
+    interpret = jax.devices()[0].platform == "cpu" if INTERPRET is None else INTERPRET
+    y = gemv(x.reshape(b * t, k), w, layout=v.layout, implementation=v.gemv, interpret=interpret)
+    return y.astype(out_dtype or x.dtype).reshape(b, t, -1)
+
+
+def _layer(p: dict, cfg, v: Variant, x, cos, sin, k_cache, v_cache, start, mask):
+    b, t, _ = x.shape
+    nq, nkv = cfg.q_size, cfg.kv_size
+    h = rms_norm(x, p["attn_norm"], cfg.rms_norm_eps) if v.elementwise else x
+    if v.fuse:
+        qkv = _linear(h, p["qkv"], v)
+        q, k, val = qkv[..., :nq], qkv[..., nq:nq + nkv], qkv[..., nq + nkv:]
+    else:
+        q, k, val = (_linear(h, p[n], v) for n in ("q", "k", "v"))
+    q = q.reshape(b, t, cfg.num_heads, cfg.head_dim)
+    k = k.reshape(b, t, cfg.num_kv_heads, cfg.head_dim)
+    val = val.reshape(b, t, cfg.num_kv_heads, cfg.head_dim)
+    if v.elementwise:
+        if cfg.qk_norm:
+            q = rms_norm(q, p["q_norm"], cfg.rms_norm_eps)
+            k = rms_norm(k, p["k_norm"], cfg.rms_norm_eps)
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+    k_cache = write_positions(k_cache, k, start)
+    v_cache = write_positions(v_cache, val, start)
+    attn = attention(q, k_cache, v_cache, mask) if v.attention else q
+    x = x + _linear(attn.reshape(b, t, nq), p["o"], v)
+    h = rms_norm(x, p["mlp_norm"], cfg.rms_norm_eps) if v.elementwise else x
+    if v.fuse:
+        gu = _linear(h, p["gate_up"], v)
+        g, u = gu[..., :cfg.intermediate_size], gu[..., cfg.intermediate_size:]
+    else:
+        g, u = _linear(h, p["gate"], v), _linear(h, p["up"], v)
+    x = x + _linear(jax.nn.silu(g) * u, p["down"], v)
+    return x, k_cache, v_cache
+
+
+def forward(params: dict, cfg, v: Variant, tokens: jax.Array, cache: KVCache):
+    """tokens [B, T] -> (logits [B, T, V] float32, cache with K/V written, uncommitted)."""
+    if v.stock:
+        logits, _, cache = dense.forward(params, cfg, tokens, cache)
+        return logits, cache
+    x = dense.embed(params, tokens)
+    t = tokens.shape[1]
+    start = cache.lengths
+    positions = start[:, None] + jnp.arange(t, dtype=jnp.int32)[None, :]
+    cos, sin = rope_tables(positions, cfg.inv_freq())
+    mask = jnp.arange(cache.max_len, dtype=jnp.int32)[None, None, :] <= positions[:, :, None]
+    ks, vs = [], []
+    for i, p in enumerate(params["layers"]):
+        x, kc, vc = _layer(p, cfg, v, x, cos, sin, cache.k[i], cache.v[i], start, mask)
+        ks.append(kc)
+        vs.append(vc)
+    x = rms_norm(x, params["final_norm"], cfg.rms_norm_eps) if v.elementwise else x
+    logits = _linear(x, params["lm_head"], v, out_dtype=jnp.float32)
+    return logits, KVCache(k=tuple(ks), v=tuple(vs), lengths=cache.lengths)
+
+
+def make_step(cfg, v: Variant):
+    """Jitted greedy AR step (cache donated): (params, tokens [B], cache) -> (next [B], logits [B, V], cache)."""
+
+    @functools.partial(jax.jit, donate_argnames=("cache",))
+    def step(params, tokens, cache):
+        logits, cache = forward(params, cfg, v, tokens[:, None], cache)
+        logits = logits[:, 0]
+        return jnp.argmax(logits, axis=-1).astype(jnp.int32), logits, cache.commit(1)
+
+    return step
+
+
+def make_generate(cfg, v: Variant, new_tokens: int):
+    """Jitted greedy generation of new_tokens tokens inside one `fori_loop` (cache donated):
+    (params, tokens [B], cache) -> (generated [B, new_tokens], cache)."""
+
+    @functools.partial(jax.jit, donate_argnames=("cache",))
+    def generate(params, tokens, cache):
+        def body(i, carry):
+            tok, cache, out = carry
+            logits, cache = forward(params, cfg, v, tok[:, None], cache)
+            nxt = jnp.argmax(logits[:, 0], axis=-1).astype(jnp.int32)
+            return nxt, cache.commit(1), out.at[:, i].set(nxt)
+
+        out = jnp.zeros((tokens.shape[0], new_tokens), jnp.int32)
+        _, cache, out = jax.lax.fori_loop(0, new_tokens, body, (tokens, cache, out))
+        return out, cache
+
+    return generate

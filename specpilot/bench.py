@@ -1,0 +1,211 @@
+"""Timing and byte accounting for decode benchmarks, on any JAX device.
+
+Design choices:
+- Every timed region ends in `jax.block_until_ready`: device work is asynchronous, so a host clock read
+  without a sync measures dispatch, not the device.
+- Two clocks per loop: `per_call` syncs after each call (the latency one step costs, dispatch included),
+  `pipelined` issues n calls and syncs once (the device's throughput, dispatch hidden behind the device
+  when the host keeps ahead). The gap between them is the host's share.
+- Medians, never means, for per-call times: a single page fault or compile outlier cannot move them.
+- Copy bandwidth is measured in the same process on the same device (an elementwise XOR over a few GiB
+  of random words, counting bytes read plus written), because the % of peak that decode reaches is only
+  meaningful against what this card moves today.
+- Bytes per step are counted from the config (`step_bytes`): every weight matrix once, the embedding
+  rows actually gathered, and K/V over the whole preallocated cache (what masked attention reads), with
+  the committed-length minimum beside it.
+- `kernel_summary` reads the Perfetto trace that `jax.profiler.trace(..., create_perfetto_trace=True)`
+  writes and sums kernel durations per name on the device's streams: busy time vs wall time per step
+  is the launch-gap share, and the per-name table says which ops hold the rest.
+"""
+
+from __future__ import annotations
+
+import collections
+import glob
+import gzip
+import json
+import math
+import os
+import re
+import statistics
+import time
+from typing import Any, Callable
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+
+def summarize(times_s: list[float]) -> dict[str, float]:
+    """Median / p10 / p90 / mean of a list of seconds, in milliseconds."""
+    ms = sorted(t * 1e3 for t in times_s)
+
+    def pct(p):
+        return ms[min(len(ms) - 1, max(0, int(round(p * (len(ms) - 1)))))]
+
+    return {"median_ms": statistics.median(ms), "p10_ms": pct(0.1), "p90_ms": pct(0.9),
+            "mean_ms": statistics.fmean(ms), "n": len(ms)}
+
+
+def per_call(fn: Callable[[], Any], n: int, warmup: int = 3) -> list[float]:
+    """Seconds of each of n calls of fn(), synced after every call, after `warmup` untimed calls."""
+    for _ in range(warmup):
+        jax.block_until_ready(fn())
+    out = []
+    for _ in range(n):
+        t0 = time.perf_counter()
+        jax.block_until_ready(fn())
+        out.append(time.perf_counter() - t0)
+    return out
+
+
+def pipelined(fn: Callable[[], Any], n: int, warmup: int = 3) -> float:
+    """Mean seconds per call over n back-to-back calls with one sync at the end."""
+    for _ in range(warmup):
+        jax.block_until_ready(fn())
+    t0 = time.perf_counter()
+    last = None
+    for _ in range(n):
+        last = fn()
+    jax.block_until_ready(last)
+    return (time.perf_counter() - t0) / n
+
+
+def timed_compile(jitted, *args, **kwargs):
+    """AOT-compile a jitted function for these arguments; returns (compiled, seconds)."""
+    t0 = time.perf_counter()
+    compiled = jitted.lower(*args, **kwargs).compile()
+    return compiled, time.perf_counter() - t0
+
+
+def copy_bandwidth(nbytes: int = 4 << 30, reps: int = 20, seed: int = 0) -> dict[str, float]:
+    """Device-to-device streaming bandwidth (bytes read + written per second) of an XOR over nbytes."""
+    n = nbytes // 4
+    x = jax.jit(lambda k: jax.random.bits(k, (n,), jnp.uint32))(jax.random.PRNGKey(seed))
+    f = jax.jit(lambda a: a ^ jnp.uint32(0x5A5A5A5A))
+    moved = 2 * n * 4
+    calls = per_call(lambda: f(x), reps)
+    pipe = pipelined(lambda: f(x), reps)
+    del x
+    med = statistics.median(calls)
+    return {"bytes_moved": moved, "per_call_median_ms": med * 1e3, "pipelined_ms": pipe * 1e3,
+            "bw_per_call": moved / med, "bw_pipelined": moved / pipe, "bw": moved / min(med, pipe)}
+
+
+def step_bytes(cfg, batch: int, cache_len: int, mean_len: float | None = None,
+               dtype=jnp.bfloat16, tokens_per_step: int = 1) -> dict[str, int]:
+    """Bytes one decode step must move for a dense decoder config (see module docstring)."""
+    item = jnp.dtype(dtype).itemsize
+    h, i = cfg.hidden_size, cfg.intermediate_size
+    per_layer = (h * (cfg.q_size + 2 * cfg.kv_size) + cfg.q_size * h + 3 * h * i  # matrices
+                 + 2 * h + (2 * cfg.head_dim if cfg.qk_norm else 0))  # norms
+    head = cfg.vocab_size * h  # lm_head, or the tied embedding read as the head
+    weights = (cfg.num_layers * per_layer + head + h) * item
+    gathered = batch * tokens_per_step * h * item if not cfg.tie_word_embeddings else 0
+    kv_one = 2 * cfg.num_layers * batch * cfg.kv_size * item  # K and V of one position, all layers
+    kv_read = kv_one * cache_len
+    kv_min = int(kv_one * (mean_len if mean_len is not None else cache_len))
+    kv_write = kv_one * tokens_per_step
+    logits = batch * tokens_per_step * cfg.vocab_size * 4
+    total = weights + gathered + kv_read + kv_write + logits
+    return {"weights": weights, "embed_rows": gathered, "kv_read": kv_read, "kv_read_min": kv_min,
+            "kv_write": kv_write, "logits": logits, "total": total,
+            "total_min": weights + gathered + kv_min + kv_write + logits}
+
+
+def device_info() -> dict[str, Any]:
+    d = jax.devices()[0]
+    return {"platform": d.platform, "device_kind": getattr(d, "device_kind", str(d)),
+            "num_devices": jax.device_count(), "jax": jax.__version__,
+            "jaxlib": getattr(jax.lib, "__version__", None) or _jaxlib_version()}
+
+
+def _jaxlib_version() -> str | None:
+    try:
+        import jaxlib
+        return jaxlib.__version__
+    except Exception:  # noqa: BLE001 - informational only
+        return None
+
+
+def bandwidth_fields(nbytes: int, seconds: float, copy_bw: float | None) -> dict[str, float]:
+    bw = nbytes / seconds
+    out = {"achieved_bw": bw}
+    if copy_bw:
+        out["pct_copy_bw"] = 100.0 * bw / copy_bw
+    return out
+
+
+# --------------------------------------------------------------------------------------------------
+# Profiler traces and compiled HLO
+
+
+def kernel_summary(trace_dir: str, steps: int, top: int = 25) -> dict[str, Any] | None:
+    """Per-step kernel time on the device from a Perfetto trace under trace_dir (None if absent)."""
+    paths = sorted(glob.glob(os.path.join(trace_dir, "**", "*perfetto_trace.json.gz"), recursive=True))
+    if not paths:
+        return None
+    with gzip.open(paths[-1]) as f:
+        data = json.load(f)
+    events = data["traceEvents"] if isinstance(data, dict) else data
+    names = {e["pid"]: e.get("args", {}).get("name", "") for e in events
+             if e.get("ph") == "M" and e.get("name") == "process_name"}
+    dev_pids = {p for p, n in names.items() if re.search(r"/device:(GPU|TPU)", n)}
+    threads = {(e["pid"], e.get("tid")): e.get("args", {}).get("name", "") for e in events
+               if e.get("ph") == "M" and e.get("name") == "thread_name"}
+    kernels = [e for e in events if e.get("ph") == "X" and e.get("pid") in dev_pids
+               and "stream" in threads.get((e["pid"], e.get("tid")), "Stream").lower()]
+    if not kernels:
+        return {"kernels": 0, "device_pids": sorted(names[p] for p in dev_pids)}
+    by_name = collections.defaultdict(lambda: [0, 0.0])
+    for e in kernels:
+        by_name[e["name"]][0] += 1
+        by_name[e["name"]][1] += float(e.get("dur", 0.0))
+    busy_us = sum(v[1] for v in by_name.values())
+    span_us = max(e["ts"] + e.get("dur", 0) for e in kernels) - min(e["ts"] for e in kernels)
+    cats = collections.Counter()
+    for name, (_, dur) in by_name.items():
+        cats[_kernel_category(name)] += dur
+    rows = sorted(by_name.items(), key=lambda kv: -kv[1][1])[:top]
+    return {
+        "steps": steps, "kernels_per_step": len(kernels) / steps,
+        "busy_ms_per_step": busy_us / steps / 1e3, "span_ms_per_step": span_us / steps / 1e3,
+        "category_ms_per_step": {k: v / steps / 1e3 for k, v in cats.most_common()},
+        "top": [{"name": n[:120], "calls_per_step": c / steps, "ms_per_step": d / steps / 1e3,
+                 "us_per_call": d / c} for n, (c, d) in rows],
+    }
+
+
+def _kernel_category(name: str) -> str:
+    n = name.lower()
+    if any(s in n for s in ("gemv", "gemm", "cublas", "cutlass", "xmma", "sm90", "dot", "matmul")):
+        return "matmul"
+    if "triton" in n or "pallas" in n or "kernel" in n:
+        return "custom"
+    if "memcpy" in n or "memset" in n or "copy" in n:
+        return "copy"
+    if "reduce" in n or "softmax" in n:
+        return "reduce"
+    return "elementwise/other"
+
+
+def hlo_summary(hlo_text: str) -> dict[str, Any]:
+    """Counts of custom-call targets and fusion kinds in optimized HLO (what the step launches)."""
+    targets = collections.Counter(re.findall(r'custom_call_target="([^"]+)"', hlo_text))
+    kinds = collections.Counter(re.findall(r"kind=(k\w+)", hlo_text))
+    backend = collections.Counter(re.findall(r'"kind":"(__\w+)"', hlo_text))
+    return {"custom_calls": dict(targets), "fusion_kinds": dict(kinds), "fusion_backends": dict(backend),
+            "while_loops": len(re.findall(r"\bwhile\(", hlo_text)),
+            "command_buffers": len(re.findall(r"command_buffer", hlo_text))}
+
+
+def gbps(x: float) -> float:
+    return x / 1e9
+
+
+def finite(x: Any) -> bool:
+    return bool(np.all(np.isfinite(np.asarray(x, dtype=np.float32)))) if x is not None else False
+
+
+def geo_mean(xs: list[float]) -> float:
+    return math.exp(statistics.fmean(math.log(x) for x in xs)) if xs else float("nan")
