@@ -41,3 +41,19 @@ def test_spec_ceiling_divides_by_tau_and_gaps_sort():
     assert c["verify_s"] > costmodel.ar_ceiling_s(hw, QWEN3_8B, 1, 512)
     g = costmodel.gaps({"draft_s": 2.0, "verify_s": 9.0}, {"draft_s": 1.0, "verify_s": 5.0})
     assert g == [("verify_s", 4.0), ("draft_s", 1.0)]
+
+
+def test_num_params_counts_every_parameter_of_the_pytree():
+    import dataclasses
+
+    import jax
+    import numpy as np
+
+    from specpilot.models import dense
+
+    for kw in ({}, dict(attention_bias=True, mlp_bias=True, architecture="LlamaForCausalLM",
+                        qk_norm=False, tie_word_embeddings=True)):
+        cfg = dataclasses.replace(QWEN3_8B, vocab_size=64, hidden_size=32, intermediate_size=48,
+                                  num_layers=2, num_heads=4, num_kv_heads=2, head_dim=8, **kw)
+        shapes = jax.tree.leaves(dense.param_shapes(cfg), is_leaf=lambda x: isinstance(x, tuple))
+        assert cfg.num_params() == sum(int(np.prod(s)) for s in shapes)

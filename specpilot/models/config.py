@@ -54,7 +54,8 @@ class ModelConfig:
     max_position_embeddings: int = 32768
     architecture: str = "Qwen3ForCausalLM"
     # Layers whose output hidden states are returned as `taps` (a drafter reads them). 0-based layer
-    # index l means the output of decoder layer l (= HF `hidden_states[l + 1]`).
+    # index l means the output of decoder layer l (= HF `hidden_states[l + 1]` for l < L-1; HF's
+    # last entry hidden_states[L] has the final norm applied, our tap L-1 does not).
     tap_layers: tuple[int, ...] = ()
     bos_token_id: int | None = None
     eos_token_id: int | None = None
@@ -93,6 +94,10 @@ class ModelConfig:
         per_layer = h * (self.q_size + 2 * self.kv_size) + self.q_size * h + 3 * h * i + 2 * h
         if self.qk_norm:
             per_layer += 2 * self.head_dim
+        if self.attention_bias:
+            per_layer += self.q_size + 2 * self.kv_size + h
+        if self.mlp_bias:
+            per_layer += 2 * i + h
         embed = v * h * (1 if self.tie_word_embeddings else 2)
         return self.num_layers * per_layer + embed + h
 
