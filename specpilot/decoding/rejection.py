@@ -1,0 +1,87 @@
+"""Verification of a drafted chain: greedy prefix matching and lossless rejection sampling.
+
+Design choices:
+- All functions are batched and pure: inputs `[B, K]` drafts against `[B, K+1, V]` target scores,
+  outputs per-sequence `n_accepted [B]` (0..K) and the token that follows the accepted prefix
+  (`next_token [B]`: the correction on a rejection, the bonus token when all K drafts pass). Each
+  sequence therefore emits n_accepted + 1 tokens.
+- Greedy: accept the longest prefix on which the drafts equal the target's argmax (ties break to the
+  lowest id, as AR's `jnp.argmax` does), so greedy speculative output equals greedy AR output.
+- Sampling (Leviathan et al. / Chen et al.): accept draft x_i with probability min(1, p_i(x_i)/q_i(x_i));
+  at the first rejection sample from normalize(max(p_i - q_i, 0)); if all pass, sample the bonus from
+  p_K. This leaves the output distribution exactly p. `rejection_sample` works on explicit
+  probabilities so the statistics can be tested on hand-made (p, q); `accept_sampled` builds p and q
+  from logits with the SAME temperature/top-k/top-p transform (`sampling.probabilities`), which
+  losslessness requires.
+- Randomness only from explicit keys: one key gives the uniforms for the K accept tests and one the
+  residual / bonus draw.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from specpilot.decoding.sampling import SamplingConfig, probabilities, sample
+
+
+def choose_drafts(key: jax.Array, draft_logits: jax.Array, sampling: SamplingConfig) -> jax.Array:
+    """Draft tokens [B, K] from draft logits [B, K, V]: argmax when greedy, else samples from q."""
+    return sample(key, draft_logits, sampling)
+
+
+def _accepted_prefix(accept: jax.Array) -> jax.Array:
+    """accept [B, K] bool -> length of the all-True prefix [B] int32."""
+    return jnp.cumprod(accept.astype(jnp.int32), axis=-1).sum(axis=-1).astype(jnp.int32)
+
+
+def accept_greedy(drafts: jax.Array, target_logits: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """drafts [B, K], target_logits [B, K+1, V] -> (n_accepted [B], next_token [B])."""
+    k = drafts.shape[1]
+    choice = jnp.argmax(target_logits, axis=-1).astype(jnp.int32)  # [B, K+1]
+    n_acc = _accepted_prefix(drafts == choice[:, :k])
+    return n_acc, jnp.take_along_axis(choice, n_acc[:, None], axis=1)[:, 0]
+
+
+def rejection_sample(key: jax.Array, drafts: jax.Array, q: jax.Array, p: jax.Array
+                     ) -> tuple[jax.Array, jax.Array]:
+    """Lossless chain verification on explicit distributions.
+
+    drafts [B, K] sampled from q [B, K, V]; p [B, K+1, V] the target's distributions at the K draft
+    positions plus the bonus position. Returns (n_accepted [B], next_token [B]).
+    """
+    b, k = drafts.shape
+    key_accept, key_next = jax.random.split(key)
+    p = p.astype(jnp.float32)
+    q = q.astype(jnp.float32)
+    p_x = jnp.take_along_axis(p[:, :k], drafts[..., None], axis=-1)[..., 0]  # [B, K]
+    q_x = jnp.take_along_axis(q, drafts[..., None], axis=-1)[..., 0]  # [B, K]
+    u = jax.random.uniform(key_accept, (b, k), jnp.float32)
+    # u < p/q written without the division: q(x) > 0 for a token drawn from q.
+    n_acc = _accepted_prefix(u * q_x < p_x)
+    p_at = jnp.take_along_axis(p, n_acc[:, None, None], axis=1)[:, 0]  # [B, V]
+    # Past the last draft q is zero, so the residual there is p itself: the bonus draw.
+    q_pad = jnp.concatenate([q, jnp.zeros((b, 1, q.shape[-1]), q.dtype)], axis=1)
+    q_at = jnp.take_along_axis(q_pad, n_acc[:, None, None], axis=1)[:, 0]  # [B, V]
+    residual = jnp.maximum(p_at - q_at, 0.0)
+    total = residual.sum(axis=-1, keepdims=True)
+    # total == 0 only when p == q, where a rejection cannot happen; fall back to p to stay defined.
+    residual = jnp.where(total > 0, residual / jnp.where(total > 0, total, 1.0), p_at)
+    next_token = jax.random.categorical(key_next, jnp.log(residual), axis=-1).astype(jnp.int32)
+    return n_acc, next_token
+
+
+def accept_sampled(key: jax.Array, drafts: jax.Array, draft_logits: jax.Array, target_logits: jax.Array,
+                   sampling: SamplingConfig) -> tuple[jax.Array, jax.Array]:
+    """Rejection sampling with p and q from logits under the same sampling transform."""
+    q = probabilities(draft_logits, sampling)  # [B, K, V]
+    p = probabilities(target_logits, sampling)  # [B, K+1, V]
+    return rejection_sample(key, drafts, q, p)
+
+
+def verify_chain(key: jax.Array, drafts: jax.Array, draft_logits: jax.Array, target_logits: jax.Array,
+                 sampling: SamplingConfig) -> tuple[jax.Array, jax.Array]:
+    """The one entry the decoding loop calls: greedy matching or rejection sampling."""
+    if sampling.greedy:
+        return accept_greedy(drafts, target_logits)
+    return accept_sampled(key, drafts, draft_logits, target_logits, sampling)

@@ -1,0 +1,343 @@
+"""Stock speculative decoding: draft a block, verify it in one target forward, accept, commit, repeat.
+
+Design choices:
+- One loop-state pytree (`SpecState`) threads through pure phase functions: `draft_phase` (the drafter
+  proposes Bs-1 tokens after the last accepted one), `verify_phase` (one target `forward` over
+  `[last, d_1 .. d_{Bs-1}]`, T = Bs) and `accept_phase` (prefix matching or rejection sampling, output
+  write, commits). `spec_step` fuses them into one jitted step; the profiled host loop jits them apart
+  to time each.
+- Static shapes, per-sequence progress: every sequence in the batch verifies Bs tokens each step and
+  advances by its own accepted count through its cache `lengths` (target and draft context stay equal).
+  A sequence that is done keeps running inside the batch as a no-op: nothing committed, nothing emitted.
+- Two loop drivers (`loop=`): "while" runs the whole decode in one `lax.while_loop` (one host sync at the
+  end); "host" dispatches jitted steps from Python, first the number of steps every sequence needs at
+  least, then one step ahead of each `done` read-back, so a sync never drains the queue (costing at most
+  one no-op step). Both give identical tokens; see `experiments/` for the measured default.
+- Capacity: a verification writes Bs positions at the committed length, so emitting N tokens after a
+  prompt of P needs P + N + Bs - 2 positions; `generate` checks this on the host before anything runs
+  and raises `CacheOverflowError`, or with `stop_at_capacity=True` stops each sequence cleanly at the
+  last step that fits (`num_generated` says how far it got). The step itself also refuses to advance a
+  sequence whose next verification would not fit, so no write can ever pass the cache's end for a
+  sequence that still generates.
+- Compilation is kept out of timings by compiling ahead of time (`jit(...).lower(...).compile()`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+import time
+from typing import Any, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from specpilot.cache import KVCache, check_capacity, init_cache
+from specpilot.decoding.ar import GenerationResult, default_cache_len, pack_prompts
+from specpilot.decoding.rejection import choose_drafts, verify_chain
+from specpilot.decoding.sampling import GREEDY, SamplingConfig, sample
+from specpilot.decoding.stats import SpecStats
+from specpilot.models import dense
+from specpilot.models.config import ModelConfig
+
+LOOPS = ("while", "host")
+DEFAULT_LOOP = "while"
+
+
+@dataclasses.dataclass(frozen=True)
+class SpecPlan:
+    """Everything static about a run (hashable: a jit static argument; changing it recompiles)."""
+
+    target_cfg: ModelConfig
+    drafter: Any  # BlockDrafter, ReplayDrafter, ... (None only for block_size == 1)
+    block_size: int
+    max_new_tokens: int
+    sampling: SamplingConfig = GREEDY
+
+    def __post_init__(self):
+        if self.block_size < 1:
+            raise ValueError(f"block_size must be >= 1, got {self.block_size}")
+        if self.max_new_tokens < 1:
+            raise ValueError(f"max_new_tokens must be >= 1, got {self.max_new_tokens}")
+        if self.drafter is None and self.block_size > 1:
+            raise ValueError("block_size > 1 needs a drafter")
+
+    @property
+    def uses_drafter(self) -> bool:
+        return self.block_size > 1
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class SpecState:
+    target_cache: KVCache
+    draft_state: Any  # the drafter's context state (lengths kept equal to target_cache.lengths)
+    last: jax.Array  # [B] int32: newest emitted token, at position target_cache.lengths, not yet cached
+    out: jax.Array  # [B, N + Bs] int32 generated tokens; Bs slack so a step's write never clamps
+    n_out: jax.Array  # [B] int32 tokens generated so far (prefill's first token included)
+    key: jax.Array
+    steps: jax.Array  # [B] int32 verification steps while generating
+    emitted: jax.Array  # [B] int32 tokens emitted by verification steps
+    accept_hist: jax.Array  # [Bs] int32 (sequence, step) pairs with k accepted drafts
+
+
+def _active(plan: SpecPlan, state: SpecState) -> jax.Array:
+    """[B] bool: still generating, and the next verification's Bs writes fit the cache."""
+    fits = state.target_cache.lengths + plan.block_size <= state.target_cache.max_len
+    return (state.n_out < plan.max_new_tokens) & fits
+
+
+def all_done(plan: SpecPlan, state: SpecState) -> jax.Array:
+    return ~jnp.any(_active(plan, state))
+
+
+def prefill_phase(plan: SpecPlan, target_params, draft_params, tokens: jax.Array, lengths: jax.Array,
+                  target_cache: KVCache, draft_state, key: jax.Array) -> SpecState:
+    """Prompt pass: first token from the prompt's last logits, target cache and draft context filled."""
+    first, target_cache, draft_state, key = _prefill_core(
+        _prefill_key(plan), target_params, draft_params, tokens, lengths, target_cache, draft_state, key)
+    return _initial_state(plan, first, target_cache, draft_state, key)
+
+
+def _prefill_key(plan: SpecPlan):
+    # What prefill depends on: not the block size or token budget, so a sweep over those shares it.
+    return plan.target_cfg, plan.drafter if plan.uses_drafter else None, plan.sampling
+
+
+def _prefill_core(static, target_params, draft_params, tokens, lengths, target_cache, draft_state, key):
+    target_cfg, drafter, sampling = static
+    key, key_first = jax.random.split(key)
+    logits, taps, target_cache = dense.forward(target_params, target_cfg, tokens, target_cache)
+    last_logits = jnp.take_along_axis(logits, (lengths - 1)[:, None, None], axis=1)[:, 0]  # [B, V]
+    first = sample(key_first, last_logits, sampling)  # [B]
+    if drafter is not None:
+        draft_state = drafter.extend(draft_params, target_params, draft_state, taps, lengths)
+    return first, target_cache.commit(lengths), draft_state, key
+
+
+def _initial_state(plan: SpecPlan, first, target_cache, draft_state, key) -> SpecState:
+    b = first.shape[0]
+    out = jnp.zeros((b, plan.max_new_tokens + plan.block_size), jnp.int32).at[:, 0].set(first)
+    zeros = jnp.zeros((b,), jnp.int32)
+    return SpecState(target_cache=target_cache, draft_state=draft_state, last=first, out=out,
+                     n_out=jnp.ones((b,), jnp.int32), key=key, steps=zeros, emitted=zeros,
+                     accept_hist=jnp.zeros((plan.block_size,), jnp.int32))
+
+
+def draft_phase(plan: SpecPlan, target_params, draft_params, state: SpecState):
+    """-> (state with draft context/key advanced, block [B, Bs], draft logits [B, Bs-1, V])."""
+    b = state.last.shape[0]
+    if not plan.uses_drafter:
+        empty = jnp.zeros((b, 0, plan.target_cfg.vocab_size), jnp.float32)
+        return state, state.last[:, None], empty
+    key, key_draft = jax.random.split(state.key)
+    draft_logits, draft_state = plan.drafter.propose(draft_params, target_params, state.draft_state,
+                                                     state.last, plan.block_size)
+    drafts = choose_drafts(key_draft, draft_logits, plan.sampling)  # [B, Bs-1]
+    block = jnp.concatenate([state.last[:, None], drafts], axis=1)  # [B, Bs]
+    return dataclasses.replace(state, draft_state=draft_state, key=key), block, draft_logits
+
+
+def verify_phase(plan: SpecPlan, target_params, state: SpecState, block: jax.Array):
+    """One target forward over the block -> (state with K/V written, logits [B, Bs, V], taps)."""
+    logits, taps, cache = dense.forward(target_params, plan.target_cfg, block, state.target_cache)
+    return dataclasses.replace(state, target_cache=cache), logits, taps
+
+
+def accept_phase(plan: SpecPlan, target_params, draft_params, state: SpecState, block: jax.Array,
+                 draft_logits: jax.Array, target_logits: jax.Array, taps: jax.Array) -> SpecState:
+    """Accept a prefix + one token per sequence, write outputs, commit target cache and draft context."""
+    bs, n_max = plan.block_size, plan.max_new_tokens
+    active = _active(plan, state)  # uses lengths before this step's commit
+    key, key_verify = jax.random.split(state.key)
+    n_acc, next_token = verify_chain(key_verify, block[:, 1:], draft_logits, target_logits,
+                                     plan.sampling)
+    n_acc = jnp.where(active, n_acc, 0)
+    n_new = jnp.where(active, n_acc + 1, 0)  # tokens that enter the caches: last + accepted drafts
+    # Emitted this step: drafts 1..n_acc then next_token; later slots are overwritten next step.
+    idx = jnp.arange(bs, dtype=jnp.int32)[None, :]
+    shifted = jnp.concatenate([block[:, 1:], block[:, :1]], axis=1)  # [B, Bs] drafts at slots 0..Bs-2
+    emit = jnp.where(idx < n_acc[:, None], shifted, next_token[:, None])  # [B, Bs]
+    out = jax.vmap(lambda row, e, s: jax.lax.dynamic_update_slice(row, e, (s,)))(
+        state.out, emit, state.n_out)
+    take = jnp.minimum(n_new, n_max - state.n_out)  # the last step may overshoot max_new_tokens
+    draft_state = state.draft_state
+    if plan.uses_drafter:
+        draft_state = plan.drafter.extend(draft_params, target_params, draft_state, taps, n_new)
+    hist = state.accept_hist.at[n_acc].add(active.astype(jnp.int32))
+    return SpecState(
+        target_cache=state.target_cache.commit(n_new), draft_state=draft_state,
+        last=jnp.where(active, next_token, state.last), out=out, n_out=state.n_out + take, key=key,
+        steps=state.steps + active.astype(jnp.int32), emitted=state.emitted + take, accept_hist=hist)
+
+
+def spec_step(plan: SpecPlan, target_params, draft_params, state: SpecState):
+    """One draft -> verify -> accept step -> (state, all_done scalar bool)."""
+    state, block, draft_logits = draft_phase(plan, target_params, draft_params, state)
+    state, target_logits, taps = verify_phase(plan, target_params, state, block)
+    state = accept_phase(plan, target_params, draft_params, state, block, draft_logits, target_logits,
+                         taps)
+    return state, all_done(plan, state)
+
+
+def decode_while(plan: SpecPlan, target_params, draft_params, state: SpecState) -> SpecState:
+    """The whole decode as one `lax.while_loop` (no host sync until it returns)."""
+    return jax.lax.while_loop(lambda s: ~all_done(plan, s),
+                              lambda s: spec_step(plan, target_params, draft_params, s)[0], state)
+
+
+_prefill_jit = jax.jit(_prefill_core, static_argnums=0, donate_argnames=("target_cache", "draft_state"))
+_initial_jit = jax.jit(_initial_state, static_argnums=0)
+_step_jit = jax.jit(spec_step, static_argnums=0, donate_argnames=("state",))
+_while_jit = jax.jit(decode_while, static_argnums=0, donate_argnames=("state",))
+_draft_jit = jax.jit(draft_phase, static_argnums=0, donate_argnames=("state",))
+_verify_jit = jax.jit(verify_phase, static_argnums=0, donate_argnames=("state",))
+_accept_jit = jax.jit(accept_phase, static_argnums=0, donate_argnames=("state",))
+
+_COMPILED: dict = {}
+
+
+def _compiled(fn, plan: SpecPlan, *args):
+    """Ahead-of-time compiled `fn` for these argument shapes, so no timed call ever compiles."""
+    leaves = tuple((x.shape, str(x.dtype)) for x in jax.tree.leaves(args))
+    sig = (fn, plan, jax.tree.structure(args), leaves)
+    if sig not in _COMPILED:
+        _COMPILED[sig] = fn.lower(plan, *args).compile()
+    return _COMPILED[sig]
+
+
+# --------------------------------------------------------------------------------------------------
+# Loop drivers: each is built (and compiled) from the post-prefill state's shapes before the clock
+# starts, then maps that state to (final state, phase timings or None).
+
+
+def _while_driver(plan, tp, dp, state_shape):
+    run = _compiled(_while_jit, plan, tp, dp, state_shape)
+    return lambda state: (run(tp, dp, state), None)
+
+
+def _host_driver(plan, tp, dp, state_shape):
+    step = _compiled(_step_jit, plan, tp, dp, state_shape)
+    # Every sequence needs at least this many steps (each emits <= Bs tokens): dispatch them blind.
+    n_blind = max(1, math.ceil((plan.max_new_tokens - 1) / plan.block_size))
+
+    def run(state):
+        done = None
+        for _ in range(n_blind):
+            state, done = step(tp, dp, state)
+        for _ in range(plan.max_new_tokens):  # each active sequence emits >= 1 token per step
+            nxt, nxt_done = step(tp, dp, state)  # queued before the read-back below blocks
+            if bool(done):  # deliberate host sync, one step behind the dispatch front
+                return nxt, None  # that extra step was a no-op for every sequence
+            state, done = nxt, nxt_done
+        return state, None
+
+    return run
+
+
+def _profiled_driver(plan, tp, dp, state_shape):
+    """Host loop with each phase jitted apart and synced, to split time draft/verify/bookkeeping."""
+    s1, block, draft_logits = jax.eval_shape(functools.partial(draft_phase, plan), tp, dp, state_shape)
+    s2, target_logits, taps = jax.eval_shape(functools.partial(verify_phase, plan), tp, s1, block)
+    draft = _compiled(_draft_jit, plan, tp, dp, state_shape)
+    verify = _compiled(_verify_jit, plan, tp, s1, block)
+    accept = _compiled(_accept_jit, plan, tp, dp, s2, block, draft_logits, target_logits, taps)
+    done = jax.jit(all_done, static_argnums=0)
+
+    def run(state):
+        times = {"draft": 0.0, "verify": 0.0, "bookkeeping": 0.0}
+        for _ in range(plan.max_new_tokens):
+            if bool(done(plan, state)):
+                break
+            t0 = time.perf_counter()
+            state, block, draft_logits = draft(tp, dp, state)
+            jax.block_until_ready(block)
+            t1 = time.perf_counter()
+            state, target_logits, taps = verify(tp, state, block)
+            jax.block_until_ready(target_logits)
+            t2 = time.perf_counter()
+            state = accept(tp, dp, state, block, draft_logits, target_logits, taps)
+            jax.block_until_ready(state.n_out)
+            t3 = time.perf_counter()
+            times["draft"] += t1 - t0
+            times["verify"] += t2 - t1
+            times["bookkeeping"] += t3 - t2
+        return state, times
+
+    return run
+
+
+@dataclasses.dataclass
+class SpecResult(GenerationResult):
+    """AR's result plus how far each sequence got and the speculative statistics."""
+
+    num_generated: np.ndarray = None  # [B]; < N only when stop_at_capacity cut a sequence short
+    stats: SpecStats = None
+
+
+def generate(target_params, target_cfg: ModelConfig, drafter, draft_params,
+             prompts: Sequence[Sequence[int]], max_new_tokens: int, *, block_size: int | None = None,
+             sampling: SamplingConfig = GREEDY, key: jax.Array | None = None,
+             cache_len: int | None = None, cache_dtype=None, loop: str = DEFAULT_LOOP,
+             profile: bool = False, stop_at_capacity: bool = False) -> SpecResult:
+    """Speculatively generate `max_new_tokens` tokens after each prompt (token-id lists).
+
+    Tokens past `num_generated[b]` (only with stop_at_capacity) are -1. `profile=True` uses the host
+    loop with separately synced phases and fills the draft/verify/bookkeeping times.
+    """
+    if loop not in LOOPS:
+        raise ValueError(f"loop must be one of {LOOPS}, got {loop!r}")
+    if key is None:
+        if not sampling.greedy:
+            raise ValueError("sampling needs an explicit PRNG key (key=jax.random.key(seed))")
+        key = jax.random.key(0)
+    bs = block_size or drafter.block_size
+    plan = SpecPlan(target_cfg, drafter if bs > 1 else None, bs, max_new_tokens, sampling)
+    cache_len = cache_len or default_cache_len(prompts, max_new_tokens, extra=bs)
+    longest = max((len(p) for p in prompts), default=0)
+    if not stop_at_capacity:
+        check_capacity(cache_len, longest + max_new_tokens + bs - 2,
+                       f"the longest prompt ({longest} tokens) plus {max_new_tokens} new tokens with "
+                       f"block size {bs} (a verification writes {bs} positions)")
+    tokens, lengths = pack_prompts(prompts, cache_len)
+    dtype = cache_dtype or target_params["embed"].dtype
+    b = len(prompts)
+
+    def fresh():
+        draft_state = (drafter.init_state(draft_params, b, cache_len, dtype) if plan.uses_drafter
+                       else None)
+        return init_cache(target_cfg, b, cache_len, dtype), draft_state
+
+    args = (jnp.asarray(tokens), jnp.asarray(lengths))
+    cache_shapes = jax.eval_shape(fresh)
+    prefill_args = (target_params, draft_params, *args, *cache_shapes, key)
+    prefill = _compiled(_prefill_jit, _prefill_key(plan), *prefill_args)
+    first, tcache, dstate, key_shape = jax.eval_shape(
+        functools.partial(_prefill_core, _prefill_key(plan)), *prefill_args)
+    initial = _compiled(_initial_jit, plan, first, tcache, dstate, key_shape)
+    state_shape = jax.eval_shape(functools.partial(_initial_state, plan), first, tcache, dstate,
+                                 key_shape)
+    driver = _profiled_driver if profile else {"while": _while_driver, "host": _host_driver}[loop]
+    run = driver(plan, target_params, draft_params, state_shape)
+    caches = fresh()
+
+    t0 = time.perf_counter()
+    state = initial(*prefill(target_params, draft_params, *args, *caches, key))
+    state.last.block_until_ready()
+    t1 = time.perf_counter()
+    state, times = run(state)
+    out, n_out = np.asarray(state.out), np.asarray(state.n_out)  # the decode's only read-back
+    t2 = time.perf_counter()
+
+    generated = out[:, :max_new_tokens].copy()
+    generated[np.arange(max_new_tokens)[None, :] >= n_out[:, None]] = -1
+    stats = SpecStats(block_size=bs, steps=np.asarray(state.steps), emitted=np.asarray(state.emitted),
+                      accept_hist=np.asarray(state.accept_hist), prefill_s=t1 - t0, decode_s=t2 - t1,
+                      new_tokens=max_new_tokens)
+    if times is not None:
+        stats.draft_s, stats.verify_s, stats.bookkeeping_s = (
+            times["draft"], times["verify"], times["bookkeeping"])
+    return SpecResult(tokens=generated, prompt_lengths=lengths, prefill_s=t1 - t0, decode_s=t2 - t1,
+                      num_generated=n_out, stats=stats)
