@@ -1,0 +1,107 @@
+"""Checkpoints with orbax: resumable training state, and finished model weights.
+
+Design choices:
+- Training state is any pytree (params, optimizer state, step) saved with `StandardSave` beside a small
+  JSON record (`meta`: data position, seeds, sizes) in one orbax step folder. Restoring takes an
+  abstract pytree (`jax.eval_shape` of the freshly built state) so tuples, optax named tuples and dtypes
+  come back exactly as built; the round trip is bit-exact.
+- Saving is synchronous: the state is small and an interrupted asynchronous save would be the one
+  checkpoint a resume needs.
+- Finished weights go to a model folder: `config.json` (Hugging Face keys, `ModelConfig.to_hf_dict`),
+  `params/` (orbax) and a JSON record of the dtype, so `load_model` needs no abstract tree from the
+  caller: it derives one from the config (`dense.param_shapes`).
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import orbax.checkpoint as ocp
+
+from specpilot.models import dense
+from specpilot.models.config import ModelConfig
+
+
+class Checkpointer:
+    """Numbered training checkpoints under one folder, keeping the newest `max_to_keep`."""
+
+    def __init__(self, directory: str | Path, max_to_keep: int = 2):
+        self.directory = Path(directory).absolute()
+        options = ocp.CheckpointManagerOptions(max_to_keep=max_to_keep, create=True,
+                                               enable_async_checkpointing=False)
+        self._manager = ocp.CheckpointManager(self.directory, options=options,
+                                              item_names=("state", "meta"))
+
+    def latest_step(self) -> int | None:
+        return self._manager.latest_step()
+
+    def save(self, step: int, state: Any, meta: dict) -> None:
+        self._manager.save(step, args=ocp.args.Composite(state=ocp.args.StandardSave(state),
+                                                         meta=ocp.args.JsonSave(meta)), force=True)
+        self._manager.wait_until_finished()
+
+    def restore(self, step: int, abstract_state: Any) -> tuple[Any, dict]:
+        out = self._manager.restore(step, args=ocp.args.Composite(
+            state=ocp.args.StandardRestore(abstract_state), meta=ocp.args.JsonRestore()))
+        return out["state"], dict(out["meta"])
+
+    def close(self) -> None:
+        self._manager.close()
+
+    def __enter__(self) -> "Checkpointer":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+def abstract_of(tree: Any) -> Any:
+    """ShapeDtypeStructs of a pytree of arrays (what `restore` needs)."""
+    return jax.tree.map(lambda x: jax.ShapeDtypeStruct(np.shape(x), jnp.asarray(x).dtype), tree)
+
+
+def save_pytree(path: str | Path, tree: Any) -> Path:
+    """Write one pytree of arrays to a fresh orbax folder (overwriting an older one)."""
+    path = Path(path).absolute()
+    with ocp.StandardCheckpointer() as ckptr:
+        ckptr.save(path, tree, force=True)
+    return path
+
+
+def load_pytree(path: str | Path, abstract: Any) -> Any:
+    path = Path(path).absolute()
+    if not path.exists():
+        raise FileNotFoundError(f"no orbax checkpoint at {path}")
+    with ocp.StandardCheckpointer() as ckptr:
+        return ckptr.restore(path, abstract)
+
+
+def save_model(directory: str | Path, params: dict, cfg: ModelConfig, extra: dict | None = None) -> Path:
+    """Finished dense-model weights: config.json + params/ + specpilot.json (dtype and `extra`)."""
+    directory = Path(directory)
+    directory.mkdir(parents=True, exist_ok=True)
+    (directory / "config.json").write_text(json.dumps(cfg.to_hf_dict(), indent=2) + "\n")
+    dtype = str(jnp.asarray(params["embed"]).dtype)
+    record = {"dtype": dtype, "tap_layers": list(cfg.tap_layers), **(extra or {})}
+    (directory / "specpilot.json").write_text(json.dumps(record, indent=2) + "\n")
+    save_pytree(directory / "params", params)
+    return directory
+
+
+def load_model(directory: str | Path, dtype=None) -> tuple[dict, ModelConfig]:
+    """Inverse of `save_model`; `dtype` casts the weights after loading (e.g. jnp.bfloat16)."""
+    directory = Path(directory)
+    record = json.loads((directory / "specpilot.json").read_text())
+    cfg = ModelConfig.from_json(directory / "config.json", tap_layers=tuple(record.get("tap_layers", ())))
+    stored = jnp.dtype(record["dtype"])
+    abstract = jax.tree.map(lambda s: jax.ShapeDtypeStruct(s, stored), dense.param_shapes(cfg),
+                            is_leaf=lambda x: isinstance(x, tuple) and all(isinstance(i, int) for i in x))
+    params = load_pytree(directory / "params", abstract)
+    if dtype is not None:
+        params = jax.tree.map(lambda x: x.astype(dtype), params)
+    return params, cfg
