@@ -1,0 +1,203 @@
+"""Token forcing: check a candidate method against the reference's output, position by position.
+
+Design choices:
+- The reference's output tokens are forced as inputs to both methods, so one divergence cannot
+  cascade: at every position the candidate's own choice is compared with the reference's token, and
+  all positions of all prompts are checked, not just the first mismatch.
+- A method under forcing is a `Scorer`: `scorer(prompt_tokens [B, T], prompt_lengths [B], forced [B, N])
+  -> [B, N, V] logits or [B, N] int choices`, row i being the method's prediction of forced[:, i]
+  given the prompt and forced[:, :i]. Anything that can be phrased that way plugs in: a target
+  forward with another weight format or kernel, a verification step of another block size, tree
+  verification. `chunked_scorer` builds one from any `forward(params, cfg, tokens, cache)` with
+  `dense.forward`'s contract, feeding the forced tokens `chunk` at a time: chunk=1 reproduces AR decode
+  numerics, chunk=Bs a block verification's.
+- Mismatches are never dropped. Each carries the reference's top-1/top-2 logit margin at that
+  position; those with margin < `tie_margin` are counted as near-ties, separately from the hard ones.
+  Whether near-ties are acceptable is the caller's decision (`passed` vs `passed_up_to_ties`).
+- The reference's own choices under forcing are compared with the forced tokens too: a reference that
+  disagrees with its own output (`reference_self_mismatches`) makes the comparison meaningless.
+- Forced tokens < 0 (unfilled output, e.g. a sequence stopped at capacity) end that prompt's check.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from typing import Callable, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from specpilot.cache import init_cache
+from specpilot.decoding.ar import pack_prompts
+from specpilot.models import dense
+from specpilot.models.config import ModelConfig
+
+Scorer = Callable[[np.ndarray, np.ndarray, np.ndarray], np.ndarray]
+DEFAULT_TIE_MARGIN = 1e-3  # float32 logits; state the margin used in every report
+
+
+@functools.partial(jax.jit, static_argnames=("forward", "cfg"), donate_argnames=("cache",))
+def _prefill(params, forward, cfg, tokens, lengths, cache):
+    logits, _, cache = forward(params, cfg, tokens, cache)
+    last = jnp.take_along_axis(logits, (lengths - 1)[:, None, None], axis=1)[:, 0]  # [B, V]
+    return last, cache.commit(lengths)
+
+
+@functools.partial(jax.jit, static_argnames=("forward", "cfg"), donate_argnames=("cache",))
+def _chunk(params, forward, cfg, tokens, cache):
+    logits, _, cache = forward(params, cfg, tokens, cache)  # [B, k, V]
+    return logits, cache.commit(tokens.shape[1])
+
+
+def chunked_scorer(params, cfg: ModelConfig, chunk: int | None = 1, forward=dense.forward,
+                   cache_dtype=None) -> Scorer:
+    """Scorer running `forward` over the prompt, then over the forced tokens `chunk` at a time.
+
+    chunk=None feeds all forced tokens in one forward (a teacher-forced prefill).
+    """
+
+    def score(prompt_tokens, prompt_lengths, forced):
+        b, n = forced.shape
+        k = n if chunk is None else chunk
+        n_chunks = -(-max(n - 1, 0) // k)
+        cache_len = prompt_tokens.shape[1] + n_chunks * k
+        dtype = cache_dtype or jax.tree.leaves(params)[0].dtype
+        cache = init_cache(cfg, b, cache_len, dtype)
+        first, cache = _prefill(params, forward, cfg, jnp.asarray(prompt_tokens),
+                                jnp.asarray(prompt_lengths), cache)
+        # Forced token i-1 is the input whose output predicts forced token i; the tail chunk is padded.
+        inputs = np.zeros((b, n_chunks * k), np.int32)
+        inputs[:, : n - 1] = np.maximum(forced[:, : n - 1], 0)
+        out = [first[:, None]]
+        for c in range(n_chunks):
+            logits, cache = _chunk(params, forward, cfg, jnp.asarray(inputs[:, c * k:(c + 1) * k]), cache)
+            out.append(logits)
+        return np.asarray(jnp.concatenate(out, axis=1)[:, :n])
+
+    return score
+
+
+def top2_margin(logits: np.ndarray) -> np.ndarray:
+    """Top-1 minus top-2 logit over the last axis."""
+    top2 = np.sort(np.asarray(logits, np.float64), axis=-1)[..., -2:]
+    return top2[..., 1] - top2[..., 0]
+
+
+@dataclasses.dataclass
+class Mismatch:
+    position: int  # index into the generated tokens
+    reference_token: int
+    candidate_token: int
+    reference_margin: float  # reference's top-1 minus top-2 logit here (nan if it gave no logits)
+    near_tie: bool
+
+
+@dataclasses.dataclass
+class PromptForcing:
+    num_positions: int
+    mismatches: list[Mismatch]
+    reference_self_mismatches: int
+
+    @property
+    def first_mismatch(self) -> int | None:
+        return self.mismatches[0].position if self.mismatches else None
+
+    @property
+    def num_mismatches(self) -> int:
+        return len(self.mismatches)
+
+    @property
+    def num_near_ties(self) -> int:
+        return sum(m.near_tie for m in self.mismatches)
+
+    @property
+    def num_hard_mismatches(self) -> int:
+        return self.num_mismatches - self.num_near_ties
+
+    @property
+    def margins(self) -> list[float]:
+        return [m.reference_margin for m in self.mismatches]
+
+
+@dataclasses.dataclass
+class ForcingReport:
+    prompts: list[PromptForcing]
+    tie_margin: float
+
+    @property
+    def num_positions(self) -> int:
+        return sum(p.num_positions for p in self.prompts)
+
+    @property
+    def num_mismatches(self) -> int:
+        return sum(p.num_mismatches for p in self.prompts)
+
+    @property
+    def num_near_ties(self) -> int:
+        return sum(p.num_near_ties for p in self.prompts)
+
+    @property
+    def num_hard_mismatches(self) -> int:
+        return sum(p.num_hard_mismatches for p in self.prompts)
+
+    @property
+    def reference_self_mismatches(self) -> int:
+        return sum(p.reference_self_mismatches for p in self.prompts)
+
+    @property
+    def passed(self) -> bool:
+        """Every position agrees and the reference reproduces its own output."""
+        return self.num_mismatches == 0 and self.reference_self_mismatches == 0
+
+    @property
+    def passed_up_to_ties(self) -> bool:
+        return self.num_hard_mismatches == 0 and self.reference_self_mismatches == 0
+
+    def summary(self) -> str:
+        lines = [f"token forcing: {self.num_positions} positions, {self.num_mismatches} mismatches "
+                 f"({self.num_hard_mismatches} hard, {self.num_near_ties} near-ties with reference "
+                 f"margin < {self.tie_margin:g}); reference self-mismatches "
+                 f"{self.reference_self_mismatches}"]
+        for i, p in enumerate(self.prompts):
+            if p.mismatches:
+                shown = ", ".join(f"@{m.position}: ref {m.reference_token} cand {m.candidate_token} "
+                                  f"margin {m.reference_margin:.4g}" for m in p.mismatches[:5])
+                more = f" (+{p.num_mismatches - 5} more)" if p.num_mismatches > 5 else ""
+                lines.append(f"  prompt {i}: first mismatch at {p.first_mismatch}; {shown}{more}")
+        return "\n".join(lines)
+
+
+def _choices(out: np.ndarray) -> np.ndarray:
+    out = np.asarray(out)
+    return out.argmax(-1) if out.ndim == 3 else out.astype(np.int64)
+
+
+def compare(reference_out: np.ndarray, candidate_out: np.ndarray, forced: np.ndarray,
+            tie_margin: float = DEFAULT_TIE_MARGIN) -> ForcingReport:
+    """Compare two scorers' outputs ([B, N, V] logits or [B, N] choices) on the forced tokens [B, N]."""
+    forced = np.asarray(forced)
+    ref_choice, cand_choice = _choices(reference_out), _choices(candidate_out)
+    margins = (top2_margin(reference_out) if np.ndim(reference_out) == 3
+               else np.full(forced.shape, np.nan))
+    prompts = []
+    for b in range(forced.shape[0]):
+        unfilled = np.flatnonzero(forced[b] < 0)
+        n = int(unfilled[0]) if unfilled.size else forced.shape[1]
+        wrong = np.flatnonzero(cand_choice[b, :n] != forced[b, :n])
+        mismatches = [Mismatch(int(i), int(forced[b, i]), int(cand_choice[b, i]), float(margins[b, i]),
+                               bool(margins[b, i] < tie_margin)) for i in wrong]
+        prompts.append(PromptForcing(n, mismatches, int((ref_choice[b, :n] != forced[b, :n]).sum())))
+    return ForcingReport(prompts, tie_margin)
+
+
+def force(reference: Scorer, candidate: Scorer, prompts: Sequence[Sequence[int]], forced,
+          tie_margin: float = DEFAULT_TIE_MARGIN) -> ForcingReport:
+    """Run both scorers with the reference's output tokens `forced` ([B, N]) forced, and compare."""
+    tokens, lengths = pack_prompts(prompts, cache_len=max(len(p) for p in prompts))
+    forced = np.asarray(forced)
+    if forced.shape[0] != len(prompts):
+        raise ValueError(f"{forced.shape[0]} forced rows for {len(prompts)} prompts")
+    return compare(reference(tokens, lengths, forced), candidate(tokens, lengths, forced), forced,
+                   tie_margin)
