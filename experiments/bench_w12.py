@@ -1,0 +1,252 @@
+"""Fused W12 decode-matmul vs XLA's bf16 dot vs the kernel's bf16 twin, per Qwen3-8B linear shape and M.
+
+    PYTHONPATH=. python3 experiments/bench_w12.py --out w12.json        # H200: all shapes, M in 1..64
+    PYTHONPATH=. python3 experiments/bench_w12.py --sweep --only q/o    # + block-size variants
+    PYTHONPATH=. python3 experiments/bench_w12.py --tiny                # CPU smoke (interpret mode)
+
+Design choices:
+- Each measurement is a chain of products over `n` distinct matrices of one shape inside one jit, each
+  output (cut or tiled back to K, rescaled) feeding the next: distinct matrices keep the L2 from serving
+  repeats, the dependency matches a decode step, and XLA cannot merge the products. Time per matrix =
+  chain time / n (launch gaps included, as in a real step); median over `--trials` pipelined runs.
+- One random N(0, 0.02) bf16 matrix per shape is encoded with numpy (its exception rate, ~7e-5, is close
+  to trained weights'); the chain's other matrices are device copies: distinct buffers, same content.
+- Bandwidth counts the bytes each implementation must read: 2 per weight for bf16, everything stored for
+  W12 (planes, bases, CSR, exceptions). "bf16-eq" is 2 bytes/weight over W12's time: the speed-up as a
+  bandwidth, comparable with the bf16 columns and the card's copy bandwidth.
+- `w12_noexc` times the same matrix with its exceptions replaced by in-window values (the kernel then
+  compiles without the patch loop): w12 vs w12_noexc is the price of the exception path.
+- Every (shape, M) checks W12 against the twin bit for bit (NaN as NaN) on the device itself: the GPU
+  run doubles as the losslessness test of compiled code.
+- No hydra, no specpilot.bench: a self-contained script that runs in one device call.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import math
+import os
+import statistics
+import sys
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+
+from pallas_kernels import w12_matmul as km  # noqa: E402
+from specpilot.formats import w12  # noqa: E402
+
+QWEN3_8B = {"q/o": (4096, 4096), "k/v": (4096, 1024), "gate/up": (4096, 12288), "down": (12288, 4096),
+            "lm_head": (4096, 151936)}
+TINY = {"tiny": (256, 512)}
+SWEEP = [{}, {"block_k": 16}, {"block_k": 64}, {"block_n": 64}, {"num_warps": 8}, {"num_stages": 2},
+         {"num_stages": 4}, {"split": 0.5}, {"split": 2}]
+
+
+def edit_blocks(base: km.W12Blocks, edit: dict, k: int, n: int) -> km.W12Blocks:
+    edit = dict(edit)
+    if "split" in edit:
+        edit["split_k"] = max(1, int(base.split_k * edit.pop("split")))
+    b = dataclasses.replace(base, **edit)
+    km.check_blocks(k, n, b)
+    return b
+
+
+def timed(fn, reps: int, trials: int) -> float:
+    """Median over trials of (seconds per call, `reps` calls pipelined, one sync)."""
+    jax.block_until_ready(fn())
+    out = []
+    for _ in range(trials):
+        t0 = time.perf_counter()
+        last = None
+        for _ in range(reps):
+            last = fn()
+        jax.block_until_ready(last)
+        out.append((time.perf_counter() - t0) / reps)
+    return statistics.median(out)
+
+
+def copy_bandwidth(nbytes: int, reps: int = 10) -> float:
+    """Bytes read + written per second by an elementwise XOR over nbytes of uint32 (the card's ceiling)."""
+    x = jnp.zeros(nbytes // 4, jnp.uint32)
+    f = jax.jit(lambda a: a ^ jnp.uint32(0x5A5A5A5A))
+    return 2 * x.size * 4 / timed(lambda: f(x), reps, 3)
+
+
+def make_chain(k: int, mm):
+    def fit(y):  # [M, N] float32 -> [M, K] bf16, rescaled to stay O(1) down the chain
+        n = y.shape[1]
+        y = y[:, :k] if n >= k else jnp.tile(y, (1, math.ceil(k / n)))[:, :k]
+        return (y * jax.lax.rsqrt(jnp.mean(y * y) + 1e-6)).astype(jnp.bfloat16)
+
+    @jax.jit
+    def chain(x, ws):
+        for w in ws:
+            x = fit(mm(x, w))
+        return x
+
+    return chain
+
+
+def same_bits(a, b) -> bool:
+    a, b = np.asarray(a), np.asarray(b)
+    if not np.array_equal(np.isnan(a), np.isnan(b)):
+        return False
+    keep = ~np.isnan(a)
+    return bool(np.array_equal(a[keep].view(np.uint32), b[keep].view(np.uint32)))
+
+
+def bench_shape(name, k, n, ms, args, interpret, copy_bw, record):
+    count = max(2, min(64, math.ceil(args.min_bytes / (2 * k * n))))
+    w_bf16 = jax.jit(lambda key: (0.02 * jax.random.normal(key, (k, n), jnp.float32)).astype(jnp.bfloat16))(
+        jax.random.PRNGKey(0))
+    t0 = time.perf_counter()
+    enc_np = w12.encode(np.asarray(w_bf16))
+    enc_s = time.perf_counter() - t0
+    st = w12.stats(enc_np)
+    enc = jax.device_put(enc_np)
+    del enc_np
+    ws_bf16 = [w_bf16] + [jnp.copy(w_bf16) for _ in range(count - 1)]
+    ws_w12 = [enc] + [jax.tree.map(jnp.copy, enc) for _ in range(count - 1)]
+    # The same matrix with its exceptions replaced by an in-window value: the kernel then compiles
+    # without the patch loop, so w12 vs w12_noexc is the cost of the exception path.
+    clean = np.asarray(w_bf16).copy()
+    clean[np.asarray(enc.exc_row), np.asarray(enc.exc_col)] = 0.01
+    enc_clean = jax.device_put(w12.encode(clean))
+    ws_clean = [enc_clean] + [jax.tree.map(jnp.copy, enc_clean) for _ in range(count - 1)]
+    bytes_w12 = w12.storage_bytes(enc)["total"]
+    print(f"{name}: [{k}, {n}] x{count} matrices, {st['bits_per_weight']:.4f} bits/weight, exception rate "
+          f"{st['exception_rate']:.2e}, encode {enc_s:.1f} s", flush=True)
+    base_blocks = km.default_blocks(k, n)
+    variants = block_variants(base_blocks, k, n) if args.sweep else [None]
+    for m in ms:
+        x = jax.random.normal(jax.random.PRNGKey(1), (m, k), jnp.bfloat16)
+        ref = jnp.einsum("mk,kn->mn", x, w_bf16, preferred_element_type=jnp.float32)
+        impls = [("xla_bf16", None, lambda xx, w: jnp.einsum("mk,kn->mn", xx, w,
+                                                              preferred_element_type=jnp.float32), ws_bf16)]
+        for b in variants:
+            impls.append(("bf16_twin", b, kernel_mm(km.bf16_matmul, b, interpret), ws_bf16))
+            impls.append(("w12", b, kernel_mm(km.w12_matmul, b, interpret), ws_w12))
+            if enc_clean.num_exceptions == 0:
+                impls.append(("w12_noexc", b, kernel_mm(km.w12_matmul, b, interpret), ws_clean))
+        outs = {}
+        for impl, b, mm, ws in impls:
+            row = {"shape": name, "k": k, "n": n, "m": m, "impl": impl, "matrices": count,
+                   "blocks": dataclasses.asdict(b or base_blocks) if impl != "xla_bf16" else None}
+            try:
+                t0 = time.perf_counter()
+                chain = make_chain(k, mm).lower(x, ws).compile()
+                row["compile_s"] = time.perf_counter() - t0
+                per = timed(lambda: chain(x, ws), args.reps, args.trials) / count
+                y = jax.jit(mm)(x, ws[0])
+                nbytes = bytes_w12 if impl == "w12" else 2 * k * n
+                row.update(us_per_matrix=per * 1e6, bytes=nbytes, tb_s=nbytes / per / 1e12,
+                           bf16_eq_tb_s=2 * k * n / per / 1e12, pct_copy=100 * nbytes / per / copy_bw,
+                           rel_err_vs_xla=float(jnp.linalg.norm(y - ref) / jnp.linalg.norm(ref)))
+                if impl == "w12":
+                    row.update(bits_per_weight=st["bits_per_weight"], exception_rate=st["exception_rate"])
+                    row["bit_exact"] = same_bits(y, outs.get(("bf16_twin", b)))
+                if impl == "w12_noexc":
+                    twin_clean = kernel_mm(km.bf16_matmul, b, interpret)(x, jnp.asarray(clean))
+                    row["bit_exact"] = same_bits(y, twin_clean)
+                outs[(impl, b)] = y
+            except Exception as e:  # noqa: BLE001 - a config that fails to compile is a result too
+                row["error"] = repr(e)[:400]
+                print(f"  M={m:3d} {impl:9s} ERROR {row['error'][:200]}", flush=True)
+            record["rows"].append(row)
+        _print_m(record["rows"], name, m)
+        if args.out:
+            with open(args.out, "w") as f:
+                json.dump(record, f, indent=1)
+
+
+def kernel_mm(fn, blocks, interpret):
+    def mm(x, w):
+        return fn(x, w, implementation="pallas", blocks=blocks, interpret=interpret)
+    return mm
+
+
+def block_variants(base: km.W12Blocks, k: int, n: int) -> list:
+    """The valid, distinct edits of SWEEP (default first as None)."""
+    out = [None]
+    for edit in SWEEP[1:]:
+        try:
+            b = edit_blocks(base, edit, k, n)
+        except ValueError:
+            continue
+        if b != base and b not in out:
+            out.append(b)
+    return out
+
+
+def _print_m(rows, name, m):
+    rows = [r for r in rows if r["shape"] == name and r["m"] == m and "us_per_matrix" in r]
+    xla = next((r["us_per_matrix"] for r in rows if r["impl"] == "xla_bf16"), float("nan"))
+    for r in rows:
+        b = r["blocks"]
+        label = r["impl"] + ("" if b is None else f" bn{b['block_n']} bk{b['block_k']} s{b['split_k']} "
+                                                   f"w{b['num_warps']} st{b['num_stages']}")
+        extra = f" exact={r['bit_exact']}" if "bit_exact" in r else ""
+        print(f"  M={m:3d} {label:38s} {r['us_per_matrix']:9.2f} us {r['tb_s']:6.3f} TB/s "
+              f"({r['pct_copy']:5.1f}% copy) bf16-eq {r['bf16_eq_tb_s']:6.3f} TB/s "
+              f"x{xla / r['us_per_matrix']:5.2f} vs xla{extra}", flush=True)
+
+
+def summary(rows) -> None:
+    """Best w12 and twin per (shape, M) against XLA."""
+    print(f"\n{'shape':8s} {'M':>3s} {'xla us':>8s} {'twin us':>8s} {'w12 us':>8s} {'noexc us':>8s} "
+          f"{'w12/xla':>8s} {'w12/twin':>8s} exact")
+    keys = sorted({(r["shape"], r["m"]) for r in rows}, key=lambda t: (t[0], t[1]))
+    for s, m in keys:
+        best = {}
+        for r in rows:
+            if (r["shape"], r["m"]) == (s, m) and "us_per_matrix" in r:
+                if r["impl"] not in best or r["us_per_matrix"] < best[r["impl"]]["us_per_matrix"]:
+                    best[r["impl"]] = r
+        t = {i: best[i]["us_per_matrix"] if i in best else float("nan")
+             for i in ("xla_bf16", "bf16_twin", "w12", "w12_noexc")}
+        exact = all(r.get("bit_exact", True) for r in rows if (r["shape"], r["m"]) == (s, m))
+        print(f"{s:8s} {m:3d} {t['xla_bf16']:8.1f} {t['bf16_twin']:8.1f} {t['w12']:8.1f} "
+              f"{t['w12_noexc']:8.1f} "
+              f"{t['xla_bf16'] / t['w12']:8.2f} {t['bf16_twin'] / t['w12']:8.2f} {exact}")
+
+
+def main(argv=None) -> dict:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--tiny", action="store_true", help="CPU smoke: one small shape, interpret mode")
+    p.add_argument("--only", default="", help="comma list of shape names")
+    p.add_argument("--m", default="1,4,8,16,32,64", help="comma list of activation rows")
+    p.add_argument("--min-bytes", type=float, default=1.0e9, help="bf16 bytes of weights per chain")
+    p.add_argument("--reps", type=int, default=10)
+    p.add_argument("--trials", type=int, default=5)
+    p.add_argument("--sweep", action="store_true", help="also time block-size variants of the kernels")
+    p.add_argument("--out", default="")
+    args = p.parse_args(argv)
+    interpret = jax.default_backend() == "cpu"
+    shapes = TINY if args.tiny else QWEN3_8B
+    ms = [1, 16] if args.tiny and args.m == p.get_default("m") else [int(v) for v in args.m.split(",")]
+    if args.tiny:
+        args.min_bytes, args.trials = 0, min(args.trials, 2)
+    copy_bw = copy_bandwidth((16 << 20) if interpret else (2 << 30))
+    d = jax.devices()[0]
+    record = {"device": {"platform": d.platform, "kind": getattr(d, "device_kind", str(d)),
+                         "jax": jax.__version__}, "copy_bw": copy_bw, "interpret": interpret, "rows": []}
+    print(f"{record['device']}  copy bandwidth {copy_bw / 1e12:.3f} TB/s", flush=True)
+    only = [s for s in args.only.split(",") if s]
+    for name, (k, n) in shapes.items():
+        if not only or name in only:
+            bench_shape(name, k, n, ms, args, interpret, copy_bw, record)
+    summary(record["rows"])
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump(record, f, indent=1)
+    return record
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,332 @@
+"""Fused W12 decode + matmul for decode / verify shapes (M = 1..64 rows), Pallas Triton backend.
+
+y[M, N] = x[M, K] @ W[K, N] with W stored as W12 (`specpilot.formats.w12`), float32 accumulation.
+
+Design choices:
+- One body, two weight loaders: `_w12_kernel` decodes each weight tile in registers, `_bf16_kernel` (the
+  twin) loads the same tile from the original bf16 matrix; both hand a bf16 [block_k, block_n] pair to
+  `_matmul_body`, which owns the tiling and the accumulation order. The W12 path is lossless iff the two
+  agree bit for bit, which the tests check (they cannot agree with XLA's dot: different summation order).
+- Tensor cores for every M: x is padded to Mp = max(16, 2^ceil(log2 M)) rows (`tl.dot` wants >= 16) and the
+  MMA does the multiply-adds, leaving the CUDA cores to decoding. Padded rows are never stored (masked
+  store), so split-K partials cost M rows of traffic, not Mp.
+- K is processed as two halves side by side (rows k and Kh + k), matching the nibble plane where those
+  rows share a byte: a nibble tile gives both code tiles with one AND and one SHIFT, no interleave.
+- Decode per weight, in int32: sign-extended `sm` & 0x807F (sign to bit 15, mantissa bits 0..6) OR
+  ((code << 7) + base << 7): about five integer ops; bitcast uint16 -> bf16 is free. Loads are plain uint8 /
+  int8 tiles, contiguous along N, which Triton vectorizes to 16-byte accesses.
+- Exceptions stay off the hot path: per step, two scalar loads from the CSR offsets give this tile's
+  exception range (usually empty: ~0.5 exceptions per 8192 weights on trained weights); each listed
+  exception is one `where` over the tile. No gather (unsupported in Triton-backend kernels).
+- Split-K as in `gemv.py`: each program writes its own partial [M, BN]; the XLA sum over splits is tiny.
+  Grid programs never accumulate into a shared output (they run in parallel on the GPU).
+- Shapes the kernel cannot tile (odd K, N without a 16-wide power-of-two block, non-bf16 x) raise
+  NotImplementedError inside, and `implementation="pallas"` falls back to the XLA path (decode + dot).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as plt
+
+from specpilot.formats.w12 import W12, decode_jnp
+
+NUM_SMS_H200 = 132
+MIN_DOT = 16  # Triton's tl.dot wants every dimension >= 16
+
+
+@dataclasses.dataclass(frozen=True)
+class W12Blocks:
+    block_n: int = 128  # output columns per program
+    block_k: int = 32  # rows of EACH K half per loop step (a step covers 2 * block_k rows of W)
+    split_k: int = 1  # programs along the half-K axis; (K / 2) / split_k must be a power of two
+    block_m: int = 64  # activation rows per program (more rows -> more programs, each re-decoding)
+    num_warps: int = 4
+    num_stages: int = 3
+
+
+def _pow2(n: int) -> bool:
+    return n > 0 and n & (n - 1) == 0
+
+
+def _next_pow2(n: int) -> int:
+    return 1 << max(0, (n - 1).bit_length())
+
+
+def _largest_pow2_divisor(n: int, cap: int) -> int:
+    d = 1
+    while d * 2 <= cap and n % (d * 2) == 0:
+        d *= 2
+    return d
+
+
+def default_blocks(k: int, n: int, target_programs: int = 2 * NUM_SMS_H200) -> W12Blocks:
+    """Blocks for a [K, N] weight: 128-wide column blocks, 32-row half-steps, and the smallest split of K
+    that gives `target_programs` programs (more splits only add partial-sum traffic)."""
+    if k % 2:
+        raise NotImplementedError(f"the W12 kernel needs an even K, got {k}")
+    kh = k // 2
+    block_n = _largest_pow2_divisor(n, 128)
+    if block_n < MIN_DOT:
+        raise NotImplementedError(f"N = {n} has no power-of-two block >= {MIN_DOT}")
+    splits = [s for s in range(1, kh + 1) if kh % s == 0 and _pow2(kh // s) and kh // s >= MIN_DOT]
+    if not splits:
+        raise NotImplementedError(f"K / 2 = {kh} has no power-of-two split >= {MIN_DOT}")
+    block_k = min(32, kh // splits[0])
+    splits = [s for s in splits if kh // s >= block_k]
+    split_k = next((s for s in splits if (n // block_n) * s >= target_programs), splits[-1])
+    return W12Blocks(block_n=block_n, block_k=block_k, split_k=split_k)
+
+
+def check_blocks(k: int, n: int, b: W12Blocks) -> None:
+    kh, s = k // 2, b.split_k
+    ok = (k % 2 == 0 and n % b.block_n == 0 and kh % s == 0 and _pow2(kh // s) and _pow2(b.block_n)
+          and _pow2(b.block_k) and _pow2(b.block_m) and min(b.block_n, b.block_k, b.block_m) >= MIN_DOT
+          and (kh // s) % b.block_k == 0)
+    if not ok:
+        raise ValueError(f"blocks {b} do not tile a [{k}, {n}] weight: need even K, powers of two >= "
+                         f"{MIN_DOT}, block_n | N, (K/2)/split_k a power of two divisible by block_k")
+
+
+# ---- kernel bodies ---------------------------------------------------------------------------------
+
+def _matmul_body(x_lo_ref, x_hi_ref, o_ref, load_pair, *, block_k: int, m: int):
+    # x_lo_ref, x_hi_ref: [BM, KS] this split's columns of the lower / upper K half of x
+    # o_ref: [BM, BN] this split's partial product; load_pair(k0) -> two bf16 [block_k, BN] tiles
+    block_m, ks = x_lo_ref.shape
+
+    def step(i, acc):
+        k0 = pl.multiple_of(i * block_k, block_k)
+        w_lo, w_hi = load_pair(k0)
+        acc = acc + jnp.dot(x_lo_ref[:, pl.ds(k0, block_k)], w_lo, preferred_element_type=jnp.float32)
+        return acc + jnp.dot(x_hi_ref[:, pl.ds(k0, block_k)], w_hi, preferred_element_type=jnp.float32)
+
+    acc = jax.lax.fori_loop(0, ks // block_k, step, jnp.zeros(o_ref.shape, jnp.float32))
+    rows = pl.program_id(2) * block_m + jax.lax.broadcasted_iota(jnp.int32, acc.shape, 0)
+    plt.store(o_ref, acc, mask=rows < m)  # x's padding rows are never written
+
+
+def _bf16_kernel(x_lo_ref, x_hi_ref, w_lo_ref, w_hi_ref, o_ref, *, block_k: int, m: int):
+    # w_lo_ref, w_hi_ref: [KS, BN] bf16, rows of the lower / upper K half
+    def load_pair(k0):
+        return w_lo_ref[pl.ds(k0, block_k), :], w_hi_ref[pl.ds(k0, block_k), :]
+
+    _matmul_body(x_lo_ref, x_hi_ref, o_ref, load_pair, block_k=block_k, m=m)
+
+
+def _as_bf16(bits: jax.Array) -> jax.Array:
+    return jax.lax.bitcast_convert_type(bits.astype(jnp.uint16), jnp.bfloat16)
+
+
+def _w12_loader(sm_lo_ref, sm_hi_ref, nib_ref, base_ref, ptr_ref, row_ref, col_ref, val_ref, *,
+                block_k: int, k_half: int, group_n: int, group_k: int, n_groups_k: int,
+                has_exceptions: bool):
+    # sm_lo_ref, sm_hi_ref: [KS, BN] int8 sign|mantissa of the lower / upper K half
+    # nib_ref: [KS, BN] uint8 codes (low nibble: lower half, high nibble: upper half); base_ref: [1, BN]
+    # ptr_ref: [n_cb * n_g + 1] int32 CSR offsets; row_ref, col_ref: [E] int32; val_ref: [E] uint16
+    j, s = pl.program_id(0), pl.program_id(1)
+    ks, block_n = nib_ref.shape
+    base7 = base_ref[...].astype(jnp.int32) << 7  # [1, BN], once per program
+    cols = j * block_n + jax.lax.broadcasted_iota(jnp.int32, (1, block_n), 1)
+    tile_rows = jax.lax.broadcasted_iota(jnp.int32, (block_k, 1), 0)
+
+    def patch(row0, lo, hi):
+        # Overwrite this tile's exceptions. Rows are global, so a superset range is harmless: the CSR
+        # cells (group_n columns x group_k paired rows) need not match the kernel's blocks.
+        rows_lo = row0 + tile_rows  # [BK, 1] global rows of the lower-half tile
+        rows_hi = rows_lo + k_half
+        g0 = row0 // group_k
+        g1 = (row0 + block_k + group_k - 1) // group_k
+
+        def one(e, carry):
+            lo, hi = carry
+            r, c, v = row_ref[e], col_ref[e], val_ref[e].astype(jnp.int32)
+            at_col = cols == c
+            return jnp.where((rows_lo == r) & at_col, v, lo), jnp.where((rows_hi == r) & at_col, v, hi)
+
+        for c in range(max(1, block_n // group_n)):  # static: column blocks this tile spans
+            cell = ((j * block_n) // group_n + c) * n_groups_k
+            lo, hi = jax.lax.fori_loop(ptr_ref[cell + g0], ptr_ref[cell + g1], one, (lo, hi))
+        return lo, hi
+
+    def load_pair(k0):
+        nib = nib_ref[pl.ds(k0, block_k), :].astype(jnp.int32)  # zero-extended
+        # int8 -> int32 sign-extends: bit 15 is the sign, bits 0..6 the mantissa
+        lo = (sm_lo_ref[pl.ds(k0, block_k), :].astype(jnp.int32) & 0x807F) | (((nib & 0xF) << 7) + base7)
+        hi = (sm_hi_ref[pl.ds(k0, block_k), :].astype(jnp.int32) & 0x807F) | (((nib >> 4) << 7) + base7)
+        if has_exceptions:  # static: a matrix without exceptions compiles without the patch loop
+            lo, hi = patch(s * ks + k0, lo, hi)
+        return _as_bf16(lo), _as_bf16(hi)
+
+    return load_pair
+
+
+def _w12_kernel(x_lo_ref, x_hi_ref, *refs, block_k: int, m: int, **fmt):
+    # refs: the 8 W12 refs of `_w12_loader`, then o_ref [BM, BN]
+    *w_refs, o_ref = refs
+    load_pair = _w12_loader(*w_refs, block_k=block_k, **fmt)
+    _matmul_body(x_lo_ref, x_hi_ref, o_ref, load_pair, block_k=block_k, m=m)
+
+
+def _w12_decode_kernel(*refs, block_k: int, **fmt):
+    # refs: the 8 W12 refs, then o_lo_ref, o_hi_ref: [KS, BN] uint16, the bits of the matmul kernel's
+    # tiles (stored as integers: XLA:CPU, running interpret mode, canonicalizes NaN payloads of bf16)
+    *w_refs, o_lo_ref, o_hi_ref = refs
+    load_pair = _w12_loader(*w_refs, block_k=block_k, **fmt)
+
+    def step(i, carry):
+        k0 = pl.multiple_of(i * block_k, block_k)
+        lo, hi = load_pair(k0)
+        o_lo_ref[pl.ds(k0, block_k), :] = jax.lax.bitcast_convert_type(lo, jnp.uint16)
+        o_hi_ref[pl.ds(k0, block_k), :] = jax.lax.bitcast_convert_type(hi, jnp.uint16)
+        return carry
+
+    jax.lax.fori_loop(0, o_lo_ref.shape[0] // block_k, step, 0)
+
+
+# ---- pallas_call wrappers ------------------------------------------------------------------------------
+
+def _setup(x: jax.Array, k: int, n: int, blocks: W12Blocks | None):
+    """Validate, pad x to Mp rows; returns (x_padded, blocks, block_m, grid, common specs)."""
+    if x.ndim != 2 or x.shape[1] != k:
+        raise ValueError(f"x {x.shape} does not match a [{k}, {n}] weight")
+    if x.dtype != jnp.bfloat16:
+        raise NotImplementedError(f"the kernel multiplies bf16 activations, got {x.dtype}")
+    b = blocks or default_blocks(k, n)
+    check_blocks(k, n, b)
+    m = x.shape[0]
+    mp = max(MIN_DOT, _next_pow2(m))
+    bm = min(mp, b.block_m)
+    x = jnp.pad(x, ((0, mp - m), (0, 0)))
+    s, ks = b.split_k, k // 2 // b.split_k
+    grid = (n // b.block_n, s, mp // bm)
+    x_specs = [pl.BlockSpec((bm, ks), lambda j, si, mi: (mi, si)),
+               pl.BlockSpec((bm, ks), lambda j, si, mi: (mi, s + si))]
+    common = dict(
+        grid=grid,
+        out_shape=jax.ShapeDtypeStruct((s, mp, n), jnp.float32),
+        out_specs=pl.BlockSpec((None, bm, b.block_n), lambda j, si, mi: (si, mi, j)),
+        compiler_params=plt.CompilerParams(num_warps=b.num_warps, num_stages=b.num_stages),
+    )
+    return x, b, x_specs, common
+
+
+def _half_specs(b: W12Blocks, ks: int):
+    """Lower / upper K-half row blocks of a [K, N] plane, on a grid (j, si, ...)."""
+    return [pl.BlockSpec((ks, b.block_n), lambda j, si, *_: (si, j)),
+            pl.BlockSpec((ks, b.block_n), lambda j, si, *_: (b.split_k + si, j))]
+
+
+def _whole(a) -> pl.BlockSpec:
+    return pl.BlockSpec(a.shape, lambda *_: (0,) * a.ndim)
+
+
+def _w12_operands(w: W12, b: W12Blocks):
+    """(in_specs, operands, format kwargs) for the 8 W12 refs of `_w12_loader`, on a grid (j, si, ...)."""
+    k, n = w.shape
+    ks = k // 2 // b.split_k
+    exc = (w.exc_row, w.exc_col, w.exc_val)
+    if w.num_exceptions == 0:  # zero-size operands do not lower; a sentinel row -1 matches nothing
+        exc = (jnp.full((1,), -1, jnp.int32), jnp.full((1,), -1, jnp.int32), jnp.zeros((1,), jnp.uint16))
+    specs = [*_half_specs(b, ks), pl.BlockSpec((ks, b.block_n), lambda j, si, *_: (si, j)),
+             pl.BlockSpec((1, b.block_n), lambda j, si, *_: (0, j)), _whole(w.exc_ptr), *map(_whole, exc)]
+    operands = (w.sm, w.sm, w.nib, w.base.reshape(1, n), w.exc_ptr, *exc)
+    fmt = dict(k_half=k // 2, group_n=w.group_n, group_k=w.group_k, n_groups_k=w.n_groups_k,
+               has_exceptions=w.num_exceptions > 0)
+    return specs, operands, fmt
+
+
+@functools.partial(jax.jit, static_argnames=("blocks", "interpret"))
+def w12_matmul_partials(x: jax.Array, w: W12, blocks: W12Blocks | None = None,
+                        interpret: bool = False) -> jax.Array:
+    """x [M, K] bf16, W12 [K, N] -> per-split partial products [split_k, M, N] float32."""
+    k, n = w.shape
+    m = x.shape[0]
+    xp, b, x_specs, common = _setup(x, k, n, blocks)
+    specs, operands, fmt = _w12_operands(w, b)
+    out = pl.pallas_call(
+        functools.partial(_w12_kernel, block_k=b.block_k, m=m, **fmt),
+        in_specs=[*x_specs, *specs], interpret=interpret, **common,
+    )(xp, xp, *operands)
+    return out[:, :m]
+
+
+@functools.partial(jax.jit, static_argnames=("blocks", "interpret"))
+def w12_decode_tiles(w: W12, blocks: W12Blocks | None = None, interpret: bool = False) -> jax.Array:
+    """uint16 bits [K, N] of the bf16 matrix exactly as the matmul kernel's loader builds it (same code,
+    same tiles): the direct check that the kernel decodes every bit pattern."""
+    k, n = w.shape
+    b = blocks or default_blocks(k, n)
+    check_blocks(k, n, b)
+    specs, operands, fmt = _w12_operands(w, b)
+    ks = k // 2 // b.split_k
+    out_spec = pl.BlockSpec((ks, b.block_n), lambda j, si: (si, j))
+    lo, hi = pl.pallas_call(
+        functools.partial(_w12_decode_kernel, block_k=b.block_k, **fmt),
+        grid=(n // b.block_n, b.split_k), in_specs=specs, out_specs=[out_spec, out_spec],
+        out_shape=[jax.ShapeDtypeStruct((k // 2, n), jnp.uint16)] * 2,
+        compiler_params=plt.CompilerParams(num_warps=b.num_warps, num_stages=b.num_stages),
+        interpret=interpret,
+    )(*operands)
+    return jnp.concatenate([lo, hi], axis=0)
+
+
+@functools.partial(jax.jit, static_argnames=("blocks", "interpret"))
+def bf16_matmul_partials(x: jax.Array, w: jax.Array, blocks: W12Blocks | None = None,
+                         interpret: bool = False) -> jax.Array:
+    """The twin: same tiling and accumulation order over the original bf16 [K, N] weight."""
+    k, n = w.shape
+    m = x.shape[0]
+    if w.dtype != jnp.bfloat16:
+        raise NotImplementedError(f"the twin reads bf16 weights, got {w.dtype}")
+    xp, b, x_specs, common = _setup(x, k, n, blocks)
+    out = pl.pallas_call(
+        functools.partial(_bf16_kernel, block_k=b.block_k, m=m),
+        in_specs=[*x_specs, *_half_specs(b, k // 2 // b.split_k)],
+        interpret=interpret, **common,
+    )(xp, xp, w, w)
+    return out[:, :m]
+
+
+# ---- public API ----------------------------------------------------------------------------------------
+
+def w12_matmul_reference(x: jax.Array, w: W12) -> jax.Array:
+    """Pure jnp: decode the whole matrix, then XLA's dot. x [..., K] -> [..., N] float32."""
+    return jnp.einsum("...k,kn->...n", x, decode_jnp(w), preferred_element_type=jnp.float32)
+
+
+def _dispatch(partials_fn, reference_fn, x, w, implementation, blocks, interpret):
+    if implementation not in ("pallas", "xla"):
+        raise ValueError(f"implementation must be 'pallas' or 'xla', got {implementation!r}")
+    k, n = w.shape
+    backend = jax.default_backend()
+    if implementation == "pallas" and backend in ("cpu", "gpu"):
+        interpret = backend == "cpu" if interpret is None else interpret
+        try:
+            y = partials_fn(x.reshape(-1, k), w, blocks=blocks, interpret=interpret).sum(0)
+            return y.reshape(*x.shape[:-1], n)
+        except NotImplementedError:
+            pass
+    return reference_fn(x, w)
+
+
+def w12_matmul(x: jax.Array, w: W12, *, implementation: str = "pallas", blocks: W12Blocks | None = None,
+               interpret: bool | None = None) -> jax.Array:
+    """x [..., K] @ W12 [K, N] -> [..., N] float32. "pallas" falls back to "xla" (decode + XLA dot) where
+    the kernel does not apply; interpret=None runs the kernel in interpret mode on CPU backends."""
+    return _dispatch(w12_matmul_partials, w12_matmul_reference, x, w, implementation, blocks, interpret)
+
+
+def bf16_matmul(x: jax.Array, w: jax.Array, *, implementation: str = "pallas",
+                blocks: W12Blocks | None = None, interpret: bool | None = None) -> jax.Array:
+    """The twin's public function: x [..., K] @ bf16 W [K, N] -> [..., N] float32 (same fallbacks)."""
+
+    def reference(x, w):
+        return jnp.einsum("...k,kn->...n", x, w, preferred_element_type=jnp.float32)
+
+    return _dispatch(bf16_matmul_partials, reference, x, w, implementation, blocks, interpret)

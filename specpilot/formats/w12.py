@@ -1,0 +1,262 @@
+"""W12: a lossless 12-bit storage format for bf16 weight matrices, encoded once offline.
+
+A bf16 value is sign (1) | exponent (8) | mantissa (7). Trained weights use few exponents (all-MiniLM-L6-v2:
+entropy ~2.6 bits, 16 consecutive exponents cover 99.99%), so W12 keeps sign and mantissa verbatim and
+replaces the exponent by a 4-bit code relative to a per-column base:
+
+    bf16 bits = (sign << 15) | ((base[n] + code) << 7) | mantissa          (code in 0..15)
+
+Layout of a [K, N] matrix (`[in, out]`, as `specpilot.models` stores linear weights):
+- `sm`   int8  [K, N]   sign << 7 | mantissa. int8 on purpose: sign extension to int32 puts the sign at
+                        bit 15, so the kernel builds bf16 bits with one AND/OR, no shift.
+- `nib`  uint8 [Kh, N]  Kh = ceil(K / 2); code[k] | code[Kh + k] << 4. Rows k and Kh + k share a byte, so
+                        a [bk, BN] nibble tile expands to two [bk, BN] code tiles (AND, SHIFT) with no
+                        interleaving shuffle; the kernel runs the two K halves side by side.
+- `base` uint8 [N]      per output column: the start of the 16-exponent window covering most of that
+                        column (one byte per column is ~0.002 bits/weight at K = 4096).
+- exceptions            every value whose exponent falls outside its column's window (zeros, -0,
+                        subnormals, Inf, NaN payloads, outliers): `exc_row`, `exc_col` (int32) and the full
+                        bf16 bits `exc_val` (uint16). Their dense slots hold code 0, and the decoder
+                        overwrites them. All 16 codes are real exponents (no escape code): listing positions
+                        explicitly halves the exception rate of a 15-code window plus escape.
+- `exc_ptr` int32 [n_cb * n_g + 1]  CSR offsets: exceptions are sorted by column block (`group_n`
+                        columns), then by paired-row group (`group_k` rows of the Kh half-index k mod Kh),
+                        so a kernel tile finds its exceptions with two scalar loads and patches only tiles
+                        that have any. Kernel block sizes need not match the groups: positions are global
+                        and a superset range is harmless.
+
+Exactness holds for every bf16 bit pattern (tested over all 65,536): sign and mantissa are stored
+verbatim; the exponent is either base + code or listed. Encoding is numpy and runs once; tensors are
+stored with safetensors (`save`/`load`), so loading is a memory map.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+WINDOW = 16  # exponents one 4-bit code reaches
+DEFAULT_GROUP_N = 128  # CSR column block; 128 divides every Qwen3 / Llama dim incl. vocab 151936
+DEFAULT_GROUP_K = 32  # CSR paired-row group: one default kernel tile of 2 x 32 x 128 weights
+FIELDS = ("sm", "nib", "base", "exc_ptr", "exc_row", "exc_col", "exc_val")
+LINEAR_NAMES = ("q", "k", "v", "o", "gate", "up", "down")
+
+
+@dataclasses.dataclass(frozen=True)
+class W12:
+    """A W12-encoded [K, N] matrix. Arrays are numpy (offline) or jax (device); a pytree either way."""
+
+    sm: Any  # int8 [K, N]
+    nib: Any  # uint8 [Kh, N]
+    base: Any  # uint8 [N]
+    exc_ptr: Any  # int32 [n_cb * n_g + 1]
+    exc_row: Any  # int32 [E]
+    exc_col: Any  # int32 [E]
+    exc_val: Any  # uint16 [E]
+    shape: tuple[int, int]  # static: (K, N)
+    group_n: int = DEFAULT_GROUP_N
+    group_k: int = DEFAULT_GROUP_K
+
+    @property
+    def k_half(self) -> int:
+        return (self.shape[0] + 1) // 2
+
+    @property
+    def n_groups_k(self) -> int:
+        return -(-self.k_half // self.group_k)
+
+    @property
+    def n_groups_n(self) -> int:
+        return -(-self.shape[1] // self.group_n)
+
+    @property
+    def num_exceptions(self) -> int:
+        return int(self.exc_row.shape[0])
+
+    @property
+    def dtype(self):
+        return jnp.bfloat16
+
+    @property
+    def ndim(self) -> int:
+        return 2
+
+
+jax.tree_util.register_dataclass(W12, data_fields=list(FIELDS), meta_fields=["shape", "group_n", "group_k"])
+
+
+def bf16_bits(w) -> np.ndarray:
+    """uint16 bit patterns of a bf16 array (numpy, jax, or already uint16)."""
+    a = np.asarray(w)
+    if a.dtype == np.uint16:
+        return a
+    if a.dtype != jnp.bfloat16:
+        raise TypeError(f"W12 encodes bf16 weights only (lossless for bf16), got {a.dtype}")
+    return a.view(np.uint16)
+
+
+def _best_bases(e: np.ndarray, chunk: int = 4096) -> np.ndarray:
+    """Per column of exponents e [K, N], the base b in 0..240 whose window [b, b + 15] holds most values."""
+    k, n = e.shape
+    out = np.empty(n, np.uint8)
+    for c0 in range(0, n, chunk):
+        blk = e[:, c0:c0 + chunk].astype(np.int64)
+        nc = blk.shape[1]
+        counts = np.bincount((blk + 256 * np.arange(nc)[None, :]).ravel(), minlength=256 * nc)
+        cs = np.zeros((nc, 257), np.int64)
+        np.cumsum(counts.reshape(nc, 256), axis=1, out=cs[:, 1:])
+        win = cs[:, WINDOW:] - cs[:, :257 - WINDOW]  # [nc, 241]: values in [b, b + 15]
+        out[c0:c0 + nc] = np.argmax(win, axis=1)
+    return out
+
+
+def encode(w, group_n: int = DEFAULT_GROUP_N, group_k: int = DEFAULT_GROUP_K) -> W12:
+    """bf16 [K, N] (or [N], taken as one row) -> W12 with numpy arrays. Exact for every bit pattern."""
+    bits = bf16_bits(w)
+    if bits.ndim == 1:
+        bits = bits[None, :]
+    if bits.ndim != 2 or bits.size == 0:
+        raise ValueError(f"W12 encodes non-empty 1-D or 2-D arrays, got shape {bits.shape}")
+    k, n = bits.shape
+    kh = (k + 1) // 2
+    e = ((bits >> 7) & 0xFF).astype(np.int16)
+    base = _best_bases(e)
+    code = e - base[None, :].astype(np.int16)
+    exc = (code < 0) | (code >= WINDOW)
+    code = np.where(exc, 0, code).astype(np.uint8)
+    sm = (((bits >> 8) & 0x80) | (bits & 0x7F)).astype(np.uint8).view(np.int8)
+    lo, hi = code[:kh], np.zeros((kh, n), np.uint8)
+    hi[:k - kh] = code[kh:]
+    nib = lo | (hi << 4)
+
+    rows, cols = np.nonzero(exc)
+    cb, g = cols // group_n, (rows % kh) // group_k
+    n_cb, n_g = -(-n // group_n), -(-kh // group_k)
+    key = cb.astype(np.int64) * n_g + g
+    order = np.lexsort((cols, rows, key))  # CSR cell, then row-major inside it
+    rows, cols, key = rows[order], cols[order], key[order]
+    ptr = np.zeros(n_cb * n_g + 1, np.int64)
+    np.cumsum(np.bincount(key, minlength=n_cb * n_g), out=ptr[1:])
+    return W12(sm=sm, nib=nib, base=base, exc_ptr=ptr.astype(np.int32), exc_row=rows.astype(np.int32),
+               exc_col=cols.astype(np.int32), exc_val=bits[rows, cols].astype(np.uint16), shape=(k, n),
+               group_n=group_n, group_k=group_k)
+
+
+def decode_bits(w: W12) -> np.ndarray:
+    """W12 -> uint16 bf16 bit patterns [K, N] (numpy; the exact inverse of `encode`)."""
+    k, _ = w.shape
+    nib = np.asarray(w.nib)
+    code = np.concatenate([nib & 0xF, nib >> 4], axis=0)[:k].astype(np.uint16)
+    sm = np.asarray(w.sm).view(np.uint8).astype(np.uint16)
+    e = code + np.asarray(w.base).astype(np.uint16)[None, :]
+    bits = ((sm & 0x80) << 8) | (e << 7) | (sm & 0x7F)
+    bits[np.asarray(w.exc_row), np.asarray(w.exc_col)] = np.asarray(w.exc_val)
+    return bits
+
+
+def decode(w: W12) -> np.ndarray:
+    """W12 -> bf16 numpy array [K, N]."""
+    return decode_bits(w).view(jnp.bfloat16)
+
+
+def decode_jnp(w: W12) -> jax.Array:
+    """W12 -> bf16 [K, N] with jax ops (traceable): the reference decode and the XLA fallback path."""
+    k, _ = w.shape
+    nib = w.nib.astype(jnp.int32)
+    code = jnp.concatenate([nib & 0xF, nib >> 4], axis=0)[:k]
+    bits = (w.sm.astype(jnp.int32) & 0x807F) | ((code + w.base.astype(jnp.int32)[None, :]) << 7)
+    bits = bits.at[w.exc_row, w.exc_col].set(w.exc_val.astype(jnp.int32))
+    return jax.lax.bitcast_convert_type(bits.astype(jnp.uint16), jnp.bfloat16)
+
+
+def storage_bytes(w: W12) -> dict[str, int]:
+    """Bytes per part: the dense planes, per-column bases, CSR offsets and exception lists."""
+    nb = {f: int(np.prod(getattr(w, f).shape)) * np.dtype(getattr(w, f).dtype).itemsize for f in FIELDS}
+    return {"planes": nb["sm"] + nb["nib"], "base": nb["base"], "exc_ptr": nb["exc_ptr"],
+            "exceptions": nb["exc_row"] + nb["exc_col"] + nb["exc_val"], "total": sum(nb.values())}
+
+
+def stats(w: W12) -> dict[str, float]:
+    """Bits per weight (everything stored, exceptions and metadata included) and the exception rate."""
+    numel = w.shape[0] * w.shape[1]
+    b = storage_bytes(w)
+    return {"numel": numel, "exceptions": w.num_exceptions, "exception_rate": w.num_exceptions / numel,
+            "bits_per_weight": 8 * b["total"] / numel,
+            **{f"bits_{part}": 8 * v / numel for part, v in b.items() if part != "total"}}
+
+
+# ---- safetensors I/O: one file holds any mix of W12 and plain tensors --------------------------------
+
+def save(path: str, tensors: dict[str, Any]) -> None:
+    """Write {name: W12 | array} to a safetensors file; W12 fields become `name.w12.<field>` tensors and
+    their static fields go to the header metadata."""
+    from safetensors.numpy import save_file
+
+    flat, meta = {}, {}
+    for name, t in tensors.items():
+        if isinstance(t, W12):
+            for f in FIELDS:
+                flat[f"{name}.w12.{f}"] = np.ascontiguousarray(np.asarray(getattr(t, f)))
+            meta[name] = {"shape": list(t.shape), "group_n": t.group_n, "group_k": t.group_k}
+        else:
+            flat[name] = np.ascontiguousarray(np.asarray(t))
+    save_file(flat, path, metadata={"w12": json.dumps(meta)})
+
+
+def load(path: str) -> dict[str, Any]:
+    """Inverse of `save` (numpy arrays; `jax.device_put` the result to move it)."""
+    from safetensors import safe_open
+    from safetensors.numpy import load_file
+
+    with safe_open(path, "np") as f:
+        meta = json.loads((f.metadata() or {}).get("w12", "{}"))
+    flat = load_file(path)
+    out = {k: v for k, v in flat.items() if ".w12." not in k}
+    for name, m in meta.items():
+        out[name] = W12(**{f: flat[f"{name}.w12.{f}"] for f in FIELDS}, shape=tuple(m["shape"]),
+                        group_n=m["group_n"], group_k=m["group_k"])
+    return out
+
+
+# ---- model integration ----------------------------------------------------------------------------
+
+def encode_params(params: dict, names: tuple[str, ...] = LINEAR_NAMES, lm_head: bool = True,
+                  max_exception_rate: float = 0.01, **kw) -> dict:
+    """Dense-model params with the named per-layer linear weights (and `lm_head`) replaced by W12 on
+    the device. A matrix whose exception rate exceeds `max_exception_rate` stays bf16: its patch work
+    would sit on the kernel's hot path and its storage would approach 16 bits."""
+
+    def enc(x):
+        w = encode(np.asarray(x), **kw)
+        return jax.device_put(w) if w.num_exceptions <= max_exception_rate * x.size else x
+
+    out = dict(params)
+    out["layers"] = tuple({k: enc(v) if k in names else v for k, v in layer.items()}
+                          for layer in params["layers"])
+    if lm_head and "lm_head" in params:
+        out["lm_head"] = enc(params["lm_head"])
+    return out
+
+
+def linear(x: jax.Array, w, b: jax.Array | None = None, *, out_dtype=None, implementation: str = "pallas",
+           interpret: bool | None = None, dense_kernel: bool = False) -> jax.Array:
+    """Drop-in for `layers.linear`: x [..., K] @ w [K, N], float32 accumulation, result in `out_dtype`
+    (default x's dtype). W12 weights go through the fused decode-matmul kernel; bf16 arrays through
+    XLA's dot, or through the kernel's bf16 twin with `dense_kernel=True` (same tiling and order, so its
+    outputs equal the W12 path bit for bit)."""
+    from pallas_kernels import w12_matmul as kern  # imported on use: the kernel module imports this one
+
+    if isinstance(w, W12):
+        y = kern.w12_matmul(x, w, implementation=implementation, interpret=interpret)
+    elif dense_kernel:
+        y = kern.bf16_matmul(x, w, implementation=implementation, interpret=interpret)
+    else:
+        y = jnp.einsum("...k,kn->...n", x, w, preferred_element_type=jnp.float32)
+    if b is not None:
+        y = y + b.astype(jnp.float32)
+    return y.astype(out_dtype or x.dtype)
