@@ -5,7 +5,8 @@ Design choices:
 - Every other variant is one `Variant` (a frozen dataclass, so it can be a static jit argument) flipping
   one mechanism at a time against a re-implementation of the same layer: fused q/k/v and gate/up
   matrices, weight layout [in, out] vs [out, in], XLA dot vs the Pallas split-K GEMV, attention or
-  not, norms/RoPE or not, one jitted step per token or the whole generation inside one jit.
+  not, norms/RoPE or not, one norm + RoPE over q and k heads together ("lean"), one jitted step per
+  token or the whole generation inside one jit.
 - Ablations (no attention, no norms) keep the K/V cache writes: without a consumer, XLA would delete
   the k and v matmuls and the ablation would read fewer weights than it claims.
 - Variant params are derived on the device from the stock params (concatenate / transpose), so every
@@ -35,6 +36,7 @@ class Variant:
     attention: bool = True  # False: the attention output is q itself (ablation)
     elementwise: bool = True  # False: no RMSNorms, qk-norm or RoPE (ablation)
     loop: str = "host"  # "host": one jitted step per token; "fori": all tokens in one jit
+    lean: bool = False  # fused only: one RMSNorm + RoPE over q and k heads together, deferred softmax
 
     @property
     def param_key(self) -> tuple:
@@ -48,6 +50,10 @@ VARIANTS: dict[str, Variant] = {
     "fused": Variant(fuse=True),
     "fused_nk": Variant(fuse=True, layout="nk"),
     "fused_fori": Variant(fuse=True, loop="fori"),
+    "fused_lean": Variant(fuse=True, lean=True),
+    "fused_nk_lean": Variant(fuse=True, layout="nk", lean=True),
+    "fused_lean_fori": Variant(fuse=True, lean=True, loop="fori"),
+    "fused_no_attention": Variant(fuse=True, attention=False),
     "pallas": Variant(fuse=True, gemv="pallas"),
     "pallas_nk": Variant(fuse=True, layout="nk", gemv="pallas"),
     "pallas_fori": Variant(fuse=True, gemv="pallas", loop="fori"),
@@ -96,6 +102,21 @@ def _linear(x: jax.Array, w: jax.Array, v: Variant, out_dtype=None) -> jax.Array
     return y.astype(out_dtype or x.dtype).reshape(b, t, -1)
 
 
+def _attention_deferred(q, k, v, mask):
+    """GQA attention with the softmax division after P @ V (on [.., D] instead of [.., S]): lets XLA
+    emit exp and its row sum as one fusion. q [B, T, H, D]; k, v [B, S, KVH, D]; mask [B, T, S]."""
+    b, t, h, d = q.shape
+    kvh = k.shape[2]
+    qg = q.reshape(b, t, kvh, h // kvh, d)
+    s = jnp.einsum("btkgd,bskd->bkgts", qg, k, preferred_element_type=jnp.float32) * (d ** -0.5)
+    s = jnp.where(mask[:, None, None], s, -jnp.inf)
+    e = jnp.exp(s - jnp.max(s, axis=-1, keepdims=True))
+    denom = jnp.sum(e, axis=-1)  # [B, KVH, G, T]
+    out = jnp.einsum("bkgts,bskd->btkgd", e.astype(v.dtype), v, preferred_element_type=jnp.float32)
+    out = out / jnp.moveaxis(denom, -1, 1)[..., None]
+    return out.reshape(b, t, h, d).astype(q.dtype)
+
+
 def _layer(p: dict, cfg, v: Variant, x, cos, sin, k_cache, v_cache, start, mask):
     b, t, _ = x.shape
     nq, nkv = cfg.q_size, cfg.kv_size
@@ -108,14 +129,28 @@ def _layer(p: dict, cfg, v: Variant, x, cos, sin, k_cache, v_cache, start, mask)
     q = q.reshape(b, t, cfg.num_heads, cfg.head_dim)
     k = k.reshape(b, t, cfg.num_kv_heads, cfg.head_dim)
     val = val.reshape(b, t, cfg.num_kv_heads, cfg.head_dim)
-    if v.elementwise:
+    if v.lean and v.fuse and v.elementwise:
+        # q and k heads side by side: one norm and one RoPE fusion instead of one each.
+        qk = qkv[..., :nq + nkv].reshape(b, t, cfg.num_heads + cfg.num_kv_heads, cfg.head_dim)
+        if cfg.qk_norm:
+            w = jnp.concatenate([jnp.broadcast_to(p["q_norm"], (cfg.num_heads, cfg.head_dim)),
+                                 jnp.broadcast_to(p["k_norm"], (cfg.num_kv_heads, cfg.head_dim))])
+            qk = rms_norm(qk, w, cfg.rms_norm_eps)
+        qk = apply_rope(qk, cos, sin)
+        q, k = qk[:, :, :cfg.num_heads], qk[:, :, cfg.num_heads:]
+    elif v.elementwise:
         if cfg.qk_norm:
             q = rms_norm(q, p["q_norm"], cfg.rms_norm_eps)
             k = rms_norm(k, p["k_norm"], cfg.rms_norm_eps)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
     k_cache = write_positions(k_cache, k, start)
     v_cache = write_positions(v_cache, val, start)
-    attn = attention(q, k_cache, v_cache, mask) if v.attention else q
+    if not v.attention:
+        attn = q
+    elif v.lean:
+        attn = _attention_deferred(q, k_cache, v_cache, mask)
+    else:
+        attn = attention(q, k_cache, v_cache, mask)
     x = x + _linear(attn.reshape(b, t, nq), p["o"], v)
     h = rms_norm(x, p["mlp_norm"], cfg.rms_norm_eps) if v.elementwise else x
     if v.fuse:

@@ -90,6 +90,8 @@ def main(argv=None) -> dict:
     p.add_argument("--min-bytes", type=float, default=1.5e9, help="bytes of weights per chain")
     p.add_argument("--reps", type=int, default=10)
     p.add_argument("--no-sweep", action="store_true", help="default Pallas blocks only")
+    p.add_argument("--kn-edits", default="", help="JSON list of GemvBlocks edits replacing KN_EDITS")
+    p.add_argument("--nk-edits", default="", help="JSON list of GemvBlocks edits replacing NK_EDITS")
     p.add_argument("--out", default="")
     args = p.parse_args(argv)
     interpret = jax.devices()[0].platform == "cpu"
@@ -109,7 +111,9 @@ def main(argv=None) -> dict:
               for kk in keys]
         x = jax.random.normal(jax.random.PRNGKey(1), (1, k), jnp.bfloat16)
         impls = [("xla", "kn", None), ("xla", "nk", None)]
-        for layout, edits in (("kn", KN_EDITS), ("nk", NK_EDITS)):
+        kn_edits = json.loads(args.kn_edits) if args.kn_edits else KN_EDITS
+        nk_edits = json.loads(args.nk_edits) if args.nk_edits else NK_EDITS
+        for layout, edits in (("kn", kn_edits), ("nk", nk_edits)):
             base = default_blocks(k, n, layout)
             for edit in edits[:1] if args.no_sweep else edits:
                 try:

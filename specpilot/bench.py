@@ -24,7 +24,6 @@ import collections
 import glob
 import gzip
 import json
-import math
 import os
 import re
 import statistics
@@ -199,13 +198,5 @@ def hlo_summary(hlo_text: str) -> dict[str, Any]:
             "command_buffers": len(re.findall(r"command_buffer", hlo_text))}
 
 
-def gbps(x: float) -> float:
-    return x / 1e9
-
-
 def finite(x: Any) -> bool:
     return bool(np.all(np.isfinite(np.asarray(x, dtype=np.float32)))) if x is not None else False
-
-
-def geo_mean(xs: list[float]) -> float:
-    return math.exp(statistics.fmean(math.log(x) for x in xs)) if xs else float("nan")
