@@ -1,12 +1,13 @@
-"""Fused W12 decode + matmul for decode / verify shapes (M = 1..64 rows), Pallas Triton backend.
+"""Fused W12 decode + matmul for decode / verify shapes (M = 1..64 rows; more tile M), Pallas Triton backend.
 
 y[M, N] = x[M, K] @ W[K, N] with W stored as W12 (`specpilot.formats.w12`), float32 accumulation.
 
 Design choices:
-- One body, two weight loaders: `_w12_kernel` decodes each weight tile in registers, `_bf16_kernel` (the
-  twin) loads the same tile from the original bf16 matrix; both hand a bf16 [block_k, block_n] pair to
-  `_matmul_body`, which owns the tiling and the accumulation order. The W12 path is lossless iff the two
-  agree bit for bit, which the tests check (they cannot agree with XLA's dot: different summation order).
+- One body, two weight loaders: `_w12_loader` decodes each weight tile in registers, the twin
+  (`_bf16_kernel`) loads the same tile from the original bf16 matrix; both hand a bf16 [block_k, block_n]
+  pair to `_matmul_body`, which owns the tiling and the accumulation order. The W12 path is lossless iff
+  the two agree bit for bit, which the tests check (neither can agree with XLA's dot: different summation
+  order). `w12_decode_tiles` writes the loader's tiles out, so tests check it on every bit pattern.
 - Tensor cores for every M: x is padded to Mp = max(16, 2^ceil(log2 M)) rows (`tl.dot` wants >= 16) and the
   MMA does the multiply-adds, leaving the CUDA cores to decoding. Padded rows are never stored (masked
   store), so split-K partials cost M rows of traffic, not Mp.
@@ -192,7 +193,7 @@ def _w12_decode_kernel(*refs, block_k: int, **fmt):
 # ---- pallas_call wrappers ------------------------------------------------------------------------------
 
 def _setup(x: jax.Array, k: int, n: int, blocks: W12Blocks | None):
-    """Validate, pad x to Mp rows; returns (x_padded, blocks, block_m, grid, common specs)."""
+    """Validate and pad x to Mp rows; returns (x_padded, blocks, x's two BlockSpecs, shared call kwargs)."""
     if x.ndim != 2 or x.shape[1] != k:
         raise ValueError(f"x {x.shape} does not match a [{k}, {n}] weight")
     if x.dtype != jnp.bfloat16:
