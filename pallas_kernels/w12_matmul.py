@@ -1,4 +1,4 @@
-"""Fused W12 decode + matmul for decode / verify shapes (M = 1..64 rows; more tile M), Pallas Triton backend.
+"""Fused W12 decode + matmul at decode / verify shapes (M = 1..64 rows), Pallas Triton backend.
 
 y[M, N] = x[M, K] @ W[K, N] with W stored as W12 (`specpilot.formats.w12`), float32 accumulation.
 
