@@ -34,7 +34,8 @@ class Deployment:
     new_tokens: int
     cache_len: int
     key: jax.Array
-    drafter: Any = None  # (drafter params, drafter config) or None
+    drafter: Any = None  # (drafter object, drafter params) or None
+    block_size: int = 1
     notes: list[str] = dataclasses.field(default_factory=list)
     labels: dict = dataclasses.field(default_factory=dict)
 
@@ -73,6 +74,27 @@ def build_target(tconf: DictConfig, dconf: DictConfig, seed: int):
     raise ValueError(f"unknown target source {tconf.source!r}")
 
 
+def build_drafter(dconf: DictConfig, target_cfg: ModelConfig, target_params, seed: int):
+    """-> (drafter object, drafter params, target config with the drafter's taps, notes)."""
+    from specpilot.models import drafter as dr
+
+    dtype = target_params["embed"].dtype
+    if dconf.source == "random":
+        dcfg = dr.DrafterConfig.for_target(target_cfg, num_layers=int(dconf.num_layers),
+                                           block_size=int(dconf.block_size),
+                                           num_taps=int(dconf.num_taps))
+        params = dr.init(jax.random.key(seed + 7), dcfg, dtype=dtype)
+        notes = ["random drafter weights"]
+    elif dconf.source == "dflash":
+        params, dcfg = dr.load_drafter(Path(str(dconf.path)).expanduser(), dtype=dtype)
+        dcfg = dataclasses.replace(dcfg, block_size=int(dconf.block_size))
+        notes = []
+    else:
+        raise NotImplementedError(f"drafter source {dconf.source!r} is not available yet")
+    target_cfg = target_cfg.with_taps(dcfg.tap_layers)
+    return dr.BlockDrafter(dcfg, target_cfg), params, target_cfg, notes
+
+
 def random_prompts(n: int, length: int, vocab_size: int, seed: int) -> list[list[int]]:
     rng = np.random.default_rng(seed)
     return rng.integers(0, vocab_size, size=(n, length)).tolist()
@@ -81,6 +103,13 @@ def random_prompts(n: int, length: int, vocab_size: int, seed: int) -> list[list
 def build(cfg: DictConfig) -> Deployment:
     b, dec = cfg.bench, cfg.decoding
     params, mcfg, notes = build_target(cfg.target, cfg.drafter, int(cfg.seed))
+    drafter = None
+    if cfg.drafter.source != "none":
+        drafter_obj, draft_params, mcfg, dnotes = build_drafter(cfg.drafter, mcfg, params, int(cfg.seed))
+        drafter = (drafter_obj, draft_params)
+        notes = notes + dnotes
+    if cfg.target.layout == "fused":
+        params = dense.fuse_projections(params)
     if b.prompts == "random":
         prompts = random_prompts(b.num_prompts, b.prompt_len, mcfg.vocab_size, int(cfg.seed) + 1)
     else:
@@ -89,9 +118,11 @@ def build(cfg: DictConfig) -> Deployment:
     block = int(cfg.drafter.block_size) if cfg.drafter.source != "none" else 1
     cache_len = b.cache_len or -(-(longest + b.new_tokens + block) // 128) * 128
     labels = {"target": cfg.target.name, "drafter": cfg.drafter.name, "gpu": cfg.gpu.name,
+              "block_size": block if cfg.drafter.source != "none" else None,
               "batch_size": int(b.batch_size), "prompts": b.prompts, "new_tokens": int(b.new_tokens)}
     return Deployment(
         params=params, cfg=mcfg,
         sampling=SamplingConfig(float(dec.temperature), int(dec.top_k), float(dec.top_p)),
         prompts=prompts, batch_size=int(b.batch_size), new_tokens=int(b.new_tokens),
-        cache_len=int(cache_len), key=jax.random.key(int(cfg.seed)), notes=notes, labels=labels)
+        cache_len=int(cache_len), key=jax.random.key(int(cfg.seed)), drafter=drafter,
+        block_size=block, notes=notes, labels=labels)

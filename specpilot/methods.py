@@ -52,8 +52,36 @@ def run_ar(dep) -> MethodRun:
     return MethodRun(tokens, prefill_s, decode_s, decode_tokens)
 
 
+def run_stock(dep) -> MethodRun:
+    """Block drafter + chain verification (greedy prefix match, or rejection sampling)."""
+    from specpilot.decoding import spec
+
+    drafter, draft_params = dep.drafter
+    tokens, prefill_s, decode_s, decode_tokens = [], 0.0, 0.0, 0
+    steps, emitted, hist = 0, 0, None
+    for batch in dep.batches():
+        res = spec.generate(dep.params, dep.cfg, drafter, draft_params, batch, dep.new_tokens,
+                            block_size=dep.block_size, sampling=dep.sampling, key=dep.key,
+                            cache_len=dep.cache_len)
+        tokens.extend(res.tokens.tolist())
+        prefill_s += res.prefill_s
+        decode_s += res.decode_s
+        decode_tokens += res.num_new_tokens - 1
+        st = res.stats
+        steps += int(st.steps.sum())
+        emitted += int(st.emitted.sum())
+        hist = st.accept_hist if hist is None else hist + st.accept_hist
+    # per-position acceptance: fraction of verification steps that accepted draft k (k = 1..Bs-1)
+    at_least = hist[::-1].cumsum()[::-1] / max(1, hist.sum())
+    stats = {"tau": emitted / max(1, steps), "steps": steps,
+             "acceptance_per_position": [float(a) for a in at_least[1:]]}
+    return MethodRun(tokens, prefill_s, decode_s, decode_tokens, stats)
+
+
 METHODS: dict[str, Method] = {
     "ar": Method("ar", run_ar, description="autoregressive baseline, one token per target step"),
+    "stock": Method("stock", run_stock, needs_drafter=True,
+                    description="block drafter + chain verification, bf16 weights"),
 }
 
 

@@ -62,3 +62,22 @@ def test_bad_prompts(tiny_cfg, tiny_params):
         generate(tiny_params, tiny_cfg, [[1], []], 4)
     with pytest.raises(ValueError, match="max_new_tokens"):
         generate(tiny_params, tiny_cfg, [[1]], 0)
+
+
+def test_host_loop_equals_fori_loop(tiny_cfg, tiny_params):
+    cfg = SamplingConfig(temperature=0.8, top_k=20)
+    a = generate(tiny_params, tiny_cfg, [[1, 2], [3]], 9, cfg, key=jax.random.key(5), loop="fori")
+    b = generate(tiny_params, tiny_cfg, [[1, 2], [3]], 9, cfg, key=jax.random.key(5), loop="host")
+    np.testing.assert_array_equal(a.tokens, b.tokens)
+
+
+def test_fused_projections_give_the_same_logits(tiny_cfg, tiny_params):
+    fused = dense.fuse_projections(tiny_params)
+    assert "qkv" in fused["layers"][0] and "q" not in fused["layers"][0]
+    tokens = jnp.asarray([[5, 7, 1, 3]])
+    want, _, _ = dense.forward(tiny_params, tiny_cfg, tokens, init_cache(tiny_cfg, 1, 8, jnp.float32))
+    got, _, _ = dense.forward(fused, tiny_cfg, tokens, init_cache(tiny_cfg, 1, 8, jnp.float32))
+    # float32: the same dot products, only grouped into one matrix (differences are rounding only)
+    np.testing.assert_allclose(got, want, rtol=0, atol=1e-5 * float(jnp.abs(want).max()))
+    np.testing.assert_array_equal(generate(fused, tiny_cfg, [[1, 2, 3]], 12).tokens,
+                                  generate(tiny_params, tiny_cfg, [[1, 2, 3]], 12).tokens)

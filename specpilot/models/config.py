@@ -78,6 +78,9 @@ class ModelConfig:
         for layer in self.tap_layers:
             if not 0 <= layer < self.num_layers:
                 raise ConfigError(f"tap layer {layer} outside [0, {self.num_layers})")
+        if list(self.tap_layers) != sorted(set(self.tap_layers)):
+            # taps are concatenated in layer order, so the configured order must be that order
+            raise ConfigError(f"tap_layers must be strictly increasing, got {self.tap_layers}")
         if self.rope_theta <= 0 or self.rms_norm_eps <= 0:
             raise ConfigError("rope_theta and rms_norm_eps must be positive")
 
@@ -233,13 +236,13 @@ def _parse_rope_scaling(rs: dict[str, Any] | None) -> RopeScaling | None:
 
 
 def default_tap_layers(num_layers: int, num_taps: int) -> tuple[int, ...]:
-    """Layers evenly spaced from 1 to L-3 (the DFlash choice; Qwen3-8B with 5 taps: 1, 9, 17, 25, 33)."""
+    """Distinct layers evenly spaced from 1 to L-3 (the DFlash choice; Qwen3-8B with 5 taps: 1, 9, 17,
+    25, 33). A target too shallow for that range is spread over all its layers instead; never more taps
+    than layers."""
+    num_taps = min(num_taps, num_layers)
     if num_taps <= 0:
         return ()
-    lo, hi = 1, max(1, num_layers - 3)
+    lo, hi = (1, num_layers - 3) if num_layers - 3 >= num_taps else (0, num_layers - 1)
     if num_taps == 1:
         return (lo,)
-    if num_layers < 4:
-        return tuple(sorted({min(num_layers - 1, round(lo + i * (hi - lo) / (num_taps - 1)))
-                             for i in range(num_taps)}))
     return tuple(int(round(lo + i * (hi - lo) / (num_taps - 1))) for i in range(num_taps))
