@@ -19,16 +19,26 @@ CFG = ModelConfig(vocab_size=96, hidden_size=32, intermediate_size=48, num_layer
 DCFG = dr.DrafterConfig.for_target(CFG, num_layers=2, block_size=4)
 
 
+def random_params(shapes, std, seed):
+    """dense.init's distribution drawn with numpy: eager jax.random would cost seconds of compiles."""
+    rng = np.random.default_rng(seed)
+
+    def make(path, shape):
+        x = np.ones(shape) if str(path[-1].key).endswith("norm") else std * rng.standard_normal(shape)
+        return jnp.asarray(x, jnp.float32)
+
+    return jax.tree_util.tree_map_with_path(
+        make, shapes, is_leaf=lambda x: isinstance(x, tuple) and all(isinstance(i, int) for i in x))
+
+
 @pytest.fixture(scope="module")
 def params():
-    tp = dense.init(jax.random.key(0), CFG, dtype=jnp.float32, std=0.3)
-    dp = dr.init(jax.random.key(1), DCFG, dtype=jnp.float32, std=0.3)
+    tp = random_params(dense.param_shapes(CFG), 0.3, 0)
+    dp = random_params(dr.param_shapes(DCFG), 0.3, 1)
     # Non-uniform norm weights, so a norm applied to the wrong tensor cannot go unnoticed.
-    leaves, tree = jax.tree.flatten(dp)
-    keys = jax.random.split(jax.random.key(2), len(leaves))
-    leaves = [x * (1 + 0.3 * jax.random.normal(k, x.shape)) if x.ndim == 1 else x
-              for x, k in zip(leaves, keys)]
-    return tp, jax.tree.unflatten(tree, leaves)
+    rng = np.random.default_rng(2)
+    return tp, jax.tree.map(lambda x: x * (1 + 0.3 * rng.standard_normal(x.shape, np.float32))
+                            if x.ndim == 1 else x, dp)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -119,6 +129,13 @@ def test_config_validation():
     with pytest.raises(ConfigError, match="hidden"):
         dr.BlockDrafter(dataclasses.replace(DCFG, hidden_size=64), CFG)
     assert dr.DrafterConfig.from_hf_dict(DCFG.to_hf_dict()) == DCFG
+    hf = DCFG.to_hf_dict()
+    del hf["num_target_layers"]  # older DFlash configs lack it: taps are still checked against the target
+    assert dr.DrafterConfig.from_hf_dict(hf).num_target_layers is None
+    dr.BlockDrafter(dr.DrafterConfig.from_hf_dict(hf), CFG)
+    with pytest.raises(ConfigError, match="tapping"):
+        dr.BlockDrafter(dr.DrafterConfig.from_hf_dict(dict(hf, dflash_config={
+            "mask_token_id": 3, "target_layer_ids": [0, 5]})), CFG)
 
 
 # ------------------------------------------------------------------------------------------------

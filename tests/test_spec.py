@@ -19,10 +19,22 @@ N = 24  # new tokens per prompt
 EXTRA = 17  # AR reference runs past N so a replayed block never runs off its end
 
 
+def random_params(shapes, std, seed):
+    """dense.init's distribution drawn with numpy: eager jax.random would cost seconds of compiles."""
+    rng = np.random.default_rng(seed)
+
+    def make(path, shape):
+        x = np.ones(shape) if str(path[-1].key).endswith("norm") else std * rng.standard_normal(shape)
+        return jnp.asarray(x, jnp.float32)
+
+    return jax.tree_util.tree_map_with_path(
+        make, shapes, is_leaf=lambda x: isinstance(x, tuple) and all(isinstance(i, int) for i in x))
+
+
 @pytest.fixture(scope="module")
 def target():
     # A large init std makes logits peaked, so greedy choices are not near-ties between tokens.
-    return dense.init(jax.random.key(0), CFG, dtype=jnp.float32, std=0.5)
+    return random_params(dense.param_shapes(CFG), 0.5, 0)
 
 
 @pytest.fixture(scope="module")
@@ -38,7 +50,7 @@ def reference(ar_tokens):
 @pytest.fixture(scope="module")
 def block_drafter(target):
     dcfg = dr.DrafterConfig.for_target(CFG, num_layers=1, block_size=8)
-    return dr.BlockDrafter(dcfg, CFG), dr.init(jax.random.key(1), dcfg, jnp.float32, std=0.5)
+    return dr.BlockDrafter(dcfg, CFG), random_params(dr.param_shapes(dcfg), 0.5, 1)
 
 
 @pytest.mark.parametrize("block_size", range(1, 17))

@@ -59,7 +59,7 @@ class DrafterConfig:
     intermediate_size: int
     vocab_size: int  # the target's; the drafter has no embedding or head of its own
     mask_token_id: int
-    num_target_layers: int
+    num_target_layers: int | None = None  # None: unknown (older configs); taps still checked on use
     rms_norm_eps: float = 1e-6
     rope_theta: float = 1000000.0
     rope_scaling: RopeScaling | None = None
@@ -68,13 +68,16 @@ class DrafterConfig:
 
     def __post_init__(self):
         for name in ("num_layers", "block_size", "hidden_size", "num_heads", "num_kv_heads", "head_dim",
-                     "intermediate_size", "vocab_size", "num_target_layers"):
+                     "intermediate_size", "vocab_size"):
             value = getattr(self, name)
             if not isinstance(value, (int, np.integer)) or value <= 0:
                 raise ConfigError(f"DrafterConfig.{name} must be a positive integer, got {value!r}")
         if not self.tap_layers:
             raise ConfigError("DrafterConfig.tap_layers is empty: the drafter needs target states")
-        bad = [t for t in self.tap_layers if not 0 <= t < self.num_target_layers]
+        if self.num_target_layers is not None and self.num_target_layers <= 0:
+            raise ConfigError(f"num_target_layers must be positive, got {self.num_target_layers!r}")
+        limit = self.num_target_layers or float("inf")
+        bad = [t for t in self.tap_layers if not 0 <= t < limit]
         if bad:
             raise ConfigError(f"tap layers {bad} outside the target's [0, {self.num_target_layers})")
         if not 0 <= self.mask_token_id < self.vocab_size:
@@ -153,7 +156,8 @@ class DrafterConfig:
             num_kv_heads=layer_cfg.num_kv_heads, head_dim=layer_cfg.head_dim,
             intermediate_size=layer_cfg.intermediate_size, vocab_size=layer_cfg.vocab_size,
             mask_token_id=int(value("mask_token_id")),
-            num_target_layers=int(value("num_target_layers", max(taps) + 1)),
+            num_target_layers=(None if value("num_target_layers") is None
+                               else int(value("num_target_layers"))),
             rms_norm_eps=layer_cfg.rms_norm_eps, rope_theta=layer_cfg.rope_theta,
             rope_scaling=layer_cfg.rope_scaling, attention_bias=layer_cfg.attention_bias,
             max_position_embeddings=layer_cfg.max_position_embeddings)
@@ -164,12 +168,13 @@ class DrafterConfig:
             "architectures": [ARCHITECTURE],
             "auto_map": {"AutoModel": "dflash.DFlashDraftModel"},
             "block_size": self.block_size,
-            "num_target_layers": self.num_target_layers,
             "layer_types": ["full_attention"] * self.num_layers,
             "attention_dropout": 0.0,
             "dflash_config": {"block_size": self.block_size, "mask_token_id": self.mask_token_id,
                               "target_layer_ids": list(self.tap_layers)},
         })
+        if self.num_target_layers is not None:
+            hf["num_target_layers"] = self.num_target_layers
         return hf
 
 
@@ -178,7 +183,8 @@ def check_compatible(cfg: DrafterConfig, target: ModelConfig) -> None:
     if cfg.hidden_size != target.hidden_size or cfg.vocab_size != target.vocab_size:
         raise ConfigError(f"drafter (hidden {cfg.hidden_size}, vocab {cfg.vocab_size}) does not fit the "
                           f"target (hidden {target.hidden_size}, vocab {target.vocab_size})")
-    if cfg.num_target_layers != target.num_layers or max(cfg.tap_layers) >= target.num_layers:
+    wrong_depth = cfg.num_target_layers not in (None, target.num_layers)
+    if wrong_depth or max(cfg.tap_layers) >= target.num_layers:
         raise ConfigError(f"drafter was built for a {cfg.num_target_layers}-layer target tapping "
                           f"{cfg.tap_layers}; this target has {target.num_layers} layers")
     if tuple(target.tap_layers) != tuple(cfg.tap_layers):
