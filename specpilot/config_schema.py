@@ -136,6 +136,10 @@ def validate(cfg: DictConfig) -> None:
         _fail("drafter.path", "a dflash drafter needs the path of a local checkpoint directory")
     if d.source == "oracle" and d.acceptance is None and d.tau is None:
         _fail("drafter.acceptance", "an oracle drafter needs an acceptance profile or a tau")
+    if d.source == "oracle" and d.tau is not None and not 1 <= d.tau <= d.block_size:
+        _fail("drafter.tau", f"{d.tau} is impossible with block size {d.block_size}")
+    if d.source == "oracle" and dec.temperature != 0:
+        _fail("drafter.source", "oracle acceptance replays greedy continuations; use temperature 0")
     for m in dec.methods:
         if m not in METHODS:
             _fail("decoding.methods", f"unknown method {m!r}; known: {sorted(METHODS)}")

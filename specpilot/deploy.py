@@ -37,6 +37,8 @@ class Deployment:
     drafter: Any = None  # (drafter object, drafter params) or None
     block_size: int = 1
     notes: list[str] = dataclasses.field(default_factory=list)
+    # the AR baseline's output tokens per prompt, filled by the runner (an oracle drafter replays them)
+    reference_tokens: list[list[int]] | None = None
     labels: dict = dataclasses.field(default_factory=dict)
 
     def batches(self) -> list[list[list[int]]]:
@@ -79,6 +81,15 @@ def build_drafter(dconf: DictConfig, target_cfg: ModelConfig, target_params, see
     from specpilot.models import drafter as dr
 
     dtype = target_params["embed"].dtype
+    if dconf.source == "oracle":
+        from specpilot.models.oracle import OracleDrafter, conditional_profile, expected_tau
+
+        inner, params, target_cfg, _ = build_drafter(
+            OmegaConf.merge(dconf, {"source": "random"}), target_cfg, target_params, seed)
+        profile = conditional_profile(int(dconf.block_size), dconf.acceptance, dconf.tau)
+        note = (f"oracle acceptance (profile with expected tau {expected_tau(profile):.2f}; real "
+                f"drafter forward at its shape, drafts replay the target's greedy continuation)")
+        return OracleDrafter(inner, tuple(float(c) for c in profile)), params, target_cfg, [note]
     if dconf.source == "random":
         dcfg = dr.DrafterConfig.for_target(target_cfg, num_layers=int(dconf.num_layers),
                                            block_size=int(dconf.block_size),

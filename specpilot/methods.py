@@ -55,11 +55,20 @@ def run_ar(dep) -> MethodRun:
 def run_stock(dep) -> MethodRun:
     """Block drafter + chain verification (greedy prefix match, or rejection sampling)."""
     from specpilot.decoding import spec
+    from specpilot.models.drafter import replay_reference
+
+    from specpilot.models.oracle import OracleDrafter
 
     drafter, draft_params = dep.drafter
     tokens, prefill_s, decode_s, decode_tokens = [], 0.0, 0.0, 0
     steps, emitted, hist = 0, 0, None
-    for batch in dep.batches():
+    for i, batch in enumerate(dep.batches()):
+        if isinstance(drafter, OracleDrafter):
+            if dep.reference_tokens is None:
+                raise RuntimeError("an oracle drafter needs the AR baseline's tokens; run AR first")
+            continuation = dep.reference_tokens[i * dep.batch_size:(i + 1) * dep.batch_size]
+            reference = replay_reference(batch, continuation)
+            draft_params = OracleDrafter.make_params(dep.drafter[1], reference, seed=i)
         res = spec.generate(dep.params, dep.cfg, drafter, draft_params, batch, dep.new_tokens,
                             block_size=dep.block_size, sampling=dep.sampling, key=dep.key,
                             cache_len=dep.cache_len)

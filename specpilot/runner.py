@@ -39,7 +39,11 @@ def run(cfg: DictConfig, out_dir: str | Path) -> list[dict]:
     dep = deploy.build(cfg)
     methods = list(dict.fromkeys(["ar", *cfg.decoding.methods]))
     env = environment()
-    runs = {name: median_run(METHODS[name], dep, int(cfg.bench.repeats)) for name in methods}
+    runs = {}
+    for name in methods:  # AR first: its tokens are the reference an oracle drafter replays
+        runs[name] = median_run(METHODS[name], dep, int(cfg.bench.repeats))
+        if name == "ar":
+            dep.reference_tokens = runs["ar"].tokens
     ar_tpot = runs["ar"].decode_time_per_token
     hw = costmodel.Hardware.from_conf(cfg.gpu)
     mean_context = sum(len(p) for p in dep.prompts) / len(dep.prompts) + dep.new_tokens / 2

@@ -1,0 +1,103 @@
+"""Oracle-acceptance drafter: the real drafter forward runs (timing is real), the drafts follow a profile.
+
+With random target weights tau is meaningless, so for speed work at real shapes a drafter may replay a
+stated acceptance profile against the target's own greedy continuation (DESIGN.md, "oracle acceptance").
+
+Design choices:
+- Wraps any drafter with the loop's interface (`init_state`, `extend`, `propose`): the wrapped drafter's
+  forward still runs at its real shape every step; its logits are kept alive by a zero-weighted term so
+  the compiler cannot remove the work being timed.
+- The profile is a list of conditional acceptance probabilities c_k = P(draft k right | drafts < k
+  right), k = 1..Bs-1, or a target tau, from which one constant c is solved so that the expected tokens
+  per verification, sum_{k<Bs} c^k, equals tau. Each step draws how many leading drafts are right; those
+  copy the reference continuation, the next one is made wrong (shifted by one id), so the target's
+  chain verification accepts exactly that many whenever the target's argmax equals the reference.
+- Randomness comes from `fold_in(key, committed length)`: reproducible, and no key in the loop state.
+- Greedy decoding only: the drafts are one-hot logits, which would distort a sampled q.
+- Results produced with it are labelled "oracle acceptance" by the runner.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+
+def constant_acceptance_for_tau(tau: float, block_size: int) -> float:
+    """c with sum_{k=0}^{Bs-1} c^k = tau (bisection; tau in [1, Bs])."""
+    if not 1.0 <= tau <= block_size:
+        raise ValueError(f"tau {tau} is impossible with block size {block_size} (needs 1 <= tau <= Bs)")
+    lo, hi = 0.0, 1.0
+    for _ in range(100):
+        mid = (lo + hi) / 2
+        if sum(mid ** k for k in range(block_size)) < tau:
+            lo = mid
+        else:
+            hi = mid
+    return (lo + hi) / 2
+
+
+def conditional_profile(block_size: int, acceptance=None, tau: float | None = None) -> np.ndarray:
+    """[Bs-1] conditional acceptance probabilities from a given profile or a target tau."""
+    if acceptance is not None:
+        c = np.asarray(list(acceptance), np.float64)
+        if c.ndim != 1 or c.size == 0 or ((c < 0) | (c > 1)).any():
+            raise ValueError(f"acceptance profile must be probabilities in [0, 1], got {list(c)}")
+        # shorter profiles repeat their last value; longer ones are cut to the block
+        return np.resize(np.concatenate([c, np.full(max(0, block_size - 1 - c.size), c[-1])]),
+                         block_size - 1)
+    if tau is None:
+        raise ValueError("an oracle drafter needs an acceptance profile or a tau")
+    return np.full(block_size - 1, constant_acceptance_for_tau(tau, block_size))
+
+
+def expected_tau(conditional: np.ndarray) -> float:
+    return float(1.0 + np.cumprod(conditional).sum())
+
+
+@dataclasses.dataclass(frozen=True)
+class OracleDrafter:
+    inner: Any  # the real drafter whose forward is timed
+    conditional: tuple[float, ...]  # [Bs-1]
+    confidence: float = 30.0
+
+    @property
+    def block_size(self) -> int:
+        return self.inner.block_size
+
+    @property
+    def vocab_size(self) -> int:
+        return self.inner.cfg.vocab_size
+
+    @staticmethod
+    def make_params(inner_params, reference: np.ndarray, seed: int = 0) -> dict:
+        """reference [B, R]: each row's prompt then the target's greedy continuation, by position."""
+        return {"inner": inner_params, "reference": jnp.asarray(reference, jnp.int32),
+                "key": jax.random.key_data(jax.random.key(seed))}
+
+    def init_state(self, params, batch_size: int, max_len: int, dtype):
+        return self.inner.init_state(params["inner"], batch_size, max_len, dtype)
+
+    def extend(self, params, target_params, state, taps, n_new):
+        return self.inner.extend(params["inner"], target_params, state, taps, n_new)
+
+    def propose(self, params, target_params, state, last_tokens, block_size: int):
+        real_logits, state = self.inner.propose(params["inner"], target_params, state, last_tokens,
+                                                block_size)
+        ref = params["reference"]
+        length = state.lengths  # [B] committed; the block's first token sits at this position
+        positions = length[:, None] + 1 + jnp.arange(block_size - 1, dtype=jnp.int32)[None, :]
+        tokens = jnp.take_along_axis(ref, jnp.minimum(positions, ref.shape[1] - 1), axis=1)
+        key = jax.random.wrap_key_data(params["key"])
+        keys = jax.vmap(lambda n: jax.random.fold_in(key, n))(length)
+        u = jax.vmap(lambda k: jax.random.uniform(k, (block_size - 1,)))(keys)  # [B, Bs-1]
+        c = jnp.asarray(self.conditional[: block_size - 1], jnp.float32)
+        right = jnp.cumprod(u < c[None, :], axis=1).astype(bool)  # leading run of right drafts
+        tokens = jnp.where(right, tokens, (tokens + 1) % self.vocab_size)
+        logits = self.confidence * jax.nn.one_hot(tokens, self.vocab_size, dtype=jnp.float32)
+        # keep the real forward alive: its result feeds the output with weight zero
+        return logits + 0.0 * real_logits, state

@@ -1,0 +1,64 @@
+"""Oracle-acceptance drafter: tau follows the profile, output equals AR, the real forward is kept."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from specpilot.decoding import spec
+from specpilot.decoding.ar import generate
+from specpilot.models import dense
+from specpilot.models import drafter as dr
+from specpilot.models.oracle import (OracleDrafter, conditional_profile, constant_acceptance_for_tau,
+                                     expected_tau)
+
+
+def test_constant_acceptance_solves_tau():
+    for bs, tau in ((16, 6.27), (16, 3.43), (8, 1.0), (4, 4.0)):
+        c = constant_acceptance_for_tau(tau, bs)
+        assert sum(c ** k for k in range(bs)) == pytest.approx(tau, abs=1e-9)
+    with pytest.raises(ValueError, match="impossible"):
+        constant_acceptance_for_tau(17.0, 16)
+    np.testing.assert_allclose(conditional_profile(5, acceptance=[0.9, 0.5]), [0.9, 0.5, 0.5, 0.5])
+    with pytest.raises(ValueError, match="probabilities"):
+        conditional_profile(4, acceptance=[1.5])
+
+
+def _setup(tiny_cfg, tiny_params, block):
+    dcfg = dr.DrafterConfig.for_target(tiny_cfg, num_layers=1, block_size=block)
+    target_cfg = tiny_cfg.with_taps(dcfg.tap_layers)
+    inner = dr.BlockDrafter(dcfg, target_cfg)
+    return target_cfg, inner, dr.init(jax.random.key(3), dcfg, dtype=jnp.float32)
+
+
+def test_tau_follows_profile_and_output_equals_ar(tiny_cfg, tiny_params):
+    block, n = 8, 96
+    target_cfg, inner, inner_params = _setup(tiny_cfg, tiny_params, block)
+    prompts = [[1, 2, 3, 4], [7, 8, 9]]
+    ar = generate(tiny_params, target_cfg, prompts, n).tokens
+    profile = conditional_profile(block, tau=4.0)
+    oracle = OracleDrafter(inner, tuple(profile))
+    params = OracleDrafter.make_params(inner_params, dr.replay_reference(prompts, ar.tolist()))
+    res = spec.generate(tiny_params, target_cfg, oracle, params, prompts, n)
+    np.testing.assert_array_equal(res.tokens, ar)
+    # ~2 x 24 steps: the mean of a [1, 8]-valued variable with sd ~2.5 lands within +-1.5 of 4 w.h.p.
+    assert abs(res.stats.tau - expected_tau(profile)) < 1.5
+    # always right / never right extremes are exact
+    for c, tau in ((1.0, block), (0.0, 1.0)):
+        o = OracleDrafter(inner, (c,) * (block - 1))
+        r = spec.generate(tiny_params, target_cfg, o, params, prompts, 33)
+        assert r.stats.tau == pytest.approx(tau)
+
+
+def test_real_drafter_forward_is_not_removed(tiny_cfg, tiny_params):
+    target_cfg, inner, inner_params = _setup(tiny_cfg, tiny_params, 4)
+    oracle = OracleDrafter(inner, (0.5, 0.5, 0.5))
+    params = OracleDrafter.make_params(inner_params, np.ones((1, 16), np.int32))
+    state = oracle.init_state(params, 1, 32, jnp.float32)
+
+    def propose(p, s):
+        return oracle.propose(p, tiny_params, s, jnp.array([1]), 4)[0]
+
+    hlo = jax.jit(propose).lower(params, state).compile().as_text()
+    # the drafter's o-projection is [q_size, H]: its weights must still be read by some dot
+    assert hlo.count(" dot(") + hlo.count("custom-call") >= 4, "drafter forward was optimized away"
