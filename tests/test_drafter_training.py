@@ -24,7 +24,7 @@ TINY_TARGET = TargetTrainConfig(hidden_size=32, num_layers=3, num_heads=2, num_k
 TINY_DRAFTER = DrafterTrainConfig(block_size=4, num_taps=2, gamma=2.0, num_sequences=12, prompt_len=8,
                                   gen_len=12, gen_batch=4, heldout_sequences=4, anchors_per_seq=3,
                                   batch_size=4, steps=4, learning_rate=1e-2, warmup_steps=1, log_every=1,
-                                  eval_every=2, checkpoint_every=2)
+                                  eval_every=2, eval_batch=2, checkpoint_every=2)
 
 
 @pytest.fixture(scope="module")
@@ -34,6 +34,11 @@ def setup(tmp_path_factory):
     target_cfg = model_config(TINY_TARGET, tokenizer)
     target_params = dense.init(jax.random.key(0), target_cfg, jnp.float32, std=0.3)
     return corpus, tokenizer, target_cfg, target_params
+
+
+def test_walk_tau_follows_decoding_jumps():
+    # Anchors visited: 1 (3 accepted -> 4 tokens), 5 (1 -> 2), 7 (0 -> 1), 8 (2 -> 3): 10 tokens / 4 steps.
+    assert drafter_training.walk_tau(np.array([[0, 3, 0, 0, 0, 1, 0, 0, 2, 0]]), first=1) == 2.5
 
 
 def test_spaced_taps():
