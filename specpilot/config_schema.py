@@ -145,6 +145,8 @@ def validate(cfg: DictConfig) -> None:
             _fail("decoding.methods", f"unknown method {m!r}; known: {sorted(METHODS)}")
         if METHODS[m].needs_drafter and d.source == "none":
             _fail("drafter", f"method {m!r} needs a drafter; choose one, e.g. drafter=embedded")
+    if any(m.endswith("_w12") for m in dec.methods) and t.dtype != "bfloat16":
+        _fail("target.dtype", "the 12-bit weight format encodes bfloat16 weights; set target.dtype=bfloat16")
     if dec.temperature < 0 or not 0 < dec.top_p <= 1 or dec.top_k < 0:
         _fail("decoding", "temperature >= 0, top_k >= 0 and 0 < top_p <= 1 are required")
     for key in ("num_prompts", "prompt_len", "new_tokens", "batch_size", "repeats"):

@@ -41,6 +41,15 @@ class Deployment:
     reference_tokens: list[list[int]] | None = None
     labels: dict = dataclasses.field(default_factory=dict)
 
+    def encoded(self, fmt: str):
+        """The target's params in weight format `fmt`, encoded once per deployment (offline work)."""
+        from specpilot import formats
+
+        cache = self.__dict__.setdefault("_encoded", {})
+        if fmt not in cache:
+            cache[fmt] = formats.encode_params(self.params, fmt)
+        return cache[fmt]
+
     def batches(self) -> list[list[list[int]]]:
         """Prompts grouped into batches of `batch_size` (a trailing partial batch is dropped)."""
         n = len(self.prompts) // self.batch_size * self.batch_size

@@ -38,13 +38,16 @@ class Method:
     run: Callable
     needs_drafter: bool = False
     description: str = ""
+    # Deployment -> forcing.Scorer reproducing this method's target numerics (weights, kernels, chunk
+    # size); token forcing compares it with AR's, position by position
+    scorer: Callable | None = None
 
 
-def run_ar(dep) -> MethodRun:
+def run_ar(dep, params=None) -> MethodRun:
     tokens, prefill_s, decode_s, decode_tokens = [], 0.0, 0.0, 0
     for batch in dep.batches():
-        res = ar.generate(dep.params, dep.cfg, batch, dep.new_tokens, dep.sampling, key=dep.key,
-                          cache_len=dep.cache_len)
+        res = ar.generate(params or dep.params, dep.cfg, batch, dep.new_tokens, dep.sampling,
+                          key=dep.key, cache_len=dep.cache_len)
         tokens.extend(res.tokens.tolist())
         prefill_s += res.prefill_s
         decode_s += res.decode_s
@@ -52,7 +55,7 @@ def run_ar(dep) -> MethodRun:
     return MethodRun(tokens, prefill_s, decode_s, decode_tokens)
 
 
-def run_stock(dep) -> MethodRun:
+def run_stock(dep, params=None) -> MethodRun:
     """Block drafter + chain verification (greedy prefix match, or rejection sampling)."""
     from specpilot.decoding import spec
     from specpilot.models.drafter import replay_reference
@@ -69,7 +72,7 @@ def run_stock(dep) -> MethodRun:
             continuation = dep.reference_tokens[i * dep.batch_size:(i + 1) * dep.batch_size]
             reference = replay_reference(batch, continuation)
             draft_params = OracleDrafter.make_params(dep.drafter[1], reference, seed=i)
-        res = spec.generate(dep.params, dep.cfg, drafter, draft_params, batch, dep.new_tokens,
+        res = spec.generate(params or dep.params, dep.cfg, drafter, draft_params, batch, dep.new_tokens,
                             block_size=dep.block_size, sampling=dep.sampling, key=dep.key,
                             cache_len=dep.cache_len)
         tokens.extend(res.tokens.tolist())
@@ -87,10 +90,42 @@ def run_stock(dep) -> MethodRun:
     return MethodRun(tokens, prefill_s, decode_s, decode_tokens, stats)
 
 
+def _scorer(params_of, chunk_of):
+    def make(dep):
+        from specpilot.forcing import chunked_scorer
+
+        return chunked_scorer(params_of(dep), dep.cfg, chunk=chunk_of(dep))
+    return make
+
+
+def _bf16(dep):
+    return dep.params
+
+
+def _w12(dep):
+    return dep.encoded("w12")
+
+
+def _one(dep):
+    return 1
+
+
+def _block(dep):
+    return dep.block_size
+
+
 METHODS: dict[str, Method] = {
-    "ar": Method("ar", run_ar, description="autoregressive baseline, one token per target step"),
+    "ar": Method("ar", run_ar, description="autoregressive baseline, one token per target step",
+                 scorer=_scorer(_bf16, _one)),
     "stock": Method("stock", run_stock, needs_drafter=True,
-                    description="block drafter + chain verification, bf16 weights"),
+                    description="block drafter + chain verification, bf16 weights",
+                    scorer=_scorer(_bf16, _block)),
+    "ar_w12": Method("ar_w12", lambda dep: run_ar(dep, _w12(dep)),
+                     description="AR with the lossless 12-bit weight format",
+                     scorer=_scorer(_w12, _one)),
+    "stock_w12": Method("stock_w12", lambda dep: run_stock(dep, _w12(dep)), needs_drafter=True,
+                        description="stock with the lossless 12-bit weight format",
+                        scorer=_scorer(_w12, _block)),
 }
 
 

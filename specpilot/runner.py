@@ -17,6 +17,7 @@ import platform
 from pathlib import Path
 
 import jax
+import numpy as np
 from omegaconf import DictConfig, OmegaConf
 
 from specpilot import costmodel, deploy
@@ -44,6 +45,9 @@ def run(cfg: DictConfig, out_dir: str | Path) -> list[dict]:
         runs[name] = median_run(METHODS[name], dep, int(cfg.bench.repeats))
         if name == "ar":
             dep.reference_tokens = runs["ar"].tokens
+    forcing = {name: check_by_forcing(METHODS[name], dep, runs["ar"], runs[name],
+                                      float(cfg.decoding.forcing_margin))
+               for name in runs if name != "ar"}
     ar_tpot = runs["ar"].decode_time_per_token
     hw = costmodel.Hardware.from_conf(cfg.gpu)
     mean_context = sum(len(p) for p in dep.prompts) / len(dep.prompts) + dep.new_tokens / 2
@@ -59,7 +63,8 @@ def run(cfg: DictConfig, out_dir: str | Path) -> list[dict]:
             speedup_vs_ar=ar_tpot / r.decode_time_per_token,
             ar_ceiling_ms_per_token=1e3 * ar_floor,
             tau=r.stats.get("tau"),
-            mismatches=r.stats.get("mismatches"),
+            mismatches=forcing[name]["mismatches"] if name in forcing else None,
+            forcing=forcing.get(name),
             notes="; ".join(dep.notes + r.stats.get("notes", [])),
             stats={k: v for k, v in r.stats.items() if k not in ("tau", "mismatches", "notes")},
             config=OmegaConf.to_container(cfg, resolve=True),
@@ -68,6 +73,29 @@ def run(cfg: DictConfig, out_dir: str | Path) -> list[dict]:
         records.append(rec)
     write(records, out_dir)
     return records
+
+
+def check_by_forcing(method, dep, ar_run, run, tie_margin: float) -> dict:
+    """Token forcing against AR: AR's output tokens forced into both AR's and the method's numerics.
+
+    Also counts prompts whose raw output differs from AR's. Greedy only: sampled outputs are checked
+    statistically (tests), not token by token.
+    """
+    from specpilot.forcing import force
+
+    outputs_differ = sum(a != b for a, b in zip(ar_run.tokens, run.tokens))
+    if not dep.sampling.greedy or method.scorer is None:
+        return {"mismatches": None, "outputs_differ": outputs_differ,
+                "summary": "not checked by token forcing (sampling, or the method has no scorer)"}
+    n = len(ar_run.tokens)
+    report = force(METHODS["ar"].scorer(dep), method.scorer(dep), dep.prompts[:n],
+                   np.asarray(ar_run.tokens), tie_margin)
+    return {"mismatches": report.num_mismatches, "hard": report.num_hard_mismatches,
+            "near_ties": report.num_near_ties, "positions": report.num_positions,
+            "tie_margin": tie_margin, "reference_self_mismatches": report.reference_self_mismatches,
+            "first_mismatch": [p.first_mismatch for p in report.prompts],
+            "margins": [p.margins for p in report.prompts], "summary": report.summary(),
+            "outputs_differ": outputs_differ}
 
 
 def write(records: list[dict], out_dir: str | Path) -> None:
@@ -93,6 +121,9 @@ def format_table(records: list[dict]) -> str:
         mm = str(r["mismatches"]) if r.get("mismatches") is not None else "-"
         lines.append(f"{r['method']:<10}{r['decode_ms_per_token']:>10.3f}{r['tokens_per_s']:>10.1f}"
                      f"{r['speedup_vs_ar']:>8.2f}x{tau:>7}{mm:>10}")
+    for r in records:
+        if r.get("forcing"):
+            lines.append(f"{r['method']}: {r['forcing']['summary']}")
     notes = {r["notes"] for r in records if r.get("notes")}
     lines += [f"note: {n}" for n in sorted(notes)]
     return "\n".join(lines)

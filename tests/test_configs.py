@@ -29,6 +29,8 @@ def test_every_option_composes(group):
         overrides = [f"{group}={option}"]
         if group == "decoding" and option != "ar":
             overrides.append("drafter=random")  # speculative methods need a drafter
+        if group == "decoding" and "w12" in option:
+            overrides.append("target.dtype=bfloat16")  # the 12-bit format encodes bf16 weights
         cfg = _compose(overrides)
         if not any(c.source in ("hf", "dflash") and not c.path for c in (cfg.target, cfg.drafter)):
             validate(cfg)

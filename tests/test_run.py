@@ -28,6 +28,20 @@ def test_run_writes_records_and_table(tmp_path):
     assert (out / "results.csv").read_text().startswith("target,drafter,gpu")
 
 
+def test_stock_run_is_checked_by_token_forcing(tmp_path):
+    out = tmp_path / "out"
+    proc = _run(f"output_dir={out}", "decoding=stock", "drafter=oracle", "drafter.num_layers=1",
+                "drafter.block_size=4", "drafter.tau=2.5", "bench.num_prompts=2", "bench.new_tokens=12",
+                f"hydra.run.dir={tmp_path / 'hydra'}", cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    records = {r["method"]: r for r in map(json.loads, (out / "results.jsonl").read_text().splitlines())}
+    stock = records["stock"]
+    assert stock["forcing"]["positions"] == 24 and stock["mismatches"] == 0
+    assert stock["forcing"]["outputs_differ"] == 0
+    assert 1.0 <= stock["tau"] <= 4.0 and "oracle acceptance" in stock["notes"]
+    assert "token forcing: 24 positions, 0 mismatches" in proc.stdout
+
+
 def test_bad_override_fails_with_clear_message(tmp_path):
     proc = _run("drafter.block_size=0", f"hydra.run.dir={tmp_path / 'hydra'}", cwd=tmp_path)
     assert proc.returncode != 0

@@ -44,7 +44,7 @@ WINDOW = 16  # exponents one 4-bit code reaches
 DEFAULT_GROUP_N = 128  # CSR column block; 128 divides every Qwen3 / Llama dim incl. vocab 151936
 DEFAULT_GROUP_K = 32  # CSR paired-row group: one default kernel tile of 2 x 32 x 128 weights
 FIELDS = ("sm", "nib", "base", "exc_ptr", "exc_row", "exc_col", "exc_val")
-LINEAR_NAMES = ("q", "k", "v", "o", "gate", "up", "down")
+LINEAR_NAMES = ("q", "k", "v", "o", "gate", "up", "down", "qkv", "gate_up")  # separate or fused layout
 
 
 @dataclasses.dataclass(frozen=True)

@@ -25,6 +25,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from specpilot.cache import KVCache, write_positions
+from specpilot.formats import w12
 from specpilot.models.config import ModelConfig
 from specpilot.models.layers import apply_rope, attention, linear, rms_norm, rope_tables
 
@@ -116,6 +117,8 @@ def lm_head(params: Params, cfg: ModelConfig, x: jax.Array) -> jax.Array:
     """Final-normed hidden states [..., H] -> float32 logits [..., V]."""
     if cfg.tie_word_embeddings:
         return jnp.einsum("...h,vh->...v", x, params["embed"], preferred_element_type=jnp.float32)
+    if isinstance(params["lm_head"], w12.W12):
+        return w12.linear(x, params["lm_head"], out_dtype=jnp.float32)
     return jnp.einsum("...h,hv->...v", x, params["lm_head"], preferred_element_type=jnp.float32)
 
 

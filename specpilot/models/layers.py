@@ -10,6 +10,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from specpilot.formats import w12
+
 
 def rms_norm(x: jax.Array, weight: jax.Array, eps: float) -> jax.Array:
     dtype = x.dtype
@@ -19,7 +21,12 @@ def rms_norm(x: jax.Array, weight: jax.Array, eps: float) -> jax.Array:
 
 
 def linear(x: jax.Array, w: jax.Array, b: jax.Array | None = None) -> jax.Array:
-    """x [..., K] @ w [K, N] with float32 accumulation, result in x's dtype."""
+    """x [..., K] @ w [K, N] with float32 accumulation, result in x's dtype.
+
+    A 12-bit weight (`formats.w12.W12`) goes through the fused decode-matmul kernel.
+    """
+    if isinstance(w, w12.W12):
+        return w12.linear(x, w, b)
     y = jnp.einsum("...k,kn->...n", x, w, preferred_element_type=jnp.float32)
     if b is not None:
         y = y + b.astype(jnp.float32)
