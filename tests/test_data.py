@@ -108,6 +108,12 @@ def test_pack_and_batch_order():
         batch_at(data, 0, 11, seed=0)
 
 
+def test_tokenizer_training_is_deterministic(tree, tokenizer):
+    # A resumed pipeline retrains the tokenizer: it must come out identical to the first one.
+    again = train_tokenizer(load_corpus(tree, heldout_fraction=0.3).texts("train"), vocab_size=400)
+    assert again.tokenizer.to_str() == tokenizer.tokenizer.to_str()
+
+
 def test_tokenizer_round_trip_and_specials(tokenizer, tmp_path):
     assert tokenizer.eos_id == 0 and tokenizer.mask_id == 1 and tokenizer.pad_id == 2
     assert tokenizer.vocab_size <= 400
