@@ -62,3 +62,20 @@ def test_real_drafter_forward_is_not_removed(tiny_cfg, tiny_params):
     hlo = jax.jit(propose).lower(params, state).compile().as_text()
     # the drafter's o-projection is [q_size, H]: its weights must still be read by some dot
     assert hlo.count(" dot(") + hlo.count("custom-call") >= 4, "drafter forward was optimized away"
+
+
+def test_non_finite_drafter_logits_do_not_reach_the_drafts(tiny_cfg, tiny_params):
+    target_cfg, inner, inner_params = _setup(tiny_cfg, tiny_params, 4)
+
+    class NaNDrafter(type(inner)):
+        def propose(self, params, target_params, state, last_tokens, block_size):
+            logits, state = super().propose(params, target_params, state, last_tokens, block_size)
+            return logits * jnp.nan, state
+
+    oracle = OracleDrafter(NaNDrafter(inner.cfg, inner.target_cfg), (1.0, 1.0, 1.0))
+    prompts = [[1, 2, 3]]
+    ar = generate(tiny_params, target_cfg, prompts, 17).tokens
+    params = OracleDrafter.make_params(inner_params, dr.replay_reference(prompts, ar.tolist()))
+    res = spec.generate(tiny_params, target_cfg, oracle, params, prompts, 17)
+    np.testing.assert_array_equal(res.tokens, ar)
+    assert res.stats.tau == pytest.approx(4.0)

@@ -5,8 +5,8 @@ stated acceptance profile against the target's own greedy continuation (DESIGN.m
 
 Design choices:
 - Wraps any drafter with the loop's interface (`init_state`, `extend`, `propose`): the wrapped drafter's
-  forward still runs at its real shape every step; its logits are kept alive by a zero-weighted term so
-  the compiler cannot remove the work being timed.
+  forward still runs at its real shape every step; a zero-weighted term (non-finite values zeroed
+  first) keeps the compiler from removing the work being timed, while no real value reaches a draft.
 - The profile is a list of conditional acceptance probabilities c_k = P(draft k right | drafts < k
   right), k = 1..Bs-1, or a target tau, from which one constant c is solved so that the expected tokens
   per verification, sum_{k<Bs} c^k, equals tau. Each step draws how many leading drafts are right; those
@@ -99,5 +99,7 @@ class OracleDrafter:
         right = jnp.cumprod(u < c[None, :], axis=1).astype(bool)  # leading run of right drafts
         tokens = jnp.where(right, tokens, (tokens + 1) % self.vocab_size)
         logits = self.confidence * jax.nn.one_hot(tokens, self.vocab_size, dtype=jnp.float32)
-        # keep the real forward alive: its result feeds the output with weight zero
-        return logits + 0.0 * real_logits, state
+        # Keep the real forward alive (an unused result would be removed, optimization barriers
+        # included) without letting its values in: non-finite logits are zeroed before the zero weight.
+        alive = jnp.nan_to_num(real_logits.max(axis=-1, keepdims=True), nan=0.0, posinf=0.0, neginf=0.0)
+        return logits + 0.0 * alive, state
