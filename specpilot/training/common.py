@@ -109,6 +109,9 @@ def run_training(state: Any, step_fn: Callable, batch_fn: Callable[[int], Any], 
                 raise ValueError(f"checkpoint in {out_dir} was made with different settings "
                                  f"(saved, now): {changed}; use a fresh out_dir")
             start = latest
+        # Commit the state to the device: a fresh (uncommitted) state and the step's committed output
+        # are different jit signatures, which would compile the step twice.
+        state = jax.device_put(state, jax.devices()[0])
         log.truncate_after(start)
         end = steps if stop_at is None else min(steps, stop_at)
         bar = tqdm(total=steps, initial=start, desc=desc, disable=not progress, dynamic_ncols=True)
