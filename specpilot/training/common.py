@@ -39,15 +39,6 @@ def make_optimizer(learning_rate: float, steps: int, warmup_steps: int, weight_d
                        optax.adamw(schedule, b1=b1, b2=b2, weight_decay=weight_decay, mask=decay_mask))
 
 
-def schedule_value(learning_rate: float, steps: int, warmup_steps: int, min_lr_ratio: float,
-                   step: int) -> float:
-    """The learning rate `make_optimizer` applies at `step` (for the log)."""
-    warmup_steps = max(1, min(warmup_steps, steps - 1))
-    fn = optax.warmup_cosine_decay_schedule(0.0, learning_rate, warmup_steps,
-                                            max(steps, warmup_steps + 1), learning_rate * min_lr_ratio)
-    return float(fn(step))
-
-
 class JsonlLog:
     """Append-only JSON-lines log; `truncate_after(step)` drops records of steps a resume will redo."""
 

@@ -47,10 +47,11 @@ from specpilot.training.common import cross_entropy, make_optimizer, run_trainin
 class DrafterTrainConfig:
     """Defaults: the embedded drafter of the default pipeline.
 
-    Measured on 2 pinned CPU cores against the default target: regeneration ~30 s, 0.38 s/step with
-    two layers (0.25 s with one), so 600 steps take ~4 min. Greedy tau at block 8 on the default
-    benchmark prompts (GPU runs of the same recipe): 4.6 with 2 layers x 600 steps; 2.7 with
-    1 layer x 300 steps.
+    Measured on 2 CPU cores against the default target: regeneration 30-60 s, 0.5-0.55 s/step with
+    two layers on an idle CI-class machine (0.38 s, or 0.25 s with one layer, on 2 pinned cores of
+    another Xeon), so 600 steps take 4-6 min. Greedy tau at block 8 on the default benchmark
+    prompts (64 x 128 new tokens): 4.58 after the whole default pipeline on 2 CPU cores; 2.7 with
+    1 layer x 300 steps (GPU run of the same recipe).
     """
 
     # Drafter (hidden size, heads and MLP follow the target, as in DFlash)

@@ -38,8 +38,9 @@ from specpilot.training.common import cross_entropy, make_optimizer, run_trainin
 class TargetTrainConfig:
     """Defaults: the embedded target of the default pipeline.
 
-    Measured on 2 pinned CPU cores (H200 host's Xeon): 0.84 s/step, so 480 steps take ~6.7 min and
-    reach a held-out loss of ~4.08 nats/token (3.4 bytes/token). At a fixed budget a smaller model
+    Measured on 2 CPU cores: 0.63-0.73 s/step on an idle CI-class machine (0.84 s/step on 2 pinned
+    cores of another Xeon), so 480 steps take 5-7 min and reach a held-out loss of 4.10 nats/token
+    (3.4 bytes/token). At a fixed budget a smaller model
     won: held-out 4.10 (hidden 128), 4.62 (192), 4.74 (256) after ~6.5 min each. Better targets are
     harder to draft (their greedy output repeats less): tau at block 8 fell from 4.6 to 2.3 when the
     held-out loss went from 4.08 to 3.81, so the default stops where the drafter still reaches tau > 3.
