@@ -17,7 +17,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a check
 from specpilot import config_schema, runner  # noqa: E402
 
 config_schema.register()
-logging.getLogger("jax._src.xla_bridge").setLevel(logging.WARNING)  # "no TPU" noise
+for noisy in ("jax._src.xla_bridge", "absl", "orbax"):  # "no TPU" and per-checkpoint INFO lines
+    logging.getLogger(noisy).setLevel(logging.WARNING)
 
 
 @hydra.main(version_base=None, config_path="../conf", config_name="config")

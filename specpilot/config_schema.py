@@ -91,6 +91,8 @@ class Config:
     bench: BenchConf = MISSING
     seed: int = 0
     cache_dir: str = "~/.cache/specpilot"  # trained embedded pair, tokenizer
+    # overrides of specpilot.embedded.EmbeddedConfig (training sizes, prompts), e.g. embedded.target.steps
+    embedded: Dict[str, Any] = dataclasses.field(default_factory=dict)
     output_dir: Optional[str] = None  # default: Hydra's run directory
 
 
@@ -132,6 +134,11 @@ def validate(cfg: DictConfig) -> None:
         _fail("drafter.block_size", f"must be >= 1, got {d.block_size}")
     if d.num_layers < 1:
         _fail("drafter.num_layers", f"must be >= 1, got {d.num_layers}")
+    if d.source == "embedded" and t.source != "embedded":
+        _fail("drafter.source", "the embedded drafter belongs to the embedded target (target=embedded)")
+    if b.prompts == "heldout" and t.source != "embedded":
+        _fail("bench.prompts", "held-out prompts come from the embedded corpus and tokenizer; use "
+              "target=embedded or bench.prompts=random")
     if d.source == "dflash" and not d.path:
         _fail("drafter.path", "a dflash drafter needs the path of a local checkpoint directory")
     if d.source == "oracle" and d.acceptance is None and d.tau is None:

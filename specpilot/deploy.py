@@ -80,8 +80,6 @@ def build_target(tconf: DictConfig, dconf: DictConfig, seed: int):
         params, cfg = load_hf(path, dtype=dtype)
         cfg = cfg.with_taps(target_tap_layers(tconf, dconf, cfg.num_layers))
         return params, cfg, []
-    if tconf.source == "embedded":
-        raise NotImplementedError("the embedded (locally trained) target is not available yet")
     raise ValueError(f"unknown target source {tconf.source!r}")
 
 
@@ -120,11 +118,30 @@ def random_prompts(n: int, length: int, vocab_size: int, seed: int) -> list[list
     return rng.integers(0, vocab_size, size=(n, length)).tolist()
 
 
+def build_embedded(cfg: DictConfig):
+    """-> (params, cfg, drafter or None, held-out prompts, notes) of the locally trained pair."""
+    from specpilot import embedded
+    from specpilot.models import drafter as dr
+
+    econf = embedded.from_overrides(OmegaConf.to_container(cfg.embedded, resolve=True))
+    pair = embedded.ensure_pair(cfg.cache_dir, econf, dtype=DTYPES[cfg.target.dtype])
+    drafter = None
+    if cfg.drafter.source == "embedded":
+        dcfg = dataclasses.replace(pair.drafter_cfg, block_size=int(cfg.drafter.block_size))
+        drafter = (dr.BlockDrafter(dcfg, pair.target_cfg), pair.drafter_params)
+    notes = [f"embedded pair trained here ({pair.directory.name}; drafter trained at block "
+             f"{pair.drafter_cfg.block_size})"]
+    return pair.target_params, pair.target_cfg, drafter, pair.prompts.as_lists(), notes
+
+
 def build(cfg: DictConfig) -> Deployment:
     b, dec = cfg.bench, cfg.decoding
-    params, mcfg, notes = build_target(cfg.target, cfg.drafter, int(cfg.seed))
-    drafter = None
-    if cfg.drafter.source != "none":
+    drafter, heldout = None, None
+    if cfg.target.source == "embedded":
+        params, mcfg, drafter, heldout, notes = build_embedded(cfg)
+    else:
+        params, mcfg, notes = build_target(cfg.target, cfg.drafter, int(cfg.seed))
+    if cfg.drafter.source not in ("none", "embedded"):
         drafter_obj, draft_params, mcfg, dnotes = build_drafter(cfg.drafter, mcfg, params, int(cfg.seed))
         drafter = (drafter_obj, draft_params)
         notes = notes + dnotes
@@ -133,7 +150,10 @@ def build(cfg: DictConfig) -> Deployment:
     if b.prompts == "random":
         prompts = random_prompts(b.num_prompts, b.prompt_len, mcfg.vocab_size, int(cfg.seed) + 1)
     else:
-        raise NotImplementedError(f"prompt set {b.prompts!r} needs the embedded corpus (not available yet)")
+        if len(heldout) < b.num_prompts:
+            raise ValueError(f"bench.num_prompts={b.num_prompts} but the embedded set has {len(heldout)} "
+                             f"held-out prompts (embedded.num_prompts)")
+        prompts = [p[: b.prompt_len] for p in heldout[: b.num_prompts]]
     longest = max(len(p) for p in prompts)
     block = int(cfg.drafter.block_size) if cfg.drafter.source != "none" else 1
     cache_len = b.cache_len or -(-(longest + b.new_tokens + block) // 128) * 128

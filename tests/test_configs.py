@@ -14,9 +14,30 @@ CONF = Path(__file__).resolve().parents[1] / "conf"
 config_schema.register()
 
 
-def _compose(overrides=()):
+TINY = ["target=tiny_random", "drafter=none", "decoding=ar", "bench=default"]
+
+
+def _compose(overrides=(), base=TINY):
     with initialize_config_dir(config_dir=str(CONF), version_base=None):
-        return typed(compose(config_name="config", overrides=list(overrides)))
+        return typed(compose(config_name="config", overrides=[*base, *overrides]))
+
+
+def _fixups(group, option):
+    """Companion choices an option needs to form a valid deployment."""
+    if (group, option) in (("target", "embedded"), ("drafter", "embedded"), ("bench", "heldout")):
+        return ["target=embedded", "drafter=embedded", "decoding=stock", "bench=heldout"]
+    if group == "decoding" and option != "ar":
+        extra = ["drafter=random"]  # speculative methods need a drafter
+        if "w12" in option:
+            extra.append("target.dtype=bfloat16")  # the 12-bit format encodes bf16 weights
+        return extra
+    return []
+
+
+def test_default_config_composes_and_validates():
+    cfg = _compose(base=())
+    validate(cfg)
+    assert (cfg.target.source, cfg.drafter.source, cfg.bench.prompts) == ("embedded", "embedded", "heldout")
 
 
 def _options(group):
@@ -26,12 +47,10 @@ def _options(group):
 @pytest.mark.parametrize("group", ["target", "drafter", "gpu", "decoding", "bench", "experiment"])
 def test_every_option_composes(group):
     for option in _options(group):
-        overrides = [f"{group}={option}"]
-        if group == "decoding" and option != "ar":
-            overrides.append("drafter=random")  # speculative methods need a drafter
-        if group == "decoding" and "w12" in option:
-            overrides.append("target.dtype=bfloat16")  # the 12-bit format encodes bf16 weights
-        cfg = _compose(overrides)
+        if group == "experiment":
+            cfg = _compose([f"experiment={option}"], base=())
+        else:
+            cfg = _compose([*_fixups(group, option), f"{group}={option}"])
         if not any(c.source in ("hf", "dflash") and not c.path for c in (cfg.target, cfg.drafter)):
             validate(cfg)
 
@@ -45,6 +64,9 @@ def test_every_option_composes(group):
     ("bench.prompts=poems", "bench.prompts"),
     ("decoding.top_p=1.5", "decoding"),
     ("target=hf", "target.path"),
+    ("drafter=embedded", "drafter.source"),
+    ("bench=heldout", "bench.prompts"),
+    ("decoding=stock", "needs a drafter"),
 ])
 def test_impossible_values_fail_clearly(override, match):
     with pytest.raises(ConfigValueError, match=match):

@@ -8,9 +8,14 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def _run(*overrides, cwd):
-    return subprocess.run([sys.executable, str(ROOT / "experiments" / "run.py"), *overrides],
-                          cwd=cwd, capture_output=True, text=True, timeout=300)
+TINY = ("target=tiny_random", "drafter=none", "decoding=ar", "bench=default")
+
+
+def _run(*overrides, cwd, base=TINY):
+    flags = [o for o in overrides if o.startswith("-")]  # Hydra's flags (-m) precede its overrides
+    rest = [o for o in overrides if not o.startswith("-")]
+    return subprocess.run([sys.executable, str(ROOT / "experiments" / "run.py"), *flags, *base, *rest],
+                          cwd=cwd, capture_output=True, text=True, timeout=600)
 
 
 def test_run_writes_records_and_table(tmp_path):
@@ -76,3 +81,22 @@ def test_multirun_with_joblib_launcher(tmp_path):
     seeds = sorted(json.loads(p.read_text().splitlines()[0])["config"]["seed"]
                    for p in sweep.rglob("results.jsonl"))
     assert seeds == [1, 2]
+
+
+def test_embedded_toy_pipeline_trains_caches_and_compares(tmp_path):
+    cache, out1, out2 = tmp_path / "cache", tmp_path / "o1", tmp_path / "o2"
+    first = _run("experiment=embedded_toy", f"cache_dir={cache}", f"output_dir={out1}",
+                 f"hydra.run.dir={tmp_path / 'h1'}", cwd=tmp_path, base=())
+    assert first.returncode == 0, first.stderr[-3000:]
+    (pair,) = cache.glob("embedded-*")
+    for stage in ("tokenizer.json", "target/model/specpilot.json", "drafter/model/model.safetensors"):
+        assert (pair / stage).exists(), stage
+    stamp = (pair / "target" / "model" / "specpilot.json").stat().st_mtime
+    second = _run("experiment=embedded_toy", f"cache_dir={cache}", f"output_dir={out2}",
+                  f"hydra.run.dir={tmp_path / 'h2'}", cwd=tmp_path, base=())
+    assert second.returncode == 0, second.stderr[-3000:]
+    assert "training the target" not in second.stdout  # the cached pair is reused, not retrained
+    assert (pair / "target" / "model" / "specpilot.json").stat().st_mtime == stamp
+    records = {r["method"]: r for r in map(json.loads, (out2 / "results.jsonl").read_text().splitlines())}
+    assert records["stock"]["mismatches"] == 0 and records["stock"]["forcing"]["positions"] == 24
+    assert records["stock"]["prompts"] == "heldout" and "embedded pair" in records["stock"]["notes"]
