@@ -30,7 +30,6 @@ class TargetConf:
     source: str = "random"  # random weights at `model`'s shape | hf checkpoint at `path` | embedded
     path: Optional[str] = None
     dtype: str = "bfloat16"
-    weights: str = "bf16"  # weight format
     # fused: q/k/v and gate/up as one matrix each (7.2 -> 5.1 ms/token for Qwen3-8B on an H200);
     # every method of a run uses the same layout, so outputs stay comparable token for token
     layout: str = "fused"
