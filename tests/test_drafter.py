@@ -13,22 +13,11 @@ from safetensors.numpy import save_file
 from specpilot.models import dense
 from specpilot.models import drafter as dr
 from specpilot.models.config import ConfigError, ModelConfig
+from helpers import random_params
 
 CFG = ModelConfig(vocab_size=96, hidden_size=32, intermediate_size=48, num_layers=3, num_heads=4,
                   num_kv_heads=2, head_dim=8, qk_norm=True, tap_layers=(0, 2))
 DCFG = dr.DrafterConfig.for_target(CFG, num_layers=2, block_size=4)
-
-
-def random_params(shapes, std, seed):
-    """dense.init's distribution drawn with numpy: eager jax.random would cost seconds of compiles."""
-    rng = np.random.default_rng(seed)
-
-    def make(path, shape):
-        x = np.ones(shape) if str(path[-1].key).endswith("norm") else std * rng.standard_normal(shape)
-        return jnp.asarray(x, jnp.float32)
-
-    return jax.tree_util.tree_map_with_path(
-        make, shapes, is_leaf=lambda x: isinstance(x, tuple) and all(isinstance(i, int) for i in x))
 
 
 @pytest.fixture(scope="module")

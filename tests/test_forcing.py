@@ -1,6 +1,5 @@
 """Token forcing: agreeing methods pass; a perturbed candidate is flagged at the right positions."""
 
-import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -9,24 +8,13 @@ from specpilot import forcing
 from specpilot.decoding import ar
 from specpilot.models import dense
 from specpilot.models.config import ModelConfig
+from helpers import random_params
 
 CFG = ModelConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_layers=2, num_heads=2,
                   num_kv_heads=1, head_dim=16, qk_norm=True)
 PROMPTS = [[1, 2, 3], [7, 8, 9, 10, 11, 12]]
 N = 12
 PERTURBED_POSITION = 9  # absolute position whose logits the perturbed candidate corrupts
-
-
-def random_params(shapes, std, seed):
-    """dense.init's distribution drawn with numpy: eager jax.random would cost seconds of compiles."""
-    rng = np.random.default_rng(seed)
-
-    def make(path, shape):
-        x = np.ones(shape) if str(path[-1].key).endswith("norm") else std * rng.standard_normal(shape)
-        return jnp.asarray(x, jnp.float32)
-
-    return jax.tree_util.tree_map_with_path(
-        make, shapes, is_leaf=lambda x: isinstance(x, tuple) and all(isinstance(i, int) for i in x))
 
 
 @pytest.fixture(scope="module")

@@ -7,7 +7,6 @@ import pytest
 
 from specpilot.decoding import spec
 from specpilot.decoding.ar import generate
-from specpilot.models import dense
 from specpilot.models import drafter as dr
 from specpilot.models.oracle import (OracleDrafter, conditional_profile, constant_acceptance_for_tau,
                                      expected_tau)

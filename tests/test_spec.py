@@ -1,6 +1,5 @@
 """Speculative decoding: greedy output equals AR token for token; tau extremes; capacity; loops agree."""
 
-import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -11,24 +10,13 @@ from specpilot.decoding.sampling import SamplingConfig
 from specpilot.models import dense
 from specpilot.models import drafter as dr
 from specpilot.models.config import ModelConfig
+from helpers import random_params
 
 CFG = ModelConfig(vocab_size=128, hidden_size=64, intermediate_size=128, num_layers=2, num_heads=4,
                   num_kv_heads=2, head_dim=16, qk_norm=True, tap_layers=(0, 1))
 PROMPTS = [[1, 2, 3], [5, 9, 11, 40, 7, 3, 2, 8, 8, 1, 60], [17, 4, 99, 23, 5, 6]]
 N = 24  # new tokens per prompt
 EXTRA = 17  # AR reference runs past N so a replayed block never runs off its end
-
-
-def random_params(shapes, std, seed):
-    """dense.init's distribution drawn with numpy: eager jax.random would cost seconds of compiles."""
-    rng = np.random.default_rng(seed)
-
-    def make(path, shape):
-        x = np.ones(shape) if str(path[-1].key).endswith("norm") else std * rng.standard_normal(shape)
-        return jnp.asarray(x, jnp.float32)
-
-    return jax.tree_util.tree_map_with_path(
-        make, shapes, is_leaf=lambda x: isinstance(x, tuple) and all(isinstance(i, int) for i in x))
 
 
 @pytest.fixture(scope="module")
