@@ -2,8 +2,8 @@
 
 Design choices:
 - Everything a method needs is in one `Deployment` value; methods never read the config themselves.
-- Random-weight targets are built at their real shape directly on the device, layer by layer, and the
-  deployment carries notes ("random weights") that every result record repeats.
+- Random-weight targets are built at their real shape directly on the device, and the deployment
+  carries notes ("random weights", "oracle acceptance") that every result record repeats.
 """
 
 from __future__ import annotations
@@ -40,15 +40,15 @@ class Deployment:
     # the AR baseline's output tokens per prompt, filled by the runner (an oracle drafter replays them)
     reference_tokens: list[list[int]] | None = None
     labels: dict = dataclasses.field(default_factory=dict)
+    encoded_params: dict = dataclasses.field(default_factory=dict, repr=False)  # format -> params
 
     def encoded(self, fmt: str):
         """The target's params in weight format `fmt`, encoded once per deployment (offline work)."""
         from specpilot import formats
 
-        cache = self.__dict__.setdefault("_encoded", {})
-        if fmt not in cache:
-            cache[fmt] = formats.encode_params(self.params, fmt)
-        return cache[fmt]
+        if fmt not in self.encoded_params:
+            self.encoded_params[fmt] = formats.encode_params(self.params, fmt)
+        return self.encoded_params[fmt]
 
     def batches(self) -> list[list[list[int]]]:
         """Prompts grouped into batches of `batch_size` (a trailing partial batch is dropped)."""
@@ -153,7 +153,7 @@ def build(cfg: DictConfig) -> Deployment:
         if len(heldout) < b.num_prompts:
             raise ValueError(f"bench.num_prompts={b.num_prompts} but the embedded set has {len(heldout)} "
                              f"held-out prompts (embedded.num_prompts)")
-        prompts = [p[: b.prompt_len] for p in heldout[: b.num_prompts]]
+        prompts = [p[-b.prompt_len:] for p in heldout[: b.num_prompts]]  # keep each prompt's end
     longest = max(len(p) for p in prompts)
     block = int(cfg.drafter.block_size) if cfg.drafter.source != "none" else 1
     cache_len = b.cache_len or -(-(longest + b.new_tokens + block) // 128) * 128
