@@ -59,7 +59,6 @@ def run_stock(dep, params=None) -> MethodRun:
     """Block drafter + chain verification (greedy prefix match, or rejection sampling)."""
     from specpilot.decoding import spec
     from specpilot.models.drafter import replay_reference
-
     from specpilot.models.oracle import OracleDrafter
 
     drafter, draft_params = dep.drafter
