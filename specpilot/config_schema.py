@@ -67,6 +67,8 @@ class DecodingConf:
     top_k: int = 0
     top_p: float = 1.0
     forcing_margin: float = 1e-3  # top-1/top-2 logit gap below which a mismatch is a near-tie
+    # one extra profiled (phase-synced) pass per speculative method for the draft/verify/bookkeeping split
+    profile_split: bool = True
 
 
 @dataclasses.dataclass

@@ -36,6 +36,7 @@ class Deployment:
     key: jax.Array
     drafter: Any = None  # (drafter object, drafter params) or None
     block_size: int = 1
+    profile_split: bool = False  # speculative methods add a profiled pass for the time split
     notes: list[str] = dataclasses.field(default_factory=list)
     # the AR baseline's output tokens per prompt, filled by the runner (an oracle drafter replays them)
     reference_tokens: list[list[int]] | None = None
@@ -165,4 +166,4 @@ def build(cfg: DictConfig) -> Deployment:
         sampling=SamplingConfig(float(dec.temperature), int(dec.top_k), float(dec.top_p)),
         prompts=prompts, batch_size=int(b.batch_size), new_tokens=int(b.new_tokens),
         cache_len=int(cache_len), key=jax.random.key(int(cfg.seed)), drafter=drafter,
-        block_size=block, notes=notes, labels=labels)
+        block_size=block, profile_split=bool(dec.profile_split), notes=notes, labels=labels)

@@ -86,6 +86,19 @@ def run_stock(dep, params=None) -> MethodRun:
     at_least = hist[::-1].cumsum()[::-1] / max(1, hist.sum())
     stats = {"tau": emitted / max(1, steps), "steps": steps,
              "acceptance_per_position": [float(a) for a in at_least[1:]]}
+    if dep.profile_split:
+        # A separate, profiled pass over the first batch (phases jitted apart and synced): it gives the
+        # draft / verify / bookkeeping split without touching the timed runs above.
+        batch = dep.batches()[0]
+        if isinstance(drafter, OracleDrafter):
+            draft_params = OracleDrafter.make_params(
+                dep.drafter[1], replay_reference(batch, dep.reference_tokens[:len(batch)]), seed=0)
+        prof = spec.generate(params or dep.params, dep.cfg, drafter, draft_params, batch,
+                             dep.new_tokens, block_size=dep.block_size, sampling=dep.sampling,
+                             key=dep.key, cache_len=dep.cache_len, profile=True).stats
+        total = prof.draft_s + prof.verify_s + prof.bookkeeping_s
+        stats["time_split"] = {"draft": prof.draft_s / total, "verify": prof.verify_s / total,
+                               "bookkeeping": prof.bookkeeping_s / total}
     return MethodRun(tokens, prefill_s, decode_s, decode_tokens, stats)
 
 

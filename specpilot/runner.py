@@ -122,6 +122,10 @@ def format_table(records: list[dict]) -> str:
         lines.append(f"{r['method']:<10}{r['decode_ms_per_token']:>10.3f}{r['tokens_per_s']:>10.1f}"
                      f"{r['speedup_vs_ar']:>8.2f}x{tau:>7}{mm:>10}")
     for r in records:
+        split = (r.get("stats") or {}).get("time_split")
+        if split:
+            lines.append(f"{r['method']}: time split (profiled pass) " + ", ".join(
+                f"{k} {100 * v:.0f}%" for k, v in split.items()))
         if r.get("forcing"):
             lines.append(f"{r['method']}: {r['forcing']['summary']}")
     notes = {r["notes"] for r in records if r.get("notes")}

@@ -44,6 +44,9 @@ def test_stock_run_is_checked_by_token_forcing(tmp_path):
     assert stock["forcing"]["positions"] == 24 and stock["mismatches"] == 0
     assert stock["forcing"]["outputs_differ"] == 0
     assert 1.0 <= stock["tau"] <= 4.0 and "oracle acceptance" in stock["notes"]
+    split = stock["stats"]["time_split"]
+    assert set(split) == {"draft", "verify", "bookkeeping"} and abs(sum(split.values()) - 1) < 1e-9
+    assert len(stock["stats"]["acceptance_per_position"]) == 3
     assert "token forcing: 24 positions, 0 mismatches" in proc.stdout
 
 
