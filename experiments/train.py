@@ -5,12 +5,15 @@ checkpoint) on any folder of text files (`corpus.root=/path`). Each stage resume
 checkpoints when run again with the same out_dir. See conf/train.yaml for the options.
 """
 
+import dataclasses
 import logging
 import sys
 from pathlib import Path
+from typing import Optional
 
 import hydra
-from omegaconf import DictConfig, OmegaConf
+from hydra.core.config_store import ConfigStore
+from omegaconf import MISSING, DictConfig, OmegaConf
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout without install
 
@@ -19,11 +22,53 @@ import jax.numpy as jnp  # noqa: E402
 from specpilot.data.corpus import load_corpus  # noqa: E402
 from specpilot.data.tokenizer import load_tokenizer, train_tokenizer  # noqa: E402
 from specpilot.embedded import from_overrides  # noqa: E402
+from specpilot.training.drafter import DrafterTrainConfig  # noqa: E402
+from specpilot.training.target import TargetTrainConfig  # noqa: E402
 
 for noisy in ("jax._src.xla_bridge", "absl", "orbax"):
     logging.getLogger(noisy).setLevel(logging.WARNING)
 
 STAGES = ("tokenizer", "target", "drafter", "all")
+
+
+def _mutable(cls):
+    """A non-frozen copy of a frozen config dataclass: OmegaConf makes frozen ones read-only, which
+    would refuse command-line overrides."""
+    fields = [(f.name, f.type, dataclasses.field(default=f.default)) for f in dataclasses.fields(cls)]
+    return dataclasses.make_dataclass(f"{cls.__name__}Conf", fields)
+
+
+TargetSizes, DrafterSizes = _mutable(TargetTrainConfig), _mutable(DrafterTrainConfig)
+
+
+@dataclasses.dataclass
+class CorpusConf:
+    root: Optional[str] = None  # None: the running interpreter's standard library
+    heldout_fraction: float = 0.05
+
+
+@dataclasses.dataclass
+class TokenizerConf:
+    vocab_size: int = 4096
+    max_bytes: int = 8_000_000
+
+
+@dataclasses.dataclass
+class TrainConf:
+    """Schema of conf/train.yaml: the training sizes are the library's own config dataclasses, so a
+    misspelled or mistyped field fails at composition."""
+
+    stage: str = "all"
+    out_dir: str = MISSING
+    corpus: CorpusConf = dataclasses.field(default_factory=CorpusConf)
+    tokenizer: TokenizerConf = dataclasses.field(default_factory=TokenizerConf)
+    target_path: Optional[str] = None
+    target: TargetSizes = dataclasses.field(default_factory=TargetSizes)
+    drafter: DrafterSizes = dataclasses.field(default_factory=DrafterSizes)
+    progress: bool = True
+
+
+ConfigStore.instance().store(name="train_schema", node=TrainConf)
 
 
 def load_target(path: Path):
