@@ -30,6 +30,7 @@ import jax.numpy as jnp  # noqa: E402
 
 from pallas_kernels.gemv import GemvBlocks, check_blocks, default_blocks, gemv  # noqa: E402
 from specpilot import bench  # noqa: E402
+from specpilot.bench import make_chain  # noqa: E402
 
 SHAPE_SETS = {
     "qwen3-8b": {"k/v": (4096, 1024), "q/o": (4096, 4096), "qkv": (4096, 6144), "gate/up": (4096, 12288),
@@ -51,21 +52,6 @@ def edit_blocks(base: GemvBlocks, edit: dict, k: int, n: int) -> GemvBlocks:
     blocks = dataclasses.replace(base, **edit)
     check_blocks(k, n, blocks)
     return blocks
-
-
-def make_chain(k: int, mm):
-    def fit(y):  # [1, N] float32 -> [1, K] bf16, scaled to stay O(1) down the chain
-        n = y.shape[1]
-        y = y[:, :k] if n >= k else jnp.tile(y, (1, math.ceil(k / n)))[:, :k]
-        return (y * jax.lax.rsqrt(jnp.mean(y * y) + 1e-6)).astype(jnp.bfloat16)
-
-    @jax.jit
-    def chain(x, ws):
-        for w in ws:
-            x = fit(mm(x, w))
-        return x
-
-    return chain
 
 
 def measure(name, k, n, layout, mm, ws_kn, x, reps, ref_fn):

@@ -39,6 +39,7 @@ import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
 from pallas_kernels import w12_matmul as km  # noqa: E402
+from specpilot.bench import make_chain  # noqa: E402
 from specpilot.formats import w12  # noqa: E402
 
 QWEN3_8B = {"q/o": (4096, 4096), "k/v": (4096, 1024), "gate/up": (4096, 12288), "down": (12288, 4096),
@@ -76,21 +77,6 @@ def copy_bandwidth(nbytes: int, reps: int = 10) -> float:
     x = jnp.zeros(nbytes // 4, jnp.uint32)
     f = jax.jit(lambda a: a ^ jnp.uint32(0x5A5A5A5A))
     return 2 * x.size * 4 / timed(lambda: f(x), reps, 3)
-
-
-def make_chain(k: int, mm):
-    def fit(y):  # [M, N] float32 -> [M, K] bf16, rescaled to stay O(1) down the chain
-        n = y.shape[1]
-        y = y[:, :k] if n >= k else jnp.tile(y, (1, math.ceil(k / n)))[:, :k]
-        return (y * jax.lax.rsqrt(jnp.mean(y * y) + 1e-6)).astype(jnp.bfloat16)
-
-    @jax.jit
-    def chain(x, ws):
-        for w in ws:
-            x = fit(mm(x, w))
-        return x
-
-    return chain
 
 
 def same_bits(a, b) -> bool:

@@ -26,6 +26,7 @@ import gzip
 import json
 import os
 import re
+import math
 import statistics
 import time
 from typing import Any, Callable
@@ -85,7 +86,6 @@ def copy_bandwidth(nbytes: int = 4 << 30, reps: int = 20, seed: int = 0) -> dict
     moved = 2 * n * 4
     calls = per_call(lambda: f(x), reps)
     pipe = pipelined(lambda: f(x), reps)
-    del x
     med = statistics.median(calls)
     return {"bytes_moved": moved, "per_call_median_ms": med * 1e3, "pipelined_ms": pipe * 1e3,
             "bw_per_call": moved / med, "bw_pipelined": moved / pipe, "bw": moved / min(med, pipe)}
@@ -200,3 +200,20 @@ def hlo_summary(hlo_text: str) -> dict[str, Any]:
 
 def finite(x: Any) -> bool:
     return bool(np.all(np.isfinite(np.asarray(x, dtype=np.float32)))) if x is not None else False
+
+
+def make_chain(k: int, mm):
+    """A jitted chain over distinct matrices `ws` that times matmuls back to back: each product is
+    rescaled into the next one's input, so none can be skipped or fused away."""
+    def fit(y):  # [M, N] float32 -> [M, K] bf16, rescaled to stay O(1) down the chain
+        n = y.shape[1]
+        y = y[:, :k] if n >= k else jnp.tile(y, (1, math.ceil(k / n)))[:, :k]
+        return (y * jax.lax.rsqrt(jnp.mean(y * y) + 1e-6)).astype(jnp.bfloat16)
+
+    @jax.jit
+    def chain(x, ws):
+        for w in ws:
+            x = fit(mm(x, w))
+        return x
+
+    return chain

@@ -25,7 +25,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from specpilot.cache import KVCache, check_capacity, init_cache
-from specpilot.decoding.sampling import GREEDY, SamplingConfig, sample
+from specpilot.decoding.sampling import GREEDY, SamplingConfig, resolve_key, sample
 from specpilot.models import dense
 from specpilot.models.config import ModelConfig
 
@@ -144,10 +144,7 @@ def generate(params, cfg: ModelConfig, prompts: Sequence[Sequence[int]], max_new
         raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
     if loop not in LOOPS:
         raise ValueError(f"loop must be one of {LOOPS}, got {loop!r}")
-    if key is None:
-        if not sampling.greedy:
-            raise ValueError("sampling needs an explicit PRNG key (key=jax.random.key(seed))")
-        key = jax.random.key(0)
+    key = resolve_key(key, sampling)
     cache_len = cache_len or default_cache_len(prompts, max_new_tokens)
     tokens, lengths = pack_prompts(prompts, cache_len, needed_after=max_new_tokens)
     tokens, lengths = jnp.asarray(tokens), jnp.asarray(lengths)

@@ -72,3 +72,12 @@ def sample(key: jax.Array, logits: jax.Array, cfg: SamplingConfig) -> jax.Array:
     if cfg.greedy:
         return jnp.argmax(logits, axis=-1).astype(jnp.int32)
     return jax.random.categorical(key, filtered_logprobs(logits, cfg), axis=-1).astype(jnp.int32)
+
+
+def resolve_key(key: jax.Array | None, cfg: SamplingConfig) -> jax.Array:
+    """The PRNG key to decode with: sampling requires an explicit one; greedy draws nothing."""
+    if key is not None:
+        return key
+    if not cfg.greedy:
+        raise ValueError("sampling needs an explicit PRNG key (key=jax.random.key(seed))")
+    return jax.random.key(0)

@@ -42,7 +42,7 @@ import numpy as np
 from specpilot.cache import KVCache, check_capacity, init_cache
 from specpilot.decoding.ar import GenerationResult, default_cache_len, pack_prompts
 from specpilot.decoding.rejection import choose_drafts, verify_chain
-from specpilot.decoding.sampling import GREEDY, SamplingConfig, sample
+from specpilot.decoding.sampling import GREEDY, SamplingConfig, resolve_key, sample
 from specpilot.decoding.stats import SpecStats
 from specpilot.models import dense
 from specpilot.models.config import ModelConfig
@@ -304,10 +304,7 @@ def generate(target_params, target_cfg: ModelConfig, drafter, draft_params,
     """
     if loop not in LOOPS:
         raise ValueError(f"loop must be one of {LOOPS}, got {loop!r}")
-    if key is None:
-        if not sampling.greedy:
-            raise ValueError("sampling needs an explicit PRNG key (key=jax.random.key(seed))")
-        key = jax.random.key(0)
+    key = resolve_key(key, sampling)
     bs = block_size or drafter.block_size
     plan = SpecPlan(target_cfg, drafter if bs > 1 else None, bs, max_new_tokens, sampling)
     cache_len = cache_len or default_cache_len(prompts, max_new_tokens, extra=bs)
