@@ -1,5 +1,6 @@
 """W12 format: exact round trip of every bf16 bit pattern, property tests over adversarial tensors,
-safetensors I/O, bit accounting, params encoding, and real trained weights (all-MiniLM-L6-v2) if present."""
+the device encoder field by field against the numpy one, safetensors I/O, bit accounting, params
+encoding, and real trained weights (all-MiniLM-L6-v2) if present."""
 
 import glob
 import importlib.util
@@ -111,6 +112,90 @@ def test_traced_decoder_property(kind, shape, seed):
     np.testing.assert_array_equal(np.asarray(w12.decode_jnp(w)).view(np.uint16), bits)
 
 
+def _assert_same_encoding(bits: np.ndarray, **kw) -> w12.W12:
+    """encode_device == encode, field by field (dtype, shape, every value) and in the static geometry."""
+    want = w12.encode(bits.view(jnp.bfloat16), **kw)
+    got = w12.encode_device(jnp.asarray(bits.view(jnp.bfloat16)), **kw)
+    assert (got.shape, got.group_n, got.group_k) == (want.shape, want.group_n, want.group_k)
+    for f in w12.FIELDS:
+        g, x = getattr(got, f), getattr(want, f)
+        assert isinstance(g, jax.Array), f
+        g = np.asarray(g)
+        assert (g.dtype, g.shape) == (x.dtype, x.shape), f
+        np.testing.assert_array_equal(g, x, err_msg=f)
+    return want
+
+
+@pytest.mark.parametrize("shape,groups", [((256, 256), {}), ((255, 257), {"group_n": 16, "group_k": 4}),
+                                          ((4096, 16), {}), ((65536, 1), {}), ((1, 65536), {})])
+def test_device_encode_every_bf16_pattern(shape, groups):
+    w = _assert_same_encoding(np.resize(ALL_BITS, shape), **groups)
+    if shape[0] >= 256:  # every column sees most exponents: most values are outside its window
+        assert w.num_exceptions > 0.9 * w.sm.size
+
+
+@pytest.mark.parametrize("shape", [(127, 300), (64, 384), (1, 200), (301, 1)])
+def test_device_encode_random_normal(shape):
+    w = _assert_same_encoding(_random_bits("gaussian", shape, sum(shape)))
+    assert w.num_exceptions < 0.01 * w.sm.size
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_device_encode_adversarial_kinds(kind):
+    _assert_same_encoding(_random_bits(kind, (33, 80), 7), group_n=16, group_k=8)
+
+
+def _column_bits(exps_per_column: list[list[int]], seed: int = 0) -> np.ndarray:
+    """[K, N] bits whose column j holds exactly the exponents exps_per_column[j] (random sign/mantissa)."""
+    rng = np.random.default_rng(seed)
+    e = np.array(exps_per_column, np.uint16).T
+    return (rng.integers(0, 2, e.shape, dtype=np.uint16) << 15) | (e << 7) | rng.integers(0, 128, e.shape,
+                                                                                           dtype=np.uint16)
+
+
+def test_device_encode_window_ties_and_clusters():
+    k = 32
+    cols = [
+        [10] * 16 + [40] * 16,  # two equal clusters, far apart: windows tie, the first (b = 0) wins
+        [40] * 16 + [10] * 16,  # same multiset, other row order
+        [100] * 16 + [140] * 16,  # tie between b in 85..100 and b in 125..140: b = 85
+        [100] * 15 + [140] * 17,  # the larger cluster wins
+        [120, 121, 135, 136] * 8,  # b = 120 and b = 121 both hold 3 of the 4 exponents: b = 120
+        list(range(0, 256, 8)),  # one value per 8 exponents: every full window holds 2, b = 0
+        [255] * 20 + [250] * 12,  # top of the range: base capped at 240
+        [0] * 32,  # zeros: base 0, no exceptions
+        [0] * 16 + [127] * 16,  # zeros vs ones: tie, b = 0 (zeros in the window, ones listed)
+        [255] * 32,  # all Inf / NaN
+    ]
+    bits = _column_bits(cols)
+    w = _assert_same_encoding(bits, group_n=4, group_k=4)
+    assert list(w.base) == [0, 0, 85, 125, 120, 0, 240, 0, 0, 240]
+    assert w.sm.shape == (k, len(cols))
+
+
+def test_device_encode_zeros_nan_inf_and_no_exceptions():
+    for bits in (np.zeros((64, 130), np.uint16), np.full((3, 129), 0x8000, np.uint16),
+                 np.full((17, 40), 0x7FC1, np.uint16), np.full((5, 5), 0xFF80, np.uint16)):
+        w = _assert_same_encoding(bits)
+        assert w.num_exceptions == 0
+    mixed = np.where(np.random.default_rng(2).random((65, 131)) < 0.3, np.uint16(0x7F80),
+                     _random_bits("gaussian", (65, 131), 2))  # Inf in 30% of slots: listed or windowed
+    _assert_same_encoding(mixed.astype(np.uint16))
+
+
+def test_device_encode_inputs():
+    bits = _random_bits("outliers", (200,), 5)
+    _assert_same_encoding(bits)  # 1-D: one row
+    np.testing.assert_array_equal(np.asarray(w12.encode_device(jnp.asarray(bits)).sm),
+                                  w12.encode(bits).sm)  # uint16 bit patterns are accepted like bf16
+    with pytest.raises(TypeError, match="bf16"):
+        w12.encode_device(jnp.zeros((4, 4), jnp.float32))
+    with pytest.raises(ValueError, match="1-D or 2-D"):
+        w12.encode_device(jnp.zeros((2, 2, 2), jnp.bfloat16))
+    with pytest.raises(ValueError, match="1-D or 2-D"):
+        w12.encode_device(jnp.zeros((0, 4), jnp.bfloat16))
+
+
 def test_bits_per_weight_accounting():
     bits = _random_bits("gaussian", (1024, 384), 0)
     w = w12.encode(bits.view(jnp.bfloat16))
@@ -158,6 +243,9 @@ def test_encode_params_replaces_linear_weights(tiny_cfg):
     bad = jnp.asarray(_random_bits("uniform_bits", params["layers"][1]["up"].shape, 0).view(jnp.bfloat16))
     params["layers"][1]["up"] = bad  # mostly exceptions: stays bf16
     enc = w12.encode_params(params)
+    want = w12.encode(np.asarray(params["layers"][0]["q"]))  # the device encoder, field by field
+    for f in w12.FIELDS:
+        np.testing.assert_array_equal(np.asarray(getattr(enc["layers"][0]["q"], f)), getattr(want, f))
     for i, layer in enumerate(enc["layers"]):
         for name, v in layer.items():
             if i == 1 and name == "up":

@@ -26,13 +26,16 @@ Layout of a [K, N] matrix (`[in, out]`, as `specpilot.models` stores linear weig
                         and a superset range is harmless.
 
 Exactness holds for every bf16 bit pattern (tested over all 65,536): sign and mantissa are stored
-verbatim; the exponent is either base + code or listed. Encoding is numpy and runs once; tensors are
-stored with safetensors (`save`/`load`), so loading is a memory map.
+verbatim; the exponent is either base + code or listed. Encoding runs once: `encode` (numpy) is the
+reference, `encode_device` gives the same fields bit for bit with jitted ops on the weight's device
+(`encode_params` uses it). Tensors are stored with safetensors (`save`/`load`), so loading is a memory
+map.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 from typing import Any
 
@@ -102,7 +105,7 @@ def bf16_bits(w) -> np.ndarray:
 
 def _best_bases(e: np.ndarray, chunk: int = 4096) -> np.ndarray:
     """Per column of exponents e [K, N], the base b in 0..240 whose window [b, b + 15] holds most values."""
-    k, n = e.shape
+    _, n = e.shape
     out = np.empty(n, np.uint8)
     for c0 in range(0, n, chunk):
         blk = e[:, c0:c0 + chunk].astype(np.int64)
@@ -145,6 +148,110 @@ def encode(w, group_n: int = DEFAULT_GROUP_N, group_k: int = DEFAULT_GROUP_K) ->
     return W12(sm=sm, nib=nib, base=base, exc_ptr=ptr.astype(np.int32), exc_row=rows.astype(np.int32),
                exc_col=cols.astype(np.int32), exc_val=bits[rows, cols].astype(np.uint16), shape=(k, n),
                group_n=group_n, group_k=group_k)
+
+
+# ---- device encoder: same fields as `encode`, dense work on the device -------------------------------
+
+def _device_bits(w) -> jax.Array:
+    a = w if isinstance(w, jax.Array) else jnp.asarray(w)
+    if a.dtype == jnp.bfloat16:
+        a = jax.lax.bitcast_convert_type(a, jnp.uint16)
+    elif a.dtype != jnp.uint16:
+        raise TypeError(f"W12 encodes bf16 weights only (lossless for bf16), got {a.dtype}")
+    if a.ndim == 1:
+        a = a[None, :]
+    if a.ndim != 2 or a.size == 0:
+        raise ValueError(f"W12 encodes non-empty 1-D or 2-D arrays, got shape {a.shape}")
+    return a
+
+
+def _exceptions_mask(e: jax.Array, base: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """(code [K, N] int32 with exceptions set to 0, exception mask [K, N]) for exponents e and bases."""
+    code = e - base.astype(jnp.int32)[None, :]
+    exc = (code < 0) | (code >= WINDOW)
+    return jnp.where(exc, 0, code), exc
+
+
+def _exponents(bits: jax.Array) -> jax.Array:
+    return (bits.astype(jnp.int32) >> 7) & 0xFF
+
+
+@jax.jit
+def _device_planes(bits: jax.Array):
+    """uint16 [K, N] -> (sm int8 [K, N], nib uint8 [Kh, N], base uint8 [N], exception count int32 [])."""
+    k, n = bits.shape
+    kh = (k + 1) // 2
+    e = _exponents(bits)
+    # Per-column exponent histogram: one scatter-add over col * 256 + exponent (N * 256 int32 bins).
+    slot = e + 256 * jnp.arange(n, dtype=jnp.int32)[None, :]
+    counts = jnp.zeros(n * 256, jnp.int32).at[slot.reshape(-1)].add(1).reshape(n, 256)
+    cs = jnp.concatenate([jnp.zeros((n, 1), jnp.int32), jnp.cumsum(counts, axis=1)], axis=1)  # [N, 257]
+    win = cs[:, WINDOW:] - cs[:, :257 - WINDOW]  # [N, 241]: values in [b, b + 15]
+    base = jnp.argmax(win, axis=1).astype(jnp.uint8)  # first maximum, as np.argmax
+    code, exc = _exceptions_mask(e, base)
+    b32 = bits.astype(jnp.int32)
+    sm = jax.lax.bitcast_convert_type((((b32 >> 8) & 0x80) | (b32 & 0x7F)).astype(jnp.uint8), jnp.int8)
+    hi = jnp.pad(code[kh:], ((0, 2 * kh - k), (0, 0)))
+    nib = (code[:kh] | (hi << 4)).astype(jnp.uint8)
+    return sm, nib, base, jnp.sum(exc, dtype=jnp.int32)
+
+
+@functools.partial(jax.jit, static_argnames=("size",))
+def _device_exceptions(bits: jax.Array, base: jax.Array, size: int):
+    """The exceptions in row-major order (np.nonzero's): (per-row counts int32 [K], columns int32 [size],
+    bf16 bits uint16 [size]); slots past the count are 0. Each exception scatters to its rank (row offset
+    + rank in its row); every other entry gets the out-of-range slot `size` and is dropped, so no index
+    exceeds the exception count, whatever K * N."""
+    _, n = bits.shape
+    _, exc = _exceptions_mask(_exponents(bits), base)
+    exc32 = exc.astype(jnp.int32)
+    in_row = jnp.cumsum(exc32, axis=1)  # [K, N] inclusive rank inside the row
+    row_cnt = in_row[:, -1]
+    row_off = jnp.cumsum(row_cnt) - row_cnt  # exclusive
+    slot = jnp.where(exc, row_off[:, None] + in_row - 1, size).reshape(-1)
+    cols = jnp.broadcast_to(jnp.arange(n, dtype=jnp.int32)[None, :], bits.shape).reshape(-1)
+    out_col = jnp.zeros(size, jnp.int32).at[slot].set(cols, mode="drop")
+    out_val = jnp.zeros(size, jnp.uint16).at[slot].set(bits.reshape(-1), mode="drop")
+    return row_cnt, out_col, out_val
+
+
+def encode_device(w, group_n: int = DEFAULT_GROUP_N, group_k: int = DEFAULT_GROUP_K) -> W12:
+    """`encode` on the weight's device: bf16 [K, N] (or [N], one row) jax array -> W12 with jax arrays on
+    that device, equal to `encode(w)` field by field.
+
+    The dense planes, the per-column bases (same window counts and first-maximum tie-break) and the
+    exception count come from one jitted call; a second one lists the exceptions (about 1e-4 of trained
+    weights) in row-major order, and only those come to the host, where the CSR order and offsets are
+    built with numpy exactly as `encode` builds them. Device memory beyond the planes is a few int32
+    [K, N] temporaries and N * 256 int32 histogram bins; no 64-bit types (x64 may stay off)."""
+    bits = _device_bits(w)
+    k, n = bits.shape
+    kh = (k + 1) // 2
+    if n * 256 >= 2**31:
+        raise ValueError(f"N = {n} columns overflow the int32 histogram index")
+    devices = bits.devices()
+    device = next(iter(devices)) if len(devices) == 1 else None
+    sm, nib, base, count = _device_planes(bits)
+    count = int(count)
+    if count:
+        size = max(256, 1 << (count - 1).bit_length())  # power-of-two buckets: few distinct compiles
+        row_cnt, cols, vals = jax.device_get(_device_exceptions(bits, base, size))
+        rows = np.repeat(np.arange(k, dtype=np.int64), row_cnt)
+        cols, vals = cols[:count].astype(np.int64), vals[:count]
+    else:
+        rows = cols = np.zeros(0, np.int64)
+        vals = np.zeros(0, np.uint16)
+    cb, g = cols // group_n, (rows % kh) // group_k
+    n_cb, n_g = -(-n // group_n), -(-kh // group_k)
+    key = cb * n_g + g
+    order = np.lexsort((cols, rows, key))  # as `encode`: CSR cell, then row-major inside it
+    rows, cols, key, vals = rows[order], cols[order], key[order], vals[order]
+    ptr = np.zeros(n_cb * n_g + 1, np.int64)
+    np.cumsum(np.bincount(key, minlength=n_cb * n_g), out=ptr[1:])
+    small = jax.device_put((ptr.astype(np.int32), rows.astype(np.int32), cols.astype(np.int32),
+                            vals.astype(np.uint16)), device)
+    return W12(sm=sm, nib=nib, base=base, exc_ptr=small[0], exc_row=small[1], exc_col=small[2],
+               exc_val=small[3], shape=(k, n), group_n=group_n, group_k=group_k)
 
 
 def decode_bits(w: W12) -> np.ndarray:
@@ -232,8 +339,8 @@ def encode_params(params: dict, names: tuple[str, ...] = LINEAR_NAMES, lm_head: 
     would sit on the kernel's hot path and its storage would approach 16 bits."""
 
     def enc(x):
-        w = encode(np.asarray(x), **kw)
-        return jax.device_put(w) if w.num_exceptions <= max_exception_rate * x.size else x
+        w = encode_device(x, **kw)
+        return w if w.num_exceptions <= max_exception_rate * x.size else x
 
     out = dict(params)
     out["layers"] = tuple({k: enc(v) if k in names else v for k, v in layer.items()}
@@ -249,7 +356,8 @@ def linear(x: jax.Array, w, b: jax.Array | None = None, *, out_dtype=None, imple
     (default x's dtype). W12 weights go through the fused decode-matmul kernel; bf16 arrays through
     XLA's dot, or through the kernel's bf16 twin with `dense_kernel=True` (same tiling and order, so its
     outputs equal the W12 path bit for bit)."""
-    from pallas_kernels import w12_matmul as kern  # imported on use: the kernel module imports this one
+    # imported on use: the kernel module imports this one
+    from pallas_kernels import w12_matmul as kern
 
     if isinstance(w, W12):
         y = kern.w12_matmul(x, w, implementation=implementation, interpret=interpret)
