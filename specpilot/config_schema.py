@@ -34,6 +34,9 @@ class TargetConf:
     # every method of a run uses the same layout, so outputs stay comparable token for token
     layout: str = "fused"
     init_std: float = 0.02  # random targets only
+    # random targets only: wide_margin keeps greedy choices far from ties, so outputs do not depend on
+    # which kernels compute a step (dense.init_wide_margin); normal is N(0, init_std) everywhere
+    init: str = "wide_margin"
     tap_layers: Optional[List[int]] = None  # default: the drafter's evenly spaced DFlash choice
     model: Dict[str, Any] = dataclasses.field(default_factory=dict)  # HF config.json fields
 
@@ -127,6 +130,8 @@ def validate(cfg: DictConfig) -> None:
         _fail("target.model", "a random target needs its shape (config.json fields)")
     if t.layout not in ("fused", "separate"):
         _fail("target.layout", f"{t.layout!r} is not fused or separate")
+    if t.init not in ("normal", "wide_margin"):
+        _fail("target.init", f"{t.init!r} is not normal or wide_margin")
     if t.dtype not in ("bfloat16", "float32"):
         _fail("target.dtype", f"{t.dtype!r} is not bfloat16 or float32")
     if d.source not in DRAFTER_SOURCES:

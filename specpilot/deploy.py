@@ -72,8 +72,8 @@ def build_target(tconf: DictConfig, dconf: DictConfig, seed: int):
         hf = OmegaConf.to_container(tconf.model, resolve=True)
         cfg = ModelConfig.from_hf_dict(hf)
         cfg = cfg.with_taps(target_tap_layers(tconf, dconf, cfg.num_layers))
-        params = dense.init(jax.random.key(seed), cfg, dtype=dtype, std=float(tconf.init_std))
-        return params, cfg, [f"random weights ({tconf.name} shape)"]
+        params = dense.INITS[tconf.init](jax.random.key(seed), cfg, dtype=dtype, std=float(tconf.init_std))
+        return params, cfg, [f"random weights ({tconf.name} shape, {tconf.init} init)"]
     if tconf.source == "hf":
         from specpilot.models.checkpoint import load_hf
 

@@ -61,6 +61,7 @@ def test_every_option_composes(group):
     ("bench.cache_len=16", "bench.cache_len"),
     ("decoding.methods=[ar,warp]", "unknown method 'warp'"),
     ("target.source=cloud", "target.source"),
+    ("target.init=uniform", "target.init"),
     ("bench.prompts=poems", "bench.prompts"),
     ("decoding.top_p=1.5", "decoding"),
     ("target=hf", "target.path"),

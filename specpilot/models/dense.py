@@ -83,6 +83,52 @@ def init(key: jax.Array, cfg: ModelConfig, dtype=jnp.bfloat16, std: float = 0.02
     return params
 
 
+def init_wide_margin(key: jax.Array, cfg: ModelConfig, dtype=jnp.bfloat16, std: float = 0.02) -> Params:
+    """Random weights whose greedy choices have wide logit margins (random-weight speed work).
+
+    With N(0, std) everywhere a real-shape target's top-2 logits differ by ~0.01-0.1, below the
+    rounding differences between programs that compute the same step with different kernels (a
+    1-token step and a 16-token verification, say): greedy outputs then depend on the kernel, a
+    replayed reference (the oracle drafter's) stops matching after a few tokens, and forcing reports
+    near-tie flips. Here the residual stream stays close to the input token's embedding and the head
+    reads it back through a fixed permutation:
+    - `embed` ~ N(0, 1); each layer's residual writes (`o`, `down`) get std / (3 sqrt(2 L)), so the
+      layers together move the stream by a fraction of its norm; other matrices N(0, std);
+    - `lm_head[:, v] = embed[pi(v)] / sqrt(H)` for a random permutation pi: the top logit is ~sqrt(H)
+      (64 at H = 4096), the others ~N(0, 1), so the margin is ~sqrt(H) - 5. A tied head reads `embed`
+      itself, so its top choice is the input token, by a margin of ~H - 5 sqrt(H).
+    Shapes, dtypes and therefore every timing are those of `init`; only the values differ.
+    """
+    h, n_layers = cfg.hidden_size, cfg.num_layers
+    k_embed, k_perm, k_layers = jax.random.split(key, 3)
+    out_std = std / (3.0 * (2.0 * n_layers) ** 0.5)
+    embed = jax.random.normal(k_embed, (cfg.vocab_size, h), jnp.float32)
+    params = {"embed": embed.astype(dtype), "final_norm": jnp.ones((h,), dtype)}
+    if not cfg.tie_word_embeddings:
+        perm = jax.random.permutation(k_perm, cfg.vocab_size)
+        params["lm_head"] = (embed[perm].T / np.sqrt(h)).astype(dtype)
+    del embed
+    layers = []
+    for i, shapes in enumerate(param_shapes(cfg)["layers"]):
+        keys = iter(jax.random.split(jax.random.fold_in(k_layers, i), len(shapes)))
+        layer = {}
+        for name, shape in shapes.items():
+            k = next(keys)
+            if _is_norm(name):
+                layer[name] = jnp.ones(shape, dtype)
+            elif name.endswith("bias"):
+                layer[name] = jnp.zeros(shape, dtype)
+            else:
+                s = out_std if name in ("o", "down") else std
+                layer[name] = (s * jax.random.normal(k, shape, jnp.float32)).astype(dtype)
+        layers.append(layer)
+    params["layers"] = tuple(layers)
+    return params
+
+
+INITS = {"normal": init, "wide_margin": init_wide_margin}
+
+
 _FUSED = {"qkv": ("q", "k", "v"), "gate_up": ("gate", "up")}
 
 
