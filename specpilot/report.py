@@ -16,7 +16,8 @@ from collections import defaultdict
 from pathlib import Path
 
 COLUMNS = ("target", "drafter", "gpu", "batch_size", "prompts", "method", "block_size",
-           "decode_ms_per_token", "speedup_vs_ar", "tau", "mismatches", "notes")
+           "decode_ms_per_token", "speedup_vs_ar", "tau", "ceiling_ms_per_token", "pct_of_ceiling",
+           "mismatches", "notes")
 
 
 def load_records(folder: str | Path) -> list[dict]:

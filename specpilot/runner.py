@@ -26,7 +26,7 @@ from specpilot.methods import METHODS, median_run
 
 CSV_FIELDS = ("target", "drafter", "gpu", "batch_size", "prompts", "new_tokens", "method",
               "decode_ms_per_token", "tokens_per_s", "prefill_ms", "speedup_vs_ar", "tau",
-              "mismatches", "notes")
+              "ceiling_ms_per_token", "pct_of_ceiling", "mismatches", "notes")
 
 
 def environment() -> dict:
@@ -54,6 +54,7 @@ def run(cfg: DictConfig, out_dir: str | Path) -> list[dict]:
     ar_floor = costmodel.ar_ceiling_s(hw, dep.cfg, dep.batch_size, int(mean_context))
     records = []
     for name, r in runs.items():
+        ceiling = method_ceiling_s(name, r, dep, hw, int(mean_context))
         rec = dict(dep.labels)
         rec.update(
             method=name,
@@ -62,6 +63,8 @@ def run(cfg: DictConfig, out_dir: str | Path) -> list[dict]:
             prefill_ms=1e3 * r.prefill_s / max(1, len(dep.batches())),
             speedup_vs_ar=ar_tpot / r.decode_time_per_token,
             ar_ceiling_ms_per_token=1e3 * ar_floor,
+            ceiling_ms_per_token=None if ceiling is None else 1e3 * ceiling,
+            pct_of_ceiling=None if ceiling is None else 100 * ceiling / r.decode_time_per_token,
             tau=r.stats.get("tau"),
             mismatches=forcing[name]["mismatches"] if name in forcing else None,
             forcing=forcing.get(name),
@@ -73,6 +76,18 @@ def run(cfg: DictConfig, out_dir: str | Path) -> list[dict]:
         records.append(rec)
     write(records, out_dir)
     return records
+
+
+def method_ceiling_s(name: str, r, dep, hw, context: int) -> float | None:
+    """The cost model's floor per output token for this method: AR's step floor, or for speculative
+    methods (draft + verify floors) / measured tau, at the method's bits per weight."""
+    bits = 12.0 if name.endswith("_w12") else 16.0
+    if dep.drafter is None or r.stats.get("tau") is None:
+        return costmodel.ar_ceiling_s(hw, dep.cfg, dep.batch_size, context, bits)
+    dcfg = getattr(dep.drafter[0], "inner", dep.drafter[0]).cfg
+    c = costmodel.spec_ceiling_s(hw, dep.cfg, dep.batch_size, context, dep.block_size, float(r.stats["tau"]),
+                                 dcfg.num_layers, len(dcfg.tap_layers), bits)
+    return c["per_token_s"]
 
 
 def check_by_forcing(method, dep, ar_run, run, tie_margin: float) -> dict:
@@ -114,13 +129,16 @@ def write(records: list[dict], out_dir: str | Path) -> None:
 
 
 def format_table(records: list[dict]) -> str:
-    head = f"{'method':<10}{'ms/token':>10}{'tok/s':>10}{'speedup':>9}{'tau':>7}{'mismatch':>10}"
+    head = (f"{'method':<10}{'ms/token':>10}{'tok/s':>10}{'speedup':>9}{'tau':>7}{'ceiling':>9}"
+            f"{'% ceil':>8}{'mismatch':>10}")
     lines = [head, "-" * len(head)]
     for r in records:
         tau = f"{r['tau']:.2f}" if r.get("tau") is not None else "-"
         mm = str(r["mismatches"]) if r.get("mismatches") is not None else "-"
+        ceil = f"{r['ceiling_ms_per_token']:.3f}" if r.get("ceiling_ms_per_token") is not None else "-"
+        pct = f"{r['pct_of_ceiling']:.0f}%" if r.get("pct_of_ceiling") is not None else "-"
         lines.append(f"{r['method']:<10}{r['decode_ms_per_token']:>10.3f}{r['tokens_per_s']:>10.1f}"
-                     f"{r['speedup_vs_ar']:>8.2f}x{tau:>7}{mm:>10}")
+                     f"{r['speedup_vs_ar']:>8.2f}x{tau:>7}{ceil:>9}{pct:>8}{mm:>10}")
     for r in records:
         split = (r.get("stats") or {}).get("time_split")
         if split:
