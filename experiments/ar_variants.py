@@ -7,6 +7,13 @@ Design choices:
   matrices, weight layout [in, out] vs [out, in], XLA dot vs the Pallas split-K GEMV, attention or
   not, norms/RoPE or not, one norm + RoPE over q and k heads together ("lean"), one jitted step per
   token or the whole generation inside one jit.
+- W12 weights (`specpilot.formats.w12`) go through the fused decode-matmul kernel in every variant with
+  the [in, out] layout. `twin` routes bf16 weights through that kernel's bf16 twin (same tiling and
+  summation order), so a twin variant on bf16 params and any variant on the same params encoded to W12
+  compute bit-identical logits: the lossless check. XLA's dot sums in another order, so greedy tokens of
+  XLA bf16 and W12 may legitimately part at near-ties. "stock_twin" is dense.forward itself with its
+  linear layers and LM head routed to the twin while the step is traced (module attributes `dense.linear`
+  and `dense.lm_head`, restored after tracing).
 - Ablations (no attention, no norms) keep the K/V cache writes: without a consumer, XLA would delete
   the k and v matmuls and the ablation would read fewer weights than it claims.
 - Variant params are derived on the device from the stock params (concatenate / transpose), so every
@@ -15,6 +22,7 @@ Design choices:
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 
@@ -23,6 +31,7 @@ import jax.numpy as jnp
 
 from pallas_kernels.gemv import gemv
 from specpilot.cache import KVCache, write_positions
+from specpilot.formats import w12
 from specpilot.models import dense
 from specpilot.models.layers import apply_rope, attention, rms_norm, rope_tables
 
@@ -37,6 +46,7 @@ class Variant:
     elementwise: bool = True  # False: no RMSNorms, qk-norm or RoPE (ablation)
     loop: str = "host"  # "host": one jitted step per token; "fori": all tokens in one jit
     lean: bool = False  # fused only: one RMSNorm + RoPE over q and k heads together, deferred softmax
+    twin: bool = False  # bf16 linear weights (and the LM head) through the W12 kernel's bf16 twin
 
     @property
     def param_key(self) -> tuple:
@@ -46,6 +56,7 @@ class Variant:
 VARIANTS: dict[str, Variant] = {
     "stock": Variant(stock=True),
     "stock_fori": Variant(stock=True, loop="fori"),
+    "stock_twin": Variant(stock=True, twin=True),
     "replica": Variant(),
     "fused": Variant(fuse=True),
     "fused_nk": Variant(fuse=True, layout="nk"),
@@ -68,6 +79,12 @@ _MATRICES = ("q", "k", "v", "o", "gate", "up", "down")
 # Pallas interpret mode: None = on a CPU device only (the Triton kernel runs on GPUs). A GPU-free lowering
 # check sets it to False to lower the real kernel for CUDA on the CPU.
 INTERPRET: bool | None = None
+
+
+def twin_of(name: str) -> str | None:
+    """The registered variant computing `name`'s function with bf16 weights through the twin kernel."""
+    want = dataclasses.replace(VARIANTS[name], twin=True)
+    return next((n for n, v in VARIANTS.items() if v == want), None)
 
 
 def prepare_params(params: dict, cfg, v: Variant) -> dict:
@@ -94,9 +111,14 @@ def prepare_params(params: dict, cfg, v: Variant) -> dict:
     return new
 
 
-def _linear(x: jax.Array, w: jax.Array, v: Variant, out_dtype=None) -> jax.Array:
+def _linear(x: jax.Array, w, v: Variant, out_dtype=None) -> jax.Array:
     """x [B, T, K] @ W -> [B, T, N] in out_dtype (default x's), float32 accumulation."""
     b, t, k = x.shape
+    if v.twin or isinstance(w, w12.W12):
+        if v.layout != "kn":
+            raise ValueError("the W12 kernel and its twin read [in, out] weights (layout 'kn')")
+        y = w12.linear(x.reshape(b * t, k), w, out_dtype=out_dtype, interpret=INTERPRET, dense_kernel=True)
+        return y.reshape(b, t, -1)
     interpret = jax.devices()[0].platform == "cpu" if INTERPRET is None else INTERPRET
     y = gemv(x.reshape(b * t, k), w, layout=v.layout, implementation=v.gemv, interpret=interpret)
     return y.astype(out_dtype or x.dtype).reshape(b, t, -1)
@@ -162,10 +184,30 @@ def _layer(p: dict, cfg, v: Variant, x, cos, sin, k_cache, v_cache, start, mask)
     return x, k_cache, v_cache
 
 
+@contextlib.contextmanager
+def _twin_routing():
+    """While tracing dense.forward: bf16 linear layers and the untied LM head through the W12 kernel's bf16
+    twin (W12 weights take the W12 kernel as they do anyway)."""
+    lin = functools.partial(w12.linear, interpret=INTERPRET, dense_kernel=True)
+    saved_linear, saved_head = dense.linear, dense.lm_head
+
+    def head(params, cfg, x):
+        if cfg.tie_word_embeddings:  # the embedding read as the head: never encoded, XLA either way
+            return saved_head(params, cfg, x)
+        return lin(x, params["lm_head"], out_dtype=jnp.float32)
+
+    dense.linear, dense.lm_head = lin, head
+    try:
+        yield
+    finally:
+        dense.linear, dense.lm_head = saved_linear, saved_head
+
+
 def forward(params: dict, cfg, v: Variant, tokens: jax.Array, cache: KVCache):
     """tokens [B, T] -> (logits [B, T, V] float32, cache with K/V written, uncommitted)."""
     if v.stock:
-        logits, _, cache = dense.forward(params, cfg, tokens, cache)
+        with _twin_routing() if v.twin else contextlib.nullcontext():
+            logits, _, cache = dense.forward(params, cfg, tokens, cache)
         return logits, cache
     x = dense.embed(params, tokens)
     t = tokens.shape[1]

@@ -2,6 +2,11 @@
 
     PYTHONPATH=. python3 experiments/bench_ar.py --shape qwen3-8b --out results.json
     PYTHONPATH=. python3 experiments/bench_ar.py --shape tiny          # CPU, seconds
+    PYTHONPATH=. python3 experiments/bench_ar.py --shape qwen3-8b --weights bf16,w12 --out ar_w12.json
+
+The last one: bf16 vs W12 weights at batch 1, three rows: "stock" (XLA bf16), "stock_twin" (bf16 through
+the W12 kernel's bf16 twin) and "stock@w12" (the same params encoded to W12 on the device, the library's
+W12 path); `--shape tiny` runs it on the CPU in interpret mode.
 
 Design choices:
 - Random weights are made on the device layer by layer by one jitted initializer, so a 16 GB target
@@ -18,6 +23,12 @@ Design choices:
 - Variants (experiments/ar_variants.py) are named; `--variants` picks them. Every variant's first
   logits and generated tokens are compared to stock's, so a fast variant that computes something else
   shows up in the record.
+- `--weights bf16,w12` runs every variant on the bf16 params and on the same params encoded to W12
+  (`w12.encode_params` on the device; timed twice: cold with compiles, then warm; bits/weight and
+  exceptions recorded), recorded as `name` and `name@w12`. The W12 kernel sums in its own order, so W12
+  logits equal those of the kernel's bf16 twin, not XLA's: each variant's twin ("stock" -> "stock_twin")
+  runs on bf16 too, and every @w12 row records `vs_twin` (token match, first logits bit-equal, `exact`).
+  Bandwidth of @w12 rows counts the W12 bytes a step reads instead of the bf16 weights.
 """
 
 from __future__ import annotations
@@ -41,6 +52,7 @@ import numpy as np  # noqa: E402
 from experiments import ar_variants  # noqa: E402
 from specpilot import bench  # noqa: E402
 from specpilot.cache import init_cache  # noqa: E402
+from specpilot.formats import w12  # noqa: E402
 from specpilot.models import dense  # noqa: E402
 from specpilot.models.config import ModelConfig  # noqa: E402
 
@@ -154,9 +166,17 @@ def profile_steps(step, params, cache, tokens0, n_steps: int, context: int, batc
             return {"error": repr(e)[:500]}, cache
 
 
+def token_agreement(generated: np.ndarray, ref_tokens: np.ndarray) -> dict:
+    same = generated == ref_tokens
+    return {"token_match_frac": float(same.mean()),
+            "token_prefix_match": int(np.argmin(np.concatenate([same.all(0), [False]])))}
+
+
 def run_variant(name, cfg, params_v, snapshot, tokens0, args, ctx, step_bytes, copy_bw, ref):
-    v = ar_variants.VARIANTS[name]
+    """Time one variant on one set of params. Returns (record, generated tokens, first logits or None)."""
+    v = ar_variants.VARIANTS[name.split("@")[0]]
     cache = copy_tree(snapshot)
+    first_logits = None
     if v.loop == "fori":
         rec, generated, cache = run_fori(cfg, v, params_v, cache, tokens0, args, ctx)
     else:
@@ -180,20 +200,78 @@ def run_variant(name, cfg, params_v, snapshot, tokens0, args, ctx, step_bytes, c
             os.makedirs(args.hlo_dir, exist_ok=True)
             with open(os.path.join(args.hlo_dir, f"{name}.hlo.txt"), "w") as f:
                 f.write(text)
-        if name in args.profile:
+        if name in args.profile or name.split("@")[0] in args.profile:
             rec["profile"], cache = profile_steps(compiled, params_v, cache, tokens0, args.profile_steps,
                                                   ctx, args.batch)
     gen_ms = rec["gen_ms_per_token"]
     rec["tokens_per_s"] = args.batch * 1e3 / gen_ms
     rec.update({f"gen_{k}": x for k, x in
                 bench.bandwidth_fields(step_bytes["total"], gen_ms / 1e3, copy_bw).items()})
+    rec["step_bytes_total"] = step_bytes["total"]
     if ref.get("tokens") is None:
         ref["tokens"] = generated
-    same = generated == ref["tokens"]
-    rec["token_match_frac"] = float(same.mean())
-    rec["token_prefix_match"] = int(np.argmin(np.concatenate([same.all(0), [False]])))
+    rec.update(token_agreement(generated, ref["tokens"]))
     del cache
-    return rec
+    return rec, generated, first_logits
+
+
+def encode_w12(params: dict) -> tuple[dict, dict]:
+    """Stock params -> (params with linear weights in W12 via the device encoder, encoding record):
+    cold (compiles included) and warm wall time, bits/weight and exceptions over the encoded matrices,
+    and the matrices left bf16 (too many exceptions)."""
+    t0 = time.perf_counter()
+    enc = jax.block_until_ready(w12.encode_params(params))
+    cold = time.perf_counter() - t0
+    del enc
+    t0 = time.perf_counter()
+    enc = jax.block_until_ready(w12.encode_params(params))
+    warm = time.perf_counter() - t0
+    numel = exceptions = nbytes = 0
+    kept = []
+    named = [(f"layers.{i}.{n}", layer[n]) for i, layer in enumerate(enc["layers"]) for n in layer
+             if n in w12.LINEAR_NAMES] + ([("lm_head", enc["lm_head"])] if "lm_head" in enc else [])
+    for name, w in named:
+        if isinstance(w, w12.W12):
+            numel += w.shape[0] * w.shape[1]
+            exceptions += w.num_exceptions
+            nbytes += w12.storage_bytes(w)["total"]
+        else:
+            kept.append(name)
+    rec = {"encode_s": cold, "encode_warm_s": warm, "matrices": len(named) - len(kept), "kept_bf16": kept,
+           "numel": numel, "exceptions": exceptions, "exception_rate": exceptions / max(numel, 1),
+           "bytes": nbytes, "bits_per_weight": 8 * nbytes / max(numel, 1), "bf16_bytes_replaced": 2 * numel}
+    return enc, rec
+
+
+def w12_step_bytes(step_bytes: dict, enc_rec: dict) -> dict:
+    """A step's bytes with the encoded matrices read as W12 instead of bf16."""
+    delta = enc_rec["bytes"] - enc_rec["bf16_bytes_replaced"]
+    out = dict(step_bytes)
+    for key in ("weights", "total", "total_min"):
+        out[key] = step_bytes[key] + delta
+    return out
+
+
+def params_for(params: dict, cfg, name: str, fmt: str) -> dict:
+    """Stock bf16 params -> variant `name`'s layout in weight format `fmt`."""
+    v = ar_variants.VARIANTS[name]
+    if fmt == "bf16":
+        return ar_variants.prepare_params(params, cfg, v)
+    if v.stock:
+        return w12.encode_params(params)
+    if v.layout != "kn":
+        raise ValueError(f"variant {name}: W12 weights need the [in, out] layout")
+    return w12.encode_params(ar_variants.prepare_params(params, cfg, v))
+
+
+def compare_to_twin(generated: np.ndarray, logits, twin: dict) -> dict:
+    """A W12 run against the bf16 twin run of the same variant: equal bit for bit if lossless."""
+    out = {"twin": twin["name"], **token_agreement(generated, twin["tokens"])}
+    if logits is not None and twin["logits"] is not None:
+        out["first_logits_bit_equal"] = bool(np.array_equal(logits.view(np.uint32),
+                                                            twin["logits"].view(np.uint32)))
+    out["exact"] = out["token_match_frac"] == 1.0 and out.get("first_logits_bit_equal", True)
+    return out
 
 
 def parse_args(argv=None):
@@ -210,6 +288,9 @@ def parse_args(argv=None):
     p.add_argument("--copy-gib", type=float, default=4.0)
     p.add_argument("--fori-reps", type=int, default=3)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--weights", default="bf16",
+                   help="comma list of weight formats: bf16, w12 (each variant runs on each; w12 adds "
+                        "each variant's bf16 twin for the exact comparison)")
     p.add_argument("--out", default="")
     args = p.parse_args(argv)
     args.variants = list(ar_variants.VARIANTS) if args.variants == "all" else [
@@ -218,6 +299,16 @@ def parse_args(argv=None):
     if unknown:
         p.error(f"unknown variants {unknown}")
     args.profile = [s for s in args.profile.split(",") if s]
+    args.weights = [s for s in args.weights.split(",") if s]
+    if not args.weights or set(args.weights) - {"bf16", "w12"}:
+        p.error(f"--weights takes bf16 and/or w12, got {args.weights}")
+    # the W12 rows' exact reference: each variant's twin, on bf16 params (added if not asked for)
+    args.twins = []
+    if "w12" in args.weights:
+        for name in args.variants:
+            t = ar_variants.twin_of(name)
+            if t and t not in args.variants and t not in args.twins:
+                args.twins.append(t)
     return args
 
 
@@ -258,24 +349,56 @@ def main(argv=None) -> dict:
     print(f"prefill {ctx} tokens: {record['prefill_ms']:.1f} ms", flush=True)
     save()
 
+    enc_stock, sb_w12 = None, step_bytes
+    if "w12" in args.weights:
+        enc_stock, record["w12"] = encode_w12(params)
+        sb_w12 = w12_step_bytes(step_bytes, record["w12"])
+        record["step_bytes_w12"] = sb_w12
+        e = record["w12"]
+        print(f"w12 encode {e['encode_s']:.2f} s cold, {e['encode_warm_s']:.2f} s warm; "
+              f"{e['bits_per_weight']:.4f} bits/weight, exception rate {e['exception_rate']:.2e}, "
+              f"{len(e['kept_bf16'])} matrices kept bf16", flush=True)
+        save()
+
+    def rank(n):  # XLA stock first (the reference), then other stock variants, then the rest
+        v = ar_variants.VARIANTS[n]
+        return (not v.stock, v.twin)
+
+    bf16_names = args.variants + args.twins if "bf16" in args.weights else args.twins
+    runs = [(n, "bf16") for n in sorted(bf16_names, key=rank)]
+    runs += [(n, "w12") for n in sorted(args.variants, key=rank) if "w12" in args.weights]
+
+    def param_key(n, fmt):
+        return (ar_variants.VARIANTS[n].param_key, fmt)
+
     ref: dict = {}
-    by_key: dict = {}
-    order = sorted(args.variants, key=lambda n: (not ar_variants.VARIANTS[n].stock,))
-    for i, name in enumerate(order):
+    twins: dict = {}  # Variant -> the bf16 twin run's name, tokens and first logits
+    by_key: dict = {(("stock",), "bf16"): params}
+    if enc_stock is not None:
+        by_key[(("stock",), "w12")] = enc_stock
+    del enc_stock
+    for i, (name, fmt) in enumerate(runs):
         v = ar_variants.VARIANTS[name]
-        if v.param_key not in by_key:
-            by_key[v.param_key] = ar_variants.prepare_params(params, cfg, v)
+        key = name if fmt == "bf16" else f"{name}@{fmt}"
         try:
-            rec = run_variant(name, cfg, by_key[v.param_key], snapshot, tokens0, args, ctx, step_bytes,
-                              copy_bw, ref)
+            if param_key(name, fmt) not in by_key:
+                by_key[param_key(name, fmt)] = params_for(params, cfg, name, fmt)
+            rec, generated, logits = run_variant(key, cfg, by_key[param_key(name, fmt)], snapshot, tokens0,
+                                                 args, ctx, sb_w12 if fmt == "w12" else step_bytes,
+                                                 copy_bw, ref)
+            if fmt == "bf16" and v.twin:
+                twins[v] = {"name": key, "tokens": generated, "logits": logits}
+            twin = twins.get(dataclasses.replace(v, twin=True))
+            if fmt == "w12" and twin is not None:
+                rec["vs_twin"] = compare_to_twin(generated, logits, twin)
         except Exception as e:  # noqa: BLE001 - one failing variant must not lose the others' numbers
             rec = {"error": repr(e)[:2000]}
-        record["variants"][name] = {"variant": dataclasses.asdict(v), **rec}
-        print(format_row(name, rec), flush=True)
+        record["variants"][key] = {"variant": dataclasses.asdict(v), "weights": fmt, **rec}
+        print(format_row(key, rec), flush=True)
         save()
-        later = {ar_variants.VARIANTS[n].param_key for n in order[i + 1:]}
-        for key in [k for k in by_key if k not in later and k != ("stock",)]:
-            del by_key[key]  # free a layout no later variant uses
+        later = {param_key(n, f) for n, f in runs[i + 1:]}
+        for k in [k for k in by_key if k not in later and k != (("stock",), "bf16")]:
+            del by_key[k]  # free a layout no later run uses
     print_table(record)
     return record
 
@@ -285,9 +408,12 @@ def format_row(name: str, rec: dict) -> str:
         return f"{name:20s} ERROR {rec['error'][:300]}"
     step = (f"{rec['median_ms']:7.3f} ms/step (p10 {rec['p10_ms']:.3f} p90 {rec['p90_ms']:.3f}) "
             f"{rec['pct_copy_bw']:5.1f}% " if "median_ms" in rec else " " * 47)
+    twin = rec.get("vs_twin")
     return (f"{name:20s} {step}gen {rec['gen_ms_per_token']:7.3f} ms/tok {rec['gen_pct_copy_bw']:5.1f}% "
             f"{rec['tokens_per_s']:7.1f} tok/s  match {rec['token_match_frac']:.2f}"
-            + (f" relerr {rec['first_logits_rel_err_vs_ref']:.1e}" if "first_logits_rel_err_vs_ref" in rec else ""))
+            + (f" relerr {rec['first_logits_rel_err_vs_ref']:.1e}" if "first_logits_rel_err_vs_ref" in rec else "")
+            + (f"  vs {twin['twin']}: {'EXACT' if twin['exact'] else 'DIFFERS'} "
+               f"(match {twin['token_match_frac']:.2f})" if twin else ""))
 
 
 def print_table(record: dict) -> None:
@@ -296,6 +422,11 @@ def print_table(record: dict) -> None:
           f"on {record['device']['device_kind']} (jax {record['device']['jax']})")
     print(f"bytes/step {sb['total'] / 1e9:.3f} GB (weights {sb['weights'] / 1e9:.3f}, kv {sb['kv_read'] / 1e9:.3f}); "
           f"copy bw {record['copy']['bw'] / 1e12:.3f} TB/s; floor {record['floor_ms']:.3f} ms/token")
+    if "w12" in record:
+        e, sw = record["w12"], record["step_bytes_w12"]
+        print(f"w12: {e['matrices']} matrices, {e['bits_per_weight']:.4f} bits/weight, exception rate "
+              f"{e['exception_rate']:.2e}, kept bf16 {e['kept_bf16'] or 'none'}; encode {e['encode_s']:.2f} s "
+              f"cold / {e['encode_warm_s']:.2f} s warm; bytes/step {sw['total'] / 1e9:.3f} GB")
     for name, rec in record["variants"].items():
         print(format_row(name, rec))
 

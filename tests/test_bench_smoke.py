@@ -63,3 +63,24 @@ def test_step_bytes_qwen3_8b(bench_ar):
     assert abs(sb["weights"] / 1e9 - 15.14) < 0.01
     assert sb["kv_read"] == 2 * 36 * 768 * 8 * 128 * 2
     assert sb["embed_rows"] == 4096 * 2 and sb["logits"] == 151936 * 4
+
+
+def test_bench_ar_tiny_w12_rows(bench_ar, tmp_path):
+    """bf16 vs W12 at batch 1: XLA bf16, the kernel's bf16 twin and W12 (interpret mode on the CPU); the W12
+    run computes the twin's logits bit for bit, and its bandwidth counts the W12 bytes."""
+    rec = bench_ar.main(["--shape", "tiny", "--context", "8", "--new-tokens", "4", "--warmup", "1",
+                         "--copy-gib", "0.01", "--weights", "bf16,w12", "--out", str(tmp_path / "r.json")])
+    assert list(rec["variants"]) == ["stock", "stock_twin", "stock@w12"]
+    for name, v in rec["variants"].items():
+        assert "error" not in v, (name, v.get("error"))
+        assert v["gen_ms_per_token"] > 0 and v["median_ms"] > 0
+    assert rec["variants"]["stock@w12"]["weights"] == "w12"
+    assert rec["variants"]["stock_twin"]["first_logits_rel_err_vs_ref"] > 0  # really not XLA's dot
+    twin = rec["variants"]["stock@w12"]["vs_twin"]
+    assert twin["twin"] == "stock_twin" and twin["exact"] and twin["first_logits_bit_equal"]
+    e = rec["w12"]
+    assert e["matrices"] == 2 * 7 + 1 and not e["kept_bf16"] and e["encode_s"] > 0
+    assert 12.0 < e["bits_per_weight"] < 12.5  # K = 64: the per-column base byte is 0.125 bits
+    sb, sw = rec["step_bytes"], rec["step_bytes_w12"]
+    assert sw["total"] - sb["total"] == e["bytes"] - e["bf16_bytes_replaced"] < 0
+    assert rec["variants"]["stock@w12"]["step_bytes_total"] == sw["total"]
