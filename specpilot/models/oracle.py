@@ -59,6 +59,16 @@ def expected_tau(conditional: np.ndarray) -> float:
     return float(1.0 + np.cumprod(conditional).sum())
 
 
+def leading_right(key_data: jax.Array, lengths: jax.Array, conditional) -> jax.Array:
+    """[B, Bs-1] bool: which drafts are right, a leading run drawn with P(draft k right | drafts < k
+    right) = conditional[k - 1], from `fold_in(key, committed length)` (one draw per verification)."""
+    key = jax.random.wrap_key_data(key_data)
+    c = jnp.asarray(conditional, jnp.float32)
+    keys = jax.vmap(lambda n: jax.random.fold_in(key, n))(lengths)
+    u = jax.vmap(lambda k: jax.random.uniform(k, c.shape))(keys)  # [B, Bs-1]
+    return jnp.cumprod(u < c[None, :], axis=1).astype(bool)
+
+
 @dataclasses.dataclass(frozen=True)
 class OracleDrafter:
     inner: Any  # the real drafter whose forward is timed
@@ -92,11 +102,7 @@ class OracleDrafter:
         length = state.lengths  # [B] committed; the block's first token sits at this position
         positions = length[:, None] + 1 + jnp.arange(block_size - 1, dtype=jnp.int32)[None, :]
         tokens = jnp.take_along_axis(ref, jnp.minimum(positions, ref.shape[1] - 1), axis=1)
-        key = jax.random.wrap_key_data(params["key"])
-        keys = jax.vmap(lambda n: jax.random.fold_in(key, n))(length)
-        u = jax.vmap(lambda k: jax.random.uniform(k, (block_size - 1,)))(keys)  # [B, Bs-1]
-        c = jnp.asarray(self.conditional[: block_size - 1], jnp.float32)
-        right = jnp.cumprod(u < c[None, :], axis=1).astype(bool)  # leading run of right drafts
+        right = leading_right(params["key"], length, self.conditional[: block_size - 1])
         tokens = jnp.where(right, tokens, (tokens + 1) % self.vocab_size)
         logits = self.confidence * jax.nn.one_hot(tokens, self.vocab_size, dtype=jnp.float32)
         # Keep the real forward alive (an unused result would be removed, optimization barriers
