@@ -16,6 +16,10 @@ Design choices:
   bandwidth, comparable with the bf16 columns and the card's copy bandwidth.
 - `w12_noexc` times the same planes with the exception list dropped (the kernel then compiles without
   the patch loop): w12 vs w12_noexc is the price of the exception path.
+- `--diagnose` adds `w12_loadonly`: the same kernel loading the same planes, with the decode replaced by
+  one XOR per weight and no exception patching (its outputs are meaningless and unchecked). Its time
+  against w12_noexc is the cost of the decode arithmetic; against the twin, the cost of loading 12-bit
+  planes into registers instead of bf16 tiles.
 - Every (shape, M) checks W12 against the twin bit for bit (NaN as NaN) on the device itself: the GPU
   run doubles as the losslessness test of compiled code.
 - No hydra, no specpilot.bench: a self-contained script that runs in one device call.
@@ -119,6 +123,8 @@ def bench_shape(name, k, n, ms, args, interpret, copy_bw, record):
             impls.append(("bf16_twin", b, kernel_mm(km.bf16_matmul, b, interpret), ws_bf16))
             impls.append(("w12", b, kernel_mm(km.w12_matmul, b, interpret), ws_w12))
             impls.append(("w12_noexc", b, kernel_mm(km.w12_matmul, b, interpret), ws_clean))
+            if args.diagnose:
+                impls.append(("w12_loadonly", b, load_only_mm(b, interpret), ws_w12))
         outs = {}
         for impl, b, mm, ws in impls:
             row = {"shape": name, "k": k, "n": n, "m": m, "impl": impl, "matrices": count,
@@ -129,7 +135,7 @@ def bench_shape(name, k, n, ms, args, interpret, copy_bw, record):
                 row["compile_s"] = time.perf_counter() - t0
                 per = timed(lambda: chain(x, ws), args.reps, args.trials) / count
                 y = jax.jit(mm)(x, ws[0])
-                nbytes = {"w12": bytes_w12, "w12_noexc": bytes_clean}.get(impl, 2 * k * n)
+                nbytes = {"w12": bytes_w12, "w12_noexc": bytes_clean, "w12_loadonly": bytes_clean}.get(impl, 2 * k * n)
                 row.update(us_per_matrix=per * 1e6, bytes=nbytes, tb_s=nbytes / per / 1e12,
                            bf16_eq_tb_s=2 * k * n / per / 1e12, pct_copy=100 * nbytes / per / copy_bw,
                            rel_err_vs_xla=float(jnp.linalg.norm(y - ref) / jnp.linalg.norm(ref)))
@@ -137,7 +143,7 @@ def bench_shape(name, k, n, ms, args, interpret, copy_bw, record):
                     row.update(bits_per_weight=st["bits_per_weight"], exception_rate=st["exception_rate"])
                     row["bit_exact"] = same_bits(y, outs.get(("bf16_twin", b)))
                 if impl == "w12_noexc":
-                    twin_clean = kernel_mm(km.bf16_matmul, b, interpret)(x, clean)
+                    twin_clean = jax.jit(kernel_mm(km.bf16_matmul, b, interpret))(x, clean)
                     row["bit_exact"] = same_bits(y, twin_clean)
                 outs[(impl, b)] = y
             except Exception as e:  # noqa: BLE001 - a config that fails to compile is a result too
@@ -153,6 +159,14 @@ def bench_shape(name, k, n, ms, args, interpret, copy_bw, record):
 def kernel_mm(fn, blocks, interpret):
     def mm(x, w):
         return fn(x, w, implementation="pallas", blocks=blocks, interpret=interpret)
+    return mm
+
+
+def load_only_mm(blocks, interpret):
+    """The W12 kernel's loads and matmul with the decode replaced by one XOR per weight (wrong values)."""
+    def mm(x, w):
+        return km.sum_splits(km.w12_matmul_partials(x, w, blocks=blocks, interpret=interpret,
+                                                    diagnostic_load_only=True))
     return mm
 
 
@@ -185,7 +199,7 @@ def _print_m(rows, name, m):
 def summary(rows) -> None:
     """Best w12 and twin per (shape, M) against XLA."""
     print(f"\n{'shape':8s} {'M':>3s} {'xla us':>8s} {'twin us':>8s} {'w12 us':>8s} {'noexc us':>8s} "
-          f"{'w12/xla':>8s} {'w12/twin':>8s} exact")
+          f"{'load us':>8s} {'w12/xla':>8s} {'w12/twin':>8s} exact")
     keys = sorted({(r["shape"], r["m"]) for r in rows}, key=lambda t: (t[0], t[1]))
     for s, m in keys:
         best = {}
@@ -194,10 +208,10 @@ def summary(rows) -> None:
                 if r["impl"] not in best or r["us_per_matrix"] < best[r["impl"]]["us_per_matrix"]:
                     best[r["impl"]] = r
         t = {i: best[i]["us_per_matrix"] if i in best else float("nan")
-             for i in ("xla_bf16", "bf16_twin", "w12", "w12_noexc")}
+             for i in ("xla_bf16", "bf16_twin", "w12", "w12_noexc", "w12_loadonly")}
         exact = all(r.get("bit_exact", True) for r in rows if (r["shape"], r["m"]) == (s, m))
         print(f"{s:8s} {m:3d} {t['xla_bf16']:8.1f} {t['bf16_twin']:8.1f} {t['w12']:8.1f} "
-              f"{t['w12_noexc']:8.1f} "
+              f"{t['w12_noexc']:8.1f} {t['w12_loadonly']:8.1f} "
               f"{t['xla_bf16'] / t['w12']:8.2f} {t['bf16_twin'] / t['w12']:8.2f} {exact}")
 
 
@@ -210,6 +224,8 @@ def main(argv=None) -> dict:
     p.add_argument("--reps", type=int, default=10)
     p.add_argument("--trials", type=int, default=5)
     p.add_argument("--sweep", action="store_true", help="also time block-size variants of the kernels")
+    p.add_argument("--diagnose", action="store_true",
+                   help="also time w12_loadonly: the kernel's loads + matmul without the decode arithmetic")
     p.add_argument("--out", default="")
     args = p.parse_args(argv)
     interpret = jax.default_backend() == "cpu"

@@ -126,7 +126,7 @@ def _as_bf16(bits: jax.Array) -> jax.Array:
 
 def _w12_loader(sm_lo_ref, sm_hi_ref, nib_ref, base_ref, ptr_ref, row_ref, col_ref, val_ref, *,
                 block_k: int, k_half: int, group_n: int, group_k: int, n_groups_k: int,
-                has_exceptions: bool):
+                has_exceptions: bool, diagnostic_load_only: bool = False):
     # sm_lo_ref, sm_hi_ref: [KS, BN] int8 sign|mantissa of the lower / upper K half
     # nib_ref: [KS, BN] uint8 codes (low nibble: lower half, high nibble: upper half); base_ref: [1, BN]
     # ptr_ref: [n_cb * n_g + 1] int32 CSR offsets; row_ref, col_ref: [E] int32; val_ref: [E] uint16
@@ -157,6 +157,10 @@ def _w12_loader(sm_lo_ref, sm_hi_ref, nib_ref, base_ref, ptr_ref, row_ref, col_r
 
     def load_pair(k0):
         nib = nib_ref[pl.ds(k0, block_k), :].astype(jnp.int32)  # zero-extended
+        if diagnostic_load_only:  # benchmark only, wrong values: the planes' loads with one op per weight
+            lo = sm_lo_ref[pl.ds(k0, block_k), :].astype(jnp.int32) ^ nib
+            hi = sm_hi_ref[pl.ds(k0, block_k), :].astype(jnp.int32) ^ nib
+            return _as_bf16(lo), _as_bf16(hi)
         # int8 -> int32 sign-extends: bit 15 is the sign, bits 0..6 the mantissa
         lo = (sm_lo_ref[pl.ds(k0, block_k), :].astype(jnp.int32) & 0x807F) | (((nib & 0xF) << 7) + base7)
         hi = (sm_hi_ref[pl.ds(k0, block_k), :].astype(jnp.int32) & 0x807F) | (((nib >> 4) << 7) + base7)
@@ -242,14 +246,20 @@ def _w12_operands(w: W12, b: W12Blocks):
     return specs, operands, fmt
 
 
-@functools.partial(jax.jit, static_argnames=("blocks", "interpret"))
+@functools.partial(jax.jit, static_argnames=("blocks", "interpret", "diagnostic_load_only"))
 def w12_matmul_partials(x: jax.Array, w: W12, blocks: W12Blocks | None = None,
-                        interpret: bool = False) -> jax.Array:
-    """x [M, K] bf16, W12 [K, N] -> per-split partial products [split_k, M, N] float32."""
+                        interpret: bool = False, diagnostic_load_only: bool = False) -> jax.Array:
+    """x [M, K] bf16, W12 [K, N] -> per-split partial products [split_k, M, N] float32.
+
+    `diagnostic_load_only` (benchmarks only; the result is NOT the product) loads every plane as usual
+    but builds the tiles with one XOR per weight instead of decoding, and skips exceptions: its time
+    against the real kernel's separates the decode arithmetic from the loads and the matmul."""
     k, n = w.shape
     m = x.shape[0]
     xp, b, x_specs, common = _setup(x, k, n, blocks)
     specs, operands, fmt = _w12_operands(w, b)
+    if diagnostic_load_only:
+        fmt = {**fmt, "has_exceptions": False, "diagnostic_load_only": True}
     out = pl.pallas_call(
         functools.partial(_w12_kernel, block_k=b.block_k, m=m, **fmt),
         in_specs=[*x_specs, *specs], interpret=interpret, **common,
@@ -301,6 +311,16 @@ def w12_matmul_reference(x: jax.Array, w: W12) -> jax.Array:
     return jnp.einsum("...k,kn->...n", x, decode_jnp(w), preferred_element_type=jnp.float32)
 
 
+def sum_splits(partials: jax.Array) -> jax.Array:
+    """[S, M, N] -> [M, N], adding the splits in index order as one chain of adds. An XLA reduce picks its
+    summation order by fusion context (eager vs inside a larger jit gave different bits on the H200), so
+    the order is written out: the W12 path and its twin then agree bit for bit wherever they are called."""
+    acc = partials[0]
+    for i in range(1, partials.shape[0]):
+        acc = acc + partials[i]
+    return acc
+
+
 def _dispatch(partials_fn, reference_fn, x, w, implementation, blocks, interpret):
     if implementation not in ("pallas", "xla"):
         raise ValueError(f"implementation must be 'pallas' or 'xla', got {implementation!r}")
@@ -309,7 +329,7 @@ def _dispatch(partials_fn, reference_fn, x, w, implementation, blocks, interpret
     if implementation == "pallas" and backend in ("cpu", "gpu"):
         interpret = backend == "cpu" if interpret is None else interpret
         try:
-            y = partials_fn(x.reshape(-1, k), w, blocks=blocks, interpret=interpret).sum(0)
+            y = sum_splits(partials_fn(x.reshape(-1, k), w, blocks=blocks, interpret=interpret))
             return y.reshape(*x.shape[:-1], n)
         except NotImplementedError:
             pass
