@@ -14,8 +14,8 @@ Design choices:
 - Bandwidth counts the bytes each implementation must read: 2 per weight for bf16, everything stored for
   W12 (planes, bases, CSR, exceptions). "bf16-eq" is 2 bytes/weight over W12's time: the speed-up as a
   bandwidth, comparable with the bf16 columns and the card's copy bandwidth.
-- `w12_noexc` times the same planes with the exception list dropped (the kernel then compiles without
-  the patch loop): w12 vs w12_noexc is the price of the exception path.
+- `w12_noexc` times the same planes with the exception list dropped (every CSR range empty, so no tile
+  patches anything): w12 vs w12_noexc is the price of the exceptions themselves.
 - `--diagnose` adds `w12_loadonly`: the same kernel loading the same planes, with the decode replaced by
   one XOR per weight and no exception patching (its outputs are meaningless and unchecked). Its time
   against w12_noexc is the cost of the decode arithmetic; against the twin, the cost of loading 12-bit
@@ -102,7 +102,7 @@ def bench_shape(name, k, n, ms, args, interpret, copy_bw, record):
     ws_bf16 = [w_bf16] + [jnp.copy(w_bf16) for _ in range(count - 1)]
     ws_w12 = [enc] + [jax.tree.map(jnp.copy, enc) for _ in range(count - 1)]
     # The same planes with the exception list dropped (a valid W12 of a nearby matrix): the kernel then
-    # compiles without the patch loop, so w12 vs w12_noexc is the cost of the exception path.
+    # patches nothing, so w12 vs w12_noexc is the cost of the exceptions.
     none = jnp.zeros((0,), jnp.int32)
     enc_clean = dataclasses.replace(enc, exc_ptr=jnp.zeros_like(enc.exc_ptr), exc_row=none, exc_col=none,
                                     exc_val=jnp.zeros((0,), jnp.uint16))

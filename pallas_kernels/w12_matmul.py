@@ -164,7 +164,7 @@ def _w12_loader(sm_lo_ref, sm_hi_ref, nib_ref, base_ref, ptr_ref, row_ref, col_r
         # int8 -> int32 sign-extends: bit 15 is the sign, bits 0..6 the mantissa
         lo = (sm_lo_ref[pl.ds(k0, block_k), :].astype(jnp.int32) & 0x807F) | (((nib & 0xF) << 7) + base7)
         hi = (sm_hi_ref[pl.ds(k0, block_k), :].astype(jnp.int32) & 0x807F) | (((nib >> 4) << 7) + base7)
-        if has_exceptions:  # static: a matrix without exceptions compiles without the patch loop
+        if has_exceptions:  # static; always True for the product kernel (see _w12_operands)
             lo, hi = patch(s * ks + k0, lo, hi)
         return _as_bf16(lo), _as_bf16(hi)
 
@@ -241,8 +241,11 @@ def _w12_operands(w: W12, b: W12Blocks):
     specs = [*_half_specs(b, ks), pl.BlockSpec((ks, b.block_n), lambda j, si, *_: (si, j)),
              pl.BlockSpec((1, b.block_n), lambda j, si, *_: (0, j)), _whole(w.exc_ptr), *map(_whole, exc)]
     operands = (w.sm, w.sm, w.nib, w.base.reshape(1, n), w.exc_ptr, *exc)
+    # The patch loop is compiled in even without exceptions (its range is then empty): on the H200 the
+    # kernel compiled without it gave products differing from the twin's in the last bits at M <= 16
+    # (bench_w12 "w12_noexc", 2026-11-29), while with it every shape and M matched bit for bit.
     fmt = dict(k_half=k // 2, group_n=w.group_n, group_k=w.group_k, n_groups_k=w.n_groups_k,
-               has_exceptions=w.num_exceptions > 0)
+               has_exceptions=True)
     return specs, operands, fmt
 
 
