@@ -59,7 +59,9 @@ class GpuConf:
     name: str = "cpu"
     memory_bandwidth_gbs: float = 50.0  # peak, feeds the cost model
     matmul_tflops_bf16: float = 1.0
-    kernel_backend: str = "xla"  # xla | triton | mosaic
+    # what multiplies weights stored in a non-bf16 format (decoding=w12): triton = the fused Pallas
+    # kernels (Pallas' Triton backend; GPUs), xla = decode to bf16 then XLA's dot (any backend)
+    kernel_backend: str = "xla"
 
 
 @dataclasses.dataclass
@@ -130,6 +132,10 @@ def validate(cfg: DictConfig) -> None:
         _fail("target.model", "a random target needs its shape (config.json fields)")
     if t.layout not in ("fused", "separate"):
         _fail("target.layout", f"{t.layout!r} is not fused or separate")
+    if cfg.gpu.kernel_backend == "mosaic":
+        _fail("gpu.kernel_backend", "there are no Mosaic GPU kernels yet; use triton (Pallas kernels) or xla")
+    if cfg.gpu.kernel_backend not in ("xla", "triton"):
+        _fail("gpu.kernel_backend", f"{cfg.gpu.kernel_backend!r} is not xla or triton")
     if t.init not in ("normal", "wide_margin"):
         _fail("target.init", f"{t.init!r} is not normal or wide_margin")
     if t.dtype not in ("bfloat16", "float32"):

@@ -42,13 +42,15 @@ class Deployment:
     reference_tokens: list[list[int]] | None = None
     labels: dict = dataclasses.field(default_factory=dict)
     encoded_params: dict = dataclasses.field(default_factory=dict, repr=False)  # format -> params
+    kernel_backend: str = "xla"  # gpu.kernel_backend: what multiplies weights in a non-bf16 format
 
     def encoded(self, fmt: str):
         """The target's params in weight format `fmt`, encoded once per deployment (offline work)."""
         from specpilot import formats
 
         if fmt not in self.encoded_params:
-            self.encoded_params[fmt] = formats.encode_params(self.params, fmt)
+            kernel = {"triton": "pallas", "xla": "xla"}[self.kernel_backend]
+            self.encoded_params[fmt] = formats.encode_params(self.params, fmt, kernel=kernel)
         return self.encoded_params[fmt]
 
     def batches(self) -> list[list[list[int]]]:
@@ -166,4 +168,5 @@ def build(cfg: DictConfig) -> Deployment:
         sampling=SamplingConfig(float(dec.temperature), int(dec.top_k), float(dec.top_p)),
         prompts=prompts, batch_size=int(b.batch_size), new_tokens=int(b.new_tokens),
         cache_len=int(cache_len), key=jax.random.key(int(cfg.seed)), drafter=drafter,
-        block_size=block, profile_split=bool(dec.profile_split), notes=notes, labels=labels)
+        block_size=block, profile_split=bool(dec.profile_split), notes=notes, labels=labels,
+        kernel_backend=str(cfg.gpu.kernel_backend))

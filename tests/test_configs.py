@@ -62,6 +62,8 @@ def test_every_option_composes(group):
     ("decoding.methods=[ar,warp]", "unknown method 'warp'"),
     ("target.source=cloud", "target.source"),
     ("target.init=uniform", "target.init"),
+    ("gpu.kernel_backend=mosaic", "no Mosaic GPU kernels"),
+    ("gpu.kernel_backend=cuda", "gpu.kernel_backend"),
     ("bench.prompts=poems", "bench.prompts"),
     ("decoding.top_p=1.5", "decoding"),
     ("target=hf", "target.path"),

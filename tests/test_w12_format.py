@@ -2,6 +2,7 @@
 the device encoder field by field against the numpy one, safetensors I/O, bit accounting, params
 encoding, and real trained weights (all-MiniLM-L6-v2) if present."""
 
+import dataclasses
 import glob
 import importlib.util
 import os
@@ -265,6 +266,22 @@ def test_encode_params_replaces_linear_weights(tiny_cfg):
     # W12 is a pytree: it passes through jit with its static geometry in the treedef
     leaves, treedef = jax.tree.flatten(enc["layers"][0]["q"])
     assert len(leaves) == len(w12.FIELDS) and jax.tree.unflatten(treedef, leaves).shape == (64, 64)
+
+
+def test_kernel_choice_travels_with_the_weight():
+    """`kernel="xla"` weights decode then use XLA's dot: bit-identical to the bf16 weight's own dot, on any
+    backend; the choice is static pytree metadata, so jit keys on it."""
+    rng = np.random.default_rng(1)
+    w = jnp.asarray(rng.standard_normal((64, 96)) * 0.05, jnp.bfloat16)
+    x = jnp.asarray(rng.standard_normal((3, 64)), jnp.bfloat16)
+    enc = w12.encode_params({"layers": ({"q": w},)}, kernel="xla")["layers"][0]["q"]
+    assert enc.kernel == "xla" and jax.tree.structure(enc) != jax.tree.structure(
+        dataclasses.replace(enc, kernel="pallas"))
+    got = jax.jit(w12.linear)(x, enc)
+    want = jnp.einsum("mk,kn->mn", x, w, preferred_element_type=jnp.float32).astype(x.dtype)
+    np.testing.assert_array_equal(np.asarray(got).view(np.uint16), np.asarray(want).view(np.uint16))
+    with pytest.raises(ValueError, match="W12 kernel"):
+        w12.encode_params({"layers": ({"q": w},)}, kernel="cuda")
 
 
 def _minilm_path():

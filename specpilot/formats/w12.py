@@ -64,6 +64,9 @@ class W12:
     shape: tuple[int, int]  # static: (K, N)
     group_n: int = DEFAULT_GROUP_N
     group_k: int = DEFAULT_GROUP_K
+    # static: how `linear` multiplies by it: "pallas" (the fused decode-matmul kernel, Pallas' Triton
+    # backend on GPUs) or "xla" (decode to bf16, then XLA's dot: bit-identical to the bf16 model's dot)
+    kernel: str = "pallas"
 
     @property
     def k_half(self) -> int:
@@ -90,7 +93,7 @@ class W12:
         return 2
 
 
-jax.tree_util.register_dataclass(W12, data_fields=list(FIELDS), meta_fields=["shape", "group_n", "group_k"])
+jax.tree_util.register_dataclass(W12, data_fields=list(FIELDS), meta_fields=["shape", "group_n", "group_k", "kernel"])
 
 
 def bf16_bits(w) -> np.ndarray:
@@ -332,15 +335,23 @@ def load(path: str) -> dict[str, Any]:
 
 # ---- model integration ----------------------------------------------------------------------------
 
+KERNELS = ("pallas", "xla")
+
+
 def encode_params(params: dict, names: tuple[str, ...] = LINEAR_NAMES, lm_head: bool = True,
-                  max_exception_rate: float = 0.01, **kw) -> dict:
+                  max_exception_rate: float = 0.01, kernel: str = "pallas", **kw) -> dict:
     """Dense-model params with the named per-layer linear weights (and `lm_head`) replaced by W12 on
-    the device. A matrix whose exception rate exceeds `max_exception_rate` stays bf16: its patch work
-    would sit on the kernel's hot path and its storage would approach 16 bits."""
+    the device, multiplied by `kernel` (see `W12.kernel`). A matrix whose exception rate exceeds
+    `max_exception_rate` stays bf16: its patch work would sit on the kernel's hot path and its storage
+    would approach 16 bits."""
+    if kernel not in KERNELS:
+        raise ValueError(f"W12 kernel must be one of {KERNELS}, got {kernel!r}")
 
     def enc(x):
         w = encode_device(x, **kw)
-        return w if w.num_exceptions <= max_exception_rate * x.size else x
+        if w.num_exceptions > max_exception_rate * x.size:
+            return x
+        return dataclasses.replace(w, kernel=kernel)
 
     out = dict(params)
     out["layers"] = tuple({k: enc(v) if k in names else v for k, v in layer.items()}
@@ -350,19 +361,20 @@ def encode_params(params: dict, names: tuple[str, ...] = LINEAR_NAMES, lm_head: 
     return out
 
 
-def linear(x: jax.Array, w, b: jax.Array | None = None, *, out_dtype=None, implementation: str = "pallas",
+def linear(x: jax.Array, w, b: jax.Array | None = None, *, out_dtype=None, implementation: str | None = None,
            interpret: bool | None = None, dense_kernel: bool = False) -> jax.Array:
     """Drop-in for `layers.linear`: x [..., K] @ w [K, N], float32 accumulation, result in `out_dtype`
-    (default x's dtype). W12 weights go through the fused decode-matmul kernel; bf16 arrays through
+    (default x's dtype). W12 weights go through `implementation` (default: the weight's own `kernel`):
+    the fused decode-matmul kernel, or decode + XLA dot; bf16 arrays through
     XLA's dot, or through the kernel's bf16 twin with `dense_kernel=True` (same tiling and order, so its
     outputs equal the W12 path bit for bit)."""
     # imported on use: the kernel module imports this one
     from pallas_kernels import w12_matmul as kern
 
     if isinstance(w, W12):
-        y = kern.w12_matmul(x, w, implementation=implementation, interpret=interpret)
+        y = kern.w12_matmul(x, w, implementation=implementation or w.kernel, interpret=interpret)
     elif dense_kernel:
-        y = kern.bf16_matmul(x, w, implementation=implementation, interpret=interpret)
+        y = kern.bf16_matmul(x, w, implementation=implementation or "pallas", interpret=interpret)
     else:
         y = jnp.einsum("...k,kn->...n", x, w, preferred_element_type=jnp.float32)
     if b is not None:
