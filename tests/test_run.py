@@ -131,3 +131,17 @@ def test_every_experiment_smoke_runs_at_a_tiny_shape(experiment, tmp_path):
         # wide-margin weights: the oracle's replayed reference stays valid, and forcing is clean
         assert stock["mismatches"] == 0 and stock["forcing"]["outputs_differ"] == 0
         assert stock["tau"] > 1.0 and stock["ceiling_ms_per_token"] > 0
+
+
+def test_w12_methods_are_checked_by_forcing(tmp_path):
+    """decoding=w12 through the harness: the 12-bit methods' outputs equal AR's, position by position."""
+    out = tmp_path / "out"
+    proc = _run(f"output_dir={out}", "decoding=w12", "target.dtype=bfloat16", "drafter=oracle",
+                "drafter.num_layers=1", "drafter.block_size=4", "drafter.tau=2.5", "bench.num_prompts=1",
+                "bench.new_tokens=12", f"hydra.run.dir={tmp_path / 'hydra'}", cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    records = {r["method"]: r for r in map(json.loads, (out / "results.jsonl").read_text().splitlines())}
+    assert set(records) == {"ar", "stock", "ar_w12", "stock_w12"}
+    for name in ("stock", "ar_w12", "stock_w12"):
+        assert records[name]["mismatches"] == 0 and records[name]["forcing"]["outputs_differ"] == 0, name
+    assert records["ar_w12"]["ceiling_ms_per_token"] < records["ar"]["ceiling_ms_per_token"]  # 12 bits
