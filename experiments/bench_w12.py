@@ -125,6 +125,10 @@ def bench_shape(name, k, n, ms, args, interpret, copy_bw, record):
             impls.append(("w12_noexc", b, kernel_mm(km.w12_matmul, b, interpret), ws_clean))
             if args.diagnose:
                 impls.append(("w12_loadonly", b, load_only_mm(b, interpret), ws_w12))
+        if m == 1 and args.gemv:  # the CUDA-core path and its twin
+            for gb in gemv_variants(k, n, args.sweep):
+                impls.append(("twin_gemv", gb, kernel_mm(km.bf16_matmul, gb, interpret, "gemv"), ws_bf16))
+                impls.append(("w12_gemv", gb, kernel_mm(km.w12_matmul, gb, interpret, "gemv"), ws_w12))
         outs = {}
         for impl, b, mm, ws in impls:
             row = {"shape": name, "k": k, "n": n, "m": m, "impl": impl, "matrices": count,
@@ -135,13 +139,16 @@ def bench_shape(name, k, n, ms, args, interpret, copy_bw, record):
                 row["compile_s"] = time.perf_counter() - t0
                 per = timed(lambda: chain(x, ws), args.reps, args.trials) / count
                 y = jax.jit(mm)(x, ws[0])
-                nbytes = {"w12": bytes_w12, "w12_noexc": bytes_clean, "w12_loadonly": bytes_clean}.get(impl, 2 * k * n)
+                nbytes = {"w12": bytes_w12, "w12_gemv": bytes_w12, "w12_noexc": bytes_clean,
+                          "w12_loadonly": bytes_clean}.get(impl, 2 * k * n)
                 row.update(us_per_matrix=per * 1e6, bytes=nbytes, tb_s=nbytes / per / 1e12,
                            bf16_eq_tb_s=2 * k * n / per / 1e12, pct_copy=100 * nbytes / per / copy_bw,
                            rel_err_vs_xla=float(jnp.linalg.norm(y - ref) / jnp.linalg.norm(ref)))
                 if impl == "w12":
                     row.update(bits_per_weight=st["bits_per_weight"], exception_rate=st["exception_rate"])
                     row["bit_exact"] = same_bits(y, outs.get(("bf16_twin", b)))
+                if impl == "w12_gemv":
+                    row["bit_exact"] = same_bits(y, outs.get(("twin_gemv", b)))
                 if impl == "w12_noexc":
                     twin_clean = jax.jit(kernel_mm(km.bf16_matmul, b, interpret))(x, clean)
                     row["bit_exact"] = same_bits(y, twin_clean)
@@ -156,10 +163,31 @@ def bench_shape(name, k, n, ms, args, interpret, copy_bw, record):
                 json.dump(record, f, indent=1)
 
 
-def kernel_mm(fn, blocks, interpret):
+def kernel_mm(fn, blocks, interpret, path="mma"):
     def mm(x, w):
-        return fn(x, w, implementation="pallas", blocks=blocks, interpret=interpret)
+        return fn(x, w, implementation="pallas", path=path, blocks=blocks, interpret=interpret)
     return mm
+
+
+GEMV_SWEEP = [{}, {"block_n": 512}, {"block_n": 2048}, {"block_k": 4}, {"block_k": 16}, {"num_warps": 8},
+              {"num_stages": 2}, {"split": 0.5}, {"split": 2}]
+
+
+def gemv_variants(k: int, n: int, sweep: bool) -> list:
+    base = km.default_gemv_blocks(k, n)
+    out = [base]
+    for edit in GEMV_SWEEP[1:] if sweep else []:
+        edit = dict(edit)
+        if "split" in edit:
+            edit["split_k"] = max(1, int(base.split_k * edit.pop("split")))
+        b = dataclasses.replace(base, **edit)
+        try:
+            km.check_gemv_blocks(k, n, b)
+        except ValueError:
+            continue
+        if b not in out:
+            out.append(b)
+    return out
 
 
 def load_only_mm(blocks, interpret):
@@ -199,7 +227,7 @@ def _print_m(rows, name, m):
 def summary(rows) -> None:
     """Best w12 and twin per (shape, M) against XLA."""
     print(f"\n{'shape':8s} {'M':>3s} {'xla us':>8s} {'twin us':>8s} {'w12 us':>8s} {'noexc us':>8s} "
-          f"{'load us':>8s} {'w12/xla':>8s} {'w12/twin':>8s} exact")
+          f"{'load us':>8s} {'tgemv us':>8s} {'wgemv us':>8s} {'w12/xla':>8s} {'w12/twin':>8s} exact")
     keys = sorted({(r["shape"], r["m"]) for r in rows}, key=lambda t: (t[0], t[1]))
     for s, m in keys:
         best = {}
@@ -208,11 +236,12 @@ def summary(rows) -> None:
                 if r["impl"] not in best or r["us_per_matrix"] < best[r["impl"]]["us_per_matrix"]:
                     best[r["impl"]] = r
         t = {i: best[i]["us_per_matrix"] if i in best else float("nan")
-             for i in ("xla_bf16", "bf16_twin", "w12", "w12_noexc", "w12_loadonly")}
+             for i in ("xla_bf16", "bf16_twin", "w12", "w12_noexc", "w12_loadonly", "twin_gemv", "w12_gemv")}
+        best_w12 = float(np.nanmin([t["w12"], t["w12_gemv"]]))
         exact = all(r.get("bit_exact", True) for r in rows if (r["shape"], r["m"]) == (s, m))
         print(f"{s:8s} {m:3d} {t['xla_bf16']:8.1f} {t['bf16_twin']:8.1f} {t['w12']:8.1f} "
-              f"{t['w12_noexc']:8.1f} {t['w12_loadonly']:8.1f} "
-              f"{t['xla_bf16'] / t['w12']:8.2f} {t['bf16_twin'] / t['w12']:8.2f} {exact}")
+              f"{t['w12_noexc']:8.1f} {t['w12_loadonly']:8.1f} {t['twin_gemv']:8.1f} {t['w12_gemv']:8.1f} "
+              f"{t['xla_bf16'] / best_w12:8.2f} {t['bf16_twin'] / best_w12:8.2f} {exact}")
 
 
 def main(argv=None) -> dict:
@@ -224,6 +253,7 @@ def main(argv=None) -> dict:
     p.add_argument("--reps", type=int, default=10)
     p.add_argument("--trials", type=int, default=5)
     p.add_argument("--sweep", action="store_true", help="also time block-size variants of the kernels")
+    p.add_argument("--gemv", action="store_true", help="at M = 1 also time the CUDA-core GEMV path and its twin")
     p.add_argument("--diagnose", action="store_true",
                    help="also time w12_loadonly: the kernel's loads + matmul without the decode arithmetic")
     p.add_argument("--out", default="")

@@ -32,6 +32,7 @@ import functools
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plt
 
@@ -82,6 +83,30 @@ def default_blocks(k: int, n: int, target_programs: int = 2 * NUM_SMS_H200) -> W
     splits = [s for s in splits if kh // s >= block_k]
     split_k = next((s for s in splits if (n // block_n) * s >= target_programs), splits[-1])
     return W12Blocks(block_n=block_n, block_k=block_k, split_k=split_k)
+
+
+def default_gemv_blocks(k: int, n: int, target_programs: int = 2 * NUM_SMS_H200) -> W12Blocks:
+    """Blocks of the M = 1 GEMV path: up to 1024 columns (one row of them per load), 8 half-rows per
+    loop step (16 rows of W), and the smallest split of K that gives `target_programs` programs."""
+    if k % 2:
+        raise NotImplementedError(f"the W12 kernel needs an even K, got {k}")
+    kh = k // 2
+    block_n = _largest_pow2_divisor(n, 1024)
+    splits = [s for s in range(1, kh + 1) if kh % s == 0 and _pow2(kh // s)]
+    if block_n < 16 or not splits:
+        raise NotImplementedError(f"the W12 GEMV cannot tile a [{k}, {n}] weight")
+    block_k = min(8, kh // splits[0])
+    splits = [s for s in splits if kh // s >= block_k]
+    split_k = next((s for s in splits if (n // block_n) * s >= target_programs), splits[-1])
+    return W12Blocks(block_n=block_n, block_k=block_k, split_k=split_k, num_stages=4)
+
+
+def check_gemv_blocks(k: int, n: int, b: W12Blocks) -> None:
+    kh, s = k // 2, b.split_k
+    ok = (k % 2 == 0 and n % b.block_n == 0 and kh % s == 0 and _pow2(kh // s) and _pow2(b.block_n)
+          and _pow2(b.block_k) and (kh // s) % b.block_k == 0)
+    if not ok:
+        raise ValueError(f"GEMV blocks {b} do not tile a [{k}, {n}] weight")
 
 
 def check_blocks(k: int, n: int, b: W12Blocks) -> None:
@@ -192,6 +217,85 @@ def _w12_decode_kernel(*refs, block_k: int, **fmt):
         return carry
 
     jax.lax.fori_loop(0, o_lo_ref.shape[0] // block_k, step, 0)
+
+
+# ---- M = 1: CUDA-core GEMV bodies (no tensor cores) ----------------------------------------------------
+# Rows of W are taken one at a time, each a [1, BN] vector, and every output column's sum is one chain of
+# FMAs in row order (lower-half row k, then upper-half row Kh + k, then k + 1, ...). No reduction across
+# threads, so the summation order is the same whatever layout the compiler gives each load: the W12 path
+# and its twin agree bit for bit by construction (a bf16 x bf16 product is exact in float32).
+
+_SIGN_MANT_F32 = np.uint32(0x807F0000).view(np.int32)  # sign bit and the 7 mantissa bits of a bf16 in f32
+
+
+def _gemv_body(x_lo_ref, x_hi_ref, o_ref, load_rows, *, block_k: int):
+    # x_lo_ref, x_hi_ref: [KS, 1] bf16, this split's rows of the lower / upper K half of x (transposed);
+    # o_ref: [1, BN] this split's partial row; load_rows(k0) -> block_k pairs of float32 [1, BN] rows.
+    ks = x_lo_ref.shape[0]
+
+    def step(i, acc):
+        k0 = pl.multiple_of(i * block_k, block_k)
+        for r, (w_lo, w_hi) in enumerate(load_rows(k0)):  # static: block_k rows per loop step
+            acc = acc + x_lo_ref[pl.ds(k0 + r, 1), :].astype(jnp.float32) * w_lo
+            acc = acc + x_hi_ref[pl.ds(k0 + r, 1), :].astype(jnp.float32) * w_hi
+        return acc
+
+    o_ref[...] = jax.lax.fori_loop(0, ks // block_k, step, jnp.zeros(o_ref.shape, jnp.float32))
+
+
+def _bf16_gemv_kernel(x_lo_ref, x_hi_ref, w_lo_ref, w_hi_ref, o_ref, *, block_k: int):
+    def load_rows(k0):  # bf16 -> float32 is exact
+        return [(w_lo_ref[pl.ds(k0 + r, 1), :].astype(jnp.float32),
+                 w_hi_ref[pl.ds(k0 + r, 1), :].astype(jnp.float32)) for r in range(block_k)]
+
+    _gemv_body(x_lo_ref, x_hi_ref, o_ref, load_rows, block_k=block_k)
+
+
+def _w12_gemv_kernel(x_lo_ref, x_hi_ref, sm_lo_ref, sm_hi_ref, nib_ref, base_ref, ptr_ref, row_ref, col_ref,
+                     val_ref, o_ref, *, block_k: int, k_half: int, group_n: int, group_k: int,
+                     n_groups_k: int):
+    # Decodes straight to float32 bits: sext(sm) << 16 puts the sign at bit 31 and the mantissa at bits
+    # 16..22; the exponent is (code + base) << 23. Exceptions patch the float32 bits (val << 16), in a
+    # branch taken only by steps whose CSR cells list any.
+    j, s = pl.program_id(0), pl.program_id(1)
+    ks, block_n = nib_ref.shape
+    base23 = base_ref[...].astype(jnp.int32) << 23  # [1, BN]
+    cols = j * block_n + jax.lax.broadcasted_iota(jnp.int32, (1, block_n), 1)
+    cells = [((j * block_n) // group_n + c) * n_groups_k for c in range(max(1, block_n // group_n))]
+
+    def decode(k0):
+        out = []
+        for r in range(block_k):
+            nib = nib_ref[pl.ds(k0 + r, 1), :].astype(jnp.int32)
+            lo = ((sm_lo_ref[pl.ds(k0 + r, 1), :].astype(jnp.int32) << 16) & _SIGN_MANT_F32) | (
+                ((nib & 0xF) << 23) + base23)
+            hi = ((sm_hi_ref[pl.ds(k0 + r, 1), :].astype(jnp.int32) << 16) & _SIGN_MANT_F32) | (
+                ((nib >> 4) << 23) + base23)
+            out += [lo, hi]
+        return out
+
+    def load_rows(k0):
+        row0 = s * ks + k0  # global half-row of this step's first row
+        g0, g1 = row0 // group_k, (row0 + block_k + group_k - 1) // group_k
+        count = sum(ptr_ref[c + g1] - ptr_ref[c + g0] for c in cells)
+        rows = decode(k0)
+
+        def patch(rows):
+            rows = list(rows)
+            for c in cells:
+                def one(e, rows):
+                    r, col, v = row_ref[e], col_ref[e], val_ref[e].astype(jnp.int32) << 16
+                    at_col = cols == col
+                    return tuple(jnp.where((r == row0 + i // 2 + (i % 2) * k_half) & at_col, v, x)
+                                 for i, x in enumerate(rows))
+                rows = list(jax.lax.fori_loop(ptr_ref[c + g0], ptr_ref[c + g1], one, tuple(rows)))
+            return tuple(rows)
+
+        rows = jax.lax.cond(count > 0, patch, lambda rows: tuple(rows), tuple(rows))
+        f32 = [jax.lax.bitcast_convert_type(x, jnp.float32) for x in rows]
+        return list(zip(f32[0::2], f32[1::2]))
+
+    _gemv_body(x_lo_ref, x_hi_ref, o_ref, load_rows, block_k=block_k)
 
 
 # ---- pallas_call wrappers ------------------------------------------------------------------------------
@@ -307,6 +411,55 @@ def bf16_matmul_partials(x: jax.Array, w: jax.Array, blocks: W12Blocks | None = 
     return out[:, :m]
 
 
+def _gemv_setup(x: jax.Array, k: int, n: int, blocks: W12Blocks | None):
+    if x.ndim != 2 or x.shape[1] != k:
+        raise ValueError(f"x {x.shape} does not match a [{k}, {n}] weight")
+    if x.shape[0] != 1:
+        raise NotImplementedError(f"the GEMV path takes M = 1, got {x.shape[0]}")
+    if x.dtype != jnp.bfloat16:
+        raise NotImplementedError(f"the kernel multiplies bf16 activations, got {x.dtype}")
+    b = blocks or default_gemv_blocks(k, n)
+    check_gemv_blocks(k, n, b)
+    s, ks = b.split_k, k // 2 // b.split_k
+    x_specs = [pl.BlockSpec((ks, 1), lambda j, si: (si, 0)),
+               pl.BlockSpec((ks, 1), lambda j, si: (s + si, 0))]
+    common = dict(
+        grid=(n // b.block_n, s),
+        out_shape=jax.ShapeDtypeStruct((s, 1, n), jnp.float32),
+        out_specs=pl.BlockSpec((None, 1, b.block_n), lambda j, si: (si, 0, j)),
+        compiler_params=plt.CompilerParams(num_warps=b.num_warps, num_stages=b.num_stages),
+    )
+    return x.T, b, x_specs, common
+
+
+@functools.partial(jax.jit, static_argnames=("blocks", "interpret"))
+def w12_gemv_partials(x: jax.Array, w: W12, blocks: W12Blocks | None = None,
+                      interpret: bool = False) -> jax.Array:
+    """M = 1 path: x [1, K] bf16, W12 [K, N] -> partial products [split_k, 1, N] float32 (CUDA cores)."""
+    k, n = w.shape
+    xt, b, x_specs, common = _gemv_setup(x, k, n, blocks)
+    specs, operands, fmt = _w12_operands(w, b)
+    fmt.pop("has_exceptions")
+    return pl.pallas_call(
+        functools.partial(_w12_gemv_kernel, block_k=b.block_k, **fmt),
+        in_specs=[*x_specs, *specs], interpret=interpret, **common,
+    )(xt, xt, *operands)
+
+
+@functools.partial(jax.jit, static_argnames=("blocks", "interpret"))
+def bf16_gemv_partials(x: jax.Array, w: jax.Array, blocks: W12Blocks | None = None,
+                       interpret: bool = False) -> jax.Array:
+    """The GEMV path's twin over the original bf16 [K, N] weight: same tiling, same order."""
+    k, n = w.shape
+    if w.dtype != jnp.bfloat16:
+        raise NotImplementedError(f"the twin reads bf16 weights, got {w.dtype}")
+    xt, b, x_specs, common = _gemv_setup(x, k, n, blocks)
+    return pl.pallas_call(
+        functools.partial(_bf16_gemv_kernel, block_k=b.block_k),
+        in_specs=[*x_specs, *_half_specs(b, k // 2 // b.split_k)], interpret=interpret, **common,
+    )(xt, xt, w, w)
+
+
 # ---- public API ----------------------------------------------------------------------------------------
 
 def w12_matmul_reference(x: jax.Array, w: W12) -> jax.Array:
@@ -324,33 +477,47 @@ def sum_splits(partials: jax.Array) -> jax.Array:
     return acc
 
 
-def _dispatch(partials_fn, reference_fn, x, w, implementation, blocks, interpret):
+M1_PATH = "mma"  # the path "auto" takes at M = 1: "mma" (tensor cores) or "gemv" (CUDA cores)
+PATHS = ("auto", "mma", "gemv")
+
+
+def _dispatch(partials_fn, gemv_fn, reference_fn, x, w, implementation, path, blocks, interpret):
     if implementation not in ("pallas", "xla"):
         raise ValueError(f"implementation must be 'pallas' or 'xla', got {implementation!r}")
+    if path not in PATHS:
+        raise ValueError(f"path must be one of {PATHS}, got {path!r}")
     k, n = w.shape
     backend = jax.default_backend()
     if implementation == "pallas" and backend in ("cpu", "gpu"):
         interpret = backend == "cpu" if interpret is None else interpret
+        x2 = x.reshape(-1, k)
+        if path == "auto":
+            path = "gemv" if x2.shape[0] == 1 and M1_PATH == "gemv" else "mma"
+        fn = gemv_fn if path == "gemv" else partials_fn
         try:
-            y = sum_splits(partials_fn(x.reshape(-1, k), w, blocks=blocks, interpret=interpret))
+            y = sum_splits(fn(x2, w, blocks=blocks, interpret=interpret))
             return y.reshape(*x.shape[:-1], n)
         except NotImplementedError:
             pass
     return reference_fn(x, w)
 
 
-def w12_matmul(x: jax.Array, w: W12, *, implementation: str = "pallas", blocks: W12Blocks | None = None,
-               interpret: bool | None = None) -> jax.Array:
+def w12_matmul(x: jax.Array, w: W12, *, implementation: str = "pallas", path: str = "auto",
+               blocks: W12Blocks | None = None, interpret: bool | None = None) -> jax.Array:
     """x [..., K] @ W12 [K, N] -> [..., N] float32. "pallas" falls back to "xla" (decode + XLA dot) where
-    the kernel does not apply; interpret=None runs the kernel in interpret mode on CPU backends."""
-    return _dispatch(w12_matmul_partials, w12_matmul_reference, x, w, implementation, blocks, interpret)
+    the kernel does not apply; interpret=None runs the kernel in interpret mode on CPU backends. `path`
+    picks the tensor-core kernel ("mma"), the M = 1 CUDA-core GEMV ("gemv"), or by M ("auto")."""
+    return _dispatch(w12_matmul_partials, w12_gemv_partials, w12_matmul_reference, x, w, implementation,
+                     path, blocks, interpret)
 
 
-def bf16_matmul(x: jax.Array, w: jax.Array, *, implementation: str = "pallas",
+def bf16_matmul(x: jax.Array, w: jax.Array, *, implementation: str = "pallas", path: str = "auto",
                 blocks: W12Blocks | None = None, interpret: bool | None = None) -> jax.Array:
-    """The twin's public function: x [..., K] @ bf16 W [K, N] -> [..., N] float32 (same fallbacks)."""
+    """The twin's public function: x [..., K] @ bf16 W [K, N] -> [..., N] float32 (same paths and
+    fallbacks, so it equals `w12_matmul` bit for bit)."""
 
     def reference(x, w):
         return jnp.einsum("...k,kn->...n", x, w, preferred_element_type=jnp.float32)
 
-    return _dispatch(bf16_matmul_partials, reference, x, w, implementation, blocks, interpret)
+    return _dispatch(bf16_matmul_partials, bf16_gemv_partials, reference, x, w, implementation, path, blocks,
+                     interpret)

@@ -103,6 +103,26 @@ class _KernelCases:
         assert (np.asarray(got) == 32.0).all()
 
 
+    @pytest.mark.parametrize("k,n,blocks,finite", [
+        (64, 32, None, True),
+        (256, 256, W12Blocks(block_n=64, block_k=16, split_k=2), False),
+        (512, 512, None, True),
+        (384, 256, W12Blocks(block_n=256, block_k=64, split_k=3), True),  # rows span 2 CSR column blocks
+    ])
+    def test_gemv_path_bit_identical_to_its_twin(self, k, n, blocks, finite):
+        """The M = 1 CUDA-core path: W12 vs the same GEMV over bf16, exceptions included."""
+        w = adversarial_weights(k, n, seed=k + n, finite=finite)
+        enc = jax.device_put(w12.encode(w))
+        assert enc.num_exceptions > 0
+        x = jnp.asarray(np.random.default_rng(k).standard_normal((1, k)), jnp.bfloat16)
+        got = km.w12_gemv_partials(x, enc, blocks=blocks, interpret=self.interpret)
+        assert_same_bits(got, km.bf16_gemv_partials(x, jnp.asarray(w), blocks=blocks, interpret=self.interpret))
+        full = km.w12_matmul(x, enc, path="gemv", blocks=blocks, interpret=self.interpret)
+        assert_same_bits(full, km.bf16_matmul(x, jnp.asarray(w), path="gemv", blocks=blocks,
+                                              interpret=self.interpret))
+        if finite:
+            assert_close_to_exact(full, x, w)
+
     @pytest.mark.parametrize("m", [1, 16, 64])
     def test_no_exceptions_random_values(self, m):
         """An exception-free matrix with values whose sums depend on order (on the H200 a kernel built
@@ -172,7 +192,9 @@ def test_lowers_for_cuda(k, n):
               (s((16, k), jnp.bfloat16), _w12_struct(k, n))),
              (functools.partial(km.bf16_matmul_partials, blocks=b),
               (s((1, k), jnp.bfloat16), s((k, n), jnp.bfloat16))),
-             (functools.partial(km.w12_decode_tiles, blocks=b), (_w12_struct(k, n, e=0),))]
+             (functools.partial(km.w12_decode_tiles, blocks=b), (_w12_struct(k, n, e=0),)),
+             (km.w12_gemv_partials, (s((1, k), jnp.bfloat16), _w12_struct(k, n))),
+             (km.bf16_gemv_partials, (s((1, k), jnp.bfloat16), s((k, n), jnp.bfloat16)))]
     for fn, args in cases:
         lowered = jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",))
         assert "triton" in lowered.as_text().lower()
