@@ -21,6 +21,8 @@ Design choices:
   exception is one `where` over the tile. No gather (unsupported in Triton-backend kernels).
 - Split-K as in `gemv.py`: each program writes its own partial [M, BN]; the XLA sum over splits is tiny.
   Grid programs never accumulate into a shared output (they run in parallel on the GPU).
+- An M = 1 CUDA-core path (`path="gemv"`, FMA chains row by row, with its own twin) exists and is exact,
+  but measured slower than the tensor-core kernel on the H200 (docs/w12.md), so "auto" does not pick it.
 - Shapes the kernel cannot tile (odd K, N without a 16-wide power-of-two block, non-bf16 x) raise
   NotImplementedError inside, and `implementation="pallas"` falls back to the XLA path (decode + dot).
 """
