@@ -237,7 +237,7 @@ def summary(rows) -> None:
                     best[r["impl"]] = r
         t = {i: best[i]["us_per_matrix"] if i in best else float("nan")
              for i in ("xla_bf16", "bf16_twin", "w12", "w12_noexc", "w12_loadonly", "twin_gemv", "w12_gemv")}
-        best_w12 = float(np.nanmin([t["w12"], t["w12_gemv"]]))
+        best_w12 = min((v for v in (t["w12"], t["w12_gemv"]) if not math.isnan(v)), default=float("nan"))
         exact = all(r.get("bit_exact", True) for r in rows if (r["shape"], r["m"]) == (s, m))
         print(f"{s:8s} {m:3d} {t['xla_bf16']:8.1f} {t['bf16_twin']:8.1f} {t['w12']:8.1f} "
               f"{t['w12_noexc']:8.1f} {t['w12_loadonly']:8.1f} {t['twin_gemv']:8.1f} {t['w12_gemv']:8.1f} "
