@@ -65,38 +65,53 @@ SHAPES = {
 }
 
 
-def init_params_on_device(cfg: ModelConfig, key: jax.Array, dtype=jnp.bfloat16, std: float = 0.02):
+def init_params_on_device(cfg: ModelConfig, key: jax.Array, dtype=jnp.bfloat16, std: float = 0.02,
+                          wide_margin: bool = True):
     """Random params with dense.param_shapes' structure, generated on the device one layer at a time.
 
     One normal draw per layer, sliced into its matrices: each distinct random call costs a compile
-    (about 0.5 s on a CPU), and one jitted layer initializer serves every layer.
+    (about 0.5 s on a CPU), and one jitted layer initializer serves every layer. `wide_margin` applies
+    `dense.init_wide_margin`'s scheme (embed N(0, 1), residual writes o/down at std / (3 sqrt(2L)), head =
+    permuted embedding / sqrt(H)), so variants' greedy tokens are comparable: with N(0, std) everywhere
+    the top-2 logits are near-ties and any change of kernel changes the tokens.
     """
     shapes = dense.param_shapes(cfg)
     layer = shapes["layers"][0]
     mats = [n for n in layer if not n.endswith(("norm", "bias"))]
     sizes = [math.prod(layer[n]) for n in mats]
 
+    out_std = std / (3.0 * (2.0 * cfg.num_layers) ** 0.5) if wide_margin else std
+
     @jax.jit
     def make_layer(k):
-        flat = (std * jax.random.normal(k, (sum(sizes),), jnp.float32)).astype(dtype)
+        flat = jax.random.normal(k, (sum(sizes),), jnp.float32)
         out, start = {}, 0
         for n, size in zip(mats, sizes):
-            out[n] = flat[start:start + size].reshape(layer[n])
+            scale = out_std if n in ("o", "down") else std
+            out[n] = (scale * flat[start:start + size]).astype(dtype).reshape(layer[n])
             start += size
         for n in layer:
             if n not in out:  # norms are ones, biases zeros
                 out[n] = (jnp.ones if n.endswith("norm") else jnp.zeros)(layer[n], dtype)
         return out
 
+    embed_std = 1.0 if wide_margin else std
+
     @jax.jit
     def make_matrix(k):
-        return (std * jax.random.normal(k, shapes["embed"], jnp.float32)).astype(dtype)
+        return (embed_std * jax.random.normal(k, shapes["embed"], jnp.float32)).astype(dtype)
+
+    @jax.jit
+    def permuted_head(embed, k):  # [H, V]: column v reads embedding row pi(v)
+        perm = jax.random.permutation(k, cfg.vocab_size)
+        return (embed[perm].astype(jnp.float32).T / math.sqrt(cfg.hidden_size)).astype(dtype)
 
     k_layers, k_embed, k_head = jax.random.split(key, 3)
     layers = tuple(jax.block_until_ready(make_layer(k)) for k in jax.random.split(k_layers, cfg.num_layers))
     params = {"layers": layers, "final_norm": jnp.ones((cfg.hidden_size,), dtype), "embed": make_matrix(k_embed)}
-    if "lm_head" in shapes:  # [H, V]: the same draw as an embedding, transposed
-        params["lm_head"] = jax.jit(lambda k: make_matrix(k).T)(k_head)
+    if "lm_head" in shapes:  # [H, V]
+        params["lm_head"] = (permuted_head(params["embed"], k_head) if wide_margin
+                             else jax.jit(lambda k: make_matrix(k).T)(k_head))
     return jax.block_until_ready(params)
 
 
@@ -288,6 +303,8 @@ def parse_args(argv=None):
     p.add_argument("--copy-gib", type=float, default=4.0)
     p.add_argument("--fori-reps", type=int, default=3)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--init", choices=("wide_margin", "normal"), default="wide_margin",
+                   help="random weights: wide greedy margins (tokens comparable across variants) or N(0, 0.02)")
     p.add_argument("--weights", default="bf16",
                    help="comma list of weight formats: bf16, w12 (each variant runs on each; w12 adds "
                         "each variant's bf16 twin for the exact comparison)")
@@ -334,7 +351,7 @@ def main(argv=None) -> dict:
     record["floor_ms"] = step_bytes["total"] / copy_bw * 1e3
 
     t0 = time.perf_counter()
-    params = init_params_on_device(cfg, jax.random.PRNGKey(args.seed))
+    params = init_params_on_device(cfg, jax.random.PRNGKey(args.seed), wide_margin=args.init == "wide_margin")
     record["init_s"] = time.perf_counter() - t0
     prompt = jax.random.randint(jax.random.PRNGKey(args.seed + 1), (b, ctx), 0, cfg.vocab_size, jnp.int32)
     lengths = jnp.full((b,), ctx, jnp.int32)
