@@ -123,28 +123,41 @@ def check_blocks(k: int, n: int, b: W12Blocks) -> None:
 
 # ---- kernel bodies ---------------------------------------------------------------------------------
 
-def _matmul_body(x_lo_ref, x_hi_ref, o_ref, load_pair, *, block_k: int, m: int):
-    # x_lo_ref, x_hi_ref: [BM, KS] this split's columns of the lower / upper K half of x
-    # o_ref: [BM, BN] this split's partial product; load_pair(k0) -> two bf16 [block_k, BN] tiles
-    block_m, ks = x_lo_ref.shape
+def _matmul_body(x_lo_ref, x_hi_ref, o_ref, load_pair, *, block_k: int, m: int, swapped: bool = False):
+    # x_lo_ref, x_hi_ref: [BM, KS] this split's columns of the lower / upper K half of x ([KS, BM], x
+    # transposed, when `swapped`); o_ref: [BM, BN] this split's partial product; load_pair(k0) -> two
+    # bf16 [block_k, BN] tiles.
+    # swapped: y^T = W^T x^T, so the decoded weight tile is the MMA's first operand (which the tensor
+    # cores can take from registers; the second must sit in shared memory) and x's few rows are its
+    # narrow N dimension.
+    if swapped:
+        ks, block_m = x_lo_ref.shape
+    else:
+        block_m, ks = x_lo_ref.shape
 
     def step(i, acc):
         k0 = pl.multiple_of(i * block_k, block_k)
         w_lo, w_hi = load_pair(k0)
+        if swapped:
+            acc = acc + jnp.dot(w_lo.T, x_lo_ref[pl.ds(k0, block_k), :], preferred_element_type=jnp.float32)
+            return acc + jnp.dot(w_hi.T, x_hi_ref[pl.ds(k0, block_k), :], preferred_element_type=jnp.float32)
         acc = acc + jnp.dot(x_lo_ref[:, pl.ds(k0, block_k)], w_lo, preferred_element_type=jnp.float32)
         return acc + jnp.dot(x_hi_ref[:, pl.ds(k0, block_k)], w_hi, preferred_element_type=jnp.float32)
 
-    acc = jax.lax.fori_loop(0, ks // block_k, step, jnp.zeros(o_ref.shape, jnp.float32))
+    shape = o_ref.shape[::-1] if swapped else o_ref.shape
+    acc = jax.lax.fori_loop(0, ks // block_k, step, jnp.zeros(shape, jnp.float32))
+    if swapped:
+        acc = acc.T
     rows = pl.program_id(2) * block_m + jax.lax.broadcasted_iota(jnp.int32, acc.shape, 0)
     plt.store(o_ref, acc, mask=rows < m)  # x's padding rows are never written
 
 
-def _bf16_kernel(x_lo_ref, x_hi_ref, w_lo_ref, w_hi_ref, o_ref, *, block_k: int, m: int):
+def _bf16_kernel(x_lo_ref, x_hi_ref, w_lo_ref, w_hi_ref, o_ref, *, block_k: int, m: int, swapped: bool):
     # w_lo_ref, w_hi_ref: [KS, BN] bf16, rows of the lower / upper K half
     def load_pair(k0):
         return w_lo_ref[pl.ds(k0, block_k), :], w_hi_ref[pl.ds(k0, block_k), :]
 
-    _matmul_body(x_lo_ref, x_hi_ref, o_ref, load_pair, block_k=block_k, m=m)
+    _matmul_body(x_lo_ref, x_hi_ref, o_ref, load_pair, block_k=block_k, m=m, swapped=swapped)
 
 
 def _as_bf16(bits: jax.Array) -> jax.Array:
@@ -198,11 +211,11 @@ def _w12_loader(sm_lo_ref, sm_hi_ref, nib_ref, base_ref, ptr_ref, row_ref, col_r
     return load_pair
 
 
-def _w12_kernel(x_lo_ref, x_hi_ref, *refs, block_k: int, m: int, **fmt):
+def _w12_kernel(x_lo_ref, x_hi_ref, *refs, block_k: int, m: int, swapped: bool, **fmt):
     # refs: the 8 W12 refs of `_w12_loader`, then o_ref [BM, BN]
     *w_refs, o_ref = refs
     load_pair = _w12_loader(*w_refs, block_k=block_k, **fmt)
-    _matmul_body(x_lo_ref, x_hi_ref, o_ref, load_pair, block_k=block_k, m=m)
+    _matmul_body(x_lo_ref, x_hi_ref, o_ref, load_pair, block_k=block_k, m=m, swapped=swapped)
 
 
 def _w12_decode_kernel(*refs, block_k: int, **fmt):
@@ -302,8 +315,9 @@ def _w12_gemv_kernel(x_lo_ref, x_hi_ref, sm_lo_ref, sm_hi_ref, nib_ref, base_ref
 
 # ---- pallas_call wrappers ------------------------------------------------------------------------------
 
-def _setup(x: jax.Array, k: int, n: int, blocks: W12Blocks | None):
-    """Validate and pad x to Mp rows; returns (x_padded, blocks, x's two BlockSpecs, shared call kwargs)."""
+def _setup(x: jax.Array, k: int, n: int, blocks: W12Blocks | None, swapped: bool = False):
+    """Validate and pad x to Mp rows (transposed to [K, Mp] when `swapped`); returns (x operand, blocks,
+    x's two BlockSpecs, shared call kwargs)."""
     if x.ndim != 2 or x.shape[1] != k:
         raise ValueError(f"x {x.shape} does not match a [{k}, {n}] weight")
     if x.dtype != jnp.bfloat16:
@@ -318,6 +332,10 @@ def _setup(x: jax.Array, k: int, n: int, blocks: W12Blocks | None):
     grid = (n // b.block_n, s, mp // bm)
     x_specs = [pl.BlockSpec((bm, ks), lambda j, si, mi: (mi, si)),
                pl.BlockSpec((bm, ks), lambda j, si, mi: (mi, s + si))]
+    if swapped:
+        x = x.T
+        x_specs = [pl.BlockSpec((ks, bm), lambda j, si, mi: (si, mi)),
+                   pl.BlockSpec((ks, bm), lambda j, si, mi: (s + si, mi))]
     common = dict(
         grid=grid,
         out_shape=jax.ShapeDtypeStruct((s, mp, n), jnp.float32),
@@ -355,9 +373,10 @@ def _w12_operands(w: W12, b: W12Blocks):
     return specs, operands, fmt
 
 
-@functools.partial(jax.jit, static_argnames=("blocks", "interpret", "diagnostic_load_only"))
+@functools.partial(jax.jit, static_argnames=("blocks", "interpret", "diagnostic_load_only", "swapped"))
 def w12_matmul_partials(x: jax.Array, w: W12, blocks: W12Blocks | None = None,
-                        interpret: bool = False, diagnostic_load_only: bool = False) -> jax.Array:
+                        interpret: bool = False, diagnostic_load_only: bool = False,
+                        swapped: bool = False) -> jax.Array:
     """x [M, K] bf16, W12 [K, N] -> per-split partial products [split_k, M, N] float32.
 
     `diagnostic_load_only` (benchmarks only; the result is NOT the product) loads every plane as usual
@@ -365,12 +384,12 @@ def w12_matmul_partials(x: jax.Array, w: W12, blocks: W12Blocks | None = None,
     against the real kernel's separates the decode arithmetic from the loads and the matmul."""
     k, n = w.shape
     m = x.shape[0]
-    xp, b, x_specs, common = _setup(x, k, n, blocks)
+    xp, b, x_specs, common = _setup(x, k, n, blocks, swapped)
     specs, operands, fmt = _w12_operands(w, b)
     if diagnostic_load_only:
         fmt = {**fmt, "has_exceptions": False, "diagnostic_load_only": True}
     out = pl.pallas_call(
-        functools.partial(_w12_kernel, block_k=b.block_k, m=m, **fmt),
+        functools.partial(_w12_kernel, block_k=b.block_k, m=m, swapped=swapped, **fmt),
         in_specs=[*x_specs, *specs], interpret=interpret, **common,
     )(xp, xp, *operands)
     return out[:, :m]
@@ -396,17 +415,17 @@ def w12_decode_tiles(w: W12, blocks: W12Blocks | None = None, interpret: bool = 
     return jnp.concatenate([lo, hi], axis=0)
 
 
-@functools.partial(jax.jit, static_argnames=("blocks", "interpret"))
+@functools.partial(jax.jit, static_argnames=("blocks", "interpret", "swapped"))
 def bf16_matmul_partials(x: jax.Array, w: jax.Array, blocks: W12Blocks | None = None,
-                         interpret: bool = False) -> jax.Array:
+                         interpret: bool = False, swapped: bool = False) -> jax.Array:
     """The twin: same tiling and accumulation order over the original bf16 [K, N] weight."""
     k, n = w.shape
     m = x.shape[0]
     if w.dtype != jnp.bfloat16:
         raise NotImplementedError(f"the twin reads bf16 weights, got {w.dtype}")
-    xp, b, x_specs, common = _setup(x, k, n, blocks)
+    xp, b, x_specs, common = _setup(x, k, n, blocks, swapped)
     out = pl.pallas_call(
-        functools.partial(_bf16_kernel, block_k=b.block_k, m=m),
+        functools.partial(_bf16_kernel, block_k=b.block_k, m=m, swapped=swapped),
         in_specs=[*x_specs, *_half_specs(b, k // 2 // b.split_k)],
         interpret=interpret, **common,
     )(xp, xp, w, w)
@@ -480,7 +499,7 @@ def sum_splits(partials: jax.Array) -> jax.Array:
 
 
 M1_PATH = "mma"  # the path "auto" takes at M = 1: "mma" (tensor cores) or "gemv" (CUDA cores)
-PATHS = ("auto", "mma", "gemv")
+PATHS = ("auto", "mma", "mma_t", "gemv")
 
 
 def _dispatch(partials_fn, gemv_fn, reference_fn, x, w, implementation, path, blocks, interpret):
@@ -495,7 +514,8 @@ def _dispatch(partials_fn, gemv_fn, reference_fn, x, w, implementation, path, bl
         x2 = x.reshape(-1, k)
         if path == "auto":
             path = "gemv" if x2.shape[0] == 1 and M1_PATH == "gemv" else "mma"
-        fn = gemv_fn if path == "gemv" else partials_fn
+        fn = {"gemv": gemv_fn, "mma": partials_fn,
+              "mma_t": functools.partial(partials_fn, swapped=True)}[path]
         try:
             y = sum_splits(fn(x2, w, blocks=blocks, interpret=interpret))
             return y.reshape(*x.shape[:-1], n)
@@ -508,7 +528,8 @@ def w12_matmul(x: jax.Array, w: W12, *, implementation: str = "pallas", path: st
                blocks: W12Blocks | None = None, interpret: bool | None = None) -> jax.Array:
     """x [..., K] @ W12 [K, N] -> [..., N] float32. "pallas" falls back to "xla" (decode + XLA dot) where
     the kernel does not apply; interpret=None runs the kernel in interpret mode on CPU backends. `path`
-    picks the tensor-core kernel ("mma"), the M = 1 CUDA-core GEMV ("gemv"), or by M ("auto")."""
+    picks the tensor-core kernel ("mma"), the same with operands swapped (y^T = W^T x^T: "mma_t"), the
+    M = 1 CUDA-core GEMV ("gemv"), or by M ("auto")."""
     return _dispatch(w12_matmul_partials, w12_gemv_partials, w12_matmul_reference, x, w, implementation,
                      path, blocks, interpret)
 

@@ -103,6 +103,20 @@ class _KernelCases:
         assert (np.asarray(got) == 32.0).all()
 
 
+    @pytest.mark.parametrize("k,n,m,blocks,groups,finite", [CASES[0], CASES[1], CASES[2], CASES[4]])
+    def test_swapped_path_bit_identical_to_its_twin(self, k, n, m, blocks, groups, finite):
+        """path="mma_t" (y^T = W^T x^T): W12 vs the twin with the same swap, and vs exact products."""
+        w = adversarial_weights(k, n, seed=k + n + m, finite=finite)
+        enc = jax.device_put(w12.encode(w, **groups))
+        x = jnp.asarray(np.random.default_rng(m).standard_normal((m, k)), jnp.bfloat16)
+        got = km.w12_matmul_partials(x, enc, blocks=blocks, interpret=self.interpret, swapped=True)
+        twin = km.bf16_matmul_partials(x, jnp.asarray(w), blocks=blocks, interpret=self.interpret, swapped=True)
+        assert got.shape == twin.shape and got.shape[1:] == (m, n)
+        assert_same_bits(got, twin)
+        if finite:
+            assert_close_to_exact(km.w12_matmul(x, enc, path="mma_t", blocks=blocks, interpret=self.interpret),
+                                  x, w)
+
     @pytest.mark.parametrize("k,n,blocks,finite", [
         (64, 32, None, True),
         (256, 256, W12Blocks(block_n=64, block_k=16, split_k=2), False),
@@ -194,6 +208,8 @@ def test_lowers_for_cuda(k, n):
               (s((1, k), jnp.bfloat16), s((k, n), jnp.bfloat16))),
              (functools.partial(km.w12_decode_tiles, blocks=b), (_w12_struct(k, n, e=0),)),
              (km.w12_gemv_partials, (s((1, k), jnp.bfloat16), _w12_struct(k, n))),
+             (functools.partial(km.w12_matmul_partials, blocks=b, swapped=True),
+              (s((4, k), jnp.bfloat16), _w12_struct(k, n))),
              (km.bf16_gemv_partials, (s((1, k), jnp.bfloat16), s((k, n), jnp.bfloat16)))]
     for fn, args in cases:
         lowered = jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",))
