@@ -49,9 +49,11 @@ class DrafterConf:
     block_size: int = 16
     num_layers: int = 1
     num_taps: int = 5
-    # oracle acceptance: per-position acceptance probabilities, or a target tau
+    # oracle acceptance: per-position conditional acceptance probabilities, a target tau, or a trace
+    # recorded by an earlier run (its results.jsonl or run folder; e.g. the trained embedded pair's)
     acceptance: Optional[List[float]] = None
     tau: Optional[float] = None
+    acceptance_trace: Optional[str] = None
 
 
 @dataclasses.dataclass
@@ -153,9 +155,17 @@ def validate(cfg: DictConfig) -> None:
               "target=embedded or bench.prompts=random")
     if d.source == "dflash" and not d.path:
         _fail("drafter.path", "a dflash drafter needs the path of a local checkpoint directory")
-    if d.source == "oracle" and d.acceptance is None and d.tau is None:
-        _fail("drafter.acceptance", "an oracle drafter needs an acceptance profile or a tau")
-    if d.source == "oracle" and d.tau is not None and not 1 <= d.tau <= d.block_size:
+    if d.source == "oracle" and d.acceptance is None and d.tau is None and not d.acceptance_trace:
+        _fail("drafter.acceptance", "an oracle drafter needs an acceptance profile, a tau or a trace")
+    if d.acceptance_trace and d.acceptance is not None:
+        _fail("drafter.acceptance_trace", "give an acceptance profile or a trace, not both")
+    if d.acceptance_trace:
+        from pathlib import Path
+
+        trace = Path(d.acceptance_trace).expanduser()
+        if not (trace / "results.jsonl" if trace.is_dir() else trace).is_file():
+            _fail("drafter.acceptance_trace", f"no results.jsonl at {trace}")
+    if d.source == "oracle" and d.tau is not None and not d.acceptance_trace and not 1 <= d.tau <= d.block_size:
         _fail("drafter.tau", f"{d.tau} is impossible with block size {d.block_size}")
     if d.source == "oracle" and dec.temperature != 0:
         _fail("drafter.source", "oracle acceptance replays greedy continuations; use temperature 0")

@@ -96,8 +96,13 @@ def build_drafter(dconf: DictConfig, target_cfg: ModelConfig, target_params, see
 
         inner, params, target_cfg, _ = build_drafter(
             OmegaConf.merge(dconf, {"source": "random"}), target_cfg, target_params, seed)
-        profile = conditional_profile(int(dconf.block_size), dconf.acceptance, dconf.tau)
-        note = (f"oracle acceptance (profile with expected tau {expected_tau(profile):.2f}; real "
+        acceptance, source = dconf.acceptance, "profile"
+        if dconf.get("acceptance_trace"):
+            from specpilot.models.oracle import load_trace
+
+            acceptance, source = load_trace(dconf.acceptance_trace), f"trace {dconf.acceptance_trace}"
+        profile = conditional_profile(int(dconf.block_size), acceptance, dconf.tau)
+        note = (f"oracle acceptance ({source} with expected tau {expected_tau(profile):.2f}; real "
                 f"drafter forward at its shape, drafts replay the target's greedy continuation)")
         return OracleDrafter(inner, tuple(float(c) for c in profile)), params, target_cfg, [note]
     if dconf.source == "random":

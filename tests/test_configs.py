@@ -63,6 +63,7 @@ def test_every_option_composes(group):
     ("target.source=cloud", "target.source"),
     ("target.init=uniform", "target.init"),
     ("gpu.kernel_backend=mosaic", "no Mosaic GPU kernels"),
+    ("drafter=oracle drafter.acceptance_trace=/nonexistent/run", "no results.jsonl"),
     ("gpu.kernel_backend=cuda", "gpu.kernel_backend"),
     ("bench.prompts=poems", "bench.prompts"),
     ("decoding.top_p=1.5", "decoding"),
@@ -73,7 +74,7 @@ def test_every_option_composes(group):
 ])
 def test_impossible_values_fail_clearly(override, match):
     with pytest.raises(ConfigValueError, match=match):
-        validate(_compose([override]))
+        validate(_compose(override.split()))
 
 
 def test_typos_and_wrong_types_fail_at_composition():

@@ -1,5 +1,7 @@
 """Oracle-acceptance drafter: tau follows the profile, output equals AR, the real forward is kept."""
 
+import json
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -9,7 +11,7 @@ from specpilot.decoding import spec
 from specpilot.decoding.ar import generate
 from specpilot.models import drafter as dr
 from specpilot.models.oracle import (OracleDrafter, conditional_profile, constant_acceptance_for_tau,
-                                     expected_tau, leading_right)
+                                     conditional_from_marginal, expected_tau, leading_right, load_trace)
 
 
 def test_constant_acceptance_solves_tau():
@@ -95,3 +97,25 @@ def test_draws_follow_the_profile_on_average():
     marg = np.cumprod(c)
     se = np.sqrt(marg * (1 - marg) / n_right.size)
     assert (np.abs(right.mean(0) - marg) < 4 * se + 1e-9).all()
+
+
+def test_trace_from_a_recorded_run(tmp_path):
+    """A run records marginals a_k (fraction of steps accepting draft k); the oracle needs conditionals."""
+    c = np.array([0.9, 0.8, 0.5, 0.0, 0.7])
+    marg = np.cumprod(c)
+    np.testing.assert_allclose(conditional_from_marginal(marg), [0.9, 0.8, 0.5, 0.0, 0.0])
+    assert expected_tau(conditional_from_marginal(marg)) == pytest.approx(1 + marg.sum())
+    for bad in ([0.5, 0.7], [1.2], []):
+        with pytest.raises(ValueError, match="non-increasing"):
+            conditional_from_marginal(bad)
+    run = tmp_path / "run"
+    run.mkdir()
+    rows = [{"method": "ar", "stats": {}},
+            {"method": "stock", "stats": {"acceptance_per_position": [0.8, 0.4, 0.2]}},
+            {"method": "stock", "stats": {"acceptance_per_position": [0.6, 0.4, 0.0]}}]
+    (run / "results.jsonl").write_text("\n".join(map(json.dumps, rows)) + "\n")
+    np.testing.assert_allclose(load_trace(run), [0.7, 0.4 / 0.7, 0.1 / 0.4])  # the mean trace
+    with pytest.raises(ValueError, match="no 'stock_w12' record"):
+        load_trace(run / "results.jsonl", method="stock_w12")
+    with pytest.raises(FileNotFoundError, match="no acceptance trace"):
+        load_trace(tmp_path / "missing")

@@ -50,6 +50,16 @@ def test_stock_run_is_checked_by_token_forcing(tmp_path):
     assert set(split) == {"draft", "verify", "bookkeeping"} and abs(sum(split.values()) - 1) < 1e-9
     assert len(stock["stats"]["acceptance_per_position"]) == 3
     assert "token forcing: 24 positions, 0 mismatches" in proc.stdout
+    # the recorded per-position acceptance replays as an oracle trace
+    out2 = tmp_path / "out2"
+    again = _run(f"output_dir={out2}", "decoding=stock", "drafter=oracle", "drafter.num_layers=1",
+                 "drafter.block_size=4", f"drafter.acceptance_trace={out}", "bench.num_prompts=2",
+                 "bench.new_tokens=12", f"hydra.run.dir={tmp_path / 'hydra2'}", cwd=tmp_path)
+    assert again.returncode == 0, again.stderr[-3000:]
+    replay = {r["method"]: r for r in map(json.loads, (out2 / "results.jsonl").read_text().splitlines())}
+    expected = 1 + sum(stock["stats"]["acceptance_per_position"])
+    assert f"trace {out} with expected tau {expected:.2f}" in replay["stock"]["notes"]
+    assert replay["stock"]["profile_tau"] == pytest.approx(expected)
 
 
 def test_bad_override_fails_with_clear_message(tmp_path):

@@ -55,6 +55,37 @@ def conditional_profile(block_size: int, acceptance=None, tau: float | None = No
     return np.full(block_size - 1, constant_acceptance_for_tau(tau, block_size))
 
 
+def conditional_from_marginal(marginal) -> np.ndarray:
+    """Per-position acceptance as a run records it (a_k = fraction of verification steps that accepted
+    draft k, k = 1..Bs-1) -> conditional probabilities c_k = a_k / a_{k-1} (a_0 = 1; 0 after a 0)."""
+    a = np.asarray(list(marginal), np.float64)
+    if a.ndim != 1 or a.size == 0 or ((a < 0) | (a > 1)).any() or (np.diff(a) > 1e-12).any():
+        raise ValueError(f"a recorded acceptance trace must be non-increasing probabilities, got {list(a)}")
+    prev = np.concatenate([[1.0], a[:-1]])
+    return np.where(prev > 0, a / np.where(prev > 0, prev, 1.0), 0.0).clip(0.0, 1.0)
+
+
+def load_trace(path, method: str = "stock") -> np.ndarray:
+    """The per-position acceptance recorded by a run (`results.jsonl`, or the folder holding it) for
+    `method`, averaged over its records, as conditional probabilities."""
+    import json
+    from pathlib import Path
+
+    p = Path(path).expanduser()
+    if p.is_dir():
+        p = p / "results.jsonl"
+    if not p.is_file():
+        raise FileNotFoundError(f"no acceptance trace at {p} (expected a run's results.jsonl)")
+    rows = [json.loads(line) for line in p.read_text().splitlines() if line.strip()]
+    traces = [r["stats"]["acceptance_per_position"] for r in rows
+              if r.get("method") == method and (r.get("stats") or {}).get("acceptance_per_position")]
+    if not traces:
+        raise ValueError(f"{p} has no {method!r} record with a per-position acceptance")
+    if len({len(t) for t in traces}) != 1:
+        raise ValueError(f"{p}: {method!r} records disagree on the block size")
+    return conditional_from_marginal(np.mean(np.asarray(traces, np.float64), axis=0))
+
+
 def expected_tau(conditional: np.ndarray) -> float:
     return float(1.0 + np.cumprod(conditional).sum())
 
