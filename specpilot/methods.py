@@ -10,6 +10,7 @@ Design choices:
 from __future__ import annotations
 
 import dataclasses
+import time
 from typing import Callable
 
 import numpy as np
@@ -145,8 +146,15 @@ def register(method: Method) -> None:
     METHODS[method.name] = method
 
 
-def median_run(method: Method, dep, repeats: int) -> MethodRun:
-    """Run `repeats` times; keep the run with the median decode time (tokens are identical for greedy)."""
-    runs = [method.run(dep) for _ in range(repeats)]
+def median_run(method: Method, dep, repeats: int, progress=None) -> MethodRun:
+    """Run `repeats` times; keep the run with the median decode time (tokens are identical for greedy).
+    `progress(message)`, if given, hears about each repetition as it ends."""
+    runs = []
+    for i in range(repeats):
+        t0 = time.perf_counter()
+        runs.append(method.run(dep))
+        if progress:
+            progress(f"{method.name}: run {i + 1}/{repeats} in {time.perf_counter() - t0:.1f} s "
+                     f"({1e3 * runs[-1].decode_time_per_token:.3f} ms/token)")
     order = np.argsort([r.decode_s for r in runs])
     return runs[int(order[len(order) // 2])]

@@ -13,7 +13,9 @@ from __future__ import annotations
 import csv
 import datetime
 import json
+import logging
 import platform
+import time
 from pathlib import Path
 
 import jax
@@ -23,6 +25,8 @@ from omegaconf import DictConfig, OmegaConf
 from specpilot import costmodel, deploy
 from specpilot.config_schema import validate
 from specpilot.methods import METHODS, median_run
+
+log = logging.getLogger(__name__)
 
 CSV_FIELDS = ("target", "drafter", "gpu", "batch_size", "prompts", "new_tokens", "method",
               "decode_ms_per_token", "tokens_per_s", "prefill_ms", "speedup_vs_ar", "tau",
@@ -37,17 +41,23 @@ def environment() -> dict:
 
 def run(cfg: DictConfig, out_dir: str | Path) -> list[dict]:
     validate(cfg)
+    t0 = time.perf_counter()
     dep = deploy.build(cfg)
+    log.info("deployment %s built in %.1f s", dep.labels, time.perf_counter() - t0)
     methods = list(dict.fromkeys(["ar", *cfg.decoding.methods]))
     env = environment()
     runs = {}
     for name in methods:  # AR first: its tokens are the reference an oracle drafter replays
-        runs[name] = median_run(METHODS[name], dep, int(cfg.bench.repeats))
+        runs[name] = median_run(METHODS[name], dep, int(cfg.bench.repeats), progress=log.info)
         if name == "ar":
             dep.reference_tokens = runs["ar"].tokens
-    forcing = {name: check_by_forcing(METHODS[name], dep, runs["ar"], runs[name],
-                                      float(cfg.decoding.forcing_margin))
-               for name in runs if name != "ar"}
+    forcing = {}
+    for name in runs:
+        if name != "ar":
+            t0 = time.perf_counter()
+            forcing[name] = check_by_forcing(METHODS[name], dep, runs["ar"], runs[name],
+                                             float(cfg.decoding.forcing_margin))
+            log.info("%s: token forcing in %.1f s", name, time.perf_counter() - t0)
     ar_tpot = runs["ar"].decode_time_per_token
     hw = costmodel.Hardware.from_conf(cfg.gpu)
     mean_context = sum(len(p) for p in dep.prompts) / len(dep.prompts) + dep.new_tokens / 2

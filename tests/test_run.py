@@ -26,6 +26,7 @@ def test_run_writes_records_and_table(tmp_path):
                 f"hydra.run.dir={tmp_path / 'hydra'}", cwd=tmp_path)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "ms/token" in proc.stdout
+    assert "ar: run 1/1 in" in proc.stdout + proc.stderr  # progress, as each repetition ends
     records = [json.loads(line) for line in (out / "results.jsonl").read_text().splitlines()]
     assert [r["method"] for r in records] == ["ar"]
     rec = records[0]
