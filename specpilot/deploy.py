@@ -53,6 +53,17 @@ class Deployment:
             self.encoded_params[fmt] = formats.encode_params(self.params, fmt, kernel=kernel)
         return self.encoded_params[fmt]
 
+    def encoded_drafter(self, fmt: str):
+        """The drafter's own weights (its layers and `fc`; embedding and head are the target's) in
+        format `fmt`, encoded once per deployment. For an oracle drafter, those of the drafter it runs."""
+        from specpilot import formats
+
+        key = "drafter:" + fmt
+        if key not in self.encoded_params:
+            kernel = {"triton": "pallas", "xla": "xla"}[self.kernel_backend]
+            self.encoded_params[key] = formats.encode_params(self.drafter[1], fmt, kernel=kernel, extra=("fc",))
+        return self.encoded_params[key]
+
     def batches(self) -> list[list[list[int]]]:
         """Prompts grouped into batches of `batch_size` (a trailing partial batch is dropped)."""
         n = len(self.prompts) // self.batch_size * self.batch_size

@@ -56,13 +56,16 @@ def run_ar(dep, params=None) -> MethodRun:
     return MethodRun(tokens, prefill_s, decode_s, decode_tokens)
 
 
-def run_stock(dep, params=None) -> MethodRun:
-    """Block drafter + chain verification (greedy prefix match, or rejection sampling)."""
+def run_stock(dep, params=None, drafter_params=None) -> MethodRun:
+    """Block drafter + chain verification (greedy prefix match, or rejection sampling). `params` /
+    `drafter_params` replace the deployment's target / drafter weights (e.g. in another format)."""
     from specpilot.decoding import spec
     from specpilot.models.drafter import replay_reference
     from specpilot.models.oracle import OracleDrafter
 
-    drafter, draft_params = dep.drafter
+    drafter = dep.drafter[0]
+    base_draft_params = dep.drafter[1] if drafter_params is None else drafter_params
+    draft_params = base_draft_params
     tokens, prefill_s, decode_s, decode_tokens = [], 0.0, 0.0, 0
     steps, emitted, hist = 0, 0, None
     for i, batch in enumerate(dep.batches()):
@@ -71,7 +74,7 @@ def run_stock(dep, params=None) -> MethodRun:
                 raise RuntimeError("an oracle drafter needs the AR baseline's tokens; run AR first")
             continuation = dep.reference_tokens[i * dep.batch_size:(i + 1) * dep.batch_size]
             reference = replay_reference(batch, continuation)
-            draft_params = OracleDrafter.make_params(dep.drafter[1], reference, seed=i)
+            draft_params = OracleDrafter.make_params(base_draft_params, reference, seed=i)
         res = spec.generate(params or dep.params, dep.cfg, drafter, draft_params, batch, dep.new_tokens,
                             block_size=dep.block_size, sampling=dep.sampling, key=dep.key,
                             cache_len=dep.cache_len)
@@ -93,7 +96,7 @@ def run_stock(dep, params=None) -> MethodRun:
         batch = dep.batches()[0]
         if isinstance(drafter, OracleDrafter):
             draft_params = OracleDrafter.make_params(
-                dep.drafter[1], replay_reference(batch, dep.reference_tokens[:len(batch)]), seed=0)
+                base_draft_params, replay_reference(batch, dep.reference_tokens[:len(batch)]), seed=0)
         prof = spec.generate(params or dep.params, dep.cfg, drafter, draft_params, batch,
                              dep.new_tokens, block_size=dep.block_size, sampling=dep.sampling,
                              key=dep.key, cache_len=dep.cache_len, profile=True).stats
@@ -136,8 +139,9 @@ METHODS: dict[str, Method] = {
     "ar_w12": Method("ar_w12", lambda dep: run_ar(dep, _w12(dep)),
                      description="AR with the lossless 12-bit weight format",
                      scorer=_scorer(_w12, _one)),
-    "stock_w12": Method("stock_w12", lambda dep: run_stock(dep, _w12(dep)), needs_drafter=True,
-                        description="stock with the lossless 12-bit weight format",
+    "stock_w12": Method("stock_w12", lambda dep: run_stock(dep, _w12(dep), dep.encoded_drafter("w12")),
+                        needs_drafter=True,
+                        description="stock with the lossless 12-bit weight format (target and drafter)",
                         scorer=_scorer(_w12, _block)),
 }
 

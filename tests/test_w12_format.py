@@ -316,3 +316,33 @@ def test_real_trained_weights_all_minilm():
         print(f"all-MiniLM-L6-v2 {key}: {int(numel)} weights, exception rate {rate:.2e}, "
               f"{bpw:.4f} bits/weight")
         assert rate < 2e-4 and bpw < 12.05  # measured: see docs/w12.md
+
+
+def test_drafter_weights_encode_and_draft_identically(tiny_cfg):
+    """A drafter's layers and `fc` in W12 (kernel "xla": decode, then XLA's dot) draft bit-identically to
+    its bf16 weights; the target's embedding and head stay the target's."""
+    from specpilot.cache import init_cache
+    from specpilot.models import drafter as dr
+
+    dcfg = dr.DrafterConfig.for_target(tiny_cfg, num_layers=1, block_size=4)
+    target_cfg = tiny_cfg.with_taps(dcfg.tap_layers)
+    from helpers import random_params
+
+    def bf16(tree):
+        return jax.tree.map(lambda x: x.astype(jnp.bfloat16), tree)
+
+    rng = np.random.default_rng(3)
+    tparams = bf16(random_params(dense.param_shapes(target_cfg), 0.3, 1))
+    dparams = bf16(random_params(dr.param_shapes(dcfg), 0.3, 2))
+    enc = formats.encode_params(dparams, "w12", kernel="xla", extra=("fc",))
+    assert isinstance(enc["fc"], w12.W12) and isinstance(enc["layers"][0]["q"], w12.W12)
+    drafter = dr.BlockDrafter(dcfg, target_cfg)
+    taps = jnp.asarray(rng.standard_normal((1, 5, dcfg.num_taps * tiny_cfg.hidden_size)), jnp.bfloat16)
+
+    def draft(p):
+        state = drafter.init_state(p, 1, 16, jnp.bfloat16)
+        state = drafter.extend(p, tparams, state, taps, jnp.array([5]))
+        return drafter.propose(p, tparams, state, jnp.array([7]), 4)[0]
+
+    got, want = draft(enc), draft(dparams)
+    np.testing.assert_array_equal(np.asarray(got).view(np.uint32), np.asarray(want).view(np.uint32))

@@ -339,9 +339,11 @@ KERNELS = ("pallas", "xla")
 
 
 def encode_params(params: dict, names: tuple[str, ...] = LINEAR_NAMES, lm_head: bool = True,
-                  max_exception_rate: float = 0.01, kernel: str = "pallas", **kw) -> dict:
-    """Dense-model params with the named per-layer linear weights (and `lm_head`) replaced by W12 on
-    the device, multiplied by `kernel` (see `W12.kernel`). A matrix whose exception rate exceeds
+                  max_exception_rate: float = 0.01, kernel: str = "pallas", extra: tuple[str, ...] = (),
+                  **kw) -> dict:
+    """Dense-model params with the named per-layer linear weights (and `lm_head`, and the top-level
+    matrices named in `extra`, e.g. a drafter's `fc`) replaced by W12 on the device, multiplied by
+    `kernel` (see `W12.kernel`). A matrix whose exception rate exceeds
     `max_exception_rate` stays bf16: its patch work would sit on the kernel's hot path and its storage
     would approach 16 bits."""
     if kernel not in KERNELS:
@@ -358,6 +360,9 @@ def encode_params(params: dict, names: tuple[str, ...] = LINEAR_NAMES, lm_head: 
                           for layer in params["layers"])
     if lm_head and "lm_head" in params:
         out["lm_head"] = enc(params["lm_head"])
+    for name in extra:
+        if name in params:
+            out[name] = enc(params[name])
     return out
 
 
