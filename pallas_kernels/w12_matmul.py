@@ -38,9 +38,9 @@ import numpy as np
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plt
 
+from pallas_kernels.gemv import NUM_SMS_H200, _largest_pow2_divisor, _pow2
 from specpilot.formats.w12 import W12, decode_jnp
 
-NUM_SMS_H200 = 132
 MIN_DOT = 16  # Triton's tl.dot wants every dimension >= 16
 
 
@@ -54,19 +54,8 @@ class W12Blocks:
     num_stages: int = 3
 
 
-def _pow2(n: int) -> bool:
-    return n > 0 and n & (n - 1) == 0
-
-
 def _next_pow2(n: int) -> int:
     return 1 << max(0, (n - 1).bit_length())
-
-
-def _largest_pow2_divisor(n: int, cap: int) -> int:
-    d = 1
-    while d * 2 <= cap and n % (d * 2) == 0:
-        d *= 2
-    return d
 
 
 def default_blocks(k: int, n: int, target_programs: int = 2 * NUM_SMS_H200) -> W12Blocks:
@@ -103,19 +92,20 @@ def default_gemv_blocks(k: int, n: int, target_programs: int = 2 * NUM_SMS_H200)
     return W12Blocks(block_n=block_n, block_k=block_k, split_k=split_k, num_stages=4)
 
 
-def check_gemv_blocks(k: int, n: int, b: W12Blocks) -> None:
+def _tiles(k: int, n: int, b: W12Blocks) -> bool:
+    """Even K, block_n | N, (K/2)/split_k a power of two divisible by block_k, power-of-two blocks."""
     kh, s = k // 2, b.split_k
-    ok = (k % 2 == 0 and n % b.block_n == 0 and kh % s == 0 and _pow2(kh // s) and _pow2(b.block_n)
-          and _pow2(b.block_k) and (kh // s) % b.block_k == 0)
-    if not ok:
+    return (k % 2 == 0 and n % b.block_n == 0 and kh % s == 0 and _pow2(kh // s) and _pow2(b.block_n)
+            and _pow2(b.block_k) and (kh // s) % b.block_k == 0)
+
+
+def check_gemv_blocks(k: int, n: int, b: W12Blocks) -> None:
+    if not _tiles(k, n, b):
         raise ValueError(f"GEMV blocks {b} do not tile a [{k}, {n}] weight")
 
 
 def check_blocks(k: int, n: int, b: W12Blocks) -> None:
-    kh, s = k // 2, b.split_k
-    ok = (k % 2 == 0 and n % b.block_n == 0 and kh % s == 0 and _pow2(kh // s) and _pow2(b.block_n)
-          and _pow2(b.block_k) and _pow2(b.block_m) and min(b.block_n, b.block_k, b.block_m) >= MIN_DOT
-          and (kh // s) % b.block_k == 0)
+    ok = _tiles(k, n, b) and _pow2(b.block_m) and min(b.block_n, b.block_k, b.block_m) >= MIN_DOT
     if not ok:
         raise ValueError(f"blocks {b} do not tile a [{k}, {n}] weight: need even K, powers of two >= "
                          f"{MIN_DOT}, block_n | N, (K/2)/split_k a power of two divisible by block_k")
@@ -166,7 +156,7 @@ def _as_bf16(bits: jax.Array) -> jax.Array:
 
 def _w12_loader(sm_lo_ref, sm_hi_ref, nib_ref, base_ref, ptr_ref, row_ref, col_ref, val_ref, *,
                 block_k: int, k_half: int, group_n: int, group_k: int, n_groups_k: int,
-                has_exceptions: bool, diagnostic_load_only: bool = False):
+                diagnostic_load_only: bool = False):
     # sm_lo_ref, sm_hi_ref: [KS, BN] int8 sign|mantissa of the lower / upper K half
     # nib_ref: [KS, BN] uint8 codes (low nibble: lower half, high nibble: upper half); base_ref: [1, BN]
     # ptr_ref: [n_cb * n_g + 1] int32 CSR offsets; row_ref, col_ref: [E] int32; val_ref: [E] uint16
@@ -204,8 +194,8 @@ def _w12_loader(sm_lo_ref, sm_hi_ref, nib_ref, base_ref, ptr_ref, row_ref, col_r
         # int8 -> int32 sign-extends: bit 15 is the sign, bits 0..6 the mantissa
         lo = (sm_lo_ref[pl.ds(k0, block_k), :].astype(jnp.int32) & 0x807F) | (((nib & 0xF) << 7) + base7)
         hi = (sm_hi_ref[pl.ds(k0, block_k), :].astype(jnp.int32) & 0x807F) | (((nib >> 4) << 7) + base7)
-        if has_exceptions:  # static; always True for the product kernel (see _w12_operands)
-            lo, hi = patch(s * ks + k0, lo, hi)
+        # compiled in even for matrices without exceptions, whose ranges are empty (see _w12_operands)
+        lo, hi = patch(s * ks + k0, lo, hi)
         return _as_bf16(lo), _as_bf16(hi)
 
     return load_pair
@@ -368,8 +358,7 @@ def _w12_operands(w: W12, b: W12Blocks):
     # The patch loop is compiled in even without exceptions (its range is then empty): on the H200 the
     # kernel compiled without it gave products differing from the twin's in the last bits at M <= 16
     # (bench_w12 "w12_noexc", 2026-11-29), while with it every shape and M matched bit for bit.
-    fmt = dict(k_half=k // 2, group_n=w.group_n, group_k=w.group_k, n_groups_k=w.n_groups_k,
-               has_exceptions=True)
+    fmt = dict(k_half=k // 2, group_n=w.group_n, group_k=w.group_k, n_groups_k=w.n_groups_k)
     return specs, operands, fmt
 
 
@@ -387,7 +376,7 @@ def w12_matmul_partials(x: jax.Array, w: W12, blocks: W12Blocks | None = None,
     xp, b, x_specs, common = _setup(x, k, n, blocks, swapped)
     specs, operands, fmt = _w12_operands(w, b)
     if diagnostic_load_only:
-        fmt = {**fmt, "has_exceptions": False, "diagnostic_load_only": True}
+        fmt = {**fmt, "diagnostic_load_only": True}
     out = pl.pallas_call(
         functools.partial(_w12_kernel, block_k=b.block_k, m=m, swapped=swapped, **fmt),
         in_specs=[*x_specs, *specs], interpret=interpret, **common,
@@ -460,7 +449,6 @@ def w12_gemv_partials(x: jax.Array, w: W12, blocks: W12Blocks | None = None,
     k, n = w.shape
     xt, b, x_specs, common = _gemv_setup(x, k, n, blocks)
     specs, operands, fmt = _w12_operands(w, b)
-    fmt.pop("has_exceptions")
     return pl.pallas_call(
         functools.partial(_w12_gemv_kernel, block_k=b.block_k, **fmt),
         in_specs=[*x_specs, *specs], interpret=interpret, **common,

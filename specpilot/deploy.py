@@ -44,25 +44,23 @@ class Deployment:
     encoded_params: dict = dataclasses.field(default_factory=dict, repr=False)  # format -> params
     kernel_backend: str = "xla"  # gpu.kernel_backend: what multiplies weights in a non-bf16 format
 
-    def encoded(self, fmt: str):
-        """The target's params in weight format `fmt`, encoded once per deployment (offline work)."""
+    def _encode(self, key: str, params, fmt: str, **kw):
+        """params in weight format `fmt`, encoded once per deployment under `key` (offline work)."""
         from specpilot import formats
 
-        if fmt not in self.encoded_params:
+        if key not in self.encoded_params:
             kernel = {"triton": "pallas", "xla": "xla"}[self.kernel_backend]
-            self.encoded_params[fmt] = formats.encode_params(self.params, fmt, kernel=kernel)
-        return self.encoded_params[fmt]
+            self.encoded_params[key] = formats.encode_params(params, fmt, kernel=kernel, **kw)
+        return self.encoded_params[key]
+
+    def encoded(self, fmt: str):
+        """The target's params in weight format `fmt`."""
+        return self._encode(fmt, self.params, fmt)
 
     def encoded_drafter(self, fmt: str):
         """The drafter's own weights (its layers and `fc`; embedding and head are the target's) in
-        format `fmt`, encoded once per deployment. For an oracle drafter, those of the drafter it runs."""
-        from specpilot import formats
-
-        key = "drafter:" + fmt
-        if key not in self.encoded_params:
-            kernel = {"triton": "pallas", "xla": "xla"}[self.kernel_backend]
-            self.encoded_params[key] = formats.encode_params(self.drafter[1], fmt, kernel=kernel, extra=("fc",))
-        return self.encoded_params[key]
+        format `fmt`. For an oracle drafter, those of the drafter it runs."""
+        return self._encode("drafter:" + fmt, self.drafter[1], fmt, extra=("fc",))
 
     def batches(self) -> list[list[list[int]]]:
         """Prompts grouped into batches of `batch_size` (a trailing partial batch is dropped)."""

@@ -25,6 +25,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from specpilot.cache import KVCache, check_capacity, init_cache
+from specpilot.decoding.aot import CompileCache
 from specpilot.decoding.sampling import GREEDY, SamplingConfig, resolve_key, sample
 from specpilot.models import dense
 from specpilot.models.config import ModelConfig
@@ -120,16 +121,12 @@ def ar_decode_loop(params, cfg: ModelConfig, sampling: SamplingConfig, first: ja
 
 
 LOOPS = ("fori", "host")
-_COMPILED: dict = {}
+_CACHE = CompileCache()
 
 
 def _compiled(fn, static: tuple, *args):
-    """Ahead-of-time compiled `fn` for these shapes, so a timed call never compiles."""
-    sig = (fn, static, jax.tree.structure(args),
-           tuple((x.shape, str(x.dtype)) for x in jax.tree.leaves(args)))
-    if sig not in _COMPILED:
-        _COMPILED[sig] = fn.lower(*args[:1], *static, *args[1:]).compile()
-    return _COMPILED[sig]
+    """Ahead-of-time compiled `fn` for these shapes (static arguments follow the first argument)."""
+    return _CACHE.get(fn, static, args, lambda: fn.lower(*args[:1], *static, *args[1:]))
 
 
 def generate(params, cfg: ModelConfig, prompts: Sequence[Sequence[int]], max_new_tokens: int,

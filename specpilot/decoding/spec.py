@@ -28,7 +28,6 @@ Design choices:
 
 from __future__ import annotations
 
-import collections
 import dataclasses
 import functools
 import math
@@ -40,6 +39,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from specpilot.cache import KVCache, check_capacity, init_cache
+from specpilot.decoding.aot import CompileCache
 from specpilot.decoding.ar import GenerationResult, default_cache_len, pack_prompts
 from specpilot.decoding.rejection import choose_drafts, verify_chain
 from specpilot.decoding.sampling import GREEDY, SamplingConfig, resolve_key, sample
@@ -206,21 +206,12 @@ _draft_jit = jax.jit(draft_phase, static_argnums=0, donate_argnames=("state",))
 _verify_jit = jax.jit(verify_phase, static_argnums=0, donate_argnames=("state",))
 _accept_jit = jax.jit(accept_phase, static_argnums=0, donate_argnames=("state",))
 
-_COMPILED: collections.OrderedDict = collections.OrderedDict()
-_COMPILED_MAX = 64  # executables kept (least recently used dropped): sweeps must not grow memory
+_CACHE = CompileCache()
 
 
 def _compiled(fn, plan: SpecPlan, *args):
     """Ahead-of-time compiled `fn` for these argument shapes, so no timed call ever compiles."""
-    leaves = tuple((x.shape, str(x.dtype)) for x in jax.tree.leaves(args))
-    sig = (fn, plan, jax.tree.structure(args), leaves)
-    if sig in _COMPILED:
-        _COMPILED.move_to_end(sig)
-    else:
-        _COMPILED[sig] = fn.lower(plan, *args).compile()
-        if len(_COMPILED) > _COMPILED_MAX:
-            _COMPILED.popitem(last=False)
-    return _COMPILED[sig]
+    return _CACHE.get(fn, plan, args, lambda: fn.lower(plan, *args))
 
 
 # --------------------------------------------------------------------------------------------------

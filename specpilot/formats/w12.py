@@ -141,16 +141,23 @@ def encode(w, group_n: int = DEFAULT_GROUP_N, group_k: int = DEFAULT_GROUP_K) ->
     nib = lo | (hi << 4)
 
     rows, cols = np.nonzero(exc)
-    cb, g = cols // group_n, (rows % kh) // group_k
+    ptr, rows, cols, vals = _csr(rows, cols, bits[rows, cols], k, n, group_n, group_k)
+    return W12(sm=sm, nib=nib, base=base, exc_ptr=ptr, exc_row=rows, exc_col=cols, exc_val=vals, shape=(k, n),
+               group_n=group_n, group_k=group_k)
+
+
+def _csr(rows, cols, vals, k: int, n: int, group_n: int, group_k: int):
+    """Exceptions (any order) -> (CSR offsets int32, rows int32, cols int32, bits uint16), sorted by CSR
+    cell (column block, then paired-row group), then row-major inside a cell."""
+    rows, cols = np.asarray(rows, np.int64), np.asarray(cols, np.int64)
+    kh = (k + 1) // 2
     n_cb, n_g = -(-n // group_n), -(-kh // group_k)
-    key = cb.astype(np.int64) * n_g + g
-    order = np.lexsort((cols, rows, key))  # CSR cell, then row-major inside it
-    rows, cols, key = rows[order], cols[order], key[order]
+    key = (cols // group_n) * n_g + (rows % kh) // group_k
+    order = np.lexsort((cols, rows, key))
     ptr = np.zeros(n_cb * n_g + 1, np.int64)
     np.cumsum(np.bincount(key, minlength=n_cb * n_g), out=ptr[1:])
-    return W12(sm=sm, nib=nib, base=base, exc_ptr=ptr.astype(np.int32), exc_row=rows.astype(np.int32),
-               exc_col=cols.astype(np.int32), exc_val=bits[rows, cols].astype(np.uint16), shape=(k, n),
-               group_n=group_n, group_k=group_k)
+    return (ptr.astype(np.int32), rows[order].astype(np.int32), cols[order].astype(np.int32),
+            np.asarray(vals)[order].astype(np.uint16))
 
 
 # ---- device encoder: same fields as `encode`, dense work on the device -------------------------------
@@ -229,7 +236,6 @@ def encode_device(w, group_n: int = DEFAULT_GROUP_N, group_k: int = DEFAULT_GROU
     [K, N] temporaries and N * 256 int32 histogram bins; no 64-bit types (x64 may stay off)."""
     bits = _device_bits(w)
     k, n = bits.shape
-    kh = (k + 1) // 2
     if n * 256 >= 2**31:
         raise ValueError(f"N = {n} columns overflow the int32 histogram index")
     devices = bits.devices()
@@ -244,15 +250,7 @@ def encode_device(w, group_n: int = DEFAULT_GROUP_N, group_k: int = DEFAULT_GROU
     else:
         rows = cols = np.zeros(0, np.int64)
         vals = np.zeros(0, np.uint16)
-    cb, g = cols // group_n, (rows % kh) // group_k
-    n_cb, n_g = -(-n // group_n), -(-kh // group_k)
-    key = cb * n_g + g
-    order = np.lexsort((cols, rows, key))  # as `encode`: CSR cell, then row-major inside it
-    rows, cols, key, vals = rows[order], cols[order], key[order], vals[order]
-    ptr = np.zeros(n_cb * n_g + 1, np.int64)
-    np.cumsum(np.bincount(key, minlength=n_cb * n_g), out=ptr[1:])
-    small = jax.device_put((ptr.astype(np.int32), rows.astype(np.int32), cols.astype(np.int32),
-                            vals.astype(np.uint16)), device)
+    small = jax.device_put(_csr(rows, cols, vals, k, n, group_n, group_k), device)
     return W12(sm=sm, nib=nib, base=base, exc_ptr=small[0], exc_row=small[1], exc_col=small[2],
                exc_val=small[3], shape=(k, n), group_n=group_n, group_k=group_k)
 
