@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import functools
 import json
 import math
 import os
@@ -129,6 +130,9 @@ def bench_shape(name, k, n, ms, args, interpret, copy_bw, record):
             impls.append(("w12_noexc", b, kernel_mm(km.w12_matmul, b, interpret), ws_clean))
             if args.diagnose:
                 impls.append(("w12_loadonly", b, load_only_mm(b, interpret), ws_w12))
+            if args.jnp_decode and not interpret:  # the elementwise decoder the PTX one replaced
+                impls.append(("w12_jnp", b, kernel_mm(functools.partial(km.w12_matmul, decode="jnp"), b,
+                                                      interpret), ws_w12))
         if args.swapped:  # y^T = W^T x^T: the decoded tile as the MMA's register operand
             impls.append(("twin_t", None, kernel_mm(km.bf16_matmul, None, interpret, "mma_t"), ws_bf16))
             impls.append(("w12_t", None, kernel_mm(km.w12_matmul, None, interpret, "mma_t"), ws_w12))
@@ -146,13 +150,15 @@ def bench_shape(name, k, n, ms, args, interpret, copy_bw, record):
                 row["compile_s"] = time.perf_counter() - t0
                 per = timed(lambda: chain(x, ws), args.reps, args.trials) / count
                 y = jax.jit(mm)(x, ws[0])
-                nbytes = {"w12": bytes_w12, "w12_gemv": bytes_w12, "w12_t": bytes_w12, "w12_noexc": bytes_clean,
+                nbytes = {"w12": bytes_w12, "w12_jnp": bytes_w12, "w12_gemv": bytes_w12, "w12_t": bytes_w12, "w12_noexc": bytes_clean,
                           "w12_loadonly": bytes_clean}.get(impl, 2 * k * n)
                 row.update(us_per_matrix=per * 1e6, bytes=nbytes, tb_s=nbytes / per / 1e12,
                            bf16_eq_tb_s=2 * k * n / per / 1e12, pct_copy=100 * nbytes / per / copy_bw,
                            rel_err_vs_xla=float(jnp.linalg.norm(y - ref) / jnp.linalg.norm(ref)))
                 if impl == "w12":
                     row.update(bits_per_weight=st["bits_per_weight"], exception_rate=st["exception_rate"])
+                    row["bit_exact"] = same_bits(y, outs.get(("bf16_twin", b)))
+                if impl == "w12_jnp":
                     row["bit_exact"] = same_bits(y, outs.get(("bf16_twin", b)))
                 if impl == "w12_gemv":
                     row["bit_exact"] = same_bits(y, outs.get(("twin_gemv", b)))
@@ -235,7 +241,7 @@ def _print_m(rows, name, m):
 
 def summary(rows) -> None:
     """Best w12 and twin per (shape, M) against XLA."""
-    print(f"\n{'shape':8s} {'M':>3s} {'xla us':>8s} {'twin us':>8s} {'w12 us':>8s} {'noexc us':>8s} "
+    print(f"\n{'shape':8s} {'M':>3s} {'xla us':>8s} {'twin us':>8s} {'w12 us':>8s} {'jnp us':>8s} {'noexc us':>8s} "
           f"{'load us':>8s} {'tgemv us':>8s} {'wgemv us':>8s} {'twin_t us':>9s} {'w12_t us':>8s} {'w12/xla':>8s} "
           f"{'w12/twin':>8s} exact")
     keys = sorted({(r["shape"], r["m"]) for r in rows}, key=lambda t: (t[0], t[1]))
@@ -246,12 +252,12 @@ def summary(rows) -> None:
                 if r["impl"] not in best or r["us_per_matrix"] < best[r["impl"]]["us_per_matrix"]:
                     best[r["impl"]] = r
         t = {i: best[i]["us_per_matrix"] if i in best else float("nan")
-             for i in ("xla_bf16", "bf16_twin", "w12", "w12_noexc", "w12_loadonly", "twin_gemv", "w12_gemv",
+             for i in ("xla_bf16", "bf16_twin", "w12", "w12_jnp", "w12_noexc", "w12_loadonly", "twin_gemv", "w12_gemv",
                        "twin_t", "w12_t")}
         best_w12 = min((v for v in (t["w12"], t["w12_gemv"], t["w12_t"]) if not math.isnan(v)),
                        default=float("nan"))
         exact = all(r.get("bit_exact", True) for r in rows if (r["shape"], r["m"]) == (s, m))
-        print(f"{s:8s} {m:3d} {t['xla_bf16']:8.1f} {t['bf16_twin']:8.1f} {t['w12']:8.1f} "
+        print(f"{s:8s} {m:3d} {t['xla_bf16']:8.1f} {t['bf16_twin']:8.1f} {t['w12']:8.1f} {t['w12_jnp']:8.1f} "
               f"{t['w12_noexc']:8.1f} {t['w12_loadonly']:8.1f} {t['twin_gemv']:8.1f} {t['w12_gemv']:8.1f} "
               f"{t['twin_t']:9.1f} {t['w12_t']:8.1f} "
               f"{t['xla_bf16'] / best_w12:8.2f} {t['bf16_twin'] / best_w12:8.2f} {exact}")
@@ -268,6 +274,8 @@ def main(argv=None) -> dict:
     p.add_argument("--sweep", action="store_true", help="also time block-size variants of the kernels")
     p.add_argument("--swapped", action="store_true", help="also time path mma_t (y^T = W^T x^T) and its twin")
     p.add_argument("--gemv", action="store_true", help="at M = 1 also time the CUDA-core GEMV path and its twin")
+    p.add_argument("--jnp-decode", action="store_true",
+                   help="also time w12_jnp: the kernel with the elementwise decoder instead of the PTX one")
     p.add_argument("--diagnose", action="store_true",
                    help="also time w12_loadonly: the kernel's loads + matmul without the decode arithmetic")
     p.add_argument("--out", default="")

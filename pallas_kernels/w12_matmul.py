@@ -154,21 +154,72 @@ def _as_bf16(bits: jax.Array) -> jax.Array:
     return jax.lax.bitcast_convert_type(bits.astype(jnp.uint16), jnp.bfloat16)
 
 
+# Decode of 4 weights per instance in PTX, on packed registers: $2 holds four sign|mantissa bytes, $3 four
+# nibble bytes, $4 four base bytes; $0, $1 receive the four bf16 bit patterns, two per register. Per byte,
+# code + base <= 255 (bases <= 240), so the four exponent sums never carry into each other. PRMT with the
+# sign-replicate selector (bit 3 of a selector nibble) turns two bytes into two sign-extended 16-bit
+# halves in one instruction, and a second PRMT spreads two exponent bytes into the halves: about 2.5
+# instructions per weight, against byte extraction, widening and re-packing of every element in the
+# elementwise form. `{codes}` takes the nibble plane's low (lower K half) or high (upper half) codes.
+_DECODE_PTX = """{{
+.reg .b32 z, t, p, e;
+mov.b32 z, 0;
+{codes}
+and.b32 t, t, 0x0F0F0F0F;
+add.u32 t, t, $4;
+prmt.b32 p, $2, z, 0x9180;
+prmt.b32 e, t, z, 0x4140;
+shl.b32 e, e, 7;
+and.b32 p, p, 0x807F807F;
+or.b32 $0, p, e;
+prmt.b32 p, $2, z, 0xB3A2;
+prmt.b32 e, t, z, 0x4342;
+shl.b32 e, e, 7;
+and.b32 p, p, 0x807F807F;
+or.b32 $1, p, e;
+}}"""
+_DECODE_PTX_LO = _DECODE_PTX.format(codes="mov.b32 t, $3;")
+_DECODE_PTX_HI = _DECODE_PTX.format(codes="shr.u32 t, $3, 4;")
+
+DECODES = ("auto", "asm", "jnp")
+
+
+def _use_asm(decode: str, interpret: bool) -> bool:
+    """"auto": the PTX decode when compiled for a GPU, the elementwise jnp decode in interpret mode (which
+    cannot run PTX). Both give the same bits (tests: every bit pattern through each)."""
+    if decode not in DECODES:
+        raise ValueError(f"decode must be one of {DECODES}, got {decode!r}")
+    if decode == "asm" and interpret:
+        raise ValueError("decode='asm' is PTX and cannot run in interpret mode")
+    return decode == "asm" or (decode == "auto" and not interpret)
+
+
+def _decode_asm(sm, nib, base, ptx: str):
+    """int8 sm / uint8 nib [BK, BN] and base [1, BN] -> int16 [BK, BN] bf16 bits, via `ptx`. (One result
+    per call: Pallas' Triton lowering of multi-result inline asm returns a single value.)"""
+    base = jnp.broadcast_to(base, nib.shape)
+    [bits] = plt.elementwise_inline_asm(ptx, args=[sm, nib, base], constraints="=r,=r,r,r,r", pack=4,
+                                        result_shape_dtypes=[jax.ShapeDtypeStruct(nib.shape, jnp.int16)])
+    return bits
+
+
 def _w12_loader(sm_lo_ref, sm_hi_ref, nib_ref, base_ref, ptr_ref, row_ref, col_ref, val_ref, *,
                 block_k: int, k_half: int, group_n: int, group_k: int, n_groups_k: int,
-                diagnostic_load_only: bool = False):
+                asm: bool = False, diagnostic_load_only: bool = False):
     # sm_lo_ref, sm_hi_ref: [KS, BN] int8 sign|mantissa of the lower / upper K half
     # nib_ref: [KS, BN] uint8 codes (low nibble: lower half, high nibble: upper half); base_ref: [1, BN]
     # ptr_ref: [n_cb * n_g + 1] int32 CSR offsets; row_ref, col_ref: [E] int32; val_ref: [E] uint16
+    # asm: decode with `_DECODE_PTX` (compiled GPU kernels) instead of elementwise jnp (any backend)
     j, s = pl.program_id(0), pl.program_id(1)
     ks, block_n = nib_ref.shape
-    base7 = base_ref[...].astype(jnp.int32) << 7  # [1, BN], once per program
+    base7 = None if asm else base_ref[...].astype(jnp.int32) << 7  # [1, BN], once per program
     cols = j * block_n + jax.lax.broadcasted_iota(jnp.int32, (1, block_n), 1)
     tile_rows = jax.lax.broadcasted_iota(jnp.int32, (block_k, 1), 0)
 
     def patch(row0, lo, hi):
-        # Overwrite this tile's exceptions. Rows are global, so a superset range is harmless: the CSR
-        # cells (group_n columns x group_k paired rows) need not match the kernel's blocks.
+        # Overwrite this tile's exceptions (lo, hi: integer bit tiles). Rows are global, so a superset
+        # range is harmless: the CSR cells (group_n columns x group_k paired rows) need not match the
+        # kernel's blocks.
         rows_lo = row0 + tile_rows  # [BK, 1] global rows of the lower-half tile
         rows_hi = rows_lo + k_half
         g0 = row0 // group_k
@@ -176,7 +227,9 @@ def _w12_loader(sm_lo_ref, sm_hi_ref, nib_ref, base_ref, ptr_ref, row_ref, col_r
 
         def one(e, carry):
             lo, hi = carry
-            r, c, v = row_ref[e], col_ref[e], val_ref[e].astype(jnp.int32)
+            r, c = row_ref[e], col_ref[e]
+            v = jax.lax.bitcast_convert_type(val_ref[e], jnp.int16).astype(lo.dtype) if asm else \
+                val_ref[e].astype(jnp.int32)
             at_col = cols == c
             return jnp.where((rows_lo == r) & at_col, v, lo), jnp.where((rows_hi == r) & at_col, v, hi)
 
@@ -186,11 +239,19 @@ def _w12_loader(sm_lo_ref, sm_hi_ref, nib_ref, base_ref, ptr_ref, row_ref, col_r
         return lo, hi
 
     def load_pair(k0):
-        nib = nib_ref[pl.ds(k0, block_k), :].astype(jnp.int32)  # zero-extended
         if diagnostic_load_only:  # benchmark only, wrong values: the planes' loads with one op per weight
+            nib = nib_ref[pl.ds(k0, block_k), :].astype(jnp.int32)
             lo = sm_lo_ref[pl.ds(k0, block_k), :].astype(jnp.int32) ^ nib
             hi = sm_hi_ref[pl.ds(k0, block_k), :].astype(jnp.int32) ^ nib
             return _as_bf16(lo), _as_bf16(hi)
+        if asm:
+            nib, base = nib_ref[pl.ds(k0, block_k), :], base_ref[...]
+            lo = _decode_asm(sm_lo_ref[pl.ds(k0, block_k), :], nib, base, _DECODE_PTX_LO)
+            hi = _decode_asm(sm_hi_ref[pl.ds(k0, block_k), :], nib, base, _DECODE_PTX_HI)
+            lo, hi = patch(s * ks + k0, lo, hi)
+            return (jax.lax.bitcast_convert_type(lo, jnp.bfloat16),
+                    jax.lax.bitcast_convert_type(hi, jnp.bfloat16))
+        nib = nib_ref[pl.ds(k0, block_k), :].astype(jnp.int32)  # zero-extended
         # int8 -> int32 sign-extends: bit 15 is the sign, bits 0..6 the mantissa
         lo = (sm_lo_ref[pl.ds(k0, block_k), :].astype(jnp.int32) & 0x807F) | (((nib & 0xF) << 7) + base7)
         hi = (sm_hi_ref[pl.ds(k0, block_k), :].astype(jnp.int32) & 0x807F) | (((nib >> 4) << 7) + base7)
@@ -362,11 +423,14 @@ def _w12_operands(w: W12, b: W12Blocks):
     return specs, operands, fmt
 
 
-@functools.partial(jax.jit, static_argnames=("blocks", "interpret", "diagnostic_load_only", "swapped"))
+@functools.partial(jax.jit, static_argnames=("blocks", "interpret", "diagnostic_load_only", "swapped", "decode"))
 def w12_matmul_partials(x: jax.Array, w: W12, blocks: W12Blocks | None = None,
                         interpret: bool = False, diagnostic_load_only: bool = False,
-                        swapped: bool = False) -> jax.Array:
+                        swapped: bool = False, decode: str = "auto") -> jax.Array:
     """x [M, K] bf16, W12 [K, N] -> per-split partial products [split_k, M, N] float32.
+
+    `decode`: "asm" (PTX on packed registers, compiled kernels only), "jnp" (elementwise, any backend) or
+    "auto" (asm unless interpreting).
 
     `diagnostic_load_only` (benchmarks only; the result is NOT the product) loads every plane as usual
     but builds the tiles with one XOR per weight instead of decoding, and skips exceptions: its time
@@ -375,6 +439,7 @@ def w12_matmul_partials(x: jax.Array, w: W12, blocks: W12Blocks | None = None,
     m = x.shape[0]
     xp, b, x_specs, common = _setup(x, k, n, blocks, swapped)
     specs, operands, fmt = _w12_operands(w, b)
+    fmt["asm"] = _use_asm(decode, interpret)
     if diagnostic_load_only:
         fmt = {**fmt, "diagnostic_load_only": True}
     out = pl.pallas_call(
@@ -384,14 +449,16 @@ def w12_matmul_partials(x: jax.Array, w: W12, blocks: W12Blocks | None = None,
     return out[:, :m]
 
 
-@functools.partial(jax.jit, static_argnames=("blocks", "interpret"))
-def w12_decode_tiles(w: W12, blocks: W12Blocks | None = None, interpret: bool = False) -> jax.Array:
+@functools.partial(jax.jit, static_argnames=("blocks", "interpret", "decode"))
+def w12_decode_tiles(w: W12, blocks: W12Blocks | None = None, interpret: bool = False,
+                     decode: str = "auto") -> jax.Array:
     """uint16 bits [K, N] of the bf16 matrix exactly as the matmul kernel's loader builds it (same code,
     same tiles): the direct check that the kernel decodes every bit pattern."""
     k, n = w.shape
     b = blocks or default_blocks(k, n)
     check_blocks(k, n, b)
     specs, operands, fmt = _w12_operands(w, b)
+    fmt["asm"] = _use_asm(decode, interpret)
     ks = k // 2 // b.split_k
     out_spec = pl.BlockSpec((ks, b.block_n), lambda j, si: (si, j))
     lo, hi = pl.pallas_call(
@@ -513,12 +580,14 @@ def _dispatch(partials_fn, gemv_fn, reference_fn, x, w, implementation, path, bl
 
 
 def w12_matmul(x: jax.Array, w: W12, *, implementation: str = "pallas", path: str = "auto",
-               blocks: W12Blocks | None = None, interpret: bool | None = None) -> jax.Array:
+               blocks: W12Blocks | None = None, interpret: bool | None = None, decode: str = "auto") -> jax.Array:
     """x [..., K] @ W12 [K, N] -> [..., N] float32. "pallas" falls back to "xla" (decode + XLA dot) where
     the kernel does not apply; interpret=None runs the kernel in interpret mode on CPU backends. `path`
     picks the tensor-core kernel ("mma"), the same with operands swapped (y^T = W^T x^T: "mma_t"), the
-    M = 1 CUDA-core GEMV ("gemv"), or by M ("auto")."""
-    return _dispatch(w12_matmul_partials, w12_gemv_partials, w12_matmul_reference, x, w, implementation,
+    M = 1 CUDA-core GEMV ("gemv"), or by M ("auto"). `decode` picks the tensor-core paths' decoder
+    (`w12_matmul_partials`)."""
+    partials = functools.partial(w12_matmul_partials, decode=decode)
+    return _dispatch(partials, w12_gemv_partials, w12_matmul_reference, x, w, implementation,
                      path, blocks, interpret)
 
 
