@@ -119,6 +119,10 @@ def bench_shape(name, k, n, ms, args, interpret, copy_bw, record):
           f"{st['exception_rate']:.2e}, encode {enc_s:.1f} s", flush=True)
     base_blocks = km.default_blocks(k, n)
     variants = block_variants(base_blocks, k, n) if args.sweep else [None]
+    for edit in parse_edits(args.edits):
+        b = edit_blocks(base_blocks, edit, k, n)
+        if b not in variants:
+            variants.append(b)
     for m in ms:
         x = jax.random.normal(jax.random.PRNGKey(1), (m, k), jnp.bfloat16)
         ref = jnp.einsum("mk,kn->mn", x, w_bf16, preferred_element_type=jnp.float32)
@@ -130,6 +134,7 @@ def bench_shape(name, k, n, ms, args, interpret, copy_bw, record):
             impls.append(("w12_noexc", b, kernel_mm(km.w12_matmul, b, interpret), ws_clean))
             if args.diagnose:
                 impls.append(("w12_loadonly", b, load_only_mm(b, interpret), ws_w12))
+                impls.append(("w12_nopatch", b, no_patch_mm(b, interpret), ws_clean))
             if args.jnp_decode and not interpret:  # the elementwise decoder the PTX one replaced
                 impls.append(("w12_jnp", b, kernel_mm(functools.partial(km.w12_matmul, decode="jnp"), b,
                                                       interpret), ws_w12))
@@ -151,7 +156,7 @@ def bench_shape(name, k, n, ms, args, interpret, copy_bw, record):
                 per = timed(lambda: chain(x, ws), args.reps, args.trials) / count
                 y = jax.jit(mm)(x, ws[0])
                 nbytes = {"w12": bytes_w12, "w12_jnp": bytes_w12, "w12_gemv": bytes_w12, "w12_t": bytes_w12, "w12_noexc": bytes_clean,
-                          "w12_loadonly": bytes_clean}.get(impl, 2 * k * n)
+                          "w12_loadonly": bytes_clean, "w12_nopatch": bytes_clean}.get(impl, 2 * k * n)
                 row.update(us_per_matrix=per * 1e6, bytes=nbytes, tb_s=nbytes / per / 1e12,
                            bf16_eq_tb_s=2 * k * n / per / 1e12, pct_copy=100 * nbytes / per / copy_bw,
                            rel_err_vs_xla=float(jnp.linalg.norm(y - ref) / jnp.linalg.norm(ref)))
@@ -164,7 +169,7 @@ def bench_shape(name, k, n, ms, args, interpret, copy_bw, record):
                     row["bit_exact"] = same_bits(y, outs.get(("twin_gemv", b)))
                 if impl == "w12_t":
                     row["bit_exact"] = same_bits(y, outs.get(("twin_t", b)))
-                if impl == "w12_noexc":
+                if impl in ("w12_noexc", "w12_nopatch"):
                     twin_clean = jax.jit(kernel_mm(km.bf16_matmul, b, interpret))(x, clean)
                     row["bit_exact"] = same_bits(y, twin_clean)
                 outs[(impl, b)] = y
@@ -211,6 +216,26 @@ def load_only_mm(blocks, interpret):
         return km.sum_splits(km.w12_matmul_partials(x, w, blocks=blocks, interpret=interpret,
                                                     diagnostic_load_only=True))
     return mm
+
+
+def no_patch_mm(blocks, interpret):
+    """The W12 kernel compiled without the exception patch loop (exact for exception-free matrices)."""
+    def mm(x, w):
+        return km.sum_splits(km.w12_matmul_partials(x, w, blocks=blocks, interpret=interpret,
+                                                    diagnostic_no_patch=True))
+    return mm
+
+
+def parse_edits(text: str) -> list:
+    """"prefetch=1,block_k=64;num_warps=8" -> [{"prefetch": True, "block_k": 64}, {"num_warps": 8}]."""
+    out = []
+    for group in filter(None, text.split(";")):
+        edit = {}
+        for item in group.split(","):
+            key, value = item.split("=")
+            edit[key] = bool(int(value)) if key == "prefetch" else (float(value) if key == "split" else int(value))
+        out.append(edit)
+    return out
 
 
 def block_variants(base: km.W12Blocks, k: int, n: int) -> list:
@@ -274,6 +299,7 @@ def main(argv=None) -> dict:
     p.add_argument("--sweep", action="store_true", help="also time block-size variants of the kernels")
     p.add_argument("--swapped", action="store_true", help="also time path mma_t (y^T = W^T x^T) and its twin")
     p.add_argument("--gemv", action="store_true", help="at M = 1 also time the CUDA-core GEMV path and its twin")
+    p.add_argument("--edits", default="", help="extra block variants, e.g. 'prefetch=1;prefetch=1,block_k=64'")
     p.add_argument("--jnp-decode", action="store_true",
                    help="also time w12_jnp: the kernel with the elementwise decoder instead of the PTX one")
     p.add_argument("--diagnose", action="store_true",

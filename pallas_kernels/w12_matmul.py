@@ -52,6 +52,9 @@ class W12Blocks:
     block_m: int = 64  # activation rows per program (more rows -> more programs, each re-decoding)
     num_warps: int = 4
     num_stages: int = 3
+    # load each step's weight tiles one step ahead into registers (carried through the K loop), so their
+    # global loads are in flight while the previous tiles are decoded and multiplied
+    prefetch: bool = False
 
 
 def _next_pow2(n: int) -> int:
@@ -113,21 +116,23 @@ def check_blocks(k: int, n: int, b: W12Blocks) -> None:
 
 # ---- kernel bodies ---------------------------------------------------------------------------------
 
-def _matmul_body(x_lo_ref, x_hi_ref, o_ref, load_pair, *, block_k: int, m: int, swapped: bool = False):
+def _matmul_body(x_lo_ref, x_hi_ref, o_ref, fetch, decode, *, block_k: int, m: int, swapped: bool = False,
+                 prefetch: bool = False):
     # x_lo_ref, x_hi_ref: [BM, KS] this split's columns of the lower / upper K half of x ([KS, BM], x
-    # transposed, when `swapped`); o_ref: [BM, BN] this split's partial product; load_pair(k0) -> two
-    # bf16 [block_k, BN] tiles.
+    # transposed, when `swapped`); o_ref: [BM, BN] this split's partial product; fetch(k0) -> the raw
+    # weight tiles of the step starting at half-row k0; decode(raw, k0) -> two bf16 [block_k, BN] tiles.
     # swapped: y^T = W^T x^T, so the decoded weight tile is the MMA's first operand (which the tensor
     # cores can take from registers; the second must sit in shared memory) and x's few rows are its
     # narrow N dimension.
+    # prefetch: step i's tiles were fetched during step i - 1 (register double buffering); the loop then
+    # carries raw tiles, and the last step fetches its own tiles again (in range, unused).
     if swapped:
         ks, block_m = x_lo_ref.shape
     else:
         block_m, ks = x_lo_ref.shape
+    steps = ks // block_k
 
-    def step(i, acc):
-        k0 = pl.multiple_of(i * block_k, block_k)
-        w_lo, w_hi = load_pair(k0)
+    def mma(acc, k0, w_lo, w_hi):
         if swapped:
             acc = acc + jnp.dot(w_lo.T, x_lo_ref[pl.ds(k0, block_k), :], preferred_element_type=jnp.float32)
             return acc + jnp.dot(w_hi.T, x_hi_ref[pl.ds(k0, block_k), :], preferred_element_type=jnp.float32)
@@ -135,19 +140,35 @@ def _matmul_body(x_lo_ref, x_hi_ref, o_ref, load_pair, *, block_k: int, m: int, 
         return acc + jnp.dot(x_hi_ref[:, pl.ds(k0, block_k)], w_hi, preferred_element_type=jnp.float32)
 
     shape = o_ref.shape[::-1] if swapped else o_ref.shape
-    acc = jax.lax.fori_loop(0, ks // block_k, step, jnp.zeros(shape, jnp.float32))
+    acc = jnp.zeros(shape, jnp.float32)
+    if prefetch:
+        def step(i, carry):
+            acc, raw = carry
+            k0 = pl.multiple_of(i * block_k, block_k)
+            nxt = fetch(pl.multiple_of(jnp.minimum(i + 1, steps - 1) * block_k, block_k))
+            return mma(acc, k0, *decode(raw, k0)), nxt
+
+        acc, _ = jax.lax.fori_loop(0, steps, step, (acc, fetch(0)))
+    else:
+        def step(i, acc):
+            k0 = pl.multiple_of(i * block_k, block_k)
+            return mma(acc, k0, *decode(fetch(k0), k0))
+
+        acc = jax.lax.fori_loop(0, steps, step, acc)
     if swapped:
         acc = acc.T
     rows = pl.program_id(2) * block_m + jax.lax.broadcasted_iota(jnp.int32, acc.shape, 0)
     plt.store(o_ref, acc, mask=rows < m)  # x's padding rows are never written
 
 
-def _bf16_kernel(x_lo_ref, x_hi_ref, w_lo_ref, w_hi_ref, o_ref, *, block_k: int, m: int, swapped: bool):
+def _bf16_kernel(x_lo_ref, x_hi_ref, w_lo_ref, w_hi_ref, o_ref, *, block_k: int, m: int, swapped: bool,
+                 prefetch: bool):
     # w_lo_ref, w_hi_ref: [KS, BN] bf16, rows of the lower / upper K half
-    def load_pair(k0):
+    def fetch(k0):
         return w_lo_ref[pl.ds(k0, block_k), :], w_hi_ref[pl.ds(k0, block_k), :]
 
-    _matmul_body(x_lo_ref, x_hi_ref, o_ref, load_pair, block_k=block_k, m=m, swapped=swapped)
+    _matmul_body(x_lo_ref, x_hi_ref, o_ref, fetch, lambda raw, k0: raw, block_k=block_k, m=m, swapped=swapped,
+                 prefetch=prefetch)
 
 
 def _as_bf16(bits: jax.Array) -> jax.Array:
@@ -205,7 +226,7 @@ def _decode_asm(sm, nib, base, ptx: str):
 
 def _w12_loader(sm_lo_ref, sm_hi_ref, nib_ref, base_ref, ptr_ref, row_ref, col_ref, val_ref, *,
                 block_k: int, k_half: int, group_n: int, group_k: int, n_groups_k: int,
-                asm: bool = False, diagnostic_load_only: bool = False):
+                asm: bool = False, diagnostic_load_only: bool = False, patch_exceptions: bool = True):
     # sm_lo_ref, sm_hi_ref: [KS, BN] int8 sign|mantissa of the lower / upper K half
     # nib_ref: [KS, BN] uint8 codes (low nibble: lower half, high nibble: upper half); base_ref: [1, BN]
     # ptr_ref: [n_cb * n_g + 1] int32 CSR offsets; row_ref, col_ref: [E] int32; val_ref: [E] uint16
@@ -238,46 +259,48 @@ def _w12_loader(sm_lo_ref, sm_hi_ref, nib_ref, base_ref, ptr_ref, row_ref, col_r
             lo, hi = jax.lax.fori_loop(ptr_ref[cell + g0], ptr_ref[cell + g1], one, (lo, hi))
         return lo, hi
 
-    def load_pair(k0):
+    def fetch(k0):  # the raw planes of one step: two int8 sign|mantissa tiles and the nibble tile
+        rows = pl.ds(k0, block_k)
+        return sm_lo_ref[rows, :], sm_hi_ref[rows, :], nib_ref[rows, :]
+
+    def decode(raw, k0):
+        sm_lo, sm_hi, nib = raw
         if diagnostic_load_only:  # benchmark only, wrong values: the planes' loads with one op per weight
-            nib = nib_ref[pl.ds(k0, block_k), :].astype(jnp.int32)
-            lo = sm_lo_ref[pl.ds(k0, block_k), :].astype(jnp.int32) ^ nib
-            hi = sm_hi_ref[pl.ds(k0, block_k), :].astype(jnp.int32) ^ nib
-            return _as_bf16(lo), _as_bf16(hi)
+            nib = nib.astype(jnp.int32)
+            return _as_bf16(sm_lo.astype(jnp.int32) ^ nib), _as_bf16(sm_hi.astype(jnp.int32) ^ nib)
         if asm:
-            nib, base = nib_ref[pl.ds(k0, block_k), :], base_ref[...]
-            lo = _decode_asm(sm_lo_ref[pl.ds(k0, block_k), :], nib, base, _DECODE_PTX_LO)
-            hi = _decode_asm(sm_hi_ref[pl.ds(k0, block_k), :], nib, base, _DECODE_PTX_HI)
+            lo = _decode_asm(sm_lo, nib, base_ref[...], _DECODE_PTX_LO)
+            hi = _decode_asm(sm_hi, nib, base_ref[...], _DECODE_PTX_HI)
+        else:
+            nib = nib.astype(jnp.int32)  # zero-extended; int8 -> int32 sign-extends: bit 15 is the sign
+            lo = (sm_lo.astype(jnp.int32) & 0x807F) | (((nib & 0xF) << 7) + base7)
+            hi = (sm_hi.astype(jnp.int32) & 0x807F) | (((nib >> 4) << 7) + base7)
+        if patch_exceptions:  # compiled in even for matrices without exceptions (see _w12_operands)
             lo, hi = patch(s * ks + k0, lo, hi)
-            return (jax.lax.bitcast_convert_type(lo, jnp.bfloat16),
-                    jax.lax.bitcast_convert_type(hi, jnp.bfloat16))
-        nib = nib_ref[pl.ds(k0, block_k), :].astype(jnp.int32)  # zero-extended
-        # int8 -> int32 sign-extends: bit 15 is the sign, bits 0..6 the mantissa
-        lo = (sm_lo_ref[pl.ds(k0, block_k), :].astype(jnp.int32) & 0x807F) | (((nib & 0xF) << 7) + base7)
-        hi = (sm_hi_ref[pl.ds(k0, block_k), :].astype(jnp.int32) & 0x807F) | (((nib >> 4) << 7) + base7)
-        # compiled in even for matrices without exceptions, whose ranges are empty (see _w12_operands)
-        lo, hi = patch(s * ks + k0, lo, hi)
+        if asm:
+            return jax.lax.bitcast_convert_type(lo, jnp.bfloat16), jax.lax.bitcast_convert_type(hi, jnp.bfloat16)
         return _as_bf16(lo), _as_bf16(hi)
 
-    return load_pair
+    return fetch, decode
 
 
-def _w12_kernel(x_lo_ref, x_hi_ref, *refs, block_k: int, m: int, swapped: bool, **fmt):
+def _w12_kernel(x_lo_ref, x_hi_ref, *refs, block_k: int, m: int, swapped: bool, prefetch: bool, **fmt):
     # refs: the 8 W12 refs of `_w12_loader`, then o_ref [BM, BN]
     *w_refs, o_ref = refs
-    load_pair = _w12_loader(*w_refs, block_k=block_k, **fmt)
-    _matmul_body(x_lo_ref, x_hi_ref, o_ref, load_pair, block_k=block_k, m=m, swapped=swapped)
+    fetch, decode = _w12_loader(*w_refs, block_k=block_k, **fmt)
+    _matmul_body(x_lo_ref, x_hi_ref, o_ref, fetch, decode, block_k=block_k, m=m, swapped=swapped,
+                 prefetch=prefetch)
 
 
 def _w12_decode_kernel(*refs, block_k: int, **fmt):
     # refs: the 8 W12 refs, then o_lo_ref, o_hi_ref: [KS, BN] uint16, the bits of the matmul kernel's
     # tiles (stored as integers: XLA:CPU, running interpret mode, canonicalizes NaN payloads of bf16)
     *w_refs, o_lo_ref, o_hi_ref = refs
-    load_pair = _w12_loader(*w_refs, block_k=block_k, **fmt)
+    fetch, decode = _w12_loader(*w_refs, block_k=block_k, **fmt)
 
     def step(i, carry):
         k0 = pl.multiple_of(i * block_k, block_k)
-        lo, hi = load_pair(k0)
+        lo, hi = decode(fetch(k0), k0)
         o_lo_ref[pl.ds(k0, block_k), :] = jax.lax.bitcast_convert_type(lo, jnp.uint16)
         o_hi_ref[pl.ds(k0, block_k), :] = jax.lax.bitcast_convert_type(hi, jnp.uint16)
         return carry
@@ -423,10 +446,11 @@ def _w12_operands(w: W12, b: W12Blocks):
     return specs, operands, fmt
 
 
-@functools.partial(jax.jit, static_argnames=("blocks", "interpret", "diagnostic_load_only", "swapped", "decode"))
+@functools.partial(jax.jit, static_argnames=("blocks", "interpret", "diagnostic_load_only", "swapped", "decode",
+                                             "diagnostic_no_patch"))
 def w12_matmul_partials(x: jax.Array, w: W12, blocks: W12Blocks | None = None,
                         interpret: bool = False, diagnostic_load_only: bool = False,
-                        swapped: bool = False, decode: str = "auto") -> jax.Array:
+                        swapped: bool = False, decode: str = "auto", diagnostic_no_patch: bool = False) -> jax.Array:
     """x [M, K] bf16, W12 [K, N] -> per-split partial products [split_k, M, N] float32.
 
     `decode`: "asm" (PTX on packed registers, compiled kernels only), "jnp" (elementwise, any backend) or
@@ -434,7 +458,9 @@ def w12_matmul_partials(x: jax.Array, w: W12, blocks: W12Blocks | None = None,
 
     `diagnostic_load_only` (benchmarks only; the result is NOT the product) loads every plane as usual
     but builds the tiles with one XOR per weight instead of decoding, and skips exceptions: its time
-    against the real kernel's separates the decode arithmetic from the loads and the matmul."""
+    against the real kernel's separates the decode arithmetic from the loads and the matmul.
+    `diagnostic_no_patch` (benchmarks only) compiles the kernel without the exception patch loop: exact
+    only for matrices without exceptions; it measures what the nested loop costs the K loop."""
     k, n = w.shape
     m = x.shape[0]
     xp, b, x_specs, common = _setup(x, k, n, blocks, swapped)
@@ -442,8 +468,10 @@ def w12_matmul_partials(x: jax.Array, w: W12, blocks: W12Blocks | None = None,
     fmt["asm"] = _use_asm(decode, interpret)
     if diagnostic_load_only:
         fmt = {**fmt, "diagnostic_load_only": True}
+    if diagnostic_no_patch:  # benchmarks only: exact only for matrices without exceptions
+        fmt = {**fmt, "patch_exceptions": False}
     out = pl.pallas_call(
-        functools.partial(_w12_kernel, block_k=b.block_k, m=m, swapped=swapped, **fmt),
+        functools.partial(_w12_kernel, block_k=b.block_k, m=m, swapped=swapped, prefetch=b.prefetch, **fmt),
         in_specs=[*x_specs, *specs], interpret=interpret, **common,
     )(xp, xp, *operands)
     return out[:, :m]
@@ -481,7 +509,7 @@ def bf16_matmul_partials(x: jax.Array, w: jax.Array, blocks: W12Blocks | None = 
         raise NotImplementedError(f"the twin reads bf16 weights, got {w.dtype}")
     xp, b, x_specs, common = _setup(x, k, n, blocks, swapped)
     out = pl.pallas_call(
-        functools.partial(_bf16_kernel, block_k=b.block_k, m=m, swapped=swapped),
+        functools.partial(_bf16_kernel, block_k=b.block_k, m=m, swapped=swapped, prefetch=b.prefetch),
         in_specs=[*x_specs, *_half_specs(b, k // 2 // b.split_k)],
         interpret=interpret, **common,
     )(xp, xp, w, w)

@@ -60,6 +60,7 @@ CASES = [  # (K, N, M, blocks, format groups, finite weights); non-finite cases 
     (256, 128, 100, W12Blocks(block_n=128, block_k=32, split_k=1, block_m=32), {}, True),  # 4 M blocks
     (384, 256, 3, W12Blocks(block_n=256, block_k=64, split_k=3), {}, False),  # tile spans 2 CSR columns
     (256, 64, 8, W12Blocks(block_n=16, block_k=16, split_k=4), {"group_n": 32, "group_k": 64}, True),
+    (512, 64, 4, W12Blocks(block_n=32, block_k=16, split_k=2, prefetch=True), {}, False),  # tiles fetched ahead
 ]
 
 
