@@ -257,7 +257,7 @@ def _print_m(rows, name, m):
     for r in rows:
         b = r["blocks"]
         label = r["impl"] + ("" if b is None else f" bn{b['block_n']} bk{b['block_k']} s{b['split_k']} "
-                                                   f"w{b['num_warps']} st{b['num_stages']}")
+                                                   f"w{b['num_warps']} st{b['num_stages']}" + (" pf" if b.get("prefetch") else ""))
         extra = f" exact={r['bit_exact']}" if "bit_exact" in r else ""
         print(f"  M={m:3d} {label:38s} {r['us_per_matrix']:9.2f} us {r['tb_s']:6.3f} TB/s "
               f"({r['pct_copy']:5.1f}% copy) bf16-eq {r['bf16_eq_tb_s']:6.3f} TB/s "

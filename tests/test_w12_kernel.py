@@ -4,6 +4,7 @@ end-to-end greedy decoding of a tiny model, and the benchmark's CPU smoke run.
 
 Interpret mode runs every case on the CPU; the GPU subclass reruns them compiled (`-m gpu`)."""
 
+import dataclasses
 import functools
 import os
 import sys
@@ -209,6 +210,8 @@ def test_lowers_for_cuda(k, n):
               (s((1, k), jnp.bfloat16), s((k, n), jnp.bfloat16))),
              (functools.partial(km.w12_decode_tiles, blocks=b), (_w12_struct(k, n, e=0),)),
              (km.w12_gemv_partials, (s((1, k), jnp.bfloat16), _w12_struct(k, n))),
+             (functools.partial(km.w12_matmul_partials, blocks=dataclasses.replace(b, prefetch=True)),
+              (s((16, k), jnp.bfloat16), _w12_struct(k, n))),
              (functools.partial(km.w12_matmul_partials, blocks=b, swapped=True),
               (s((4, k), jnp.bfloat16), _w12_struct(k, n))),
              (km.bf16_gemv_partials, (s((1, k), jnp.bfloat16), s((k, n), jnp.bfloat16)))]
