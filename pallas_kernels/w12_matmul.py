@@ -54,7 +54,7 @@ class W12Blocks:
     num_stages: int = 3
     # load each step's weight tiles one step ahead into registers (carried through the K loop), so their
     # global loads are in flight while the previous tiles are decoded and multiplied
-    prefetch: bool = False
+    prefetch: bool = True
 
 
 def _next_pow2(n: int) -> int:
@@ -117,7 +117,7 @@ def check_blocks(k: int, n: int, b: W12Blocks) -> None:
 # ---- kernel bodies ---------------------------------------------------------------------------------
 
 def _matmul_body(x_lo_ref, x_hi_ref, o_ref, fetch, decode, *, block_k: int, m: int, swapped: bool = False,
-                 prefetch: bool = False):
+                 prefetch: bool = True):
     # x_lo_ref, x_hi_ref: [BM, KS] this split's columns of the lower / upper K half of x ([KS, BM], x
     # transposed, when `swapped`); o_ref: [BM, BN] this split's partial product; fetch(k0) -> the raw
     # weight tiles of the step starting at half-row k0; decode(raw, k0) -> two bf16 [block_k, BN] tiles.
@@ -237,34 +237,45 @@ def _w12_loader(sm_lo_ref, sm_hi_ref, nib_ref, base_ref, ptr_ref, row_ref, col_r
     cols = j * block_n + jax.lax.broadcasted_iota(jnp.int32, (1, block_n), 1)
     tile_rows = jax.lax.broadcasted_iota(jnp.int32, (block_k, 1), 0)
 
-    def patch(row0, lo, hi):
-        # Overwrite this tile's exceptions (lo, hi: integer bit tiles). Rows are global, so a superset
-        # range is harmless: the CSR cells (group_n columns x group_k paired rows) need not match the
-        # kernel's blocks.
+    def ranges(k0):
+        # The CSR ranges listing this step's exceptions, one (start, stop) per column cell the tile spans
+        # (static). Rows are global, so a superset range is harmless: the CSR cells (group_n columns x
+        # group_k paired rows) need not match the kernel's blocks. Fetched with the planes, so that with
+        # `prefetch` the scalar loads are in flight a step early too.
+        row0 = s * ks + k0
+        g0, g1 = row0 // group_k, (row0 + block_k + group_k - 1) // group_k
+        cells = [((j * block_n) // group_n + c) * n_groups_k for c in range(max(1, block_n // group_n))]
+        return tuple((ptr_ref[cell + g0], ptr_ref[cell + g1]) for cell in cells)
+
+    def patch(row0, lo, hi, bounds):
+        # Overwrite this tile's exceptions (lo, hi: integer bit tiles); each one touches only the half
+        # (lower or upper K rows) that holds it.
         rows_lo = row0 + tile_rows  # [BK, 1] global rows of the lower-half tile
-        rows_hi = rows_lo + k_half
-        g0 = row0 // group_k
-        g1 = (row0 + block_k + group_k - 1) // group_k
 
         def one(e, carry):
-            lo, hi = carry
             r, c = row_ref[e], col_ref[e]
-            v = jax.lax.bitcast_convert_type(val_ref[e], jnp.int16).astype(lo.dtype) if asm else \
+            v = jax.lax.bitcast_convert_type(val_ref[e], jnp.int16).astype(carry[0].dtype) if asm else \
                 val_ref[e].astype(jnp.int32)
             at_col = cols == c
-            return jnp.where((rows_lo == r) & at_col, v, lo), jnp.where((rows_hi == r) & at_col, v, hi)
 
-        for c in range(max(1, block_n // group_n)):  # static: column blocks this tile spans
-            cell = ((j * block_n) // group_n + c) * n_groups_k
-            lo, hi = jax.lax.fori_loop(ptr_ref[cell + g0], ptr_ref[cell + g1], one, (lo, hi))
+            def in_lo(lo, hi):
+                return jnp.where((rows_lo == r) & at_col, v, lo), hi
+
+            def in_hi(lo, hi):
+                return lo, jnp.where((rows_lo + k_half == r) & at_col, v, hi)
+
+            return jax.lax.cond(r < k_half, in_lo, in_hi, *carry)
+
+        for start, stop in bounds:
+            lo, hi = jax.lax.fori_loop(start, stop, one, (lo, hi))
         return lo, hi
 
-    def fetch(k0):  # the raw planes of one step: two int8 sign|mantissa tiles and the nibble tile
+    def fetch(k0):  # one step's raw planes (two int8 sign|mantissa tiles, the nibble tile), CSR ranges
         rows = pl.ds(k0, block_k)
-        return sm_lo_ref[rows, :], sm_hi_ref[rows, :], nib_ref[rows, :]
+        return sm_lo_ref[rows, :], sm_hi_ref[rows, :], nib_ref[rows, :], ranges(k0)
 
     def decode(raw, k0):
-        sm_lo, sm_hi, nib = raw
+        sm_lo, sm_hi, nib, bounds = raw
         if diagnostic_load_only:  # benchmark only, wrong values: the planes' loads with one op per weight
             nib = nib.astype(jnp.int32)
             return _as_bf16(sm_lo.astype(jnp.int32) ^ nib), _as_bf16(sm_hi.astype(jnp.int32) ^ nib)
@@ -276,7 +287,7 @@ def _w12_loader(sm_lo_ref, sm_hi_ref, nib_ref, base_ref, ptr_ref, row_ref, col_r
             lo = (sm_lo.astype(jnp.int32) & 0x807F) | (((nib & 0xF) << 7) + base7)
             hi = (sm_hi.astype(jnp.int32) & 0x807F) | (((nib >> 4) << 7) + base7)
         if patch_exceptions:  # compiled in even for matrices without exceptions (see _w12_operands)
-            lo, hi = patch(s * ks + k0, lo, hi)
+            lo, hi = patch(s * ks + k0, lo, hi, bounds)
         if asm:
             return jax.lax.bitcast_convert_type(lo, jnp.bfloat16), jax.lax.bitcast_convert_type(hi, jnp.bfloat16)
         return _as_bf16(lo), _as_bf16(hi)
