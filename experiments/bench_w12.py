@@ -9,8 +9,9 @@ Design choices:
   output (cut or tiled back to K, rescaled) feeding the next: distinct matrices keep the L2 from serving
   repeats, the dependency matches a decode step, and XLA cannot merge the products. Time per matrix =
   chain time / n (launch gaps included, as in a real step); median over `--trials` pipelined runs.
-- One random N(0, 0.02) bf16 matrix per shape is encoded on the device (`w12.encode_device`) (its exception rate, ~7e-5, is close
-  to trained weights'); the chain's other matrices are device copies: distinct buffers, same content.
+- One random N(0, 0.02) bf16 matrix per shape is encoded on the device (`w12.encode_device`); its
+  exception rate, ~7e-5, is close to trained weights'. The chain's other matrices are device copies:
+  distinct buffers, same content.
 - Bandwidth counts the bytes each implementation must read: 2 per weight for bf16, everything stored for
   W12 (planes, bases, CSR, exceptions). "bf16-eq" is 2 bytes/weight over W12's time: the speed-up as a
   bandwidth, comparable with the bf16 columns and the card's copy bandwidth.
@@ -155,8 +156,9 @@ def bench_shape(name, k, n, ms, args, interpret, copy_bw, record):
                 row["compile_s"] = time.perf_counter() - t0
                 per = timed(lambda: chain(x, ws), args.reps, args.trials) / count
                 y = jax.jit(mm)(x, ws[0])
-                nbytes = {"w12": bytes_w12, "w12_jnp": bytes_w12, "w12_gemv": bytes_w12, "w12_t": bytes_w12, "w12_noexc": bytes_clean,
-                          "w12_loadonly": bytes_clean, "w12_nopatch": bytes_clean}.get(impl, 2 * k * n)
+                nbytes = {"w12": bytes_w12, "w12_jnp": bytes_w12, "w12_gemv": bytes_w12, "w12_t": bytes_w12,
+                          "w12_noexc": bytes_clean, "w12_loadonly": bytes_clean,
+                          "w12_nopatch": bytes_clean}.get(impl, 2 * k * n)
                 row.update(us_per_matrix=per * 1e6, bytes=nbytes, tb_s=nbytes / per / 1e12,
                            bf16_eq_tb_s=2 * k * n / per / 1e12, pct_copy=100 * nbytes / per / copy_bw,
                            rel_err_vs_xla=float(jnp.linalg.norm(y - ref) / jnp.linalg.norm(ref)))
@@ -257,7 +259,8 @@ def _print_m(rows, name, m):
     for r in rows:
         b = r["blocks"]
         label = r["impl"] + ("" if b is None else f" bn{b['block_n']} bk{b['block_k']} s{b['split_k']} "
-                                                   f"w{b['num_warps']} st{b['num_stages']}" + (" pf" if b.get("prefetch") else ""))
+                                                   f"w{b['num_warps']} st{b['num_stages']}"
+                             + (" pf" if b.get("prefetch") else ""))
         extra = f" exact={r['bit_exact']}" if "bit_exact" in r else ""
         print(f"  M={m:3d} {label:38s} {r['us_per_matrix']:9.2f} us {r['tb_s']:6.3f} TB/s "
               f"({r['pct_copy']:5.1f}% copy) bf16-eq {r['bf16_eq_tb_s']:6.3f} TB/s "

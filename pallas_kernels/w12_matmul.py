@@ -13,12 +13,17 @@ Design choices:
   store), so split-K partials cost M rows of traffic, not Mp.
 - K is processed as two halves side by side (rows k and Kh + k), matching the nibble plane where those
   rows share a byte: a nibble tile gives both code tiles with one AND and one SHIFT, no interleave.
-- Decode per weight, in int32: sign-extended `sm` & 0x807F (sign to bit 15, mantissa bits 0..6) OR
-  ((code << 7) + base << 7): about five integer ops; bitcast uint16 -> bf16 is free. Loads are plain uint8 /
-  int8 tiles, contiguous along N, which Triton vectorizes to 16-byte accesses.
-- Exceptions stay off the hot path: per step, two scalar loads from the CSR offsets give this tile's
-  exception range (usually empty: ~0.5 exceptions per 8192 weights on trained weights); each listed
-  exception is one `where` over the tile. No gather (unsupported in Triton-backend kernels).
+- Decode per weight: sign-extended `sm` & 0x807F (sign to bit 15, mantissa bits 0..6) OR (code + base) << 7.
+  Compiled kernels run it as PTX on packed registers (`_DECODE_PTX`: PRMT with sign replication and
+  byte-wise exponent adds, ~2.5 instructions per weight); interpret mode runs the same formula in jnp.
+  Loads are plain uint8 / int8 tiles, contiguous along N.
+- Register prefetch (`W12Blocks.prefetch`): a step's planes and CSR ranges are loaded during the previous
+  step and carried through the K loop. Measured on the H200 (docs/performance.md), this overlap was the
+  largest gain.
+- Exceptions stay out of the decode: per step, scalar loads of the CSR offsets give this tile's
+  exception range (~0.5 exceptions per 8192 weights on trained weights); each listed exception is one
+  `where` over the half tile that holds it. No gather (unsupported in Triton-backend kernels). Measured,
+  this patch loop is now the kernel's largest cost.
 - Split-K as in `gemv.py`: each program writes its own partial [M, BN]; the XLA sum over splits is tiny.
   Grid programs never accumulate into a shared output (they run in parallel on the GPU).
 - An M = 1 CUDA-core path (`path="gemv"`, FMA chains row by row, with its own twin) exists and is exact,

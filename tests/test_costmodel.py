@@ -55,5 +55,6 @@ def test_num_params_counts_every_parameter_of_the_pytree():
                         qk_norm=False, tie_word_embeddings=True)):
         cfg = dataclasses.replace(QWEN3_8B, vocab_size=64, hidden_size=32, intermediate_size=48,
                                   num_layers=2, num_heads=4, num_kv_heads=2, head_dim=8, **kw)
-        shapes = jax.tree.leaves(dense.param_shapes(cfg), is_leaf=lambda x: isinstance(x, tuple) and all(isinstance(i, int) for i in x))
+        shapes = jax.tree.leaves(dense.param_shapes(cfg),
+                                 is_leaf=lambda x: isinstance(x, tuple) and all(isinstance(i, int) for i in x))
         assert cfg.num_params() == sum(int(np.prod(s)) for s in shapes)

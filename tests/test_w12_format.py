@@ -321,7 +321,6 @@ def test_real_trained_weights_all_minilm():
 def test_drafter_weights_encode_and_draft_identically(tiny_cfg):
     """A drafter's layers and `fc` in W12 (kernel "xla": decode, then XLA's dot) draft bit-identically to
     its bf16 weights; the target's embedding and head stay the target's."""
-    from specpilot.cache import init_cache
     from specpilot.models import drafter as dr
 
     dcfg = dr.DrafterConfig.for_target(tiny_cfg, num_layers=1, block_size=4)
