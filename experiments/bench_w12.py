@@ -229,13 +229,19 @@ def no_patch_mm(blocks, interpret):
 
 
 def parse_edits(text: str) -> list:
-    """"prefetch=1,block_k=64;num_warps=8" -> [{"prefetch": True, "block_k": 64}, {"num_warps": 8}]."""
+    """"prefetch=1,block_k=64;exceptions=branch" -> [{"prefetch": True, "block_k": 64},
+    {"exceptions": "branch"}]."""
     out = []
     for group in filter(None, text.split(";")):
         edit = {}
         for item in group.split(","):
             key, value = item.split("=")
-            edit[key] = bool(int(value)) if key == "prefetch" else (float(value) if key == "split" else int(value))
+            if key == "prefetch":
+                edit[key] = bool(int(value))
+            elif key == "exceptions":
+                edit[key] = value
+            else:
+                edit[key] = float(value) if key == "split" else int(value)
         out.append(edit)
     return out
 
@@ -260,7 +266,8 @@ def _print_m(rows, name, m):
         b = r["blocks"]
         label = r["impl"] + ("" if b is None else f" bn{b['block_n']} bk{b['block_k']} s{b['split_k']} "
                                                    f"w{b['num_warps']} st{b['num_stages']}"
-                             + (" pf" if b.get("prefetch") else ""))
+                             + (" pf" if b.get("prefetch") else "")
+                             + (" br" if b.get("exceptions") == "branch" else ""))
         extra = f" exact={r['bit_exact']}" if "bit_exact" in r else ""
         print(f"  M={m:3d} {label:38s} {r['us_per_matrix']:9.2f} us {r['tb_s']:6.3f} TB/s "
               f"({r['pct_copy']:5.1f}% copy) bf16-eq {r['bf16_eq_tb_s']:6.3f} TB/s "

@@ -60,6 +60,10 @@ class W12Blocks:
     # load each step's weight tiles one step ahead into registers (carried through the K loop), so their
     # global loads are in flight while the previous tiles are decoded and multiplied
     prefetch: bool = True
+    # how a step patches its exceptions: "loop" (the patch loop runs every step, over a possibly empty CSR
+    # range) or "branch" (the loop sits behind a per-step branch on "this step lists any exception", so
+    # steps without exceptions skip it). Same tiles either way.
+    exceptions: str = "loop"
 
 
 def _next_pow2(n: int) -> int:
@@ -113,6 +117,8 @@ def check_gemv_blocks(k: int, n: int, b: W12Blocks) -> None:
 
 
 def check_blocks(k: int, n: int, b: W12Blocks) -> None:
+    if b.exceptions not in ("loop", "branch"):
+        raise ValueError(f"exceptions must be 'loop' or 'branch', got {b.exceptions!r}")
     ok = _tiles(k, n, b) and _pow2(b.block_m) and min(b.block_n, b.block_k, b.block_m) >= MIN_DOT
     if not ok:
         raise ValueError(f"blocks {b} do not tile a [{k}, {n}] weight: need even K, powers of two >= "
@@ -210,14 +216,25 @@ _DECODE_PTX_HI = _DECODE_PTX.format(codes="shr.u32 t, $3, 4;")
 DECODES = ("auto", "asm", "jnp")
 
 
+@functools.cache
+def _rocm() -> bool:
+    """Whether the default backend is a ROCm GPU (PTX does not assemble there)."""
+    try:
+        client = jax.devices()[0].client
+        return "rocm" in f"{client.platform} {client.platform_version}".lower()
+    except Exception:  # noqa: BLE001 - no usable backend description: not ROCm
+        return False
+
+
 def _use_asm(decode: str, interpret: bool) -> bool:
-    """"auto": the PTX decode when compiled for a GPU, the elementwise jnp decode in interpret mode (which
-    cannot run PTX). Both give the same bits (tests: every bit pattern through each)."""
+    """"auto": the PTX decode when compiled for an NVIDIA GPU, the elementwise jnp decode in interpret mode
+    (which cannot run PTX) and on ROCm. Both give the same bits (tests: every bit pattern through each)."""
     if decode not in DECODES:
         raise ValueError(f"decode must be one of {DECODES}, got {decode!r}")
-    if decode == "asm" and interpret:
-        raise ValueError("decode='asm' is PTX and cannot run in interpret mode")
-    return decode == "asm" or (decode == "auto" and not interpret)
+    if decode == "asm" and (interpret or _rocm()):
+        raise ValueError("decode='asm' is PTX: it runs only compiled for an NVIDIA GPU, not in interpret mode "
+                         "or on ROCm")
+    return decode == "asm" or (decode == "auto" and not interpret and not _rocm())
 
 
 def _decode_asm(sm, nib, base, ptx: str):
@@ -231,7 +248,8 @@ def _decode_asm(sm, nib, base, ptx: str):
 
 def _w12_loader(sm_lo_ref, sm_hi_ref, nib_ref, base_ref, ptr_ref, row_ref, col_ref, val_ref, *,
                 block_k: int, k_half: int, group_n: int, group_k: int, n_groups_k: int,
-                asm: bool = False, diagnostic_load_only: bool = False, patch_exceptions: bool = True):
+                asm: bool = False, diagnostic_load_only: bool = False, patch_exceptions: bool = True,
+                patch_branch: bool = False):
     # sm_lo_ref, sm_hi_ref: [KS, BN] int8 sign|mantissa of the lower / upper K half
     # nib_ref: [KS, BN] uint8 codes (low nibble: lower half, high nibble: upper half); base_ref: [1, BN]
     # ptr_ref: [n_cb * n_g + 1] int32 CSR offsets; row_ref, col_ref: [E] int32; val_ref: [E] uint16
@@ -291,7 +309,11 @@ def _w12_loader(sm_lo_ref, sm_hi_ref, nib_ref, base_ref, ptr_ref, row_ref, col_r
             nib = nib.astype(jnp.int32)  # zero-extended; int8 -> int32 sign-extends: bit 15 is the sign
             lo = (sm_lo.astype(jnp.int32) & 0x807F) | (((nib & 0xF) << 7) + base7)
             hi = (sm_hi.astype(jnp.int32) & 0x807F) | (((nib >> 4) << 7) + base7)
-        if patch_exceptions:  # compiled in even for matrices without exceptions (see _w12_operands)
+        if patch_exceptions and patch_branch:  # W12Blocks.exceptions == "branch"
+            listed = sum(stop - start for start, stop in bounds)
+            lo, hi = jax.lax.cond(listed > 0, lambda lo, hi: patch(s * ks + k0, lo, hi, bounds),
+                                  lambda lo, hi: (lo, hi), lo, hi)
+        elif patch_exceptions:  # compiled in even for matrices without exceptions (see _w12_operands)
             lo, hi = patch(s * ks + k0, lo, hi, bounds)
         if asm:
             return jax.lax.bitcast_convert_type(lo, jnp.bfloat16), jax.lax.bitcast_convert_type(hi, jnp.bfloat16)
@@ -481,7 +503,7 @@ def w12_matmul_partials(x: jax.Array, w: W12, blocks: W12Blocks | None = None,
     m = x.shape[0]
     xp, b, x_specs, common = _setup(x, k, n, blocks, swapped)
     specs, operands, fmt = _w12_operands(w, b)
-    fmt["asm"] = _use_asm(decode, interpret)
+    fmt.update(asm=_use_asm(decode, interpret), patch_branch=b.exceptions == "branch")
     if diagnostic_load_only:
         fmt = {**fmt, "diagnostic_load_only": True}
     if diagnostic_no_patch:  # benchmarks only: exact only for matrices without exceptions
@@ -502,7 +524,7 @@ def w12_decode_tiles(w: W12, blocks: W12Blocks | None = None, interpret: bool = 
     b = blocks or default_blocks(k, n)
     check_blocks(k, n, b)
     specs, operands, fmt = _w12_operands(w, b)
-    fmt["asm"] = _use_asm(decode, interpret)
+    fmt.update(asm=_use_asm(decode, interpret), patch_branch=b.exceptions == "branch")
     ks = k // 2 // b.split_k
     out_spec = pl.BlockSpec((ks, b.block_n), lambda j, si: (si, j))
     lo, hi = pl.pallas_call(

@@ -61,7 +61,8 @@ CASES = [  # (K, N, M, blocks, format groups, finite weights); non-finite cases 
     (256, 128, 100, W12Blocks(block_n=128, block_k=32, split_k=1, block_m=32), {}, True),  # 4 M blocks
     (384, 256, 3, W12Blocks(block_n=256, block_k=64, split_k=3), {}, False),  # tile spans 2 CSR columns
     (256, 64, 8, W12Blocks(block_n=16, block_k=16, split_k=4), {"group_n": 32, "group_k": 64}, True),
-    (512, 64, 4, W12Blocks(block_n=32, block_k=16, split_k=2, prefetch=True), {}, False),  # tiles fetched ahead
+    (512, 64, 4, W12Blocks(block_n=32, block_k=16, split_k=2, prefetch=False), {}, False),  # no prefetch
+    (256, 128, 16, W12Blocks(block_n=64, block_k=16, split_k=2, exceptions="branch"), {}, False),  # patch branch
 ]
 
 
@@ -174,6 +175,8 @@ def test_fallbacks_and_arguments():
     assert_same_bits(km.w12_matmul(x[:, :63], odd), km.w12_matmul_reference(x[:, :63], odd))
     with pytest.raises(ValueError, match="implementation"):
         km.w12_matmul(x, enc, implementation="triton")
+    with pytest.raises(ValueError, match="exceptions must be"):
+        km.w12_matmul_partials(x, enc, blocks=W12Blocks(exceptions="skip"), interpret=True)
     with pytest.raises(ValueError, match="do not tile"):
         km.w12_matmul_partials(x, enc, blocks=W12Blocks(block_n=48), interpret=True)
     # leading dims are kept
@@ -210,14 +213,18 @@ def test_lowers_for_cuda(k, n):
               (s((1, k), jnp.bfloat16), s((k, n), jnp.bfloat16))),
              (functools.partial(km.w12_decode_tiles, blocks=b), (_w12_struct(k, n, e=0),)),
              (km.w12_gemv_partials, (s((1, k), jnp.bfloat16), _w12_struct(k, n))),
-             (functools.partial(km.w12_matmul_partials, blocks=dataclasses.replace(b, prefetch=True)),
+             (functools.partial(km.w12_matmul_partials, blocks=dataclasses.replace(b, prefetch=False)),
+              (s((16, k), jnp.bfloat16), _w12_struct(k, n))),
+             (functools.partial(km.w12_matmul_partials, blocks=dataclasses.replace(b, exceptions="branch")),
               (s((16, k), jnp.bfloat16), _w12_struct(k, n))),
              (functools.partial(km.w12_matmul_partials, blocks=b, swapped=True),
               (s((4, k), jnp.bfloat16), _w12_struct(k, n))),
              (km.bf16_gemv_partials, (s((1, k), jnp.bfloat16), s((k, n), jnp.bfloat16)))]
-    for fn, args in cases:
-        lowered = jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",))
-        assert "triton" in lowered.as_text().lower()
+    for i, (fn, args) in enumerate(cases):
+        text = jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+        assert "triton" in text.lower()
+        is_w12_mma = i in (0, 2, 4, 5, 6)  # the tensor-core W12 kernels (and the decode-tiles kernel)
+        assert ("prmt.b32" in text) == is_w12_mma  # compiled for CUDA, they decode with the PTX
 
 
 def tiny_bf16_params(cfg, seed: int = 0, std: float = 0.5) -> dict:
@@ -371,5 +378,5 @@ def test_decode_argument():
     x = jnp.ones((1, 64), jnp.bfloat16)
     with pytest.raises(ValueError, match="decode must be"):
         km.w12_matmul_partials(x, enc, interpret=True, decode="fast")
-    with pytest.raises(ValueError, match="interpret mode"):
+    with pytest.raises(ValueError, match="not in interpret mode"):
         km.w12_matmul_partials(x, enc, interpret=True, decode="asm")
