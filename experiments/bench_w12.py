@@ -21,6 +21,8 @@ Design choices:
   is the MMA's first operand (the tensor cores can take it from registers; the second operand must be
   in shared memory, which is where the default path has to put the decoded tile) and x's rows fill the
   MMA's narrow dimension.
+- `--mosaic` adds `w12_mg` / `twin_mg`: the Mosaic GPU kernel (`pallas_kernels/w12_mosaic.py`, planes in
+  N-major order, made once per matrix by `to_nk`) and its twin over W^T, for M <= 64.
 - `--diagnose` adds `w12_loadonly`: the same kernel loading the same planes, with the decode replaced by
   one XOR per weight and no exception patching (its outputs are meaningless and unchecked). Its time
   against w12_noexc is the cost of the decode arithmetic; against the twin, the cost of loading 12-bit
@@ -49,12 +51,14 @@ import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
 from pallas_kernels import w12_matmul as km  # noqa: E402
+from pallas_kernels import w12_mosaic as mk  # noqa: E402
 from specpilot.bench import make_chain  # noqa: E402
 from specpilot.formats import w12  # noqa: E402
 
 QWEN3_8B = {"q/o": (4096, 4096), "k/v": (4096, 1024), "gate/up": (4096, 12288), "down": (12288, 4096),
             "lm_head": (4096, 151936)}
 TINY = {"tiny": (256, 512)}
+NO_BLOCKS = ("xla_bf16", "twin_mg", "w12_mg")  # implementations without W12Blocks
 SWEEP = [{}, {"block_k": 16}, {"block_k": 64}, {"block_n": 64}, {"num_warps": 8}, {"num_stages": 2},
          {"num_stages": 4}, {"split": 0.5}, {"split": 2}]
 
@@ -124,6 +128,7 @@ def bench_shape(name, k, n, ms, args, interpret, copy_bw, record):
         b = edit_blocks(base_blocks, edit, k, n)
         if b not in variants:
             variants.append(b)
+    ws_nk = ws_t = None
     for m in ms:
         x = jax.random.normal(jax.random.PRNGKey(1), (m, k), jnp.bfloat16)
         ref = jnp.einsum("mk,kn->mn", x, w_bf16, preferred_element_type=jnp.float32)
@@ -142,6 +147,12 @@ def bench_shape(name, k, n, ms, args, interpret, copy_bw, record):
         if args.swapped:  # y^T = W^T x^T: the decoded tile as the MMA's register operand
             impls.append(("twin_t", None, kernel_mm(km.bf16_matmul, None, interpret, "mma_t"), ws_bf16))
             impls.append(("w12_t", None, kernel_mm(km.w12_matmul, None, interpret, "mma_t"), ws_w12))
+        if args.mosaic and m <= max(mk.MP_CHOICES):  # the Mosaic GPU kernel (N-major planes) and its twin
+            if ws_nk is None:
+                ws_nk = [mk.to_nk(e) for e in ws_w12]
+                ws_t = [jnp.copy(w.T) for w in ws_bf16]
+            impls.append(("twin_mg", None, mosaic_mm(mk.bf16_mosaic_partials, interpret), ws_t))
+            impls.append(("w12_mg", None, mosaic_mm(mk.w12_mosaic_partials, interpret), ws_nk))
         if m == 1 and args.gemv:  # the CUDA-core path and its twin
             for gb in gemv_variants(k, n, args.sweep):
                 impls.append(("twin_gemv", gb, kernel_mm(km.bf16_matmul, gb, interpret, "gemv"), ws_bf16))
@@ -149,15 +160,15 @@ def bench_shape(name, k, n, ms, args, interpret, copy_bw, record):
         outs = {}
         for impl, b, mm, ws in impls:
             row = {"shape": name, "k": k, "n": n, "m": m, "impl": impl, "matrices": count,
-                   "blocks": dataclasses.asdict(b or base_blocks) if impl != "xla_bf16" else None}
+                   "blocks": None if impl in NO_BLOCKS else dataclasses.asdict(b or base_blocks)}
             try:
                 t0 = time.perf_counter()
                 chain = make_chain(k, mm).lower(x, ws).compile()
                 row["compile_s"] = time.perf_counter() - t0
                 per = timed(lambda: chain(x, ws), args.reps, args.trials) / count
                 y = jax.jit(mm)(x, ws[0])
-                nbytes = {"w12": bytes_w12, "w12_jnp": bytes_w12, "w12_gemv": bytes_w12, "w12_t": bytes_w12,
-                          "w12_noexc": bytes_clean, "w12_loadonly": bytes_clean,
+                nbytes = {"w12": bytes_w12, "w12_jnp": bytes_w12, "w12_mg": bytes_w12, "w12_gemv": bytes_w12,
+                          "w12_t": bytes_w12, "w12_noexc": bytes_clean, "w12_loadonly": bytes_clean,
                           "w12_nopatch": bytes_clean}.get(impl, 2 * k * n)
                 row.update(us_per_matrix=per * 1e6, bytes=nbytes, tb_s=nbytes / per / 1e12,
                            bf16_eq_tb_s=2 * k * n / per / 1e12, pct_copy=100 * nbytes / per / copy_bw,
@@ -169,6 +180,8 @@ def bench_shape(name, k, n, ms, args, interpret, copy_bw, record):
                     row["bit_exact"] = same_bits(y, outs.get(("bf16_twin", b)))
                 if impl == "w12_gemv":
                     row["bit_exact"] = same_bits(y, outs.get(("twin_gemv", b)))
+                if impl == "w12_mg":
+                    row["bit_exact"] = same_bits(y, outs.get(("twin_mg", b)))
                 if impl == "w12_t":
                     row["bit_exact"] = same_bits(y, outs.get(("twin_t", b)))
                 if impl in ("w12_noexc", "w12_nopatch"):
@@ -217,6 +230,13 @@ def load_only_mm(blocks, interpret):
     def mm(x, w):
         return km.sum_splits(km.w12_matmul_partials(x, w, blocks=blocks, interpret=interpret,
                                                     diagnostic_load_only=True))
+    return mm
+
+
+def mosaic_mm(partials_fn, interpret):
+    """A Mosaic GPU kernel's partials summed in the fixed order."""
+    def mm(x, w):
+        return mk.sum_splits(partials_fn(x, w, interpret=interpret))
     return mm
 
 
@@ -277,7 +297,8 @@ def _print_m(rows, name, m):
 def summary(rows) -> None:
     """Best w12 and twin per (shape, M) against XLA."""
     print(f"\n{'shape':8s} {'M':>3s} {'xla us':>8s} {'twin us':>8s} {'w12 us':>8s} {'jnp us':>8s} {'noexc us':>8s} "
-          f"{'load us':>8s} {'tgemv us':>8s} {'wgemv us':>8s} {'twin_t us':>9s} {'w12_t us':>8s} {'w12/xla':>8s} "
+          f"{'load us':>8s} {'tgemv us':>8s} {'wgemv us':>8s} {'twin_t us':>9s} {'w12_t us':>8s} "
+          f"{'twin_mg us':>10s} {'w12_mg us':>9s} {'w12/xla':>8s} "
           f"{'w12/twin':>8s} exact")
     keys = sorted({(r["shape"], r["m"]) for r in rows}, key=lambda t: (t[0], t[1]))
     for s, m in keys:
@@ -288,13 +309,13 @@ def summary(rows) -> None:
                     best[r["impl"]] = r
         t = {i: best[i]["us_per_matrix"] if i in best else float("nan")
              for i in ("xla_bf16", "bf16_twin", "w12", "w12_jnp", "w12_noexc", "w12_loadonly", "twin_gemv", "w12_gemv",
-                       "twin_t", "w12_t")}
-        best_w12 = min((v for v in (t["w12"], t["w12_gemv"], t["w12_t"]) if not math.isnan(v)),
+                       "twin_t", "w12_t", "twin_mg", "w12_mg")}
+        best_w12 = min((v for v in (t["w12"], t["w12_gemv"], t["w12_t"], t["w12_mg"]) if not math.isnan(v)),
                        default=float("nan"))
         exact = all(r.get("bit_exact", True) for r in rows if (r["shape"], r["m"]) == (s, m))
         print(f"{s:8s} {m:3d} {t['xla_bf16']:8.1f} {t['bf16_twin']:8.1f} {t['w12']:8.1f} {t['w12_jnp']:8.1f} "
               f"{t['w12_noexc']:8.1f} {t['w12_loadonly']:8.1f} {t['twin_gemv']:8.1f} {t['w12_gemv']:8.1f} "
-              f"{t['twin_t']:9.1f} {t['w12_t']:8.1f} "
+              f"{t['twin_t']:9.1f} {t['w12_t']:8.1f} {t['twin_mg']:10.1f} {t['w12_mg']:9.1f} "
               f"{t['xla_bf16'] / best_w12:8.2f} {t['bf16_twin'] / best_w12:8.2f} {exact}")
 
 
@@ -309,6 +330,8 @@ def main(argv=None) -> dict:
     p.add_argument("--sweep", action="store_true", help="also time block-size variants of the kernels")
     p.add_argument("--swapped", action="store_true", help="also time path mma_t (y^T = W^T x^T) and its twin")
     p.add_argument("--gemv", action="store_true", help="at M = 1 also time the CUDA-core GEMV path and its twin")
+    p.add_argument("--mosaic", action="store_true",
+                   help="also time the Mosaic GPU kernel (w12_mg) and its twin (twin_mg), M <= 64")
     p.add_argument("--edits", default="", help="extra block variants, e.g. 'prefetch=1;prefetch=1,block_k=64'")
     p.add_argument("--jnp-decode", action="store_true",
                    help="also time w12_jnp: the kernel with the elementwise decoder instead of the PTX one")

@@ -1,0 +1,230 @@
+"""W12 decode + matmul on the Mosaic GPU backend (Hopper: TMA, wgmma). Experimental: checked in the
+Mosaic GPU interpreter and lowered for CUDA on the CPU; not yet run or timed on a GPU.
+
+y[M, N] = x[M, K] @ W[K, N], computed transposed: y^T = W^T x^T, so a 64-row block of W's columns is the
+wgmma's M operand and x's few rows (padded to Mp = 16, 32 or 64) its N operand.
+
+Design choices (the Triton kernel's measured limits, docs/notes_w12.md, motivate each):
+- Planes in N-major order (`to_nk`): sm^T [N, K] int8 and the nibble plane^T [N, K/2] uint8, so a tile of
+  W^T is a plain [64, BK] slice. Rows k and K/2 + k still share a nibble byte, so the nibble tile [64, BK]
+  gives the codes of both K halves' tiles, in the same register layout, with one AND or one SHIFT.
+- TMA copies the planes and x^T into shared memory; the decode runs in registers in the WGMMA layout;
+  the decoded bf16 tile is stored to shared memory with the swizzle wgmma reads, and wgmma takes both
+  operands from shared memory. The route of the decoded tile is explicit, unlike with Triton.
+- Exceptions: per step the CSR ranges of the step's cells are read from global memory and each listed
+  exception overwrites its element in registers (`where` against iotas) before the store.
+- The twin (`bf16_mosaic_partials`) is the same kernel with the decode replaced by a TMA copy of the bf16
+  W^T tile into the same shared-memory buffer: same wgmma calls, same order. W12 is lossless iff the two
+  agree bit for bit (tests, interpreter).
+- Split-K over a grid axis (partials [S, N, Mp], summed in a fixed order), as in `w12_matmul`.
+- Not yet: a multi-stage pipeline (each step waits for its copies), warp specialization, an M tile
+  beyond 64.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import mosaic_gpu as plgpu
+
+from pallas_kernels.w12_matmul import sum_splits  # noqa: F401 - the same fixed-order sum of the partials
+from specpilot.formats.w12 import W12
+
+BN = 64  # W^T rows (W columns) per program: one warpgroup's wgmma M
+MP_CHOICES = (16, 32, 64)  # x rows padded to one of these (wgmma N); the swizzle of both operands follows
+
+
+@dataclasses.dataclass(frozen=True)
+class W12NK:
+    """A W12 matrix with its planes in N-major order, for the Mosaic kernel (`to_nk`)."""
+
+    sm_t: jax.Array  # int8 [N, K]
+    nib_t: jax.Array  # uint8 [N, K // 2]
+    base7: jax.Array  # int32 [N]: base << 7
+    exc_ptr: jax.Array  # the W12's exception lists, unchanged
+    exc_row: jax.Array
+    exc_col: jax.Array
+    exc_val: jax.Array
+    shape: tuple[int, int]  # static: (K, N)
+    group_n: int  # static: the CSR cells
+    group_k: int
+    n_groups_k: int
+
+
+jax.tree_util.register_dataclass(W12NK, data_fields=["sm_t", "nib_t", "base7", "exc_ptr", "exc_row", "exc_col",
+                                                     "exc_val"],
+                                 meta_fields=["shape", "group_n", "group_k", "n_groups_k"])
+
+
+def to_nk(w: W12) -> W12NK:
+    """Transpose the planes once (offline, like encoding); the exception lists are shared as they are."""
+    exc = (w.exc_row, w.exc_col, w.exc_val)
+    if w.num_exceptions == 0:  # zero-size operands do not lower; a sentinel row -1 matches nothing
+        exc = (jnp.full((1,), -1, jnp.int32), jnp.full((1,), -1, jnp.int32), jnp.zeros((1,), jnp.uint16))
+    return W12NK(sm_t=jnp.asarray(w.sm).T.copy(), nib_t=jnp.asarray(w.nib).T.copy(),
+                 base7=jnp.asarray(w.base).astype(jnp.int32) << 7, exc_ptr=jnp.asarray(w.exc_ptr),
+                 exc_row=exc[0], exc_col=exc[1], exc_val=exc[2], shape=w.shape, group_n=w.group_n,
+                 group_k=w.group_k, n_groups_k=w.n_groups_k)
+
+
+def _transforms(bits: int, swizzle: int):
+    return (plgpu.TilingTransform((8, swizzle * 8 // bits)), plgpu.SwizzleTransform(swizzle))
+
+
+def _split(kh: int, block_k: int, n: int, target_programs: int) -> int:
+    """Smallest split of the K/2 rows into whole steps giving `target_programs` programs."""
+    steps = kh // block_k
+    for s in range(1, steps + 1):
+        if steps % s == 0 and (n // BN) * s >= target_programs:
+            return s
+    return steps
+
+
+def _check(k: int, n: int, m: int, block_k: int):
+    if k % 2 or (k // 2) % block_k or n % BN:
+        raise NotImplementedError(f"the Mosaic W12 kernel needs K/2 % {block_k} == 0 and N % {BN} == 0, "
+                                  f"got [{k}, {n}]")
+    if m > MP_CHOICES[-1]:
+        raise NotImplementedError(f"the Mosaic W12 kernel takes M <= {MP_CHOICES[-1]}, got {m}")
+
+
+def _kernel_call(x_t, operands, *, k: int, n: int, mp: int, block_k: int, split: int, w12: bool,
+                 fmt: dict, interpret: bool):
+    kh = k // 2
+    ks = kh // split  # half-rows per program
+    steps = ks // block_k
+    sw = mp * 2  # bytes per row of an x^T tile: both wgmma operands use this swizzle
+    wgmma_layout = plgpu.Layout.WGMMA
+
+    def tile(ref, layout):  # the interpreter has no layouts; compiled, they are explicit
+        return ref[...] if interpret else plgpu.load(ref, (), layout=layout, optimized=False)
+
+    def iota(dim):
+        if interpret:
+            return jax.lax.broadcasted_iota(jnp.int32, (BN, block_k), dim)
+        return plgpu.broadcasted_iota(jnp.int32, (BN, block_k), dim, layout=wgmma_layout)
+
+    def kernel(x_gmem, *refs):
+        if w12:
+            (sm_gmem, nib_gmem, base_gmem, ptr_gmem, row_gmem, col_gmem, val_gmem, o_gmem,
+             x_lo, x_hi, a_lo, a_hi, s_lo, s_hi, nb, bs, bar) = refs
+        else:
+            w_gmem, o_gmem, x_lo, x_hi, a_lo, a_hi, bar = refs
+        j, si = jax.lax.axis_index("n"), jax.lax.axis_index("s")
+        rows = pl.ds(j * BN, BN)
+
+        def copy(src, dst):
+            plgpu.copy_gmem_to_smem(src, dst, bar)
+            plgpu.barrier_wait(bar)
+
+        if w12:
+            copy(base_gmem.at[rows], bs)
+            base7 = jax.lax.broadcast_in_dim(tile(bs, wgmma_layout.reduce(1)), (BN, block_k), (0,))
+            n_iota, k_iota = iota(0) + j * BN, iota(1)
+
+        def decode_step(k0):  # k0: this step's first half-row
+            copy(sm_gmem.at[rows, pl.ds(k0, block_k)], s_lo)
+            copy(sm_gmem.at[rows, pl.ds(kh + k0, block_k)], s_hi)
+            copy(nib_gmem.at[rows, pl.ds(k0, block_k)], nb)
+            nib = tile(nb, wgmma_layout).astype(jnp.int32)
+            lo = (tile(s_lo, wgmma_layout).astype(jnp.int32) & 0x807F) | (((nib & 0xF) << 7) + base7)
+            hi = (tile(s_hi, wgmma_layout).astype(jnp.int32) & 0x807F) | (((nib >> 4) << 7) + base7)
+
+            lo, hi = lo.astype(jnp.uint16), hi.astype(jnp.uint16)  # the bf16 bits, unsigned like exc_val
+
+            def one(e, carry):  # an exception at W[r, c] is A[c - n0, r - k0] of its half's tile
+                lo, hi = carry
+                r, c, v = row_gmem[e], col_gmem[e], val_gmem[e]
+                at = (n_iota == c) & (k_iota == r - k0)
+                lo = jnp.where(at, v, lo)
+                return lo, jnp.where((n_iota == c) & (k_iota == r - kh - k0), v, hi)
+
+            g0 = k0 // fmt["group_k"]
+            g1 = (k0 + block_k + fmt["group_k"] - 1) // fmt["group_k"]
+            for c in range(max(1, BN // fmt["group_n"])):  # static: the CSR column cells this block spans
+                cell = ((j * BN) // fmt["group_n"] + c) * fmt["n_groups_k"]
+                lo, hi = jax.lax.fori_loop(ptr_gmem[cell + g0], ptr_gmem[cell + g1], one, (lo, hi))
+            a_lo[...] = jax.lax.bitcast_convert_type(lo, jnp.bfloat16)
+            a_hi[...] = jax.lax.bitcast_convert_type(hi, jnp.bfloat16)
+            plgpu.commit_smem()
+
+        def twin_step(k0):
+            copy(w_gmem.at[rows, pl.ds(k0, block_k)], a_lo)
+            copy(w_gmem.at[rows, pl.ds(kh + k0, block_k)], a_hi)
+
+        def scope(acc):
+            def step(i, carry):
+                k0 = si * ks + i * block_k
+                copy(x_gmem.at[pl.ds(k0, block_k), :], x_lo)
+                copy(x_gmem.at[pl.ds(kh + k0, block_k), :], x_hi)
+                (decode_step if w12 else twin_step)(k0)
+                plgpu.wgmma(acc, a_lo, x_lo)
+                plgpu.wgmma(acc, a_hi, x_hi)
+                plgpu.wgmma_wait(0)
+                return carry
+
+            jax.lax.fori_loop(0, steps, step, 0)
+            o_gmem[si, rows, :] = acc[...]
+
+        pl.run_scoped(scope, plgpu.ACC((BN, mp), jnp.float32))
+
+    x_smem = [plgpu.SMEM((block_k, mp), jnp.bfloat16, transforms=_transforms(16, sw))] * 2
+    a_smem = [plgpu.SMEM((BN, block_k), jnp.bfloat16, transforms=_transforms(16, sw))] * 2
+    planes = [plgpu.SMEM((BN, block_k), jnp.int8)] * 2 + [plgpu.SMEM((BN, block_k), jnp.uint8),
+                                                          plgpu.SMEM((BN,), jnp.int32)]
+    scratch = [*x_smem, *a_smem, *(planes if w12 else []), plgpu.Barrier(num_arrivals=1)]
+    if interpret:
+        from jax._src.pallas.mosaic_gpu.interpret.params import InterpretGPUParams
+        interpret_arg = InterpretGPUParams()
+    else:
+        interpret_arg = None
+    call = plgpu.kernel(kernel, out_type=jax.ShapeDtypeStruct((split, n, mp), jnp.float32),
+                        grid=(n // BN, split), grid_names=("n", "s"), scratch_types=scratch,
+                        compiler_params=plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Lane),
+                        interpret=interpret_arg)
+    return call(x_t, *operands)
+
+
+def _prepare_x(x: jax.Array, k: int, n: int, block_k: int):
+    if x.ndim != 2 or x.shape[1] != k:
+        raise ValueError(f"x {x.shape} does not match a [{k}, {n}] weight")
+    if x.dtype != jnp.bfloat16:
+        raise NotImplementedError(f"the kernel multiplies bf16 activations, got {x.dtype}")
+    m = x.shape[0]
+    _check(k, n, m, block_k)
+    mp = next(p for p in MP_CHOICES if p >= m)
+    if block_k % mp:  # both operands use the swizzle of an x^T row (2 * Mp bytes): tiles of Mp columns
+        raise ValueError(f"block_k = {block_k} must be a multiple of the padded M = {mp}")
+    return jnp.pad(x, ((0, mp - m), (0, 0))).T, m, mp
+
+
+@functools.partial(jax.jit, static_argnames=("block_k", "split", "interpret"))
+def w12_mosaic_partials(x: jax.Array, w: W12NK, block_k: int = 64, split: int | None = None,
+                        interpret: bool = False) -> jax.Array:
+    """x [M, K] bf16 (M <= 64), W12NK [K, N] -> partial products [split, M, N] float32."""
+    k, n = w.shape
+    x_t, m, mp = _prepare_x(x, k, n, block_k)
+    split = split or _split(k // 2, block_k, n, 264)
+    fmt = dict(group_n=w.group_n, group_k=w.group_k, n_groups_k=w.n_groups_k)
+    out = _kernel_call(x_t, (w.sm_t, w.nib_t, w.base7, w.exc_ptr, w.exc_row, w.exc_col, w.exc_val),
+                       k=k, n=n, mp=mp, block_k=block_k, split=split, w12=True, fmt=fmt, interpret=interpret)
+    return jnp.swapaxes(out, 1, 2)[:, :m]
+
+
+@functools.partial(jax.jit, static_argnames=("block_k", "split", "interpret"))
+def bf16_mosaic_partials(x: jax.Array, w_t: jax.Array, block_k: int = 64, split: int | None = None,
+                         interpret: bool = False) -> jax.Array:
+    """The twin: the same kernel over the original bf16 weight, given transposed (w_t [N, K] = W^T, stored
+    once like `to_nk`'s planes), copied tile by tile into the buffer the W12 kernel decodes into."""
+    n, k = w_t.shape
+    if w_t.dtype != jnp.bfloat16:
+        raise NotImplementedError(f"the twin reads bf16 weights, got {w_t.dtype}")
+    x_t, m, mp = _prepare_x(x, k, n, block_k)
+    split = split or _split(k // 2, block_k, n, 264)
+    out = _kernel_call(x_t, (w_t,), k=k, n=n, mp=mp, block_k=block_k, split=split, w12=False, fmt={},
+                       interpret=interpret)
+    return jnp.swapaxes(out, 1, 2)[:, :m]

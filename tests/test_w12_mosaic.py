@@ -1,0 +1,100 @@
+"""The Mosaic GPU W12 kernel (experimental): bit-identical to its bf16 twin in the Mosaic GPU interpreter
+(adversarial weights with 2% exceptions, Inf and NaN; several M, splits and column blocks), close to an
+exact float64 product, lowered for CUDA at the Qwen3-8B shapes without a GPU, and clear errors for what it
+does not take. The GPU subclass reruns the cases compiled (`-m gpu`)."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from pallas_kernels import w12_mosaic as mk
+from specpilot.formats import w12
+from test_w12_kernel import _cuda_lowering_available, _w12_struct, adversarial_weights, assert_close_to_exact, \
+    assert_same_bits
+
+
+def _interpreter_available() -> bool:
+    try:
+        from jax._src.pallas.mosaic_gpu.interpret.params import InterpretGPUParams  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+CASES = [  # (K, N, M, block_k, split, finite weights)
+    (256, 128, 5, 64, None, True),
+    (512, 128, 33, 64, None, False),  # Mp = 64, Inf / NaN among the exceptions
+    (256, 192, 1, 16, None, True),  # a 64-column block inside a 128-column CSR cell; 16-row steps
+    (256, 128, 16, 32, 1, True),  # one split: each program runs every step
+]
+
+
+class _MosaicCases:
+    interpret: bool
+
+    @pytest.mark.parametrize("k,n,m,block_k,split,finite", CASES)
+    def test_bit_identical_to_bf16_twin(self, k, n, m, block_k, split, finite):
+        w = adversarial_weights(k, n, seed=k + n + m, finite=finite)
+        enc = w12.encode(w)
+        assert enc.num_exceptions > 0
+        x = jnp.asarray(np.random.default_rng(m).standard_normal((m, k)), jnp.bfloat16)
+        got = mk.w12_mosaic_partials(x, mk.to_nk(jax.device_put(enc)), block_k=block_k, split=split,
+                                     interpret=self.interpret)
+        twin = mk.bf16_mosaic_partials(x, jnp.asarray(w).T, block_k=block_k, split=split, interpret=self.interpret)
+        assert got.shape[1:] == (m, n)
+        assert_same_bits(got, twin)
+        if finite:
+            assert_close_to_exact(mk.sum_splits(got), x, w)
+
+    def test_no_exceptions(self):
+        w = np.full((128, 64), 0.5, jnp.bfloat16)
+        enc = w12.encode(w)
+        assert enc.num_exceptions == 0
+        x = jnp.ones((2, 128), jnp.bfloat16)
+        got = mk.sum_splits(mk.w12_mosaic_partials(x, mk.to_nk(jax.device_put(enc)), interpret=self.interpret))
+        np.testing.assert_array_equal(np.asarray(got), np.full((2, 64), 64.0, np.float32))
+
+
+@pytest.mark.skipif(not _interpreter_available(), reason="this jax has no Mosaic GPU interpreter")
+class TestMosaicInterpreter(_MosaicCases):
+    interpret = True
+
+
+@pytest.mark.gpu
+class TestMosaicGPU(_MosaicCases):
+    interpret = False
+
+
+def test_errors():
+    enc = mk.to_nk(jax.device_put(w12.encode(adversarial_weights(128, 64, seed=0))))
+    x = jnp.ones((65, 128), jnp.bfloat16)
+    with pytest.raises(NotImplementedError, match="M <= 64"):
+        mk.w12_mosaic_partials(x, enc, interpret=True)
+    with pytest.raises(ValueError, match="multiple of the padded M"):
+        mk.w12_mosaic_partials(x[:40], enc, block_k=32, interpret=True)
+    with pytest.raises(NotImplementedError, match="bf16 activations"):
+        mk.w12_mosaic_partials(x[:4].astype(jnp.float32), enc, interpret=True)
+    with pytest.raises(ValueError, match="does not match"):
+        mk.w12_mosaic_partials(x[:4, :64], enc, interpret=True)
+    odd = mk.to_nk(jax.device_put(w12.encode(adversarial_weights(128, 96, seed=1))))
+    with pytest.raises(NotImplementedError, match="N % 64"):
+        mk.w12_mosaic_partials(x[:4], odd, interpret=True)
+
+
+@pytest.mark.skipif(not _cuda_lowering_available(), reason="GPU-free cuda lowering unavailable")
+@pytest.mark.parametrize("k,n", [(4096, 4096), (4096, 1024), (4096, 12288), (12288, 4096)])
+def test_lowers_for_cuda(k, n):
+    """GPU-free check that the W12 kernel and its twin lower to Mosaic GPU at every M class (Mp 16/32/64)."""
+    s = jax.ShapeDtypeStruct
+    st = _w12_struct(k, n)
+    nk = mk.W12NK(sm_t=s((n, k), jnp.int8), nib_t=s((n, k // 2), jnp.uint8), base7=s((n,), jnp.int32),
+                  exc_ptr=st.exc_ptr, exc_row=st.exc_row, exc_col=st.exc_col, exc_val=st.exc_val, shape=(k, n),
+                  group_n=w12.DEFAULT_GROUP_N, group_k=w12.DEFAULT_GROUP_K, n_groups_k=st.n_groups_k)
+    for m in (1, 32, 64):
+        text = jax.jit(mk.w12_mosaic_partials).trace(s((m, k), jnp.bfloat16), nk).lower(
+            lowering_platforms=("cuda",)).as_text()
+        assert "mosaic_gpu" in text
+        text = jax.jit(mk.bf16_mosaic_partials).trace(s((m, k), jnp.bfloat16), s((n, k), jnp.bfloat16)).lower(
+            lowering_platforms=("cuda",)).as_text()
+        assert "mosaic_gpu" in text
