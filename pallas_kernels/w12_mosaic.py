@@ -8,17 +8,18 @@ Design choices (the Triton kernel's measured limits, docs/notes_w12.md, motivate
 - Planes in N-major order (`to_nk`): sm^T [N, K] int8 and the nibble plane^T [N, K/2] uint8, so a tile of
   W^T is a plain [64, BK] slice. Rows k and K/2 + k still share a nibble byte, so the nibble tile [64, BK]
   gives the codes of both K halves' tiles, in the same register layout, with one AND or one SHIFT.
-- TMA copies the planes and x^T into shared memory; the decode runs in registers in the WGMMA layout;
+- `plgpu.emit_pipeline` streams the planes and x^T into shared memory by TMA, `stages` steps deep; the
+  decode runs in registers in the WGMMA layout;
   the decoded bf16 tile is stored to shared memory with the swizzle wgmma reads, and wgmma takes both
   operands from shared memory. The route of the decoded tile is explicit, unlike with Triton.
 - Exceptions: per step the CSR ranges of the step's cells are read from global memory and each listed
   exception overwrites its element in registers (`where` against iotas) before the store.
-- The twin (`bf16_mosaic_partials`) is the same kernel with the decode replaced by a TMA copy of the bf16
-  W^T tile into the same shared-memory buffer: same wgmma calls, same order. W12 is lossless iff the two
-  agree bit for bit (tests, interpreter).
+- The twin (`bf16_mosaic_partials`) is the same kernel with the bf16 W^T tiles streamed by the same
+  pipeline instead of decoded: same wgmma calls on the same values in the same order. W12 is lossless iff
+  the two agree bit for bit (tests, interpreter).
 - Split-K over a grid axis (partials [S, N, Mp], summed in a fixed order), as in `w12_matmul`.
-- Not yet: a multi-stage pipeline (each step waits for its copies), warp specialization, an M tile
-  beyond 64.
+- Not yet: warp specialization (a producer warpgroup for the copies, consumers that decode), async
+  wgmma overlapping the next step's decode, tiles of more than one warpgroup, M > 64.
 """
 
 from __future__ import annotations
@@ -92,12 +93,13 @@ def _check(k: int, n: int, m: int, block_k: int):
         raise NotImplementedError(f"the Mosaic W12 kernel takes M <= {MP_CHOICES[-1]}, got {m}")
 
 
-def _kernel_call(x_t, operands, *, k: int, n: int, mp: int, block_k: int, split: int, w12: bool,
+def _kernel_call(x_t, operands, *, k: int, n: int, mp: int, block_k: int, split: int, stages: int, w12: bool,
                  fmt: dict, interpret: bool):
     kh = k // 2
-    ks = kh // split  # half-rows per program
-    steps = ks // block_k
+    steps = kh // split // block_k  # K steps per program (each covers block_k rows of both K halves)
+    half_blocks = kh // block_k  # block index of the upper K half's first block
     sw = mp * 2  # bytes per row of an x^T tile: both wgmma operands use this swizzle
+    mma_tiles = _transforms(16, sw)
     wgmma_layout = plgpu.Layout.WGMMA
 
     def tile(ref, layout):  # the interpreter has no layouts; compiled, they are explicit
@@ -110,30 +112,35 @@ def _kernel_call(x_t, operands, *, k: int, n: int, mp: int, block_k: int, split:
 
     def kernel(x_gmem, *refs):
         if w12:
-            (sm_gmem, nib_gmem, base_gmem, ptr_gmem, row_gmem, col_gmem, val_gmem, o_gmem,
-             x_lo, x_hi, a_lo, a_hi, s_lo, s_hi, nb, bs, bar) = refs
+            sm_gmem, nib_gmem, base_gmem, ptr_gmem, row_gmem, col_gmem, val_gmem, o_gmem, a_lo, a_hi, bs, bar = refs
         else:
-            w_gmem, o_gmem, x_lo, x_hi, a_lo, a_hi, bar = refs
+            w_gmem, o_gmem = refs
         j, si = jax.lax.axis_index("n"), jax.lax.axis_index("s")
-        rows = pl.ds(j * BN, BN)
+        first = si * steps  # this program's first K block (in each half)
 
-        def copy(src, dst):
-            plgpu.copy_gmem_to_smem(src, dst, bar)
-            plgpu.barrier_wait(bar)
+        def spec(shape, half, col_major, transforms=()):
+            # a [shape] block of the lower (half 0) or upper (half 1) K half at pipeline step i
+            def index(i):
+                kb = half * half_blocks + first + i
+                return (j, kb) if col_major else (kb, 0)
+            return plgpu.BlockSpec(shape, index, transforms=transforms)
 
+        x_specs = [spec((block_k, mp), h, False, mma_tiles) for h in (0, 1)]
         if w12:
-            copy(base_gmem.at[rows], bs)
+            plgpu.copy_gmem_to_smem(base_gmem.at[pl.ds(j * BN, BN)], bs, bar)
+            plgpu.barrier_wait(bar)
             base7 = jax.lax.broadcast_in_dim(tile(bs, wgmma_layout.reduce(1)), (BN, block_k), (0,))
             n_iota, k_iota = iota(0) + j * BN, iota(1)
+            w_specs = [spec((BN, block_k), 0, True), spec((BN, block_k), 1, True), spec((BN, block_k), 0, True)]
+            w_gmem_refs = (sm_gmem, sm_gmem, nib_gmem)
+        else:
+            w_specs = [spec((BN, block_k), h, True, mma_tiles) for h in (0, 1)]
+            w_gmem_refs = (w_gmem, w_gmem)
 
-        def decode_step(k0):  # k0: this step's first half-row
-            copy(sm_gmem.at[rows, pl.ds(k0, block_k)], s_lo)
-            copy(sm_gmem.at[rows, pl.ds(kh + k0, block_k)], s_hi)
-            copy(nib_gmem.at[rows, pl.ds(k0, block_k)], nb)
+        def decode(k0, s_lo, s_hi, nb):  # planes of the step starting at half-row k0 -> a_lo, a_hi (SMEM)
             nib = tile(nb, wgmma_layout).astype(jnp.int32)
             lo = (tile(s_lo, wgmma_layout).astype(jnp.int32) & 0x807F) | (((nib & 0xF) << 7) + base7)
             hi = (tile(s_hi, wgmma_layout).astype(jnp.int32) & 0x807F) | (((nib >> 4) << 7) + base7)
-
             lo, hi = lo.astype(jnp.uint16), hi.astype(jnp.uint16)  # the bf16 bits, unsigned like exc_val
 
             def one(e, carry):  # an exception at W[r, c] is A[c - n0, r - k0] of its half's tile
@@ -151,32 +158,26 @@ def _kernel_call(x_t, operands, *, k: int, n: int, mp: int, block_k: int, split:
             a_lo[...] = jax.lax.bitcast_convert_type(lo, jnp.bfloat16)
             a_hi[...] = jax.lax.bitcast_convert_type(hi, jnp.bfloat16)
             plgpu.commit_smem()
-
-        def twin_step(k0):
-            copy(w_gmem.at[rows, pl.ds(k0, block_k)], a_lo)
-            copy(w_gmem.at[rows, pl.ds(kh + k0, block_k)], a_hi)
+            return a_lo, a_hi
 
         def scope(acc):
-            def step(i, carry):
-                k0 = si * ks + i * block_k
-                copy(x_gmem.at[pl.ds(k0, block_k), :], x_lo)
-                copy(x_gmem.at[pl.ds(kh + k0, block_k), :], x_hi)
-                (decode_step if w12 else twin_step)(k0)
-                plgpu.wgmma(acc, a_lo, x_lo)
-                plgpu.wgmma(acc, a_hi, x_hi)
-                plgpu.wgmma_wait(0)
-                return carry
+            def body(indices, x_lo, x_hi, *w_tiles):
+                (i,) = indices
+                a_lo_ref, a_hi_ref = decode((first + i) * block_k, *w_tiles) if w12 else w_tiles
+                plgpu.wgmma(acc, a_lo_ref, x_lo)
+                plgpu.wgmma(acc, a_hi_ref, x_hi)
+                plgpu.wgmma_wait(0)  # before the pipeline refills these buffers (and a_lo / a_hi)
 
-            jax.lax.fori_loop(0, steps, step, 0)
-            o_gmem[si, rows, :] = acc[...]
+            plgpu.emit_pipeline(body, grid=(steps,), in_specs=[*x_specs, *w_specs],
+                                max_concurrent_steps=stages)(x_gmem, x_gmem, *w_gmem_refs)
+            o_gmem[si, pl.ds(j * BN, BN), :] = acc[...]
 
         pl.run_scoped(scope, plgpu.ACC((BN, mp), jnp.float32))
 
-    x_smem = [plgpu.SMEM((block_k, mp), jnp.bfloat16, transforms=_transforms(16, sw))] * 2
-    a_smem = [plgpu.SMEM((BN, block_k), jnp.bfloat16, transforms=_transforms(16, sw))] * 2
-    planes = [plgpu.SMEM((BN, block_k), jnp.int8)] * 2 + [plgpu.SMEM((BN, block_k), jnp.uint8),
-                                                          plgpu.SMEM((BN,), jnp.int32)]
-    scratch = [*x_smem, *a_smem, *(planes if w12 else []), plgpu.Barrier(num_arrivals=1)]
+    scratch = []
+    if w12:  # the decoded tiles (wgmma's A operands) and the block's bases
+        scratch = [plgpu.SMEM((BN, block_k), jnp.bfloat16, transforms=mma_tiles)] * 2 + [
+            plgpu.SMEM((BN,), jnp.int32), plgpu.Barrier(num_arrivals=1)]
     if interpret:
         from jax._src.pallas.mosaic_gpu.interpret.params import InterpretGPUParams
         interpret_arg = InterpretGPUParams()
@@ -202,8 +203,8 @@ def _prepare_x(x: jax.Array, k: int, n: int, block_k: int):
     return jnp.pad(x, ((0, mp - m), (0, 0))).T, m, mp
 
 
-@functools.partial(jax.jit, static_argnames=("block_k", "split", "interpret"))
-def w12_mosaic_partials(x: jax.Array, w: W12NK, block_k: int = 64, split: int | None = None,
+@functools.partial(jax.jit, static_argnames=("block_k", "split", "stages", "interpret"))
+def w12_mosaic_partials(x: jax.Array, w: W12NK, block_k: int = 64, split: int | None = None, stages: int = 3,
                         interpret: bool = False) -> jax.Array:
     """x [M, K] bf16 (M <= 64), W12NK [K, N] -> partial products [split, M, N] float32."""
     k, n = w.shape
@@ -211,13 +212,14 @@ def w12_mosaic_partials(x: jax.Array, w: W12NK, block_k: int = 64, split: int | 
     split = split or _split(k // 2, block_k, n, 264)
     fmt = dict(group_n=w.group_n, group_k=w.group_k, n_groups_k=w.n_groups_k)
     out = _kernel_call(x_t, (w.sm_t, w.nib_t, w.base7, w.exc_ptr, w.exc_row, w.exc_col, w.exc_val),
-                       k=k, n=n, mp=mp, block_k=block_k, split=split, w12=True, fmt=fmt, interpret=interpret)
+                       k=k, n=n, mp=mp, block_k=block_k, split=split, stages=stages, w12=True, fmt=fmt,
+                       interpret=interpret)
     return jnp.swapaxes(out, 1, 2)[:, :m]
 
 
-@functools.partial(jax.jit, static_argnames=("block_k", "split", "interpret"))
+@functools.partial(jax.jit, static_argnames=("block_k", "split", "stages", "interpret"))
 def bf16_mosaic_partials(x: jax.Array, w_t: jax.Array, block_k: int = 64, split: int | None = None,
-                         interpret: bool = False) -> jax.Array:
+                         stages: int = 3, interpret: bool = False) -> jax.Array:
     """The twin: the same kernel over the original bf16 weight, given transposed (w_t [N, K] = W^T, stored
     once like `to_nk`'s planes), copied tile by tile into the buffer the W12 kernel decodes into."""
     n, k = w_t.shape
@@ -225,6 +227,6 @@ def bf16_mosaic_partials(x: jax.Array, w_t: jax.Array, block_k: int = 64, split:
         raise NotImplementedError(f"the twin reads bf16 weights, got {w_t.dtype}")
     x_t, m, mp = _prepare_x(x, k, n, block_k)
     split = split or _split(k // 2, block_k, n, 264)
-    out = _kernel_call(x_t, (w_t,), k=k, n=n, mp=mp, block_k=block_k, split=split, w12=False, fmt={},
-                       interpret=interpret)
+    out = _kernel_call(x_t, (w_t,), k=k, n=n, mp=mp, block_k=block_k, split=split, stages=stages, w12=False,
+                       fmt={}, interpret=interpret)
     return jnp.swapaxes(out, 1, 2)[:, :m]
