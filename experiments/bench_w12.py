@@ -139,8 +139,8 @@ def bench_shape(name, k, n, ms, args, interpret, copy_bw, record):
             impls.append(("w12", b, kernel_mm(km.w12_matmul, b, interpret), ws_w12))
             impls.append(("w12_noexc", b, kernel_mm(km.w12_matmul, b, interpret), ws_clean))
             if args.diagnose:
-                impls.append(("w12_loadonly", b, load_only_mm(b, interpret), ws_w12))
-                impls.append(("w12_nopatch", b, no_patch_mm(b, interpret), ws_clean))
+                impls.append(("w12_loadonly", b, diagnostic_mm(b, interpret, diagnostic_load_only=True), ws_w12))
+                impls.append(("w12_nopatch", b, diagnostic_mm(b, interpret, diagnostic_no_patch=True), ws_clean))
             if args.jnp_decode and not interpret:  # the elementwise decoder the PTX one replaced
                 impls.append(("w12_jnp", b, kernel_mm(functools.partial(km.w12_matmul, decode="jnp"), b,
                                                       interpret), ws_w12))
@@ -225,11 +225,12 @@ def gemv_variants(k: int, n: int, sweep: bool) -> list:
     return out
 
 
-def load_only_mm(blocks, interpret):
-    """The W12 kernel's loads and matmul with the decode replaced by one XOR per weight (wrong values)."""
+def diagnostic_mm(blocks, interpret, **flag):
+    """The W12 kernel with one diagnostic switch of `w12_matmul_partials`: `diagnostic_load_only` (the
+    decode replaced by one XOR per weight: wrong values) or `diagnostic_no_patch` (compiled without the
+    exception patch loop: exact only for exception-free matrices)."""
     def mm(x, w):
-        return km.sum_splits(km.w12_matmul_partials(x, w, blocks=blocks, interpret=interpret,
-                                                    diagnostic_load_only=True))
+        return km.sum_splits(km.w12_matmul_partials(x, w, blocks=blocks, interpret=interpret, **flag))
     return mm
 
 
@@ -237,14 +238,6 @@ def mosaic_mm(partials_fn, interpret):
     """A Mosaic GPU kernel's partials summed in the fixed order."""
     def mm(x, w):
         return mk.sum_splits(partials_fn(x, w, interpret=interpret))
-    return mm
-
-
-def no_patch_mm(blocks, interpret):
-    """The W12 kernel compiled without the exception patch loop (exact for exception-free matrices)."""
-    def mm(x, w):
-        return km.sum_splits(km.w12_matmul_partials(x, w, blocks=blocks, interpret=interpret,
-                                                    diagnostic_no_patch=True))
     return mm
 
 
