@@ -237,7 +237,7 @@ def diagnostic_mm(blocks, interpret, **flag):
 def mosaic_mm(partials_fn, interpret):
     """A Mosaic GPU kernel's partials summed in the fixed order."""
     def mm(x, w):
-        return mk.sum_splits(partials_fn(x, w, interpret=interpret))
+        return km.sum_splits(partials_fn(x, w, interpret=interpret))
     return mm
 
 

@@ -277,8 +277,8 @@ def _w12_loader(sm_lo_ref, sm_hi_ref, nib_ref, base_ref, ptr_ref, row_ref, col_r
 
         def one(e, carry):
             r, c = row_ref[e], col_ref[e]
-            v = jax.lax.bitcast_convert_type(val_ref[e], jnp.int16).astype(carry[0].dtype) if asm else \
-                val_ref[e].astype(jnp.int32)
+            # the tiles hold int16 bits after the PTX decode, int32 after the jnp one
+            v = jax.lax.bitcast_convert_type(val_ref[e], jnp.int16) if asm else val_ref[e].astype(jnp.int32)
             at_col = cols == c
 
             def in_lo(lo, hi):
@@ -467,13 +467,19 @@ def _whole(a) -> pl.BlockSpec:
     return pl.BlockSpec(a.shape, lambda *_: (0,) * a.ndim)
 
 
+def exception_lists(w: W12) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """(rows, cols, bits) of the exceptions as kernel operands: zero-size operands do not lower, so a
+    matrix without exceptions gets one sentinel at row -1, which matches nothing."""
+    if w.num_exceptions == 0:
+        return jnp.full((1,), -1, jnp.int32), jnp.full((1,), -1, jnp.int32), jnp.zeros((1,), jnp.uint16)
+    return w.exc_row, w.exc_col, w.exc_val
+
+
 def _w12_operands(w: W12, b: W12Blocks):
     """(in_specs, operands, format kwargs) for the 8 W12 refs of `_w12_loader`, on a grid (j, si, ...)."""
     k, n = w.shape
     ks = k // 2 // b.split_k
-    exc = (w.exc_row, w.exc_col, w.exc_val)
-    if w.num_exceptions == 0:  # zero-size operands do not lower; a sentinel row -1 matches nothing
-        exc = (jnp.full((1,), -1, jnp.int32), jnp.full((1,), -1, jnp.int32), jnp.zeros((1,), jnp.uint16))
+    exc = exception_lists(w)
     specs = [*_half_specs(b, ks), pl.BlockSpec((ks, b.block_n), lambda j, si, *_: (si, j)),
              pl.BlockSpec((1, b.block_n), lambda j, si, *_: (0, j)), _whole(w.exc_ptr), *map(_whole, exc)]
     operands = (w.sm, w.sm, w.nib, w.base.reshape(1, n), w.exc_ptr, *exc)

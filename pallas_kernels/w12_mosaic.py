@@ -17,7 +17,7 @@ Design choices (the Triton kernel's measured limits, docs/notes_w12.md, motivate
 - The twin (`bf16_mosaic_partials`) is the same kernel with the bf16 W^T tiles streamed by the same
   pipeline instead of decoded: same wgmma calls on the same values in the same order. W12 is lossless iff
   the two agree bit for bit (tests, interpreter).
-- Split-K over a grid axis (partials [S, N, Mp], summed in a fixed order), as in `w12_matmul`.
+- Split-K over a grid axis (partials [S, N, Mp]; sum them with `w12_matmul.sum_splits`, the fixed order).
 - Not yet: warp specialization (a producer warpgroup for the copies, consumers that decode), async
   wgmma overlapping the next step's decode, tiles of more than one warpgroup, M > 64.
 """
@@ -32,7 +32,8 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from pallas_kernels.w12_matmul import sum_splits  # noqa: F401 - the same fixed-order sum of the partials
+from pallas_kernels.gemv import NUM_SMS_H200
+from pallas_kernels.w12_matmul import exception_lists
 from specpilot.formats.w12 import W12
 
 BN = 64  # W^T rows (W columns) per program: one warpgroup's wgmma M
@@ -63,9 +64,7 @@ jax.tree_util.register_dataclass(W12NK, data_fields=["sm_t", "nib_t", "base7", "
 
 def to_nk(w: W12) -> W12NK:
     """Transpose the planes once (offline, like encoding); the exception lists are shared as they are."""
-    exc = (w.exc_row, w.exc_col, w.exc_val)
-    if w.num_exceptions == 0:  # zero-size operands do not lower; a sentinel row -1 matches nothing
-        exc = (jnp.full((1,), -1, jnp.int32), jnp.full((1,), -1, jnp.int32), jnp.zeros((1,), jnp.uint16))
+    exc = exception_lists(w)
     return W12NK(sm_t=jnp.asarray(w.sm).T.copy(), nib_t=jnp.asarray(w.nib).T.copy(),
                  base7=jnp.asarray(w.base).astype(jnp.int32) << 7, exc_ptr=jnp.asarray(w.exc_ptr),
                  exc_row=exc[0], exc_col=exc[1], exc_val=exc[2], shape=w.shape, group_n=w.group_n,
@@ -209,7 +208,7 @@ def w12_mosaic_partials(x: jax.Array, w: W12NK, block_k: int = 64, split: int | 
     """x [M, K] bf16 (M <= 64), W12NK [K, N] -> partial products [split, M, N] float32."""
     k, n = w.shape
     x_t, m, mp = _prepare_x(x, k, n, block_k)
-    split = split or _split(k // 2, block_k, n, 264)
+    split = split or _split(k // 2, block_k, n, 2 * NUM_SMS_H200)
     fmt = dict(group_n=w.group_n, group_k=w.group_k, n_groups_k=w.n_groups_k)
     out = _kernel_call(x_t, (w.sm_t, w.nib_t, w.base7, w.exc_ptr, w.exc_row, w.exc_col, w.exc_val),
                        k=k, n=n, mp=mp, block_k=block_k, split=split, stages=stages, w12=True, fmt=fmt,
@@ -221,12 +220,12 @@ def w12_mosaic_partials(x: jax.Array, w: W12NK, block_k: int = 64, split: int | 
 def bf16_mosaic_partials(x: jax.Array, w_t: jax.Array, block_k: int = 64, split: int | None = None,
                          stages: int = 3, interpret: bool = False) -> jax.Array:
     """The twin: the same kernel over the original bf16 weight, given transposed (w_t [N, K] = W^T, stored
-    once like `to_nk`'s planes), copied tile by tile into the buffer the W12 kernel decodes into."""
+    once like `to_nk`'s planes), its tiles streamed by the same pipeline straight to the same wgmma calls."""
     n, k = w_t.shape
     if w_t.dtype != jnp.bfloat16:
         raise NotImplementedError(f"the twin reads bf16 weights, got {w_t.dtype}")
     x_t, m, mp = _prepare_x(x, k, n, block_k)
-    split = split or _split(k // 2, block_k, n, 264)
+    split = split or _split(k // 2, block_k, n, 2 * NUM_SMS_H200)
     out = _kernel_call(x_t, (w_t,), k=k, n=n, mp=mp, block_k=block_k, split=split, stages=stages, w12=False,
                        fmt={}, interpret=interpret)
     return jnp.swapaxes(out, 1, 2)[:, :m]

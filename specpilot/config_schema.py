@@ -135,7 +135,8 @@ def validate(cfg: DictConfig) -> None:
     if t.layout not in ("fused", "separate"):
         _fail("target.layout", f"{t.layout!r} is not fused or separate")
     if cfg.gpu.kernel_backend == "mosaic":
-        _fail("gpu.kernel_backend", "there are no Mosaic GPU kernels yet; use triton (Pallas kernels) or xla")
+        _fail("gpu.kernel_backend", "no Mosaic GPU kernels are wired into runs yet (the W12 one in "
+              "pallas_kernels/w12_mosaic.py is experimental); use triton (Pallas kernels) or xla")
     if cfg.gpu.kernel_backend not in ("xla", "triton"):
         _fail("gpu.kernel_backend", f"{cfg.gpu.kernel_backend!r} is not xla or triton")
     if t.init not in ("normal", "wide_margin"):

@@ -8,6 +8,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from pallas_kernels import w12_matmul as km
 from pallas_kernels import w12_mosaic as mk
 from specpilot.formats import w12
 from test_w12_kernel import _cuda_lowering_available, _w12_struct, adversarial_weights, assert_close_to_exact, \
@@ -45,14 +46,14 @@ class _MosaicCases:
         assert got.shape[1:] == (m, n)
         assert_same_bits(got, twin)
         if finite:
-            assert_close_to_exact(mk.sum_splits(got), x, w)
+            assert_close_to_exact(km.sum_splits(got), x, w)
 
     def test_no_exceptions(self):
         w = np.full((128, 64), 0.5, jnp.bfloat16)
         enc = w12.encode(w)
         assert enc.num_exceptions == 0
         x = jnp.ones((2, 128), jnp.bfloat16)
-        got = mk.sum_splits(mk.w12_mosaic_partials(x, mk.to_nk(jax.device_put(enc)), interpret=self.interpret))
+        got = km.sum_splits(mk.w12_mosaic_partials(x, mk.to_nk(jax.device_put(enc)), interpret=self.interpret))
         np.testing.assert_array_equal(np.asarray(got), np.full((2, 64), 64.0, np.float32))
 
 
