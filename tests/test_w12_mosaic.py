@@ -99,3 +99,18 @@ def test_lowers_for_cuda(k, n):
         text = jax.jit(mk.bf16_mosaic_partials).trace(s((m, k), jnp.bfloat16), s((n, k), jnp.bfloat16)).lower(
             lowering_platforms=("cuda",)).as_text()
         assert "mosaic_gpu" in text
+
+
+@pytest.mark.skipif(not _interpreter_available(), reason="this jax has no Mosaic GPU interpreter")
+def test_matches_pure_jnp_reference():
+    """Against the pure-jnp reference (`w12_matmul_reference`: decode the whole matrix, XLA's dot): the two
+    sum in different orders, so they agree within twice the float32 summation bound of the exact product."""
+    k, n, m = 256, 128, 7
+    w = adversarial_weights(k, n, seed=3)
+    enc = jax.device_put(w12.encode(w))
+    x = jnp.asarray(np.random.default_rng(3).standard_normal((m, k)), jnp.bfloat16)
+    got = np.asarray(km.sum_splits(mk.w12_mosaic_partials(x, mk.to_nk(enc), interpret=True)), np.float64)
+    ref = np.asarray(km.w12_matmul_reference(x, enc), np.float64)
+    x64, w64 = np.asarray(x, np.float64), np.asarray(w, np.float64)
+    bound = 2 * k * np.finfo(np.float32).eps * (np.abs(x64) @ np.abs(w64)) + 1e-37
+    assert (np.abs(got - ref) <= bound).all()
