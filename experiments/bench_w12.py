@@ -148,11 +148,17 @@ def bench_shape(name, k, n, ms, args, interpret, copy_bw, record):
             impls.append(("twin_t", None, kernel_mm(km.bf16_matmul, None, interpret, "mma_t"), ws_bf16))
             impls.append(("w12_t", None, kernel_mm(km.w12_matmul, None, interpret, "mma_t"), ws_w12))
         if args.mosaic and m <= max(mk.MP_CHOICES):  # the Mosaic GPU kernel (N-major planes) and its twin
-            if ws_nk is None:
-                ws_nk = [mk.to_nk(e) for e in ws_w12]
+            if ws_t is None:
+                ws_nk = {}  # block_k -> planes in N-major order with the exception slots of that step size
                 ws_t = [jnp.copy(w.T) for w in ws_bf16]
-            impls.append(("twin_mg", None, mosaic_mm(mk.bf16_mosaic_partials, interpret), ws_t))
-            impls.append(("w12_mg", None, mosaic_mm(mk.w12_mosaic_partials, interpret), ws_nk))
+            for mg in parse_edits(args.mg_edits) or [{}]:
+                mg_key = tuple(sorted(mg.items()))  # the variant's label and its pairing with its twin
+                bk = int(mg.get("block_k", 64))
+                if bk not in ws_nk:
+                    ws_nk[bk] = [mk.to_nk(e, block_k=bk) for e in ws_w12]
+                twin_opts = {key: v for key, v in mg.items() if key in ("block_k", "stages", "split")}
+                impls.append(("twin_mg", mg_key, mosaic_mm(mk.bf16_mosaic_partials, interpret, twin_opts), ws_t))
+                impls.append(("w12_mg", mg_key, mosaic_mm(mk.w12_mosaic_partials, interpret, mg), ws_nk[bk]))
         if m == 1 and args.gemv:  # the CUDA-core path and its twin
             for gb in gemv_variants(k, n, args.sweep):
                 impls.append(("twin_gemv", gb, kernel_mm(km.bf16_matmul, gb, interpret, "gemv"), ws_bf16))
@@ -161,6 +167,8 @@ def bench_shape(name, k, n, ms, args, interpret, copy_bw, record):
         for impl, b, mm, ws in impls:
             row = {"shape": name, "k": k, "n": n, "m": m, "impl": impl, "matrices": count,
                    "blocks": None if impl in NO_BLOCKS else dataclasses.asdict(b or base_blocks)}
+            if impl in ("twin_mg", "w12_mg"):
+                row["mg"] = dict(b)
             try:
                 t0 = time.perf_counter()
                 chain = make_chain(k, mm).lower(x, ws).compile()
@@ -170,6 +178,8 @@ def bench_shape(name, k, n, ms, args, interpret, copy_bw, record):
                 nbytes = {"w12": bytes_w12, "w12_jnp": bytes_w12, "w12_mg": bytes_w12, "w12_gemv": bytes_w12,
                           "w12_t": bytes_w12, "w12_noexc": bytes_clean, "w12_loadonly": bytes_clean,
                           "w12_nopatch": bytes_clean}.get(impl, 2 * k * n)
+                if impl == "w12_mg" and ws[0].slot_k:  # the slot table is read too (the CSR is not)
+                    nbytes += ws[0].slots.size * 4
                 row.update(us_per_matrix=per * 1e6, bytes=nbytes, tb_s=nbytes / per / 1e12,
                            bf16_eq_tb_s=2 * k * n / per / 1e12, pct_copy=100 * nbytes / per / copy_bw,
                            rel_err_vs_xla=float(jnp.linalg.norm(y - ref) / jnp.linalg.norm(ref)))
@@ -234,10 +244,12 @@ def diagnostic_mm(blocks, interpret, **flag):
     return mm
 
 
-def mosaic_mm(partials_fn, interpret):
-    """A Mosaic GPU kernel's partials summed in the fixed order."""
+def mosaic_mm(partials_fn, interpret, options=None):
+    """A Mosaic GPU kernel's partials summed in the fixed order; `options`: block_k, stages, split."""
+    options = {key: v if isinstance(v, str) else int(v) for key, v in (options or {}).items()}
+
     def mm(x, w):
-        return km.sum_splits(partials_fn(x, w, interpret=interpret))
+        return km.sum_splits(partials_fn(x, w, interpret=interpret, **options))
     return mm
 
 
@@ -251,7 +263,7 @@ def parse_edits(text: str) -> list:
             key, value = item.split("=")
             if key == "prefetch":
                 edit[key] = bool(int(value))
-            elif key == "exceptions":
+            elif key in ("exceptions", "diagnostic"):
                 edit[key] = value
             else:
                 edit[key] = float(value) if key == "split" else int(value)
@@ -277,7 +289,8 @@ def _print_m(rows, name, m):
     xla = next((r["us_per_matrix"] for r in rows if r["impl"] == "xla_bf16"), float("nan"))
     for r in rows:
         b = r["blocks"]
-        label = r["impl"] + ("" if b is None else f" bn{b['block_n']} bk{b['block_k']} s{b['split_k']} "
+        label = r["impl"] + (" " + ",".join(f"{key}{v}" for key, v in r["mg"].items()) if r.get("mg") else "")
+        label += ("" if b is None else f" bn{b['block_n']} bk{b['block_k']} s{b['split_k']} "
                                                    f"w{b['num_warps']} st{b['num_stages']}"
                              + (" pf" if b.get("prefetch") else "")
                              + (" br" if b.get("exceptions") == "branch" else ""))
@@ -325,6 +338,9 @@ def main(argv=None) -> dict:
     p.add_argument("--gemv", action="store_true", help="at M = 1 also time the CUDA-core GEMV path and its twin")
     p.add_argument("--mosaic", action="store_true",
                    help="also time the Mosaic GPU kernel (w12_mg) and its twin (twin_mg), M <= 64")
+    p.add_argument("--mg-edits", default="",
+                   help="variants of the Mosaic kernel (with --mosaic), e.g. 'block_k=128;stages=4,split=1;"
+                        "exceptions=csr;diagnostic=no_patch' (split: the number of K splits, not a factor)")
     p.add_argument("--edits", default="", help="extra block variants, e.g. 'prefetch=1;prefetch=1,block_k=64'")
     p.add_argument("--jnp-decode", action="store_true",
                    help="also time w12_jnp: the kernel with the elementwise decoder instead of the PTX one")

@@ -29,6 +29,7 @@ import functools
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
@@ -37,7 +38,9 @@ from pallas_kernels.w12_matmul import exception_lists
 from specpilot.formats.w12 import W12
 
 BN = 64  # W^T rows (W columns) per program: one warpgroup's wgmma M
-MP_CHOICES = (16, 32, 64)  # x rows padded to one of these (wgmma N); the swizzle of both operands follows
+MP_CHOICES = (16, 32, 64)  # x rows padded to one of these (wgmma N)
+SWIZZLE = 128  # bytes: the swizzle of both wgmma operands in shared memory (TMA's widest, bank-conflict free)
+SWIZZLE_BF16 = SWIZZLE // 2  # bf16 elements per swizzled row: block_k is a multiple of it
 
 
 @dataclasses.dataclass(frozen=True)
@@ -51,24 +54,68 @@ class W12NK:
     exc_row: jax.Array
     exc_col: jax.Array
     exc_val: jax.Array
+    slots: jax.Array  # int32 [N / BN * (K / 2) / slot_k, P]: each step's exceptions (`exception_slots`)
     shape: tuple[int, int]  # static: (K, N)
     group_n: int  # static: the CSR cells
     group_k: int
     n_groups_k: int
+    slot_k: int  # static: the block_k the slots were built for; 0 = no slots (the kernel reads the CSR)
 
 
 jax.tree_util.register_dataclass(W12NK, data_fields=["sm_t", "nib_t", "base7", "exc_ptr", "exc_row", "exc_col",
-                                                     "exc_val"],
-                                 meta_fields=["shape", "group_n", "group_k", "n_groups_k"])
+                                                     "exc_val", "slots"],
+                                 meta_fields=["shape", "group_n", "group_k", "n_groups_k", "slot_k"])
+
+MAX_SLOTS = 256  # a step's slot row is one TMA box (<= 256 elements): 1 count + up to 255 exceptions
+SLOT_ALIGN = 32  # int32 entries per 128 bytes
 
 
-def to_nk(w: W12) -> W12NK:
-    """Transpose the planes once (offline, like encoding); the exception lists are shared as they are."""
+def exception_slots(w: W12, block_k: int) -> np.ndarray | None:
+    """Each kernel step's exceptions as one row of a dense int32 table that the pipeline streams with the
+    planes, so the patch loop reads shared memory instead of chasing CSR pointers in global memory.
+
+    Row `jb * (K/2 / block_k) + kb` holds the exceptions of W^T rows [64 jb, 64 jb + 64) and K rows
+    [block_k kb, block_k (kb + 1)) of both K halves: entry 0 is their count, then one int32 each,
+    `bits << 16 | half << 15 | n_local << 8 | k_local`. Rows are padded to a multiple of SLOT_ALIGN entries
+    (128 bytes: a copy in the kernel moves a multiple of one byte per thread of the warpgroup), which costs
+    128 bytes per step (about 0.125 bits per weight at block_k = 64). None if a step holds more than
+    MAX_SLOTS - 1 (the kernel then reads the CSR)."""
+    k, n = w.shape
+    kh = k // 2
+    if w.num_exceptions == 0:
+        return np.zeros((n // BN * (kh // block_k), SLOT_ALIGN), np.int32)
+    rows, cols = np.asarray(w.exc_row, np.int64), np.asarray(w.exc_col, np.int64)
+    vals = np.asarray(w.exc_val).astype(np.int64)
+    half = (rows >= kh).astype(np.int64)
+    kr = rows - half * kh
+    step = (cols // BN) * (kh // block_k) + kr // block_k
+    n_steps = n // BN * (kh // block_k)
+    counts = np.bincount(step, minlength=n_steps)
+    if counts.max() >= MAX_SLOTS:
+        return None
+    width = -(-(int(counts.max()) + 1) // SLOT_ALIGN) * SLOT_ALIGN
+    table = np.zeros((n_steps, width), np.int64)
+    table[:, 0] = counts
+    order = np.argsort(step, kind="stable")
+    starts = np.concatenate([[0], np.cumsum(counts)[:-1]])
+    slot = np.arange(len(order)) - starts[step[order]] + 1
+    packed = (vals << 16) | (half << 15) | ((cols % BN) << 8) | (kr % block_k)
+    table[step[order], slot] = packed[order]
+    return table.astype(np.uint32).view(np.int32)
+
+
+def to_nk(w: W12, block_k: int = 64) -> W12NK:
+    """Transpose the planes once (offline, like encoding) and tabulate the exceptions per kernel step of
+    `block_k` rows (`exception_slots`); the CSR lists are kept for matrices whose steps overflow a slot row."""
     exc = exception_lists(w)
+    k, n = w.shape
+    slots = exception_slots(w, block_k) if (k // 2) % block_k == 0 and n % BN == 0 else None
     return W12NK(sm_t=jnp.asarray(w.sm).T.copy(), nib_t=jnp.asarray(w.nib).T.copy(),
                  base7=jnp.asarray(w.base).astype(jnp.int32) << 7, exc_ptr=jnp.asarray(w.exc_ptr),
-                 exc_row=exc[0], exc_col=exc[1], exc_val=exc[2], shape=w.shape, group_n=w.group_n,
-                 group_k=w.group_k, n_groups_k=w.n_groups_k)
+                 exc_row=exc[0], exc_col=exc[1], exc_val=exc[2],
+                 slots=jnp.zeros((1, SLOT_ALIGN), jnp.int32) if slots is None else jnp.asarray(slots),
+                 shape=w.shape, group_n=w.group_n, group_k=w.group_k, n_groups_k=w.n_groups_k,
+                 slot_k=0 if slots is None else block_k)
 
 
 def _transforms(bits: int, swizzle: int):
@@ -92,17 +139,16 @@ def _check(k: int, n: int, m: int, block_k: int):
         raise NotImplementedError(f"the Mosaic W12 kernel takes M <= {MP_CHOICES[-1]}, got {m}")
 
 
-def _kernel_call(x_t, operands, *, k: int, n: int, mp: int, block_k: int, split: int, stages: int, w12: bool,
-                 fmt: dict, interpret: bool):
+def _kernel_call(x, operands, *, k: int, n: int, mp: int, block_k: int, split: int, stages: int, w12: bool,
+                 fmt: dict, interpret: bool, use_slots: bool = False, diagnostic: str = ""):
     kh = k // 2
     steps = kh // split // block_k  # K steps per program (each covers block_k rows of both K halves)
     half_blocks = kh // block_k  # block index of the upper K half's first block
-    sw = mp * 2  # bytes per row of an x^T tile: both wgmma operands use this swizzle
-    mma_tiles = _transforms(16, sw)
+    mma_tiles = _transforms(16, SWIZZLE)  # bf16 tiles with 128-byte rows: x [Mp, BK] and the twin's W^T
     wgmma_layout = plgpu.Layout.WGMMA
 
     def tile(ref, layout):  # the interpreter has no layouts; compiled, they are explicit
-        return ref[...] if interpret else plgpu.load(ref, (), layout=layout, optimized=False)
+        return ref[...] if interpret else plgpu.load(ref.at[...], (), layout=layout, optimized=False)
 
     def iota(dim):
         if interpret:
@@ -111,9 +157,10 @@ def _kernel_call(x_t, operands, *, k: int, n: int, mp: int, block_k: int, split:
 
     def kernel(x_gmem, *refs):
         if w12:
-            sm_gmem, nib_gmem, base_gmem, ptr_gmem, row_gmem, col_gmem, val_gmem, o_gmem, a_lo, a_hi, bs, bar = refs
+            sm_gmem, nib_gmem, base_gmem, ptr_gmem, row_gmem, col_gmem, val_gmem, slot_gmem, o_gmem, bs, bar, \
+                *scr = refs
         else:
-            w_gmem, o_gmem = refs
+            w_gmem, o_gmem, *scr = refs
         j, si = jax.lax.axis_index("n"), jax.lax.axis_index("s")
         first = si * steps  # this program's first K block (in each half)
 
@@ -121,10 +168,10 @@ def _kernel_call(x_t, operands, *, k: int, n: int, mp: int, block_k: int, split:
             # a [shape] block of the lower (half 0) or upper (half 1) K half at pipeline step i
             def index(i):
                 kb = half * half_blocks + first + i
-                return (j, kb) if col_major else (kb, 0)
+                return (j, kb) if col_major else (0, kb)
             return plgpu.BlockSpec(shape, index, transforms=transforms)
 
-        x_specs = [spec((block_k, mp), h, False, mma_tiles) for h in (0, 1)]
+        x_specs = [spec((mp, block_k), h, False, mma_tiles) for h in (0, 1)]
         if w12:
             plgpu.copy_gmem_to_smem(base_gmem.at[pl.ds(j * BN, BN)], bs, bar)
             plgpu.barrier_wait(bar)
@@ -132,15 +179,36 @@ def _kernel_call(x_t, operands, *, k: int, n: int, mp: int, block_k: int, split:
             n_iota, k_iota = iota(0) + j * BN, iota(1)
             w_specs = [spec((BN, block_k), 0, True), spec((BN, block_k), 1, True), spec((BN, block_k), 0, True)]
             w_gmem_refs = (sm_gmem, sm_gmem, nib_gmem)
+            if use_slots:  # one row of the slot table per step, streamed like the planes
+                pos_lo = ((n_iota - j * BN) << 8) | k_iota  # an element's packed position in the table
+                pos_hi = pos_lo | 0x8000
+                w_specs.append(plgpu.BlockSpec((1, slot_gmem.shape[1]),
+                                               lambda i: (j * half_blocks + first + i, 0)))
+                w_gmem_refs += (slot_gmem,)
         else:
             w_specs = [spec((BN, block_k), h, True, mma_tiles) for h in (0, 1)]
             w_gmem_refs = (w_gmem, w_gmem)
 
-        def decode(k0, s_lo, s_hi, nb):  # planes of the step starting at half-row k0 -> a_lo, a_hi (SMEM)
+        def decode(k0, s_lo, s_hi, nb, *slot):  # planes of the step starting at half-row k0 -> two A tiles
             nib = tile(nb, wgmma_layout).astype(jnp.int32)
-            lo = (tile(s_lo, wgmma_layout).astype(jnp.int32) & 0x807F) | (((nib & 0xF) << 7) + base7)
-            hi = (tile(s_hi, wgmma_layout).astype(jnp.int32) & 0x807F) | (((nib >> 4) << 7) + base7)
+            if diagnostic == "load_only":  # timing only: one op per weight instead of the decode, no patches
+                lo = tile(s_lo, wgmma_layout).astype(jnp.int32) ^ nib
+                hi = tile(s_hi, wgmma_layout).astype(jnp.int32) ^ nib
+            else:
+                lo = (tile(s_lo, wgmma_layout).astype(jnp.int32) & 0x807F) | (((nib & 0xF) << 7) + base7)
+                hi = (tile(s_hi, wgmma_layout).astype(jnp.int32) & 0x807F) | (((nib >> 4) << 7) + base7)
             lo, hi = lo.astype(jnp.uint16), hi.astype(jnp.uint16)  # the bf16 bits, unsigned like exc_val
+            if diagnostic:  # "no_patch", "load_only": exceptions left unpatched (exact only without any)
+                return finish(lo, hi)
+            if use_slots:
+                def one_slot(e, carry):  # entry: bits << 16 | half << 15 | n_local << 8 | k_local
+                    lo, hi = carry
+                    entry = slot[0][0, 1 + e]
+                    key, v = entry & 0xFFFF, ((entry >> 16) & 0xFFFF).astype(jnp.uint16)
+                    return jnp.where(pos_lo == key, v, lo), jnp.where(pos_hi == key, v, hi)
+
+                lo, hi = jax.lax.fori_loop(0, slot[0][0, 0], one_slot, (lo, hi))
+                return finish(lo, hi)
 
             def one(e, carry):  # an exception at W[r, c] is A[c - n0, r - k0] of its half's tile
                 lo, hi = carry
@@ -154,18 +222,35 @@ def _kernel_call(x_t, operands, *, k: int, n: int, mp: int, block_k: int, split:
             for c in range(max(1, BN // fmt["group_n"])):  # static: the CSR column cells this block spans
                 cell = ((j * BN) // fmt["group_n"] + c) * fmt["n_groups_k"]
                 lo, hi = jax.lax.fori_loop(ptr_gmem[cell + g0], ptr_gmem[cell + g1], one, (lo, hi))
-            a_lo[...] = jax.lax.bitcast_convert_type(lo, jnp.bfloat16)
-            a_hi[...] = jax.lax.bitcast_convert_type(hi, jnp.bfloat16)
-            plgpu.commit_smem()
+            return finish(lo, hi)
+
+        def finish(lo, hi):
+            lo = jax.lax.bitcast_convert_type(lo, jnp.bfloat16)
+            hi = jax.lax.bitcast_convert_type(hi, jnp.bfloat16)
+            if not interpret:  # wgmma takes A from registers: the decoded tile never touches shared memory
+                return lo, hi
+            a_lo, a_hi = scr[0], scr[1]  # the interpreter's wgmma reads A from shared memory
+            a_lo[...] = lo
+            a_hi[...] = hi
             return a_lo, a_hi
+
+        def b_operand(x_tile, h):  # x [Mp, BK] -> B = x^T [BK, Mp], K-major
+            if not interpret:
+                return plgpu.transpose_ref(x_tile, (1, 0))
+            xt = scr[-2 + h]  # the interpreter has no transposed refs: a transposed copy
+            xt[...] = x_tile[...].T
+            return xt
 
         def scope(acc):
             def body(indices, x_lo, x_hi, *w_tiles):
                 (i,) = indices
-                a_lo_ref, a_hi_ref = decode((first + i) * block_k, *w_tiles) if w12 else w_tiles
-                plgpu.wgmma(acc, a_lo_ref, x_lo)
-                plgpu.wgmma(acc, a_hi_ref, x_hi)
-                plgpu.wgmma_wait(0)  # before the pipeline refills these buffers (and a_lo / a_hi)
+                a_lo, a_hi = decode((first + i) * block_k, *w_tiles) if w12 else w_tiles
+                b_lo, b_hi = b_operand(x_lo, 0), b_operand(x_hi, 1)
+                if interpret:
+                    plgpu.commit_smem()
+                plgpu.wgmma(acc, a_lo, b_lo)
+                plgpu.wgmma(acc, a_hi, b_hi)
+                plgpu.wgmma_wait(0)  # before the pipeline refills these buffers
 
             plgpu.emit_pipeline(body, grid=(steps,), in_specs=[*x_specs, *w_specs],
                                 max_concurrent_steps=stages)(x_gmem, x_gmem, *w_gmem_refs)
@@ -174,10 +259,12 @@ def _kernel_call(x_t, operands, *, k: int, n: int, mp: int, block_k: int, split:
         pl.run_scoped(scope, plgpu.ACC((BN, mp), jnp.float32))
 
     scratch = []
-    if w12:  # the decoded tiles (wgmma's A operands) and the block's bases
-        scratch = [plgpu.SMEM((BN, block_k), jnp.bfloat16, transforms=mma_tiles)] * 2 + [
-            plgpu.SMEM((BN,), jnp.int32), plgpu.Barrier(num_arrivals=1)]
-    if interpret:
+    if w12:  # the block's bases
+        scratch = [plgpu.SMEM((BN,), jnp.int32), plgpu.Barrier(num_arrivals=1)]
+    if interpret:  # shared-memory operands for the interpreter: decoded A tiles, transposed x tiles
+        if w12:
+            scratch += [plgpu.SMEM((BN, block_k), jnp.bfloat16, transforms=mma_tiles)] * 2
+        scratch += [plgpu.SMEM((block_k, mp), jnp.bfloat16, transforms=_transforms(16, 2 * mp))] * 2
         from jax._src.pallas.mosaic_gpu.interpret.params import InterpretGPUParams
         interpret_arg = InterpretGPUParams()
     else:
@@ -186,7 +273,7 @@ def _kernel_call(x_t, operands, *, k: int, n: int, mp: int, block_k: int, split:
                         grid=(n // BN, split), grid_names=("n", "s"), scratch_types=scratch,
                         compiler_params=plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Lane),
                         interpret=interpret_arg)
-    return call(x_t, *operands)
+    return call(x, *operands)
 
 
 def _prepare_x(x: jax.Array, k: int, n: int, block_k: int):
@@ -197,22 +284,29 @@ def _prepare_x(x: jax.Array, k: int, n: int, block_k: int):
     m = x.shape[0]
     _check(k, n, m, block_k)
     mp = next(p for p in MP_CHOICES if p >= m)
-    if block_k % mp:  # both operands use the swizzle of an x^T row (2 * Mp bytes): tiles of Mp columns
-        raise ValueError(f"block_k = {block_k} must be a multiple of the padded M = {mp}")
-    return jnp.pad(x, ((0, mp - m), (0, 0))).T, m, mp
+    if block_k % SWIZZLE_BF16:  # both operands' tiles have rows of 128 bytes
+        raise ValueError(f"block_k = {block_k} must be a multiple of {SWIZZLE_BF16}")
+    return jnp.pad(x, ((0, mp - m), (0, 0))), m, mp
 
 
-@functools.partial(jax.jit, static_argnames=("block_k", "split", "stages", "interpret"))
+@functools.partial(jax.jit, static_argnames=("block_k", "split", "stages", "interpret", "exceptions", "diagnostic"))
 def w12_mosaic_partials(x: jax.Array, w: W12NK, block_k: int = 64, split: int | None = None, stages: int = 3,
-                        interpret: bool = False) -> jax.Array:
-    """x [M, K] bf16 (M <= 64), W12NK [K, N] -> partial products [split, M, N] float32."""
+                        interpret: bool = False, exceptions: str = "auto", diagnostic: str = "") -> jax.Array:
+    """x [M, K] bf16 (M <= 64), W12NK [K, N] -> partial products [split, M, N] float32.
+
+    exceptions: "auto" patches from the slot table when `w.slot_k == block_k` (`to_nk(w, block_k)`), else
+    from the CSR lists; "csr" always from the CSR lists. diagnostic (timing only, inexact with exceptions):
+    "no_patch" skips the patches, "load_only" also replaces the decode by one XOR per weight."""
     k, n = w.shape
-    x_t, m, mp = _prepare_x(x, k, n, block_k)
+    if exceptions not in ("auto", "csr") or diagnostic not in ("", "no_patch", "load_only"):
+        raise ValueError(f"unknown exceptions={exceptions!r} or diagnostic={diagnostic!r}")
+    x_p, m, mp = _prepare_x(x, k, n, block_k)
     split = split or _split(k // 2, block_k, n, 2 * NUM_SMS_H200)
     fmt = dict(group_n=w.group_n, group_k=w.group_k, n_groups_k=w.n_groups_k)
-    out = _kernel_call(x_t, (w.sm_t, w.nib_t, w.base7, w.exc_ptr, w.exc_row, w.exc_col, w.exc_val),
+    out = _kernel_call(x_p, (w.sm_t, w.nib_t, w.base7, w.exc_ptr, w.exc_row, w.exc_col, w.exc_val, w.slots),
                        k=k, n=n, mp=mp, block_k=block_k, split=split, stages=stages, w12=True, fmt=fmt,
-                       interpret=interpret)
+                       interpret=interpret, use_slots=exceptions == "auto" and w.slot_k == block_k,
+                       diagnostic=diagnostic)
     return jnp.swapaxes(out, 1, 2)[:, :m]
 
 
@@ -224,8 +318,8 @@ def bf16_mosaic_partials(x: jax.Array, w_t: jax.Array, block_k: int = 64, split:
     n, k = w_t.shape
     if w_t.dtype != jnp.bfloat16:
         raise NotImplementedError(f"the twin reads bf16 weights, got {w_t.dtype}")
-    x_t, m, mp = _prepare_x(x, k, n, block_k)
+    x_p, m, mp = _prepare_x(x, k, n, block_k)
     split = split or _split(k // 2, block_k, n, 2 * NUM_SMS_H200)
-    out = _kernel_call(x_t, (w_t,), k=k, n=n, mp=mp, block_k=block_k, split=split, stages=stages, w12=False,
+    out = _kernel_call(x_p, (w_t,), k=k, n=n, mp=mp, block_k=block_k, split=split, stages=stages, w12=False,
                        fmt={}, interpret=interpret)
     return jnp.swapaxes(out, 1, 2)[:, :m]

@@ -26,8 +26,8 @@ def _interpreter_available() -> bool:
 CASES = [  # (K, N, M, block_k, split, finite weights)
     (256, 128, 5, 64, None, True),
     (512, 128, 33, 64, None, False),  # Mp = 64, Inf / NaN among the exceptions
-    (256, 192, 1, 16, None, True),  # a 64-column block inside a 128-column CSR cell; 16-row steps
-    (256, 128, 16, 32, 1, True),  # one split: each program runs every step
+    (256, 192, 1, 64, None, True),  # a 64-column block inside a 128-column CSR cell
+    (512, 128, 16, 128, 1, True),  # one split: each program runs every step; 128-row steps
 ]
 
 
@@ -40,11 +40,13 @@ class _MosaicCases:
         enc = w12.encode(w)
         assert enc.num_exceptions > 0
         x = jnp.asarray(np.random.default_rng(m).standard_normal((m, k)), jnp.bfloat16)
-        got = mk.w12_mosaic_partials(x, mk.to_nk(jax.device_put(enc)), block_k=block_k, split=split,
-                                     interpret=self.interpret)
+        nk = mk.to_nk(jax.device_put(enc), block_k=block_k)
         twin = mk.bf16_mosaic_partials(x, jnp.asarray(w).T, block_k=block_k, split=split, interpret=self.interpret)
-        assert got.shape[1:] == (m, n)
-        assert_same_bits(got, twin)
+        for exceptions in ("auto", "csr"):  # the slot table (where it was built) and the CSR lists
+            got = mk.w12_mosaic_partials(x, nk, block_k=block_k, split=split, interpret=self.interpret,
+                                         exceptions=exceptions)
+            assert got.shape[1:] == (m, n)
+            assert_same_bits(got, twin)
         if finite:
             assert_close_to_exact(km.sum_splits(got), x, w)
 
@@ -72,7 +74,7 @@ def test_errors():
     x = jnp.ones((65, 128), jnp.bfloat16)
     with pytest.raises(NotImplementedError, match="M <= 64"):
         mk.w12_mosaic_partials(x, enc, interpret=True)
-    with pytest.raises(ValueError, match="multiple of the padded M"):
+    with pytest.raises(ValueError, match="multiple of 64"):
         mk.w12_mosaic_partials(x[:40], enc, block_k=32, interpret=True)
     with pytest.raises(NotImplementedError, match="bf16 activations"):
         mk.w12_mosaic_partials(x[:4].astype(jnp.float32), enc, interpret=True)
@@ -89,13 +91,17 @@ def test_lowers_for_cuda(k, n):
     """GPU-free check that the W12 kernel and its twin lower to Mosaic GPU at every M class (Mp 16/32/64)."""
     s = jax.ShapeDtypeStruct
     st = _w12_struct(k, n)
-    nk = mk.W12NK(sm_t=s((n, k), jnp.int8), nib_t=s((n, k // 2), jnp.uint8), base7=s((n,), jnp.int32),
-                  exc_ptr=st.exc_ptr, exc_row=st.exc_row, exc_col=st.exc_col, exc_val=st.exc_val, shape=(k, n),
-                  group_n=w12.DEFAULT_GROUP_N, group_k=w12.DEFAULT_GROUP_K, n_groups_k=st.n_groups_k)
+    for slot_k in (0, 64):  # the CSR lists; the slot table
+        nk = mk.W12NK(sm_t=s((n, k), jnp.int8), nib_t=s((n, k // 2), jnp.uint8), base7=s((n,), jnp.int32),
+                      exc_ptr=st.exc_ptr, exc_row=st.exc_row, exc_col=st.exc_col, exc_val=st.exc_val,
+                      slots=s((n // mk.BN * (k // 2 // 64), mk.SLOT_ALIGN), jnp.int32), shape=(k, n),
+                      group_n=w12.DEFAULT_GROUP_N, group_k=w12.DEFAULT_GROUP_K, n_groups_k=st.n_groups_k,
+                      slot_k=slot_k)
+        for m in (1, 32, 64):
+            text = jax.jit(mk.w12_mosaic_partials).trace(s((m, k), jnp.bfloat16), nk).lower(
+                lowering_platforms=("cuda",)).as_text()
+            assert "mosaic_gpu" in text
     for m in (1, 32, 64):
-        text = jax.jit(mk.w12_mosaic_partials).trace(s((m, k), jnp.bfloat16), nk).lower(
-            lowering_platforms=("cuda",)).as_text()
-        assert "mosaic_gpu" in text
         text = jax.jit(mk.bf16_mosaic_partials).trace(s((m, k), jnp.bfloat16), s((n, k), jnp.bfloat16)).lower(
             lowering_platforms=("cuda",)).as_text()
         assert "mosaic_gpu" in text
@@ -114,3 +120,25 @@ def test_matches_pure_jnp_reference():
     x64, w64 = np.asarray(x, np.float64), np.asarray(w, np.float64)
     bound = 2 * k * np.finfo(np.float32).eps * (np.abs(x64) @ np.abs(w64)) + 1e-37
     assert (np.abs(got - ref) <= bound).all()
+
+
+def test_exception_slots_list_every_exception_once():
+    """The slot table against the CSR lists it is built from: every exception in its step's row, once,
+    with its bits and position; counts match; a step over MAX_SLOTS - 1 exceptions gives no table."""
+    k, n, bk = 512, 192, 64
+    enc = w12.encode(adversarial_weights(k, n, seed=5))
+    table = mk.exception_slots(enc, bk)
+    assert table is not None and table.shape[1] % mk.SLOT_ALIGN == 0
+    kh = k // 2
+    got = set()
+    for row_i, row in enumerate(table.astype(np.int64)):
+        jb, kb = divmod(row_i, kh // bk)
+        for e in row[1:1 + row[0]] & 0xFFFFFFFF:
+            half, n_loc, k_loc = (e >> 15) & 1, (e >> 8) & 0x3F, e & 0xFF
+            got.add((int(kb * bk + k_loc + half * kh), int(jb * mk.BN + n_loc), int(e >> 16)))
+        assert not (row[1 + row[0]:]).any()
+    want = {(int(r), int(c), int(v)) for r, c, v in zip(enc.exc_row, enc.exc_col, np.asarray(enc.exc_val))}
+    assert got == want and int(table[:, 0].sum()) == enc.num_exceptions
+    bits = np.random.default_rng(0).integers(0, 1 << 16, (512, 64), dtype=np.uint16)  # mostly exceptions
+    dense = w12.encode(bits.view(jnp.bfloat16))
+    assert mk.exception_slots(dense, 128) is None and mk.to_nk(dense, 128).slot_k == 0
