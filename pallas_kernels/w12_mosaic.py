@@ -140,20 +140,25 @@ def _check(k: int, n: int, m: int, block_k: int):
 
 
 def _kernel_call(x, operands, *, k: int, n: int, mp: int, block_k: int, split: int, stages: int, w12: bool,
-                 fmt: dict, interpret: bool, use_slots: bool = False, diagnostic: str = ""):
+                 fmt: dict, interpret: bool, use_slots: bool = False, diagnostic: str = "", planes: str = "upcast"):
     kh = k // 2
     steps = kh // split // block_k  # K steps per program (each covers block_k rows of both K halves)
     half_blocks = kh // block_k  # block index of the upper K half's first block
     mma_tiles = _transforms(16, SWIZZLE)  # bf16 tiles with 128-byte rows: x [Mp, BK] and the twin's W^T
     wgmma_layout = plgpu.Layout.WGMMA
+    # The layout the decode runs in. "upcast": planes in swizzled tiles, loaded 4 bytes per thread in the
+    # layout made for 8 -> 16-bit upcasts, decoded there, moved to the WGMMA layout by one warp shuffle per
+    # register pair. "wgmma": plain tiles loaded straight into the WGMMA layout, 2 bytes per load.
+    dec_layout = plgpu.Layout.WGMMA_UPCAST_2X if planes == "upcast" else wgmma_layout
+    plane_tiles = _transforms(8, block_k) if planes == "upcast" else ()
 
     def tile(ref, layout):  # the interpreter has no layouts; compiled, they are explicit
-        return ref[...] if interpret else plgpu.load(ref.at[...], (), layout=layout, optimized=False)
+        return ref[...] if interpret else plgpu.load(ref, (), layout=layout, optimized=planes == "upcast")
 
     def iota(dim):
         if interpret:
             return jax.lax.broadcasted_iota(jnp.int32, (BN, block_k), dim)
-        return plgpu.broadcasted_iota(jnp.int32, (BN, block_k), dim, layout=wgmma_layout)
+        return plgpu.broadcasted_iota(jnp.int32, (BN, block_k), dim, layout=dec_layout)
 
     def kernel(x_gmem, *refs):
         if w12:
@@ -175,9 +180,11 @@ def _kernel_call(x, operands, *, k: int, n: int, mp: int, block_k: int, split: i
         if w12:
             plgpu.copy_gmem_to_smem(base_gmem.at[pl.ds(j * BN, BN)], bs, bar)
             plgpu.barrier_wait(bar)
-            base7 = jax.lax.broadcast_in_dim(tile(bs, wgmma_layout.reduce(1)), (BN, block_k), (0,))
+            base7 = jax.lax.broadcast_in_dim(tile(bs, dec_layout.reduce(1)), (BN, block_k), (0,))
+            if not interpret:  # the broadcast's layout, named for the lowering
+                base7 = plgpu.layout_cast(base7, dec_layout)
             n_iota, k_iota = iota(0) + j * BN, iota(1)
-            w_specs = [spec((BN, block_k), 0, True), spec((BN, block_k), 1, True), spec((BN, block_k), 0, True)]
+            w_specs = [spec((BN, block_k), h, True, plane_tiles) for h in (0, 1, 0)]
             w_gmem_refs = (sm_gmem, sm_gmem, nib_gmem)
             if use_slots:  # one row of the slot table per step, streamed like the planes
                 pos_lo = ((n_iota - j * BN) << 8) | k_iota  # an element's packed position in the table
@@ -190,13 +197,13 @@ def _kernel_call(x, operands, *, k: int, n: int, mp: int, block_k: int, split: i
             w_gmem_refs = (w_gmem, w_gmem)
 
         def decode(k0, s_lo, s_hi, nb, *slot):  # planes of the step starting at half-row k0 -> two A tiles
-            nib = tile(nb, wgmma_layout).astype(jnp.int32)
+            nib = tile(nb, dec_layout).astype(jnp.int32)
             if diagnostic == "load_only":  # timing only: one op per weight instead of the decode, no patches
-                lo = tile(s_lo, wgmma_layout).astype(jnp.int32) ^ nib
-                hi = tile(s_hi, wgmma_layout).astype(jnp.int32) ^ nib
+                lo = tile(s_lo, dec_layout).astype(jnp.int32) ^ nib
+                hi = tile(s_hi, dec_layout).astype(jnp.int32) ^ nib
             else:
-                lo = (tile(s_lo, wgmma_layout).astype(jnp.int32) & 0x807F) | (((nib & 0xF) << 7) + base7)
-                hi = (tile(s_hi, wgmma_layout).astype(jnp.int32) & 0x807F) | (((nib >> 4) << 7) + base7)
+                lo = (tile(s_lo, dec_layout).astype(jnp.int32) & 0x807F) | (((nib & 0xF) << 7) + base7)
+                hi = (tile(s_hi, dec_layout).astype(jnp.int32) & 0x807F) | (((nib >> 4) << 7) + base7)
             lo, hi = lo.astype(jnp.uint16), hi.astype(jnp.uint16)  # the bf16 bits, unsigned like exc_val
             if diagnostic:  # "no_patch", "load_only": exceptions left unpatched (exact only without any)
                 return finish(lo, hi)
@@ -228,6 +235,8 @@ def _kernel_call(x, operands, *, k: int, n: int, mp: int, block_k: int, split: i
             lo = jax.lax.bitcast_convert_type(lo, jnp.bfloat16)
             hi = jax.lax.bitcast_convert_type(hi, jnp.bfloat16)
             if not interpret:  # wgmma takes A from registers: the decoded tile never touches shared memory
+                if dec_layout != wgmma_layout:
+                    lo, hi = plgpu.layout_cast(lo, wgmma_layout), plgpu.layout_cast(hi, wgmma_layout)
                 return lo, hi
             a_lo, a_hi = scr[0], scr[1]  # the interpreter's wgmma reads A from shared memory
             a_lo[...] = lo
@@ -289,24 +298,27 @@ def _prepare_x(x: jax.Array, k: int, n: int, block_k: int):
     return jnp.pad(x, ((0, mp - m), (0, 0))), m, mp
 
 
-@functools.partial(jax.jit, static_argnames=("block_k", "split", "stages", "interpret", "exceptions", "diagnostic"))
+@functools.partial(jax.jit, static_argnames=("block_k", "split", "stages", "interpret", "exceptions", "diagnostic",
+                                             "planes"))
 def w12_mosaic_partials(x: jax.Array, w: W12NK, block_k: int = 64, split: int | None = None, stages: int = 3,
-                        interpret: bool = False, exceptions: str = "auto", diagnostic: str = "") -> jax.Array:
+                        interpret: bool = False, exceptions: str = "auto", diagnostic: str = "",
+                        planes: str = "upcast") -> jax.Array:
     """x [M, K] bf16 (M <= 64), W12NK [K, N] -> partial products [split, M, N] float32.
 
     exceptions: "auto" patches from the slot table when `w.slot_k == block_k` (`to_nk(w, block_k)`), else
     from the CSR lists; "csr" always from the CSR lists. diagnostic (timing only, inexact with exceptions):
     "no_patch" skips the patches, "load_only" also replaces the decode by one XOR per weight."""
     k, n = w.shape
-    if exceptions not in ("auto", "csr") or diagnostic not in ("", "no_patch", "load_only"):
-        raise ValueError(f"unknown exceptions={exceptions!r} or diagnostic={diagnostic!r}")
+    if exceptions not in ("auto", "csr") or diagnostic not in ("", "no_patch", "load_only") or planes not in (
+            "upcast", "wgmma"):
+        raise ValueError(f"unknown exceptions={exceptions!r}, diagnostic={diagnostic!r} or planes={planes!r}")
     x_p, m, mp = _prepare_x(x, k, n, block_k)
     split = split or _split(k // 2, block_k, n, 2 * NUM_SMS_H200)
     fmt = dict(group_n=w.group_n, group_k=w.group_k, n_groups_k=w.n_groups_k)
     out = _kernel_call(x_p, (w.sm_t, w.nib_t, w.base7, w.exc_ptr, w.exc_row, w.exc_col, w.exc_val, w.slots),
                        k=k, n=n, mp=mp, block_k=block_k, split=split, stages=stages, w12=True, fmt=fmt,
                        interpret=interpret, use_slots=exceptions == "auto" and w.slot_k == block_k,
-                       diagnostic=diagnostic)
+                       diagnostic=diagnostic, planes=planes)
     return jnp.swapaxes(out, 1, 2)[:, :m]
 
 

@@ -3,6 +3,8 @@
 exact float64 product, lowered for CUDA at the Qwen3-8B shapes without a GPU, and clear errors for what it
 does not take. The GPU subclass reruns the cases compiled (`-m gpu`)."""
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -97,9 +99,9 @@ def test_lowers_for_cuda(k, n):
                       slots=s((n // mk.BN * (k // 2 // 64), mk.SLOT_ALIGN), jnp.int32), shape=(k, n),
                       group_n=w12.DEFAULT_GROUP_N, group_k=w12.DEFAULT_GROUP_K, n_groups_k=st.n_groups_k,
                       slot_k=slot_k)
-        for m in (1, 32, 64):
-            text = jax.jit(mk.w12_mosaic_partials).trace(s((m, k), jnp.bfloat16), nk).lower(
-                lowering_platforms=("cuda",)).as_text()
+        for m, planes in ((1, "upcast"), (32, "upcast"), (64, "upcast"), (1, "wgmma")):
+            fn = jax.jit(functools.partial(mk.w12_mosaic_partials, planes=planes))
+            text = fn.trace(s((m, k), jnp.bfloat16), nk).lower(lowering_platforms=("cuda",)).as_text()
             assert "mosaic_gpu" in text
     for m in (1, 32, 64):
         text = jax.jit(mk.bf16_mosaic_partials).trace(s((m, k), jnp.bfloat16), s((n, k), jnp.bfloat16)).lower(
