@@ -157,6 +157,8 @@ def bench_shape(name, k, n, ms, args, interpret, copy_bw, record):
                 if bk not in ws_nk:
                     ws_nk[bk] = [mk.to_nk(e, block_k=bk) for e in ws_w12]
                 twin_opts = {key: v for key, v in mg.items() if key in ("block_k", "stages", "split")}
+                if "twin_a" in mg:  # the twin's A operand ("registers": its bf16 tiles through registers)
+                    twin_opts["a_operand"] = mg.pop("twin_a")
                 impls.append(("twin_mg", mg_key, mosaic_mm(mk.bf16_mosaic_partials, interpret, twin_opts), ws_t))
                 impls.append(("w12_mg", mg_key, mosaic_mm(mk.w12_mosaic_partials, interpret, mg), ws_nk[bk]))
         if m == 1 and args.gemv:  # the CUDA-core path and its twin
@@ -263,7 +265,7 @@ def parse_edits(text: str) -> list:
             key, value = item.split("=")
             if key == "prefetch":
                 edit[key] = bool(int(value))
-            elif key in ("exceptions", "diagnostic"):
+            elif key in ("exceptions", "diagnostic", "planes", "a_operand", "twin_a"):
                 edit[key] = value
             else:
                 edit[key] = float(value) if key == "split" else int(value)

@@ -140,7 +140,8 @@ def _check(k: int, n: int, m: int, block_k: int):
 
 
 def _kernel_call(x, operands, *, k: int, n: int, mp: int, block_k: int, split: int, stages: int, w12: bool,
-                 fmt: dict, interpret: bool, use_slots: bool = False, diagnostic: str = "", planes: str = "upcast"):
+                 fmt: dict, interpret: bool, use_slots: bool = False, diagnostic: str = "", planes: str = "upcast",
+                 a_operand: str = "registers"):
     kh = k // 2
     steps = kh // split // block_k  # K steps per program (each covers block_k rows of both K halves)
     half_blocks = kh // block_k  # block index of the upper K half's first block
@@ -150,6 +151,11 @@ def _kernel_call(x, operands, *, k: int, n: int, mp: int, block_k: int, split: i
     # layout made for 8 -> 16-bit upcasts, decoded there, moved to the WGMMA layout by one warp shuffle per
     # register pair. "wgmma": plain tiles loaded straight into the WGMMA layout, 2 bytes per load.
     dec_layout = plgpu.Layout.WGMMA_UPCAST_2X if planes == "upcast" else wgmma_layout
+    # wgmma's A operand: W12's decoded tiles from registers (default) or stored to shared memory; the twin's
+    # bf16 tiles from shared memory (default) or loaded to registers. The interpreter has no register A.
+    if a_operand not in ("registers", "smem"):
+        raise ValueError(f"a_operand must be 'registers' or 'smem', got {a_operand!r}")
+    a_in_registers = a_operand == "registers" and not interpret
     plane_tiles = _transforms(8, block_k) if planes == "upcast" else ()
 
     def tile(ref, layout):  # the interpreter has no layouts; compiled, they are explicit
@@ -234,11 +240,11 @@ def _kernel_call(x, operands, *, k: int, n: int, mp: int, block_k: int, split: i
         def finish(lo, hi):
             lo = jax.lax.bitcast_convert_type(lo, jnp.bfloat16)
             hi = jax.lax.bitcast_convert_type(hi, jnp.bfloat16)
-            if not interpret:  # wgmma takes A from registers: the decoded tile never touches shared memory
-                if dec_layout != wgmma_layout:
-                    lo, hi = plgpu.layout_cast(lo, wgmma_layout), plgpu.layout_cast(hi, wgmma_layout)
+            if not interpret and dec_layout != wgmma_layout:
+                lo, hi = plgpu.layout_cast(lo, wgmma_layout), plgpu.layout_cast(hi, wgmma_layout)
+            if a_in_registers:  # the decoded tile never touches shared memory
                 return lo, hi
-            a_lo, a_hi = scr[0], scr[1]  # the interpreter's wgmma reads A from shared memory
+            a_lo, a_hi = scr[0], scr[1]  # stored with the swizzle wgmma reads (the interpreter: always)
             a_lo[...] = lo
             a_hi[...] = hi
             return a_lo, a_hi
@@ -253,9 +259,14 @@ def _kernel_call(x, operands, *, k: int, n: int, mp: int, block_k: int, split: i
         def scope(acc):
             def body(indices, x_lo, x_hi, *w_tiles):
                 (i,) = indices
-                a_lo, a_hi = decode((first + i) * block_k, *w_tiles) if w12 else w_tiles
+                if w12:
+                    a_lo, a_hi = decode((first + i) * block_k, *w_tiles)
+                elif a_in_registers:  # a diagnostic twin: the bf16 tiles through registers, as W12's are
+                    a_lo, a_hi = (plgpu.load(t, (), layout=wgmma_layout) for t in w_tiles)
+                else:
+                    a_lo, a_hi = w_tiles
                 b_lo, b_hi = b_operand(x_lo, 0), b_operand(x_hi, 1)
-                if interpret:
+                if w12 and not a_in_registers:
                     plgpu.commit_smem()
                 plgpu.wgmma(acc, a_lo, b_lo)
                 plgpu.wgmma(acc, a_hi, b_hi)
@@ -270,9 +281,9 @@ def _kernel_call(x, operands, *, k: int, n: int, mp: int, block_k: int, split: i
     scratch = []
     if w12:  # the block's bases
         scratch = [plgpu.SMEM((BN,), jnp.int32), plgpu.Barrier(num_arrivals=1)]
-    if interpret:  # shared-memory operands for the interpreter: decoded A tiles, transposed x tiles
-        if w12:
-            scratch += [plgpu.SMEM((BN, block_k), jnp.bfloat16, transforms=mma_tiles)] * 2
+    if w12 and not a_in_registers:  # the decoded A tiles
+        scratch += [plgpu.SMEM((BN, block_k), jnp.bfloat16, transforms=mma_tiles)] * 2
+    if interpret:  # the interpreter has no transposed refs: transposed x tiles
         scratch += [plgpu.SMEM((block_k, mp), jnp.bfloat16, transforms=_transforms(16, 2 * mp))] * 2
         from jax._src.pallas.mosaic_gpu.interpret.params import InterpretGPUParams
         interpret_arg = InterpretGPUParams()
@@ -299,10 +310,10 @@ def _prepare_x(x: jax.Array, k: int, n: int, block_k: int):
 
 
 @functools.partial(jax.jit, static_argnames=("block_k", "split", "stages", "interpret", "exceptions", "diagnostic",
-                                             "planes"))
+                                             "planes", "a_operand"))
 def w12_mosaic_partials(x: jax.Array, w: W12NK, block_k: int = 64, split: int | None = None, stages: int = 3,
                         interpret: bool = False, exceptions: str = "auto", diagnostic: str = "",
-                        planes: str = "upcast") -> jax.Array:
+                        planes: str = "upcast", a_operand: str = "registers") -> jax.Array:
     """x [M, K] bf16 (M <= 64), W12NK [K, N] -> partial products [split, M, N] float32.
 
     exceptions: "auto" patches from the slot table when `w.slot_k == block_k` (`to_nk(w, block_k)`), else
@@ -318,13 +329,13 @@ def w12_mosaic_partials(x: jax.Array, w: W12NK, block_k: int = 64, split: int | 
     out = _kernel_call(x_p, (w.sm_t, w.nib_t, w.base7, w.exc_ptr, w.exc_row, w.exc_col, w.exc_val, w.slots),
                        k=k, n=n, mp=mp, block_k=block_k, split=split, stages=stages, w12=True, fmt=fmt,
                        interpret=interpret, use_slots=exceptions == "auto" and w.slot_k == block_k,
-                       diagnostic=diagnostic, planes=planes)
+                       diagnostic=diagnostic, planes=planes, a_operand=a_operand)
     return jnp.swapaxes(out, 1, 2)[:, :m]
 
 
-@functools.partial(jax.jit, static_argnames=("block_k", "split", "stages", "interpret"))
+@functools.partial(jax.jit, static_argnames=("block_k", "split", "stages", "interpret", "a_operand"))
 def bf16_mosaic_partials(x: jax.Array, w_t: jax.Array, block_k: int = 64, split: int | None = None,
-                         stages: int = 3, interpret: bool = False) -> jax.Array:
+                         stages: int = 3, interpret: bool = False, a_operand: str = "smem") -> jax.Array:
     """The twin: the same kernel over the original bf16 weight, given transposed (w_t [N, K] = W^T, stored
     once like `to_nk`'s planes), its tiles streamed by the same pipeline straight to the same wgmma calls."""
     n, k = w_t.shape
@@ -333,5 +344,5 @@ def bf16_mosaic_partials(x: jax.Array, w_t: jax.Array, block_k: int = 64, split:
     x_p, m, mp = _prepare_x(x, k, n, block_k)
     split = split or _split(k // 2, block_k, n, 2 * NUM_SMS_H200)
     out = _kernel_call(x_p, (w_t,), k=k, n=n, mp=mp, block_k=block_k, split=split, stages=stages, w12=False,
-                       fmt={}, interpret=interpret)
+                       fmt={}, interpret=interpret, a_operand=a_operand)
     return jnp.swapaxes(out, 1, 2)[:, :m]

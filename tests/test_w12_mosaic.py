@@ -99,13 +99,14 @@ def test_lowers_for_cuda(k, n):
                       slots=s((n // mk.BN * (k // 2 // 64), mk.SLOT_ALIGN), jnp.int32), shape=(k, n),
                       group_n=w12.DEFAULT_GROUP_N, group_k=w12.DEFAULT_GROUP_K, n_groups_k=st.n_groups_k,
                       slot_k=slot_k)
-        for m, planes in ((1, "upcast"), (32, "upcast"), (64, "upcast"), (1, "wgmma")):
-            fn = jax.jit(functools.partial(mk.w12_mosaic_partials, planes=planes))
+        for m, planes, a_operand in ((1, "upcast", "registers"), (32, "upcast", "registers"),
+                                     (64, "upcast", "registers"), (1, "wgmma", "registers"), (16, "upcast", "smem")):
+            fn = jax.jit(functools.partial(mk.w12_mosaic_partials, planes=planes, a_operand=a_operand))
             text = fn.trace(s((m, k), jnp.bfloat16), nk).lower(lowering_platforms=("cuda",)).as_text()
             assert "mosaic_gpu" in text
-    for m in (1, 32, 64):
-        text = jax.jit(mk.bf16_mosaic_partials).trace(s((m, k), jnp.bfloat16), s((n, k), jnp.bfloat16)).lower(
-            lowering_platforms=("cuda",)).as_text()
+    for m, a_operand in ((1, "smem"), (32, "smem"), (64, "smem"), (16, "registers")):
+        fn = jax.jit(functools.partial(mk.bf16_mosaic_partials, a_operand=a_operand))
+        text = fn.trace(s((m, k), jnp.bfloat16), s((n, k), jnp.bfloat16)).lower(lowering_platforms=("cuda",)).as_text()
         assert "mosaic_gpu" in text
 
 
