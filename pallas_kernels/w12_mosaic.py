@@ -1,25 +1,30 @@
-"""W12 decode + matmul on the Mosaic GPU backend (Hopper: TMA, wgmma). Experimental: checked in the
-Mosaic GPU interpreter and lowered for CUDA on the CPU; not yet run or timed on a GPU.
+"""W12 decode + matmul on the Mosaic GPU backend (Hopper: TMA, wgmma). Experimental: exact against its
+twin in the Mosaic GPU interpreter and compiled on the H200; timed there (docs/performance.md), but not yet
+faster than the Triton W12 kernel, and not wired into the model runs.
 
 y[M, N] = x[M, K] @ W[K, N], computed transposed: y^T = W^T x^T, so a 64-row block of W's columns is the
 wgmma's M operand and x's few rows (padded to Mp = 16, 32 or 64) its N operand.
 
-Design choices (the Triton kernel's measured limits, docs/notes_w12.md, motivate each):
+Design choices (the measurements behind each: docs/notes_w12.md):
 - Planes in N-major order (`to_nk`): sm^T [N, K] int8 and the nibble plane^T [N, K/2] uint8, so a tile of
   W^T is a plain [64, BK] slice. Rows k and K/2 + k still share a nibble byte, so the nibble tile [64, BK]
   gives the codes of both K halves' tiles, in the same register layout, with one AND or one SHIFT.
-- `plgpu.emit_pipeline` streams the planes and x^T into shared memory by TMA, `stages` steps deep; the
-  decode runs in registers in the WGMMA layout;
-  the decoded bf16 tile is stored to shared memory with the swizzle wgmma reads, and wgmma takes both
-  operands from shared memory. The route of the decoded tile is explicit, unlike with Triton.
-- Exceptions: per step the CSR ranges of the step's cells are read from global memory and each listed
-  exception overwrites its element in registers (`where` against iotas) before the store.
+- x's tiles are [Mp, BK] with 128-byte rows and the 128-byte swizzle, and wgmma reads them transposed
+  (K-major B). An x^T tile would have rows of only 2 * Mp bytes: with that swizzle the twin ran at
+  2.6 TB/s at M = 16 against 3.9 TB/s now.
+- `plgpu.emit_pipeline` streams the planes and x into shared memory by TMA, `stages` steps deep. The decode
+  runs in registers ("upcast": swizzled plane tiles loaded 4 bytes per thread in the 8 -> 16-bit upcast
+  layout, then moved to the WGMMA layout; "wgmma": plain tiles loaded straight into it; "packed": a step's
+  three plane tiles side by side, one copy per step), and wgmma takes the decoded tile from registers
+  (`a_operand="smem"` stores it to shared memory instead).
+- Exceptions: `to_nk` tabulates each step's exceptions (`exception_slots`); the pipeline streams a step's
+  row with its planes, and each listed exception overwrites its element (`where` against a packed iota).
+  Matrices with a step of more than 255 exceptions fall back to the CSR lists, read from global memory.
 - The twin (`bf16_mosaic_partials`) is the same kernel with the bf16 W^T tiles streamed by the same
   pipeline instead of decoded: same wgmma calls on the same values in the same order. W12 is lossless iff
-  the two agree bit for bit (tests, interpreter).
+  the two agree bit for bit (tests: interpreter and GPU; the benchmark checks every timed case).
 - Split-K over a grid axis (partials [S, N, Mp]; sum them with `w12_matmul.sum_splits`, the fixed order).
-- Not yet: warp specialization (a producer warpgroup for the copies, consumers that decode), async
-  wgmma overlapping the next step's decode, tiles of more than one warpgroup, M > 64.
+- Not yet: warp specialization, more than one warpgroup per tile, M > 64.
 """
 
 from __future__ import annotations
@@ -55,6 +60,7 @@ class W12NK:
     exc_col: jax.Array
     exc_val: jax.Array
     slots: jax.Array  # int32 [N / BN * (K / 2) / slot_k, P]: each step's exceptions (`exception_slots`)
+    packed: jax.Array  # int8 [N, 3 K / 2]: per step of slot_k rows, [sm lower | sm upper | nibbles] (`pack_planes`)
     shape: tuple[int, int]  # static: (K, N)
     group_n: int  # static: the CSR cells
     group_k: int
@@ -63,7 +69,7 @@ class W12NK:
 
 
 jax.tree_util.register_dataclass(W12NK, data_fields=["sm_t", "nib_t", "base7", "exc_ptr", "exc_row", "exc_col",
-                                                     "exc_val", "slots"],
+                                                     "exc_val", "slots", "packed"],
                                  meta_fields=["shape", "group_n", "group_k", "n_groups_k", "slot_k"])
 
 MAX_SLOTS = 256  # a step's slot row is one TMA box (<= 256 elements): 1 count + up to 255 exceptions
@@ -104,13 +110,24 @@ def exception_slots(w: W12, block_k: int) -> np.ndarray | None:
     return table.astype(np.uint32).view(np.int32)
 
 
+def pack_planes(sm_t: jax.Array, nib_t: jax.Array, block_k: int) -> jax.Array:
+    """[N, 3 K/2] int8: for each step kb of block_k half-rows, sm^T of the lower half's rows, sm^T of the
+    upper half's rows and the nibble bytes, side by side, so that one copy brings a step's planes."""
+    n, k = sm_t.shape
+    kh, steps = k // 2, k // 2 // block_k
+    parts = [sm_t[:, :kh], sm_t[:, kh:], jax.lax.bitcast_convert_type(nib_t, jnp.int8)]
+    return jnp.stack([p_.reshape(n, steps, block_k) for p_ in parts], axis=2).reshape(n, 3 * kh)
+
+
 def to_nk(w: W12, block_k: int = 64) -> W12NK:
     """Transpose the planes once (offline, like encoding) and tabulate the exceptions per kernel step of
     `block_k` rows (`exception_slots`); the CSR lists are kept for matrices whose steps overflow a slot row."""
     exc = exception_lists(w)
     k, n = w.shape
     slots = exception_slots(w, block_k) if (k // 2) % block_k == 0 and n % BN == 0 else None
-    return W12NK(sm_t=jnp.asarray(w.sm).T.copy(), nib_t=jnp.asarray(w.nib).T.copy(),
+    sm_t, nib_t = jnp.asarray(w.sm).T.copy(), jnp.asarray(w.nib).T.copy()
+    return W12NK(sm_t=sm_t, nib_t=nib_t, packed=pack_planes(sm_t, nib_t, block_k) if slots is not None else
+                 jnp.zeros((1, 3 * SWIZZLE_BF16), jnp.int8),
                  base7=jnp.asarray(w.base).astype(jnp.int32) << 7, exc_ptr=jnp.asarray(w.exc_ptr),
                  exc_row=exc[0], exc_col=exc[1], exc_val=exc[2],
                  slots=jnp.zeros((1, SLOT_ALIGN), jnp.int32) if slots is None else jnp.asarray(slots),
@@ -150,6 +167,7 @@ def _kernel_call(x, operands, *, k: int, n: int, mp: int, block_k: int, split: i
     # The layout the decode runs in. "upcast": planes in swizzled tiles, loaded 4 bytes per thread in the
     # layout made for 8 -> 16-bit upcasts, decoded there, moved to the WGMMA layout by one warp shuffle per
     # register pair. "wgmma": plain tiles loaded straight into the WGMMA layout, 2 bytes per load.
+    # "packed": the three plane tiles of a step side by side in one array (`W12NK.packed`), one copy per step.
     dec_layout = plgpu.Layout.WGMMA_UPCAST_2X if planes == "upcast" else wgmma_layout
     # wgmma's A operand: W12's decoded tiles from registers (default) or stored to shared memory; the twin's
     # bf16 tiles from shared memory (default) or loaded to registers. The interpreter has no register A.
@@ -190,8 +208,12 @@ def _kernel_call(x, operands, *, k: int, n: int, mp: int, block_k: int, split: i
             if not interpret:  # the broadcast's layout, named for the lowering
                 base7 = plgpu.layout_cast(base7, dec_layout)
             n_iota, k_iota = iota(0) + j * BN, iota(1)
-            w_specs = [spec((BN, block_k), h, True, plane_tiles) for h in (0, 1, 0)]
-            w_gmem_refs = (sm_gmem, sm_gmem, nib_gmem)
+            if planes == "packed":  # one copy per step: [sm lower half | sm upper half | nibbles] per row
+                w_specs = [plgpu.BlockSpec((BN, 3 * block_k), lambda i: (j, first + i))]
+                w_gmem_refs = (sm_gmem,)
+            else:
+                w_specs = [spec((BN, block_k), h, True, plane_tiles) for h in (0, 1, 0)]
+                w_gmem_refs = (sm_gmem, sm_gmem, nib_gmem)
             if use_slots:  # one row of the slot table per step, streamed like the planes
                 pos_lo = ((n_iota - j * BN) << 8) | k_iota  # an element's packed position in the table
                 pos_hi = pos_lo | 0x8000
@@ -202,8 +224,14 @@ def _kernel_call(x, operands, *, k: int, n: int, mp: int, block_k: int, split: i
             w_specs = [spec((BN, block_k), h, True, mma_tiles) for h in (0, 1)]
             w_gmem_refs = (w_gmem, w_gmem)
 
-        def decode(k0, s_lo, s_hi, nb, *slot):  # planes of the step starting at half-row k0 -> two A tiles
-            nib = tile(nb, dec_layout).astype(jnp.int32)
+        def decode(k0, *tiles):  # planes of the step starting at half-row k0 -> two A tiles
+            if planes == "packed":
+                s_lo, s_hi, nb = (tiles[0].at[:, pl.ds(q * block_k, block_k)] for q in range(3))
+                slot = tiles[1:]
+                nib = tile(nb, dec_layout).astype(jnp.int32) & 0xFF  # stored as int8
+            else:
+                s_lo, s_hi, nb, *slot = tiles
+                nib = tile(nb, dec_layout).astype(jnp.int32)
             if diagnostic == "load_only":  # timing only: one op per weight instead of the decode, no patches
                 lo = tile(s_lo, dec_layout).astype(jnp.int32) ^ nib
                 hi = tile(s_hi, dec_layout).astype(jnp.int32) ^ nib
@@ -321,12 +349,16 @@ def w12_mosaic_partials(x: jax.Array, w: W12NK, block_k: int = 64, split: int | 
     "no_patch" skips the patches, "load_only" also replaces the decode by one XOR per weight."""
     k, n = w.shape
     if exceptions not in ("auto", "csr") or diagnostic not in ("", "no_patch", "load_only") or planes not in (
-            "upcast", "wgmma"):
+            "upcast", "wgmma", "packed"):
         raise ValueError(f"unknown exceptions={exceptions!r}, diagnostic={diagnostic!r} or planes={planes!r}")
+    if planes == "packed" and w.slot_k != block_k:
+        raise ValueError(f"planes='packed' needs planes packed for block_k={block_k} (to_nk(w, {block_k})); "
+                         f"these were packed for {w.slot_k or 'none'}")
     x_p, m, mp = _prepare_x(x, k, n, block_k)
     split = split or _split(k // 2, block_k, n, 2 * NUM_SMS_H200)
     fmt = dict(group_n=w.group_n, group_k=w.group_k, n_groups_k=w.n_groups_k)
-    out = _kernel_call(x_p, (w.sm_t, w.nib_t, w.base7, w.exc_ptr, w.exc_row, w.exc_col, w.exc_val, w.slots),
+    planes_ops = (w.packed if planes == "packed" else w.sm_t, w.nib_t)
+    out = _kernel_call(x_p, (*planes_ops, w.base7, w.exc_ptr, w.exc_row, w.exc_col, w.exc_val, w.slots),
                        k=k, n=n, mp=mp, block_k=block_k, split=split, stages=stages, w12=True, fmt=fmt,
                        interpret=interpret, use_slots=exceptions == "auto" and w.slot_k == block_k,
                        diagnostic=diagnostic, planes=planes, a_operand=a_operand)

@@ -52,6 +52,17 @@ class _MosaicCases:
         if finite:
             assert_close_to_exact(km.sum_splits(got), x, w)
 
+    def test_packed_planes_bit_identical_to_bf16_twin(self):
+        """planes="packed": a step's three plane tiles side by side, one copy per step."""
+        k, n, m = 512, 192, 9
+        w = adversarial_weights(k, n, seed=11)
+        nk = mk.to_nk(jax.device_put(w12.encode(w)), block_k=64)
+        x = jnp.asarray(np.random.default_rng(m).standard_normal((m, k)), jnp.bfloat16)
+        got = mk.w12_mosaic_partials(x, nk, planes="packed", interpret=self.interpret)
+        assert_same_bits(got, mk.bf16_mosaic_partials(x, jnp.asarray(w).T, interpret=self.interpret))
+        with pytest.raises(ValueError, match="packed for block_k=128"):
+            mk.w12_mosaic_partials(x, nk, block_k=128, planes="packed", interpret=self.interpret)
+
     def test_no_exceptions(self):
         w = np.full((128, 64), 0.5, jnp.bfloat16)
         enc = w12.encode(w)
@@ -96,11 +107,15 @@ def test_lowers_for_cuda(k, n):
     for slot_k in (0, 64):  # the CSR lists; the slot table
         nk = mk.W12NK(sm_t=s((n, k), jnp.int8), nib_t=s((n, k // 2), jnp.uint8), base7=s((n,), jnp.int32),
                       exc_ptr=st.exc_ptr, exc_row=st.exc_row, exc_col=st.exc_col, exc_val=st.exc_val,
-                      slots=s((n // mk.BN * (k // 2 // 64), mk.SLOT_ALIGN), jnp.int32), shape=(k, n),
+                      slots=s((n // mk.BN * (k // 2 // 64), mk.SLOT_ALIGN), jnp.int32),
+                      packed=s((n, 3 * k // 2), jnp.int8), shape=(k, n),
                       group_n=w12.DEFAULT_GROUP_N, group_k=w12.DEFAULT_GROUP_K, n_groups_k=st.n_groups_k,
                       slot_k=slot_k)
         for m, planes, a_operand in ((1, "upcast", "registers"), (32, "upcast", "registers"),
-                                     (64, "upcast", "registers"), (1, "wgmma", "registers"), (16, "upcast", "smem")):
+                                     (64, "upcast", "registers"), (1, "wgmma", "registers"), (16, "upcast", "smem"),
+                                     (1, "packed", "registers")):
+            if planes == "packed" and not slot_k:
+                continue  # packed planes come with the slot table (`to_nk`)
             fn = jax.jit(functools.partial(mk.w12_mosaic_partials, planes=planes, a_operand=a_operand))
             text = fn.trace(s((m, k), jnp.bfloat16), nk).lower(lowering_platforms=("cuda",)).as_text()
             assert "mosaic_gpu" in text
