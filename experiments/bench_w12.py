@@ -168,7 +168,7 @@ def bench_shape(name, k, n, ms, args, interpret, copy_bw, record):
         outs = {}
         for impl, b, mm, ws in impls:
             row = {"shape": name, "k": k, "n": n, "m": m, "impl": impl, "matrices": count,
-                   "blocks": None if impl in NO_BLOCKS else dataclasses.asdict(b or base_blocks)}
+                   "blocks": None if impl in NO_BLOCKS else dataclasses.asdict(b or km.default_blocks(k, n, m=m))}
             if impl in ("twin_mg", "w12_mg"):
                 row["mg"] = dict(b)
             try:

@@ -70,9 +70,12 @@ def _next_pow2(n: int) -> int:
     return 1 << max(0, (n - 1).bit_length())
 
 
-def default_blocks(k: int, n: int, target_programs: int = 2 * NUM_SMS_H200) -> W12Blocks:
+def default_blocks(k: int, n: int, target_programs: int = 2 * NUM_SMS_H200, m: int = 1) -> W12Blocks:
     """Blocks for a [K, N] weight: 128-wide column blocks, 32-row half-steps, and the smallest split of K
-    that gives `target_programs` programs (more splits only add partial-sum traffic)."""
+    that gives `target_programs` programs (more splits only add partial-sum traffic). For M > 32 (x padded
+    to 64 rows) exceptions are patched behind a per-step branch: on the H200 that took W12 at M = 64 from
+    82.2 to 67.9 us (gate/up) and 83.7 to 69.5 us (down); at M = 16 it was mixed (bench_w12, 2026-11-29,
+    docs/performance.md)."""
     if k % 2:
         raise NotImplementedError(f"the W12 kernel needs an even K, got {k}")
     kh = k // 2
@@ -85,7 +88,8 @@ def default_blocks(k: int, n: int, target_programs: int = 2 * NUM_SMS_H200) -> W
     block_k = min(32, kh // splits[0])
     splits = [s for s in splits if kh // s >= block_k]
     split_k = next((s for s in splits if (n // block_n) * s >= target_programs), splits[-1])
-    return W12Blocks(block_n=block_n, block_k=block_k, split_k=split_k)
+    return W12Blocks(block_n=block_n, block_k=block_k, split_k=split_k,
+                     exceptions="branch" if m > 32 else "loop")
 
 
 def default_gemv_blocks(k: int, n: int, target_programs: int = 2 * NUM_SMS_H200) -> W12Blocks:
@@ -434,9 +438,9 @@ def _setup(x: jax.Array, k: int, n: int, blocks: W12Blocks | None, swapped: bool
         raise ValueError(f"x {x.shape} does not match a [{k}, {n}] weight")
     if x.dtype != jnp.bfloat16:
         raise NotImplementedError(f"the kernel multiplies bf16 activations, got {x.dtype}")
-    b = blocks or default_blocks(k, n)
-    check_blocks(k, n, b)
     m = x.shape[0]
+    b = blocks or default_blocks(k, n, m=m)
+    check_blocks(k, n, b)
     mp = max(MIN_DOT, _next_pow2(m))
     bm = min(mp, b.block_m)
     x = jnp.pad(x, ((0, mp - m), (0, 0)))

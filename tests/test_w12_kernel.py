@@ -380,3 +380,12 @@ def test_decode_argument():
         km.w12_matmul_partials(x, enc, interpret=True, decode="fast")
     with pytest.raises(ValueError, match="not in interpret mode"):
         km.w12_matmul_partials(x, enc, interpret=True, decode="asm")
+
+
+def test_default_blocks_branch_on_exceptions_above_m32():
+    """Default blocks patch exceptions behind a per-step branch only where it was measured faster (x padded
+    to 64 rows); the case (512, 128, 64, None) of CASES runs that default through the kernel."""
+    assert km.default_blocks(4096, 12288, m=64).exceptions == "branch"
+    assert km.default_blocks(4096, 12288, m=33).exceptions == "branch"
+    assert km.default_blocks(4096, 12288, m=32).exceptions == "loop"
+    assert km.default_blocks(4096, 12288).exceptions == "loop"
