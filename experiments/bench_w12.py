@@ -149,18 +149,18 @@ def bench_shape(name, k, n, ms, args, interpret, copy_bw, record):
             impls.append(("w12_t", None, kernel_mm(km.w12_matmul, None, interpret, "mma_t"), ws_w12))
         if args.mosaic and m <= max(mk.MP_CHOICES):  # the Mosaic GPU kernel (N-major planes) and its twin
             if ws_t is None:
-                ws_nk = {}  # block_k -> planes in N-major order with the exception slots of that step size
+                ws_nk = {}  # (block_k, packed) -> N-major planes with the exception slots of that step size
                 ws_t = [jnp.copy(w.T) for w in ws_bf16]
             for mg in parse_edits(args.mg_edits) or [{}]:
                 mg_key = tuple(sorted(mg.items()))  # the variant's label and its pairing with its twin
-                bk = int(mg.get("block_k", 64))
-                if bk not in ws_nk:
-                    ws_nk[bk] = [mk.to_nk(e, block_k=bk) for e in ws_w12]
+                bk, pack = int(mg.get("block_k", 64)), mg.get("planes") == "packed"
+                if (bk, pack) not in ws_nk:
+                    ws_nk[bk, pack] = [mk.to_nk(e, block_k=bk, pack=pack) for e in ws_w12]
                 twin_opts = {key: v for key, v in mg.items() if key in ("block_k", "stages", "split")}
                 if "twin_a" in mg:  # the twin's A operand ("registers": its bf16 tiles through registers)
                     twin_opts["a_operand"] = mg.pop("twin_a")
                 impls.append(("twin_mg", mg_key, mosaic_mm(mk.bf16_mosaic_partials, interpret, twin_opts), ws_t))
-                impls.append(("w12_mg", mg_key, mosaic_mm(mk.w12_mosaic_partials, interpret, mg), ws_nk[bk]))
+                impls.append(("w12_mg", mg_key, mosaic_mm(mk.w12_mosaic_partials, interpret, mg), ws_nk[bk, pack]))
         if m == 1 and args.gemv:  # the CUDA-core path and its twin
             for gb in gemv_variants(k, n, args.sweep):
                 impls.append(("twin_gemv", gb, kernel_mm(km.bf16_matmul, gb, interpret, "gemv"), ws_bf16))

@@ -88,6 +88,8 @@ def exception_slots(w: W12, block_k: int) -> np.ndarray | None:
     MAX_SLOTS - 1 (the kernel then reads the CSR)."""
     k, n = w.shape
     kh = k // 2
+    if block_k > 256:  # k_local has 8 bits in an entry
+        raise ValueError(f"exception slots take block_k <= 256, got {block_k}")
     if w.num_exceptions == 0:
         return np.zeros((n // BN * (kh // block_k), SLOT_ALIGN), np.int32)
     rows, cols = np.asarray(w.exc_row, np.int64), np.asarray(w.exc_col, np.int64)
@@ -119,14 +121,16 @@ def pack_planes(sm_t: jax.Array, nib_t: jax.Array, block_k: int) -> jax.Array:
     return jnp.stack([p_.reshape(n, steps, block_k) for p_ in parts], axis=2).reshape(n, 3 * kh)
 
 
-def to_nk(w: W12, block_k: int = 64) -> W12NK:
+def to_nk(w: W12, block_k: int = 64, pack: bool = False) -> W12NK:
     """Transpose the planes once (offline, like encoding) and tabulate the exceptions per kernel step of
-    `block_k` rows (`exception_slots`); the CSR lists are kept for matrices whose steps overflow a slot row."""
+    `block_k` rows (`exception_slots`); the CSR lists are kept for matrices whose steps overflow a slot row.
+    `pack` also stores the planes step by step for `planes="packed"` (an experiment: a second copy)."""
     exc = exception_lists(w)
     k, n = w.shape
     slots = exception_slots(w, block_k) if (k // 2) % block_k == 0 and n % BN == 0 else None
     sm_t, nib_t = jnp.asarray(w.sm).T.copy(), jnp.asarray(w.nib).T.copy()
-    return W12NK(sm_t=sm_t, nib_t=nib_t, packed=pack_planes(sm_t, nib_t, block_k) if slots is not None else
+    packed = pack and slots is not None
+    return W12NK(sm_t=sm_t, nib_t=nib_t, packed=pack_planes(sm_t, nib_t, block_k) if packed else
                  jnp.zeros((1, 3 * SWIZZLE_BF16), jnp.int8),
                  base7=jnp.asarray(w.base).astype(jnp.int32) << 7, exc_ptr=jnp.asarray(w.exc_ptr),
                  exc_row=exc[0], exc_col=exc[1], exc_val=exc[2],
@@ -345,15 +349,17 @@ def w12_mosaic_partials(x: jax.Array, w: W12NK, block_k: int = 64, split: int | 
     """x [M, K] bf16 (M <= 64), W12NK [K, N] -> partial products [split, M, N] float32.
 
     exceptions: "auto" patches from the slot table when `w.slot_k == block_k` (`to_nk(w, block_k)`), else
-    from the CSR lists; "csr" always from the CSR lists. diagnostic (timing only, inexact with exceptions):
-    "no_patch" skips the patches, "load_only" also replaces the decode by one XOR per weight."""
+    from the CSR lists; "csr" always from the CSR lists. planes: "upcast" (default), "wgmma" or "packed"
+    (see `_kernel_call`). a_operand: wgmma takes the decoded tile from "registers" (default) or "smem".
+    diagnostic (timing only, inexact with exceptions): "no_patch" skips the patches, "load_only" also
+    replaces the decode by one XOR per weight."""
     k, n = w.shape
     if exceptions not in ("auto", "csr") or diagnostic not in ("", "no_patch", "load_only") or planes not in (
             "upcast", "wgmma", "packed"):
         raise ValueError(f"unknown exceptions={exceptions!r}, diagnostic={diagnostic!r} or planes={planes!r}")
-    if planes == "packed" and w.slot_k != block_k:
-        raise ValueError(f"planes='packed' needs planes packed for block_k={block_k} (to_nk(w, {block_k})); "
-                         f"these were packed for {w.slot_k or 'none'}")
+    if planes == "packed" and (w.slot_k != block_k or w.packed.shape[1] != 3 * k // 2):
+        raise ValueError(f"planes='packed' needs planes packed for block_k={block_k} "
+                         f"(to_nk(w, {block_k}, pack=True))")
     x_p, m, mp = _prepare_x(x, k, n, block_k)
     split = split or _split(k // 2, block_k, n, 2 * NUM_SMS_H200)
     fmt = dict(group_n=w.group_n, group_k=w.group_k, n_groups_k=w.n_groups_k)

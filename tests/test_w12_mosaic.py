@@ -56,12 +56,15 @@ class _MosaicCases:
         """planes="packed": a step's three plane tiles side by side, one copy per step."""
         k, n, m = 512, 192, 9
         w = adversarial_weights(k, n, seed=11)
-        nk = mk.to_nk(jax.device_put(w12.encode(w)), block_k=64)
+        nk = mk.to_nk(jax.device_put(w12.encode(w)), block_k=64, pack=True)
         x = jnp.asarray(np.random.default_rng(m).standard_normal((m, k)), jnp.bfloat16)
         got = mk.w12_mosaic_partials(x, nk, planes="packed", interpret=self.interpret)
         assert_same_bits(got, mk.bf16_mosaic_partials(x, jnp.asarray(w).T, interpret=self.interpret))
         with pytest.raises(ValueError, match="packed for block_k=128"):
             mk.w12_mosaic_partials(x, nk, block_k=128, planes="packed", interpret=self.interpret)
+        unpacked = mk.to_nk(jax.device_put(w12.encode(w)), block_k=64)
+        with pytest.raises(ValueError, match="pack=True"):
+            mk.w12_mosaic_partials(x, unpacked, planes="packed", interpret=self.interpret)
 
     def test_no_exceptions(self):
         w = np.full((128, 64), 0.5, jnp.bfloat16)
@@ -160,3 +163,5 @@ def test_exception_slots_list_every_exception_once():
     bits = np.random.default_rng(0).integers(0, 1 << 16, (512, 64), dtype=np.uint16)  # mostly exceptions
     dense = w12.encode(bits.view(jnp.bfloat16))
     assert mk.exception_slots(dense, 128) is None and mk.to_nk(dense, 128).slot_k == 0
+    with pytest.raises(ValueError, match="block_k <= 256"):
+        mk.exception_slots(enc, 512)
