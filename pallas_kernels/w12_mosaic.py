@@ -232,11 +232,13 @@ def _kernel_call(x, operands, *, k: int, n: int, mp: int, block_k: int, split: i
             if planes == "packed":
                 s_lo, s_hi, nb = (tiles[0].at[:, pl.ds(q * block_k, block_k)] for q in range(3))
                 slot = tiles[1:]
-                nib = tile(nb, dec_layout).astype(jnp.int32) & 0xFF  # stored as int8
             else:
                 s_lo, s_hi, nb, *slot = tiles
-                nib = tile(nb, dec_layout).astype(jnp.int32)
-            if diagnostic == "load_only":  # timing only: one op per weight instead of the decode, no patches
+            if diagnostic != "copies_only":
+                nib = tile(nb, dec_layout).astype(jnp.int32) & 0xFF  # & 0xFF: packed planes hold it as int8
+            if diagnostic == "copies_only":  # timing only: the planes are copied in but never loaded
+                lo = hi = base7 + k0
+            elif diagnostic == "load_only":  # timing only: one op per weight instead of the decode, no patches
                 lo = tile(s_lo, dec_layout).astype(jnp.int32) ^ nib
                 hi = tile(s_hi, dec_layout).astype(jnp.int32) ^ nib
             else:
@@ -352,10 +354,11 @@ def w12_mosaic_partials(x: jax.Array, w: W12NK, block_k: int = 64, split: int | 
     from the CSR lists; "csr" always from the CSR lists. planes: "upcast" (default), "wgmma" or "packed"
     (see `_kernel_call`). a_operand: wgmma takes the decoded tile from "registers" (default) or "smem".
     diagnostic (timing only, inexact with exceptions): "no_patch" skips the patches, "load_only" also
-    replaces the decode by one XOR per weight."""
+    replaces the decode by one XOR per weight, "copies_only" streams the planes but never loads them
+    (the A tile is a constant): the cost of the copies alone."""
     k, n = w.shape
-    if exceptions not in ("auto", "csr") or diagnostic not in ("", "no_patch", "load_only") or planes not in (
-            "upcast", "wgmma", "packed"):
+    if (exceptions not in ("auto", "csr") or diagnostic not in ("", "no_patch", "load_only", "copies_only")
+            or planes not in ("upcast", "wgmma", "packed")):
         raise ValueError(f"unknown exceptions={exceptions!r}, diagnostic={diagnostic!r} or planes={planes!r}")
     if planes == "packed" and (w.slot_k != block_k or w.packed.shape[1] != 3 * k // 2):
         raise ValueError(f"planes='packed' needs planes packed for block_k={block_k} "

@@ -122,6 +122,9 @@ def test_lowers_for_cuda(k, n):
             fn = jax.jit(functools.partial(mk.w12_mosaic_partials, planes=planes, a_operand=a_operand))
             text = fn.trace(s((m, k), jnp.bfloat16), nk).lower(lowering_platforms=("cuda",)).as_text()
             assert "mosaic_gpu" in text
+        for diagnostic in ("no_patch", "load_only", "copies_only"):  # the benchmark's timing diagnostics
+            fn = jax.jit(functools.partial(mk.w12_mosaic_partials, diagnostic=diagnostic))
+            assert "mosaic_gpu" in fn.trace(s((1, k), jnp.bfloat16), nk).lower(lowering_platforms=("cuda",)).as_text()
     for m, a_operand in ((1, "smem"), (32, "smem"), (64, "smem"), (16, "registers")):
         fn = jax.jit(functools.partial(mk.bf16_mosaic_partials, a_operand=a_operand))
         text = fn.trace(s((m, k), jnp.bfloat16), s((n, k), jnp.bfloat16)).lower(lowering_platforms=("cuda",)).as_text()
