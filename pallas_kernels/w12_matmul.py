@@ -260,7 +260,8 @@ def _w12_loader(sm_lo_ref, sm_hi_ref, nib_ref, base_ref, ptr_ref, row_ref, col_r
     # asm: decode with `_DECODE_PTX` (compiled GPU kernels) instead of elementwise jnp (any backend)
     j, s = pl.program_id(0), pl.program_id(1)
     ks, block_n = nib_ref.shape
-    base7 = None if asm else base_ref[...].astype(jnp.int32) << 7  # [1, BN], once per program
+    base = base_ref[...]  # [1, BN], once per program
+    base7 = base.astype(jnp.int32) << 7
     cols = j * block_n + jax.lax.broadcasted_iota(jnp.int32, (1, block_n), 1)
     tile_rows = jax.lax.broadcasted_iota(jnp.int32, (block_k, 1), 0)
 
@@ -307,8 +308,8 @@ def _w12_loader(sm_lo_ref, sm_hi_ref, nib_ref, base_ref, ptr_ref, row_ref, col_r
             nib = nib.astype(jnp.int32)
             return _as_bf16(sm_lo.astype(jnp.int32) ^ nib), _as_bf16(sm_hi.astype(jnp.int32) ^ nib)
         if asm:
-            lo = _decode_asm(sm_lo, nib, base_ref[...], _DECODE_PTX_LO)
-            hi = _decode_asm(sm_hi, nib, base_ref[...], _DECODE_PTX_HI)
+            lo = _decode_asm(sm_lo, nib, base, _DECODE_PTX_LO)
+            hi = _decode_asm(sm_hi, nib, base, _DECODE_PTX_HI)
         else:
             nib = nib.astype(jnp.int32)  # zero-extended; int8 -> int32 sign-extends: bit 15 is the sign
             lo = (sm_lo.astype(jnp.int32) & 0x807F) | (((nib & 0xF) << 7) + base7)

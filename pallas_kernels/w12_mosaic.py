@@ -219,7 +219,7 @@ def _kernel_call(x, operands, *, k: int, n: int, mp: int, block_k: int, split: i
                 w_specs = [spec((BN, block_k), h, True, plane_tiles) for h in (0, 1, 0)]
                 w_gmem_refs = (sm_gmem, sm_gmem, nib_gmem)
             if use_slots:  # one row of the slot table per step, streamed like the planes
-                pos_lo = ((n_iota - j * BN) << 8) | k_iota  # an element's packed position in the table
+                pos_lo = (iota(0) << 8) | k_iota  # an element's packed position in the table
                 pos_hi = pos_lo | 0x8000
                 w_specs.append(plgpu.BlockSpec((1, slot_gmem.shape[1]),
                                                lambda i: (j * half_blocks + first + i, 0)))
