@@ -129,6 +129,7 @@ def bench_shape(name, k, n, ms, args, interpret, copy_bw, record):
         if b not in variants:
             variants.append(b)
     ws_nk = ws_t = None
+    twin_of = {}  # a Mosaic variant's label -> its twin's label
     for m in ms:
         x = jax.random.normal(jax.random.PRNGKey(1), (m, k), jnp.bfloat16)
         ref = jnp.einsum("mk,kn->mn", x, w_bf16, preferred_element_type=jnp.float32)
@@ -151,15 +152,20 @@ def bench_shape(name, k, n, ms, args, interpret, copy_bw, record):
             if ws_t is None:
                 ws_nk = {}  # (block_k, packed) -> N-major planes with the exception slots of that step size
                 ws_t = [jnp.copy(w.T) for w in ws_bf16]
+            twins_timed = set()
             for mg in parse_edits(args.mg_edits) or [{}]:
                 mg_key = tuple(sorted(mg.items()))  # the variant's label and its pairing with its twin
                 bk, pack = int(mg.get("block_k", 64)), mg.get("planes") == "packed"
                 if (bk, pack) not in ws_nk:
                     ws_nk[bk, pack] = [mk.to_nk(e, block_k=bk, pack=pack) for e in ws_w12]
-                twin_opts = {key: v for key, v in mg.items() if key in ("block_k", "stages", "split")}
+                twin_opts = {key: v for key, v in mg.items() if key in ("block_k", "stages", "split", "fold_x")}
                 if "twin_a" in mg:  # the twin's A operand ("registers": its bf16 tiles through registers)
                     twin_opts["a_operand"] = mg.pop("twin_a")
-                impls.append(("twin_mg", mg_key, mosaic_mm(mk.bf16_mosaic_partials, interpret, twin_opts), ws_t))
+                twin_key = twin_of[mg_key] = tuple(sorted(twin_opts.items()))
+                if twin_key not in twins_timed:  # each distinct twin once; variants share it
+                    twins_timed.add(twin_key)
+                    impls.append(("twin_mg", twin_key, mosaic_mm(mk.bf16_mosaic_partials, interpret, twin_opts),
+                                  ws_t))
                 impls.append(("w12_mg", mg_key, mosaic_mm(mk.w12_mosaic_partials, interpret, mg), ws_nk[bk, pack]))
         if m == 1 and args.gemv:  # the CUDA-core path and its twin
             for gb in gemv_variants(k, n, args.sweep):
@@ -193,7 +199,7 @@ def bench_shape(name, k, n, ms, args, interpret, copy_bw, record):
                 if impl == "w12_gemv":
                     row["bit_exact"] = same_bits(y, outs.get(("twin_gemv", b)))
                 if impl == "w12_mg":
-                    row["bit_exact"] = same_bits(y, outs.get(("twin_mg", b)))
+                    row["bit_exact"] = same_bits(y, outs.get(("twin_mg", twin_of[b])))
                 if impl == "w12_t":
                     row["bit_exact"] = same_bits(y, outs.get(("twin_t", b)))
                 if impl in ("w12_noexc", "w12_nopatch"):
@@ -263,9 +269,9 @@ def parse_edits(text: str) -> list:
         edit = {}
         for item in group.split(","):
             key, value = item.split("=")
-            if key == "prefetch":
+            if key in ("prefetch", "fold_x"):
                 edit[key] = bool(int(value))
-            elif key in ("exceptions", "diagnostic", "planes", "a_operand", "twin_a"):
+            elif key in ("exceptions", "diagnostic", "planes", "a_operand", "twin_a", "decode"):
                 edit[key] = value
             else:
                 edit[key] = float(value) if key == "split" else int(value)

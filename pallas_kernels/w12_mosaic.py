@@ -160,9 +160,141 @@ def _check(k: int, n: int, m: int, block_k: int):
         raise NotImplementedError(f"the Mosaic W12 kernel takes M <= {MP_CHOICES[-1]}, got {m}")
 
 
+def _ptx_decode(dec_layout, shape, use_slots: bool):
+    """The decode of `decode="ptx"`: one `plgpu.inline_mgpu` function that works on the registers
+    themselves. The plane tiles arrive in the upcast layout, four consecutive K elements of one W^T row
+    per 32-bit register, and each register is decoded by a few PTX instructions on packed pairs:
+
+    - `prmt` with sign replication puts two sign+mantissa bytes into the low bytes of two 16-bit halves
+      and copies each byte's sign bit over the high byte; `& 0x807F807F` then leaves bf16's sign bit
+      and the 7 mantissa bits of both values;
+    - `prmt` spreads two nibble bytes over the two halves, one AND keeps the lower (or upper) half's
+      nibble and one `mad` shifts the codes into place and adds the row's base << 7 to both;
+    - one `lop3` merges the two.
+
+    That is 19 instructions per 8 weights, against about 9 per weight from the element-wise jnp decode
+    (PTX dump: docs/notes_w12.md). The sums are those of the jnp decode bit for bit: each 16-bit half's
+    exponent sum stays below 2^16, so no carry crosses into the other half.
+
+    Exceptions (slot table): each listed entry is compared with each register's position (row << 8 |
+    first column, with the half bit), and the register holding it takes the value with two predicated
+    bit-selects: about 3 instructions per register per exception, against 4 per element before."""
+    from jax._src.lib.mlir import ir
+    from jax._src.lib.mlir.dialects import arith, llvm, memref
+    from jax.experimental.mosaic import gpu as mgpu
+    from jax.experimental.mosaic.gpu import utils as mgpu_utils
+
+    out = plgpu.ShapeDtypeStruct(shape, jnp.bfloat16, layout=dec_layout)
+    arg_types = (dec_layout, dec_layout, dec_layout, dec_layout) + ((plgpu.RefType(),) if use_slots else ())
+
+    @plgpu.inline_mgpu(arg_types=arg_types, return_type=(out, out))
+    def decode(ctx, s_lo, s_hi, nib, base7, *slot):
+        del ctx
+        i32 = ir.IntegerType.get_signless(32)
+        index = ir.IndexType.get()
+        pair = ir.VectorType.get((2,), ir.BF16Type.get())
+
+        def word(reg):  # a vector of 4 int8 (or 1 of an int32 vector) as one 32-bit register
+            ty = ir.VectorType(reg.type)
+            if ir.IntegerType(ty.element_type).width == 32:
+                return mgpu_utils.bitcast(mgpu_utils.vector_slice(reg, slice(0, 1)), i32)
+            return mgpu_utils.bitcast(reg, i32)
+
+        def asm(n_out, args, text):
+            res = llvm.inline_asm(llvm.StructType.get_literal([i32] * n_out), args, text,
+                                  ",".join(["=r"] * n_out + ["r"] * len(args)))
+            return [llvm.extractvalue(i32, res, [q]) for q in range(n_out)]
+
+        regs_shape = s_lo.registers.shape
+        words = []  # per register: [lo0, lo1, hi0, hi1]
+        for idx in np.ndindex(regs_shape):
+            words.append(asm(4, [word(s_lo.registers[idx]), word(s_hi.registers[idx]), word(nib.registers[idx]),
+                                 word(base7.registers[idx])], """{
+                .reg .b32 z, b2, e0, e1, x, t;
+                mov.b32 z, 0;
+                prmt.b32 b2, $7, z, 0x1010;
+                prmt.b32 e0, $6, z, 0x4140;
+                prmt.b32 e1, $6, z, 0x4342;
+                prmt.b32 x, $4, z, 0x9180;
+                and.b32 t, e0, 0x000F000F;
+                mad.lo.u32 t, t, 128, b2;
+                lop3.b32 $0, x, 0x807F807F, t, 0xEA;
+                prmt.b32 x, $4, z, 0xB3A2;
+                and.b32 t, e1, 0x000F000F;
+                mad.lo.u32 t, t, 128, b2;
+                lop3.b32 $1, x, 0x807F807F, t, 0xEA;
+                prmt.b32 x, $5, z, 0x9180;
+                and.b32 t, e0, 0x00F000F0;
+                mad.lo.u32 t, t, 8, b2;
+                lop3.b32 $2, x, 0x807F807F, t, 0xEA;
+                prmt.b32 x, $5, z, 0xB3A2;
+                and.b32 t, e1, 0x00F000F0;
+                mad.lo.u32 t, t, 8, b2;
+                lop3.b32 $3, x, 0x807F807F, t, 0xEA;
+                }"""))
+        if use_slots:
+            (slot_ref,) = slot
+            keys = []  # per register: row << 8 | first column (the half bit is added for the upper tile)
+            for rc in s_lo.layout.thread_idxs(s_lo.shape):
+                r, c = (arith.index_cast(i32, v) for v in rc)
+                keys.append(arith.ori(arith.shli(r, mgpu_utils.c(8, i32)), c))
+            hi_bit = mgpu_utils.c(0x8000, i32)
+            keys_hi = [arith.ori(k, hi_bit) for k in keys]
+            zero = arith.constant(index, 0)
+            count = memref.load(slot_ref, [zero, zero])
+            flat = [w for ws in words for w in ws]
+
+            @mgpu_utils.fori(count, flat)
+            def patched(e, flat):
+                e1 = arith.addi(arith.index_cast(index, e), arith.constant(index, 1))
+                entry = memref.load(slot_ref, [zero, e1])
+                keyq, vv, m0, m1 = asm(4, [entry], """{
+                    .reg .b32 z, lane, m, s;
+                    .reg .pred p;
+                    mov.b32 z, 0;
+                    and.b32 $0, $4, 0xFFFC;
+                    prmt.b32 $1, $4, z, 0x3232;
+                    and.b32 lane, $4, 3;
+                    and.b32 s, $4, 1;
+                    shl.b32 s, s, 4;
+                    mov.b32 m, 0xFFFF;
+                    shl.b32 m, m, s;
+                    setp.lt.u32 p, lane, 2;
+                    selp.b32 $2, m, z, p;
+                    selp.b32 $3, z, m, p;
+                    }""")
+                out = []
+                for q in range(len(words)):
+                    for h, key in ((0, keys[q]), (1, keys_hi[q])):
+                        w0, w1 = flat[4 * q + 2 * h], flat[4 * q + 2 * h + 1]
+                        out += asm(2, [w0, w1, keyq, key, vv, m0, m1], """{
+                            .reg .pred p;
+                            setp.eq.u32 p, $4, $5;
+                            mov.b32 $0, $2;
+                            mov.b32 $1, $3;
+                            @p lop3.b32 $0, $2, $6, $7, 0xD8;
+                            @p lop3.b32 $1, $3, $6, $8, 0xD8;
+                            }""")
+                return out  # per register: lo0, lo1, hi0, hi1, as `flat`
+
+            flat = list(patched.results)
+            words = [flat[4 * q:4 * q + 4] for q in range(len(words))]
+
+        def array(first):
+            regs = np.empty(regs_shape, dtype=object)
+            for q, idx in enumerate(np.ndindex(regs_shape)):
+                w0, w1 = words[q][first], words[q][first + 1]
+                regs[idx] = mgpu_utils.vector_concat([mgpu_utils.bitcast(w0, pair), mgpu_utils.bitcast(w1, pair)])
+            return mgpu.FragmentedArray(_registers=regs, _layout=s_lo.layout, _is_signed=None)
+
+        return array(0), array(2)
+
+    return decode
+
+
 def _kernel_call(x, operands, *, k: int, n: int, mp: int, block_k: int, split: int, stages: int, w12: bool,
                  fmt: dict, interpret: bool, use_slots: bool = False, diagnostic: str = "", planes: str = "upcast",
-                 a_operand: str = "registers"):
+                 a_operand: str = "registers", decode: str = "jnp", fold_x: bool = False):
     kh = k // 2
     steps = kh // split // block_k  # K steps per program (each covers block_k rows of both K halves)
     half_blocks = kh // block_k  # block index of the upper K half's first block
@@ -171,22 +303,36 @@ def _kernel_call(x, operands, *, k: int, n: int, mp: int, block_k: int, split: i
     # The layout the decode runs in. "upcast": planes in swizzled tiles, loaded 4 bytes per thread in the
     # layout made for 8 -> 16-bit upcasts, decoded there, moved to the WGMMA layout by one warp shuffle per
     # register pair. "wgmma": plain tiles loaded straight into the WGMMA layout, 2 bytes per load.
-    # "packed": the three plane tiles of a step side by side in one array (`W12NK.packed`), one copy per step.
-    dec_layout = plgpu.Layout.WGMMA_UPCAST_2X if planes == "upcast" else wgmma_layout
+    # "packed": the three plane tiles of a step side by side in one array (`W12NK.packed`), one copy per
+    # step, swizzled and loaded as "upcast".
+    dec_layout = wgmma_layout if planes == "wgmma" else plgpu.Layout.WGMMA_UPCAST_2X
     # wgmma's A operand: W12's decoded tiles from registers (default) or stored to shared memory; the twin's
     # bf16 tiles from shared memory (default) or loaded to registers. The interpreter has no register A.
     if a_operand not in ("registers", "smem"):
         raise ValueError(f"a_operand must be 'registers' or 'smem', got {a_operand!r}")
     a_in_registers = a_operand == "registers" and not interpret
-    plane_tiles = _transforms(8, block_k) if planes == "upcast" else ()
+    plane_tiles = () if planes == "wgmma" else _transforms(8, block_k)
 
     def tile(ref, layout):  # the interpreter has no layouts; compiled, they are explicit
-        return ref[...] if interpret else plgpu.load(ref, (), layout=layout, optimized=planes == "upcast")
+        return ref[...] if interpret else plgpu.load(ref, (), layout=layout, optimized=planes != "wgmma")
 
     def iota(dim):
         if interpret:
             return jax.lax.broadcasted_iota(jnp.int32, (BN, block_k), dim)
         return plgpu.broadcasted_iota(jnp.int32, (BN, block_k), dim, layout=dec_layout)
+
+    if decode not in ("auto", "jnp", "ptx"):
+        raise ValueError(f"decode must be 'auto', 'jnp' or 'ptx', got {decode!r}")
+    ptx_decode, ptx_slots = None, False
+    ptx_able = planes != "wgmma" and diagnostic in ("", "no_patch")
+    if decode == "ptx" and not ptx_able:
+        raise NotImplementedError(f"decode='ptx' takes planes 'upcast' or 'packed' and diagnostic '' or "
+                                  f"'no_patch', got {planes!r}, {diagnostic!r}")
+    if decode == "ptx" and interpret:
+        raise ValueError("decode='ptx' runs only compiled for an NVIDIA GPU: the interpreter has no PTX")
+    if decode != "jnp" and ptx_able and w12 and not interpret:
+        ptx_slots = use_slots and not diagnostic
+        ptx_decode = _ptx_decode(dec_layout, (BN, block_k), ptx_slots)
 
     def kernel(x_gmem, *refs):
         if w12:
@@ -204,7 +350,10 @@ def _kernel_call(x, operands, *, k: int, n: int, mp: int, block_k: int, split: i
                 return (j, kb) if col_major else (0, kb)
             return plgpu.BlockSpec(shape, index, transforms=transforms)
 
-        x_specs = [spec((mp, block_k), h, False, mma_tiles) for h in (0, 1)]
+        if fold_x:  # x arrives folded (`_fold_x`): one [Mp, 2 BK] copy per step, [lower half | upper half]
+            x_specs = [plgpu.BlockSpec((mp, 2 * block_k), lambda i: (0, first + i), transforms=mma_tiles)]
+        else:
+            x_specs = [spec((mp, block_k), h, False, mma_tiles) for h in (0, 1)]
         if w12:
             plgpu.copy_gmem_to_smem(base_gmem.at[pl.ds(j * BN, BN)], bs, bar)
             plgpu.barrier_wait(bar)
@@ -213,7 +362,7 @@ def _kernel_call(x, operands, *, k: int, n: int, mp: int, block_k: int, split: i
                 base7 = plgpu.layout_cast(base7, dec_layout)
             n_iota, k_iota = iota(0) + j * BN, iota(1)
             if planes == "packed":  # one copy per step: [sm lower half | sm upper half | nibbles] per row
-                w_specs = [plgpu.BlockSpec((BN, 3 * block_k), lambda i: (j, first + i))]
+                w_specs = [plgpu.BlockSpec((BN, 3 * block_k), lambda i: (j, first + i), transforms=plane_tiles)]
                 w_gmem_refs = (sm_gmem,)
             else:
                 w_specs = [spec((BN, block_k), h, True, plane_tiles) for h in (0, 1, 0)]
@@ -234,6 +383,14 @@ def _kernel_call(x, operands, *, k: int, n: int, mp: int, block_k: int, split: i
                 slot = tiles[1:]
             else:
                 s_lo, s_hi, nb, *slot = tiles
+            if ptx_decode is not None:  # registers decoded by PTX, slot-table patches included
+                planes_ = [tile(t, dec_layout) for t in (s_lo, s_hi, nb)]
+                lo, hi = ptx_decode(*planes_, base7, *(slot[:1] if ptx_slots else ()))
+                if ptx_slots or diagnostic:
+                    return finish(lo, hi)
+                lo = jax.lax.bitcast_convert_type(lo, jnp.uint16)  # the CSR patches work on the bits
+                hi = jax.lax.bitcast_convert_type(hi, jnp.uint16)
+                return csr_patches(k0, lo, hi)
             if diagnostic != "copies_only":
                 nib = tile(nb, dec_layout).astype(jnp.int32) & 0xFF  # & 0xFF: packed planes hold it as int8
             if diagnostic == "copies_only":  # timing only: the planes are copied in but never loaded
@@ -257,6 +414,9 @@ def _kernel_call(x, operands, *, k: int, n: int, mp: int, block_k: int, split: i
                 lo, hi = jax.lax.fori_loop(0, slot[0][0, 0], one_slot, (lo, hi))
                 return finish(lo, hi)
 
+            return csr_patches(k0, lo, hi)
+
+        def csr_patches(k0, lo, hi):
             def one(e, carry):  # an exception at W[r, c] is A[c - n0, r - k0] of its half's tile
                 lo, hi = carry
                 r, c, v = row_gmem[e], col_gmem[e], val_gmem[e]
@@ -272,8 +432,9 @@ def _kernel_call(x, operands, *, k: int, n: int, mp: int, block_k: int, split: i
             return finish(lo, hi)
 
         def finish(lo, hi):
-            lo = jax.lax.bitcast_convert_type(lo, jnp.bfloat16)
-            hi = jax.lax.bitcast_convert_type(hi, jnp.bfloat16)
+            if lo.dtype != jnp.bfloat16:
+                lo = jax.lax.bitcast_convert_type(lo, jnp.bfloat16)
+                hi = jax.lax.bitcast_convert_type(hi, jnp.bfloat16)
             if not interpret and dec_layout != wgmma_layout:
                 lo, hi = plgpu.layout_cast(lo, wgmma_layout), plgpu.layout_cast(hi, wgmma_layout)
             if a_in_registers:  # the decoded tile never touches shared memory
@@ -291,8 +452,13 @@ def _kernel_call(x, operands, *, k: int, n: int, mp: int, block_k: int, split: i
             return xt
 
         def scope(acc):
-            def body(indices, x_lo, x_hi, *w_tiles):
+            def body(indices, *tiles):
                 (i,) = indices
+                if fold_x:
+                    x_lo, x_hi = (tiles[0].at[:, pl.ds(h * block_k, block_k)] for h in (0, 1))
+                    w_tiles = tiles[1:]
+                else:
+                    x_lo, x_hi, *w_tiles = tiles
                 if w12:
                     a_lo, a_hi = decode((first + i) * block_k, *w_tiles)
                 elif a_in_registers:  # a diagnostic twin: the bf16 tiles through registers, as W12's are
@@ -307,7 +473,7 @@ def _kernel_call(x, operands, *, k: int, n: int, mp: int, block_k: int, split: i
                 plgpu.wgmma_wait(0)  # before the pipeline refills these buffers
 
             plgpu.emit_pipeline(body, grid=(steps,), in_specs=[*x_specs, *w_specs],
-                                max_concurrent_steps=stages)(x_gmem, x_gmem, *w_gmem_refs)
+                                max_concurrent_steps=stages)(*(x_gmem,) * len(x_specs), *w_gmem_refs)
             o_gmem[si, pl.ds(j * BN, BN), :] = acc[...]
 
         pl.run_scoped(scope, plgpu.ACC((BN, mp), jnp.float32))
@@ -330,6 +496,13 @@ def _kernel_call(x, operands, *, k: int, n: int, mp: int, block_k: int, split: i
     return call(x, *operands)
 
 
+def _fold_x(x_p: jax.Array, block_k: int) -> jax.Array:
+    """[Mp, K] -> [Mp, K]: step i's x tiles of the lower and upper K half side by side, so the pipeline
+    brings both with one copy (`fold_x`). A permutation of a few KB per call."""
+    mp, k = x_p.shape
+    return x_p.reshape(mp, 2, k // 2 // block_k, block_k).transpose(0, 2, 1, 3).reshape(mp, k)
+
+
 def _prepare_x(x: jax.Array, k: int, n: int, block_k: int):
     if x.ndim != 2 or x.shape[1] != k:
         raise ValueError(f"x {x.shape} does not match a [{k}, {n}] weight")
@@ -344,15 +517,18 @@ def _prepare_x(x: jax.Array, k: int, n: int, block_k: int):
 
 
 @functools.partial(jax.jit, static_argnames=("block_k", "split", "stages", "interpret", "exceptions", "diagnostic",
-                                             "planes", "a_operand"))
+                                             "planes", "a_operand", "decode", "fold_x"))
 def w12_mosaic_partials(x: jax.Array, w: W12NK, block_k: int = 64, split: int | None = None, stages: int = 3,
                         interpret: bool = False, exceptions: str = "auto", diagnostic: str = "",
-                        planes: str = "upcast", a_operand: str = "registers") -> jax.Array:
+                        planes: str = "upcast", a_operand: str = "registers", decode: str = "jnp",
+                        fold_x: bool = False) -> jax.Array:
     """x [M, K] bf16 (M <= 64), W12NK [K, N] -> partial products [split, M, N] float32.
 
     exceptions: "auto" patches from the slot table when `w.slot_k == block_k` (`to_nk(w, block_k)`), else
     from the CSR lists; "csr" always from the CSR lists. planes: "upcast" (default), "wgmma" or "packed"
     (see `_kernel_call`). a_operand: wgmma takes the decoded tile from "registers" (default) or "smem".
+    decode: "jnp" (element-wise, default), "ptx" (`_ptx_decode`: PTX on packed registers; compiled only,
+    planes="upcast") or "auto" (PTX where it can run, jnp in the interpreter and for other plane layouts).
     diagnostic (timing only, inexact with exceptions): "no_patch" skips the patches, "load_only" also
     replaces the decode by one XOR per weight, "copies_only" streams the planes but never loads them
     (the A tile is a constant): the cost of the copies alone."""
@@ -364,26 +540,29 @@ def w12_mosaic_partials(x: jax.Array, w: W12NK, block_k: int = 64, split: int | 
         raise ValueError(f"planes='packed' needs planes packed for block_k={block_k} "
                          f"(to_nk(w, {block_k}, pack=True))")
     x_p, m, mp = _prepare_x(x, k, n, block_k)
+    x_p = _fold_x(x_p, block_k) if fold_x else x_p
     split = split or _split(k // 2, block_k, n, 2 * NUM_SMS_H200)
     fmt = dict(group_n=w.group_n, group_k=w.group_k, n_groups_k=w.n_groups_k)
     planes_ops = (w.packed if planes == "packed" else w.sm_t, w.nib_t)
     out = _kernel_call(x_p, (*planes_ops, w.base7, w.exc_ptr, w.exc_row, w.exc_col, w.exc_val, w.slots),
                        k=k, n=n, mp=mp, block_k=block_k, split=split, stages=stages, w12=True, fmt=fmt,
                        interpret=interpret, use_slots=exceptions == "auto" and w.slot_k == block_k,
-                       diagnostic=diagnostic, planes=planes, a_operand=a_operand)
+                       diagnostic=diagnostic, planes=planes, a_operand=a_operand, decode=decode, fold_x=fold_x)
     return jnp.swapaxes(out, 1, 2)[:, :m]
 
 
-@functools.partial(jax.jit, static_argnames=("block_k", "split", "stages", "interpret", "a_operand"))
+@functools.partial(jax.jit, static_argnames=("block_k", "split", "stages", "interpret", "a_operand", "fold_x"))
 def bf16_mosaic_partials(x: jax.Array, w_t: jax.Array, block_k: int = 64, split: int | None = None,
-                         stages: int = 3, interpret: bool = False, a_operand: str = "smem") -> jax.Array:
+                         stages: int = 3, interpret: bool = False, a_operand: str = "smem",
+                         fold_x: bool = False) -> jax.Array:
     """The twin: the same kernel over the original bf16 weight, given transposed (w_t [N, K] = W^T, stored
     once like `to_nk`'s planes), its tiles streamed by the same pipeline straight to the same wgmma calls."""
     n, k = w_t.shape
     if w_t.dtype != jnp.bfloat16:
         raise NotImplementedError(f"the twin reads bf16 weights, got {w_t.dtype}")
     x_p, m, mp = _prepare_x(x, k, n, block_k)
+    x_p = _fold_x(x_p, block_k) if fold_x else x_p
     split = split or _split(k // 2, block_k, n, 2 * NUM_SMS_H200)
     out = _kernel_call(x_p, (w_t,), k=k, n=n, mp=mp, block_k=block_k, split=split, stages=stages, w12=False,
-                       fmt={}, interpret=interpret, a_operand=a_operand)
+                       fmt={}, interpret=interpret, a_operand=a_operand, fold_x=fold_x)
     return jnp.swapaxes(out, 1, 2)[:, :m]

@@ -44,27 +44,68 @@ class _MosaicCases:
         x = jnp.asarray(np.random.default_rng(m).standard_normal((m, k)), jnp.bfloat16)
         nk = mk.to_nk(jax.device_put(enc), block_k=block_k)
         twin = mk.bf16_mosaic_partials(x, jnp.asarray(w).T, block_k=block_k, split=split, interpret=self.interpret)
+        decodes = ("jnp",) if self.interpret else ("jnp", "ptx")  # the interpreter runs no PTX
         for exceptions in ("auto", "csr"):  # the slot table (where it was built) and the CSR lists
-            got = mk.w12_mosaic_partials(x, nk, block_k=block_k, split=split, interpret=self.interpret,
-                                         exceptions=exceptions)
-            assert got.shape[1:] == (m, n)
-            assert_same_bits(got, twin)
+            for decode in decodes:
+                got = mk.w12_mosaic_partials(x, nk, block_k=block_k, split=split, interpret=self.interpret,
+                                             exceptions=exceptions, decode=decode)
+                assert got.shape[1:] == (m, n)
+                assert_same_bits(got, twin)
         if finite:
             assert_close_to_exact(km.sum_splits(got), x, w)
 
     def test_packed_planes_bit_identical_to_bf16_twin(self):
-        """planes="packed": a step's three plane tiles side by side, one copy per step."""
+        """planes="packed": a step's three plane tiles side by side, one copy per step; with and without x
+        folded (`fold_x`)."""
         k, n, m = 512, 192, 9
         w = adversarial_weights(k, n, seed=11)
         nk = mk.to_nk(jax.device_put(w12.encode(w)), block_k=64, pack=True)
         x = jnp.asarray(np.random.default_rng(m).standard_normal((m, k)), jnp.bfloat16)
-        got = mk.w12_mosaic_partials(x, nk, planes="packed", interpret=self.interpret)
-        assert_same_bits(got, mk.bf16_mosaic_partials(x, jnp.asarray(w).T, interpret=self.interpret))
+        twin = mk.bf16_mosaic_partials(x, jnp.asarray(w).T, interpret=self.interpret)
+        decodes = ("jnp",) if self.interpret else ("jnp", "ptx")
+        for decode, fold_x in [(d, f) for d in decodes for f in (False, True)]:
+            got = mk.w12_mosaic_partials(x, nk, planes="packed", interpret=self.interpret, decode=decode,
+                                         fold_x=fold_x)
+            assert_same_bits(got, twin)
+        # x folded (one copy per step for both K halves): the twin too, same bits
+        assert_same_bits(mk.bf16_mosaic_partials(x, jnp.asarray(w).T, interpret=self.interpret, fold_x=True), twin)
         with pytest.raises(ValueError, match="packed for block_k=128"):
             mk.w12_mosaic_partials(x, nk, block_k=128, planes="packed", interpret=self.interpret)
         unpacked = mk.to_nk(jax.device_put(w12.encode(w)), block_k=64)
         with pytest.raises(ValueError, match="pack=True"):
             mk.w12_mosaic_partials(x, unpacked, planes="packed", interpret=self.interpret)
+
+    def test_every_finite_bf16_pattern(self):
+        """Every finite bf16 bit pattern (both zeros, subnormals, the largest normals) as a weight, each row
+        read back alone by a one-hot x: the compiled kernel's decode (jnp and PTX) gives each weight's exact
+        value and the twin's bits. GPU only: the interpreter would take minutes over 8 calls."""
+        if self.interpret:
+            pytest.skip("eight M = 64 calls: compiled only")
+        bits = np.arange(1 << 16, dtype=np.uint32).astype(np.uint16)
+        finite = bits[(bits & 0x7F80) != 0x7F80]  # exponent 255 (Inf, NaN) would turn 0 * w into NaN
+        k, n = 512, 128
+        # Column c holds the patterns 512 c ... 512 c + 511 in (exponent, sign, mantissa) order, rows
+        # shuffled: each column spans about two exponents, so nearly all decode from the planes, and the
+        # zeros and subnormals become exceptions few enough per step for the slot table.
+        order = np.argsort(((finite >> 7) & 0xFF).astype(np.int64) * 256 + (finite & 0xFF), kind="stable")
+        pat = np.zeros(k * n, np.uint16)
+        pat[:finite.size] = finite[order]
+        rng = np.random.default_rng(0)
+        w = np.stack([rng.permutation(col) for col in pat.reshape(n, k)]).T.copy().view(jnp.bfloat16)
+        enc = w12.encode(w)
+        assert 0 < enc.num_exceptions < 1024
+        nk = mk.to_nk(jax.device_put(enc))
+        assert nk.slot_k == 64  # the default exceptions="auto" patches from the slot table
+        w_t = jnp.asarray(w).T
+        for r0 in range(0, k, 64):
+            x = jnp.asarray(np.eye(k, dtype=np.float32)[r0:r0 + 64], jnp.bfloat16)
+            twin = mk.bf16_mosaic_partials(x, w_t, split=1)
+            want = np.asarray(w[r0:r0 + 64], np.float32)
+            normal = (np.abs(want) >= np.finfo(np.float32).tiny) | (want == 0)  # tensor cores may flush
+            for decode in ("jnp", "ptx"):  # subnormal products; the twin's bits cover those
+                got = mk.w12_mosaic_partials(x, nk, split=1, decode=decode)
+                assert_same_bits(got, twin)
+                np.testing.assert_array_equal(np.asarray(got[0])[normal], want[normal])  # -0.0 == 0.0
 
     def test_no_exceptions(self):
         w = np.full((128, 64), 0.5, jnp.bfloat16)
@@ -96,6 +137,12 @@ def test_errors():
         mk.w12_mosaic_partials(x[:4].astype(jnp.float32), enc, interpret=True)
     with pytest.raises(ValueError, match="does not match"):
         mk.w12_mosaic_partials(x[:4, :64], enc, interpret=True)
+    with pytest.raises(ValueError, match="interpreter has no PTX"):
+        mk.w12_mosaic_partials(x[:4], enc, interpret=True, decode="ptx")
+    with pytest.raises(NotImplementedError, match="decode='ptx' takes"):
+        mk.w12_mosaic_partials(x[:4], enc, interpret=True, decode="ptx", planes="wgmma")
+    with pytest.raises(ValueError, match="decode must be"):
+        mk.w12_mosaic_partials(x[:4], enc, interpret=True, decode="asm")
     odd = mk.to_nk(jax.device_put(w12.encode(adversarial_weights(128, 96, seed=1))))
     with pytest.raises(NotImplementedError, match="N % 64"):
         mk.w12_mosaic_partials(x[:4], odd, interpret=True)
@@ -125,6 +172,13 @@ def test_lowers_for_cuda(k, n):
         for diagnostic in ("no_patch", "load_only", "copies_only"):  # the benchmark's timing diagnostics
             fn = jax.jit(functools.partial(mk.w12_mosaic_partials, diagnostic=diagnostic))
             assert "mosaic_gpu" in fn.trace(s((1, k), jnp.bfloat16), nk).lower(lowering_platforms=("cuda",)).as_text()
+        for m, diagnostic, planes in ((1, "", "upcast"), (16, "", "upcast"), (64, "", "upcast"),
+                                      (1, "no_patch", "upcast"), (1, "", "packed"), (64, "", "packed")):
+            if planes == "packed" and not slot_k:
+                continue  # the PTX decode (`_ptx_decode`), planes packed with x folded
+            fn = jax.jit(functools.partial(mk.w12_mosaic_partials, decode="ptx", diagnostic=diagnostic,
+                                           planes=planes, fold_x=planes == "packed"))
+            assert "mosaic_gpu" in fn.trace(s((m, k), jnp.bfloat16), nk).lower(lowering_platforms=("cuda",)).as_text()
     for m, a_operand in ((1, "smem"), (32, "smem"), (64, "smem"), (16, "registers")):
         fn = jax.jit(functools.partial(mk.bf16_mosaic_partials, a_operand=a_operand))
         text = fn.trace(s((m, k), jnp.bfloat16), s((n, k), jnp.bfloat16)).lower(lowering_platforms=("cuda",)).as_text()
