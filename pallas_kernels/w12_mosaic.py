@@ -121,17 +121,23 @@ def pack_planes(sm_t: jax.Array, nib_t: jax.Array, block_k: int) -> jax.Array:
     return jnp.stack([p_.reshape(n, steps, block_k) for p_ in parts], axis=2).reshape(n, 3 * kh)
 
 
-def to_nk(w: W12, block_k: int = 64, pack: bool = False) -> W12NK:
+def to_nk(w: W12, block_k: int = 64, pack: bool = True) -> W12NK:
     """Transpose the planes once (offline, like encoding) and tabulate the exceptions per kernel step of
     `block_k` rows (`exception_slots`); the CSR lists are kept for matrices whose steps overflow a slot row.
-    `pack` also stores the planes step by step for `planes="packed"` (an experiment: a second copy)."""
+    `pack` (default) stores the planes step by step for `planes="packed"` and only so (the separate
+    N-major planes become empty placeholders); it needs the slot table, so a matrix with a step of more
+    than 255 exceptions keeps separate planes. `pack=False` keeps separate planes for "upcast"/"wgmma"."""
     exc = exception_lists(w)
     k, n = w.shape
     slots = exception_slots(w, block_k) if (k // 2) % block_k == 0 and n % BN == 0 else None
     sm_t, nib_t = jnp.asarray(w.sm).T.copy(), jnp.asarray(w.nib).T.copy()
     packed = pack and slots is not None
-    return W12NK(sm_t=sm_t, nib_t=nib_t, packed=pack_planes(sm_t, nib_t, block_k) if packed else
-                 jnp.zeros((1, 3 * SWIZZLE_BF16), jnp.int8),
+    if packed:
+        packed_planes = pack_planes(sm_t, nib_t, block_k)
+        sm_t, nib_t = jnp.zeros((1, 2 * SWIZZLE_BF16), jnp.int8), jnp.zeros((1, SWIZZLE_BF16), jnp.uint8)
+    else:
+        packed_planes = jnp.zeros((1, 3 * SWIZZLE_BF16), jnp.int8)
+    return W12NK(sm_t=sm_t, nib_t=nib_t, packed=packed_planes,
                  base7=jnp.asarray(w.base).astype(jnp.int32) << 7, exc_ptr=jnp.asarray(w.exc_ptr),
                  exc_row=exc[0], exc_col=exc[1], exc_val=exc[2],
                  slots=jnp.zeros((1, SLOT_ALIGN), jnp.int32) if slots is None else jnp.asarray(slots),
@@ -520,26 +526,34 @@ def _prepare_x(x: jax.Array, k: int, n: int, block_k: int):
                                              "planes", "a_operand", "decode", "fold_x"))
 def w12_mosaic_partials(x: jax.Array, w: W12NK, block_k: int = 64, split: int | None = None, stages: int = 3,
                         interpret: bool = False, exceptions: str = "auto", diagnostic: str = "",
-                        planes: str = "upcast", a_operand: str = "registers", decode: str = "jnp",
-                        fold_x: bool = False) -> jax.Array:
+                        planes: str = "auto", a_operand: str = "registers", decode: str = "auto",
+                        fold_x: bool = True) -> jax.Array:
     """x [M, K] bf16 (M <= 64), W12NK [K, N] -> partial products [split, M, N] float32.
 
     exceptions: "auto" patches from the slot table when `w.slot_k == block_k` (`to_nk(w, block_k)`), else
-    from the CSR lists; "csr" always from the CSR lists. planes: "upcast" (default), "wgmma" or "packed"
-    (see `_kernel_call`). a_operand: wgmma takes the decoded tile from "registers" (default) or "smem".
-    decode: "jnp" (element-wise, default), "ptx" (`_ptx_decode`: PTX on packed registers; compiled only,
-    planes="upcast") or "auto" (PTX where it can run, jnp in the interpreter and for other plane layouts).
+    from the CSR lists; "csr" always from the CSR lists. planes: "auto" (default: "packed" where `to_nk`
+    packed them, else "upcast"), "upcast", "wgmma" or "packed" (see `_kernel_call`). a_operand: wgmma
+    takes the decoded tile from "registers" (default) or "smem". decode: "auto" (default: PTX where it can
+    run, the jnp decode in the interpreter, for "wgmma" planes and the diagnostics), "ptx" (`_ptx_decode`;
+    compiled only) or "jnp" (element-wise). fold_x (default): x's two K-half tiles of a step in one copy.
+    The defaults are the fastest measured on the H200 (docs/performance.md).
     diagnostic (timing only, inexact with exceptions): "no_patch" skips the patches, "load_only" also
     replaces the decode by one XOR per weight, "copies_only" streams the planes but never loads them
     (the A tile is a constant): the cost of the copies alone."""
     k, n = w.shape
     if (exceptions not in ("auto", "csr") or diagnostic not in ("", "no_patch", "load_only", "copies_only")
-            or planes not in ("upcast", "wgmma", "packed")):
+            or planes not in ("auto", "upcast", "wgmma", "packed")):
         raise ValueError(f"unknown exceptions={exceptions!r}, diagnostic={diagnostic!r} or planes={planes!r}")
-    if planes == "packed" and (w.slot_k != block_k or w.packed.shape[1] != 3 * k // 2):
+    x_p, m, mp = _prepare_x(x, k, n, block_k)
+    has_packed = w.slot_k == block_k and w.packed.shape[1] == 3 * k // 2
+    if planes == "auto":
+        planes = "packed" if has_packed else "upcast"
+    if planes == "packed" and not has_packed:
         raise ValueError(f"planes='packed' needs planes packed for block_k={block_k} "
                          f"(to_nk(w, {block_k}, pack=True))")
-    x_p, m, mp = _prepare_x(x, k, n, block_k)
+    if planes != "packed" and w.sm_t.shape != (n, k):
+        raise ValueError(f"planes={planes!r} needs separate planes; these were packed (to_nk(w, pack=False) "
+                         f"keeps them)")
     x_p = _fold_x(x_p, block_k) if fold_x else x_p
     split = split or _split(k // 2, block_k, n, 2 * NUM_SMS_H200)
     fmt = dict(group_n=w.group_n, group_k=w.group_k, n_groups_k=w.n_groups_k)
@@ -554,7 +568,7 @@ def w12_mosaic_partials(x: jax.Array, w: W12NK, block_k: int = 64, split: int | 
 @functools.partial(jax.jit, static_argnames=("block_k", "split", "stages", "interpret", "a_operand", "fold_x"))
 def bf16_mosaic_partials(x: jax.Array, w_t: jax.Array, block_k: int = 64, split: int | None = None,
                          stages: int = 3, interpret: bool = False, a_operand: str = "smem",
-                         fold_x: bool = False) -> jax.Array:
+                         fold_x: bool = True) -> jax.Array:
     """The twin: the same kernel over the original bf16 weight, given transposed (w_t [N, K] = W^T, stored
     once like `to_nk`'s planes), its tiles streamed by the same pipeline straight to the same wgmma calls."""
     n, k = w_t.shape

@@ -42,15 +42,17 @@ class _MosaicCases:
         enc = w12.encode(w)
         assert enc.num_exceptions > 0
         x = jnp.asarray(np.random.default_rng(m).standard_normal((m, k)), jnp.bfloat16)
-        nk = mk.to_nk(jax.device_put(enc), block_k=block_k)
+        packed = mk.to_nk(jax.device_put(enc), block_k=block_k)  # the default: planes packed per step
+        separate = mk.to_nk(jax.device_put(enc), block_k=block_k, pack=False)
         twin = mk.bf16_mosaic_partials(x, jnp.asarray(w).T, block_k=block_k, split=split, interpret=self.interpret)
         decodes = ("jnp",) if self.interpret else ("jnp", "ptx")  # the interpreter runs no PTX
         for exceptions in ("auto", "csr"):  # the slot table (where it was built) and the CSR lists
             for decode in decodes:
-                got = mk.w12_mosaic_partials(x, nk, block_k=block_k, split=split, interpret=self.interpret,
-                                             exceptions=exceptions, decode=decode)
-                assert got.shape[1:] == (m, n)
-                assert_same_bits(got, twin)
+                for nk in (packed, separate):  # planes="auto": "packed" where packed, else "upcast"
+                    got = mk.w12_mosaic_partials(x, nk, block_k=block_k, split=split, interpret=self.interpret,
+                                                 exceptions=exceptions, decode=decode)
+                    assert got.shape[1:] == (m, n)
+                    assert_same_bits(got, twin)
         if finite:
             assert_close_to_exact(km.sum_splits(got), x, w)
 
@@ -71,9 +73,12 @@ class _MosaicCases:
         assert_same_bits(mk.bf16_mosaic_partials(x, jnp.asarray(w).T, interpret=self.interpret, fold_x=True), twin)
         with pytest.raises(ValueError, match="packed for block_k=128"):
             mk.w12_mosaic_partials(x, nk, block_k=128, planes="packed", interpret=self.interpret)
-        unpacked = mk.to_nk(jax.device_put(w12.encode(w)), block_k=64)
+        unpacked = mk.to_nk(jax.device_put(w12.encode(w)), block_k=64, pack=False)
         with pytest.raises(ValueError, match="pack=True"):
             mk.w12_mosaic_partials(x, unpacked, planes="packed", interpret=self.interpret)
+        with pytest.raises(ValueError, match="needs separate planes"):
+            mk.w12_mosaic_partials(x, nk, planes="upcast", interpret=self.interpret)
+        assert_same_bits(mk.w12_mosaic_partials(x, unpacked, interpret=self.interpret), twin)  # "auto": upcast
 
     def test_every_finite_bf16_pattern(self):
         """Every finite bf16 bit pattern (both zeros, subnormals, the largest normals) as a weight, each row
@@ -140,7 +145,8 @@ def test_errors():
     with pytest.raises(ValueError, match="interpreter has no PTX"):
         mk.w12_mosaic_partials(x[:4], enc, interpret=True, decode="ptx")
     with pytest.raises(NotImplementedError, match="decode='ptx' takes"):
-        mk.w12_mosaic_partials(x[:4], enc, interpret=True, decode="ptx", planes="wgmma")
+        mk.w12_mosaic_partials(x[:4], mk.to_nk(jax.device_put(w12.encode(adversarial_weights(128, 64, seed=0))),
+                                               pack=False), interpret=True, decode="ptx", planes="wgmma")
     with pytest.raises(ValueError, match="decode must be"):
         mk.w12_mosaic_partials(x[:4], enc, interpret=True, decode="asm")
     odd = mk.to_nk(jax.device_put(w12.encode(adversarial_weights(128, 96, seed=1))))
