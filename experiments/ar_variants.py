@@ -79,6 +79,9 @@ _MATRICES = ("q", "k", "v", "o", "gate", "up", "down")
 # Pallas interpret mode: None = on a CPU device only (the Triton kernel runs on GPUs). A GPU-free lowering
 # check sets it to False to lower the real kernel for CUDA on the CPU.
 INTERPRET: bool | None = None
+# what the twin variants' dense_kernel=True products run: None = the Triton W12 kernel's twin; "mosaic"
+# = the Mosaic GPU kernel's twin (bench_ar.py --w12-kernel mosaic)
+TWIN_IMPLEMENTATION: str | None = None
 
 
 def twin_of(name: str) -> str | None:
@@ -114,10 +117,11 @@ def prepare_params(params: dict, cfg, v: Variant) -> dict:
 def _linear(x: jax.Array, w, v: Variant, out_dtype=None) -> jax.Array:
     """x [B, T, K] @ W -> [B, T, N] in out_dtype (default x's), float32 accumulation."""
     b, t, k = x.shape
-    if v.twin or isinstance(w, w12.W12):
+    if v.twin or isinstance(w, w12.ENCODED):
         if v.layout != "kn":
             raise ValueError("the W12 kernel and its twin read [in, out] weights (layout 'kn')")
-        y = w12.linear(x.reshape(b * t, k), w, out_dtype=out_dtype, interpret=INTERPRET, dense_kernel=True)
+        y = w12.linear(x.reshape(b * t, k), w, out_dtype=out_dtype, interpret=INTERPRET, dense_kernel=True,
+                       implementation=TWIN_IMPLEMENTATION)
         return y.reshape(b, t, -1)
     interpret = jax.devices()[0].platform == "cpu" if INTERPRET is None else INTERPRET
     y = gemv(x.reshape(b * t, k), w, layout=v.layout, implementation=v.gemv, interpret=interpret)
@@ -188,7 +192,7 @@ def _layer(p: dict, cfg, v: Variant, x, cos, sin, k_cache, v_cache, start, mask)
 def _twin_routing():
     """While tracing dense.forward: bf16 linear layers and the untied LM head through the W12 kernel's bf16
     twin (W12 weights take the W12 kernel as they do anyway)."""
-    lin = functools.partial(w12.linear, interpret=INTERPRET, dense_kernel=True)
+    lin = functools.partial(w12.linear, interpret=INTERPRET, dense_kernel=True, implementation=TWIN_IMPLEMENTATION)
     saved_linear, saved_head = dense.linear, dense.lm_head
 
     def head(params, cfg, x):

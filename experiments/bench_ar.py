@@ -62,6 +62,10 @@ SHAPES = {
                             tie_word_embeddings=False, max_position_embeddings=40960),
     "tiny": ModelConfig(vocab_size=512, hidden_size=64, intermediate_size=128, num_layers=2, num_heads=4,
                         num_kv_heads=2, head_dim=16, rope_theta=1e6, qk_norm=True),
+    # the smallest shape the Mosaic W12 kernel tiles (K/2 and N multiples of 64): --w12-kernel mosaic on the CPU
+    "tiny-mosaic": ModelConfig(vocab_size=512, hidden_size=128, intermediate_size=256, num_layers=1, num_heads=4,
+                               num_kv_heads=2, head_dim=32, rope_theta=1e6, qk_norm=True,
+                               tie_word_embeddings=False),
 }
 
 
@@ -230,23 +234,26 @@ def run_variant(name, cfg, params_v, snapshot, tokens0, args, ctx, step_bytes, c
     return rec, generated, first_logits
 
 
+W12_KERNEL = "pallas"  # --w12-kernel: the kernel W12 weights are encoded for (`w12.encode_params`)
+
+
 def encode_w12(params: dict) -> tuple[dict, dict]:
     """Stock params -> (params with linear weights in W12 via the device encoder, encoding record):
     cold (compiles included) and warm wall time, bits/weight and exceptions over the encoded matrices,
     and the matrices left bf16 (too many exceptions)."""
     t0 = time.perf_counter()
-    enc = jax.block_until_ready(w12.encode_params(params))
+    enc = jax.block_until_ready(w12.encode_params(params, kernel=W12_KERNEL))
     cold = time.perf_counter() - t0
     del enc
     t0 = time.perf_counter()
-    enc = jax.block_until_ready(w12.encode_params(params))
+    enc = jax.block_until_ready(w12.encode_params(params, kernel=W12_KERNEL))
     warm = time.perf_counter() - t0
     numel = exceptions = nbytes = 0
     kept = []
     named = [(f"layers.{i}.{n}", layer[n]) for i, layer in enumerate(enc["layers"]) for n in layer
              if n in w12.LINEAR_NAMES] + ([("lm_head", enc["lm_head"])] if "lm_head" in enc else [])
     for name, w in named:
-        if isinstance(w, w12.W12):
+        if isinstance(w, w12.ENCODED):
             numel += w.shape[0] * w.shape[1]
             exceptions += w.num_exceptions
             nbytes += w12.storage_bytes(w)["total"]
@@ -273,10 +280,10 @@ def params_for(params: dict, cfg, name: str, fmt: str) -> dict:
     if fmt == "bf16":
         return ar_variants.prepare_params(params, cfg, v)
     if v.stock:
-        return w12.encode_params(params)
+        return w12.encode_params(params, kernel=W12_KERNEL)
     if v.layout != "kn":
         raise ValueError(f"variant {name}: W12 weights need the [in, out] layout")
-    return w12.encode_params(ar_variants.prepare_params(params, cfg, v))
+    return w12.encode_params(ar_variants.prepare_params(params, cfg, v), kernel=W12_KERNEL)
 
 
 def compare_to_twin(generated: np.ndarray, logits, twin: dict) -> dict:
@@ -308,6 +315,8 @@ def parse_args(argv=None):
     p.add_argument("--weights", default="bf16",
                    help="comma list of weight formats: bf16, w12 (each variant runs on each; w12 adds "
                         "each variant's bf16 twin for the exact comparison)")
+    p.add_argument("--w12-kernel", choices=("pallas", "mosaic"), default="pallas",
+                   help="with --weights ...,w12: the W12 kernel (and its twin for the twin variants)")
     p.add_argument("--out", default="")
     args = p.parse_args(argv)
     args.variants = list(ar_variants.VARIANTS) if args.variants == "all" else [
@@ -316,6 +325,9 @@ def parse_args(argv=None):
     if unknown:
         p.error(f"unknown variants {unknown}")
     args.profile = [s for s in args.profile.split(",") if s]
+    global W12_KERNEL
+    W12_KERNEL = args.w12_kernel
+    ar_variants.TWIN_IMPLEMENTATION = "mosaic" if args.w12_kernel == "mosaic" else None
     args.weights = [s for s in args.weights.split(",") if s]
     if not args.weights or set(args.weights) - {"bf16", "w12"}:
         p.error(f"--weights takes bf16 and/or w12, got {args.weights}")
@@ -336,7 +348,7 @@ def main(argv=None) -> dict:
     max_len = ctx + args.new_tokens
     record = {"date": datetime.date.today().isoformat(), "shape": args.shape, "config": cfg.to_hf_dict(),
               "batch": b, "context": ctx, "new_tokens": args.new_tokens, "device": bench.device_info(),
-              "xla_flags": os.environ.get("XLA_FLAGS", ""), "variants": {}}
+              "xla_flags": os.environ.get("XLA_FLAGS", ""), "w12_kernel": args.w12_kernel, "variants": {}}
 
     def save():
         if args.out:

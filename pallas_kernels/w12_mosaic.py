@@ -40,37 +40,13 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from pallas_kernels.gemv import NUM_SMS_H200
 from pallas_kernels.w12_matmul import exception_lists
-from specpilot.formats.w12 import W12
+from specpilot.formats.w12 import W12, W12NK  # noqa: F401 - W12NK is this kernel's layout
 
 BN = 64  # W^T rows (W columns) per program: one warpgroup's wgmma M
 MP_CHOICES = (16, 32, 64)  # x rows padded to one of these (wgmma N)
 SWIZZLE = 128  # bytes: the swizzle of both wgmma operands in shared memory (TMA's widest, bank-conflict free)
 SWIZZLE_BF16 = SWIZZLE // 2  # bf16 elements per swizzled row: block_k is a multiple of it
 
-
-@dataclasses.dataclass(frozen=True)
-class W12NK:
-    """A W12 matrix with its planes in N-major order, for the Mosaic kernel (`to_nk`)."""
-
-    sm_t: jax.Array  # int8 [N, K]
-    nib_t: jax.Array  # uint8 [N, K // 2]
-    base7: jax.Array  # int32 [N]: base << 7
-    exc_ptr: jax.Array  # the W12's exception lists, unchanged
-    exc_row: jax.Array
-    exc_col: jax.Array
-    exc_val: jax.Array
-    slots: jax.Array  # int32 [N / BN * (K / 2) / slot_k, P]: each step's exceptions (`exception_slots`)
-    packed: jax.Array  # int8 [N, 3 K / 2]: per step of slot_k rows, [sm lower | sm upper | nibbles] (`pack_planes`)
-    shape: tuple[int, int]  # static: (K, N)
-    group_n: int  # static: the CSR cells
-    group_k: int
-    n_groups_k: int
-    slot_k: int  # static: the block_k the slots were built for; 0 = no slots (the kernel reads the CSR)
-
-
-jax.tree_util.register_dataclass(W12NK, data_fields=["sm_t", "nib_t", "base7", "exc_ptr", "exc_row", "exc_col",
-                                                     "exc_val", "slots", "packed"],
-                                 meta_fields=["shape", "group_n", "group_k", "n_groups_k", "slot_k"])
 
 MAX_SLOTS = 256  # a step's slot row is one TMA box (<= 256 elements): 1 count + up to 255 exceptions
 SLOT_ALIGN = 32  # int32 entries per 128 bytes
@@ -156,6 +132,13 @@ def _split(kh: int, block_k: int, n: int, target_programs: int) -> int:
         if steps % s == 0 and (n // BN) * s >= target_programs:
             return s
     return steps
+
+
+def check_shape(k: int, n: int, block_k: int = 64):
+    """Raise if a [K, N] weight does not fit the kernel's tiles (before encoding a model for it)."""
+    if k % 2 or (k // 2) % block_k or n % BN:
+        raise NotImplementedError(f"the Mosaic W12 kernel needs K/2 % {block_k} == 0 and N % {BN} == 0, "
+                                  f"got a [{k}, {n}] weight; use gpu.kernel_backend=triton or xla")
 
 
 def _check(k: int, n: int, m: int, block_k: int):

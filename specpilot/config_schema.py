@@ -62,7 +62,8 @@ class GpuConf:
     memory_bandwidth_gbs: float = 50.0  # peak, feeds the cost model
     matmul_tflops_bf16: float = 1.0
     # what multiplies weights stored in a non-bf16 format (decoding=w12): triton = the fused Pallas
-    # kernels (Pallas' Triton backend; GPUs), xla = decode to bf16 then XLA's dot (any backend)
+    # kernels (Pallas' Triton backend; GPUs), mosaic = the Mosaic GPU W12 kernel (Hopper; its layout,
+    # `w12.W12NK`), xla = decode to bf16 then XLA's dot (any backend)
     kernel_backend: str = "xla"
 
 
@@ -134,11 +135,8 @@ def validate(cfg: DictConfig) -> None:
         _fail("target.model", "a random target needs its shape (config.json fields)")
     if t.layout not in ("fused", "separate"):
         _fail("target.layout", f"{t.layout!r} is not fused or separate")
-    if cfg.gpu.kernel_backend == "mosaic":
-        _fail("gpu.kernel_backend", "no Mosaic GPU kernels are wired into runs yet (the W12 one in "
-              "pallas_kernels/w12_mosaic.py is experimental); use triton (Pallas kernels) or xla")
-    if cfg.gpu.kernel_backend not in ("xla", "triton"):
-        _fail("gpu.kernel_backend", f"{cfg.gpu.kernel_backend!r} is not xla or triton")
+    if cfg.gpu.kernel_backend not in ("xla", "triton", "mosaic"):
+        _fail("gpu.kernel_backend", f"{cfg.gpu.kernel_backend!r} is not xla, triton or mosaic")
     if t.init not in ("normal", "wide_margin"):
         _fail("target.init", f"{t.init!r} is not normal or wide_margin")
     if t.dtype not in ("bfloat16", "float32"):

@@ -49,7 +49,7 @@ class Deployment:
         from specpilot import formats
 
         if key not in self.encoded_params:
-            kernel = {"triton": "pallas", "xla": "xla"}[self.kernel_backend]
+            kernel = {"triton": "pallas", "xla": "xla", "mosaic": "mosaic"}[self.kernel_backend]
             self.encoded_params[key] = formats.encode_params(params, fmt, kernel=kernel, **kw)
         return self.encoded_params[key]
 

@@ -62,7 +62,6 @@ def test_every_option_composes(group):
     ("decoding.methods=[ar,warp]", "unknown method 'warp'"),
     ("target.source=cloud", "target.source"),
     ("target.init=uniform", "target.init"),
-    ("gpu.kernel_backend=mosaic", "no Mosaic GPU kernels"),
     ("drafter=oracle drafter.acceptance_trace=/nonexistent/run", "no results.jsonl"),
     ("gpu.kernel_backend=cuda", "gpu.kernel_backend"),
     ("bench.prompts=poems", "bench.prompts"),

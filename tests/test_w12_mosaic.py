@@ -228,3 +228,34 @@ def test_exception_slots_list_every_exception_once():
     assert mk.exception_slots(dense, 128) is None and mk.to_nk(dense, 128).slot_k == 0
     with pytest.raises(ValueError, match="block_k <= 256"):
         mk.exception_slots(enc, 512)
+
+
+def test_kernel_backend_mosaic_validates():
+    """gpu.kernel_backend=mosaic is a valid deployment choice (W12 weights in the kernel's layout)."""
+    from test_configs import _compose
+
+    from specpilot.config_schema import validate
+    validate(_compose(["gpu.kernel_backend=mosaic"]))
+
+
+@pytest.mark.skipif(not _interpreter_available(), reason="this jax has no Mosaic GPU interpreter")
+def test_linear_through_mosaic_equals_its_twin():
+    """`encode_params(kernel="mosaic")` puts matrices in the kernel's layout (W12NK); the model's `linear`
+    multiplies by them through the kernel, 64 rows per call, and equals the kernel's bf16 twin bit for bit
+    (70 rows: two calls); a shape the kernel does not tile is refused at encoding, naming the fix."""
+    from specpilot.models import layers
+
+    k, n = 256, 128
+    w = jnp.asarray(adversarial_weights(k, n, seed=5, finite=True))
+    enc = w12.encode_params({"layers": ({"q": w},)}, kernel="mosaic", max_exception_rate=1.0)
+    wq = enc["layers"][0]["q"]
+    assert isinstance(wq, w12.W12NK) and wq.slot_k == 64
+    x = jnp.asarray(np.random.default_rng(0).standard_normal((2, 35, k)), jnp.bfloat16)
+    got = w12.linear(x, wq, out_dtype=jnp.float32, interpret=True)
+    twin = w12.linear(x, w, out_dtype=jnp.float32, interpret=True, dense_kernel=True, implementation="mosaic")
+    assert got.shape == (2, 35, n)
+    assert_same_bits(got, twin)
+    assert layers.linear(x[:1, :3], wq).dtype == jnp.bfloat16  # the model's entry point takes W12NK
+    assert_close_to_exact(np.asarray(got).reshape(70, n), np.asarray(x, np.float32).reshape(70, k), np.asarray(w))
+    with pytest.raises(NotImplementedError, match="kernel_backend=triton"):
+        w12.encode_params({"layers": ({"q": w[:, :96]},)}, kernel="mosaic", max_exception_rate=1.0)

@@ -96,6 +96,46 @@ class W12:
 jax.tree_util.register_dataclass(W12, data_fields=list(FIELDS), meta_fields=["shape", "group_n", "group_k", "kernel"])
 
 
+
+@dataclasses.dataclass(frozen=True)
+class W12NK:
+    """A W12 matrix in the Mosaic GPU kernel's layout (`pallas_kernels.w12_mosaic.to_nk`): planes in
+    N-major order, packed step by step by default, and each kernel step's exceptions in a slot table.
+    `linear` multiplies by it with that kernel (`kernel="mosaic"` in `encode_params`)."""
+
+    sm_t: Any  # int8 [N, K], or an empty placeholder when the planes are packed
+    nib_t: Any  # uint8 [N, K // 2], likewise
+    base7: Any  # int32 [N]: base << 7
+    exc_ptr: Any  # the W12's exception lists (CSR), read only when a step overflows its slot row
+    exc_row: Any
+    exc_col: Any
+    exc_val: Any
+    slots: Any  # int32 [N / 64 * (K / 2) / slot_k, P]: each step's exceptions
+    packed: Any  # int8 [N, 3 K / 2]: per step of slot_k rows, [sm lower | sm upper | nibbles]
+    shape: tuple[int, int]  # static: (K, N)
+    group_n: int  # static: the CSR cells
+    group_k: int
+    n_groups_k: int
+    slot_k: int  # static: the step the slots were built for; 0 = no slots (the kernel reads the CSR)
+
+    @property
+    def num_exceptions(self) -> int:
+        return int(self.exc_row.shape[0])
+
+    @property
+    def dtype(self):
+        return jnp.bfloat16
+
+    @property
+    def ndim(self) -> int:
+        return 2
+
+
+jax.tree_util.register_dataclass(W12NK, data_fields=["sm_t", "nib_t", "base7", "exc_ptr", "exc_row", "exc_col",
+                                                     "exc_val", "slots", "packed"],
+                                 meta_fields=["shape", "group_n", "group_k", "n_groups_k", "slot_k"])
+ENCODED = (W12, W12NK)  # the weight types `linear` multiplies
+
 def bf16_bits(w) -> np.ndarray:
     """uint16 bit patterns of a bf16 array (numpy, jax, or already uint16)."""
     a = np.asarray(w)
@@ -282,9 +322,23 @@ def decode_jnp(w: W12) -> jax.Array:
     return jax.lax.bitcast_convert_type(bits.astype(jnp.uint16), jnp.bfloat16)
 
 
-def storage_bytes(w: W12) -> dict[str, int]:
-    """Bytes per part: the dense planes, per-column bases, CSR offsets and exception lists."""
-    nb = {f: int(np.prod(getattr(w, f).shape)) * np.dtype(getattr(w, f).dtype).itemsize for f in FIELDS}
+def _nbytes(a) -> int:
+    return int(np.prod(a.shape)) * np.dtype(a.dtype).itemsize
+
+
+def storage_bytes(w: W12 | W12NK) -> dict[str, int]:
+    """Bytes per part: the dense planes, per-column bases, CSR offsets and exception lists. For W12NK,
+    what its kernel reads: the packed (or separate) planes, base << 7 as int32, and the slot table, or
+    the CSR lists when there is none."""
+    if isinstance(w, W12NK):
+        k, n = w.shape
+        planes = _nbytes(w.packed) if w.packed.shape[1] == 3 * k // 2 else _nbytes(w.sm_t) + _nbytes(w.nib_t)
+        ptr = 0 if w.slot_k else _nbytes(w.exc_ptr)
+        exc = _nbytes(w.slots) if w.slot_k else _nbytes(w.exc_row) + _nbytes(w.exc_col) + _nbytes(w.exc_val)
+        base = _nbytes(w.base7)
+        return {"planes": planes, "base": base, "exc_ptr": ptr, "exceptions": exc,
+                "total": planes + base + ptr + exc}
+    nb = {f: _nbytes(getattr(w, f)) for f in FIELDS}
     return {"planes": nb["sm"] + nb["nib"], "base": nb["base"], "exc_ptr": nb["exc_ptr"],
             "exceptions": nb["exc_row"] + nb["exc_col"] + nb["exc_val"], "total": sum(nb.values())}
 
@@ -333,7 +387,7 @@ def load(path: str) -> dict[str, Any]:
 
 # ---- model integration ----------------------------------------------------------------------------
 
-KERNELS = ("pallas", "xla")
+KERNELS = ("pallas", "xla", "mosaic")
 
 
 def encode_params(params: dict, names: tuple[str, ...] = LINEAR_NAMES, lm_head: bool = True,
@@ -351,6 +405,11 @@ def encode_params(params: dict, names: tuple[str, ...] = LINEAR_NAMES, lm_head: 
         w = encode_device(x, **kw)
         if w.num_exceptions > max_exception_rate * x.size:
             return x
+        if kernel == "mosaic":  # the Mosaic GPU kernel's own layout (imported on use: it imports this module)
+            from pallas_kernels import w12_mosaic
+
+            w12_mosaic.check_shape(*x.shape)
+            return w12_mosaic.to_nk(w)
         return dataclasses.replace(w, kernel=kernel)
 
     out = dict(params)
@@ -374,8 +433,12 @@ def linear(x: jax.Array, w, b: jax.Array | None = None, *, out_dtype=None, imple
     # imported on use: the kernel module imports this one
     from pallas_kernels import w12_matmul as kern
 
-    if isinstance(w, W12):
+    if isinstance(w, W12NK):
+        y = _mosaic_rows(x, w, interpret=interpret)
+    elif isinstance(w, W12):
         y = kern.w12_matmul(x, w, implementation=implementation or w.kernel, interpret=interpret)
+    elif dense_kernel and implementation == "mosaic":
+        y = _mosaic_rows(x, w, interpret=interpret)
     elif dense_kernel:
         y = kern.bf16_matmul(x, w, implementation=implementation or "pallas", interpret=interpret)
     else:
@@ -383,3 +446,30 @@ def linear(x: jax.Array, w, b: jax.Array | None = None, *, out_dtype=None, imple
     if b is not None:
         y = y + b.astype(jnp.float32)
     return y.astype(out_dtype or x.dtype)
+
+
+def _mosaic_rows(x: jax.Array, w, interpret: bool | None = None) -> jax.Array:
+    """x [..., K] @ w through the Mosaic GPU kernel (W12NK) or its bf16 twin (a bf16 [K, N] array, read
+    transposed), 64 rows per call (the kernel's largest M): float32 [..., N]. Every row is computed as the
+    kernel computes it alone, so the W12 path and the twin agree bit for bit at any number of rows."""
+    from pallas_kernels import w12_matmul as kern
+    from pallas_kernels import w12_mosaic
+
+    if interpret is None:
+        interpret = jax.devices()[0].platform == "cpu"
+    k, n = w.shape
+    if x.shape[-1] != k:
+        raise ValueError(f"x {x.shape} does not match a [{k}, {n}] weight")
+    rows = x.reshape(-1, k).astype(jnp.bfloat16)
+    step = max(w12_mosaic.MP_CHOICES)
+    if isinstance(w, W12NK):
+        def call(r):
+            return w12_mosaic.w12_mosaic_partials(r, w, interpret=interpret)
+    else:
+        w_t = jnp.asarray(w).T
+
+        def call(r):
+            return w12_mosaic.bf16_mosaic_partials(r, w_t, interpret=interpret)
+    parts = [kern.sum_splits(call(rows[i:i + step])) for i in range(0, rows.shape[0], step)]
+    y = parts[0] if len(parts) == 1 else jnp.concatenate(parts, axis=0)
+    return y.reshape(*x.shape[:-1], n)

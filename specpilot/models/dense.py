@@ -163,7 +163,7 @@ def lm_head(params: Params, cfg: ModelConfig, x: jax.Array) -> jax.Array:
     """Final-normed hidden states [..., H] -> float32 logits [..., V]."""
     if cfg.tie_word_embeddings:
         return jnp.einsum("...h,vh->...v", x, params["embed"], preferred_element_type=jnp.float32)
-    if isinstance(params["lm_head"], w12.W12):
+    if isinstance(params["lm_head"], w12.ENCODED):
         return w12.linear(x, params["lm_head"], out_dtype=jnp.float32)
     return jnp.einsum("...h,hv->...v", x, params["lm_head"], preferred_element_type=jnp.float32)
 

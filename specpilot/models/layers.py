@@ -25,7 +25,7 @@ def linear(x: jax.Array, w: jax.Array, b: jax.Array | None = None) -> jax.Array:
 
     A 12-bit weight (`formats.w12.W12`) goes through the fused decode-matmul kernel.
     """
-    if isinstance(w, w12.W12):
+    if isinstance(w, w12.ENCODED):
         return w12.linear(x, w, b)
     y = jnp.einsum("...k,kn->...n", x, w, preferred_element_type=jnp.float32)
     if b is not None:
