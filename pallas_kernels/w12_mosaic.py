@@ -29,7 +29,6 @@ Design choices (the measurements behind each: docs/notes_w12.md):
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 
 import jax
