@@ -1,6 +1,6 @@
-"""W12 decode + matmul on the Mosaic GPU backend (Hopper: TMA, wgmma). Experimental: exact against its
-twin in the Mosaic GPU interpreter and compiled on the H200; timed there (docs/performance.md), but not yet
-faster than the Triton W12 kernel, and not wired into the model runs.
+"""W12 decode + matmul on the Mosaic GPU backend (Hopper: TMA, wgmma). Exact against its twin in the
+Mosaic GPU interpreter and compiled on the H200, where it beats every bf16 path at the LM head for
+M <= 32 (docs/performance.md). Runs use it with `gpu.kernel_backend=mosaic` (`w12.W12NK` weights).
 
 y[M, N] = x[M, K] @ W[K, N], computed transposed: y^T = W^T x^T, so a 64-row block of W's columns is the
 wgmma's M operand and x's few rows (padded to Mp = 16, 32 or 64) its N operand.
@@ -13,12 +13,14 @@ Design choices (the measurements behind each: docs/notes_w12.md):
   (K-major B). An x^T tile would have rows of only 2 * Mp bytes: with that swizzle the twin ran at
   2.6 TB/s at M = 16 against 3.9 TB/s now.
 - `plgpu.emit_pipeline` streams the planes and x into shared memory by TMA, `stages` steps deep. The decode
-  runs in registers ("upcast": swizzled plane tiles loaded 4 bytes per thread in the 8 -> 16-bit upcast
-  layout, then moved to the WGMMA layout; "wgmma": plain tiles loaded straight into it; "packed": a step's
-  three plane tiles side by side, one copy per step), and wgmma takes the decoded tile from registers
-  (`a_operand="smem"` stores it to shared memory instead).
+  runs in registers ("packed", the default: a step's three plane tiles side by side, one swizzled copy
+  per step; "upcast": three copies; both loaded 4 bytes per thread in the 8 -> 16-bit upcast layout, then
+  moved to the WGMMA layout; "wgmma": plain tiles loaded straight into it), by PTX on packed registers
+  (`_ptx_decode`) when compiled, and wgmma takes the decoded tile from registers (`a_operand="smem"`
+  stores it to shared memory instead). x is folded (`_fold_x`): one copy per step for both K halves.
 - Exceptions: `to_nk` tabulates each step's exceptions (`exception_slots`); the pipeline streams a step's
-  row with its planes, and each listed exception overwrites its element (`where` against a packed iota).
+  row with its planes, and each listed exception overwrites its element (PTX: a predicated bit-select in
+  the register that holds it; jnp: `where` against a packed iota).
   Matrices with a step of more than 255 exceptions fall back to the CSR lists, read from global memory.
 - The twin (`bf16_mosaic_partials`) is the same kernel with the bf16 W^T tiles streamed by the same
   pipeline instead of decoded: same wgmma calls on the same values in the same order. W12 is lossless iff
