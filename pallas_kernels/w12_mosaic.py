@@ -150,6 +150,65 @@ def _check(k: int, n: int, m: int, block_k: int):
         raise NotImplementedError(f"the Mosaic W12 kernel takes M <= {MP_CHOICES[-1]}, got {m}")
 
 
+# The PTX of `_ptx_decode` (tests/test_w12_mosaic.py runs each on the CPU, instruction by instruction).
+# One register of the upcast layout: $4 four sign|mantissa bytes of the lower K half's tile (K elements
+# k..k+3 of one W^T row), $5 the same for the upper half, $6 the four nibble bytes, $7 the row's base << 7;
+# out $0, $1 the lower half's four bf16 patterns (two per register, element 0 in the low half), $2, $3
+# the upper half's.
+_DECODE4_PTX = """{
+.reg .b32 z, b2, e0, e1, x, t;
+mov.b32 z, 0;
+prmt.b32 b2, $7, z, 0x1010;
+prmt.b32 e0, $6, z, 0x4140;
+prmt.b32 e1, $6, z, 0x4342;
+prmt.b32 x, $4, z, 0x9180;
+and.b32 t, e0, 0x000F000F;
+mad.lo.u32 t, t, 128, b2;
+lop3.b32 $0, x, 0x807F807F, t, 0xEA;
+prmt.b32 x, $4, z, 0xB3A2;
+and.b32 t, e1, 0x000F000F;
+mad.lo.u32 t, t, 128, b2;
+lop3.b32 $1, x, 0x807F807F, t, 0xEA;
+prmt.b32 x, $5, z, 0x9180;
+and.b32 t, e0, 0x00F000F0;
+mad.lo.u32 t, t, 8, b2;
+lop3.b32 $2, x, 0x807F807F, t, 0xEA;
+prmt.b32 x, $5, z, 0xB3A2;
+and.b32 t, e1, 0x00F000F0;
+mad.lo.u32 t, t, 8, b2;
+lop3.b32 $3, x, 0x807F807F, t, 0xEA;
+}"""
+# One exception entry $4 (bits << 16 | half << 15 | n_local << 8 | k_local) -> $0 its position without the
+# two lane bits (compared with a register's key), $1 its bits in both halves, $2 / $3 the halfword mask
+# that selects its lane in a register's first / second word (zero in the other word).
+_EXCEPTION_PTX = """{
+.reg .b32 z, lane, m, s;
+.reg .pred p;
+mov.b32 z, 0;
+and.b32 $0, $4, 0xFFFC;
+prmt.b32 $1, $4, z, 0x3232;
+and.b32 lane, $4, 3;
+and.b32 s, $4, 1;
+shl.b32 s, s, 4;
+mov.b32 m, 0xFFFF;
+shl.b32 m, m, s;
+setp.lt.u32 p, lane, 2;
+selp.b32 $2, m, z, p;
+selp.b32 $3, z, m, p;
+}"""
+# One register ($2, $3: its two words) against one exception ($4 position, $5 the register's key, $6
+# bits in both halves, $7 / $8 masks): $0, $1 the words with the exception's halfword replaced if the
+# keys match (lop3 0xD8 = (a & ~c) | (b & c)), unchanged otherwise.
+_PATCH_PTX = """{
+.reg .pred p;
+setp.eq.u32 p, $4, $5;
+mov.b32 $0, $2;
+mov.b32 $1, $3;
+@p lop3.b32 $0, $2, $6, $7, 0xD8;
+@p lop3.b32 $1, $3, $6, $8, 0xD8;
+}"""
+
+
 def _ptx_decode(dec_layout, shape, use_slots: bool):
     """The decode of `decode="ptx"`: one `plgpu.inline_mgpu` function that works on the registers
     themselves. The plane tiles arrive in the upcast layout, four consecutive K elements of one W^T row
@@ -199,29 +258,7 @@ def _ptx_decode(dec_layout, shape, use_slots: bool):
         words = []  # per register: [lo0, lo1, hi0, hi1]
         for idx in np.ndindex(regs_shape):
             words.append(asm(4, [word(s_lo.registers[idx]), word(s_hi.registers[idx]), word(nib.registers[idx]),
-                                 word(base7.registers[idx])], """{
-                .reg .b32 z, b2, e0, e1, x, t;
-                mov.b32 z, 0;
-                prmt.b32 b2, $7, z, 0x1010;
-                prmt.b32 e0, $6, z, 0x4140;
-                prmt.b32 e1, $6, z, 0x4342;
-                prmt.b32 x, $4, z, 0x9180;
-                and.b32 t, e0, 0x000F000F;
-                mad.lo.u32 t, t, 128, b2;
-                lop3.b32 $0, x, 0x807F807F, t, 0xEA;
-                prmt.b32 x, $4, z, 0xB3A2;
-                and.b32 t, e1, 0x000F000F;
-                mad.lo.u32 t, t, 128, b2;
-                lop3.b32 $1, x, 0x807F807F, t, 0xEA;
-                prmt.b32 x, $5, z, 0x9180;
-                and.b32 t, e0, 0x00F000F0;
-                mad.lo.u32 t, t, 8, b2;
-                lop3.b32 $2, x, 0x807F807F, t, 0xEA;
-                prmt.b32 x, $5, z, 0xB3A2;
-                and.b32 t, e1, 0x00F000F0;
-                mad.lo.u32 t, t, 8, b2;
-                lop3.b32 $3, x, 0x807F807F, t, 0xEA;
-                }"""))
+                                 word(base7.registers[idx])], _DECODE4_PTX))
         if use_slots:
             (slot_ref,) = slot
             keys = []  # per register: row << 8 | first column (the half bit is added for the upper tile)
@@ -238,33 +275,12 @@ def _ptx_decode(dec_layout, shape, use_slots: bool):
             def patched(e, flat):
                 e1 = arith.addi(arith.index_cast(index, e), arith.constant(index, 1))
                 entry = memref.load(slot_ref, [zero, e1])
-                keyq, vv, m0, m1 = asm(4, [entry], """{
-                    .reg .b32 z, lane, m, s;
-                    .reg .pred p;
-                    mov.b32 z, 0;
-                    and.b32 $0, $4, 0xFFFC;
-                    prmt.b32 $1, $4, z, 0x3232;
-                    and.b32 lane, $4, 3;
-                    and.b32 s, $4, 1;
-                    shl.b32 s, s, 4;
-                    mov.b32 m, 0xFFFF;
-                    shl.b32 m, m, s;
-                    setp.lt.u32 p, lane, 2;
-                    selp.b32 $2, m, z, p;
-                    selp.b32 $3, z, m, p;
-                    }""")
+                keyq, vv, m0, m1 = asm(4, [entry], _EXCEPTION_PTX)
                 out = []
                 for q in range(len(words)):
                     for h, key in ((0, keys[q]), (1, keys_hi[q])):
                         w0, w1 = flat[4 * q + 2 * h], flat[4 * q + 2 * h + 1]
-                        out += asm(2, [w0, w1, keyq, key, vv, m0, m1], """{
-                            .reg .pred p;
-                            setp.eq.u32 p, $4, $5;
-                            mov.b32 $0, $2;
-                            mov.b32 $1, $3;
-                            @p lop3.b32 $0, $2, $6, $7, 0xD8;
-                            @p lop3.b32 $1, $3, $6, $8, 0xD8;
-                            }""")
+                        out += asm(2, [w0, w1, keyq, key, vv, m0, m1], _PATCH_PTX)
                 return out  # per register: lo0, lo1, hi0, hi1, as `flat`
 
             flat = list(patched.results)

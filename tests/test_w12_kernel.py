@@ -288,9 +288,11 @@ def test_bench_tiny_smoke(tmp_path):
 # ---- the PTX decoder, executed on the CPU -------------------------------------------------------------
 
 def _run_ptx(ptx: str, args: list) -> dict:
-    """Execute the straight-line PTX subset of `km._DECODE_PTX` (mov, and, or, add, shl, shr, prmt on b32)
-    over numpy uint32 arrays, following the PTX ISA's definitions; `args` are $0.. in order (outputs None).
-    An instruction outside the subset fails the test instead of being skipped."""
+    """Execute the straight-line PTX subset of the GPU kernels' decoders (`km._DECODE_PTX`, the Mosaic
+    kernel's `_DECODE4_PTX`, `_EXCEPTION_PTX`, `_PATCH_PTX`: mov, and, or, add, mad.lo, shl, shr, prmt,
+    lop3 on b32; setp.lt/eq.u32, selp.b32 and @p / @!p guards) over numpy uint32 arrays, following the PTX
+    ISA's definitions; `args` are $0.. in order (outputs None). An instruction outside the subset fails
+    the test instead of being skipped."""
     regs = {f"${i}": a for i, a in enumerate(args)}
 
     def val(tok):
@@ -303,10 +305,26 @@ def _run_ptx(ptx: str, args: list) -> dict:
         line = line.strip().rstrip(";")
         if line in ("{", "}") or line.startswith(".reg") or not line:
             continue
+        guard = None
+        if line.startswith("@"):  # a predicated instruction: only where the predicate holds (@!p: fails)
+            guard, line = line.split(None, 1)
         op, rest = line.split(None, 1)
         d, *src = [t.strip() for t in rest.split(",")]
         a = [val(t) for t in src]
-        if op == "mov.b32":
+        if op in ("setp.lt.u32", "setp.eq.u32"):
+            regs[d] = np.asarray(a[0] < a[1] if op == "setp.lt.u32" else a[0] == a[1])
+            continue
+        if op == "selp.b32":
+            r = np.where(a[2], a[0], a[1])
+        elif op == "mad.lo.u32":
+            r = a[0] * a[1] + a[2]  # the low 32 bits: uint32 arithmetic wraps
+        elif op == "lop3.b32":  # bit i of d = bit (a_i << 2 | b_i << 1 | c_i) of the lookup table
+            lut = int(a[3])
+            r = np.zeros_like(np.asarray(a[0] | a[1] | a[2]), dtype=np.uint32)
+            for idx in range(8):
+                if lut >> idx & 1:
+                    r = r | ((a[0] if idx & 4 else ~a[0]) & (a[1] if idx & 2 else ~a[1]) & (a[2] if idx & 1 else ~a[2]))
+        elif op == "mov.b32":
             r = a[0]
         elif op == "and.b32":
             r = a[0] & a[1]
@@ -330,7 +348,11 @@ def _run_ptx(ptx: str, args: list) -> dict:
                 r = r | (np.asarray(byte, np.uint32) << np.uint32(8 * i))
         else:
             raise AssertionError(f"PTX op {op!r} not emulated")
-        regs[d] = np.asarray(r, np.uint32)
+        r = np.asarray(r, np.uint32)
+        if guard is not None:
+            p = regs[guard.lstrip("@!")]
+            r = np.where(~p if guard.startswith("@!") else p, r, regs[d])
+        regs[d] = r
     return regs
 
 
