@@ -144,6 +144,22 @@ def test_every_experiment_smoke_runs_at_a_tiny_shape(experiment, tmp_path):
         assert stock["tau"] > 1.0 and stock["ceiling_ms_per_token"] > 0
 
 
+@pytest.mark.slow
+def test_w12_through_the_mosaic_kernel_is_checked_by_forcing(tmp_path):
+    """gpu.kernel_backend=mosaic: the 12-bit methods run their linear layers through the Mosaic GPU kernel
+    (here its interpreter) and match AR position by position."""
+    out = tmp_path / "out"
+    proc = _run(f"output_dir={out}", "decoding=w12", "target.dtype=bfloat16", "drafter=oracle",
+                "drafter.num_layers=1", "drafter.block_size=4", "drafter.tau=2.5", "bench.num_prompts=1",
+                "bench.new_tokens=6", "gpu.kernel_backend=mosaic", f"hydra.run.dir={tmp_path / 'hydra'}",
+                cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    records = {r["method"]: r for r in map(json.loads, (out / "results.jsonl").read_text().splitlines())}
+    assert set(records) == {"ar", "stock", "ar_w12", "stock_w12"}
+    for name in ("stock", "ar_w12", "stock_w12"):
+        assert records[name]["mismatches"] == 0 and records[name]["forcing"]["outputs_differ"] == 0, name
+
+
 def test_w12_methods_are_checked_by_forcing(tmp_path):
     """decoding=w12 through the harness: the 12-bit methods' outputs equal AR's, position by position."""
     out = tmp_path / "out"
