@@ -42,6 +42,7 @@ import math
 import os
 import statistics
 import sys
+import tempfile
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -52,6 +53,7 @@ import numpy as np  # noqa: E402
 
 from pallas_kernels import w12_matmul as km  # noqa: E402
 from pallas_kernels import w12_mosaic as mk  # noqa: E402
+from specpilot import bench  # noqa: E402
 from specpilot.bench import make_chain  # noqa: E402
 from specpilot.formats import w12  # noqa: E402
 
@@ -84,6 +86,22 @@ def timed(fn, reps: int, trials: int) -> float:
         jax.block_until_ready(last)
         out.append((time.perf_counter() - t0) / reps)
     return statistics.median(out)
+
+
+def profile_chain(chain, x, ws, count: int, reps: int = 3) -> dict | None:
+    """Kernel durations on the device for `reps` runs of a compiled chain (JAX profiler, Perfetto trace),
+    per matrix: busy (kernels) against span (first kernel start to last end), and each kernel's
+    min/median/max per call: whether a slow time is the kernel itself, varying, or the gaps between."""
+    jax.block_until_ready(chain(x, ws))
+    with tempfile.TemporaryDirectory() as d:
+        try:
+            with jax.profiler.trace(d, create_perfetto_trace=True):
+                for _ in range(reps):
+                    out = chain(x, ws)
+                jax.block_until_ready(out)
+            return bench.kernel_summary(d, reps * count, top=6)
+        except Exception as e:  # noqa: BLE001 - profiling is evidence, never fatal
+            return {"error": repr(e)[:500]}
 
 
 def copy_bandwidth(nbytes: int, reps: int = 10) -> float:
@@ -182,6 +200,14 @@ def bench_shape(name, k, n, ms, args, interpret, copy_bw, record):
                 chain = make_chain(k, mm).lower(x, ws).compile()
                 row["compile_s"] = time.perf_counter() - t0
                 per = timed(lambda: chain(x, ws), args.reps, args.trials) / count
+                if any(impl.startswith(prefix) for prefix in args.profile):
+                    prof = row["profile"] = profile_chain(chain, x, ws, count) or {}
+                    top = prof.get("top") or [{}]
+                    print(f"  M={m:3d} {impl} profile: busy {prof.get('busy_ms_per_step', float('nan')) * 1e3:.1f}"
+                          f" of span {prof.get('span_ms_per_step', float('nan')) * 1e3:.1f} us per matrix; "
+                          f"top kernel {top[0].get('name', '?')[:40]} us min/median/max "
+                          f"{top[0].get('us_min', float('nan')):.1f}/{top[0].get('us_median', float('nan')):.1f}/"
+                          f"{top[0].get('us_max', float('nan')):.1f}", flush=True)
                 y = jax.jit(mm)(x, ws[0])
                 nbytes = {"w12": bytes_w12, "w12_jnp": bytes_w12, "w12_mg": bytes_w12, "w12_gemv": bytes_w12,
                           "w12_t": bytes_w12, "w12_noexc": bytes_clean, "w12_loadonly": bytes_clean,
@@ -354,8 +380,12 @@ def main(argv=None) -> dict:
                    help="also time w12_jnp: the kernel with the elementwise decoder instead of the PTX one")
     p.add_argument("--diagnose", action="store_true",
                    help="also time w12_loadonly: the kernel's loads + matmul without the decode arithmetic")
+    p.add_argument("--profile", default="",
+                   help="comma list of implementation-name prefixes (e.g. 'w12_mg,twin_mg') whose chains are also "
+                        "traced: kernel time per call (min/median/max) and busy vs span per matrix")
     p.add_argument("--out", default="")
     args = p.parse_args(argv)
+    args.profile = [s for s in args.profile.split(",") if s]
     interpret = jax.default_backend() == "cpu"
     shapes = TINY if args.tiny else QWEN3_8B
     ms = [1, 16] if args.tiny and args.m == p.get_default("m") else [int(v) for v in args.m.split(",")]

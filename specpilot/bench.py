@@ -157,9 +157,11 @@ def kernel_summary(trace_dir: str, steps: int, top: int = 25) -> dict[str, Any] 
     if not kernels:
         return {"kernels": 0, "device_pids": sorted(names[p] for p in dev_pids)}
     by_name = collections.defaultdict(lambda: [0, 0.0])
+    durations = collections.defaultdict(list)
     for e in kernels:
         by_name[e["name"]][0] += 1
         by_name[e["name"]][1] += float(e.get("dur", 0.0))
+        durations[e["name"]].append(float(e.get("dur", 0.0)))
     busy_us = sum(v[1] for v in by_name.values())
     span_us = max(e["ts"] + e.get("dur", 0) for e in kernels) - min(e["ts"] for e in kernels)
     cats = collections.Counter()
@@ -171,7 +173,8 @@ def kernel_summary(trace_dir: str, steps: int, top: int = 25) -> dict[str, Any] 
         "busy_ms_per_step": busy_us / steps / 1e3, "span_ms_per_step": span_us / steps / 1e3,
         "category_ms_per_step": {k: v / steps / 1e3 for k, v in cats.most_common()},
         "top": [{"name": n[:120], "calls_per_step": c / steps, "ms_per_step": d / steps / 1e3,
-                 "us_per_call": d / c} for n, (c, d) in rows],
+                 "us_per_call": d / c, "us_min": min(durations[n]), "us_median": statistics.median(durations[n]),
+                 "us_max": max(durations[n])} for n, (c, d) in rows],
     }
 
 

@@ -84,3 +84,32 @@ def test_bench_ar_tiny_w12_rows(bench_ar, tmp_path):
     sb, sw = rec["step_bytes"], rec["step_bytes_w12"]
     assert sw["total"] - sb["total"] == e["bytes"] - e["bf16_bytes_replaced"] < 0
     assert rec["variants"]["stock@w12"]["step_bytes_total"] == sw["total"]
+
+
+def test_kernel_summary_reads_a_perfetto_trace(tmp_path):
+    """`bench.kernel_summary` on a hand-written Perfetto trace: only the device's stream events count, per
+    step; busy is their summed duration, span first start to last end, and each kernel's per-call
+    min/median/max come from its own events."""
+    import gzip
+    import json as json_
+
+    from specpilot import bench as bench_
+
+    meta = [{"ph": "M", "name": "process_name", "pid": 1, "args": {"name": "/device:GPU:0"}},
+            {"ph": "M", "name": "process_name", "pid": 2, "args": {"name": "/host:CPU"}},
+            {"ph": "M", "name": "thread_name", "pid": 1, "tid": 7, "args": {"name": "Stream #13(Compute)"}},
+            {"ph": "M", "name": "thread_name", "pid": 2, "tid": 1, "args": {"name": "python"}}]
+    kernels = [{"ph": "X", "pid": 1, "tid": 7, "name": "w12_kernel", "ts": t, "dur": d}
+               for t, d in ((0, 10.0), (20, 30.0), (60, 20.0))]
+    kernels.append({"ph": "X", "pid": 1, "tid": 7, "name": "reduce_fusion", "ts": 90, "dur": 10.0})
+    host = [{"ph": "X", "pid": 2, "tid": 1, "name": "w12_kernel", "ts": 0, "dur": 500.0}]  # not a device event
+    d = tmp_path / "plugins" / "profile"
+    d.mkdir(parents=True)
+    with gzip.open(d / "x.perfetto_trace.json.gz", "wt") as f:
+        json_.dump({"traceEvents": meta + kernels + host}, f)
+    s = bench_.kernel_summary(str(tmp_path), steps=2)
+    assert s["kernels_per_step"] == 2.0
+    assert abs(s["busy_ms_per_step"] - 35e-3) < 1e-9 and abs(s["span_ms_per_step"] - 50e-3) < 1e-9
+    top = s["top"][0]
+    assert top["name"] == "w12_kernel" and (top["us_min"], top["us_median"], top["us_max"]) == (10.0, 20.0, 30.0)
+    assert bench_.kernel_summary(str(tmp_path / "none"), steps=1) is None
