@@ -57,7 +57,7 @@ def exception_slots(w: W12, block_k: int) -> np.ndarray | None:
     """Each kernel step's exceptions as one row of a dense int32 table that the pipeline streams with the
     planes, so the patch loop reads shared memory instead of chasing CSR pointers in global memory.
 
-    Row `jb * (K/2 / block_k) + kb` holds the exceptions of W^T rows [64 jb, 64 jb + 64) and K rows
+    Row `kb * (N / 64) + jb` holds the exceptions of W^T rows [64 jb, 64 jb + 64) and K rows
     [block_k kb, block_k (kb + 1)) of both K halves: entry 0 is their count, then one int32 each,
     `bits << 16 | half << 15 | n_local << 8 | k_local`. Rows are padded to a multiple of SLOT_ALIGN entries
     (128 bytes: a copy in the kernel moves a multiple of one byte per thread of the warpgroup), which costs
@@ -73,7 +73,7 @@ def exception_slots(w: W12, block_k: int) -> np.ndarray | None:
     vals = np.asarray(w.exc_val).astype(np.int64)
     half = (rows >= kh).astype(np.int64)
     kr = rows - half * kh
-    step = (cols // BN) * (kh // block_k) + kr // block_k
+    step = (kr // block_k) * (n // BN) + cols // BN  # step-major: a step's column blocks are adjacent
     n_steps = n // BN * (kh // block_k)
     counts = np.bincount(step, minlength=n_steps)
     if counts.max() >= MAX_SLOTS:
@@ -377,7 +377,7 @@ def _kernel_call(x, operands, *, k: int, n: int, mp: int, block_k: int, split: i
                 pos_lo = (iota(0) << 8) | k_iota  # an element's packed position in the table
                 pos_hi = pos_lo | 0x8000
                 w_specs.append(plgpu.BlockSpec((1, slot_gmem.shape[1]),
-                                               lambda i: (j * half_blocks + first + i, 0)))
+                                               lambda i: ((first + i) * (n // BN) + j, 0)))
                 w_gmem_refs += (slot_gmem,)
         else:
             w_specs = [spec((BN, block_k), h, True, mma_tiles) for h in (0, 1)]

@@ -216,7 +216,7 @@ def test_exception_slots_list_every_exception_once():
     kh = k // 2
     got = set()
     for row_i, row in enumerate(table.astype(np.int64)):
-        jb, kb = divmod(row_i, kh // bk)
+        kb, jb = divmod(row_i, n // mk.BN)  # step-major rows
         for e in row[1:1 + row[0]] & 0xFFFFFFFF:
             half, n_loc, k_loc = (e >> 15) & 1, (e >> 8) & 0x3F, e & 0xFF
             got.add((int(kb * bk + k_loc + half * kh), int(jb * mk.BN + n_loc), int(e >> 16)))
