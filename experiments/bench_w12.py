@@ -295,7 +295,7 @@ def parse_edits(text: str) -> list:
         edit = {}
         for item in group.split(","):
             key, value = item.split("=")
-            if key in ("prefetch", "fold_x"):
+            if key in ("prefetch", "fold_x", "warp_specialized"):
                 edit[key] = bool(int(value))
             elif key in ("exceptions", "diagnostic", "planes", "a_operand", "twin_a", "decode"):
                 edit[key] = value

@@ -127,7 +127,7 @@ def _transforms(bits: int, swizzle: int):
 
 
 def _split(kh: int, block_k: int, n: int, target_programs: int) -> int:
-    """Smallest split of the K/2 rows into whole steps giving `target_programs` programs."""
+    """Smallest split of the K/2 rows into whole steps giving `target_programs` programs (of 64 W^T rows)."""
     steps = kh // block_k
     for s in range(1, steps + 1):
         if steps % s == 0 and (n // BN) * s >= target_programs:
@@ -300,7 +300,13 @@ def _ptx_decode(dec_layout, shape, use_slots: bool):
 
 def _kernel_call(x, operands, *, k: int, n: int, mp: int, block_k: int, split: int, stages: int, w12: bool,
                  fmt: dict, interpret: bool, use_slots: bool = False, diagnostic: str = "", planes: str = "upcast",
-                 a_operand: str = "registers", decode: str = "jnp", fold_x: bool = False):
+                 a_operand: str = "registers", decode: str = "jnp", fold_x: bool = False,
+                 warp_specialized: bool = False):
+    ws = warp_specialized
+    nwg = 2 if ws else 1  # consumer warpgroups per program, each over its own 64 W^T rows
+    cta = BN * nwg  # W^T rows per program
+    if ws and not (w12 and planes == "packed" and fold_x and n % cta == 0):
+        raise NotImplementedError(f"warp_specialized takes W12 with packed planes, x folded and N % {cta} == 0")
     kh = k // 2
     steps = kh // split // block_k  # K steps per program (each covers block_k rows of both K halves)
     half_blocks = kh // block_k  # block index of the upper K half's first block
@@ -347,7 +353,9 @@ def _kernel_call(x, operands, *, k: int, n: int, mp: int, block_k: int, split: i
         else:
             w_gmem, o_gmem, *scr = refs
         j, si = jax.lax.axis_index("n"), jax.lax.axis_index("s")
+        wg = jax.lax.axis_index("wg") if ws else 0  # this consumer's 64 rows of the program's W^T rows
         first = si * steps  # this program's first K block (in each half)
+        state = {}  # per consumer: its first W^T row, bases and positions (`setup`)
 
         def spec(shape, half, col_major, transforms=()):
             # a [shape] block of the lower (half 0) or upper (half 1) K half at pipeline step i
@@ -360,35 +368,45 @@ def _kernel_call(x, operands, *, k: int, n: int, mp: int, block_k: int, split: i
             x_specs = [plgpu.BlockSpec((mp, 2 * block_k), lambda i: (0, first + i), transforms=mma_tiles)]
         else:
             x_specs = [spec((mp, block_k), h, False, mma_tiles) for h in (0, 1)]
-        if w12:
-            plgpu.copy_gmem_to_smem(base_gmem.at[pl.ds(j * BN, BN)], bs, bar)
-            plgpu.barrier_wait(bar)
-            base7 = jax.lax.broadcast_in_dim(tile(bs, dec_layout.reduce(1)), (BN, block_k), (0,))
+        def setup():  # in each consumer, before its pipeline: the bases of its rows, positions for patches
+            row0 = state["row0"] = j * cta + wg * BN
+            if not w12:
+                return
+            plgpu.copy_gmem_to_smem(base_gmem.at[pl.ds(row0, BN)], bs.at[wg], bar.at[wg])
+            plgpu.barrier_wait(bar.at[wg])
+            base7 = jax.lax.broadcast_in_dim(tile(bs.at[wg], dec_layout.reduce(1)), (BN, block_k), (0,))
             if not interpret:  # the broadcast's layout, named for the lowering
                 base7 = plgpu.layout_cast(base7, dec_layout)
-            n_iota, k_iota = iota(0) + j * BN, iota(1)
+            state["base7"] = base7
+            state["n_iota"], state["k_iota"] = iota(0) + row0, iota(1)
+            if use_slots:
+                state["pos_lo"] = (iota(0) << 8) | state["k_iota"]  # an element's packed position in the table
+                state["pos_hi"] = state["pos_lo"] | 0x8000
+
+        if w12:
             if planes == "packed":  # one copy per step: [sm lower half | sm upper half | nibbles] per row
-                w_specs = [plgpu.BlockSpec((BN, 3 * block_k), lambda i: (j, first + i), transforms=plane_tiles)]
+                w_specs = [plgpu.BlockSpec((cta, 3 * block_k), lambda i: (j, first + i), transforms=plane_tiles)]
                 w_gmem_refs = (sm_gmem,)
             else:
                 w_specs = [spec((BN, block_k), h, True, plane_tiles) for h in (0, 1, 0)]
                 w_gmem_refs = (sm_gmem, sm_gmem, nib_gmem)
-            if use_slots:  # one row of the slot table per step, streamed like the planes
-                pos_lo = (iota(0) << 8) | k_iota  # an element's packed position in the table
-                pos_hi = pos_lo | 0x8000
-                w_specs.append(plgpu.BlockSpec((1, slot_gmem.shape[1]),
-                                               lambda i: ((first + i) * (n // BN) + j, 0)))
+            if use_slots:  # the slot table's rows of this step (one per consumer), streamed like the planes
+                w_specs.append(plgpu.BlockSpec((nwg, slot_gmem.shape[1]),
+                                               lambda i: ((first + i) * (n // cta) + j, 0)))
                 w_gmem_refs += (slot_gmem,)
         else:
             w_specs = [spec((BN, block_k), h, True, mma_tiles) for h in (0, 1)]
             w_gmem_refs = (w_gmem, w_gmem)
 
         def decode(k0, *tiles):  # planes of the step starting at half-row k0 -> two A tiles
+            base7 = state["base7"]
             if planes == "packed":
-                s_lo, s_hi, nb = (tiles[0].at[:, pl.ds(q * block_k, block_k)] for q in range(3))
+                pk = tiles[0].at[pl.ds(wg * BN, BN)] if ws else tiles[0]  # this consumer's rows
+                s_lo, s_hi, nb = (pk.at[:, pl.ds(q * block_k, block_k)] for q in range(3))
                 slot = tiles[1:]
             else:
                 s_lo, s_hi, nb, *slot = tiles
+            slot = [t.at[pl.ds(wg, 1)] for t in slot] if ws else slot  # this consumer's row
             if ptx_decode is not None:  # registers decoded by PTX, slot-table patches included
                 planes_ = [tile(t, dec_layout) for t in (s_lo, s_hi, nb)]
                 lo, hi = ptx_decode(*planes_, base7, *(slot[:1] if ptx_slots else ()))
@@ -415,7 +433,7 @@ def _kernel_call(x, operands, *, k: int, n: int, mp: int, block_k: int, split: i
                     lo, hi = carry
                     entry = slot[0][0, 1 + e]
                     key, v = entry & 0xFFFF, ((entry >> 16) & 0xFFFF).astype(jnp.uint16)
-                    return jnp.where(pos_lo == key, v, lo), jnp.where(pos_hi == key, v, hi)
+                    return jnp.where(state["pos_lo"] == key, v, lo), jnp.where(state["pos_hi"] == key, v, hi)
 
                 lo, hi = jax.lax.fori_loop(0, slot[0][0, 0], one_slot, (lo, hi))
                 return finish(lo, hi)
@@ -426,6 +444,7 @@ def _kernel_call(x, operands, *, k: int, n: int, mp: int, block_k: int, split: i
             def one(e, carry):  # an exception at W[r, c] is A[c - n0, r - k0] of its half's tile
                 lo, hi = carry
                 r, c, v = row_gmem[e], col_gmem[e], val_gmem[e]
+                n_iota, k_iota = state["n_iota"], state["k_iota"]
                 at = (n_iota == c) & (k_iota == r - k0)
                 lo = jnp.where(at, v, lo)
                 return lo, jnp.where((n_iota == c) & (k_iota == r - kh - k0), v, hi)
@@ -433,7 +452,7 @@ def _kernel_call(x, operands, *, k: int, n: int, mp: int, block_k: int, split: i
             g0 = k0 // fmt["group_k"]
             g1 = (k0 + block_k + fmt["group_k"] - 1) // fmt["group_k"]
             for c in range(max(1, BN // fmt["group_n"])):  # static: the CSR column cells this block spans
-                cell = ((j * BN) // fmt["group_n"] + c) * fmt["n_groups_k"]
+                cell = (state["row0"] // fmt["group_n"] + c) * fmt["n_groups_k"]
                 lo, hi = jax.lax.fori_loop(ptr_gmem[cell + g0], ptr_gmem[cell + g1], one, (lo, hi))
             return finish(lo, hi)
 
@@ -445,7 +464,7 @@ def _kernel_call(x, operands, *, k: int, n: int, mp: int, block_k: int, split: i
                 lo, hi = plgpu.layout_cast(lo, wgmma_layout), plgpu.layout_cast(hi, wgmma_layout)
             if a_in_registers:  # the decoded tile never touches shared memory
                 return lo, hi
-            a_lo, a_hi = scr[0], scr[1]  # stored with the swizzle wgmma reads (the interpreter: always)
+            a_lo, a_hi = scr[0].at[wg], scr[1].at[wg]  # stored with the swizzle wgmma reads (interpreter: always)
             a_lo[...] = lo
             a_hi[...] = hi
             return a_lo, a_hi
@@ -453,52 +472,87 @@ def _kernel_call(x, operands, *, k: int, n: int, mp: int, block_k: int, split: i
         def b_operand(x_tile, h):  # x [Mp, BK] -> B = x^T [BK, Mp], K-major
             if not interpret:
                 return plgpu.transpose_ref(x_tile, (1, 0))
-            xt = scr[-2 + h]  # the interpreter has no transposed refs: a transposed copy
+            xt = scr[-2 + h].at[wg]  # the interpreter has no transposed refs: a transposed copy
             xt[...] = x_tile[...].T
             return xt
 
-        def scope(acc):
-            def body(indices, *tiles):
-                (i,) = indices
-                if fold_x:
-                    x_lo, x_hi = (tiles[0].at[:, pl.ds(h * block_k, block_k)] for h in (0, 1))
-                    w_tiles = tiles[1:]
-                else:
-                    x_lo, x_hi, *w_tiles = tiles
-                if w12:
-                    a_lo, a_hi = decode((first + i) * block_k, *w_tiles)
-                elif a_in_registers:  # a diagnostic twin: the bf16 tiles through registers, as W12's are
-                    a_lo, a_hi = (plgpu.load(t, (), layout=wgmma_layout) for t in w_tiles)
-                else:
-                    a_lo, a_hi = w_tiles
-                b_lo, b_hi = b_operand(x_lo, 0), b_operand(x_hi, 1)
-                if w12 and not a_in_registers:
-                    plgpu.commit_smem()
-                plgpu.wgmma(acc, a_lo, b_lo)
-                plgpu.wgmma(acc, a_hi, b_hi)
-                plgpu.wgmma_wait(0)  # before the pipeline refills these buffers
+        def step(acc, indices, *tiles):
+            (i,) = indices
+            if fold_x:
+                x_lo, x_hi = (tiles[0].at[:, pl.ds(h * block_k, block_k)] for h in (0, 1))
+                w_tiles = tiles[1:]
+            else:
+                x_lo, x_hi, *w_tiles = tiles
+            if w12:
+                a_lo, a_hi = decode((first + i) * block_k, *w_tiles)
+            elif a_in_registers:  # a diagnostic twin: the bf16 tiles through registers, as W12's are
+                a_lo, a_hi = (plgpu.load(t, (), layout=wgmma_layout) for t in w_tiles)
+            else:
+                a_lo, a_hi = w_tiles
+            b_lo, b_hi = b_operand(x_lo, 0), b_operand(x_hi, 1)
+            if w12 and not a_in_registers:
+                plgpu.commit_smem()
+            plgpu.wgmma(acc, a_lo, b_lo)
+            plgpu.wgmma(acc, a_hi, b_hi)
+            plgpu.wgmma_wait(0)  # before the pipeline refills these buffers
 
-            plgpu.emit_pipeline(body, grid=(steps,), in_specs=[*x_specs, *w_specs],
-                                max_concurrent_steps=stages)(*(x_gmem,) * len(x_specs), *w_gmem_refs)
-            o_gmem[si, pl.ds(j * BN, BN), :] = acc[...]
+        gmem_refs = (*(x_gmem,) * len(x_specs), *w_gmem_refs)
+        if not ws:
+            setup()
 
-        pl.run_scoped(scope, plgpu.ACC((BN, mp), jnp.float32))
+            def scope(acc):
+                plgpu.emit_pipeline(functools.partial(step, acc), grid=(steps,), in_specs=[*x_specs, *w_specs],
+                                    max_concurrent_steps=stages)(*gmem_refs)
+                o_gmem[si, pl.ds(state["row0"], BN), :] = acc[...]
 
-    scratch = []
-    if w12:  # the block's bases
-        scratch = [plgpu.SMEM((BN,), jnp.int32), plgpu.Barrier(num_arrivals=1)]
+            pl.run_scoped(scope, plgpu.ACC((BN, mp), jnp.float32))
+            return
+
+        # Warp-specialized: a third warpgroup issues every copy; the two consumers decode and multiply their
+        # own 64 rows of each step's tiles (x's tile is shared), with no barrier between them and the copies.
+        def pipeline(body, context):
+            return plgpu.emit_pipeline_warp_specialized(
+                body, grid=(steps,), memory_registers=40, in_specs=[*x_specs, *w_specs], wg_axis="wg",
+                num_compute_wgs=nwg, max_concurrent_steps=stages, compute_context=context)
+
+        def ignore(*_, **__):
+            return None
+
+        @functools.partial(pl.run_scoped, allocs=pipeline(ignore, ignore).get_allocations(*gmem_refs),
+                           collective_axes="wg")
+        def _(allocs):
+            def context(eval_pipeline):
+                setup()
+
+                def scope(acc):
+                    eval_pipeline(acc)
+                    o_gmem[si, pl.ds(state["row0"], BN), :] = acc[...]
+
+                pl.run_scoped(scope, plgpu.ACC((BN, mp), jnp.float32))
+
+            def body(indices, *tiles_and_acc):
+                *tiles, acc = tiles_and_acc
+                step(acc, indices, *tiles)
+                return acc
+
+            pipeline(body, context)(*gmem_refs, allocations=allocs)
+
+    scratch = []  # per consumer warpgroup:
+    if w12:  # the bases of its rows
+        scratch = [plgpu.SMEM((nwg, BN), jnp.int32), plgpu.Barrier(num_arrivals=1, num_barriers=nwg)]
     if w12 and not a_in_registers:  # the decoded A tiles
-        scratch += [plgpu.SMEM((BN, block_k), jnp.bfloat16, transforms=mma_tiles)] * 2
+        scratch += [plgpu.SMEM((nwg, BN, block_k), jnp.bfloat16, transforms=mma_tiles)] * 2
     if interpret:  # the interpreter has no transposed refs: transposed x tiles
-        scratch += [plgpu.SMEM((block_k, mp), jnp.bfloat16, transforms=_transforms(16, 2 * mp))] * 2
+        scratch += [plgpu.SMEM((nwg, block_k, mp), jnp.bfloat16, transforms=_transforms(16, 2 * mp))] * 2
         from jax._src.pallas.mosaic_gpu.interpret.params import InterpretGPUParams
         interpret_arg = InterpretGPUParams()
     else:
         interpret_arg = None
+    threads = dict(num_threads=nwg + 1, thread_name="wg") if ws else {}
     call = plgpu.kernel(kernel, out_type=jax.ShapeDtypeStruct((split, n, mp), jnp.float32),
-                        grid=(n // BN, split), grid_names=("n", "s"), scratch_types=scratch,
+                        grid=(n // cta, split), grid_names=("n", "s"), scratch_types=scratch,
                         compiler_params=plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Lane),
-                        interpret=interpret_arg)
+                        interpret=interpret_arg, **threads)
     return call(x, *operands)
 
 
@@ -523,11 +577,11 @@ def _prepare_x(x: jax.Array, k: int, n: int, block_k: int):
 
 
 @functools.partial(jax.jit, static_argnames=("block_k", "split", "stages", "interpret", "exceptions", "diagnostic",
-                                             "planes", "a_operand", "decode", "fold_x"))
+                                             "planes", "a_operand", "decode", "fold_x", "warp_specialized"))
 def w12_mosaic_partials(x: jax.Array, w: W12NK, block_k: int = 64, split: int | None = None, stages: int = 3,
                         interpret: bool = False, exceptions: str = "auto", diagnostic: str = "",
                         planes: str = "auto", a_operand: str = "registers", decode: str = "auto",
-                        fold_x: bool = True) -> jax.Array:
+                        fold_x: bool = True, warp_specialized: bool = False) -> jax.Array:
     """x [M, K] bf16 (M <= 64), W12NK [K, N] -> partial products [split, M, N] float32.
 
     exceptions: "auto" patches from the slot table when `w.slot_k == block_k` (`to_nk(w, block_k)`), else
@@ -536,7 +590,10 @@ def w12_mosaic_partials(x: jax.Array, w: W12NK, block_k: int = 64, split: int | 
     takes the decoded tile from "registers" (default) or "smem". decode: "auto" (default: PTX where it can
     run, the jnp decode in the interpreter, for "wgmma" planes and the diagnostics), "ptx" (`_ptx_decode`;
     compiled only) or "jnp" (element-wise). fold_x (default): x's two K-half tiles of a step in one copy.
-    The defaults are the fastest measured on the H200 (docs/performance.md).
+    The defaults are the fastest measured on the H200 (docs/performance.md). warp_specialized
+    (experimental: interpreter-exact, lowered, not yet run on a GPU): programs of two consumer warpgroups
+    (128 W^T rows, x's tile shared) and a third that only issues the copies
+    (`plgpu.emit_pipeline_warp_specialized`); packed planes, x folded, N % 128 == 0.
     diagnostic (timing only, inexact with exceptions): "no_patch" skips the patches, "load_only" also
     replaces the decode by one XOR per weight, "copies_only" streams the planes but never loads them
     (the A tile is a constant): the cost of the copies alone."""
@@ -555,13 +612,15 @@ def w12_mosaic_partials(x: jax.Array, w: W12NK, block_k: int = 64, split: int | 
         raise ValueError(f"planes={planes!r} needs separate planes; these were packed (to_nk(w, pack=False) "
                          f"keeps them)")
     x_p = _fold_x(x_p, block_k) if fold_x else x_p
+    # the same split with or without warp specialization (so the same twin): the consumers are as many
     split = split or _split(k // 2, block_k, n, 2 * NUM_SMS_H200)
     fmt = dict(group_n=w.group_n, group_k=w.group_k, n_groups_k=w.n_groups_k)
     planes_ops = (w.packed if planes == "packed" else w.sm_t, w.nib_t)
     out = _kernel_call(x_p, (*planes_ops, w.base7, w.exc_ptr, w.exc_row, w.exc_col, w.exc_val, w.slots),
                        k=k, n=n, mp=mp, block_k=block_k, split=split, stages=stages, w12=True, fmt=fmt,
                        interpret=interpret, use_slots=exceptions == "auto" and w.slot_k == block_k,
-                       diagnostic=diagnostic, planes=planes, a_operand=a_operand, decode=decode, fold_x=fold_x)
+                       diagnostic=diagnostic, planes=planes, a_operand=a_operand, decode=decode, fold_x=fold_x,
+                       warp_specialized=warp_specialized)
     return jnp.swapaxes(out, 1, 2)[:, :m]
 
 

@@ -80,6 +80,24 @@ class _MosaicCases:
             mk.w12_mosaic_partials(x, nk, planes="upcast", interpret=self.interpret)
         assert_same_bits(mk.w12_mosaic_partials(x, unpacked, interpret=self.interpret), twin)  # "auto": upcast
 
+    def test_warp_specialized_bit_identical_to_bf16_twin(self):
+        """warp_specialized: two consumer warpgroups per program (128 W^T rows, x shared) and a copying
+        warpgroup; same wgmma calls per 64 rows as the plain kernel, so the same twin's bits. Slot table and
+        CSR, Inf / NaN among the exceptions, two column programs and two splits."""
+        decodes = ("jnp",) if self.interpret else ("jnp", "ptx")
+        for k, n, m, finite in ((256, 256, 5, True), (512, 128, 33, False)):
+            w = adversarial_weights(k, n, seed=k + n + m, finite=finite)
+            x = jnp.asarray(np.random.default_rng(m).standard_normal((m, k)), jnp.bfloat16)
+            nk = mk.to_nk(jax.device_put(w12.encode(w)))
+            twin = mk.bf16_mosaic_partials(x, jnp.asarray(w).T, split=2, interpret=self.interpret)
+            for exceptions, decode in [(e, d) for e in ("auto", "csr") for d in decodes]:
+                got = mk.w12_mosaic_partials(x, nk, split=2, interpret=self.interpret, warp_specialized=True,
+                                             exceptions=exceptions, decode=decode)
+                assert_same_bits(got, twin)
+        with pytest.raises(NotImplementedError, match="N % 128"):
+            odd = mk.to_nk(jax.device_put(w12.encode(adversarial_weights(256, 192, seed=1))))
+            mk.w12_mosaic_partials(x[:, :256], odd, interpret=self.interpret, warp_specialized=True)
+
     def test_every_finite_bf16_pattern(self):
         """Every finite bf16 bit pattern (both zeros, subnormals, the largest normals) as a weight, each row
         read back alone by a one-hot x: the compiled kernel's decode (jnp and PTX) gives each weight's exact
@@ -178,6 +196,11 @@ def test_lowers_for_cuda(k, n):
         for diagnostic in ("no_patch", "load_only", "copies_only"):  # the benchmark's timing diagnostics
             fn = jax.jit(functools.partial(mk.w12_mosaic_partials, diagnostic=diagnostic))
             assert "mosaic_gpu" in fn.trace(s((1, k), jnp.bfloat16), nk).lower(lowering_platforms=("cuda",)).as_text()
+        for m in (1, 64):  # warp-specialized programs (two consumers and a copying warpgroup)
+            if slot_k and n % 128 == 0:
+                fn = jax.jit(functools.partial(mk.w12_mosaic_partials, warp_specialized=True, decode="ptx"))
+                assert "mosaic_gpu" in fn.trace(s((m, k), jnp.bfloat16), nk).lower(
+                    lowering_platforms=("cuda",)).as_text()
         for m, diagnostic, planes in ((1, "", "upcast"), (16, "", "upcast"), (64, "", "upcast"),
                                       (1, "no_patch", "upcast"), (1, "", "packed"), (64, "", "packed")):
             if planes == "packed" and not slot_k:
