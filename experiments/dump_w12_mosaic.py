@@ -5,7 +5,8 @@ MOSAIC_GPU_DUMP_TO), plus a per-variant count of the SASS instructions by opcode
     PYTHONPATH=. python3 experiments/dump_w12_mosaic.py --out $OUT/sass        # H200 (needs nvdisasm)
 
 Each variant runs once on a [4096, 4096] matrix at M = 1 and M = 16 so the module is compiled for real.
-The counts tell how many instructions a weight costs in the K loop: read the loop body in the .sass file.
+The counts tell how many instructions a weight costs in the K loop: read the loop body in the .sass file
+(written only where Mosaic GPU finds nvdisasm in its CUDA root; the PTX and ptxas's register report always).
 """
 
 from __future__ import annotations
@@ -21,11 +22,11 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-VARIANTS = {  # name -> (w12?, options)
-    "twin": (False, {}),
-    "w12_upcast": (True, {}),
-    "w12_packed": (True, {"planes": "packed"}),
-    "w12_upcast_load_only": (True, {"diagnostic": "load_only"}),
+VARIANTS = {  # name -> (w12?, planes packed by to_nk?, options)
+    "twin": (False, True, {}),
+    "w12": (True, True, {}),  # the defaults: packed planes, PTX decode, x folded
+    "w12_ws": (True, True, {"warp_specialized": True}),
+    "w12_upcast_jnp": (True, False, {"planes": "upcast", "decode": "jnp", "fold_x": False}),  # third pass
 }
 
 
@@ -43,11 +44,12 @@ def main(argv=None) -> dict:
     p.add_argument("--out", required=True)
     p.add_argument("--only", default="", help="comma list of variant names")
     p.add_argument("--m", default="1,16")
+    p.add_argument("--keep-mlir", action="store_true", help="keep the MLIR after each pass (large)")
     args = p.parse_args(argv)
     names = [v for v in args.only.split(",") if v] or list(VARIANTS)
     report = {}
     for name in names:
-        w12_kernel, opts = VARIANTS[name]
+        w12_kernel, pack, opts = VARIANTS[name]
         for m in [int(v) for v in args.m.split(",")]:
             folder = os.path.join(args.out, f"{name}_m{m}")
             os.makedirs(folder, exist_ok=True)
@@ -58,13 +60,16 @@ def main(argv=None) -> dict:
                     f"w = (jax.random.normal(jax.random.key(0), (4096, 4096)) * 0.02).astype(jnp.bfloat16)\n"
                     f"x = jax.random.normal(jax.random.key(1), ({m}, 4096)).astype(jnp.bfloat16)\n"
                     f"if {w12_kernel}:\n"
-                    f"    nk = mk.to_nk(w12.encode(w), 64, pack={opts.get('planes') == 'packed'})\n"
+                    f"    nk = mk.to_nk(w12.encode(w), 64, pack={pack})\n"
                     f"    y = mk.w12_mosaic_partials(x, nk, **{opts!r})\n"
                     f"else:\n"
                     f"    y = mk.bf16_mosaic_partials(x, w.T.copy())\n"
                     f"print(float(y.sum()))\n")
             with open(f"{folder}/run.log", "w") as log:
                 rc = subprocess.run([sys.executable, "-c", code], stdout=log, stderr=subprocess.STDOUT).returncode
+            if not args.keep_mlir:  # tens of MB per variant: more than a device call brings back
+                for f in glob.glob(f"{folder}/*mlir-passes*"):
+                    os.remove(f)
             sass = "".join(open(f).read() for f in glob.glob(f"{folder}/*.sass"))
             report[f"{name}_m{m}"] = {"rc": rc, "ops": opcode_counts(sass), "files": sorted(os.listdir(folder))}
             print(name, m, "rc", rc, "sass lines", len(sass.splitlines()), flush=True)
