@@ -143,9 +143,7 @@ def check_shape(k: int, n: int, block_k: int = 64):
 
 
 def _check(k: int, n: int, m: int, block_k: int):
-    if k % 2 or (k // 2) % block_k or n % BN:
-        raise NotImplementedError(f"the Mosaic W12 kernel needs K/2 % {block_k} == 0 and N % {BN} == 0, "
-                                  f"got [{k}, {n}]")
+    check_shape(k, n, block_k)
     if m > MP_CHOICES[-1]:
         raise NotImplementedError(f"the Mosaic W12 kernel takes M <= {MP_CHOICES[-1]}, got {m}")
 

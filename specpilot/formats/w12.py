@@ -50,8 +50,24 @@ FIELDS = ("sm", "nib", "base", "exc_ptr", "exc_row", "exc_col", "exc_val")
 LINEAR_NAMES = ("q", "k", "v", "o", "gate", "up", "down", "qkv", "gate_up")  # separate or fused layout
 
 
+class _EncodedMatrix:
+    """What W12 and W12NK share: a bf16 [K, N] matrix to the code that multiplies by it."""
+
+    @property
+    def num_exceptions(self) -> int:
+        return int(self.exc_row.shape[0])
+
+    @property
+    def dtype(self):
+        return jnp.bfloat16
+
+    @property
+    def ndim(self) -> int:
+        return 2
+
+
 @dataclasses.dataclass(frozen=True)
-class W12:
+class W12(_EncodedMatrix):
     """A W12-encoded [K, N] matrix. Arrays are numpy (offline) or jax (device); a pytree either way."""
 
     sm: Any  # int8 [K, N]
@@ -80,25 +96,12 @@ class W12:
     def n_groups_n(self) -> int:
         return -(-self.shape[1] // self.group_n)
 
-    @property
-    def num_exceptions(self) -> int:
-        return int(self.exc_row.shape[0])
-
-    @property
-    def dtype(self):
-        return jnp.bfloat16
-
-    @property
-    def ndim(self) -> int:
-        return 2
-
 
 jax.tree_util.register_dataclass(W12, data_fields=list(FIELDS), meta_fields=["shape", "group_n", "group_k", "kernel"])
 
 
-
 @dataclasses.dataclass(frozen=True)
-class W12NK:
+class W12NK(_EncodedMatrix):
     """A W12 matrix in the Mosaic GPU kernel's layout (`pallas_kernels.w12_mosaic.to_nk`): planes in
     N-major order, packed step by step by default, and each kernel step's exceptions in a slot table.
     `linear` multiplies by it with that kernel (`kernel="mosaic"` in `encode_params`)."""
@@ -118,23 +121,12 @@ class W12NK:
     n_groups_k: int
     slot_k: int  # static: the step the slots were built for; 0 = no slots (the kernel reads the CSR)
 
-    @property
-    def num_exceptions(self) -> int:
-        return int(self.exc_row.shape[0])
-
-    @property
-    def dtype(self):
-        return jnp.bfloat16
-
-    @property
-    def ndim(self) -> int:
-        return 2
-
 
 jax.tree_util.register_dataclass(W12NK, data_fields=["sm_t", "nib_t", "base7", "exc_ptr", "exc_row", "exc_col",
                                                      "exc_val", "slots", "packed"],
                                  meta_fields=["shape", "group_n", "group_k", "n_groups_k", "slot_k"])
 ENCODED = (W12, W12NK)  # the weight types `linear` multiplies
+
 
 def bf16_bits(w) -> np.ndarray:
     """uint16 bit patterns of a bf16 array (numpy, jax, or already uint16)."""
