@@ -59,6 +59,7 @@ VARIANTS: dict[str, Variant] = {
     "stock_twin": Variant(stock=True, twin=True),
     "replica": Variant(),
     "fused": Variant(fuse=True),
+    "fused_twin": Variant(fuse=True, twin=True),
     "fused_nk": Variant(fuse=True, layout="nk"),
     "fused_fori": Variant(fuse=True, loop="fori"),
     "fused_lean": Variant(fuse=True, lean=True),
