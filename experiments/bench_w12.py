@@ -153,7 +153,7 @@ def bench_shape(name, k, n, ms, args, interpret, copy_bw, record):
         ref = jnp.einsum("mk,kn->mn", x, w_bf16, preferred_element_type=jnp.float32)
         impls = [("xla_bf16", None, lambda xx, w: jnp.einsum("mk,kn->mn", xx, w,
                                                               preferred_element_type=jnp.float32), ws_bf16)]
-        for b in variants:
+        for b in [] if args.no_triton else variants:
             impls.append(("bf16_twin", b, kernel_mm(km.bf16_matmul, b, interpret), ws_bf16))
             impls.append(("w12", b, kernel_mm(km.w12_matmul, b, interpret), ws_w12))
             impls.append(("w12_noexc", b, kernel_mm(km.w12_matmul, b, interpret), ws_clean))
@@ -375,6 +375,8 @@ def main(argv=None) -> dict:
     p.add_argument("--mg-edits", default="",
                    help="variants of the Mosaic kernel (with --mosaic), e.g. 'block_k=128;stages=4,split=1;"
                         "exceptions=csr;diagnostic=no_patch' (split: the number of K splits, not a factor)")
+    p.add_argument("--no-triton", action="store_true",
+                   help="skip the Triton kernels (bf16_twin, w12, w12_noexc): XLA and the Mosaic kernels only")
     p.add_argument("--edits", default="", help="extra block variants, e.g. 'prefetch=1;prefetch=1,block_k=64'")
     p.add_argument("--jnp-decode", action="store_true",
                    help="also time w12_jnp: the kernel with the elementwise decoder instead of the PTX one")
