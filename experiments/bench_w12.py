@@ -173,7 +173,8 @@ def bench_shape(name, k, n, ms, args, interpret, copy_bw, record):
             twins_timed = set()
             for mg in parse_edits(args.mg_edits) or [{}]:
                 mg_key = tuple(sorted(mg.items()))  # the variant's label and its pairing with its twin
-                bk, pack = int(mg.get("block_k", 64)), mg.get("planes", "packed") == "packed"
+                bk = int(mg.get("block_k", 0)) or mk.default_block_k(k, n)  # the kernel's default step for this shape
+                pack = mg.get("planes", "packed") == "packed"
                 if (bk, pack) not in ws_nk:
                     ws_nk[bk, pack] = [mk.to_nk(e, block_k=bk, pack=pack) for e in ws_w12]
                 twin_opts = {key: v for key, v in mg.items() if key in ("block_k", "stages", "split", "fold_x")}

@@ -49,6 +49,22 @@ SWIZZLE = 128  # bytes: the swizzle of both wgmma operands in shared memory (TMA
 SWIZZLE_BF16 = SWIZZLE // 2  # bf16 elements per swizzled row: block_k is a multiple of it
 
 
+# Step size by shape (measured on the H200, docs/performance.md, run mg11): at the LM head, steps of 128
+# half-rows over 2 stages read 3 x 128-byte rows per step and beat 64 x 3 stages (272 against 286 us at
+# M = 1); at the layer shapes the two are level within the noise, so they keep 64.
+LARGE_N = 32768  # N from which block_k 128 is the default
+
+
+def default_block_k(k: int, n: int) -> int:
+    """The step (half-rows of K per pipeline step) `to_nk` packs a [K, N] weight for, and its twin uses."""
+    return 128 if n >= LARGE_N and (k // 2) % 128 == 0 and n % BN == 0 else 64
+
+
+def default_stages(block_k: int) -> int:
+    """Pipeline depth for a step size: 2 for 128 (two 32 KB steps in flight per program), else 3."""
+    return 2 if block_k >= 128 else 3
+
+
 MAX_SLOTS = 256  # a step's slot row is one TMA box (<= 256 elements): 1 count + up to 255 exceptions
 SLOT_ALIGN = 32  # int32 entries per 128 bytes
 
@@ -98,14 +114,16 @@ def pack_planes(sm_t: jax.Array, nib_t: jax.Array, block_k: int) -> jax.Array:
     return jnp.stack([p_.reshape(n, steps, block_k) for p_ in parts], axis=2).reshape(n, 3 * kh)
 
 
-def to_nk(w: W12, block_k: int = 64, pack: bool = True) -> W12NK:
+def to_nk(w: W12, block_k: int | None = None, pack: bool = True) -> W12NK:
     """Transpose the planes once (offline, like encoding) and tabulate the exceptions per kernel step of
     `block_k` rows (`exception_slots`); the CSR lists are kept for matrices whose steps overflow a slot row.
-    `pack` (default) stores the planes step by step for `planes="packed"` and only so (the separate
-    N-major planes become empty placeholders); it needs the slot table, so a matrix with a step of more
-    than 255 exceptions keeps separate planes. `pack=False` keeps separate planes for "upcast"/"wgmma"."""
+    `block_k` defaults to `default_block_k(K, N)`. `pack` (default) stores the planes step by step for
+    `planes="packed"` and only so (the separate N-major planes become empty placeholders); it needs the
+    slot table, so a matrix with a step of more than 255 exceptions keeps separate planes. `pack=False`
+    keeps separate planes for "upcast"/"wgmma"."""
     exc = exception_lists(w)
     k, n = w.shape
+    block_k = block_k or default_block_k(k, n)
     slots = exception_slots(w, block_k) if (k // 2) % block_k == 0 and n % BN == 0 else None
     sm_t, nib_t = jnp.asarray(w.sm).T.copy(), jnp.asarray(w.nib).T.copy()
     packed = pack and slots is not None
@@ -576,12 +594,14 @@ def _prepare_x(x: jax.Array, k: int, n: int, block_k: int):
 
 @functools.partial(jax.jit, static_argnames=("block_k", "split", "stages", "interpret", "exceptions", "diagnostic",
                                              "planes", "a_operand", "decode", "fold_x", "warp_specialized"))
-def w12_mosaic_partials(x: jax.Array, w: W12NK, block_k: int = 64, split: int | None = None, stages: int = 3,
+def w12_mosaic_partials(x: jax.Array, w: W12NK, block_k: int | None = None, split: int | None = None,
+                        stages: int | None = None,
                         interpret: bool = False, exceptions: str = "auto", diagnostic: str = "",
                         planes: str = "auto", a_operand: str = "registers", decode: str = "auto",
                         fold_x: bool = True, warp_specialized: bool = False) -> jax.Array:
     """x [M, K] bf16 (M <= 64), W12NK [K, N] -> partial products [split, M, N] float32.
 
+    block_k: the step `to_nk` packed the planes for (`w.slot_k`) by default; stages: `default_stages`.
     exceptions: "auto" patches from the slot table when `w.slot_k == block_k` (`to_nk(w, block_k)`), else
     from the CSR lists; "csr" always from the CSR lists. planes: "auto" (default: "packed" where `to_nk`
     packed them, else "upcast"), "upcast", "wgmma" or "packed" (see `_kernel_call`). a_operand: wgmma
@@ -596,6 +616,8 @@ def w12_mosaic_partials(x: jax.Array, w: W12NK, block_k: int = 64, split: int | 
     replaces the decode by one XOR per weight, "copies_only" streams the planes but never loads them
     (the A tile is a constant): the cost of the copies alone."""
     k, n = w.shape
+    block_k = block_k or w.slot_k or default_block_k(k, n)
+    stages = stages or default_stages(block_k)
     if (exceptions not in ("auto", "csr") or diagnostic not in ("", "no_patch", "load_only", "copies_only")
             or planes not in ("auto", "upcast", "wgmma", "packed")):
         raise ValueError(f"unknown exceptions={exceptions!r}, diagnostic={diagnostic!r} or planes={planes!r}")
@@ -623,12 +645,15 @@ def w12_mosaic_partials(x: jax.Array, w: W12NK, block_k: int = 64, split: int | 
 
 
 @functools.partial(jax.jit, static_argnames=("block_k", "split", "stages", "interpret", "a_operand", "fold_x"))
-def bf16_mosaic_partials(x: jax.Array, w_t: jax.Array, block_k: int = 64, split: int | None = None,
-                         stages: int = 3, interpret: bool = False, a_operand: str = "smem",
+def bf16_mosaic_partials(x: jax.Array, w_t: jax.Array, block_k: int | None = None, split: int | None = None,
+                         stages: int | None = None, interpret: bool = False, a_operand: str = "smem",
                          fold_x: bool = True) -> jax.Array:
     """The twin: the same kernel over the original bf16 weight, given transposed (w_t [N, K] = W^T, stored
-    once like `to_nk`'s planes), its tiles streamed by the same pipeline straight to the same wgmma calls."""
+    once like `to_nk`'s planes), its tiles streamed by the same pipeline straight to the same wgmma calls.
+    block_k and stages default as W12's do for the same shape, so the defaults of the two pair up."""
     n, k = w_t.shape
+    block_k = block_k or default_block_k(k, n)
+    stages = stages or default_stages(block_k)
     if w_t.dtype != jnp.bfloat16:
         raise NotImplementedError(f"the twin reads bf16 weights, got {w_t.dtype}")
     x_p, m, mp = _prepare_x(x, k, n, block_k)

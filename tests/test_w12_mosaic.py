@@ -347,3 +347,23 @@ def test_ptx_patch_replaces_exactly_the_listed_element():
             other = _run_ptx(mk._PATCH_PTX, [None, None, words[:, 0], words[:, 1], prep["$0"],
                                              key | np.uint32((1 - half) << 15), prep["$1"], prep["$2"], prep["$3"]])
             np.testing.assert_array_equal(np.stack([other["$0"], other["$1"]], -1), words)  # other half: untouched
+
+
+def test_step_defaults_follow_the_shape_and_the_packing():
+    """The LM head's shape packs for 128-row steps over 2 stages, the layer shapes for 64 over 3; a packed
+    W12NK runs at the step it was packed for without being told, and its default twin pairs with it."""
+    assert mk.default_block_k(4096, 151936) == 128 and mk.default_stages(128) == 2
+    assert mk.default_block_k(4096, 12288) == 64 and mk.default_stages(64) == 3
+    assert mk.default_block_k(4096 + 128, 151936) == 64  # K/2 = 2112 is not a multiple of 128
+    k, n, m = 512, 128, 3
+    w = (0.02 * np.random.default_rng(7).standard_normal((k, n))).astype(jnp.bfloat16)
+    w[0, 0], w[5, 7], w[300, 100], w[10, 3] = np.inf, np.nan, 1e30, 1e-30  # exceptions, few per step
+    enc = w12.encode(w)
+    nk = mk.to_nk(enc, block_k=128)
+    assert enc.num_exceptions >= 4 and nk.slot_k == 128
+    x = jnp.asarray(np.random.default_rng(3).standard_normal((m, k)), jnp.bfloat16)
+    got = mk.w12_mosaic_partials(x, nk, interpret=True)
+    twin = mk.bf16_mosaic_partials(x, jnp.asarray(w).T, block_k=128, stages=2, interpret=True)
+    assert_same_bits(got, twin)
+    with pytest.raises(ValueError, match="packed for block_k=64"):
+        mk.w12_mosaic_partials(x, nk, block_k=64, planes="packed", interpret=True)

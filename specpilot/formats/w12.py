@@ -400,7 +400,7 @@ def encode_params(params: dict, names: tuple[str, ...] = LINEAR_NAMES, lm_head: 
         if kernel == "mosaic":  # the Mosaic GPU kernel's own layout (imported on use: it imports this module)
             from pallas_kernels import w12_mosaic
 
-            w12_mosaic.check_shape(*x.shape)
+            w12_mosaic.check_shape(*x.shape, w12_mosaic.default_block_k(*x.shape))
             return w12_mosaic.to_nk(w)
         return dataclasses.replace(w, kernel=kernel)
 
