@@ -314,6 +314,14 @@ def _ptx_decode(dec_layout, shape, use_slots: bool):
     return decode
 
 
+def w12_operand_names(planes: str, use_slots: bool) -> tuple[str, ...]:
+    """The W12NK arrays a configuration passes to the kernel, in order: every operand costs host work at
+    each launch (at the layer shapes the launch, not the kernel, set the wall time: docs/performance.md),
+    so the nibble plane goes only with separate planes, and the CSR lists only without the slot table."""
+    return (("planes",) + (("nib",) if planes != "packed" else ()) + ("base7",)
+            + (("slots",) if use_slots else ("exc_ptr", "exc_row", "exc_col", "exc_val")))
+
+
 def _kernel_call(x, operands, *, k: int, n: int, mp: int, block_k: int, split: int, stages: int, w12: bool,
                  fmt: dict, interpret: bool, use_slots: bool = False, diagnostic: str = "", planes: str = "upcast",
                  a_operand: str = "registers", decode: str = "jnp", fold_x: bool = False,
@@ -362,10 +370,15 @@ def _kernel_call(x, operands, *, k: int, n: int, mp: int, block_k: int, split: i
         ptx_slots = use_slots and not diagnostic
         ptx_decode = _ptx_decode(dec_layout, (BN, block_k), ptx_slots)
 
+    names = w12_operand_names(planes, use_slots) if w12 else ()
+
     def kernel(x_gmem, *refs):
-        if w12:
-            sm_gmem, nib_gmem, base_gmem, ptr_gmem, row_gmem, col_gmem, val_gmem, slot_gmem, o_gmem, bs, bar, \
-                *scr = refs
+        if w12:  # only the operands this configuration reads (`w12_operand_names`)
+            g = dict(zip(names, refs))
+            o_gmem, bs, bar, *scr = refs[len(names):]
+            sm_gmem, nib_gmem, base_gmem = g["planes"], g.get("nib"), g["base7"]
+            ptr_gmem, row_gmem, col_gmem, val_gmem = (g.get(q) for q in ("exc_ptr", "exc_row", "exc_col", "exc_val"))
+            slot_gmem = g.get("slots")
         else:
             w_gmem, o_gmem, *scr = refs
         j, si = jax.lax.axis_index("n"), jax.lax.axis_index("s")
@@ -635,10 +648,12 @@ def w12_mosaic_partials(x: jax.Array, w: W12NK, block_k: int | None = None, spli
     # the same split with or without warp specialization (so the same twin): the consumers are as many
     split = split or _split(k // 2, block_k, n, 2 * NUM_SMS_H200)
     fmt = dict(group_n=w.group_n, group_k=w.group_k, n_groups_k=w.n_groups_k)
-    planes_ops = (w.packed if planes == "packed" else w.sm_t, w.nib_t)
-    out = _kernel_call(x_p, (*planes_ops, w.base7, w.exc_ptr, w.exc_row, w.exc_col, w.exc_val, w.slots),
+    use_slots = exceptions == "auto" and w.slot_k == block_k
+    arrays = dict(planes=w.packed if planes == "packed" else w.sm_t, nib=w.nib_t, base7=w.base7, exc_ptr=w.exc_ptr,
+                  exc_row=w.exc_row, exc_col=w.exc_col, exc_val=w.exc_val, slots=w.slots)
+    out = _kernel_call(x_p, tuple(arrays[q] for q in w12_operand_names(planes, use_slots)),
                        k=k, n=n, mp=mp, block_k=block_k, split=split, stages=stages, w12=True, fmt=fmt,
-                       interpret=interpret, use_slots=exceptions == "auto" and w.slot_k == block_k,
+                       interpret=interpret, use_slots=use_slots,
                        diagnostic=diagnostic, planes=planes, a_operand=a_operand, decode=decode, fold_x=fold_x,
                        warp_specialized=warp_specialized)
     return jnp.swapaxes(out, 1, 2)[:, :m]
