@@ -623,7 +623,7 @@ def w12_mosaic_partials(x: jax.Array, w: W12NK, block_k: int | None = None, spli
     run, the jnp decode in the interpreter, for "wgmma" planes and the diagnostics), "ptx" (`_ptx_decode`;
     compiled only) or "jnp" (element-wise). fold_x (default): x's two K-half tiles of a step in one copy.
     The defaults are the fastest measured on the H200 (docs/performance.md). warp_specialized
-    (experimental: interpreter-exact, lowered, not yet run on a GPU): programs of two consumer warpgroups
+    (exact against the twin on the H200, but not faster: docs/performance.md): programs of two consumer warpgroups
     (128 W^T rows, x's tile shared) and a third that only issues the copies
     (`plgpu.emit_pipeline_warp_specialized`); packed planes, x folded, N % 128 == 0.
     diagnostic (timing only, inexact with exceptions): "no_patch" skips the patches, "load_only" also
