@@ -154,6 +154,11 @@ def _split(kh: int, block_k: int, n: int, target_programs: int) -> int:
     return steps
 
 
+def default_split(k: int, n: int, block_k: int) -> int:
+    """The K split both kernels take by default for a [K, N] weight at a step of block_k half-rows."""
+    return _split(k // 2, block_k, n, 2 * NUM_SMS_H200)
+
+
 def check_shape(k: int, n: int, block_k: int = 64):
     """Raise if a [K, N] weight does not fit the kernel's tiles (before encoding a model for it)."""
     if k % 2 or (k // 2) % block_k or n % BN:
@@ -226,7 +231,7 @@ mov.b32 $1, $3;
 }"""
 
 
-def _ptx_decode(dec_layout, shape, use_slots: bool):
+def _ptx_decode(dec_layout, shape, use_slots: bool, col_offset: int = 0):
     """The decode of `decode="ptx"`: one `plgpu.inline_mgpu` function that works on the registers
     themselves. The plane tiles arrive in the upcast layout, four consecutive K elements of one W^T row
     per 32-bit register, and each register is decoded by a few PTX instructions on packed pairs:
@@ -281,6 +286,7 @@ def _ptx_decode(dec_layout, shape, use_slots: bool):
             keys = []  # per register: row << 8 | first column (the half bit is added for the upper tile)
             for rc in s_lo.layout.thread_idxs(s_lo.shape):
                 r, c = (arith.index_cast(i32, v) for v in rc)
+                c = arith.addi(c, mgpu_utils.c(col_offset, i32))  # the tile's first column in the table row
                 keys.append(arith.ori(arith.shli(r, mgpu_utils.c(8, i32)), c))
             hi_bit = mgpu_utils.c(0x8000, i32)
             keys_hi = [arith.ori(k, hi_bit) for k in keys]
@@ -326,8 +332,13 @@ def w12_operand_names(planes: str, use_slots: bool) -> tuple[str, ...]:
 def _kernel_call(x, operands, *, k: int, n: int, mp: int, block_k: int, split: int, stages: int, w12: bool,
                  fmt: dict, interpret: bool, use_slots: bool = False, diagnostic: str = "", planes: str = "upcast",
                  a_operand: str = "registers", decode: str = "jnp", fold_x: bool = False,
-                 warp_specialized: bool = False):
+                 warp_specialized: bool = False, subtile: bool = False):
     ws = warp_specialized
+    # subtile: each step's packed tiles are decoded and multiplied as block_k / 64 sub-steps of 64 half-rows
+    # (the copies stay block_k wide); `mma_k` is the K width of one decode and one wgmma pair.
+    mma_k = SWIZZLE_BF16 if subtile else block_k
+    if subtile and not (w12 and planes == "packed" and fold_x and not ws and block_k % mma_k == 0):
+        raise NotImplementedError("subtile takes W12 with packed planes and x folded, without warp_specialized")
     nwg = 2 if ws else 1  # consumer warpgroups per program, each over its own 64 W^T rows
     cta = BN * nwg  # W^T rows per program
     if ws and not (w12 and planes == "packed" and fold_x and n % cta == 0):
@@ -348,15 +359,15 @@ def _kernel_call(x, operands, *, k: int, n: int, mp: int, block_k: int, split: i
     if a_operand not in ("registers", "smem"):
         raise ValueError(f"a_operand must be 'registers' or 'smem', got {a_operand!r}")
     a_in_registers = a_operand == "registers" and not interpret
-    plane_tiles = () if planes == "wgmma" else _transforms(8, block_k)
+    plane_tiles = () if planes == "wgmma" else _transforms(8, mma_k)
 
     def tile(ref, layout):  # the interpreter has no layouts; compiled, they are explicit
         return ref[...] if interpret else plgpu.load(ref, (), layout=layout, optimized=planes != "wgmma")
 
     def iota(dim):
         if interpret:
-            return jax.lax.broadcasted_iota(jnp.int32, (BN, block_k), dim)
-        return plgpu.broadcasted_iota(jnp.int32, (BN, block_k), dim, layout=dec_layout)
+            return jax.lax.broadcasted_iota(jnp.int32, (BN, mma_k), dim)
+        return plgpu.broadcasted_iota(jnp.int32, (BN, mma_k), dim, layout=dec_layout)
 
     if decode not in ("auto", "jnp", "ptx"):
         raise ValueError(f"decode must be 'auto', 'jnp' or 'ptx', got {decode!r}")
@@ -369,7 +380,8 @@ def _kernel_call(x, operands, *, k: int, n: int, mp: int, block_k: int, split: i
         raise ValueError("decode='ptx' runs only compiled for an NVIDIA GPU: the interpreter has no PTX")
     if decode != "jnp" and ptx_able and w12 and not interpret:
         ptx_slots = use_slots and not diagnostic
-        ptx_decode = _ptx_decode(dec_layout, (BN, block_k), ptx_slots)
+        ptx_decode = [_ptx_decode(dec_layout, (BN, mma_k), ptx_slots, u * mma_k)  # one per sub-step
+                      for u in range(block_k // mma_k)]
 
     names = w12_operand_names(planes, use_slots) if w12 else ()
 
@@ -404,7 +416,7 @@ def _kernel_call(x, operands, *, k: int, n: int, mp: int, block_k: int, split: i
                 return
             plgpu.copy_gmem_to_smem(base_gmem.at[pl.ds(row0, BN)], bs.at[wg], bar.at[wg])
             plgpu.barrier_wait(bar.at[wg])
-            base7 = jax.lax.broadcast_in_dim(tile(bs.at[wg], dec_layout.reduce(1)), (BN, block_k), (0,))
+            base7 = jax.lax.broadcast_in_dim(tile(bs.at[wg], dec_layout.reduce(1)), (BN, mma_k), (0,))
             if not interpret:  # the broadcast's layout, named for the lowering
                 base7 = plgpu.layout_cast(base7, dec_layout)
             state["base7"] = base7
@@ -428,18 +440,19 @@ def _kernel_call(x, operands, *, k: int, n: int, mp: int, block_k: int, split: i
             w_specs = [spec((BN, block_k), h, True, mma_tiles) for h in (0, 1)]
             w_gmem_refs = (w_gmem, w_gmem)
 
-        def decode(k0, *tiles):  # planes of the step starting at half-row k0 -> two A tiles
+        def decode(k0, u, *tiles):  # sub-step u of the step starting at half-row k0 -> two A tiles
             base7 = state["base7"]
+            k0 = k0 + u * mma_k  # the sub-step's first half-row
             if planes == "packed":
                 pk = tiles[0].at[pl.ds(wg * BN, BN)] if ws else tiles[0]  # this consumer's rows
-                s_lo, s_hi, nb = (pk.at[:, pl.ds(q * block_k, block_k)] for q in range(3))
+                s_lo, s_hi, nb = (pk.at[:, pl.ds(q * block_k + u * mma_k, mma_k)] for q in range(3))
                 slot = tiles[1:]
             else:
                 s_lo, s_hi, nb, *slot = tiles
             slot = [t.at[pl.ds(wg, 1)] for t in slot] if ws else slot  # this consumer's row
             if ptx_decode is not None:  # registers decoded by PTX, slot-table patches included
                 planes_ = [tile(t, dec_layout) for t in (s_lo, s_hi, nb)]
-                lo, hi = ptx_decode(*planes_, base7, *(slot[:1] if ptx_slots else ()))
+                lo, hi = ptx_decode[u](*planes_, base7, *(slot[:1] if ptx_slots else ()))
                 if ptx_slots or diagnostic:
                     return finish(lo, hi)
                 lo = jax.lax.bitcast_convert_type(lo, jnp.uint16)  # the CSR patches work on the bits
@@ -463,7 +476,9 @@ def _kernel_call(x, operands, *, k: int, n: int, mp: int, block_k: int, split: i
                     lo, hi = carry
                     entry = slot[0][0, 1 + e]
                     key, v = entry & 0xFFFF, ((entry >> 16) & 0xFFFF).astype(jnp.uint16)
-                    return jnp.where(state["pos_lo"] == key, v, lo), jnp.where(state["pos_hi"] == key, v, hi)
+                    off = u * mma_k  # the sub-step's first column in the step's table row
+                    return (jnp.where(state["pos_lo"] + off == key, v, lo),
+                            jnp.where(state["pos_hi"] + off == key, v, hi))
 
                 lo, hi = jax.lax.fori_loop(0, slot[0][0, 0], one_slot, (lo, hi))
                 return finish(lo, hi)
@@ -480,7 +495,7 @@ def _kernel_call(x, operands, *, k: int, n: int, mp: int, block_k: int, split: i
                 return lo, jnp.where((n_iota == c) & (k_iota == r - kh - k0), v, hi)
 
             g0 = k0 // fmt["group_k"]
-            g1 = (k0 + block_k + fmt["group_k"] - 1) // fmt["group_k"]
+            g1 = (k0 + mma_k + fmt["group_k"] - 1) // fmt["group_k"]
             for c in range(max(1, BN // fmt["group_n"])):  # static: the CSR column cells this block spans
                 cell = (state["row0"] // fmt["group_n"] + c) * fmt["n_groups_k"]
                 lo, hi = jax.lax.fori_loop(ptr_gmem[cell + g0], ptr_gmem[cell + g1], one, (lo, hi))
@@ -508,23 +523,24 @@ def _kernel_call(x, operands, *, k: int, n: int, mp: int, block_k: int, split: i
 
         def step(acc, indices, *tiles):
             (i,) = indices
-            if fold_x:
-                x_lo, x_hi = (tiles[0].at[:, pl.ds(h * block_k, block_k)] for h in (0, 1))
-                w_tiles = tiles[1:]
-            else:
-                x_lo, x_hi, *w_tiles = tiles
-            if w12:
-                a_lo, a_hi = decode((first + i) * block_k, *w_tiles)
-            elif a_in_registers:  # a diagnostic twin: the bf16 tiles through registers, as W12's are
-                a_lo, a_hi = (plgpu.load(t, (), layout=wgmma_layout) for t in w_tiles)
-            else:
-                a_lo, a_hi = w_tiles
-            b_lo, b_hi = b_operand(x_lo, 0), b_operand(x_hi, 1)
-            if w12 and not a_in_registers:
-                plgpu.commit_smem()
-            plgpu.wgmma(acc, a_lo, b_lo)
-            plgpu.wgmma(acc, a_hi, b_hi)
-            plgpu.wgmma_wait(0)  # before the pipeline refills these buffers
+            for u in range(block_k // mma_k):  # sub-steps (one unless subtile): lower, then upper K half
+                if fold_x:
+                    x_lo, x_hi = (tiles[0].at[:, pl.ds(h * block_k + u * mma_k, mma_k)] for h in (0, 1))
+                    w_tiles = tiles[1:]
+                else:
+                    x_lo, x_hi, *w_tiles = tiles
+                if w12:
+                    a_lo, a_hi = decode((first + i) * block_k, u, *w_tiles)
+                elif a_in_registers:  # a diagnostic twin: the bf16 tiles through registers, as W12's are
+                    a_lo, a_hi = (plgpu.load(t, (), layout=wgmma_layout) for t in w_tiles)
+                else:
+                    a_lo, a_hi = w_tiles
+                b_lo, b_hi = b_operand(x_lo, 0), b_operand(x_hi, 1)
+                if w12 and not a_in_registers:
+                    plgpu.commit_smem()
+                plgpu.wgmma(acc, a_lo, b_lo)
+                plgpu.wgmma(acc, a_hi, b_hi)
+                plgpu.wgmma_wait(0)  # before the pipeline refills these buffers (or the next sub-step)
 
         gmem_refs = (*(x_gmem,) * len(x_specs), *w_gmem_refs)
         if not ws:
@@ -571,9 +587,9 @@ def _kernel_call(x, operands, *, k: int, n: int, mp: int, block_k: int, split: i
     if w12:  # the bases of its rows
         scratch = [plgpu.SMEM((nwg, BN), jnp.int32), plgpu.Barrier(num_arrivals=1, num_barriers=nwg)]
     if w12 and not a_in_registers:  # the decoded A tiles
-        scratch += [plgpu.SMEM((nwg, BN, block_k), jnp.bfloat16, transforms=mma_tiles)] * 2
+        scratch += [plgpu.SMEM((nwg, BN, mma_k), jnp.bfloat16, transforms=mma_tiles)] * 2
     if interpret:  # the interpreter has no transposed refs: transposed x tiles
-        scratch += [plgpu.SMEM((nwg, block_k, mp), jnp.bfloat16, transforms=_transforms(16, 2 * mp))] * 2
+        scratch += [plgpu.SMEM((nwg, mma_k, mp), jnp.bfloat16, transforms=_transforms(16, 2 * mp))] * 2
         from jax._src.pallas.mosaic_gpu.interpret.params import InterpretGPUParams
         interpret_arg = InterpretGPUParams()
     else:
@@ -607,12 +623,13 @@ def _prepare_x(x: jax.Array, k: int, n: int, block_k: int):
 
 
 @functools.partial(jax.jit, static_argnames=("block_k", "split", "stages", "interpret", "exceptions", "diagnostic",
-                                             "planes", "a_operand", "decode", "fold_x", "warp_specialized"))
+                                             "planes", "a_operand", "decode", "fold_x", "warp_specialized",
+                                             "subtile"))
 def w12_mosaic_partials(x: jax.Array, w: W12NK, block_k: int | None = None, split: int | None = None,
                         stages: int | None = None,
                         interpret: bool = False, exceptions: str = "auto", diagnostic: str = "",
                         planes: str = "auto", a_operand: str = "registers", decode: str = "auto",
-                        fold_x: bool = True, warp_specialized: bool = False) -> jax.Array:
+                        fold_x: bool = True, warp_specialized: bool = False, subtile: bool = False) -> jax.Array:
     """x [M, K] bf16 (M <= 64), W12NK [K, N] -> partial products [split, M, N] float32.
 
     block_k: the step `to_nk` packed the planes for (`w.slot_k`) by default; stages: `default_stages`.
@@ -628,7 +645,10 @@ def w12_mosaic_partials(x: jax.Array, w: W12NK, block_k: int | None = None, spli
     (`plgpu.emit_pipeline_warp_specialized`); packed planes, x folded, N % 128 == 0.
     diagnostic (timing only, inexact with exceptions): "no_patch" skips the patches, "load_only" also
     replaces the decode by one XOR per weight, "copies_only" streams the planes but never loads them
-    (the A tile is a constant): the cost of the copies alone."""
+    (the A tile is a constant): the cost of the copies alone.
+    subtile: a step of block_k > 64 half-rows is copied whole but decoded and multiplied as 64-row
+    sub-steps (half the live registers at 128); its products are then those of the twin at block_k 64 with
+    the same split (`default_split(k, n, block_k)`), bit for bit."""
     k, n = w.shape
     block_k = block_k or w.slot_k or default_block_k(k, n)
     stages = stages or default_stages(block_k)
@@ -647,7 +667,9 @@ def w12_mosaic_partials(x: jax.Array, w: W12NK, block_k: int | None = None, spli
                          f"keeps them)")
     x_p = _fold_x(x_p, block_k) if fold_x else x_p
     # the same split with or without warp specialization (so the same twin): the consumers are as many
-    split = split or _split(k // 2, block_k, n, 2 * NUM_SMS_H200)
+    split = split or default_split(k, n, block_k)
+    if subtile and planes != "packed":
+        raise NotImplementedError(f"subtile takes packed planes, got planes={planes!r}")
     fmt = dict(group_n=w.group_n, group_k=w.group_k, n_groups_k=w.n_groups_k)
     use_slots = exceptions == "auto" and w.slot_k == block_k
     arrays = dict(planes=w.packed if planes == "packed" else w.sm_t, nib=w.nib_t, base7=w.base7, exc_ptr=w.exc_ptr,
@@ -656,7 +678,7 @@ def w12_mosaic_partials(x: jax.Array, w: W12NK, block_k: int | None = None, spli
                        k=k, n=n, mp=mp, block_k=block_k, split=split, stages=stages, w12=True, fmt=fmt,
                        interpret=interpret, use_slots=use_slots,
                        diagnostic=diagnostic, planes=planes, a_operand=a_operand, decode=decode, fold_x=fold_x,
-                       warp_specialized=warp_specialized)
+                       warp_specialized=warp_specialized, subtile=subtile)
     return jnp.swapaxes(out, 1, 2)[:, :m]
 
 
@@ -674,7 +696,7 @@ def bf16_mosaic_partials(x: jax.Array, w_t: jax.Array, block_k: int | None = Non
         raise NotImplementedError(f"the twin reads bf16 weights, got {w_t.dtype}")
     x_p, m, mp = _prepare_x(x, k, n, block_k)
     x_p = _fold_x(x_p, block_k) if fold_x else x_p
-    split = split or _split(k // 2, block_k, n, 2 * NUM_SMS_H200)
+    split = split or default_split(k, n, block_k)
     out = _kernel_call(x_p, (w_t,), k=k, n=n, mp=mp, block_k=block_k, split=split, stages=stages, w12=False,
                        fmt={}, interpret=interpret, a_operand=a_operand, fold_x=fold_x)
     return jnp.swapaxes(out, 1, 2)[:, :m]

@@ -138,6 +138,29 @@ class _MosaicCases:
         got = km.sum_splits(mk.w12_mosaic_partials(x, mk.to_nk(jax.device_put(enc)), interpret=self.interpret))
         np.testing.assert_array_equal(np.asarray(got), np.full((2, 64), 64.0, np.float32))
 
+    @pytest.mark.parametrize("exceptions", ["auto", "csr"])
+    def test_subtile_equals_the_twin_at_64(self, exceptions):
+        """subtile: 128-row steps copied whole, decoded and multiplied as two 64-row sub-steps, give the twin's
+        products at block_k 64 (same split) bit for bit, exceptions in both sub-steps and both K halves
+        patched from the slot table (columns offset by the sub-step) or the CSR lists."""
+        k, n, m = 512, 128, 5
+        w = (0.02 * np.random.default_rng(11).standard_normal((k, n))).astype(jnp.bfloat16)
+        for r, c, v in ((70, 3, np.inf), (5, 64, np.nan), (256 + 100, 127, 1e30), (256 + 3, 9, -1e-30),
+                        (191, 0, -np.inf), (256 + 255, 66, 3e-39)):
+            w[r, c] = v
+        enc = w12.encode(w)
+        nk = mk.to_nk(enc, block_k=128)
+        assert enc.num_exceptions >= 6 and nk.slot_k == 128
+        x = jnp.asarray(np.random.default_rng(5).standard_normal((m, k)), jnp.bfloat16)
+        ip = self.interpret
+        twin = mk.bf16_mosaic_partials(x, jnp.asarray(w).T, block_k=64, split=1, interpret=ip)
+        got = mk.w12_mosaic_partials(x, nk, split=1, subtile=True, exceptions=exceptions, interpret=ip)
+        assert_same_bits(got, twin)
+        whole = mk.w12_mosaic_partials(x, nk, split=1, interpret=ip)  # one 128-wide decode: the twin at 128
+        assert_same_bits(whole, mk.bf16_mosaic_partials(x, jnp.asarray(w).T, block_k=128, split=1, interpret=ip))
+        with pytest.raises(NotImplementedError, match="subtile"):
+            mk.w12_mosaic_partials(x, mk.to_nk(enc, block_k=128, pack=False), subtile=True, interpret=ip)
+
 
 @pytest.mark.skipif(not _interpreter_available(), reason="this jax has no Mosaic GPU interpreter")
 class TestMosaicInterpreter(_MosaicCases):
@@ -210,6 +233,28 @@ def test_lowers_for_cuda(k, n):
             assert "mosaic_gpu" in fn.trace(s((m, k), jnp.bfloat16), nk).lower(lowering_platforms=("cuda",)).as_text()
     for m, a_operand in ((1, "smem"), (32, "smem"), (64, "smem"), (16, "registers")):
         fn = jax.jit(functools.partial(mk.bf16_mosaic_partials, a_operand=a_operand))
+        text = fn.trace(s((m, k), jnp.bfloat16), s((n, k), jnp.bfloat16)).lower(lowering_platforms=("cuda",)).as_text()
+        assert "mosaic_gpu" in text
+
+
+@pytest.mark.skipif(not _cuda_lowering_available(), reason="GPU-free cuda lowering unavailable")
+def test_lowers_for_cuda_at_the_lm_head_step():
+    """The LM head's default (planes packed for 128-row steps, 2 stages) lowers whole and as 64-row
+    sub-steps (`subtile`), with the PTX decode, at every M class; and its default twin."""
+    s = jax.ShapeDtypeStruct
+    k, n = 4096, 151936
+    st = _w12_struct(k, n)
+    assert mk.default_block_k(k, n) == 128
+    nk = mk.W12NK(sm_t=s((1, 128), jnp.int8), nib_t=s((1, 64), jnp.uint8), base7=s((n,), jnp.int32),
+                  exc_ptr=st.exc_ptr, exc_row=st.exc_row, exc_col=st.exc_col, exc_val=st.exc_val,
+                  slots=s((n // mk.BN * (k // 2 // 128), mk.SLOT_ALIGN), jnp.int32),
+                  packed=s((n, 3 * k // 2), jnp.int8), shape=(k, n),
+                  group_n=w12.DEFAULT_GROUP_N, group_k=w12.DEFAULT_GROUP_K, n_groups_k=st.n_groups_k, slot_k=128)
+    for m in (1, 16, 64):
+        for subtile in (False, True):
+            fn = jax.jit(functools.partial(mk.w12_mosaic_partials, decode="ptx", subtile=subtile))
+            assert "mosaic_gpu" in fn.trace(s((m, k), jnp.bfloat16), nk).lower(lowering_platforms=("cuda",)).as_text()
+        fn = jax.jit(mk.bf16_mosaic_partials)
         text = fn.trace(s((m, k), jnp.bfloat16), s((n, k), jnp.bfloat16)).lower(lowering_platforms=("cuda",)).as_text()
         assert "mosaic_gpu" in text
 
