@@ -648,7 +648,8 @@ def w12_mosaic_partials(x: jax.Array, w: W12NK, block_k: int | None = None, spli
     (the A tile is a constant): the cost of the copies alone.
     subtile: a step of block_k > 64 half-rows is copied whole but decoded and multiplied as 64-row
     sub-steps (half the live registers at 128); its products are then those of the twin at block_k 64 with
-    the same split (`default_split(k, n, block_k)`), bit for bit."""
+    the same split (`default_split(k, n, block_k)`), bit for bit. Exact on the H200 but slower than the
+    whole-step decode at every M measured (docs/performance.md), so off by default."""
     k, n = w.shape
     block_k = block_k or w.slot_k or default_block_k(k, n)
     stages = stages or default_stages(block_k)
