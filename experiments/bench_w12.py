@@ -362,6 +362,35 @@ def summary(rows) -> None:
               f"{t['xla_bf16'] / best_w12:8.2f} {t['bf16_twin'] / best_w12:8.2f} {exact}")
 
 
+def profile_table(paths: list[str]) -> list[str]:
+    """Markdown rows from recorded runs with `--profile xla,twin_mg,w12_mg`: per (shape, M), the wall,
+    busy and main-kernel time of XLA, the Mosaic twin and Mosaic W12 (default variants only), and W12
+    against the faster bf16 path on busy and on kernel time (docs/performance.md's layer table)."""
+    cells = {}
+    for path in paths:
+        with open(path) as f:
+            for r in json.load(f)["rows"]:
+                if "us_per_matrix" not in r or (r.get("mg") or {}) not in ({}, {"block_k": 64}):
+                    continue
+                prof = r.get("profile") or {}
+                top = (prof.get("top") or [{}])[0]
+                busy = 1e3 * prof.get("busy_ms_per_step", math.nan)
+                cells[r["shape"], r["m"], r["impl"]] = (r["us_per_matrix"], busy, top.get("us_median", math.nan))
+    out = ["| shape | M | wall: XLA / twin / W12 (us) | busy: XLA / twin / W12 (us) | kernel: XLA / twin / W12 (us) "
+           "| W12 vs best bf16, busy | kernel |", "| --- | ---: | --- | --- | --- | ---: | ---: |"]
+    shapes = [s for s in QWEN3_8B if any(key[0] == s for key in cells)]
+    for name in shapes:
+        for m in sorted({key[1] for key in cells if key[0] == name}):
+            got = [cells.get((name, m, i)) for i in ("xla_bf16", "twin_mg", "w12_mg")]
+            if None in got:
+                continue
+            x, t, w = got
+            cols = [" / ".join(f"{v[q]:.1f}" for v in got) for q in range(3)]
+            out.append(f"| {name} | {m} | {cols[0]} | {cols[1]} | {cols[2]} | {min(x[1], t[1]) / w[1]:.2f}x "
+                       f"| {min(x[2], t[2]) / w[2]:.2f}x |")
+    return out
+
+
 def main(argv=None) -> dict:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--tiny", action="store_true", help="CPU smoke: one small shape, interpret mode")
@@ -389,7 +418,13 @@ def main(argv=None) -> dict:
                    help="comma list of implementation-name prefixes (e.g. 'w12_mg,twin_mg') whose chains are also "
                         "traced: kernel time per call (min/median/max) and busy vs span per matrix")
     p.add_argument("--out", default="")
+    p.add_argument("--table", default="",
+                   help="comma list of recorded --out files (run with --profile xla,twin_mg,w12_mg): print the "
+                        "wall / busy / kernel table of docs/performance.md from them and exit")
     args = p.parse_args(argv)
+    if args.table:
+        print("\n".join(profile_table(args.table.split(","))))
+        return {}
     args.profile = [s for s in args.profile.split(",") if s]
     interpret = jax.default_backend() == "cpu"
     shapes = TINY if args.tiny else QWEN3_8B

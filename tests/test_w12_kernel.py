@@ -285,6 +285,31 @@ def test_bench_tiny_smoke(tmp_path):
     assert {r["impl"] for r in record["rows"]} == {"w12", "w12_noexc", "bf16_twin", "xla_bf16"}
 
 
+def test_bench_profile_table(tmp_path):
+    """`bench_w12.py --table`: rows from recorded profiles, the ratio taken against the faster bf16 path;
+    non-default Mosaic variants and unprofiled implementations are left out."""
+    import json
+
+    sys.path.insert(0, os.path.join(ROOT, "experiments"))
+    try:
+        import bench_w12
+    finally:
+        sys.path.pop(0)
+
+    def row(impl, wall, busy, kern, mg=None):
+        r = {"shape": "q/o", "m": 1, "impl": impl, "us_per_matrix": wall,
+             "profile": {"busy_ms_per_step": busy / 1e3, "top": [{"us_median": kern}]}}
+        return {**r, "mg": mg} if mg is not None else r
+
+    rec = {"rows": [row("xla_bf16", 16.0, 15.0, 12.0), row("twin_mg", 15.0, 14.0, 10.0, {}),
+                    row("w12_mg", 30.0, 14.0, 8.0, {}), row("w12_mg", 1.0, 1.0, 1.0, {"subtile": True}),
+                    {"shape": "q/o", "m": 4, "impl": "xla_bf16", "us_per_matrix": 1.0}]}
+    path = tmp_path / "rec.json"
+    path.write_text(json.dumps(rec))
+    table = bench_w12.profile_table([str(path)])
+    assert table[2:] == ["| q/o | 1 | 16.0 / 15.0 / 30.0 | 15.0 / 14.0 / 14.0 | 12.0 / 10.0 / 8.0 | 1.00x | 1.25x |"]
+
+
 # ---- the PTX decoder, executed on the CPU -------------------------------------------------------------
 
 def _run_ptx(ptx: str, args: list) -> dict:
