@@ -50,15 +50,19 @@ SWIZZLE = 128  # bytes: the swizzle of both wgmma operands in shared memory (TMA
 SWIZZLE_BF16 = SWIZZLE // 2  # bf16 elements per swizzled row: block_k is a multiple of it
 
 
-# Step size by shape (measured on the H200, docs/performance.md, run mg11): at the LM head, steps of 128
-# half-rows over 2 stages read 3 x 128-byte rows per step and beat 64 x 3 stages (272 against 286 us at
-# M = 1); at the layer shapes the two are level within the noise, so they keep 64.
+# Step size by shape and rows (measured on the H200, docs/performance.md, runs mg11-mg14): at the LM head,
+# steps of 128 half-rows over 2 stages read 3 x 128-byte rows per step and beat 64 x 3 stages at M <= 16
+# (264-276 against 288-296 us); at M = 32 they are 2-3% slower and at M = 64 20% slower. At the layer
+# shapes they are level or slower at every M, so those keep 64.
 LARGE_N = 32768  # N from which block_k 128 is the default
+LARGE_STEP_MAX_ROWS = 16  # the most rows per call for which it is
 
 
-def default_block_k(k: int, n: int) -> int:
-    """The step (half-rows of K per pipeline step) `to_nk` packs a [K, N] weight for, and its twin uses."""
-    return 128 if n >= LARGE_N and (k // 2) % 128 == 0 and n % BN == 0 else 64
+def default_block_k(k: int, n: int, rows: int = 1) -> int:
+    """The step (half-rows of K per pipeline step) `to_nk` packs a [K, N] weight for, and its twin uses,
+    for products of up to `rows` rows per call (a deployment's batch x verification block)."""
+    large = n >= LARGE_N and rows <= LARGE_STEP_MAX_ROWS
+    return 128 if large and (k // 2) % 128 == 0 and n % BN == 0 else 64
 
 
 def default_stages(block_k: int) -> int:

@@ -50,7 +50,8 @@ class Deployment:
 
         if key not in self.encoded_params:
             kernel = {"triton": "pallas", "xla": "xla", "mosaic": "mosaic"}[self.kernel_backend]
-            self.encoded_params[key] = formats.encode_params(params, fmt, kernel=kernel, **kw)
+            rows = self.batch_size * self.block_size  # the most rows a decoding step's products take
+            self.encoded_params[key] = formats.encode_params(params, fmt, kernel=kernel, rows=rows, **kw)
         return self.encoded_params[key]
 
     def encoded(self, fmt: str):

@@ -412,3 +412,14 @@ def test_step_defaults_follow_the_shape_and_the_packing():
     assert_same_bits(got, twin)
     with pytest.raises(ValueError, match="packed for block_k=64"):
         mk.w12_mosaic_partials(x, nk, block_k=64, planes="packed", interpret=True)
+
+
+def test_encoding_picks_the_step_for_the_deployments_rows():
+    """`encode_params(kernel="mosaic", rows=...)`: an LM-head-sized matrix is packed for 128-row steps when
+    a step multiplies at most 16 rows per call (decoding, verification blocks up to 16), else for 64."""
+    assert mk.default_block_k(4096, 151936, rows=16) == 128
+    assert mk.default_block_k(4096, 151936, rows=17) == mk.default_block_k(4096, 151936, rows=64) == 64
+    head = jnp.asarray(0.02 * np.random.default_rng(0).standard_normal((256, mk.LARGE_N)), jnp.bfloat16)
+    params = {"embed": head.T, "layers": (), "lm_head": head}
+    steps = {rows: w12.encode_params(params, kernel="mosaic", rows=rows)["lm_head"].slot_k for rows in (1, 16, 64)}
+    assert steps == {1: 128, 16: 128, 64: 64}

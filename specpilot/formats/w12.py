@@ -384,12 +384,13 @@ KERNELS = ("pallas", "xla", "mosaic")
 
 def encode_params(params: dict, names: tuple[str, ...] = LINEAR_NAMES, lm_head: bool = True,
                   max_exception_rate: float = 0.01, kernel: str = "pallas", extra: tuple[str, ...] = (),
-                  **kw) -> dict:
+                  rows: int = 1, **kw) -> dict:
     """Dense-model params with the named per-layer linear weights (and `lm_head`, and the top-level
     matrices named in `extra`, e.g. a drafter's `fc`) replaced by W12 on the device, multiplied by
     `kernel` (see `W12.kernel`). A matrix whose exception rate exceeds
     `max_exception_rate` stays bf16: its patch work would sit on the kernel's hot path and its storage
-    would approach 16 bits."""
+    would approach 16 bits. `rows`: the most rows a decoding step multiplies per call (batch x
+    verification block); the Mosaic kernel's step is chosen for it (`w12_mosaic.default_block_k`)."""
     if kernel not in KERNELS:
         raise ValueError(f"W12 kernel must be one of {KERNELS}, got {kernel!r}")
 
@@ -400,8 +401,9 @@ def encode_params(params: dict, names: tuple[str, ...] = LINEAR_NAMES, lm_head: 
         if kernel == "mosaic":  # the Mosaic GPU kernel's own layout (imported on use: it imports this module)
             from pallas_kernels import w12_mosaic
 
-            w12_mosaic.check_shape(*x.shape, w12_mosaic.default_block_k(*x.shape))
-            return w12_mosaic.to_nk(w)
+            step = w12_mosaic.default_block_k(*x.shape, rows)
+            w12_mosaic.check_shape(*x.shape, step)
+            return w12_mosaic.to_nk(w, step)
         return dataclasses.replace(w, kernel=kernel)
 
     out = dict(params)
