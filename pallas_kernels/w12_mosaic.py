@@ -26,8 +26,9 @@ Design choices (the measurements behind each: docs/notes_w12.md):
   pipeline instead of decoded: same wgmma calls on the same values in the same order. W12 is lossless iff
   the two agree bit for bit (tests: interpreter and GPU; the benchmark checks every timed case).
 - Split-K over a grid axis (partials [S, N, Mp]; sum them with `w12_matmul.sum_splits`, the fixed order).
-- The step follows the shape (`default_block_k`): 128 half-rows over 2 stages at the LM head, 64 over 3
-  elsewhere. Warp specialization (`warp_specialized`) is exact on the GPU but not faster; not yet: M > 64.
+- The step follows the shape and the rows per call (`default_block_k`): 128 half-rows over 2 stages at the
+  LM head for up to 16 rows, 64 over 3 elsewhere. Warp specialization (`warp_specialized`) is exact on
+  the GPU but not faster; not yet: M > 64.
 """
 
 from __future__ import annotations
