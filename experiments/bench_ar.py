@@ -235,6 +235,7 @@ def run_variant(name, cfg, params_v, snapshot, tokens0, args, ctx, step_bytes, c
 
 
 W12_KERNEL = "pallas"  # --w12-kernel: the kernel W12 weights are encoded for (`w12.encode_params`)
+W12_ROWS = 1  # rows per product in a decoding step (--batch): the Mosaic kernel's step is chosen for it
 
 
 def encode_w12(params: dict) -> tuple[dict, dict]:
@@ -242,11 +243,11 @@ def encode_w12(params: dict) -> tuple[dict, dict]:
     cold (compiles included) and warm wall time, bits/weight and exceptions over the encoded matrices,
     and the matrices left bf16 (too many exceptions)."""
     t0 = time.perf_counter()
-    enc = jax.block_until_ready(w12.encode_params(params, kernel=W12_KERNEL))
+    enc = jax.block_until_ready(w12.encode_params(params, kernel=W12_KERNEL, rows=W12_ROWS))
     cold = time.perf_counter() - t0
     del enc
     t0 = time.perf_counter()
-    enc = jax.block_until_ready(w12.encode_params(params, kernel=W12_KERNEL))
+    enc = jax.block_until_ready(w12.encode_params(params, kernel=W12_KERNEL, rows=W12_ROWS))
     warm = time.perf_counter() - t0
     numel = exceptions = nbytes = 0
     kept = []
@@ -280,10 +281,10 @@ def params_for(params: dict, cfg, name: str, fmt: str) -> dict:
     if fmt == "bf16":
         return ar_variants.prepare_params(params, cfg, v)
     if v.stock:
-        return w12.encode_params(params, kernel=W12_KERNEL)
+        return w12.encode_params(params, kernel=W12_KERNEL, rows=W12_ROWS)
     if v.layout != "kn":
         raise ValueError(f"variant {name}: W12 weights need the [in, out] layout")
-    return w12.encode_params(ar_variants.prepare_params(params, cfg, v), kernel=W12_KERNEL)
+    return w12.encode_params(ar_variants.prepare_params(params, cfg, v), kernel=W12_KERNEL, rows=W12_ROWS)
 
 
 def compare_to_twin(generated: np.ndarray, logits, twin: dict) -> dict:
@@ -317,6 +318,9 @@ def parse_args(argv=None):
                         "each variant's bf16 twin for the exact comparison)")
     p.add_argument("--w12-kernel", choices=("pallas", "mosaic"), default="pallas",
                    help="with --weights ...,w12: the W12 kernel (and its twin for the twin variants)")
+    p.add_argument("--w12-overlap", choices=("default", "on", "off"), default="default",
+                   help="with --w12-kernel mosaic: whether the kernel and its twin overlap steps "
+                        "(pallas_kernels.w12_mosaic.DEFAULT_OVERLAP for this run)")
     p.add_argument("--out", default="")
     args = p.parse_args(argv)
     args.variants = list(ar_variants.VARIANTS) if args.variants == "all" else [
@@ -325,9 +329,14 @@ def parse_args(argv=None):
     if unknown:
         p.error(f"unknown variants {unknown}")
     args.profile = [s for s in args.profile.split(",") if s]
-    global W12_KERNEL
-    W12_KERNEL = args.w12_kernel
+    global W12_KERNEL, W12_ROWS
+    W12_KERNEL, W12_ROWS = args.w12_kernel, args.batch
     ar_variants.TWIN_IMPLEMENTATION = "mosaic" if args.w12_kernel == "mosaic" else None
+    if args.w12_overlap != "default":
+        if args.w12_kernel != "mosaic":
+            p.error("--w12-overlap takes --w12-kernel mosaic")
+        from pallas_kernels import w12_mosaic
+        w12_mosaic.DEFAULT_OVERLAP = args.w12_overlap == "on"  # before any call is traced
     args.weights = [s for s in args.weights.split(",") if s]
     if not args.weights or set(args.weights) - {"bf16", "w12"}:
         p.error(f"--weights takes bf16 and/or w12, got {args.weights}")
@@ -348,7 +357,8 @@ def main(argv=None) -> dict:
     max_len = ctx + args.new_tokens
     record = {"date": datetime.date.today().isoformat(), "shape": args.shape, "config": cfg.to_hf_dict(),
               "batch": b, "context": ctx, "new_tokens": args.new_tokens, "device": bench.device_info(),
-              "xla_flags": os.environ.get("XLA_FLAGS", ""), "w12_kernel": args.w12_kernel, "variants": {}}
+              "xla_flags": os.environ.get("XLA_FLAGS", ""), "w12_kernel": args.w12_kernel,
+              "w12_overlap": args.w12_overlap, "variants": {}}
 
     def save():
         if args.out:
