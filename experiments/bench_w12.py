@@ -177,8 +177,7 @@ def bench_shape(name, k, n, ms, args, interpret, copy_bw, record):
                 pack = mg.get("planes", "packed") == "packed"
                 if (bk, pack) not in ws_nk:
                     ws_nk[bk, pack] = [mk.to_nk(e, block_k=bk, pack=pack) for e in ws_w12]
-                twin_opts = {key: v for key, v in mg.items()
-                             if key in ("block_k", "stages", "split", "fold_x", "overlap")}
+                twin_opts = {key: v for key, v in mg.items() if key in ("block_k", "stages", "split", "fold_x")}
                 if mg.get("subtile"):  # 64-row sub-steps: the twin at block_k 64, with W12's split
                     twin_opts.update(block_k=64, split=int(mg.get("split", 0)) or mk.default_split(k, n, bk))
                 if "twin_a" in mg:  # the twin's A operand ("registers": its bf16 tiles through registers)
@@ -299,7 +298,7 @@ def parse_edits(text: str) -> list:
         edit = {}
         for item in group.split(","):
             key, value = item.split("=")
-            if key in ("prefetch", "fold_x", "warp_specialized", "subtile", "overlap"):
+            if key in ("prefetch", "fold_x", "warp_specialized", "subtile"):
                 edit[key] = bool(int(value))
             elif key in ("exceptions", "diagnostic", "planes", "a_operand", "twin_a", "decode"):
                 edit[key] = value

@@ -71,11 +71,6 @@ def default_stages(block_k: int) -> int:
     return 2 if block_k >= 128 else 3
 
 
-# Whether steps overlap (`overlap`: a step's wgmmas in flight over the next step's wait and decode) when a
-# call does not say. Off until measured faster on the H200; benchmarks set it to time runs both ways.
-DEFAULT_OVERLAP = False
-
-
 MAX_SLOTS = 256  # a step's slot row is one TMA box (<= 256 elements): 1 count + up to 255 exceptions
 SLOT_ALIGN = 32  # int32 entries per 128 bytes
 
@@ -342,7 +337,7 @@ def w12_operand_names(planes: str, use_slots: bool) -> tuple[str, ...]:
 def _kernel_call(x, operands, *, k: int, n: int, mp: int, block_k: int, split: int, stages: int, w12: bool,
                  fmt: dict, interpret: bool, use_slots: bool = False, diagnostic: str = "", planes: str = "upcast",
                  a_operand: str = "registers", decode: str = "jnp", fold_x: bool = False,
-                 warp_specialized: bool = False, subtile: bool = False, overlap: bool = False):
+                 warp_specialized: bool = False, subtile: bool = False):
     ws = warp_specialized
     # subtile: each step's packed tiles are decoded and multiplied as block_k / 64 sub-steps of 64 half-rows
     # (the copies stay block_k wide); `mma_k` is the K width of one decode and one wgmma pair.
@@ -353,13 +348,6 @@ def _kernel_call(x, operands, *, k: int, n: int, mp: int, block_k: int, split: i
     cta = BN * nwg  # W^T rows per program
     if ws and not (w12 and planes == "packed" and fold_x and n % cta == 0):
         raise NotImplementedError(f"warp_specialized takes W12 with packed planes, x folded and N % {cta} == 0")
-    # overlap: a step's wgmmas stay in flight while the next step's tiles are waited for and decoded; the
-    # pipeline releases a step's buffers one step later (`delay_release`) so the wgmmas can still read them
-    if overlap and (ws or subtile or stages < 2):
-        raise NotImplementedError("overlap takes stages >= 2, without warp_specialized or subtile")
-    if overlap and w12 and not interpret and a_operand == "smem":  # one A buffer, rewritten by the next step
-        raise NotImplementedError("overlap takes W12's decoded tiles from registers (a_operand='registers')")
-    release = 1 if overlap else 0
     kh = k // 2
     steps = kh // split // block_k  # K steps per program (each covers block_k rows of both K halves)
     half_blocks = kh // block_k  # block index of the upper K half's first block
@@ -421,11 +409,10 @@ def _kernel_call(x, operands, *, k: int, n: int, mp: int, block_k: int, split: i
             def index(i):
                 kb = half * half_blocks + first + i
                 return (j, kb) if col_major else (0, kb)
-            return plgpu.BlockSpec(shape, index, transforms=transforms, delay_release=release)
+            return plgpu.BlockSpec(shape, index, transforms=transforms)
 
         if fold_x:  # x arrives folded (`_fold_x`): one [Mp, 2 BK] copy per step, [lower half | upper half]
-            x_specs = [plgpu.BlockSpec((mp, 2 * block_k), lambda i: (0, first + i), transforms=mma_tiles,
-                                       delay_release=release)]
+            x_specs = [plgpu.BlockSpec((mp, 2 * block_k), lambda i: (0, first + i), transforms=mma_tiles)]
         else:
             x_specs = [spec((mp, block_k), h, False, mma_tiles) for h in (0, 1)]
         def setup():  # in each consumer, before its pipeline: the bases of its rows, positions for patches
@@ -445,16 +432,14 @@ def _kernel_call(x, operands, *, k: int, n: int, mp: int, block_k: int, split: i
 
         if w12:
             if planes == "packed":  # one copy per step: [sm lower half | sm upper half | nibbles] per row
-                w_specs = [plgpu.BlockSpec((cta, 3 * block_k), lambda i: (j, first + i), transforms=plane_tiles,
-                                           delay_release=release)]
+                w_specs = [plgpu.BlockSpec((cta, 3 * block_k), lambda i: (j, first + i), transforms=plane_tiles)]
                 w_gmem_refs = (sm_gmem,)
             else:
                 w_specs = [spec((BN, block_k), h, True, plane_tiles) for h in (0, 1, 0)]
                 w_gmem_refs = (sm_gmem, sm_gmem, nib_gmem)
             if use_slots:  # the slot table's rows of this step (one per consumer), streamed like the planes
                 w_specs.append(plgpu.BlockSpec((nwg, slot_gmem.shape[1]),
-                                               lambda i: ((first + i) * (n // cta) + j, 0),
-                                               delay_release=release))
+                                               lambda i: ((first + i) * (n // cta) + j, 0)))
                 w_gmem_refs += (slot_gmem,)
         else:
             w_specs = [spec((BN, block_k), h, True, mma_tiles) for h in (0, 1)]
@@ -560,9 +545,7 @@ def _kernel_call(x, operands, *, k: int, n: int, mp: int, block_k: int, split: i
                     plgpu.commit_smem()
                 plgpu.wgmma(acc, a_lo, b_lo)
                 plgpu.wgmma(acc, a_hi, b_hi)
-                # before the pipeline refills these buffers (or the next sub-step); with overlap, only the
-                # previous step's pair (its buffers are released after this step)
-                plgpu.wgmma_wait(2 if overlap else 0)
+                plgpu.wgmma_wait(0)  # before the pipeline refills these buffers (or the next sub-step)
 
         gmem_refs = (*(x_gmem,) * len(x_specs), *w_gmem_refs)
         if not ws:
@@ -571,8 +554,6 @@ def _kernel_call(x, operands, *, k: int, n: int, mp: int, block_k: int, split: i
             def scope(acc):
                 plgpu.emit_pipeline(functools.partial(step, acc), grid=(steps,), in_specs=[*x_specs, *w_specs],
                                     max_concurrent_steps=stages)(*gmem_refs)
-                if overlap:
-                    plgpu.wgmma_wait(0)  # the last step's pair
                 o_gmem[si, pl.ds(state["row0"], BN), :] = acc[...]
 
             pl.run_scoped(scope, plgpu.ACC((BN, mp), jnp.float32))
@@ -648,13 +629,12 @@ def _prepare_x(x: jax.Array, k: int, n: int, block_k: int):
 
 @functools.partial(jax.jit, static_argnames=("block_k", "split", "stages", "interpret", "exceptions", "diagnostic",
                                              "planes", "a_operand", "decode", "fold_x", "warp_specialized",
-                                             "subtile", "overlap"))
+                                             "subtile"))
 def w12_mosaic_partials(x: jax.Array, w: W12NK, block_k: int | None = None, split: int | None = None,
                         stages: int | None = None,
                         interpret: bool = False, exceptions: str = "auto", diagnostic: str = "",
                         planes: str = "auto", a_operand: str = "registers", decode: str = "auto",
-                        fold_x: bool = True, warp_specialized: bool = False, subtile: bool = False,
-                        overlap: bool | None = None) -> jax.Array:
+                        fold_x: bool = True, warp_specialized: bool = False, subtile: bool = False) -> jax.Array:
     """x [M, K] bf16 (M <= 64), W12NK [K, N] -> partial products [split, M, N] float32.
 
     block_k: the step `to_nk` packed the planes for (`w.slot_k`) by default; stages: `default_stages`.
@@ -674,11 +654,7 @@ def w12_mosaic_partials(x: jax.Array, w: W12NK, block_k: int | None = None, spli
     subtile: a step of block_k > 64 half-rows is copied whole but decoded and multiplied as 64-row
     sub-steps (half the live registers at 128); its products are then those of the twin at block_k 64 with
     the same split (`default_split(k, n, block_k)`), bit for bit. Exact on the H200 but slower than the
-    whole-step decode at every M measured (docs/performance.md), so off by default.
-    overlap (default `DEFAULT_OVERLAP`, read when the call is traced): each step's two wgmmas stay in
-    flight while the next step's tiles are waited for and decoded; the pipeline then releases a step's
-    buffers one step later, so stages >= 2 keep stages - 1 steps of copies ahead. Same wgmma calls in the
-    same order: the twin's bits with or without it."""
+    whole-step decode at every M measured (docs/performance.md), so off by default."""
     k, n = w.shape
     block_k = block_k or w.slot_k or default_block_k(k, n)
     stages = stages or default_stages(block_k)
@@ -696,7 +672,6 @@ def w12_mosaic_partials(x: jax.Array, w: W12NK, block_k: int | None = None, spli
         raise ValueError(f"planes={planes!r} needs separate planes; these were packed (to_nk(w, pack=False) "
                          f"keeps them)")
     x_p = _fold_x(x_p, block_k) if fold_x else x_p
-    overlap = DEFAULT_OVERLAP and not (warp_specialized or subtile) if overlap is None else overlap
     # the same split with or without warp specialization (so the same twin): the consumers are as many
     split = split or default_split(k, n, block_k)
     if subtile and planes != "packed":
@@ -709,18 +684,17 @@ def w12_mosaic_partials(x: jax.Array, w: W12NK, block_k: int | None = None, spli
                        k=k, n=n, mp=mp, block_k=block_k, split=split, stages=stages, w12=True, fmt=fmt,
                        interpret=interpret, use_slots=use_slots,
                        diagnostic=diagnostic, planes=planes, a_operand=a_operand, decode=decode, fold_x=fold_x,
-                       warp_specialized=warp_specialized, subtile=subtile, overlap=overlap)
+                       warp_specialized=warp_specialized, subtile=subtile)
     return jnp.swapaxes(out, 1, 2)[:, :m]
 
 
-@functools.partial(jax.jit, static_argnames=("block_k", "split", "stages", "interpret", "a_operand", "fold_x",
-                                             "overlap"))
+@functools.partial(jax.jit, static_argnames=("block_k", "split", "stages", "interpret", "a_operand", "fold_x"))
 def bf16_mosaic_partials(x: jax.Array, w_t: jax.Array, block_k: int | None = None, split: int | None = None,
                          stages: int | None = None, interpret: bool = False, a_operand: str = "smem",
-                         fold_x: bool = True, overlap: bool | None = None) -> jax.Array:
+                         fold_x: bool = True) -> jax.Array:
     """The twin: the same kernel over the original bf16 weight, given transposed (w_t [N, K] = W^T, stored
     once like `to_nk`'s planes), its tiles streamed by the same pipeline straight to the same wgmma calls.
-    block_k, stages and overlap default as W12's do for the same shape, so the defaults of the two pair up."""
+    block_k and stages default as W12's do for the same shape, so the defaults of the two pair up."""
     n, k = w_t.shape
     block_k = block_k or default_block_k(k, n)
     stages = stages or default_stages(block_k)
@@ -728,8 +702,7 @@ def bf16_mosaic_partials(x: jax.Array, w_t: jax.Array, block_k: int | None = Non
         raise NotImplementedError(f"the twin reads bf16 weights, got {w_t.dtype}")
     x_p, m, mp = _prepare_x(x, k, n, block_k)
     x_p = _fold_x(x_p, block_k) if fold_x else x_p
-    overlap = DEFAULT_OVERLAP if overlap is None else overlap
     split = split or default_split(k, n, block_k)
     out = _kernel_call(x_p, (w_t,), k=k, n=n, mp=mp, block_k=block_k, split=split, stages=stages, w12=False,
-                       fmt={}, interpret=interpret, a_operand=a_operand, fold_x=fold_x, overlap=overlap)
+                       fmt={}, interpret=interpret, a_operand=a_operand, fold_x=fold_x)
     return jnp.swapaxes(out, 1, 2)[:, :m]

@@ -162,34 +162,6 @@ class _MosaicCases:
             mk.w12_mosaic_partials(x, mk.to_nk(enc, block_k=128, pack=False), subtile=True, interpret=ip)
 
 
-    def test_overlap_bit_identical_to_bf16_twin(self):
-        """overlap: each step's wgmmas stay in flight over the next step's wait and decode (buffers released
-        a step late); same wgmma calls in the same order, so the twin's bits, with and without overlap in the
-        twin. Slot table and CSR, Inf / NaN among the exceptions, splits of several steps and of one, 128-row
-        steps. The interpreter (slow) runs one configuration per case, the GPU all."""
-        ip = self.interpret
-        cases = ((512, 192, 33, 64, 2, False, "auto", 3), (512, 128, 16, 128, 1, True, "csr", 2),
-                 (256, 128, 1, 64, 2, True, "auto", 2))
-        for k, n, m, block_k, split, finite, exc, stages in cases:
-            w = adversarial_weights(k, n, seed=k + n + m, finite=finite)
-            x = jnp.asarray(np.random.default_rng(m).standard_normal((m, k)), jnp.bfloat16)
-            nk = mk.to_nk(jax.device_put(w12.encode(w)), block_k=block_k)
-            twin = mk.bf16_mosaic_partials(x, jnp.asarray(w).T, block_k=block_k, split=split, interpret=ip)
-            if m == 1 or not ip:
-                assert_same_bits(mk.bf16_mosaic_partials(x, jnp.asarray(w).T, block_k=block_k, split=split,
-                                                         interpret=ip, overlap=True, stages=stages), twin)
-            configs = [(exc, "jnp", stages)] if ip else [(e, d, st) for e in ("auto", "csr") for d in ("jnp", "ptx")
-                                                       for st in (2, 3)]
-            for exceptions, decode, st in configs:
-                got = mk.w12_mosaic_partials(x, nk, block_k=block_k, split=split, interpret=ip, overlap=True,
-                                             stages=st, exceptions=exceptions, decode=decode)
-                assert_same_bits(got, twin)
-        with pytest.raises(NotImplementedError, match="overlap takes stages"):
-            mk.w12_mosaic_partials(x, nk, split=split, interpret=ip, overlap=True, stages=1)
-        with pytest.raises(NotImplementedError, match="overlap takes stages"):
-            mk.w12_mosaic_partials(x, nk, split=split, interpret=ip, overlap=True, warp_specialized=True)
-
-
 @pytest.mark.skipif(not _interpreter_available(), reason="this jax has no Mosaic GPU interpreter")
 class TestMosaicInterpreter(_MosaicCases):
     interpret = True
@@ -247,17 +219,6 @@ def test_lowers_for_cuda(k, n):
         for diagnostic in ("no_patch", "load_only", "copies_only"):  # the benchmark's timing diagnostics
             fn = jax.jit(functools.partial(mk.w12_mosaic_partials, diagnostic=diagnostic))
             assert "mosaic_gpu" in fn.trace(s((1, k), jnp.bfloat16), nk).lower(lowering_platforms=("cuda",)).as_text()
-        for m in (1, 16, 64):  # overlapped steps (wgmmas in flight over the next step), W12 and twin
-            if slot_k:
-                fn = jax.jit(functools.partial(mk.w12_mosaic_partials, overlap=True, decode="ptx"))
-                assert "mosaic_gpu" in fn.trace(s((m, k), jnp.bfloat16), nk).lower(
-                    lowering_platforms=("cuda",)).as_text()
-                fn = jax.jit(functools.partial(mk.bf16_mosaic_partials, overlap=True))
-                assert "mosaic_gpu" in fn.trace(s((m, k), jnp.bfloat16), s((n, k), jnp.bfloat16)).lower(
-                    lowering_platforms=("cuda",)).as_text()
-            with pytest.raises(NotImplementedError, match="registers"):
-                jax.jit(functools.partial(mk.w12_mosaic_partials, overlap=True, a_operand="smem")).trace(
-                    s((m, k), jnp.bfloat16), nk).lower(lowering_platforms=("cuda",))
         for m in (1, 64):  # warp-specialized programs (two consumers and a copying warpgroup)
             if slot_k and n % 128 == 0:
                 fn = jax.jit(functools.partial(mk.w12_mosaic_partials, warp_specialized=True, decode="ptx"))
