@@ -318,6 +318,9 @@ def parse_args(argv=None):
                         "each variant's bf16 twin for the exact comparison)")
     p.add_argument("--w12-kernel", choices=("pallas", "mosaic"), default="pallas",
                    help="with --weights ...,w12: the W12 kernel (and its twin for the twin variants)")
+    p.add_argument("--w12-mma", choices=("default", "on", "off"), default="default",
+                   help="with --w12-kernel mosaic: pack the planes in the wgmma register order or not "
+                        "(pallas_kernels.w12_mosaic.MMA_ORDER for this run)")
     p.add_argument("--out", default="")
     args = p.parse_args(argv)
     args.variants = list(ar_variants.VARIANTS) if args.variants == "all" else [
@@ -329,6 +332,11 @@ def parse_args(argv=None):
     global W12_KERNEL, W12_ROWS
     W12_KERNEL, W12_ROWS = args.w12_kernel, args.batch
     ar_variants.TWIN_IMPLEMENTATION = "mosaic" if args.w12_kernel == "mosaic" else None
+    if args.w12_mma != "default":
+        if args.w12_kernel != "mosaic":
+            p.error("--w12-mma takes --w12-kernel mosaic")
+        from pallas_kernels import w12_mosaic
+        w12_mosaic.MMA_ORDER = args.w12_mma == "on"  # read when the weights are packed
     args.weights = [s for s in args.weights.split(",") if s]
     if not args.weights or set(args.weights) - {"bf16", "w12"}:
         p.error(f"--weights takes bf16 and/or w12, got {args.weights}")
@@ -349,7 +357,8 @@ def main(argv=None) -> dict:
     max_len = ctx + args.new_tokens
     record = {"date": datetime.date.today().isoformat(), "shape": args.shape, "config": cfg.to_hf_dict(),
               "batch": b, "context": ctx, "new_tokens": args.new_tokens, "device": bench.device_info(),
-              "xla_flags": os.environ.get("XLA_FLAGS", ""), "w12_kernel": args.w12_kernel, "variants": {}}
+              "xla_flags": os.environ.get("XLA_FLAGS", ""), "w12_kernel": args.w12_kernel,
+              "w12_mma": args.w12_mma, "variants": {}}
 
     def save():
         if args.out:

@@ -175,8 +175,9 @@ def bench_shape(name, k, n, ms, args, interpret, copy_bw, record):
                 mg_key = tuple(sorted(mg.items()))  # the variant's label and its pairing with its twin
                 bk = int(mg.get("block_k", 0)) or mk.default_block_k(k, n)  # the kernel's default step for this shape
                 pack = mg.get("planes", "packed") == "packed"
-                if (bk, pack) not in ws_nk:
-                    ws_nk[bk, pack] = [mk.to_nk(e, block_k=bk, pack=pack) for e in ws_w12]
+                mma = bool(mg.get("mma", mk.MMA_ORDER)) and pack  # planes packed in the wgmma register order
+                if (bk, pack, mma) not in ws_nk:
+                    ws_nk[bk, pack, mma] = [mk.to_nk(e, block_k=bk, pack=pack, mma=mma) for e in ws_w12]
                 twin_opts = {key: v for key, v in mg.items() if key in ("block_k", "stages", "split", "fold_x")}
                 if mg.get("subtile"):  # 64-row sub-steps: the twin at block_k 64, with W12's split
                     twin_opts.update(block_k=64, split=int(mg.get("split", 0)) or mk.default_split(k, n, bk))
@@ -187,7 +188,9 @@ def bench_shape(name, k, n, ms, args, interpret, copy_bw, record):
                     twins_timed.add(twin_key)
                     impls.append(("twin_mg", twin_key, mosaic_mm(mk.bf16_mosaic_partials, interpret, twin_opts),
                                   ws_t))
-                impls.append(("w12_mg", mg_key, mosaic_mm(mk.w12_mosaic_partials, interpret, mg), ws_nk[bk, pack]))
+                kernel_opts = {key: v for key, v in mg.items() if key != "mma"}  # mma: how the planes are packed
+                impls.append(("w12_mg", mg_key, mosaic_mm(mk.w12_mosaic_partials, interpret, kernel_opts),
+                              ws_nk[bk, pack, mma]))
         if m == 1 and args.gemv:  # the CUDA-core path and its twin
             for gb in gemv_variants(k, n, args.sweep):
                 impls.append(("twin_gemv", gb, kernel_mm(km.bf16_matmul, gb, interpret, "gemv"), ws_bf16))
@@ -298,7 +301,7 @@ def parse_edits(text: str) -> list:
         edit = {}
         for item in group.split(","):
             key, value = item.split("=")
-            if key in ("prefetch", "fold_x", "warp_specialized", "subtile"):
+            if key in ("prefetch", "fold_x", "warp_specialized", "subtile", "mma"):
                 edit[key] = bool(int(value))
             elif key in ("exceptions", "diagnostic", "planes", "a_operand", "twin_a", "decode"):
                 edit[key] = value
@@ -406,7 +409,8 @@ def main(argv=None) -> dict:
                    help="also time the Mosaic GPU kernel (w12_mg) and its twin (twin_mg), M <= 64")
     p.add_argument("--mg-edits", default="",
                    help="variants of the Mosaic kernel (with --mosaic), e.g. 'block_k=128;stages=4,split=1;"
-                        "exceptions=csr;diagnostic=no_patch' (split: the number of K splits, not a factor)")
+                        "exceptions=csr;diagnostic=no_patch;mma=1' (split: the number of K splits, not a factor; "
+                        "mma: planes packed in the wgmma register order, w12_mosaic.mma_order)")
     p.add_argument("--no-triton", action="store_true",
                    help="skip the Triton kernels (bf16_twin, w12, w12_noexc): XLA and the Mosaic kernels only")
     p.add_argument("--edits", default="", help="extra block variants, e.g. 'prefetch=1;prefetch=1,block_k=64'")

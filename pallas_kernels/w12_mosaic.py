@@ -71,11 +71,34 @@ def default_stages(block_k: int) -> int:
     return 2 if block_k >= 128 else 3
 
 
+# Packed planes in the wgmma register order by default (`mma_order`); off until measured faster on the H200.
+MMA_ORDER = False
+
+
+def mma_order(width: int) -> np.ndarray:
+    """The column order of a plane tile in "mma order": stored column s holds true column perm[s].
+
+    The kernel loads a plane tile 4 bytes per thread in the 8 -> 16-bit upcast layout, where a thread of
+    a warp holds, of each 16 columns, 4 consecutive ones: lane%4 = 0, 1, 2, 3 hold columns 0-3, 8-11,
+    4-7, 12-15. wgmma's A registers give that thread columns 2 (lane%4) + {0, 1} and 8 + 2 (lane%4) + {0, 1}.
+    Storing the columns so that a thread's 4 loaded bytes are those 4 columns (swap bits 1 and 3 of the
+    column within each 16) lets the decode write its registers straight into the wgmma layout, without
+    the warp shuffle of the layout change. The order is its own inverse."""
+    s = np.arange(width)
+    return (s & ~0b1010) | (((s >> 3) & 1) << 1) | (((s >> 1) & 1) << 3)
+
+
+def _unpermute_jnp(a: jax.Array) -> jax.Array:
+    """[R, C] in mma order -> true order (the interpreter's path; swaps bits 1 and 3 of each column)."""
+    r, c = a.shape
+    return a.reshape(r, c // 16, 2, 2, 2, 2).transpose(0, 1, 4, 3, 2, 5).reshape(r, c)
+
+
 MAX_SLOTS = 256  # a step's slot row is one TMA box (<= 256 elements): 1 count + up to 255 exceptions
 SLOT_ALIGN = 32  # int32 entries per 128 bytes
 
 
-def exception_slots(w: W12, block_k: int) -> np.ndarray | None:
+def exception_slots(w: W12, block_k: int, mma: bool = False) -> np.ndarray | None:
     """Each kernel step's exceptions as one row of a dense int32 table that the pipeline streams with the
     planes, so the patch loop reads shared memory instead of chasing CSR pointers in global memory.
 
@@ -84,7 +107,8 @@ def exception_slots(w: W12, block_k: int) -> np.ndarray | None:
     `bits << 16 | half << 15 | n_local << 8 | k_local`. Rows are padded to a multiple of SLOT_ALIGN entries
     (128 bytes: a copy in the kernel moves a multiple of one byte per thread of the warpgroup), which costs
     128 bytes per step (about 0.125 bits per weight at block_k = 64). None if a step holds more than
-    MAX_SLOTS - 1 (the kernel then reads the CSR)."""
+    MAX_SLOTS - 1 (the kernel then reads the CSR). `mma`: k_local is the stored column of planes packed in
+    `mma_order`."""
     k, n = w.shape
     kh = k // 2
     if block_k > 256:  # k_local has 8 bits in an entry
@@ -106,35 +130,45 @@ def exception_slots(w: W12, block_k: int) -> np.ndarray | None:
     order = np.argsort(step, kind="stable")
     starts = np.concatenate([[0], np.cumsum(counts)[:-1]])
     slot = np.arange(len(order)) - starts[step[order]] + 1
-    packed = (vals << 16) | (half << 15) | ((cols % BN) << 8) | (kr % block_k)
+    k_local = mma_order(block_k)[kr % block_k] if mma else kr % block_k
+    packed = (vals << 16) | (half << 15) | ((cols % BN) << 8) | k_local
     table[step[order], slot] = packed[order]
     return table.astype(np.uint32).view(np.int32)
 
 
-def pack_planes(sm_t: jax.Array, nib_t: jax.Array, block_k: int) -> jax.Array:
+def pack_planes(sm_t: jax.Array, nib_t: jax.Array, block_k: int, mma: bool = False) -> jax.Array:
     """[N, 3 K/2] int8: for each step kb of block_k half-rows, sm^T of the lower half's rows, sm^T of the
-    upper half's rows and the nibble bytes, side by side, so that one copy brings a step's planes."""
+    upper half's rows and the nibble bytes, side by side, so that one copy brings a step's planes.
+    `mma`: each tile's columns in `mma_order`."""
     n, k = sm_t.shape
     kh, steps = k // 2, k // 2 // block_k
     parts = [sm_t[:, :kh], sm_t[:, kh:], jax.lax.bitcast_convert_type(nib_t, jnp.int8)]
-    return jnp.stack([p_.reshape(n, steps, block_k) for p_ in parts], axis=2).reshape(n, 3 * kh)
+    parts = [p_.reshape(n, steps, block_k) for p_ in parts]
+    if mma:
+        parts = [p_[:, :, mma_order(block_k)] for p_ in parts]
+    return jnp.stack(parts, axis=2).reshape(n, 3 * kh)
 
 
-def to_nk(w: W12, block_k: int | None = None, pack: bool = True) -> W12NK:
+def to_nk(w: W12, block_k: int | None = None, pack: bool = True, mma: bool | None = None) -> W12NK:
     """Transpose the planes once (offline, like encoding) and tabulate the exceptions per kernel step of
     `block_k` rows (`exception_slots`); the CSR lists are kept for matrices whose steps overflow a slot row.
     `block_k` defaults to `default_block_k(K, N)`. `pack` (default) stores the planes step by step for
     `planes="packed"` and only so (the separate N-major planes become empty placeholders); it needs the
     slot table, so a matrix with a step of more than 255 exceptions keeps separate planes. `pack=False`
-    keeps separate planes for "upcast"/"wgmma"."""
+    keeps separate planes for "upcast"/"wgmma". `mma` (default `MMA_ORDER`): packed planes in `mma_order`
+    (only with packed planes; the slot table then lists stored columns)."""
     exc = exception_lists(w)
     k, n = w.shape
     block_k = block_k or default_block_k(k, n)
-    slots = exception_slots(w, block_k) if (k // 2) % block_k == 0 and n % BN == 0 else None
+    fits = (k // 2) % block_k == 0 and n % BN == 0
+    slots = exception_slots(w, block_k) if fits else None
     sm_t, nib_t = jnp.asarray(w.sm).T.copy(), jnp.asarray(w.nib).T.copy()
     packed = pack and slots is not None
+    mma = packed and (MMA_ORDER if mma is None else mma)
+    if mma:
+        slots = exception_slots(w, block_k, mma=True)
     if packed:
-        packed_planes = pack_planes(sm_t, nib_t, block_k)
+        packed_planes = pack_planes(sm_t, nib_t, block_k, mma=mma)
         sm_t, nib_t = jnp.zeros((1, 2 * SWIZZLE_BF16), jnp.int8), jnp.zeros((1, SWIZZLE_BF16), jnp.uint8)
     else:
         packed_planes = jnp.zeros((1, 3 * SWIZZLE_BF16), jnp.int8)
@@ -143,7 +177,7 @@ def to_nk(w: W12, block_k: int | None = None, pack: bool = True) -> W12NK:
                  exc_row=exc[0], exc_col=exc[1], exc_val=exc[2],
                  slots=jnp.zeros((1, SLOT_ALIGN), jnp.int32) if slots is None else jnp.asarray(slots),
                  shape=w.shape, group_n=w.group_n, group_k=w.group_k, n_groups_k=w.n_groups_k,
-                 slot_k=0 if slots is None else block_k)
+                 slot_k=0 if slots is None else block_k, mma_order=bool(mma))
 
 
 def _transforms(bits: int, swizzle: int):
@@ -236,7 +270,7 @@ mov.b32 $1, $3;
 }"""
 
 
-def _ptx_decode(dec_layout, shape, use_slots: bool, col_offset: int = 0):
+def _ptx_decode(dec_layout, shape, use_slots: bool, col_offset: int = 0, mma: bool = False):
     """The decode of `decode="ptx"`: one `plgpu.inline_mgpu` function that works on the registers
     themselves. The plane tiles arrive in the upcast layout, four consecutive K elements of one W^T row
     per 32-bit register, and each register is decoded by a few PTX instructions on packed pairs:
@@ -254,13 +288,19 @@ def _ptx_decode(dec_layout, shape, use_slots: bool, col_offset: int = 0):
 
     Exceptions (slot table): each listed entry is compared with each register's position (row << 8 |
     first column, with the half bit), and the register holding it takes the value with two predicated
-    bit-selects: about 3 instructions per register per exception, against 4 per element before."""
+    bit-selects: about 3 instructions per register per exception, against 4 per element before.
+
+    `mma` (planes packed in `mma_order`): a register's 4 loaded columns are the true columns
+    2 (lane%4) + {0, 1} and 8 + 2 (lane%4) + {0, 1} of its 16, so its two decoded words are two registers
+    of the WGMMA layout (column groups 2g and 2g + 1 of the register's 16-column group g), and the tiles
+    come out in that layout: no layout change follows."""
     from jax._src.lib.mlir import ir
     from jax._src.lib.mlir.dialects import arith, llvm, memref
     from jax.experimental.mosaic import gpu as mgpu
     from jax.experimental.mosaic.gpu import utils as mgpu_utils
 
-    out = plgpu.ShapeDtypeStruct(shape, jnp.bfloat16, layout=dec_layout)
+    out_layout = plgpu.Layout.WGMMA if mma else dec_layout
+    out = plgpu.ShapeDtypeStruct(shape, jnp.bfloat16, layout=out_layout)
     arg_types = (dec_layout, dec_layout, dec_layout, dec_layout) + ((plgpu.RefType(),) if use_slots else ())
 
     @plgpu.inline_mgpu(arg_types=arg_types, return_type=(out, out))
@@ -315,6 +355,18 @@ def _ptx_decode(dec_layout, shape, use_slots: bool, col_offset: int = 0):
             words = [flat[4 * q:4 * q + 4] for q in range(len(words))]
 
         def array(first):
+            if mma:  # upcast register [.., g, .., h, ..] -> WGMMA registers [.., 2g, .., h, ..] and [.., 2g + 1, ..]
+                wl = mgpu.WGMMA_LAYOUT
+                regs = np.empty(wl.registers_shape(shape), dtype=object)
+                # both register arrays vary only in dim 1 (column group) and dim 4 (row half): checked here
+                assert regs_shape[1] * 2 == regs.shape[1] and regs_shape[4] == regs.shape[4] == 2
+                assert np.prod(regs_shape) == regs_shape[1] * 2 and regs.size == regs.shape[1] * 2
+                for q, idx in enumerate(np.ndindex(regs_shape)):
+                    for e in (0, 1):
+                        out_idx = [0] * regs.ndim
+                        out_idx[1], out_idx[4] = 2 * idx[1] + e, idx[4]
+                        regs[tuple(out_idx)] = mgpu_utils.bitcast(words[q][first + e], pair)
+                return mgpu.FragmentedArray(_registers=regs, _layout=wl, _is_signed=None)
             regs = np.empty(regs_shape, dtype=object)
             for q, idx in enumerate(np.ndindex(regs_shape)):
                 w0, w1 = words[q][first], words[q][first + 1]
@@ -337,7 +389,7 @@ def w12_operand_names(planes: str, use_slots: bool) -> tuple[str, ...]:
 def _kernel_call(x, operands, *, k: int, n: int, mp: int, block_k: int, split: int, stages: int, w12: bool,
                  fmt: dict, interpret: bool, use_slots: bool = False, diagnostic: str = "", planes: str = "upcast",
                  a_operand: str = "registers", decode: str = "jnp", fold_x: bool = False,
-                 warp_specialized: bool = False, subtile: bool = False):
+                 warp_specialized: bool = False, subtile: bool = False, mma: bool = False):
     ws = warp_specialized
     # subtile: each step's packed tiles are decoded and multiplied as block_k / 64 sub-steps of 64 half-rows
     # (the copies stay block_k wide); `mma_k` is the K width of one decode and one wgmma pair.
@@ -385,8 +437,16 @@ def _kernel_call(x, operands, *, k: int, n: int, mp: int, block_k: int, split: i
         raise ValueError("decode='ptx' runs only compiled for an NVIDIA GPU: the interpreter has no PTX")
     if decode != "jnp" and ptx_able and w12 and not interpret:
         ptx_slots = use_slots and not diagnostic
-        ptx_decode = [_ptx_decode(dec_layout, (BN, mma_k), ptx_slots, u * mma_k)  # one per sub-step
+        ptx_decode = [_ptx_decode(dec_layout, (BN, mma_k), ptx_slots, u * mma_k, mma)  # one per sub-step
                       for u in range(block_k // mma_k)]
+    if mma:  # planes packed in `mma_order`
+        if not (w12 and planes == "packed"):
+            raise NotImplementedError("planes in mma order are packed W12 planes")
+        if not use_slots and not diagnostic:
+            raise NotImplementedError("planes in mma order take their exceptions from the slot table, not the CSR "
+                                      "lists (exceptions='auto')")
+        if not interpret and ptx_decode is None and diagnostic not in ("copies_only", "load_only"):
+            raise NotImplementedError("planes in mma order take the PTX decode when compiled (decode='auto' or 'ptx')")
 
     names = w12_operand_names(planes, use_slots) if w12 else ()
 
@@ -459,7 +519,7 @@ def _kernel_call(x, operands, *, k: int, n: int, mp: int, block_k: int, split: i
                 planes_ = [tile(t, dec_layout) for t in (s_lo, s_hi, nb)]
                 lo, hi = ptx_decode[u](*planes_, base7, *(slot[:1] if ptx_slots else ()))
                 if ptx_slots or diagnostic:
-                    return finish(lo, hi)
+                    return finish(lo, hi, in_wgmma=mma)
                 lo = jax.lax.bitcast_convert_type(lo, jnp.uint16)  # the CSR patches work on the bits
                 hi = jax.lax.bitcast_convert_type(hi, jnp.uint16)
                 return csr_patches(k0, lo, hi)
@@ -506,11 +566,13 @@ def _kernel_call(x, operands, *, k: int, n: int, mp: int, block_k: int, split: i
                 lo, hi = jax.lax.fori_loop(ptr_gmem[cell + g0], ptr_gmem[cell + g1], one, (lo, hi))
             return finish(lo, hi)
 
-        def finish(lo, hi):
+        def finish(lo, hi, in_wgmma=False):
             if lo.dtype != jnp.bfloat16:
                 lo = jax.lax.bitcast_convert_type(lo, jnp.bfloat16)
                 hi = jax.lax.bitcast_convert_type(hi, jnp.bfloat16)
-            if not interpret and dec_layout != wgmma_layout:
+            if interpret and mma:  # the tiles were decoded in stored (mma) order: back to the true order
+                lo, hi = _unpermute_jnp(lo), _unpermute_jnp(hi)
+            if not interpret and dec_layout != wgmma_layout and not in_wgmma:
                 lo, hi = plgpu.layout_cast(lo, wgmma_layout), plgpu.layout_cast(hi, wgmma_layout)
             if a_in_registers:  # the decoded tile never touches shared memory
                 return lo, hi
@@ -684,7 +746,7 @@ def w12_mosaic_partials(x: jax.Array, w: W12NK, block_k: int | None = None, spli
                        k=k, n=n, mp=mp, block_k=block_k, split=split, stages=stages, w12=True, fmt=fmt,
                        interpret=interpret, use_slots=use_slots,
                        diagnostic=diagnostic, planes=planes, a_operand=a_operand, decode=decode, fold_x=fold_x,
-                       warp_specialized=warp_specialized, subtile=subtile)
+                       warp_specialized=warp_specialized, subtile=subtile, mma=w.mma_order and planes == "packed")
     return jnp.swapaxes(out, 1, 2)[:, :m]
 
 

@@ -3,6 +3,7 @@
 exact float64 product, lowered for CUDA at the Qwen3-8B shapes without a GPU, and clear errors for what it
 does not take. The GPU subclass reruns the cases compiled (`-m gpu`)."""
 
+import dataclasses
 import functools
 
 import jax
@@ -162,6 +163,37 @@ class _MosaicCases:
             mk.w12_mosaic_partials(x, mk.to_nk(enc, block_k=128, pack=False), subtile=True, interpret=ip)
 
 
+    def test_mma_order_bit_identical_to_bf16_twin(self):
+        """Planes packed in mma order (`to_nk(mma=True)`: the decode writes the wgmma registers directly)
+        give the twin's bits: slot-table exceptions in both K halves and sub-steps, Inf / NaN, two splits,
+        128-row steps whole and as sub-steps. The CSR lists and (compiled) the jnp decode are refused."""
+        ip = self.interpret
+        for k, n, m, block_k, split, finite in ((512, 192, 33, 64, 2, False), (512, 128, 16, 128, 1, True)):
+            rng = np.random.default_rng(k + m)
+            w = (0.02 * rng.standard_normal((k, n))).astype(jnp.bfloat16)
+            rows, cols = rng.integers(0, k, 40), rng.integers(0, n, 40)  # 40 exceptions, scattered
+            w[rows, cols] = rng.choice(np.asarray([np.inf, -np.inf, np.nan, 1e30, -3e-39] if not finite
+                                                  else [1e30, -1e-30, 3e-39, 0.0, -0.0], np.float32), 40)
+            enc = w12.encode(w)
+            assert enc.num_exceptions > 0
+            x = jnp.asarray(rng.standard_normal((m, k)), jnp.bfloat16)
+            nk = mk.to_nk(jax.device_put(enc), block_k=block_k, mma=True)
+            assert nk.mma_order and nk.slot_k == block_k
+            twin = mk.bf16_mosaic_partials(x, jnp.asarray(w).T, block_k=block_k, split=split, interpret=ip)
+            assert_same_bits(mk.w12_mosaic_partials(x, nk, split=split, interpret=ip), twin)
+            if block_k == 128:  # sub-steps of 64: the twin at 64
+                sub = mk.w12_mosaic_partials(x, nk, split=split, subtile=True, interpret=ip)
+                assert_same_bits(sub, mk.bf16_mosaic_partials(x, jnp.asarray(w).T, block_k=64, split=split,
+                                                              interpret=ip))
+            if finite:
+                assert_close_to_exact(km.sum_splits(mk.w12_mosaic_partials(x, nk, split=split, interpret=ip)), x, w)
+            with pytest.raises(NotImplementedError, match="slot table"):
+                mk.w12_mosaic_partials(x, nk, split=split, exceptions="csr", interpret=ip)
+            if not ip:
+                with pytest.raises(NotImplementedError, match="PTX decode"):
+                    mk.w12_mosaic_partials(x, nk, split=split, decode="jnp")
+
+
 @pytest.mark.skipif(not _interpreter_available(), reason="this jax has no Mosaic GPU interpreter")
 class TestMosaicInterpreter(_MosaicCases):
     interpret = True
@@ -219,6 +251,12 @@ def test_lowers_for_cuda(k, n):
         for diagnostic in ("no_patch", "load_only", "copies_only"):  # the benchmark's timing diagnostics
             fn = jax.jit(functools.partial(mk.w12_mosaic_partials, diagnostic=diagnostic))
             assert "mosaic_gpu" in fn.trace(s((1, k), jnp.bfloat16), nk).lower(lowering_platforms=("cuda",)).as_text()
+        for m in (1, 16, 64):  # planes in mma order: the PTX decode writes the WGMMA layout directly
+            if slot_k:
+                fn = jax.jit(functools.partial(mk.w12_mosaic_partials, decode="ptx"))
+                mma_nk = dataclasses.replace(nk, mma_order=True)
+                assert "mosaic_gpu" in fn.trace(s((m, k), jnp.bfloat16), mma_nk).lower(
+                    lowering_platforms=("cuda",)).as_text()
         for m in (1, 64):  # warp-specialized programs (two consumers and a copying warpgroup)
             if slot_k and n % 128 == 0:
                 fn = jax.jit(functools.partial(mk.w12_mosaic_partials, warp_specialized=True, decode="ptx"))
@@ -251,9 +289,10 @@ def test_lowers_for_cuda_at_the_lm_head_step():
                   packed=s((n, 3 * k // 2), jnp.int8), shape=(k, n),
                   group_n=w12.DEFAULT_GROUP_N, group_k=w12.DEFAULT_GROUP_K, n_groups_k=st.n_groups_k, slot_k=128)
     for m in (1, 16, 64):
-        for subtile in (False, True):
+        for subtile, mma in ((False, False), (True, False), (False, True), (True, True)):
             fn = jax.jit(functools.partial(mk.w12_mosaic_partials, decode="ptx", subtile=subtile))
-            assert "mosaic_gpu" in fn.trace(s((m, k), jnp.bfloat16), nk).lower(lowering_platforms=("cuda",)).as_text()
+            arg = dataclasses.replace(nk, mma_order=mma)
+            assert "mosaic_gpu" in fn.trace(s((m, k), jnp.bfloat16), arg).lower(lowering_platforms=("cuda",)).as_text()
         fn = jax.jit(mk.bf16_mosaic_partials)
         text = fn.trace(s((m, k), jnp.bfloat16), s((n, k), jnp.bfloat16)).lower(lowering_platforms=("cuda",)).as_text()
         assert "mosaic_gpu" in text
@@ -423,3 +462,54 @@ def test_encoding_picks_the_step_for_the_deployments_rows():
     params = {"embed": head.T, "layers": (), "lm_head": head}
     steps = {rows: w12.encode_params(params, kernel="mosaic", rows=rows)["lm_head"].slot_k for rows in (1, 16, 64)}
     assert steps == {1: 128, 16: 128, 64: 64}
+
+
+def _layout_positions(layout, shape):
+    """[warp, lane, *register index, vector element] -> the element's flat index in a `shape` array, computed
+    from a Mosaic GPU TiledLayout's own tiling, warp and lane dimensions (as its `thread_idxs` does)."""
+    from jax.experimental.mosaic.gpu import fragmented_array as fa
+    contig = [int(np.prod(shape[i + 1:])) for i in range(len(shape))]
+    strides = layout.tiling.tile_strides(tuple(contig))
+    tiled = layout.tiled_tiling_shape
+    tile_strides = strides[-len(tiled):]
+
+    def offset(idx, dims):
+        sizes = [d.times if isinstance(d, fa.Replicated) else tiled[d] for d in dims]
+        out = 0
+        for q, (d, size) in enumerate(zip(dims, sizes)):
+            if not isinstance(d, fa.Replicated):
+                out += (idx // int(np.prod(sizes[q + 1:])) % size) * tile_strides[d]
+        return out
+
+    regs = layout.registers_shape(shape)
+    out = np.zeros((4, 32, *regs, layout.vector_length), np.int64)
+    for warp in range(4):
+        for lane in range(32):
+            base = offset(warp, layout.warp_dims) + offset(lane, layout.lane_dims)
+            for r in np.ndindex(regs):
+                lin = base + sum(i * st for i, st in zip(r, strides))
+                for v in range(layout.vector_length):
+                    out[(warp, lane, *r, v)] = lin + v * tile_strides[layout.vector_dim]
+    return out
+
+
+@pytest.mark.parametrize("width", [64, 128])
+def test_mma_order_puts_each_loaded_element_in_its_wgmma_register(width):
+    """The claim `_ptx_decode(mma=True)` rests on, checked against jax's layout definitions: with planes in
+    `mma_order`, element e of the upcast-layout register [.., g, .., h, ..] that a thread loads is, in true
+    columns, element e % 2 of its WGMMA-layout register [.., 2g + e // 2, .., h, ..]; and the order is its
+    own inverse."""
+    from jax.experimental.mosaic.gpu import fragmented_array as fa
+    perm = mk.mma_order(width)
+    np.testing.assert_array_equal(perm[perm], np.arange(width))
+    up = _layout_positions(fa.WGMMA_LAYOUT_UPCAST_2X, (64, width))
+    wg = _layout_positions(fa.WGMMA_LAYOUT, (64, width))
+    assert sorted(up.ravel()) == sorted(wg.ravel()) == list(range(64 * width))
+    true = up // width * width + perm[up % width]  # the true position of each loaded (stored) element
+    for idx in np.ndindex(up.shape):
+        warp, lane, *r, e = idx
+        target = [0] * (wg.ndim - 3)
+        target[1], target[4] = 2 * r[1] + e // 2, r[4]
+        assert wg[(warp, lane, *target, e % 2)] == true[idx], idx
+    x = np.arange(3 * width).reshape(3, width)
+    np.testing.assert_array_equal(np.asarray(mk._unpermute_jnp(jnp.asarray(x[:, perm]))), x)

@@ -120,11 +120,13 @@ class W12NK(_EncodedMatrix):
     group_k: int
     n_groups_k: int
     slot_k: int  # static: the step the slots were built for; 0 = no slots (the kernel reads the CSR)
+    # static: the packed planes' columns are stored in the wgmma register order (`w12_mosaic.mma_order`)
+    mma_order: bool = False
 
 
 jax.tree_util.register_dataclass(W12NK, data_fields=["sm_t", "nib_t", "base7", "exc_ptr", "exc_row", "exc_col",
                                                      "exc_val", "slots", "packed"],
-                                 meta_fields=["shape", "group_n", "group_k", "n_groups_k", "slot_k"])
+                                 meta_fields=["shape", "group_n", "group_k", "n_groups_k", "slot_k", "mma_order"])
 ENCODED = (W12, W12NK)  # the weight types `linear` multiplies
 
 
