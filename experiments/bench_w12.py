@@ -175,7 +175,7 @@ def bench_shape(name, k, n, ms, args, interpret, copy_bw, record):
                 mg_key = tuple(sorted(mg.items()))  # the variant's label and its pairing with its twin
                 bk = int(mg.get("block_k", 0)) or mk.default_block_k(k, n)  # the kernel's default step for this shape
                 pack = mg.get("planes", "packed") == "packed"
-                mma = bool(mg.get("mma", mk.MMA_ORDER)) and pack  # planes packed in the wgmma register order
+                mma = bool(mg.get("mma", mk.default_mma(k, n))) and pack  # planes packed in the wgmma register order
                 if (bk, pack, mma) not in ws_nk:
                     ws_nk[bk, pack, mma] = [mk.to_nk(e, block_k=bk, pack=pack, mma=mma) for e in ws_w12]
                 twin_opts = {key: v for key, v in mg.items() if key in ("block_k", "stages", "split", "fold_x")}
@@ -285,11 +285,12 @@ def diagnostic_mm(blocks, interpret, **flag):
 
 
 def mosaic_mm(partials_fn, interpret, options=None):
-    """A Mosaic GPU kernel's partials summed in the fixed order; `options`: block_k, stages, split."""
+    """A Mosaic GPU kernel's partials summed in the fixed order, as runs do (`w12_mosaic.sum_rows`: the
+    untransposed splits added, then the sum transposed); `options`: block_k, stages, split, ..."""
     options = {key: v if isinstance(v, str) else int(v) for key, v in (options or {}).items()}
 
     def mm(x, w):
-        return km.sum_splits(partials_fn(x, w, interpret=interpret, **options))
+        return mk.sum_rows(partials_fn(x, w, interpret=interpret, raw=True, **options), x.shape[0])
     return mm
 
 

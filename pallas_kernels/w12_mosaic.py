@@ -71,8 +71,18 @@ def default_stages(block_k: int) -> int:
     return 2 if block_k >= 128 else 3
 
 
-# Packed planes in the wgmma register order by default (`mma_order`); off until measured faster on the H200.
-MMA_ORDER = False
+# Packed planes in the wgmma register order (`mma_order`) where measured faster on the H200 (runs mg20,
+# mg21: docs/performance.md): every shape at up to 16 rows per call (3-6% off the kernel time) and the LM
+# head at any (at 64 rows with 64-row steps 309 against 329 us); the layer shapes at 64 rows were 8%
+# slower. MMA_ORDER, if not None, overrides the rule (benchmarks time both).
+MMA_ORDER: bool | None = None
+
+
+def default_mma(k: int, n: int, rows: int = 1) -> bool:
+    """Whether `to_nk` packs a [K, N] weight in `mma_order` for products of up to `rows` rows per call."""
+    if MMA_ORDER is not None:
+        return MMA_ORDER
+    return rows <= LARGE_STEP_MAX_ROWS or n >= LARGE_N
 
 
 def mma_order(width: int) -> np.ndarray:
@@ -155,8 +165,8 @@ def to_nk(w: W12, block_k: int | None = None, pack: bool = True, mma: bool | Non
     `block_k` defaults to `default_block_k(K, N)`. `pack` (default) stores the planes step by step for
     `planes="packed"` and only so (the separate N-major planes become empty placeholders); it needs the
     slot table, so a matrix with a step of more than 255 exceptions keeps separate planes. `pack=False`
-    keeps separate planes for "upcast"/"wgmma". `mma` (default `MMA_ORDER`): packed planes in `mma_order`
-    (only with packed planes; the slot table then lists stored columns)."""
+    keeps separate planes for "upcast"/"wgmma". `mma` (default `default_mma(K, N)`): packed planes in
+    `mma_order` (only with packed planes; the slot table then lists stored columns)."""
     exc = exception_lists(w)
     k, n = w.shape
     block_k = block_k or default_block_k(k, n)
@@ -164,7 +174,7 @@ def to_nk(w: W12, block_k: int | None = None, pack: bool = True, mma: bool | Non
     slots = exception_slots(w, block_k) if fits else None
     sm_t, nib_t = jnp.asarray(w.sm).T.copy(), jnp.asarray(w.nib).T.copy()
     packed = pack and slots is not None
-    mma = packed and (MMA_ORDER if mma is None else mma)
+    mma = packed and (default_mma(k, n) if mma is None else mma)
     if mma:
         slots = exception_slots(w, block_k, mma=True)
     if packed:
@@ -691,12 +701,13 @@ def _prepare_x(x: jax.Array, k: int, n: int, block_k: int):
 
 @functools.partial(jax.jit, static_argnames=("block_k", "split", "stages", "interpret", "exceptions", "diagnostic",
                                              "planes", "a_operand", "decode", "fold_x", "warp_specialized",
-                                             "subtile"))
+                                             "subtile", "raw"))
 def w12_mosaic_partials(x: jax.Array, w: W12NK, block_k: int | None = None, split: int | None = None,
                         stages: int | None = None,
                         interpret: bool = False, exceptions: str = "auto", diagnostic: str = "",
                         planes: str = "auto", a_operand: str = "registers", decode: str = "auto",
-                        fold_x: bool = True, warp_specialized: bool = False, subtile: bool = False) -> jax.Array:
+                        fold_x: bool = True, warp_specialized: bool = False, subtile: bool = False,
+                        raw: bool = False) -> jax.Array:
     """x [M, K] bf16 (M <= 64), W12NK [K, N] -> partial products [split, M, N] float32.
 
     block_k: the step `to_nk` packed the planes for (`w.slot_k`) by default; stages: `default_stages`.
@@ -716,7 +727,9 @@ def w12_mosaic_partials(x: jax.Array, w: W12NK, block_k: int | None = None, spli
     subtile: a step of block_k > 64 half-rows is copied whole but decoded and multiplied as 64-row
     sub-steps (half the live registers at 128); its products are then those of the twin at block_k 64 with
     the same split (`default_split(k, n, block_k)`), bit for bit. Exact on the H200 but slower than the
-    whole-step decode at every M measured (docs/performance.md), so off by default."""
+    whole-step decode at every M measured (docs/performance.md), so off by default.
+    raw: the kernel's own output, [split, N, Mp] (rows padded to Mp), untransposed: `sum_rows` adds the
+    splits there and transposes only the sum (one small fusion instead of a transpose of every split)."""
     k, n = w.shape
     block_k = block_k or w.slot_k or default_block_k(k, n)
     stages = stages or default_stages(block_k)
@@ -747,13 +760,14 @@ def w12_mosaic_partials(x: jax.Array, w: W12NK, block_k: int | None = None, spli
                        interpret=interpret, use_slots=use_slots,
                        diagnostic=diagnostic, planes=planes, a_operand=a_operand, decode=decode, fold_x=fold_x,
                        warp_specialized=warp_specialized, subtile=subtile, mma=w.mma_order and planes == "packed")
-    return jnp.swapaxes(out, 1, 2)[:, :m]
+    return out if raw else jnp.swapaxes(out, 1, 2)[:, :m]
 
 
-@functools.partial(jax.jit, static_argnames=("block_k", "split", "stages", "interpret", "a_operand", "fold_x"))
+@functools.partial(jax.jit, static_argnames=("block_k", "split", "stages", "interpret", "a_operand", "fold_x",
+                                             "raw"))
 def bf16_mosaic_partials(x: jax.Array, w_t: jax.Array, block_k: int | None = None, split: int | None = None,
                          stages: int | None = None, interpret: bool = False, a_operand: str = "smem",
-                         fold_x: bool = True) -> jax.Array:
+                         fold_x: bool = True, raw: bool = False) -> jax.Array:
     """The twin: the same kernel over the original bf16 weight, given transposed (w_t [N, K] = W^T, stored
     once like `to_nk`'s planes), its tiles streamed by the same pipeline straight to the same wgmma calls.
     block_k and stages default as W12's do for the same shape, so the defaults of the two pair up."""
@@ -767,4 +781,13 @@ def bf16_mosaic_partials(x: jax.Array, w_t: jax.Array, block_k: int | None = Non
     split = split or default_split(k, n, block_k)
     out = _kernel_call(x_p, (w_t,), k=k, n=n, mp=mp, block_k=block_k, split=split, stages=stages, w12=False,
                        fmt={}, interpret=interpret, a_operand=a_operand, fold_x=fold_x)
-    return jnp.swapaxes(out, 1, 2)[:, :m]
+    return out if raw else jnp.swapaxes(out, 1, 2)[:, :m]
+
+
+def sum_rows(raw: jax.Array, m: int) -> jax.Array:
+    """[split, N, Mp] (`raw=True`) -> y [m, N] float32: the splits added in index order (as
+    `w12_matmul.sum_splits`, so the same bits as summing the transposed partials), then transposed."""
+    acc = raw[0]
+    for i in range(1, raw.shape[0]):
+        acc = acc + raw[i]
+    return acc[:, :m].T

@@ -43,7 +43,7 @@ class _MosaicCases:
         enc = w12.encode(w)
         assert enc.num_exceptions > 0
         x = jnp.asarray(np.random.default_rng(m).standard_normal((m, k)), jnp.bfloat16)
-        packed = mk.to_nk(jax.device_put(enc), block_k=block_k)  # the default: planes packed per step
+        packed = mk.to_nk(jax.device_put(enc), block_k=block_k, mma=False)  # planes packed per step, plain order
         separate = mk.to_nk(jax.device_put(enc), block_k=block_k, pack=False)
         twin = mk.bf16_mosaic_partials(x, jnp.asarray(w).T, block_k=block_k, split=split, interpret=self.interpret)
         decodes = ("jnp",) if self.interpret else ("jnp", "ptx")  # the interpreter runs no PTX
@@ -62,7 +62,7 @@ class _MosaicCases:
         folded (`fold_x`)."""
         k, n, m = 512, 192, 9
         w = adversarial_weights(k, n, seed=11)
-        nk = mk.to_nk(jax.device_put(w12.encode(w)), block_k=64, pack=True)
+        nk = mk.to_nk(jax.device_put(w12.encode(w)), block_k=64, pack=True, mma=False)
         x = jnp.asarray(np.random.default_rng(m).standard_normal((m, k)), jnp.bfloat16)
         twin = mk.bf16_mosaic_partials(x, jnp.asarray(w).T, interpret=self.interpret)
         decodes = ("jnp",) if self.interpret else ("jnp", "ptx")
@@ -89,7 +89,7 @@ class _MosaicCases:
         for k, n, m, finite in ((256, 256, 5, True), (512, 128, 33, False)):
             w = adversarial_weights(k, n, seed=k + n + m, finite=finite)
             x = jnp.asarray(np.random.default_rng(m).standard_normal((m, k)), jnp.bfloat16)
-            nk = mk.to_nk(jax.device_put(w12.encode(w)))
+            nk = mk.to_nk(jax.device_put(w12.encode(w)), mma=False)
             twin = mk.bf16_mosaic_partials(x, jnp.asarray(w).T, split=2, interpret=self.interpret)
             for exceptions, decode in [(e, d) for e in ("auto", "csr") for d in decodes]:
                 got = mk.w12_mosaic_partials(x, nk, split=2, interpret=self.interpret, warp_specialized=True,
@@ -150,7 +150,7 @@ class _MosaicCases:
                         (191, 0, -np.inf), (256 + 255, 66, 3e-39)):
             w[r, c] = v
         enc = w12.encode(w)
-        nk = mk.to_nk(enc, block_k=128)
+        nk = mk.to_nk(enc, block_k=128, mma=False)
         assert enc.num_exceptions >= 6 and nk.slot_k == 128
         x = jnp.asarray(np.random.default_rng(5).standard_normal((m, k)), jnp.bfloat16)
         ip = self.interpret
@@ -513,3 +513,33 @@ def test_mma_order_puts_each_loaded_element_in_its_wgmma_register(width):
         assert wg[(warp, lane, *target, e % 2)] == true[idx], idx
     x = np.arange(3 * width).reshape(3, width)
     np.testing.assert_array_equal(np.asarray(mk._unpermute_jnp(jnp.asarray(x[:, perm]))), x)
+
+
+def test_raw_partials_summed_before_the_transpose_keep_the_bits():
+    """`sum_rows` (the splits of the untransposed [S, N, Mp] output added first) gives the bits of
+    `sum_splits` over the [S, M, N] partials, for W12 and its twin; the row padding is dropped."""
+    k, n, m = 512, 128, 5
+    w = (0.02 * np.random.default_rng(3).standard_normal((k, n))).astype(jnp.bfloat16)
+    x = jnp.asarray(np.random.default_rng(4).standard_normal((m, k)), jnp.bfloat16)
+    nk = mk.to_nk(w12.encode(w))
+    raw = mk.w12_mosaic_partials(x, nk, split=4, raw=True, interpret=True)
+    assert raw.shape == (4, n, 16)
+    assert_same_bits(mk.sum_rows(raw, m), km.sum_splits(mk.w12_mosaic_partials(x, nk, split=4, interpret=True)))
+    twin_raw = mk.bf16_mosaic_partials(x, jnp.asarray(w).T, split=4, raw=True, interpret=True)
+    assert_same_bits(mk.sum_rows(twin_raw, m), mk.sum_rows(raw, m))
+
+
+def test_mma_order_default_follows_the_rows():
+    """Packed in mma order for up to 16 rows per call at every shape, and at the LM head for any; the
+    override (benchmarks) wins."""
+    assert mk.default_mma(4096, 12288, 1) and mk.default_mma(4096, 12288, 16)
+    assert not mk.default_mma(4096, 12288, 64) and mk.default_mma(4096, 151936, 64)
+    enc = w12.encode((0.02 * np.random.default_rng(0).standard_normal((256, 128))).astype(jnp.bfloat16))
+    assert mk.to_nk(enc).mma_order and not mk.to_nk(enc, mma=False).mma_order
+    assert not mk.to_nk(enc, pack=False, mma=True).mma_order  # only packed planes take the order
+    old = mk.MMA_ORDER
+    try:
+        mk.MMA_ORDER = False
+        assert not mk.default_mma(4096, 12288, 1) and not mk.to_nk(enc).mma_order
+    finally:
+        mk.MMA_ORDER = old

@@ -405,7 +405,7 @@ def encode_params(params: dict, names: tuple[str, ...] = LINEAR_NAMES, lm_head: 
 
             step = w12_mosaic.default_block_k(*x.shape, rows)
             w12_mosaic.check_shape(*x.shape, step)
-            return w12_mosaic.to_nk(w, step)
+            return w12_mosaic.to_nk(w, step, mma=w12_mosaic.default_mma(*x.shape, rows))
         return dataclasses.replace(w, kernel=kernel)
 
     out = dict(params)
@@ -448,7 +448,6 @@ def _mosaic_rows(x: jax.Array, w, interpret: bool | None = None) -> jax.Array:
     """x [..., K] @ w through the Mosaic GPU kernel (W12NK) or its bf16 twin (a bf16 [K, N] array, read
     transposed), 64 rows per call (the kernel's largest M): float32 [..., N]. Every row is computed as the
     kernel computes it alone, so the W12 path and the twin agree bit for bit at any number of rows."""
-    from pallas_kernels import w12_matmul as kern
     from pallas_kernels import w12_mosaic
 
     if interpret is None:
@@ -459,13 +458,13 @@ def _mosaic_rows(x: jax.Array, w, interpret: bool | None = None) -> jax.Array:
     rows = x.reshape(-1, k).astype(jnp.bfloat16)
     step = max(w12_mosaic.MP_CHOICES)
     if isinstance(w, W12NK):
-        def call(r):
-            return w12_mosaic.w12_mosaic_partials(r, w, interpret=interpret)
+        def call(r):  # the splits are added before the transpose (`w12_mosaic.sum_rows`)
+            return w12_mosaic.sum_rows(w12_mosaic.w12_mosaic_partials(r, w, interpret=interpret, raw=True), len(r))
     else:
         w_t = jnp.asarray(w).T
 
         def call(r):
-            return w12_mosaic.bf16_mosaic_partials(r, w_t, interpret=interpret)
-    parts = [kern.sum_splits(call(rows[i:i + step])) for i in range(0, rows.shape[0], step)]
+            return w12_mosaic.sum_rows(w12_mosaic.bf16_mosaic_partials(r, w_t, interpret=interpret, raw=True), len(r))
+    parts = [call(rows[i:i + step]) for i in range(0, rows.shape[0], step)]
     y = parts[0] if len(parts) == 1 else jnp.concatenate(parts, axis=0)
     return y.reshape(*x.shape[:-1], n)
