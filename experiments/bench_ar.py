@@ -321,6 +321,9 @@ def parse_args(argv=None):
     p.add_argument("--w12-mma", choices=("default", "on", "off"), default="default",
                    help="with --w12-kernel mosaic: pack the planes in the wgmma register order or not "
                         "(pallas_kernels.w12_mosaic.MMA_ORDER for this run)")
+    p.add_argument("--w12-adjacent", choices=("default", "on", "off"), default="default",
+                   help="with --w12-kernel mosaic: pack adjacent row blocks per step (x not reordered per call) "
+                        "or the K halves (pallas_kernels.w12_mosaic.ADJACENT for this run)")
     p.add_argument("--out", default="")
     args = p.parse_args(argv)
     args.variants = list(ar_variants.VARIANTS) if args.variants == "all" else [
@@ -337,6 +340,11 @@ def parse_args(argv=None):
             p.error("--w12-mma takes --w12-kernel mosaic")
         from pallas_kernels import w12_mosaic
         w12_mosaic.MMA_ORDER = args.w12_mma == "on"  # read when the weights are packed
+    if args.w12_adjacent != "default":
+        if args.w12_kernel != "mosaic":
+            p.error("--w12-adjacent takes --w12-kernel mosaic")
+        from pallas_kernels import w12_mosaic
+        w12_mosaic.ADJACENT = args.w12_adjacent == "on"  # read when the weights are packed and by the twin
     args.weights = [s for s in args.weights.split(",") if s]
     if not args.weights or set(args.weights) - {"bf16", "w12"}:
         p.error(f"--weights takes bf16 and/or w12, got {args.weights}")
@@ -358,7 +366,7 @@ def main(argv=None) -> dict:
     record = {"date": datetime.date.today().isoformat(), "shape": args.shape, "config": cfg.to_hf_dict(),
               "batch": b, "context": ctx, "new_tokens": args.new_tokens, "device": bench.device_info(),
               "xla_flags": os.environ.get("XLA_FLAGS", ""), "w12_kernel": args.w12_kernel,
-              "w12_mma": args.w12_mma, "variants": {}}
+              "w12_mma": args.w12_mma, "w12_adjacent": args.w12_adjacent, "variants": {}}
 
     def save():
         if args.out:

@@ -176,9 +176,12 @@ def bench_shape(name, k, n, ms, args, interpret, copy_bw, record):
                 bk = int(mg.get("block_k", 0)) or mk.default_block_k(k, n)  # the kernel's default step for this shape
                 pack = mg.get("planes", "packed") == "packed"
                 mma = bool(mg.get("mma", mk.default_mma(k, n))) and pack  # planes packed in the wgmma register order
-                if (bk, pack, mma) not in ws_nk:
-                    ws_nk[bk, pack, mma] = [mk.to_nk(e, block_k=bk, pack=pack, mma=mma) for e in ws_w12]
-                twin_opts = {key: v for key, v in mg.items() if key in ("block_k", "stages", "split", "fold_x")}
+                adj = bool(mg.get("adjacent", False)) and pack  # adjacent row blocks per step (and in the twin)
+                if (bk, pack, mma, adj) not in ws_nk:
+                    ws_nk[bk, pack, mma, adj] = [mk.to_nk(e, block_k=bk, pack=pack, mma=mma, adjacent=adj)
+                                                 for e in ws_w12]
+                twin_opts = {key: v for key, v in mg.items()
+                             if key in ("block_k", "stages", "split", "fold_x", "adjacent")}
                 if mg.get("subtile"):  # 64-row sub-steps: the twin at block_k 64, with W12's split
                     twin_opts.update(block_k=64, split=int(mg.get("split", 0)) or mk.default_split(k, n, bk))
                 if "twin_a" in mg:  # the twin's A operand ("registers": its bf16 tiles through registers)
@@ -188,9 +191,9 @@ def bench_shape(name, k, n, ms, args, interpret, copy_bw, record):
                     twins_timed.add(twin_key)
                     impls.append(("twin_mg", twin_key, mosaic_mm(mk.bf16_mosaic_partials, interpret, twin_opts),
                                   ws_t))
-                kernel_opts = {key: v for key, v in mg.items() if key != "mma"}  # mma: how the planes are packed
+                kernel_opts = {key: v for key, v in mg.items() if key not in ("mma", "adjacent")}  # packing options
                 impls.append(("w12_mg", mg_key, mosaic_mm(mk.w12_mosaic_partials, interpret, kernel_opts),
-                              ws_nk[bk, pack, mma]))
+                              ws_nk[bk, pack, mma, adj]))
         if m == 1 and args.gemv:  # the CUDA-core path and its twin
             for gb in gemv_variants(k, n, args.sweep):
                 impls.append(("twin_gemv", gb, kernel_mm(km.bf16_matmul, gb, interpret, "gemv"), ws_bf16))
@@ -302,7 +305,7 @@ def parse_edits(text: str) -> list:
         edit = {}
         for item in group.split(","):
             key, value = item.split("=")
-            if key in ("prefetch", "fold_x", "warp_specialized", "subtile", "mma"):
+            if key in ("prefetch", "fold_x", "warp_specialized", "subtile", "mma", "adjacent"):
                 edit[key] = bool(int(value))
             elif key in ("exceptions", "diagnostic", "planes", "a_operand", "twin_a", "decode"):
                 edit[key] = value

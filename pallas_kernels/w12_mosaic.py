@@ -104,11 +104,17 @@ def _unpermute_jnp(a: jax.Array) -> jax.Array:
     return a.reshape(r, c // 16, 2, 2, 2, 2).transpose(0, 1, 4, 3, 2, 5).reshape(r, c)
 
 
+# Runs (`w12.encode_params(kernel="mosaic")`, `w12.linear`) pack adjacent row blocks per step and multiply
+# twins that pair the same blocks (`to_nk(adjacent=)`): x is then read as it is, with no reordering per
+# call (in AR decode the reordering was 107 small transposes per token: docs/performance.md).
+ADJACENT = True
+
+
 MAX_SLOTS = 256  # a step's slot row is one TMA box (<= 256 elements): 1 count + up to 255 exceptions
 SLOT_ALIGN = 32  # int32 entries per 128 bytes
 
 
-def exception_slots(w: W12, block_k: int, mma: bool = False) -> np.ndarray | None:
+def exception_slots(w: W12, block_k: int, mma: bool = False, adjacent: bool = False) -> np.ndarray | None:
     """Each kernel step's exceptions as one row of a dense int32 table that the pipeline streams with the
     planes, so the patch loop reads shared memory instead of chasing CSR pointers in global memory.
 
@@ -118,7 +124,8 @@ def exception_slots(w: W12, block_k: int, mma: bool = False) -> np.ndarray | Non
     (128 bytes: a copy in the kernel moves a multiple of one byte per thread of the warpgroup), which costs
     128 bytes per step (about 0.125 bits per weight at block_k = 64). None if a step holds more than
     MAX_SLOTS - 1 (the kernel then reads the CSR). `mma`: k_local is the stored column of planes packed in
-    `mma_order`."""
+    `mma_order`. `adjacent`: step kb pairs K rows [2 block_k kb, 2 block_k kb + block_k) ("lower") with the
+    next block_k rows ("upper") instead of the two K halves (`to_nk(adjacent=True)`)."""
     k, n = w.shape
     kh = k // 2
     if block_k > 256:  # k_local has 8 bits in an entry
@@ -127,8 +134,12 @@ def exception_slots(w: W12, block_k: int, mma: bool = False) -> np.ndarray | Non
         return np.zeros((n // BN * (kh // block_k), SLOT_ALIGN), np.int32)
     rows, cols = np.asarray(w.exc_row, np.int64), np.asarray(w.exc_col, np.int64)
     vals = np.asarray(w.exc_val).astype(np.int64)
-    half = (rows >= kh).astype(np.int64)
-    kr = rows - half * kh
+    if adjacent:
+        half = (rows % (2 * block_k) >= block_k).astype(np.int64)
+        kr = rows // (2 * block_k) * block_k + rows % block_k  # the step's block and the row in it, as below
+    else:
+        half = (rows >= kh).astype(np.int64)
+        kr = rows - half * kh
     step = (kr // block_k) * (n // BN) + cols // BN  # step-major: a step's column blocks are adjacent
     n_steps = n // BN * (kh // block_k)
     counts = np.bincount(step, minlength=n_steps)
@@ -146,27 +157,40 @@ def exception_slots(w: W12, block_k: int, mma: bool = False) -> np.ndarray | Non
     return table.astype(np.uint32).view(np.int32)
 
 
-def pack_planes(sm_t: jax.Array, nib_t: jax.Array, block_k: int, mma: bool = False) -> jax.Array:
+def pack_planes(sm_t: jax.Array, nib_t: jax.Array, block_k: int, mma: bool = False,
+                adjacent: bool = False) -> jax.Array:
     """[N, 3 K/2] int8: for each step kb of block_k half-rows, sm^T of the lower half's rows, sm^T of the
     upper half's rows and the nibble bytes, side by side, so that one copy brings a step's planes.
-    `mma`: each tile's columns in `mma_order`."""
+    `mma`: each tile's columns in `mma_order`. `adjacent`: step kb's "lower" rows are K rows
+    [2 block_k kb, 2 block_k kb + block_k) and its "upper" rows the next block_k, their 4-bit codes
+    re-paired into one byte (W12 pairs rows k and K/2 + k; the codes are the same), so that x needs no
+    reordering: a step reads 2 block_k consecutive columns of it."""
     n, k = sm_t.shape
     kh, steps = k // 2, k // 2 // block_k
-    parts = [sm_t[:, :kh], sm_t[:, kh:], jax.lax.bitcast_convert_type(nib_t, jnp.int8)]
-    parts = [p_.reshape(n, steps, block_k) for p_ in parts]
+    if adjacent:
+        codes = jnp.concatenate([nib_t & 0xF, nib_t >> 4], axis=1).reshape(n, steps, 2, block_k)  # row r's code
+        nib = (codes[:, :, 0] | (codes[:, :, 1] << 4)).astype(jnp.uint8)
+        sm3 = sm_t.reshape(n, steps, 2, block_k)
+        parts = [sm3[:, :, 0], sm3[:, :, 1], jax.lax.bitcast_convert_type(nib, jnp.int8)]
+    else:
+        parts = [sm_t[:, :kh], sm_t[:, kh:], jax.lax.bitcast_convert_type(nib_t, jnp.int8)]
+        parts = [p_.reshape(n, steps, block_k) for p_ in parts]
     if mma:
         parts = [p_[:, :, mma_order(block_k)] for p_ in parts]
     return jnp.stack(parts, axis=2).reshape(n, 3 * kh)
 
 
-def to_nk(w: W12, block_k: int | None = None, pack: bool = True, mma: bool | None = None) -> W12NK:
+def to_nk(w: W12, block_k: int | None = None, pack: bool = True, mma: bool | None = None,
+          adjacent: bool = False) -> W12NK:
     """Transpose the planes once (offline, like encoding) and tabulate the exceptions per kernel step of
     `block_k` rows (`exception_slots`); the CSR lists are kept for matrices whose steps overflow a slot row.
     `block_k` defaults to `default_block_k(K, N)`. `pack` (default) stores the planes step by step for
     `planes="packed"` and only so (the separate N-major planes become empty placeholders); it needs the
     slot table, so a matrix with a step of more than 255 exceptions keeps separate planes. `pack=False`
     keeps separate planes for "upcast"/"wgmma". `mma` (default `default_mma(K, N)`): packed planes in
-    `mma_order` (only with packed planes; the slot table then lists stored columns)."""
+    `mma_order` (only with packed planes; the slot table then lists stored columns). `adjacent`: packed
+    steps pair adjacent row blocks (`pack_planes`; only with packed planes), so x is not reordered per call;
+    its twin is `bf16_mosaic_partials(..., adjacent=True)`."""
     exc = exception_lists(w)
     k, n = w.shape
     block_k = block_k or default_block_k(k, n)
@@ -175,10 +199,13 @@ def to_nk(w: W12, block_k: int | None = None, pack: bool = True, mma: bool | Non
     sm_t, nib_t = jnp.asarray(w.sm).T.copy(), jnp.asarray(w.nib).T.copy()
     packed = pack and slots is not None
     mma = packed and (default_mma(k, n) if mma is None else mma)
-    if mma:
-        slots = exception_slots(w, block_k, mma=True)
+    adjacent = packed and adjacent
+    if mma or adjacent:
+        slots = exception_slots(w, block_k, mma=mma, adjacent=adjacent)
+        if slots is None:  # re-paired steps may hold more exceptions than a slot row: separate planes
+            packed = mma = adjacent = False
     if packed:
-        packed_planes = pack_planes(sm_t, nib_t, block_k, mma=mma)
+        packed_planes = pack_planes(sm_t, nib_t, block_k, mma=mma, adjacent=adjacent)
         sm_t, nib_t = jnp.zeros((1, 2 * SWIZZLE_BF16), jnp.int8), jnp.zeros((1, SWIZZLE_BF16), jnp.uint8)
     else:
         packed_planes = jnp.zeros((1, 3 * SWIZZLE_BF16), jnp.int8)
@@ -187,7 +214,7 @@ def to_nk(w: W12, block_k: int | None = None, pack: bool = True, mma: bool | Non
                  exc_row=exc[0], exc_col=exc[1], exc_val=exc[2],
                  slots=jnp.zeros((1, SLOT_ALIGN), jnp.int32) if slots is None else jnp.asarray(slots),
                  shape=w.shape, group_n=w.group_n, group_k=w.group_k, n_groups_k=w.n_groups_k,
-                 slot_k=0 if slots is None else block_k, mma_order=bool(mma))
+                 slot_k=0 if slots is None else block_k, mma_order=bool(mma), adjacent=bool(adjacent))
 
 
 def _transforms(bits: int, swizzle: int):
@@ -399,7 +426,8 @@ def w12_operand_names(planes: str, use_slots: bool) -> tuple[str, ...]:
 def _kernel_call(x, operands, *, k: int, n: int, mp: int, block_k: int, split: int, stages: int, w12: bool,
                  fmt: dict, interpret: bool, use_slots: bool = False, diagnostic: str = "", planes: str = "upcast",
                  a_operand: str = "registers", decode: str = "jnp", fold_x: bool = False,
-                 warp_specialized: bool = False, subtile: bool = False, mma: bool = False):
+                 warp_specialized: bool = False, subtile: bool = False, mma: bool = False,
+                 adjacent: bool = False):
     ws = warp_specialized
     # subtile: each step's packed tiles are decoded and multiplied as block_k / 64 sub-steps of 64 half-rows
     # (the copies stay block_k wide); `mma_k` is the K width of one decode and one wgmma pair.
@@ -449,6 +477,8 @@ def _kernel_call(x, operands, *, k: int, n: int, mp: int, block_k: int, split: i
         ptx_slots = use_slots and not diagnostic
         ptx_decode = [_ptx_decode(dec_layout, (BN, mma_k), ptx_slots, u * mma_k, mma)  # one per sub-step
                       for u in range(block_k // mma_k)]
+    if adjacent and w12 and not (planes == "packed" and (use_slots or diagnostic)):
+        raise NotImplementedError("adjacent row blocks are packed W12 planes with slot-table exceptions")
     if mma:  # planes packed in `mma_order`
         if not (w12 and planes == "packed"):
             raise NotImplementedError("planes in mma order are packed W12 planes")
@@ -476,8 +506,8 @@ def _kernel_call(x, operands, *, k: int, n: int, mp: int, block_k: int, split: i
 
         def spec(shape, half, col_major, transforms=()):
             # a [shape] block of the lower (half 0) or upper (half 1) K half at pipeline step i
-            def index(i):
-                kb = half * half_blocks + first + i
+            def index(i):  # adjacent: the step's two row blocks follow each other
+                kb = 2 * (first + i) + half if adjacent else half * half_blocks + first + i
                 return (j, kb) if col_major else (0, kb)
             return plgpu.BlockSpec(shape, index, transforms=transforms)
 
@@ -746,7 +776,7 @@ def w12_mosaic_partials(x: jax.Array, w: W12NK, block_k: int | None = None, spli
     if planes != "packed" and w.sm_t.shape != (n, k):
         raise ValueError(f"planes={planes!r} needs separate planes; these were packed (to_nk(w, pack=False) "
                          f"keeps them)")
-    x_p = _fold_x(x_p, block_k) if fold_x else x_p
+    x_p = _fold_x(x_p, block_k) if fold_x and not w.adjacent else x_p  # adjacent blocks: x as it is
     # the same split with or without warp specialization (so the same twin): the consumers are as many
     split = split or default_split(k, n, block_k)
     if subtile and planes != "packed":
@@ -759,28 +789,31 @@ def w12_mosaic_partials(x: jax.Array, w: W12NK, block_k: int | None = None, spli
                        k=k, n=n, mp=mp, block_k=block_k, split=split, stages=stages, w12=True, fmt=fmt,
                        interpret=interpret, use_slots=use_slots,
                        diagnostic=diagnostic, planes=planes, a_operand=a_operand, decode=decode, fold_x=fold_x,
-                       warp_specialized=warp_specialized, subtile=subtile, mma=w.mma_order and planes == "packed")
+                       warp_specialized=warp_specialized, subtile=subtile, mma=w.mma_order and planes == "packed",
+                       adjacent=w.adjacent)
     return out if raw else jnp.swapaxes(out, 1, 2)[:, :m]
 
 
 @functools.partial(jax.jit, static_argnames=("block_k", "split", "stages", "interpret", "a_operand", "fold_x",
-                                             "raw"))
+                                             "raw", "adjacent"))
 def bf16_mosaic_partials(x: jax.Array, w_t: jax.Array, block_k: int | None = None, split: int | None = None,
                          stages: int | None = None, interpret: bool = False, a_operand: str = "smem",
-                         fold_x: bool = True, raw: bool = False) -> jax.Array:
+                         fold_x: bool = True, raw: bool = False, adjacent: bool = False) -> jax.Array:
     """The twin: the same kernel over the original bf16 weight, given transposed (w_t [N, K] = W^T, stored
     once like `to_nk`'s planes), its tiles streamed by the same pipeline straight to the same wgmma calls.
-    block_k and stages default as W12's do for the same shape, so the defaults of the two pair up."""
+    block_k and stages default as W12's do for the same shape, so the defaults of the two pair up.
+    adjacent: each step pairs two adjacent row blocks, as W12 planes packed with `to_nk(adjacent=True)` do
+    (the twin of such a matrix); x is then read as it is."""
     n, k = w_t.shape
     block_k = block_k or default_block_k(k, n)
     stages = stages or default_stages(block_k)
     if w_t.dtype != jnp.bfloat16:
         raise NotImplementedError(f"the twin reads bf16 weights, got {w_t.dtype}")
     x_p, m, mp = _prepare_x(x, k, n, block_k)
-    x_p = _fold_x(x_p, block_k) if fold_x else x_p
+    x_p = _fold_x(x_p, block_k) if fold_x and not adjacent else x_p
     split = split or default_split(k, n, block_k)
     out = _kernel_call(x_p, (w_t,), k=k, n=n, mp=mp, block_k=block_k, split=split, stages=stages, w12=False,
-                       fmt={}, interpret=interpret, a_operand=a_operand, fold_x=fold_x)
+                       fmt={}, interpret=interpret, a_operand=a_operand, fold_x=fold_x, adjacent=adjacent)
     return out if raw else jnp.swapaxes(out, 1, 2)[:, :m]
 
 

@@ -118,16 +118,17 @@ class _MosaicCases:
         w = np.stack([rng.permutation(col) for col in pat.reshape(n, k)]).T.copy().view(jnp.bfloat16)
         enc = w12.encode(w)
         assert 0 < enc.num_exceptions < 1024
-        nk = mk.to_nk(jax.device_put(enc))
-        assert nk.slot_k == 64  # the default exceptions="auto" patches from the slot table
+        nk = mk.to_nk(jax.device_put(enc), mma=False)
+        nk_mma = mk.to_nk(jax.device_put(enc), mma=True)  # planes in mma order: the PTX decode only
+        assert nk.slot_k == nk_mma.slot_k == 64  # the default exceptions="auto" patches from the slot table
         w_t = jnp.asarray(w).T
         for r0 in range(0, k, 64):
             x = jnp.asarray(np.eye(k, dtype=np.float32)[r0:r0 + 64], jnp.bfloat16)
             twin = mk.bf16_mosaic_partials(x, w_t, split=1)
             want = np.asarray(w[r0:r0 + 64], np.float32)
             normal = (np.abs(want) >= np.finfo(np.float32).tiny) | (want == 0)  # tensor cores may flush
-            for decode in ("jnp", "ptx"):  # subnormal products; the twin's bits cover those
-                got = mk.w12_mosaic_partials(x, nk, split=1, decode=decode)
+            for decode, planes in (("jnp", nk), ("ptx", nk), ("ptx", nk_mma)):  # subnormal products: the
+                got = mk.w12_mosaic_partials(x, planes, split=1, decode=decode)  # twin's bits cover those
                 assert_same_bits(got, twin)
                 np.testing.assert_array_equal(np.asarray(got[0])[normal], want[normal])  # -0.0 == 0.0
 
@@ -192,6 +193,33 @@ class _MosaicCases:
             if not ip:
                 with pytest.raises(NotImplementedError, match="PTX decode"):
                     mk.w12_mosaic_partials(x, nk, split=split, decode="jnp")
+
+
+    def test_adjacent_blocks_bit_identical_to_their_twin(self):
+        """Planes packed with adjacent row blocks per step (`to_nk(adjacent=True)`: x read as it is, not
+        reordered) give the bits of the twin that pairs the same blocks, in plain and mma order, with Inf /
+        NaN exceptions in both blocks, two splits and 128-row steps; and the sum of the splits equals an
+        exact product."""
+        ip = self.interpret
+        for k, n, m, block_k, split, finite, mma in ((512, 192, 33, 64, 2, False, True), (512, 128, 16, 128, 1, True,
+                                                                                         False)):
+            rng = np.random.default_rng(k + m + 1)
+            w = (0.02 * rng.standard_normal((k, n))).astype(jnp.bfloat16)
+            rows, cols = rng.integers(0, k, 40), rng.integers(0, n, 40)
+            w[rows, cols] = rng.choice(np.asarray([np.inf, -np.inf, np.nan, 1e30, -3e-39] if not finite
+                                                  else [1e30, -1e-30, 3e-39, 0.0, -0.0], np.float32), 40)
+            enc = w12.encode(w)
+            x = jnp.asarray(rng.standard_normal((m, k)), jnp.bfloat16)
+            nk = mk.to_nk(jax.device_put(enc), block_k=block_k, mma=mma, adjacent=True)
+            assert nk.adjacent and nk.mma_order == mma and nk.slot_k == block_k
+            twin = mk.bf16_mosaic_partials(x, jnp.asarray(w).T, block_k=block_k, split=split, interpret=ip,
+                                           adjacent=True)
+            got = mk.w12_mosaic_partials(x, nk, split=split, interpret=ip)
+            assert_same_bits(got, twin)
+            if finite:
+                assert_close_to_exact(km.sum_splits(got), x, w)
+            with pytest.raises(NotImplementedError, match="adjacent"):
+                mk.w12_mosaic_partials(x, nk, split=split, exceptions="csr", interpret=ip)
 
 
 @pytest.mark.skipif(not _interpreter_available(), reason="this jax has no Mosaic GPU interpreter")

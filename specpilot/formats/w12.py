@@ -122,11 +122,14 @@ class W12NK(_EncodedMatrix):
     slot_k: int  # static: the step the slots were built for; 0 = no slots (the kernel reads the CSR)
     # static: the packed planes' columns are stored in the wgmma register order (`w12_mosaic.mma_order`)
     mma_order: bool = False
+    # static: packed steps pair adjacent row blocks, not the K halves (`w12_mosaic.pack_planes`)
+    adjacent: bool = False
 
 
 jax.tree_util.register_dataclass(W12NK, data_fields=["sm_t", "nib_t", "base7", "exc_ptr", "exc_row", "exc_col",
                                                      "exc_val", "slots", "packed"],
-                                 meta_fields=["shape", "group_n", "group_k", "n_groups_k", "slot_k", "mma_order"])
+                                 meta_fields=["shape", "group_n", "group_k", "n_groups_k", "slot_k", "mma_order",
+                                              "adjacent"])
 ENCODED = (W12, W12NK)  # the weight types `linear` multiplies
 
 
@@ -405,7 +408,11 @@ def encode_params(params: dict, names: tuple[str, ...] = LINEAR_NAMES, lm_head: 
 
             step = w12_mosaic.default_block_k(*x.shape, rows)
             w12_mosaic.check_shape(*x.shape, step)
-            return w12_mosaic.to_nk(w, step, mma=w12_mosaic.default_mma(*x.shape, rows))
+            nk = w12_mosaic.to_nk(w, step, mma=w12_mosaic.default_mma(*x.shape, rows),
+                                  adjacent=w12_mosaic.ADJACENT)
+            if nk.adjacent != w12_mosaic.ADJACENT:  # a step overflows its slot row: keep bf16, so that every
+                return x  # matrix of a run pairs its rows as the runs' twin does (`_mosaic_rows`)
+            return nk
         return dataclasses.replace(w, kernel=kernel)
 
     out = dict(params)
@@ -464,7 +471,8 @@ def _mosaic_rows(x: jax.Array, w, interpret: bool | None = None) -> jax.Array:
         w_t = jnp.asarray(w).T
 
         def call(r):
-            return w12_mosaic.sum_rows(w12_mosaic.bf16_mosaic_partials(r, w_t, interpret=interpret, raw=True), len(r))
+            return w12_mosaic.sum_rows(w12_mosaic.bf16_mosaic_partials(r, w_t, interpret=interpret, raw=True,
+                                                                       adjacent=w12_mosaic.ADJACENT), len(r))
     parts = [call(rows[i:i + step]) for i in range(0, rows.shape[0], step)]
     y = parts[0] if len(parts) == 1 else jnp.concatenate(parts, axis=0)
     return y.reshape(*x.shape[:-1], n)
