@@ -106,7 +106,9 @@ def _unpermute_jnp(a: jax.Array) -> jax.Array:
 
 # Runs (`w12.encode_params(kernel="mosaic")`, `w12.linear`) pack adjacent row blocks per step and multiply
 # twins that pair the same blocks (`to_nk(adjacent=)`): x is then read as it is, with no reordering per
-# call (in AR decode the reordering was 107 small transposes per token: docs/performance.md).
+# call. In AR decode (H200, docs/performance.md) that removed the 107 small transposes per token, but the
+# padding of x to Mp rows took their place as its own fusion (same count, same time): no measured gain
+# yet. It stays on as the half of the fix that is done; the other is reading x unpadded.
 ADJACENT = True
 
 
