@@ -369,15 +369,19 @@ def summary(rows) -> None:
               f"{t['xla_bf16'] / best_w12:8.2f} {t['bf16_twin'] / best_w12:8.2f} {exact}")
 
 
-def profile_table(paths: list[str]) -> list[str]:
+def profile_table(paths: list[str], w12_variant: dict | None = None) -> list[str]:
     """Markdown rows from recorded runs with `--profile xla,twin_mg,w12_mg`: per (shape, M), the wall,
-    busy and main-kernel time of XLA, the Mosaic twin and Mosaic W12 (default variants only), and W12
-    against the faster bf16 path on busy and on kernel time (docs/performance.md's layer table)."""
+    busy and main-kernel time of XLA, the Mosaic twin and Mosaic W12 (default variants, or the W12 variant
+    recorded with the `--mg-edits` options `w12_variant`, against the default twin), and W12 against the
+    faster bf16 path on busy and on kernel time (docs/performance.md's layer tables)."""
+    defaults = ({}, {"block_k": 64})
     cells = {}
     for path in paths:
         with open(path) as f:
             for r in json.load(f)["rows"]:
-                if "us_per_matrix" not in r or (r.get("mg") or {}) not in ({}, {"block_k": 64}):
+                mg = r.get("mg") or {}
+                wanted = [w12_variant] if w12_variant and r["impl"] == "w12_mg" else defaults
+                if "us_per_matrix" not in r or mg not in wanted:
                     continue
                 prof = r.get("profile") or {}
                 top = (prof.get("top") or [{}])[0]
@@ -429,9 +433,13 @@ def main(argv=None) -> dict:
     p.add_argument("--table", default="",
                    help="comma list of recorded --out files (run with --profile xla,twin_mg,w12_mg): print the "
                         "wall / busy / kernel table of docs/performance.md from them and exit")
+    p.add_argument("--table-w12", default="",
+                   help="with --table: the W12 variant's --mg-edits options (one group, e.g. 'mma=1'), "
+                        "against the default twin")
     args = p.parse_args(argv)
     if args.table:
-        print("\n".join(profile_table(args.table.split(","))))
+        variant = parse_edits(args.table_w12)
+        print("\n".join(profile_table(args.table.split(","), variant[0] if variant else None)))
         return {}
     args.profile = [s for s in args.profile.split(",") if s]
     interpret = jax.default_backend() == "cpu"

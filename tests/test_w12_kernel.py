@@ -308,6 +308,9 @@ def test_bench_profile_table(tmp_path):
     path.write_text(json.dumps(rec))
     table = bench_w12.profile_table([str(path)])
     assert table[2:] == ["| q/o | 1 | 16.0 / 15.0 / 30.0 | 15.0 / 14.0 / 14.0 | 12.0 / 10.0 / 8.0 | 1.00x | 1.25x |"]
+    # --table-w12 picks a recorded W12 variant against the default twin
+    table = bench_w12.profile_table([str(path)], {"subtile": True})
+    assert table[2:] == ["| q/o | 1 | 16.0 / 15.0 / 1.0 | 15.0 / 14.0 / 1.0 | 12.0 / 10.0 / 1.0 | 14.00x | 10.00x |"]
 
 
 # ---- the PTX decoder, executed on the CPU -------------------------------------------------------------
