@@ -104,12 +104,12 @@ def _unpermute_jnp(a: jax.Array) -> jax.Array:
     return a.reshape(r, c // 16, 2, 2, 2, 2).transpose(0, 1, 4, 3, 2, 5).reshape(r, c)
 
 
-# Runs (`w12.encode_params(kernel="mosaic")`, `w12.linear`) pack adjacent row blocks per step and multiply
-# twins that pair the same blocks (`to_nk(adjacent=)`): x is then read as it is, with no reordering per
-# call. In AR decode (H200, docs/performance.md) that removed the 107 small transposes per token, but the
-# padding of x to Mp rows took their place as its own fusion (same count, same time): no measured gain
-# yet. It stays on as the half of the fix that is done; the other is reading x unpadded.
-ADJACENT = True
+# Whether runs (`w12.encode_params(kernel="mosaic")`, `w12.linear`) pack adjacent row blocks per step and
+# multiply twins that pair the same blocks (`to_nk(adjacent=)`): x is then read as it is, with no
+# reordering per call. In AR decode (H200, docs/performance.md) that removed the 107 small transposes per
+# token, but the padding of x to Mp rows took their place as its own fusion (same count, same time): no
+# measured gain, so off. It is the half of the fix that is done; the other is reading x unpadded.
+ADJACENT = False
 
 
 MAX_SLOTS = 256  # a step's slot row is one TMA box (<= 256 elements): 1 count + up to 255 exceptions

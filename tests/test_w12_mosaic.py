@@ -396,6 +396,26 @@ def test_linear_through_mosaic_equals_its_twin():
         w12.encode_params({"layers": ({"q": w[:, :96]},)}, kernel="mosaic", max_exception_rate=1.0)
 
 
+def test_runs_with_adjacent_blocks_pair_as_their_twin(monkeypatch):
+    """With `w12_mosaic.ADJACENT` on, runs pack adjacent row blocks and the twin pairs the same, bit for
+    bit; a matrix whose re-paired steps overflow a slot row stays bf16 (so it cannot pair differently)."""
+    monkeypatch.setattr(mk, "ADJACENT", True)
+    k, n = 256, 128
+    w = (0.02 * np.random.default_rng(6).standard_normal((k, n))).astype(jnp.bfloat16)
+    w[3, 5], w[200, 70] = np.inf, 1e30
+    rng = np.random.default_rng(7)  # exponents over ~230 binades: most elements exceptions, no slot row holds a step
+    dense_steps = (np.exp(rng.uniform(-80, 80, (k, n))) * rng.choice([-1, 1], (k, n))).astype(jnp.bfloat16)
+    enc = w12.encode_params({"layers": ({"q": jnp.asarray(w), "k": jnp.asarray(dense_steps)},)}, kernel="mosaic",
+                            max_exception_rate=1.0)
+    wq, wk = enc["layers"][0]["q"], enc["layers"][0]["k"]
+    assert isinstance(wq, w12.W12NK) and wq.adjacent and not isinstance(wk, w12.W12NK)
+    x = jnp.asarray(np.random.default_rng(1).standard_normal((3, k)), jnp.bfloat16)
+    got = w12.linear(x, wq, out_dtype=jnp.float32, interpret=True)
+    twin = w12.linear(x, jnp.asarray(w), out_dtype=jnp.float32, interpret=True, dense_kernel=True,
+                      implementation="mosaic")
+    assert_same_bits(got, twin)
+
+
 # ---- the PTX of `decode="ptx"`, executed on the CPU ----------------------------------------------------
 
 def test_ptx_decode_every_bit_pattern():
