@@ -285,6 +285,12 @@ def test_lowers_for_cuda(k, n):
                 mma_nk = dataclasses.replace(nk, mma_order=True)
                 assert "mosaic_gpu" in fn.trace(s((m, k), jnp.bfloat16), mma_nk).lower(
                     lowering_platforms=("cuda",)).as_text()
+                adj_nk = dataclasses.replace(nk, mma_order=True, adjacent=True)  # and adjacent row blocks
+                assert "mosaic_gpu" in fn.trace(s((m, k), jnp.bfloat16), adj_nk).lower(
+                    lowering_platforms=("cuda",)).as_text()
+                twin = jax.jit(functools.partial(mk.bf16_mosaic_partials, adjacent=True))
+                assert "mosaic_gpu" in twin.trace(s((m, k), jnp.bfloat16), s((n, k), jnp.bfloat16)).lower(
+                    lowering_platforms=("cuda",)).as_text()
         for m in (1, 64):  # warp-specialized programs (two consumers and a copying warpgroup)
             if slot_k and n % 128 == 0:
                 fn = jax.jit(functools.partial(mk.w12_mosaic_partials, warp_specialized=True, decode="ptx"))
