@@ -42,7 +42,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from pallas_kernels.gemv import NUM_SMS_H200
-from pallas_kernels.w12_matmul import exception_lists
+from pallas_kernels.w12_matmul import exception_lists, sum_splits
 from specpilot.formats.w12 import W12, W12NK  # noqa: F401 - W12NK is this kernel's layout
 
 BN = 64  # W^T rows (W columns) per program: one warpgroup's wgmma M
@@ -197,14 +197,15 @@ def to_nk(w: W12, block_k: int | None = None, pack: bool = True, mma: bool | Non
     k, n = w.shape
     block_k = block_k or default_block_k(k, n)
     fits = (k // 2) % block_k == 0 and n % BN == 0
-    slots = exception_slots(w, block_k) if fits else None
+    mma = pack and (default_mma(k, n) if mma is None else mma)
+    slots = exception_slots(w, block_k, mma=mma) if fits else None  # mma order renumbers, never moves, them
     sm_t, nib_t = jnp.asarray(w.sm).T.copy(), jnp.asarray(w.nib).T.copy()
     packed = pack and slots is not None
-    mma = packed and (default_mma(k, n) if mma is None else mma)
+    mma = packed and mma
     adjacent = packed and adjacent
-    if mma or adjacent:
-        slots = exception_slots(w, block_k, mma=mma, adjacent=adjacent)
-        if slots is None:  # re-paired steps may hold more exceptions than a slot row: separate planes
+    if adjacent:  # re-paired steps hold other exceptions: one may overflow its slot row, then separate planes
+        slots = exception_slots(w, block_k, mma=mma, adjacent=True)
+        if slots is None:
             packed = mma = adjacent = False
     if packed:
         packed_planes = pack_planes(sm_t, nib_t, block_k, mma=mma, adjacent=adjacent)
@@ -822,7 +823,4 @@ def bf16_mosaic_partials(x: jax.Array, w_t: jax.Array, block_k: int | None = Non
 def sum_rows(raw: jax.Array, m: int) -> jax.Array:
     """[split, N, Mp] (`raw=True`) -> y [m, N] float32: the splits added in index order (as
     `w12_matmul.sum_splits`, so the same bits as summing the transposed partials), then transposed."""
-    acc = raw[0]
-    for i in range(1, raw.shape[0]):
-        acc = acc + raw[i]
-    return acc[:, :m].T
+    return sum_splits(raw)[:, :m].T

@@ -26,6 +26,15 @@ def _interpreter_available() -> bool:
     return True
 
 
+def _scattered_exceptions(rng, k: int, n: int, finite: bool) -> np.ndarray:
+    """N(0, 0.02) bf16 weights with 40 exceptions at random places: Inf / NaN among them unless finite."""
+    w = (0.02 * rng.standard_normal((k, n))).astype(jnp.bfloat16)
+    rows, cols = rng.integers(0, k, 40), rng.integers(0, n, 40)
+    w[rows, cols] = rng.choice(np.asarray([np.inf, -np.inf, np.nan, 1e30, -3e-39] if not finite
+                                          else [1e30, -1e-30, 3e-39, 0.0, -0.0], np.float32), 40)
+    return w
+
+
 CASES = [  # (K, N, M, block_k, split, finite weights)
     (256, 128, 5, 64, None, True),
     (512, 128, 33, 64, None, False),  # Mp = 64, Inf / NaN among the exceptions
@@ -171,10 +180,7 @@ class _MosaicCases:
         ip = self.interpret
         for k, n, m, block_k, split, finite in ((512, 192, 33, 64, 2, False), (512, 128, 16, 128, 1, True)):
             rng = np.random.default_rng(k + m)
-            w = (0.02 * rng.standard_normal((k, n))).astype(jnp.bfloat16)
-            rows, cols = rng.integers(0, k, 40), rng.integers(0, n, 40)  # 40 exceptions, scattered
-            w[rows, cols] = rng.choice(np.asarray([np.inf, -np.inf, np.nan, 1e30, -3e-39] if not finite
-                                                  else [1e30, -1e-30, 3e-39, 0.0, -0.0], np.float32), 40)
+            w = _scattered_exceptions(rng, k, n, finite)
             enc = w12.encode(w)
             assert enc.num_exceptions > 0
             x = jnp.asarray(rng.standard_normal((m, k)), jnp.bfloat16)
@@ -204,10 +210,7 @@ class _MosaicCases:
         for k, n, m, block_k, split, finite, mma in ((512, 192, 33, 64, 2, False, True), (512, 128, 16, 128, 1, True,
                                                                                          False)):
             rng = np.random.default_rng(k + m + 1)
-            w = (0.02 * rng.standard_normal((k, n))).astype(jnp.bfloat16)
-            rows, cols = rng.integers(0, k, 40), rng.integers(0, n, 40)
-            w[rows, cols] = rng.choice(np.asarray([np.inf, -np.inf, np.nan, 1e30, -3e-39] if not finite
-                                                  else [1e30, -1e-30, 3e-39, 0.0, -0.0], np.float32), 40)
+            w = _scattered_exceptions(rng, k, n, finite)
             enc = w12.encode(w)
             x = jnp.asarray(rng.standard_normal((m, k)), jnp.bfloat16)
             nk = mk.to_nk(jax.device_put(enc), block_k=block_k, mma=mma, adjacent=True)
