@@ -324,6 +324,12 @@ def parse_args(argv=None):
     p.add_argument("--w12-adjacent", choices=("default", "on", "off"), default="default",
                    help="with --w12-kernel mosaic: pack adjacent row blocks per step (x not reordered per call) "
                         "or the K halves (pallas_kernels.w12_mosaic.ADJACENT for this run)")
+    p.add_argument("--w12-pad-x", choices=("default", "on", "off"), default="default",
+                   help="with --w12-kernel mosaic: pad (and fold) x per call, or pass it as it is "
+                        "(pallas_kernels.w12_mosaic.PAD_X for this run)")
+    p.add_argument("--w12-mp", default="default",
+                   help="with --w12-kernel mosaic: the kernel's row paddings, e.g. '8,16,32,64' "
+                        "(pallas_kernels.w12_mosaic.MP_CHOICES for this run)")
     p.add_argument("--out", default="")
     args = p.parse_args(argv)
     args.variants = list(ar_variants.VARIANTS) if args.variants == "all" else [
@@ -345,6 +351,17 @@ def parse_args(argv=None):
             p.error("--w12-adjacent takes --w12-kernel mosaic")
         from pallas_kernels import w12_mosaic
         w12_mosaic.ADJACENT = args.w12_adjacent == "on"  # read when the weights are packed and by the twin
+    if args.w12_pad_x != "default" or args.w12_mp != "default":
+        if args.w12_kernel != "mosaic":
+            p.error("--w12-pad-x and --w12-mp take --w12-kernel mosaic")
+        from pallas_kernels import w12_mosaic
+        if args.w12_pad_x != "default":
+            w12_mosaic.PAD_X = args.w12_pad_x == "on"  # read at each call, by the kernel and its twin
+        if args.w12_mp != "default":
+            choices = tuple(sorted(int(v) for v in args.w12_mp.split(",")))
+            if any(v % 8 or v > 64 for v in choices) or choices[-1] != 64:
+                p.error(f"--w12-mp takes multiples of 8 up to 64, 64 included; got {args.w12_mp}")
+            w12_mosaic.MP_CHOICES = choices
     args.weights = [s for s in args.weights.split(",") if s]
     if not args.weights or set(args.weights) - {"bf16", "w12"}:
         p.error(f"--weights takes bf16 and/or w12, got {args.weights}")
@@ -366,7 +383,8 @@ def main(argv=None) -> dict:
     record = {"date": datetime.date.today().isoformat(), "shape": args.shape, "config": cfg.to_hf_dict(),
               "batch": b, "context": ctx, "new_tokens": args.new_tokens, "device": bench.device_info(),
               "xla_flags": os.environ.get("XLA_FLAGS", ""), "w12_kernel": args.w12_kernel,
-              "w12_mma": args.w12_mma, "w12_adjacent": args.w12_adjacent, "variants": {}}
+              "w12_mma": args.w12_mma, "w12_adjacent": args.w12_adjacent, "w12_pad_x": args.w12_pad_x,
+              "w12_mp": args.w12_mp, "variants": {}}
 
     def save():
         if args.out:

@@ -111,6 +111,16 @@ def _unpermute_jnp(a: jax.Array) -> jax.Array:
 # measured gain, so off. It is the half of the fix that is done; the other is reading x unpadded.
 ADJACENT = False
 
+# Whether runs (`w12._mosaic_rows`) pass x to the kernel as it is (`pad_x=False`: unpadded, and unfolded
+# unless adjacent row blocks), so that no fusion per call makes a padded copy of x: the copies of the x tiles
+# overhang x's rows and TMA fills the rest with zeros. The interpreter always pads.
+PAD_X = True
+
+
+def x_options(adjacent: bool) -> dict:
+    """The x options runs pass to either kernel (`PAD_X`)."""
+    return dict(pad_x=PAD_X, fold_x=PAD_X or adjacent)
+
 
 MAX_SLOTS = 256  # a step's slot row is one TMA box (<= 256 elements): 1 count + up to 255 exceptions
 SLOT_ALIGN = 32  # int32 entries per 128 bytes
@@ -699,7 +709,8 @@ def _kernel_call(x, operands, *, k: int, n: int, mp: int, block_k: int, split: i
     if w12 and not a_in_registers:  # the decoded A tiles
         scratch += [plgpu.SMEM((nwg, BN, mma_k), jnp.bfloat16, transforms=mma_tiles)] * 2
     if interpret:  # the interpreter has no transposed refs: transposed x tiles
-        scratch += [plgpu.SMEM((nwg, mma_k, mp), jnp.bfloat16, transforms=_transforms(16, 2 * mp))] * 2
+        x_t = _transforms(16, 2 * mp) if mp >= 16 else ()  # rows of 16 bytes have no swizzle
+        scratch += [plgpu.SMEM((nwg, mma_k, mp), jnp.bfloat16, transforms=x_t)] * 2
         from jax._src.pallas.mosaic_gpu.interpret.params import InterpretGPUParams
         interpret_arg = InterpretGPUParams()
     else:
@@ -719,28 +730,41 @@ def _fold_x(x_p: jax.Array, block_k: int) -> jax.Array:
     return x_p.reshape(mp, 2, k // 2 // block_k, block_k).transpose(0, 2, 1, 3).reshape(mp, k)
 
 
-def _prepare_x(x: jax.Array, k: int, n: int, block_k: int):
+def _prepare_x(x: jax.Array, k: int, n: int, block_k: int, mp: int | None = None, pad_x: bool = True,
+               interpret: bool = False, fold: bool = False):
+    """x [M, K] -> (x as the kernel reads it, M, Mp). Mp (the wgmma N) defaults to the least of MP_CHOICES
+    that holds M; `mp` asks for another multiple of 8. `pad_x=False` (compiled only) passes x as it is, unpadded
+    and unfolded: the x tiles' copies then overhang its M rows, and TMA fills the rows beyond them with zeros,
+    so no per-call fusion makes a padded copy of x (the interpreter refuses such reads: it always pads)."""
     if x.ndim != 2 or x.shape[1] != k:
         raise ValueError(f"x {x.shape} does not match a [{k}, {n}] weight")
     if x.dtype != jnp.bfloat16:
         raise NotImplementedError(f"the kernel multiplies bf16 activations, got {x.dtype}")
     m = x.shape[0]
     _check(k, n, m, block_k)
-    mp = next(p for p in MP_CHOICES if p >= m)
+    if mp is None:
+        mp = next(p for p in MP_CHOICES if p >= m)
+    elif mp % 8 or not m <= mp <= MP_CHOICES[-1]:
+        raise ValueError(f"mp = {mp} must be a multiple of 8 in [M, {MP_CHOICES[-1]}] (M = {m})")
     if block_k % SWIZZLE_BF16:  # both operands' tiles have rows of 128 bytes
         raise ValueError(f"block_k = {block_k} must be a multiple of {SWIZZLE_BF16}")
-    return jnp.pad(x, ((0, mp - m), (0, 0))), m, mp
+    if not pad_x and fold:
+        raise NotImplementedError("pad_x=False reads x as it is: it takes fold_x=False or adjacent row blocks")
+    if not pad_x and not interpret:
+        return x, m, mp
+    x_p = jnp.pad(x, ((0, mp - m), (0, 0)))
+    return (_fold_x(x_p, block_k) if fold else x_p), m, mp
 
 
 @functools.partial(jax.jit, static_argnames=("block_k", "split", "stages", "interpret", "exceptions", "diagnostic",
                                              "planes", "a_operand", "decode", "fold_x", "warp_specialized",
-                                             "subtile", "raw"))
+                                             "subtile", "raw", "mp", "pad_x"))
 def w12_mosaic_partials(x: jax.Array, w: W12NK, block_k: int | None = None, split: int | None = None,
                         stages: int | None = None,
                         interpret: bool = False, exceptions: str = "auto", diagnostic: str = "",
                         planes: str = "auto", a_operand: str = "registers", decode: str = "auto",
                         fold_x: bool = True, warp_specialized: bool = False, subtile: bool = False,
-                        raw: bool = False) -> jax.Array:
+                        raw: bool = False, mp: int | None = None, pad_x: bool = True) -> jax.Array:
     """x [M, K] bf16 (M <= 64), W12NK [K, N] -> partial products [split, M, N] float32.
 
     block_k: the step `to_nk` packed the planes for (`w.slot_k`) by default; stages: `default_stages`.
@@ -762,14 +786,15 @@ def w12_mosaic_partials(x: jax.Array, w: W12NK, block_k: int | None = None, spli
     the same split (`default_split(k, n, block_k)`), bit for bit. Exact on the H200 but slower than the
     whole-step decode at every M measured (docs/performance.md), so off by default.
     raw: the kernel's own output, [split, N, Mp] (rows padded to Mp), untransposed: `sum_rows` adds the
-    splits there and transposes only the sum (one small fusion instead of a transpose of every split)."""
+    splits there and transposes only the sum (one small fusion instead of a transpose of every split).
+    mp, pad_x: how x's rows are padded (`_prepare_x`)."""
     k, n = w.shape
     block_k = block_k or w.slot_k or default_block_k(k, n)
     stages = stages or default_stages(block_k)
     if (exceptions not in ("auto", "csr") or diagnostic not in ("", "no_patch", "load_only", "copies_only")
             or planes not in ("auto", "upcast", "wgmma", "packed")):
         raise ValueError(f"unknown exceptions={exceptions!r}, diagnostic={diagnostic!r} or planes={planes!r}")
-    x_p, m, mp = _prepare_x(x, k, n, block_k)
+    x_p, m, mp = _prepare_x(x, k, n, block_k, mp, pad_x, interpret, fold=fold_x and not w.adjacent)
     has_packed = w.slot_k == block_k and w.packed.shape[1] == 3 * k // 2
     if planes == "auto":
         planes = "packed" if has_packed else "upcast"
@@ -779,7 +804,6 @@ def w12_mosaic_partials(x: jax.Array, w: W12NK, block_k: int | None = None, spli
     if planes != "packed" and w.sm_t.shape != (n, k):
         raise ValueError(f"planes={planes!r} needs separate planes; these were packed (to_nk(w, pack=False) "
                          f"keeps them)")
-    x_p = _fold_x(x_p, block_k) if fold_x and not w.adjacent else x_p  # adjacent blocks: x as it is
     # the same split with or without warp specialization (so the same twin): the consumers are as many
     split = split or default_split(k, n, block_k)
     if subtile and planes != "packed":
@@ -798,10 +822,11 @@ def w12_mosaic_partials(x: jax.Array, w: W12NK, block_k: int | None = None, spli
 
 
 @functools.partial(jax.jit, static_argnames=("block_k", "split", "stages", "interpret", "a_operand", "fold_x",
-                                             "raw", "adjacent"))
+                                             "raw", "adjacent", "mp", "pad_x"))
 def bf16_mosaic_partials(x: jax.Array, w_t: jax.Array, block_k: int | None = None, split: int | None = None,
                          stages: int | None = None, interpret: bool = False, a_operand: str = "smem",
-                         fold_x: bool = True, raw: bool = False, adjacent: bool = False) -> jax.Array:
+                         fold_x: bool = True, raw: bool = False, adjacent: bool = False, mp: int | None = None,
+                         pad_x: bool = True) -> jax.Array:
     """The twin: the same kernel over the original bf16 weight, given transposed (w_t [N, K] = W^T, stored
     once like `to_nk`'s planes), its tiles streamed by the same pipeline straight to the same wgmma calls.
     block_k and stages default as W12's do for the same shape, so the defaults of the two pair up.
@@ -812,8 +837,7 @@ def bf16_mosaic_partials(x: jax.Array, w_t: jax.Array, block_k: int | None = Non
     stages = stages or default_stages(block_k)
     if w_t.dtype != jnp.bfloat16:
         raise NotImplementedError(f"the twin reads bf16 weights, got {w_t.dtype}")
-    x_p, m, mp = _prepare_x(x, k, n, block_k)
-    x_p = _fold_x(x_p, block_k) if fold_x and not adjacent else x_p
+    x_p, m, mp = _prepare_x(x, k, n, block_k, mp, pad_x, interpret, fold=fold_x and not adjacent)
     split = split or default_split(k, n, block_k)
     out = _kernel_call(x_p, (w_t,), k=k, n=n, mp=mp, block_k=block_k, split=split, stages=stages, w12=False,
                        fmt={}, interpret=interpret, a_operand=a_operand, fold_x=fold_x, adjacent=adjacent)

@@ -90,6 +90,37 @@ class _MosaicCases:
             mk.w12_mosaic_partials(x, nk, planes="upcast", interpret=self.interpret)
         assert_same_bits(mk.w12_mosaic_partials(x, unpacked, interpret=self.interpret), twin)  # "auto": upcast
 
+    def test_unpadded_x_and_8_row_tiles_bit_identical_to_bf16_twin(self):
+        """x read as it is (`pad_x=False`: the tiles' copies overhang x's rows, TMA fills zeros; the interpreter
+        pads) and 8-row x tiles (`mp=8`, the smallest wgmma N): W12 against its twin under the same options,
+        plain and adjacent row blocks, planes in both orders; and unpadded against padded x, which hold the
+        same zeros, so the same bits."""
+        k, n = 512, 128
+        w = adversarial_weights(k, n, seed=23)
+        w_t = jnp.asarray(w).T
+        enc = jax.device_put(w12.encode(w))
+        cases = [(mma, adj, m, mp) for mma, adj in ((False, False), (True, False), (True, True))
+                 for m, mp in ((1, 8), (5, 8), (8, 8), (1, None), (13, None))]
+        if self.interpret:  # minutes in the interpreter (which pads x anyway): one case per packing
+            cases = [(False, False, 5, 8), (True, False, 8, 8), (True, True, 1, None)]
+        for mma, adjacent, m, mp in cases:
+            nk = mk.to_nk(enc, block_k=64, mma=mma, adjacent=adjacent)
+            assert nk.adjacent == adjacent and nk.mma_order == mma
+            x = jnp.asarray(np.random.default_rng(m).standard_normal((m, k)), jnp.bfloat16)
+            padded = mk.bf16_mosaic_partials(x, w_t, interpret=self.interpret, adjacent=adjacent, mp=mp)
+            for opts in (dict(pad_x=True), dict(pad_x=False, fold_x=adjacent)):
+                twin = mk.bf16_mosaic_partials(x, w_t, interpret=self.interpret, adjacent=adjacent, mp=mp,
+                                               **opts)
+                assert_same_bits(twin, padded)
+                raw = mk.w12_mosaic_partials(x, nk, interpret=self.interpret, mp=mp, raw=True, **opts)
+                assert raw.shape == (mk.default_split(k, n, 64), n, mp or 16)
+                assert_same_bits(mk.sum_rows(raw, m), km.sum_splits(twin))
+        x = jnp.zeros((9, k), jnp.bfloat16)
+        with pytest.raises(ValueError, match="mp = 8 must be a multiple of 8 in"):
+            mk.w12_mosaic_partials(x, nk, mp=8, interpret=self.interpret)
+        with pytest.raises(NotImplementedError, match="takes fold_x=False or adjacent"):
+            mk.bf16_mosaic_partials(x, w_t, pad_x=False, fold_x=True, interpret=self.interpret)
+
     def test_warp_specialized_bit_identical_to_bf16_twin(self):
         """warp_specialized: two consumer warpgroups per program (128 W^T rows, x shared) and a copying
         warpgroup; same wgmma calls per 64 rows as the plain kernel, so the same twin's bits. Slot table and
