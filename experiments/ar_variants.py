@@ -83,6 +83,10 @@ INTERPRET: bool | None = None
 # what the twin variants' dense_kernel=True products run: None = the Triton W12 kernel's twin; "mosaic"
 # = the Mosaic GPU kernel's twin (bench_ar.py --w12-kernel mosaic)
 TWIN_IMPLEMENTATION: str | None = None
+# Whether the fused qkv product is materialized before its split and norms (`jax.lax.optimization_barrier`),
+# in every variant. With the Mosaic kernel, XLA otherwise fuses the sum of qkv's K-split partials into the
+# k-norm's multi-output reduce and recomputes it there (5.8 us per layer on the H200, docs/notes_w12.md).
+QKV_BARRIER = False
 
 
 def twin_of(name: str) -> str | None:
@@ -150,6 +154,8 @@ def _layer(p: dict, cfg, v: Variant, x, cos, sin, k_cache, v_cache, start, mask)
     h = rms_norm(x, p["attn_norm"], cfg.rms_norm_eps) if v.elementwise else x
     if v.fuse:
         qkv = _linear(h, p["qkv"], v)
+        if QKV_BARRIER:
+            qkv = jax.lax.optimization_barrier(qkv)
         q, k, val = qkv[..., :nq], qkv[..., nq:nq + nkv], qkv[..., nq + nkv:]
     else:
         q, k, val = (_linear(h, p[n], v) for n in ("q", "k", "v"))

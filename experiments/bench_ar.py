@@ -330,6 +330,9 @@ def parse_args(argv=None):
     p.add_argument("--w12-mp", default="default",
                    help="with --w12-kernel mosaic: the kernel's row paddings, e.g. '8,16,32,64' "
                         "(pallas_kernels.w12_mosaic.MP_CHOICES for this run)")
+    p.add_argument("--qkv-barrier", action="store_true",
+                   help="materialize the fused qkv product before its split and norms, in every variant "
+                        "(ar_variants.QKV_BARRIER)")
     p.add_argument("--out", default="")
     args = p.parse_args(argv)
     args.variants = list(ar_variants.VARIANTS) if args.variants == "all" else [
@@ -362,6 +365,7 @@ def parse_args(argv=None):
             if any(v % 8 or v > 64 for v in choices) or choices[-1] != 64:
                 p.error(f"--w12-mp takes multiples of 8 up to 64, 64 included; got {args.w12_mp}")
             w12_mosaic.MP_CHOICES = choices
+    ar_variants.QKV_BARRIER = args.qkv_barrier
     args.weights = [s for s in args.weights.split(",") if s]
     if not args.weights or set(args.weights) - {"bf16", "w12"}:
         p.error(f"--weights takes bf16 and/or w12, got {args.weights}")
@@ -384,7 +388,7 @@ def main(argv=None) -> dict:
               "batch": b, "context": ctx, "new_tokens": args.new_tokens, "device": bench.device_info(),
               "xla_flags": os.environ.get("XLA_FLAGS", ""), "w12_kernel": args.w12_kernel,
               "w12_mma": args.w12_mma, "w12_adjacent": args.w12_adjacent, "w12_pad_x": args.w12_pad_x,
-              "w12_mp": args.w12_mp, "variants": {}}
+              "w12_mp": args.w12_mp, "qkv_barrier": args.qkv_barrier, "variants": {}}
 
     def save():
         if args.out:

@@ -735,7 +735,8 @@ def _prepare_x(x: jax.Array, k: int, n: int, block_k: int, mp: int | None = None
     """x [M, K] -> (x as the kernel reads it, M, Mp). Mp (the wgmma N) defaults to the least of MP_CHOICES
     that holds M; `mp` asks for another multiple of 8. `pad_x=False` (compiled only) passes x as it is, unpadded
     and unfolded: the x tiles' copies then overhang its M rows, and TMA fills the rows beyond them with zeros,
-    so no per-call fusion makes a padded copy of x (the interpreter refuses such reads: it always pads)."""
+    so no per-call fusion makes a padded copy of x (the interpreter refuses such reads: it always pads). TMA
+    takes fewer rows than its 8-row tiling or a multiple of 8, so other M are padded to the next multiple."""
     if x.ndim != 2 or x.shape[1] != k:
         raise ValueError(f"x {x.shape} does not match a [{k}, {n}] weight")
     if x.dtype != jnp.bfloat16:
@@ -750,8 +751,8 @@ def _prepare_x(x: jax.Array, k: int, n: int, block_k: int, mp: int | None = None
         raise ValueError(f"block_k = {block_k} must be a multiple of {SWIZZLE_BF16}")
     if not pad_x and fold:
         raise NotImplementedError("pad_x=False reads x as it is: it takes fold_x=False or adjacent row blocks")
-    if not pad_x and not interpret:
-        return x, m, mp
+    if not pad_x and not interpret:  # TMA takes a row count below its 8-row tiling or a multiple of it
+        return (x if m < 8 or m % 8 == 0 else jnp.pad(x, ((0, -m % 8), (0, 0)))), m, mp
     x_p = jnp.pad(x, ((0, mp - m), (0, 0)))
     return (_fold_x(x_p, block_k) if fold else x_p), m, mp
 

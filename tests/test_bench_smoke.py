@@ -113,3 +113,27 @@ def test_kernel_summary_reads_a_perfetto_trace(tmp_path):
     top = s["top"][0]
     assert top["name"] == "w12_kernel" and (top["us_min"], top["us_median"], top["us_max"]) == (10.0, 20.0, 30.0)
     assert bench_.kernel_summary(str(tmp_path / "none"), steps=1) is None
+
+
+def test_bench_ar_qkv_barrier_keeps_the_tokens(bench_ar):
+    """--qkv-barrier materializes the fused qkv product (a scheduling change only): same greedy tokens."""
+    rec = bench_ar.main(["--shape", "tiny", "--context", "8", "--new-tokens", "4", "--warmup", "1",
+                         "--copy-gib", "0.01", "--variants", "stock,fused", "--qkv-barrier"])
+    assert rec["qkv_barrier"] and bench_ar.ar_variants.QKV_BARRIER
+    assert rec["variants"]["fused"]["token_match_frac"] == 1.0
+    bench_ar.parse_args([])  # each run sets the flag: off again without it
+    assert not bench_ar.ar_variants.QKV_BARRIER
+
+
+def test_bench_ar_mosaic_x_flags(bench_ar, monkeypatch):
+    """--w12-pad-x and --w12-mp set the Mosaic kernel's x options for a run; bad values are refused."""
+    from pallas_kernels import w12_mosaic
+
+    monkeypatch.setattr(w12_mosaic, "PAD_X", True)
+    monkeypatch.setattr(w12_mosaic, "MP_CHOICES", w12_mosaic.MP_CHOICES)
+    for bad in (["--w12-pad-x", "off"], ["--w12-kernel", "mosaic", "--w12-mp", "8,16"],
+                ["--w12-kernel", "mosaic", "--w12-mp", "12,64"]):
+        with pytest.raises(SystemExit):
+            bench_ar.parse_args(bad)
+    bench_ar.parse_args(["--w12-kernel", "mosaic", "--w12-pad-x", "off", "--w12-mp", "64,8,16"])
+    assert w12_mosaic.PAD_X is False and w12_mosaic.MP_CHOICES == (8, 16, 64)
