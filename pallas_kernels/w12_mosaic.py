@@ -18,6 +18,8 @@ Design choices (the measurements behind each: docs/notes_w12.md):
   moved to the WGMMA layout; "wgmma": plain tiles loaded straight into it), by PTX on packed registers
   (`_ptx_decode`) when compiled, and wgmma takes the decoded tile from registers (`a_operand="smem"`
   stores it to shared memory instead). x is folded (`_fold_x`): one copy per step for both K halves.
+  `pad_x=False` reads x unpadded (TMA fills the missing rows with zeros) and `mp=8` takes 8-row x tiles:
+  exact, 0-3% off the kernel, but AR decode was slower with x unpadded, so runs pad (`PAD_X`).
 - Exceptions: `to_nk` tabulates each step's exceptions (`exception_slots`); the pipeline streams a step's
   row with its planes, and each listed exception overwrites its element (PTX: a predicated bit-select in
   the register that holds it; jnp: `where` against a packed iota).
