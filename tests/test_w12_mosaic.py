@@ -456,6 +456,22 @@ def test_runs_with_adjacent_blocks_pair_as_their_twin(monkeypatch):
     assert_same_bits(got, twin)
 
 
+def test_runs_with_unpadded_x_pair_as_their_twin(monkeypatch):
+    """With `w12_mosaic.PAD_X` off, runs pass x unfolded (and, compiled, unpadded) to the kernel and to
+    its twin alike (`x_options`): the same bits as each other and as the padded default."""
+    k, n = 256, 128
+    w = jnp.asarray(adversarial_weights(k, n, seed=8, finite=True))
+    wq = w12.encode_params({"layers": ({"q": w},)}, kernel="mosaic", max_exception_rate=1.0)["layers"][0]["q"]
+    x = jnp.asarray(np.random.default_rng(2).standard_normal((3, k)), jnp.bfloat16)
+    padded = w12.linear(x, wq, out_dtype=jnp.float32, interpret=True)
+    monkeypatch.setattr(mk, "PAD_X", False)
+    assert mk.x_options(False) == dict(pad_x=False, fold_x=False) and mk.x_options(True)["fold_x"]
+    got = w12.linear(x, wq, out_dtype=jnp.float32, interpret=True)
+    twin = w12.linear(x, w, out_dtype=jnp.float32, interpret=True, dense_kernel=True, implementation="mosaic")
+    assert_same_bits(got, twin)
+    assert_same_bits(got, padded)
+
+
 # ---- the PTX of `decode="ptx"`, executed on the CPU ----------------------------------------------------
 
 def test_ptx_decode_every_bit_pattern():
