@@ -330,6 +330,9 @@ def parse_args(argv=None):
     p.add_argument("--w12-mp", default="default",
                    help="with --w12-kernel mosaic: the kernel's row paddings, e.g. '8,16,32,64' "
                         "(pallas_kernels.w12_mosaic.MP_CHOICES for this run)")
+    p.add_argument("--w12-sum-in-kernel", choices=("default", "on", "off"), default="default",
+                   help="with --w12-kernel mosaic: the kernel adds its K splits itself, or XLA adds the partials "
+                        "(pallas_kernels.w12_mosaic.SUM_SPLITS_IN_KERNEL for this run)")
     p.add_argument("--qkv-barrier", action="store_true",
                    help="materialize the fused qkv product before its split and norms, in every variant "
                         "(ar_variants.QKV_BARRIER)")
@@ -354,10 +357,12 @@ def parse_args(argv=None):
             p.error("--w12-adjacent takes --w12-kernel mosaic")
         from pallas_kernels import w12_mosaic
         w12_mosaic.ADJACENT = args.w12_adjacent == "on"  # read when the weights are packed and by the twin
-    if args.w12_pad_x != "default" or args.w12_mp != "default":
+    if args.w12_pad_x != "default" or args.w12_mp != "default" or args.w12_sum_in_kernel != "default":
         if args.w12_kernel != "mosaic":
-            p.error("--w12-pad-x and --w12-mp take --w12-kernel mosaic")
+            p.error("--w12-pad-x, --w12-mp and --w12-sum-in-kernel take --w12-kernel mosaic")
         from pallas_kernels import w12_mosaic
+        if args.w12_sum_in_kernel != "default":
+            w12_mosaic.SUM_SPLITS_IN_KERNEL = args.w12_sum_in_kernel == "on"  # read at each call
         if args.w12_pad_x != "default":
             w12_mosaic.PAD_X = args.w12_pad_x == "on"  # read at each call, by the kernel and its twin
         if args.w12_mp != "default":
@@ -388,7 +393,8 @@ def main(argv=None) -> dict:
               "batch": b, "context": ctx, "new_tokens": args.new_tokens, "device": bench.device_info(),
               "xla_flags": os.environ.get("XLA_FLAGS", ""), "w12_kernel": args.w12_kernel,
               "w12_mma": args.w12_mma, "w12_adjacent": args.w12_adjacent, "w12_pad_x": args.w12_pad_x,
-              "w12_mp": args.w12_mp, "qkv_barrier": args.qkv_barrier, "variants": {}}
+              "w12_mp": args.w12_mp, "w12_sum_in_kernel": args.w12_sum_in_kernel, "qkv_barrier": args.qkv_barrier,
+              "variants": {}}
 
     def save():
         if args.out:

@@ -181,7 +181,8 @@ def bench_shape(name, k, n, ms, args, interpret, copy_bw, record):
                     ws_nk[bk, pack, mma, adj] = [mk.to_nk(e, block_k=bk, pack=pack, mma=mma, adjacent=adj)
                                                  for e in ws_w12]
                 twin_opts = {key: v for key, v in mg.items()
-                             if key in ("block_k", "stages", "split", "fold_x", "adjacent", "mp", "pad_x")}
+                             if key in ("block_k", "stages", "split", "fold_x", "adjacent", "mp", "pad_x",
+                                        "sum_splits_in_kernel")}
                 if mg.get("subtile"):  # 64-row sub-steps: the twin at block_k 64, with W12's split
                     twin_opts.update(block_k=64, split=int(mg.get("split", 0)) or mk.default_split(k, n, bk))
                 if "twin_a" in mg:  # the twin's A operand ("registers": its bf16 tiles through registers)
@@ -305,7 +306,8 @@ def parse_edits(text: str) -> list:
         edit = {}
         for item in group.split(","):
             key, value = item.split("=")
-            if key in ("prefetch", "fold_x", "warp_specialized", "subtile", "mma", "adjacent", "pad_x"):
+            if key in ("prefetch", "fold_x", "warp_specialized", "subtile", "mma", "adjacent", "pad_x",
+                       "sum_splits_in_kernel"):
                 edit[key] = bool(int(value))
             elif key in ("exceptions", "diagnostic", "planes", "a_operand", "twin_a", "decode"):
                 edit[key] = value

@@ -27,7 +27,10 @@ Design choices (the measurements behind each: docs/notes_w12.md):
 - The twin (`bf16_mosaic_partials`) is the same kernel with the bf16 W^T tiles streamed by the same
   pipeline instead of decoded: same wgmma calls on the same values in the same order. W12 is lossless iff
   the two agree bit for bit (tests: interpreter and GPU; the benchmark checks every timed case).
-- Split-K over a grid axis (partials [S, N, Mp]; sum them with `w12_matmul.sum_splits`, the fixed order).
+- Split-K over a grid axis (partials [S, N, Mp]; sum them with `w12_matmul.sum_splits`, the fixed order),
+  or, with `sum_splits_in_kernel`, added by the kernel itself in the same order: the last split's program
+  waits on its column block's semaphore for the others' partials (exact in the interpreter; not yet run
+  on the GPU, so runs leave it off: `SUM_SPLITS_IN_KERNEL`).
 - The step follows the shape and the rows per call (`default_block_k`): 128 half-rows over 2 stages at the
   LM head for up to 16 rows, 64 over 3 elsewhere. Warp specialization (`warp_specialized`) is exact on
   the GPU but not faster; not yet: M > 64.
@@ -118,10 +121,15 @@ ADJACENT = False
 # overhang x's rows and TMA fills the rest with zeros. The interpreter always pads.
 PAD_X = True
 
+# Whether runs have the kernel add its K splits itself (`sum_splits_in_kernel`): no XLA sum of the partials
+# follows each call (in AR decode the sums cost about 0.17 ms per token, and qkv's sum, recomputed inside
+# the k-norm's reduce, 0.20 ms: docs/notes_w12.md). Exact in the interpreter; not yet timed on the GPU: off.
+SUM_SPLITS_IN_KERNEL = False
 
-def x_options(adjacent: bool) -> dict:
-    """The x options runs pass to either kernel (`PAD_X`)."""
-    return dict(pad_x=PAD_X, fold_x=PAD_X or adjacent)
+
+def run_options(adjacent: bool) -> dict:
+    """The options runs pass to either kernel (`PAD_X`, `SUM_SPLITS_IN_KERNEL`)."""
+    return dict(pad_x=PAD_X, fold_x=PAD_X or adjacent, sum_splits_in_kernel=SUM_SPLITS_IN_KERNEL)
 
 
 MAX_SLOTS = 256  # a step's slot row is one TMA box (<= 256 elements): 1 count + up to 255 exceptions
@@ -442,8 +450,14 @@ def _kernel_call(x, operands, *, k: int, n: int, mp: int, block_k: int, split: i
                  fmt: dict, interpret: bool, use_slots: bool = False, diagnostic: str = "", planes: str = "upcast",
                  a_operand: str = "registers", decode: str = "jnp", fold_x: bool = False,
                  warp_specialized: bool = False, subtile: bool = False, mma: bool = False,
-                 adjacent: bool = False):
+                 adjacent: bool = False, sum_splits_in_kernel: bool = False):
     ws = warp_specialized
+    # sum_splits_in_kernel: programs of splits 0 .. S-2 store their partials to a workspace and signal their
+    # column block's semaphore; the split S-1 program waits for them, adds the partials in index order with
+    # its own last (`w12_matmul.sum_splits`'s order) and stores the sum: the output is [1, N, Mp].
+    fixup = sum_splits_in_kernel and split > 1
+    if sum_splits_in_kernel and ws:
+        raise NotImplementedError("sum_splits_in_kernel is not implemented with warp_specialized")
     # subtile: each step's packed tiles are decoded and multiplied as block_k / 64 sub-steps of 64 half-rows
     # (the copies stay block_k wide); `mma_k` is the K width of one decode and one wgmma pair.
     mma_k = SWIZZLE_BF16 if subtile else block_k
@@ -508,12 +522,16 @@ def _kernel_call(x, operands, *, k: int, n: int, mp: int, block_k: int, split: i
     def kernel(x_gmem, *refs):
         if w12:  # only the operands this configuration reads (`w12_operand_names`)
             g = dict(zip(names, refs))
-            o_gmem, bs, bar, *scr = refs[len(names):]
+            o_gmem, *scr = refs[len(names):]
+            ws_gmem = scr.pop(0) if fixup else None
+            bs, bar, *scr = scr
             sm_gmem, nib_gmem, base_gmem = g["planes"], g.get("nib"), g["base7"]
             ptr_gmem, row_gmem, col_gmem, val_gmem = (g.get(q) for q in ("exc_ptr", "exc_row", "exc_col", "exc_val"))
             slot_gmem = g.get("slots")
         else:
             w_gmem, o_gmem, *scr = refs
+            ws_gmem = scr.pop(0) if fixup else None
+        sem = scr.pop() if fixup and not interpret else None  # one semaphore per column block
         j, si = jax.lax.axis_index("n"), jax.lax.axis_index("s")
         wg = jax.lax.axis_index("wg") if ws else 0  # this consumer's 64 rows of the program's W^T rows
         first = si * steps  # this program's first K block (in each half)
@@ -664,6 +682,32 @@ def _kernel_call(x, operands, *, k: int, n: int, mp: int, block_k: int, split: i
                 plgpu.wgmma(acc, a_hi, b_hi)
                 plgpu.wgmma_wait(0)  # before the pipeline refills these buffers (or the next sub-step)
 
+        def store(acc):  # the program's partial, or (sum_splits_in_kernel) the column block's sum
+            rows = pl.ds(state["row0"], BN)
+            if not fixup:
+                o_gmem[0 if sum_splits_in_kernel else si, rows, :] = acc[...]
+                return
+
+            @pl.when(si < split - 1)
+            def _():
+                ws_gmem[si, rows, :] = acc[...]
+                if sem is not None:  # release: the partial's stores are ordered before the signal
+                    plgpu.semaphore_signal(sem.at[j], 1, memory_scope="gpu")
+
+            @pl.when(si == split - 1)  # launched after its column block's other splits, so never waits on
+            def _():  # a program not yet running (the interpreter runs the grid in order: no semaphores)
+                if sem is not None:
+                    plgpu.semaphore_wait(sem.at[j], split - 1, memory_scope="gpu")
+
+                def part(q):
+                    ref = ws_gmem.at[q, rows, :]
+                    return ref[...] if interpret else plgpu.load(ref, (), layout=wgmma_layout, optimized=False)
+
+                total = part(0)
+                for q in range(1, split - 1):
+                    total = total + part(q)
+                o_gmem[0, rows, :] = total + acc[...]
+
         gmem_refs = (*(x_gmem,) * len(x_specs), *w_gmem_refs)
         if not ws:
             setup()
@@ -671,7 +715,7 @@ def _kernel_call(x, operands, *, k: int, n: int, mp: int, block_k: int, split: i
             def scope(acc):
                 plgpu.emit_pipeline(functools.partial(step, acc), grid=(steps,), in_specs=[*x_specs, *w_specs],
                                     max_concurrent_steps=stages)(*gmem_refs)
-                o_gmem[si, pl.ds(state["row0"], BN), :] = acc[...]
+                store(acc)
 
             pl.run_scoped(scope, plgpu.ACC((BN, mp), jnp.float32))
             return
@@ -718,11 +762,17 @@ def _kernel_call(x, operands, *, k: int, n: int, mp: int, block_k: int, split: i
     else:
         interpret_arg = None
     threads = dict(num_threads=nwg + 1, thread_name="wg") if ws else {}
-    call = plgpu.kernel(kernel, out_type=jax.ShapeDtypeStruct((split, n, mp), jnp.float32),
+    out_type = jax.ShapeDtypeStruct((1 if sum_splits_in_kernel else split, n, mp), jnp.float32)
+    if fixup:  # the workspace of splits 0 .. S-2 (an output XLA allocates; discarded)
+        out_type = (out_type, jax.ShapeDtypeStruct((split - 1, n, mp), jnp.float32))
+        if not interpret:  # zeroed at each call by the Pallas runtime
+            scratch.append(plgpu.SemaphoreType.REGULAR((n // cta,)))
+    call = plgpu.kernel(kernel, out_type=out_type,
                         grid=(n // cta, split), grid_names=("n", "s"), scratch_types=scratch,
                         compiler_params=plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Lane),
                         interpret=interpret_arg, **threads)
-    return call(x, *operands)
+    out = call(x, *operands)
+    return out[0] if fixup else out
 
 
 def _fold_x(x_p: jax.Array, block_k: int) -> jax.Array:
@@ -761,13 +811,14 @@ def _prepare_x(x: jax.Array, k: int, n: int, block_k: int, mp: int | None = None
 
 @functools.partial(jax.jit, static_argnames=("block_k", "split", "stages", "interpret", "exceptions", "diagnostic",
                                              "planes", "a_operand", "decode", "fold_x", "warp_specialized",
-                                             "subtile", "raw", "mp", "pad_x"))
+                                             "subtile", "raw", "mp", "pad_x", "sum_splits_in_kernel"))
 def w12_mosaic_partials(x: jax.Array, w: W12NK, block_k: int | None = None, split: int | None = None,
                         stages: int | None = None,
                         interpret: bool = False, exceptions: str = "auto", diagnostic: str = "",
                         planes: str = "auto", a_operand: str = "registers", decode: str = "auto",
                         fold_x: bool = True, warp_specialized: bool = False, subtile: bool = False,
-                        raw: bool = False, mp: int | None = None, pad_x: bool = True) -> jax.Array:
+                        raw: bool = False, mp: int | None = None, pad_x: bool = True,
+                        sum_splits_in_kernel: bool = False) -> jax.Array:
     """x [M, K] bf16 (M <= 64), W12NK [K, N] -> partial products [split, M, N] float32.
 
     block_k: the step `to_nk` packed the planes for (`w.slot_k`) by default; stages: `default_stages`.
@@ -790,7 +841,10 @@ def w12_mosaic_partials(x: jax.Array, w: W12NK, block_k: int | None = None, spli
     whole-step decode at every M measured (docs/performance.md), so off by default.
     raw: the kernel's own output, [split, N, Mp] (rows padded to Mp), untransposed: `sum_rows` adds the
     splits there and transposes only the sum (one small fusion instead of a transpose of every split).
-    mp, pad_x: how x's rows are padded (`_prepare_x`)."""
+    mp, pad_x: how x's rows are padded (`_prepare_x`).
+    sum_splits_in_kernel: the kernel adds the splits itself (the last split's program waits on a semaphore
+    for the others' partials, then adds them in index order, its own last: `sum_splits`'s order and bits)
+    and returns one "split", [1, N, Mp] raw; no XLA sum follows. Not with warp_specialized."""
     k, n = w.shape
     block_k = block_k or w.slot_k or default_block_k(k, n)
     stages = stages or default_stages(block_k)
@@ -820,21 +874,21 @@ def w12_mosaic_partials(x: jax.Array, w: W12NK, block_k: int | None = None, spli
                        interpret=interpret, use_slots=use_slots,
                        diagnostic=diagnostic, planes=planes, a_operand=a_operand, decode=decode, fold_x=fold_x,
                        warp_specialized=warp_specialized, subtile=subtile, mma=w.mma_order and planes == "packed",
-                       adjacent=w.adjacent)
+                       adjacent=w.adjacent, sum_splits_in_kernel=sum_splits_in_kernel)
     return out if raw else jnp.swapaxes(out, 1, 2)[:, :m]
 
 
 @functools.partial(jax.jit, static_argnames=("block_k", "split", "stages", "interpret", "a_operand", "fold_x",
-                                             "raw", "adjacent", "mp", "pad_x"))
+                                             "raw", "adjacent", "mp", "pad_x", "sum_splits_in_kernel"))
 def bf16_mosaic_partials(x: jax.Array, w_t: jax.Array, block_k: int | None = None, split: int | None = None,
                          stages: int | None = None, interpret: bool = False, a_operand: str = "smem",
                          fold_x: bool = True, raw: bool = False, adjacent: bool = False, mp: int | None = None,
-                         pad_x: bool = True) -> jax.Array:
+                         pad_x: bool = True, sum_splits_in_kernel: bool = False) -> jax.Array:
     """The twin: the same kernel over the original bf16 weight, given transposed (w_t [N, K] = W^T, stored
     once like `to_nk`'s planes), its tiles streamed by the same pipeline straight to the same wgmma calls.
     block_k and stages default as W12's do for the same shape, so the defaults of the two pair up.
     adjacent: each step pairs two adjacent row blocks, as W12 planes packed with `to_nk(adjacent=True)` do
-    (the twin of such a matrix); x is then read as it is."""
+    (the twin of such a matrix); x is then read as it is. mp, pad_x, sum_splits_in_kernel: as W12's."""
     n, k = w_t.shape
     block_k = block_k or default_block_k(k, n)
     stages = stages or default_stages(block_k)
@@ -843,7 +897,8 @@ def bf16_mosaic_partials(x: jax.Array, w_t: jax.Array, block_k: int | None = Non
     x_p, m, mp = _prepare_x(x, k, n, block_k, mp, pad_x, interpret, fold=fold_x and not adjacent)
     split = split or default_split(k, n, block_k)
     out = _kernel_call(x_p, (w_t,), k=k, n=n, mp=mp, block_k=block_k, split=split, stages=stages, w12=False,
-                       fmt={}, interpret=interpret, a_operand=a_operand, fold_x=fold_x, adjacent=adjacent)
+                       fmt={}, interpret=interpret, a_operand=a_operand, fold_x=fold_x, adjacent=adjacent,
+                       sum_splits_in_kernel=sum_splits_in_kernel)
     return out if raw else jnp.swapaxes(out, 1, 2)[:, :m]
 
 

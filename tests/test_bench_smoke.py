@@ -126,7 +126,8 @@ def test_bench_ar_qkv_barrier_keeps_the_tokens(bench_ar):
 
 
 def test_bench_ar_mosaic_x_flags(bench_ar, monkeypatch):
-    """--w12-pad-x and --w12-mp set the Mosaic kernel's x options for a run; bad values are refused."""
+    """--w12-pad-x, --w12-mp and --w12-sum-in-kernel set the Mosaic kernel's options for a run; bad values
+    are refused."""
     from pallas_kernels import w12_mosaic
 
     monkeypatch.setattr(w12_mosaic, "PAD_X", True)
@@ -135,5 +136,9 @@ def test_bench_ar_mosaic_x_flags(bench_ar, monkeypatch):
                 ["--w12-kernel", "mosaic", "--w12-mp", "12,64"]):
         with pytest.raises(SystemExit):
             bench_ar.parse_args(bad)
-    bench_ar.parse_args(["--w12-kernel", "mosaic", "--w12-pad-x", "off", "--w12-mp", "64,8,16"])
-    assert w12_mosaic.PAD_X is False and w12_mosaic.MP_CHOICES == (8, 16, 64)
+    monkeypatch.setattr(w12_mosaic, "SUM_SPLITS_IN_KERNEL", False)
+    with pytest.raises(SystemExit):
+        bench_ar.parse_args(["--w12-sum-in-kernel", "on"])
+    bench_ar.parse_args(["--w12-kernel", "mosaic", "--w12-pad-x", "off", "--w12-mp", "64,8,16",
+                         "--w12-sum-in-kernel", "on"])
+    assert w12_mosaic.PAD_X is False and w12_mosaic.MP_CHOICES == (8, 16, 64) and w12_mosaic.SUM_SPLITS_IN_KERNEL

@@ -121,6 +121,31 @@ class _MosaicCases:
         with pytest.raises(NotImplementedError, match="takes fold_x=False or adjacent"):
             mk.bf16_mosaic_partials(x, w_t, pad_x=False, fold_x=True, interpret=self.interpret)
 
+    def test_splits_summed_in_the_kernel_equal_the_summed_partials(self):
+        """sum_splits_in_kernel: the last split's program adds the others' partials (semaphores when
+        compiled) in index order: the same bits as `sum_splits` over the partials, for W12 and the twin,
+        which still agree; one split is the partial itself. Exceptions (Inf, NaN) in the weights."""
+        k, n = 512, 128
+        w = adversarial_weights(k, n, seed=31, finite=False)
+        nk = mk.to_nk(jax.device_put(w12.encode(w)), block_k=64, mma=True)
+        w_t = jnp.asarray(w).T
+        ms = (1, 20) if self.interpret else (1, 20, 64)
+        for m in ms:
+            x = jnp.asarray(np.random.default_rng(m).standard_normal((m, k)), jnp.bfloat16)
+            for split in ((1, 3) if self.interpret else (1, 2, 3, 4)):
+                raw = mk.w12_mosaic_partials(x, nk, interpret=self.interpret, raw=True, split=split)
+                got = mk.w12_mosaic_partials(x, nk, interpret=self.interpret, raw=True, split=split,
+                                             sum_splits_in_kernel=True)
+                twin = mk.bf16_mosaic_partials(x, w_t, interpret=self.interpret, raw=True, split=split,
+                                               sum_splits_in_kernel=True)
+                assert got.shape == (1, n, raw.shape[2])
+                assert_same_bits(got[0], km.sum_splits(raw))
+                assert_same_bits(got, twin)
+                assert_same_bits(mk.sum_rows(got, m), mk.sum_rows(raw, m))
+        with pytest.raises(NotImplementedError, match="sum_splits_in_kernel is not implemented with warp"):
+            mk.w12_mosaic_partials(x, nk, interpret=self.interpret, warp_specialized=True,
+                                   sum_splits_in_kernel=True)
+
     def test_warp_specialized_bit_identical_to_bf16_twin(self):
         """warp_specialized: two consumer warpgroups per program (128 W^T rows, x shared) and a copying
         warpgroup; same wgmma calls per 64 rows as the plain kernel, so the same twin's bits. Slot table and
@@ -325,6 +350,14 @@ def test_lowers_for_cuda(k, n):
                 twin = jax.jit(functools.partial(mk.bf16_mosaic_partials, adjacent=True))
                 assert "mosaic_gpu" in twin.trace(s((m, k), jnp.bfloat16), s((n, k), jnp.bfloat16)).lower(
                     lowering_platforms=("cuda",)).as_text()
+        for m in (1, 16, 64):  # the splits added in the kernel (semaphores, the partials read back)
+            if slot_k:
+                fn = jax.jit(functools.partial(mk.w12_mosaic_partials, decode="ptx", sum_splits_in_kernel=True))
+                assert "mosaic_gpu" in fn.trace(s((m, k), jnp.bfloat16), dataclasses.replace(nk, mma_order=True)).lower(
+                    lowering_platforms=("cuda",)).as_text()
+                twin = jax.jit(functools.partial(mk.bf16_mosaic_partials, sum_splits_in_kernel=True))
+                assert "mosaic_gpu" in twin.trace(s((m, k), jnp.bfloat16), s((n, k), jnp.bfloat16)).lower(
+                    lowering_platforms=("cuda",)).as_text()
         for m in (1, 64):  # warp-specialized programs (two consumers and a copying warpgroup)
             if slot_k and n % 128 == 0:
                 fn = jax.jit(functools.partial(mk.w12_mosaic_partials, warp_specialized=True, decode="ptx"))
@@ -458,18 +491,35 @@ def test_runs_with_adjacent_blocks_pair_as_their_twin(monkeypatch):
 
 def test_runs_with_unpadded_x_pair_as_their_twin(monkeypatch):
     """With `w12_mosaic.PAD_X` off, runs pass x unfolded (and, compiled, unpadded) to the kernel and to
-    its twin alike (`x_options`): the same bits as each other and as the padded default."""
+    its twin alike (`run_options`): the same bits as each other and as the padded default."""
     k, n = 256, 128
     w = jnp.asarray(adversarial_weights(k, n, seed=8, finite=True))
     wq = w12.encode_params({"layers": ({"q": w},)}, kernel="mosaic", max_exception_rate=1.0)["layers"][0]["q"]
     x = jnp.asarray(np.random.default_rng(2).standard_normal((3, k)), jnp.bfloat16)
     padded = w12.linear(x, wq, out_dtype=jnp.float32, interpret=True)
     monkeypatch.setattr(mk, "PAD_X", False)
-    assert mk.x_options(False) == dict(pad_x=False, fold_x=False) and mk.x_options(True)["fold_x"]
+    assert mk.run_options(False) == dict(pad_x=False, fold_x=False, sum_splits_in_kernel=False)
+    assert mk.run_options(True)["fold_x"]
     got = w12.linear(x, wq, out_dtype=jnp.float32, interpret=True)
     twin = w12.linear(x, w, out_dtype=jnp.float32, interpret=True, dense_kernel=True, implementation="mosaic")
     assert_same_bits(got, twin)
     assert_same_bits(got, padded)
+
+
+def test_runs_with_splits_summed_in_the_kernel_pair_as_their_twin(monkeypatch):
+    """With `w12_mosaic.SUM_SPLITS_IN_KERNEL` on, runs multiply through the in-kernel split sum, the twin
+    alike: the same bits as each other and as the XLA-summed default."""
+    k, n = 512, 128
+    w = jnp.asarray(adversarial_weights(k, n, seed=9, finite=True))
+    wq = w12.encode_params({"layers": ({"q": w},)}, kernel="mosaic", max_exception_rate=1.0)["layers"][0]["q"]
+    assert mk.default_split(k, n, wq.slot_k) > 1
+    x = jnp.asarray(np.random.default_rng(4).standard_normal((2, k)), jnp.bfloat16)
+    summed_by_xla = w12.linear(x, wq, out_dtype=jnp.float32, interpret=True)
+    monkeypatch.setattr(mk, "SUM_SPLITS_IN_KERNEL", True)
+    got = w12.linear(x, wq, out_dtype=jnp.float32, interpret=True)
+    twin = w12.linear(x, w, out_dtype=jnp.float32, interpret=True, dense_kernel=True, implementation="mosaic")
+    assert_same_bits(got, twin)
+    assert_same_bits(got, summed_by_xla)
 
 
 # ---- the PTX of `decode="ptx"`, executed on the CPU ----------------------------------------------------

@@ -467,14 +467,14 @@ def _mosaic_rows(x: jax.Array, w, interpret: bool | None = None) -> jax.Array:
     if isinstance(w, W12NK):
         def call(r):  # the splits are added before the transpose (`w12_mosaic.sum_rows`)
             return w12_mosaic.sum_rows(w12_mosaic.w12_mosaic_partials(r, w, interpret=interpret, raw=True,
-                                                                      **w12_mosaic.x_options(w.adjacent)), len(r))
+                                                                      **w12_mosaic.run_options(w.adjacent)), len(r))
     else:
         w_t = jnp.asarray(w).T
 
         def call(r):
             return w12_mosaic.sum_rows(w12_mosaic.bf16_mosaic_partials(
                 r, w_t, interpret=interpret, raw=True, adjacent=w12_mosaic.ADJACENT,
-                **w12_mosaic.x_options(w12_mosaic.ADJACENT)), len(r))
+                **w12_mosaic.run_options(w12_mosaic.ADJACENT)), len(r))
     parts = [call(rows[i:i + step]) for i in range(0, rows.shape[0], step)]
     y = parts[0] if len(parts) == 1 else jnp.concatenate(parts, axis=0)
     return y.reshape(*x.shape[:-1], n)
