@@ -297,6 +297,19 @@ def compare_to_twin(generated: np.ndarray, logits, twin: dict) -> dict:
     return out
 
 
+# The Mosaic kernel's on/off switches a run can set: (flag, pallas_kernels.w12_mosaic attribute, meaning).
+MOSAIC_SWITCHES = (
+    ("--w12-mma", "MMA_ORDER", "pack the planes in the wgmma register order or not"),
+    ("--w12-adjacent", "ADJACENT", "pack adjacent row blocks per step (x not reordered per call) or the K halves"),
+    ("--w12-pad-x", "PAD_X", "pad (and fold) x per call, or pass it as it is"),
+    ("--w12-sum-in-kernel", "SUM_SPLITS_IN_KERNEL", "the kernel adds its K splits itself, or XLA adds the partials"),
+)
+
+
+def _switch(args, flag: str) -> str:
+    return getattr(args, flag[2:].replace("-", "_"))
+
+
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--shape", choices=sorted(SHAPES), default="qwen3-8b")
@@ -318,21 +331,12 @@ def parse_args(argv=None):
                         "each variant's bf16 twin for the exact comparison)")
     p.add_argument("--w12-kernel", choices=("pallas", "mosaic"), default="pallas",
                    help="with --weights ...,w12: the W12 kernel (and its twin for the twin variants)")
-    p.add_argument("--w12-mma", choices=("default", "on", "off"), default="default",
-                   help="with --w12-kernel mosaic: pack the planes in the wgmma register order or not "
-                        "(pallas_kernels.w12_mosaic.MMA_ORDER for this run)")
-    p.add_argument("--w12-adjacent", choices=("default", "on", "off"), default="default",
-                   help="with --w12-kernel mosaic: pack adjacent row blocks per step (x not reordered per call) "
-                        "or the K halves (pallas_kernels.w12_mosaic.ADJACENT for this run)")
-    p.add_argument("--w12-pad-x", choices=("default", "on", "off"), default="default",
-                   help="with --w12-kernel mosaic: pad (and fold) x per call, or pass it as it is "
-                        "(pallas_kernels.w12_mosaic.PAD_X for this run)")
+    for flag, attr, what in MOSAIC_SWITCHES:
+        p.add_argument(flag, choices=("default", "on", "off"), default="default",
+                       help=f"with --w12-kernel mosaic: {what} (pallas_kernels.w12_mosaic.{attr} for this run)")
     p.add_argument("--w12-mp", default="default",
                    help="with --w12-kernel mosaic: the kernel's row paddings, e.g. '8,16,32,64' "
                         "(pallas_kernels.w12_mosaic.MP_CHOICES for this run)")
-    p.add_argument("--w12-sum-in-kernel", choices=("default", "on", "off"), default="default",
-                   help="with --w12-kernel mosaic: the kernel adds its K splits itself, or XLA adds the partials "
-                        "(pallas_kernels.w12_mosaic.SUM_SPLITS_IN_KERNEL for this run)")
     p.add_argument("--qkv-barrier", action="store_true",
                    help="materialize the fused qkv product before its split and norms, in every variant "
                         "(ar_variants.QKV_BARRIER)")
@@ -347,24 +351,14 @@ def parse_args(argv=None):
     global W12_KERNEL, W12_ROWS
     W12_KERNEL, W12_ROWS = args.w12_kernel, args.batch
     ar_variants.TWIN_IMPLEMENTATION = "mosaic" if args.w12_kernel == "mosaic" else None
-    if args.w12_mma != "default":
+    switched = [(flag, attr) for flag, attr, _ in MOSAIC_SWITCHES if _switch(args, flag) != "default"]
+    if switched or args.w12_mp != "default":
         if args.w12_kernel != "mosaic":
-            p.error("--w12-mma takes --w12-kernel mosaic")
+            p.error(f"{', '.join([f for f, _ in switched] + ['--w12-mp'] * (args.w12_mp != 'default'))} "
+                    f"take --w12-kernel mosaic")
         from pallas_kernels import w12_mosaic
-        w12_mosaic.MMA_ORDER = args.w12_mma == "on"  # read when the weights are packed
-    if args.w12_adjacent != "default":
-        if args.w12_kernel != "mosaic":
-            p.error("--w12-adjacent takes --w12-kernel mosaic")
-        from pallas_kernels import w12_mosaic
-        w12_mosaic.ADJACENT = args.w12_adjacent == "on"  # read when the weights are packed and by the twin
-    if args.w12_pad_x != "default" or args.w12_mp != "default" or args.w12_sum_in_kernel != "default":
-        if args.w12_kernel != "mosaic":
-            p.error("--w12-pad-x, --w12-mp and --w12-sum-in-kernel take --w12-kernel mosaic")
-        from pallas_kernels import w12_mosaic
-        if args.w12_sum_in_kernel != "default":
-            w12_mosaic.SUM_SPLITS_IN_KERNEL = args.w12_sum_in_kernel == "on"  # read at each call
-        if args.w12_pad_x != "default":
-            w12_mosaic.PAD_X = args.w12_pad_x == "on"  # read at each call, by the kernel and its twin
+        for flag, attr in switched:  # read when the weights are packed (MMA_ORDER, ADJACENT) or at each call
+            setattr(w12_mosaic, attr, _switch(args, flag) == "on")
         if args.w12_mp != "default":
             choices = tuple(sorted(int(v) for v in args.w12_mp.split(",")))
             if any(v % 8 or v > 64 for v in choices) or choices[-1] != 64:
