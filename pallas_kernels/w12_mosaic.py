@@ -684,8 +684,8 @@ def _kernel_call(x, operands, *, k: int, n: int, mp: int, block_k: int, split: i
 
         def store(acc):  # the program's partial, or (sum_splits_in_kernel) the column block's sum
             rows = pl.ds(state["row0"], BN)
-            if not fixup:
-                o_gmem[0 if sum_splits_in_kernel else si, rows, :] = acc[...]
+            if not fixup:  # (one split: si = 0, the sum's own index)
+                o_gmem[si, rows, :] = acc[...]
                 return
 
             @pl.when(si < split - 1)
@@ -738,7 +738,7 @@ def _kernel_call(x, operands, *, k: int, n: int, mp: int, block_k: int, split: i
 
                 def scope(acc):
                     eval_pipeline(acc)
-                    o_gmem[si, pl.ds(state["row0"], BN), :] = acc[...]
+                    store(acc)
 
                 pl.run_scoped(scope, plgpu.ACC((BN, mp), jnp.float32))
 
@@ -762,7 +762,7 @@ def _kernel_call(x, operands, *, k: int, n: int, mp: int, block_k: int, split: i
     else:
         interpret_arg = None
     threads = dict(num_threads=nwg + 1, thread_name="wg") if ws else {}
-    out_type = jax.ShapeDtypeStruct((1 if sum_splits_in_kernel else split, n, mp), jnp.float32)
+    out_type = jax.ShapeDtypeStruct((1 if fixup else split, n, mp), jnp.float32)
     if fixup:  # the workspace of splits 0 .. S-2 (an output XLA allocates; discarded)
         out_type = (out_type, jax.ShapeDtypeStruct((split - 1, n, mp), jnp.float32))
         if not interpret:  # zeroed at each call by the Pallas runtime
