@@ -303,6 +303,8 @@ MOSAIC_SWITCHES = (
     ("--w12-adjacent", "ADJACENT", "pack adjacent row blocks per step (x not reordered per call) or the K halves"),
     ("--w12-pad-x", "PAD_X", "pad (and fold) x per call, or pass it as it is"),
     ("--w12-sum-in-kernel", "SUM_SPLITS_IN_KERNEL", "the kernel adds its K splits itself, or XLA adds the partials"),
+    ("--w12-tiled", "TILED", "store the packed planes tile by tile (each step's tile contiguous) or row by row"),
+    ("--w12-early-base", "EARLY_BASE", "copy the rows' bases alongside the pipeline's first steps or before them"),
 )
 
 
@@ -386,9 +388,8 @@ def main(argv=None) -> dict:
     record = {"date": datetime.date.today().isoformat(), "shape": args.shape, "config": cfg.to_hf_dict(),
               "batch": b, "context": ctx, "new_tokens": args.new_tokens, "device": bench.device_info(),
               "xla_flags": os.environ.get("XLA_FLAGS", ""), "w12_kernel": args.w12_kernel,
-              "w12_mma": args.w12_mma, "w12_adjacent": args.w12_adjacent, "w12_pad_x": args.w12_pad_x,
-              "w12_mp": args.w12_mp, "w12_sum_in_kernel": args.w12_sum_in_kernel, "qkv_barrier": args.qkv_barrier,
-              "variants": {}}
+              **{flag[2:].replace("-", "_"): _switch(args, flag) for flag, _, _ in MOSAIC_SWITCHES},
+              "w12_mp": args.w12_mp, "qkv_barrier": args.qkv_barrier, "variants": {}}
 
     def save():
         if args.out:

@@ -170,6 +170,7 @@ def bench_shape(name, k, n, ms, args, interpret, copy_bw, record):
             if ws_t is None:
                 ws_nk = {}  # (block_k, packed) -> N-major planes with the exception slots of that step size
                 ws_t = [jnp.copy(w.T) for w in ws_bf16]
+                ws_t_tiled = {}  # (block_k, adjacent) -> the twin's weights stored tile by tile
             twins_timed = set()
             for mg in parse_edits(args.mg_edits) or [{}]:
                 mg_key = tuple(sorted(mg.items()))  # the variant's label and its pairing with its twin
@@ -177,12 +178,13 @@ def bench_shape(name, k, n, ms, args, interpret, copy_bw, record):
                 pack = mg.get("planes", "packed") == "packed"
                 mma = bool(mg.get("mma", mk.default_mma(k, n))) and pack  # planes packed in the wgmma register order
                 adj = bool(mg.get("adjacent", False)) and pack  # adjacent row blocks per step (and in the twin)
-                if (bk, pack, mma, adj) not in ws_nk:
-                    ws_nk[bk, pack, mma, adj] = [mk.to_nk(e, block_k=bk, pack=pack, mma=mma, adjacent=adj)
-                                                 for e in ws_w12]
+                tiled = bool(mg.get("tiled", False)) and pack  # each step's tile contiguous (and in the twin)
+                if (bk, pack, mma, adj, tiled) not in ws_nk:
+                    ws_nk[bk, pack, mma, adj, tiled] = [
+                        mk.to_nk(e, block_k=bk, pack=pack, mma=mma, adjacent=adj, tiled=tiled) for e in ws_w12]
                 twin_opts = {key: v for key, v in mg.items()
                              if key in ("block_k", "stages", "split", "fold_x", "adjacent", "mp", "pad_x",
-                                        "sum_splits_in_kernel")}
+                                        "sum_splits_in_kernel", "tiled")}
                 if mg.get("subtile"):  # 64-row sub-steps: the twin at block_k 64, with W12's split
                     twin_opts.update(block_k=64, split=int(mg.get("split", 0)) or mk.default_split(k, n, bk))
                 if "twin_a" in mg:  # the twin's A operand ("registers": its bf16 tiles through registers)
@@ -190,11 +192,13 @@ def bench_shape(name, k, n, ms, args, interpret, copy_bw, record):
                 twin_key = twin_of[mg_key] = tuple(sorted(twin_opts.items()))
                 if twin_key not in twins_timed:  # each distinct twin once; variants share it
                     twins_timed.add(twin_key)
+                    if twin_opts.get("tiled") and (bk, adj) not in ws_t_tiled:  # the twin's tiles, contiguous
+                        ws_t_tiled[bk, adj] = [mk.tile_twin(w, bk, adj) for w in ws_t]
                     impls.append(("twin_mg", twin_key, mosaic_mm(mk.bf16_mosaic_partials, interpret, twin_opts),
-                                  ws_t))
-                kernel_opts = {key: v for key, v in mg.items() if key not in ("mma", "adjacent")}  # packing options
+                                  ws_t_tiled[bk, adj] if twin_opts.get("tiled") else ws_t))
+                kernel_opts = {key: v for key, v in mg.items() if key not in ("mma", "adjacent", "tiled")}  # packing
                 impls.append(("w12_mg", mg_key, mosaic_mm(mk.w12_mosaic_partials, interpret, kernel_opts),
-                              ws_nk[bk, pack, mma, adj]))
+                              ws_nk[bk, pack, mma, adj, tiled]))
         if m == 1 and args.gemv:  # the CUDA-core path and its twin
             for gb in gemv_variants(k, n, args.sweep):
                 impls.append(("twin_gemv", gb, kernel_mm(km.bf16_matmul, gb, interpret, "gemv"), ws_bf16))
@@ -307,7 +311,7 @@ def parse_edits(text: str) -> list:
         for item in group.split(","):
             key, value = item.split("=")
             if key in ("prefetch", "fold_x", "warp_specialized", "subtile", "mma", "adjacent", "pad_x",
-                       "sum_splits_in_kernel"):
+                       "sum_splits_in_kernel", "tiled", "early_base"):
                 edit[key] = bool(int(value))
             elif key in ("exceptions", "diagnostic", "planes", "a_operand", "twin_a", "decode"):
                 edit[key] = value

@@ -127,6 +127,14 @@ PAD_X = True
 SUM_SPLITS_IN_KERNEL = False
 
 
+# Whether runs (`w12.encode_params(kernel="mosaic")`) store packed planes tile by tile (`to_nk(tiled=)`),
+# each step's 12 KB tile one contiguous run of memory instead of 64 pieces of 192 bytes 6-18 KB apart, and
+# whether the W12 kernel copies its rows' bases alongside the pipeline (`early_base`) instead of before it.
+# Exact in the interpreter; not yet timed on the GPU: off.
+TILED = False
+EARLY_BASE = False
+
+
 def run_options(adjacent: bool) -> dict:
     """The options runs pass to either kernel (`PAD_X`, `SUM_SPLITS_IN_KERNEL`)."""
     return dict(pad_x=PAD_X, fold_x=PAD_X or adjacent, sum_splits_in_kernel=SUM_SPLITS_IN_KERNEL)
@@ -202,8 +210,35 @@ def pack_planes(sm_t: jax.Array, nib_t: jax.Array, block_k: int, mma: bool = Fal
     return jnp.stack(parts, axis=2).reshape(n, 3 * kh)
 
 
+def tile_rows(a: jax.Array, block_k: int, width: int) -> jax.Array:
+    """[N, steps * width] (a step's `width` columns side by side, step by step) -> [N / 64 * steps * 64,
+    width]: the tiles of 64 rows and one step stored one after another, column block by column block, so
+    that each step's tile is one contiguous run of memory (`tiled`) instead of 64 strided row pieces. Tile
+    (jb, kb) is rows [64 (jb * steps + kb), 64 (jb * steps + kb + 1))."""
+    n, cols = a.shape
+    steps = cols // width
+    if n % BN or cols % width or width % block_k:
+        raise ValueError(f"tile_rows takes N % {BN} == 0 and whole steps, got {a.shape} at width {width}")
+    return a.reshape(n // BN, BN, steps, width).transpose(0, 2, 1, 3).reshape(n * steps, width)
+
+
+def tile_twin(w_t: jax.Array, block_k: int | None = None, adjacent: bool = False) -> jax.Array:
+    """The twin's bf16 W^T [N, K] stored tile by tile (`bf16_mosaic_partials(tiled=True)`): per step, the
+    lower and upper tiles side by side ([64, 2 block_k], as W12's packed planes pair them), each step's tile
+    contiguous: [N / 64 * steps * 64, 2 block_k]. `adjacent`: a step pairs adjacent row blocks."""
+    n, k = w_t.shape
+    block_k = block_k or default_block_k(k, n)
+    kh, steps = k // 2, k // 2 // block_k
+    if adjacent:  # step kb's two blocks are K rows [2 block_k kb, 2 block_k (kb + 1)): already side by side
+        paired = w_t
+    else:
+        paired = jnp.stack([w_t[:, :kh].reshape(n, steps, block_k), w_t[:, kh:].reshape(n, steps, block_k)],
+                           axis=2).reshape(n, k)
+    return tile_rows(paired, block_k, 2 * block_k)
+
+
 def to_nk(w: W12, block_k: int | None = None, pack: bool = True, mma: bool | None = None,
-          adjacent: bool = False) -> W12NK:
+          adjacent: bool = False, tiled: bool = False) -> W12NK:
     """Transpose the planes once (offline, like encoding) and tabulate the exceptions per kernel step of
     `block_k` rows (`exception_slots`); the CSR lists are kept for matrices whose steps overflow a slot row.
     `block_k` defaults to `default_block_k(K, N)`. `pack` (default) stores the planes step by step for
@@ -212,7 +247,8 @@ def to_nk(w: W12, block_k: int | None = None, pack: bool = True, mma: bool | Non
     keeps separate planes for "upcast"/"wgmma". `mma` (default `default_mma(K, N)`): packed planes in
     `mma_order` (only with packed planes; the slot table then lists stored columns). `adjacent`: packed
     steps pair adjacent row blocks (`pack_planes`; only with packed planes), so x is not reordered per call;
-    its twin is `bf16_mosaic_partials(..., adjacent=True)`."""
+    its twin is `bf16_mosaic_partials(..., adjacent=True)`. `tiled`: packed planes stored tile by tile
+    (`tile_rows`; only with packed planes), so that each step's copy reads one contiguous 12 KB run."""
     exc = exception_lists(w)
     k, n = w.shape
     block_k = block_k or default_block_k(k, n)
@@ -229,6 +265,8 @@ def to_nk(w: W12, block_k: int | None = None, pack: bool = True, mma: bool | Non
             packed = mma = adjacent = False
     if packed:
         packed_planes = pack_planes(sm_t, nib_t, block_k, mma=mma, adjacent=adjacent)
+        if tiled:
+            packed_planes = tile_rows(packed_planes, block_k, 3 * block_k)
         sm_t, nib_t = jnp.zeros((1, 2 * SWIZZLE_BF16), jnp.int8), jnp.zeros((1, SWIZZLE_BF16), jnp.uint8)
     else:
         packed_planes = jnp.zeros((1, 3 * SWIZZLE_BF16), jnp.int8)
@@ -237,7 +275,8 @@ def to_nk(w: W12, block_k: int | None = None, pack: bool = True, mma: bool | Non
                  exc_row=exc[0], exc_col=exc[1], exc_val=exc[2],
                  slots=jnp.zeros((1, SLOT_ALIGN), jnp.int32) if slots is None else jnp.asarray(slots),
                  shape=w.shape, group_n=w.group_n, group_k=w.group_k, n_groups_k=w.n_groups_k,
-                 slot_k=0 if slots is None else block_k, mma_order=bool(mma), adjacent=bool(adjacent))
+                 slot_k=0 if slots is None else block_k, mma_order=bool(mma), adjacent=bool(adjacent),
+                 tiled=bool(packed and tiled))
 
 
 def _transforms(bits: int, swizzle: int):
@@ -450,7 +489,8 @@ def _kernel_call(x, operands, *, k: int, n: int, mp: int, block_k: int, split: i
                  fmt: dict, interpret: bool, use_slots: bool = False, diagnostic: str = "", planes: str = "upcast",
                  a_operand: str = "registers", decode: str = "jnp", fold_x: bool = False,
                  warp_specialized: bool = False, subtile: bool = False, mma: bool = False,
-                 adjacent: bool = False, sum_splits_in_kernel: bool = False):
+                 adjacent: bool = False, sum_splits_in_kernel: bool = False, tiled: bool = False,
+                 early_base: bool = False):
     ws = warp_specialized
     # sum_splits_in_kernel: programs of splits 0 .. S-2 store their partials to a workspace and signal their
     # column block's semaphore; the split S-1 program waits for them, adds the partials in index order with
@@ -463,6 +503,14 @@ def _kernel_call(x, operands, *, k: int, n: int, mp: int, block_k: int, split: i
     mma_k = SWIZZLE_BF16 if subtile else block_k
     if subtile and not (w12 and planes == "packed" and fold_x and not ws and block_k % mma_k == 0):
         raise NotImplementedError("subtile takes W12 with packed planes and x folded, without warp_specialized")
+    if tiled and (ws or (w12 and planes != "packed")):
+        raise NotImplementedError("tiled weights are packed W12 planes or the twin's paired tiles, without "
+                                  "warp_specialized")
+    # early_base: the copy of the rows' bases is issued before the pipeline and waited for inside its first
+    # step, so the pipeline's first copies do not wait for it; the bases are then read from shared memory
+    # at each step (a few loads) instead of held in registers.
+    if early_base and (ws or not w12):
+        raise NotImplementedError("early_base takes W12 without warp_specialized")
     nwg = 2 if ws else 1  # consumer warpgroups per program, each over its own 64 W^T rows
     cta = BN * nwg  # W^T rows per program
     if ws and not (w12 and planes == "packed" and fold_x and n % cta == 0):
@@ -548,16 +596,20 @@ def _kernel_call(x, operands, *, k: int, n: int, mp: int, block_k: int, split: i
             x_specs = [plgpu.BlockSpec((mp, 2 * block_k), lambda i: (0, first + i), transforms=mma_tiles)]
         else:
             x_specs = [spec((mp, block_k), h, False, mma_tiles) for h in (0, 1)]
+        def load_base7():  # the bases of this consumer's rows (base << 7), broadcast over a tile's columns
+            base7 = jax.lax.broadcast_in_dim(tile(bs.at[wg], dec_layout.reduce(1)), (BN, mma_k), (0,))
+            if not interpret:  # the broadcast's layout, named for the lowering
+                base7 = plgpu.layout_cast(base7, dec_layout)
+            return base7
+
         def setup():  # in each consumer, before its pipeline: the bases of its rows, positions for patches
             row0 = state["row0"] = j * cta + wg * BN
             if not w12:
                 return
             plgpu.copy_gmem_to_smem(base_gmem.at[pl.ds(row0, BN)], bs.at[wg], bar.at[wg])
-            plgpu.barrier_wait(bar.at[wg])
-            base7 = jax.lax.broadcast_in_dim(tile(bs.at[wg], dec_layout.reduce(1)), (BN, mma_k), (0,))
-            if not interpret:  # the broadcast's layout, named for the lowering
-                base7 = plgpu.layout_cast(base7, dec_layout)
-            state["base7"] = base7
+            if not early_base:
+                plgpu.barrier_wait(bar.at[wg])
+                state["base7"] = load_base7()
             state["n_iota"], state["k_iota"] = iota(0) + row0, iota(1)
             if use_slots:
                 state["pos_lo"] = (iota(0) << 8) | state["k_iota"]  # an element's packed position in the table
@@ -565,7 +617,9 @@ def _kernel_call(x, operands, *, k: int, n: int, mp: int, block_k: int, split: i
 
         if w12:
             if planes == "packed":  # one copy per step: [sm lower half | sm upper half | nibbles] per row
-                w_specs = [plgpu.BlockSpec((cta, 3 * block_k), lambda i: (j, first + i), transforms=plane_tiles)]
+                # tiled: tile (j, kb) is the planes' block row j * half_blocks + kb (`tile_rows`)
+                index = (lambda i: (j * half_blocks + first + i, 0)) if tiled else (lambda i: (j, first + i))
+                w_specs = [plgpu.BlockSpec((cta, 3 * block_k), index, transforms=plane_tiles)]
                 w_gmem_refs = (sm_gmem,)
             else:
                 w_specs = [spec((BN, block_k), h, True, plane_tiles) for h in (0, 1, 0)]
@@ -574,12 +628,16 @@ def _kernel_call(x, operands, *, k: int, n: int, mp: int, block_k: int, split: i
                 w_specs.append(plgpu.BlockSpec((nwg, slot_gmem.shape[1]),
                                                lambda i: ((first + i) * (n // cta) + j, 0)))
                 w_gmem_refs += (slot_gmem,)
+        elif tiled:  # the twin's two tiles of a step side by side, contiguous (`tile_twin`): one copy
+            w_specs = [plgpu.BlockSpec((BN, 2 * block_k), lambda i: (j * half_blocks + first + i, 0),
+                                       transforms=mma_tiles)]
+            w_gmem_refs = (w_gmem,)
         else:
             w_specs = [spec((BN, block_k), h, True, mma_tiles) for h in (0, 1)]
             w_gmem_refs = (w_gmem, w_gmem)
 
         def decode(k0, u, *tiles):  # sub-step u of the step starting at half-row k0 -> two A tiles
-            base7 = state["base7"]
+            base7 = load_base7() if early_base else state["base7"]
             k0 = k0 + u * mma_k  # the sub-step's first half-row
             if planes == "packed":
                 pk = tiles[0].at[pl.ds(wg * BN, BN)] if ws else tiles[0]  # this consumer's rows
@@ -669,6 +727,12 @@ def _kernel_call(x, operands, *, k: int, n: int, mp: int, block_k: int, split: i
                     w_tiles = tiles[1:]
                 else:
                     x_lo, x_hi, *w_tiles = tiles
+                if tiled and not w12:  # the twin's paired tile: lower | upper
+                    w_tiles = [w_tiles[0].at[:, pl.ds(h * block_k, block_k)] for h in (0, 1)]
+                if early_base and u == 0:  # the bases' copy, issued before the pipeline, is waited for once
+                    @pl.when(i == 0)
+                    def _():
+                        plgpu.barrier_wait(bar.at[wg])
                 if w12:
                     a_lo, a_hi = decode((first + i) * block_k, u, *w_tiles)
                 elif a_in_registers:  # a diagnostic twin: the bf16 tiles through registers, as W12's are
@@ -811,14 +875,15 @@ def _prepare_x(x: jax.Array, k: int, n: int, block_k: int, mp: int | None = None
 
 @functools.partial(jax.jit, static_argnames=("block_k", "split", "stages", "interpret", "exceptions", "diagnostic",
                                              "planes", "a_operand", "decode", "fold_x", "warp_specialized",
-                                             "subtile", "raw", "mp", "pad_x", "sum_splits_in_kernel"))
+                                             "subtile", "raw", "mp", "pad_x", "sum_splits_in_kernel",
+                                             "early_base"))
 def w12_mosaic_partials(x: jax.Array, w: W12NK, block_k: int | None = None, split: int | None = None,
                         stages: int | None = None,
                         interpret: bool = False, exceptions: str = "auto", diagnostic: str = "",
                         planes: str = "auto", a_operand: str = "registers", decode: str = "auto",
                         fold_x: bool = True, warp_specialized: bool = False, subtile: bool = False,
                         raw: bool = False, mp: int | None = None, pad_x: bool = True,
-                        sum_splits_in_kernel: bool = False) -> jax.Array:
+                        sum_splits_in_kernel: bool = False, early_base: bool = False) -> jax.Array:
     """x [M, K] bf16 (M <= 64), W12NK [K, N] -> partial products [split, M, N] float32.
 
     block_k: the step `to_nk` packed the planes for (`w.slot_k`) by default; stages: `default_stages`.
@@ -844,7 +909,9 @@ def w12_mosaic_partials(x: jax.Array, w: W12NK, block_k: int | None = None, spli
     mp, pad_x: how x's rows are padded (`_prepare_x`).
     sum_splits_in_kernel: the kernel adds the splits itself (the last split's program waits on a semaphore
     for the others' partials, then adds them in index order, its own last: `sum_splits`'s order and bits)
-    and returns one "split", [1, N, Mp] raw; no XLA sum follows. Not with warp_specialized."""
+    and returns one "split", [1, N, Mp] raw; no XLA sum follows. Not with warp_specialized.
+    early_base: the rows' bases are copied alongside the pipeline's first steps instead of before them
+    (`_kernel_call`). Planes packed `tiled` (`to_nk`) are read one contiguous tile per step."""
     k, n = w.shape
     block_k = block_k or w.slot_k or default_block_k(k, n)
     stages = stages or default_stages(block_k)
@@ -852,7 +919,8 @@ def w12_mosaic_partials(x: jax.Array, w: W12NK, block_k: int | None = None, spli
             or planes not in ("auto", "upcast", "wgmma", "packed")):
         raise ValueError(f"unknown exceptions={exceptions!r}, diagnostic={diagnostic!r} or planes={planes!r}")
     x_p, m, mp = _prepare_x(x, k, n, block_k, mp, pad_x, interpret, fold=fold_x and not w.adjacent)
-    has_packed = w.slot_k == block_k and w.packed.shape[1] == 3 * k // 2
+    packed_shape = (n * (k // 2 // block_k), 3 * block_k) if w.tiled else (n, 3 * k // 2)
+    has_packed = w.slot_k == block_k and w.packed.shape == packed_shape
     if planes == "auto":
         planes = "packed" if has_packed else "upcast"
     if planes == "packed" and not has_packed:
@@ -874,22 +942,36 @@ def w12_mosaic_partials(x: jax.Array, w: W12NK, block_k: int | None = None, spli
                        interpret=interpret, use_slots=use_slots,
                        diagnostic=diagnostic, planes=planes, a_operand=a_operand, decode=decode, fold_x=fold_x,
                        warp_specialized=warp_specialized, subtile=subtile, mma=w.mma_order and planes == "packed",
-                       adjacent=w.adjacent, sum_splits_in_kernel=sum_splits_in_kernel)
+                       adjacent=w.adjacent, sum_splits_in_kernel=sum_splits_in_kernel,
+                       tiled=w.tiled and planes == "packed", early_base=early_base)
     return out if raw else jnp.swapaxes(out, 1, 2)[:, :m]
 
 
 @functools.partial(jax.jit, static_argnames=("block_k", "split", "stages", "interpret", "a_operand", "fold_x",
-                                             "raw", "adjacent", "mp", "pad_x", "sum_splits_in_kernel"))
+                                             "raw", "adjacent", "mp", "pad_x", "sum_splits_in_kernel",
+                                             "tiled"))
 def bf16_mosaic_partials(x: jax.Array, w_t: jax.Array, block_k: int | None = None, split: int | None = None,
                          stages: int | None = None, interpret: bool = False, a_operand: str = "smem",
                          fold_x: bool = True, raw: bool = False, adjacent: bool = False, mp: int | None = None,
-                         pad_x: bool = True, sum_splits_in_kernel: bool = False) -> jax.Array:
+                         pad_x: bool = True, sum_splits_in_kernel: bool = False, tiled: bool = False) -> jax.Array:
     """The twin: the same kernel over the original bf16 weight, given transposed (w_t [N, K] = W^T, stored
     once like `to_nk`'s planes), its tiles streamed by the same pipeline straight to the same wgmma calls.
     block_k and stages default as W12's do for the same shape, so the defaults of the two pair up.
     adjacent: each step pairs two adjacent row blocks, as W12 planes packed with `to_nk(adjacent=True)` do
-    (the twin of such a matrix); x is then read as it is. mp, pad_x, sum_splits_in_kernel: as W12's."""
-    n, k = w_t.shape
+    (the twin of such a matrix); x is then read as it is. mp, pad_x, sum_splits_in_kernel: as W12's.
+    tiled: w_t is `tile_twin(W^T, block_k, adjacent)`, [N / 64 * steps * 64, 2 block_k]: one contiguous
+    copy per step (the twin of W12 planes packed `tiled`; the same products, bit for bit)."""
+    if tiled:  # the step is the tiles' width; N follows from x's K
+        k = x.shape[-1]
+        if block_k and w_t.shape[1] != 2 * block_k:
+            raise ValueError(f"tiled twin weights {w_t.shape} were tiled for block_k = {w_t.shape[1] // 2}, "
+                             f"not {block_k}")
+        block_k = w_t.shape[1] // 2
+        if k % (2 * block_k) or w_t.shape[0] % (k // 2 // block_k):
+            raise ValueError(f"tiled twin weights {w_t.shape} do not match x's K = {k}")
+        n = w_t.shape[0] // (k // 2 // block_k)
+    else:
+        n, k = w_t.shape
     block_k = block_k or default_block_k(k, n)
     stages = stages or default_stages(block_k)
     if w_t.dtype != jnp.bfloat16:
@@ -898,7 +980,7 @@ def bf16_mosaic_partials(x: jax.Array, w_t: jax.Array, block_k: int | None = Non
     split = split or default_split(k, n, block_k)
     out = _kernel_call(x_p, (w_t,), k=k, n=n, mp=mp, block_k=block_k, split=split, stages=stages, w12=False,
                        fmt={}, interpret=interpret, a_operand=a_operand, fold_x=fold_x, adjacent=adjacent,
-                       sum_splits_in_kernel=sum_splits_in_kernel)
+                       sum_splits_in_kernel=sum_splits_in_kernel, tiled=tiled)
     return out if raw else jnp.swapaxes(out, 1, 2)[:, :m]
 
 

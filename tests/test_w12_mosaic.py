@@ -146,6 +146,42 @@ class _MosaicCases:
             mk.w12_mosaic_partials(x, nk, interpret=self.interpret, warp_specialized=True,
                                    sum_splits_in_kernel=True)
 
+    def test_tiled_planes_and_early_bases_bit_identical_to_bf16_twin(self):
+        """Planes stored tile by tile (`to_nk(tiled=True)`: each step's tile one contiguous run) and the
+        bases' copy issued alongside the pipeline (`early_base`) give the twin's bits, and so does the
+        twin over its own tiled weights (`tile_twin`): plain and mma order, adjacent blocks, 128-row steps,
+        two splits, Inf / NaN exceptions; the split sum in the kernel as well."""
+        ip = self.interpret
+        cases = ((512, 192, 1, 64, 2, True, False), (512, 128, 33, 64, 2, False, False),
+                 (512, 128, 16, 128, 1, True, True))
+        for k, n, m, block_k, split, mma, adjacent in cases:
+            rng = np.random.default_rng(k + n + m)
+            w = _scattered_exceptions(rng, k, n, finite=False)
+            x = jnp.asarray(rng.standard_normal((m, k)), jnp.bfloat16)
+            enc = jax.device_put(w12.encode(w))
+            flat = mk.to_nk(enc, block_k=block_k, mma=mma, adjacent=adjacent)
+            nk = mk.to_nk(enc, block_k=block_k, mma=mma, adjacent=adjacent, tiled=True)
+            assert nk.tiled and not flat.tiled and nk.packed.shape == (n * k // 2 // block_k, 3 * block_k)
+            w_t = jnp.asarray(w).T
+            opts = dict(block_k=block_k, split=split, interpret=ip, adjacent=adjacent)
+            twin = mk.bf16_mosaic_partials(x, w_t, **opts)
+            tiled_twin = mk.bf16_mosaic_partials(x, mk.tile_twin(w_t, block_k, adjacent), tiled=True, **opts)
+            assert_same_bits(tiled_twin, twin)
+            assert_same_bits(mk.w12_mosaic_partials(x, flat, split=split, interpret=ip), twin)
+            assert_same_bits(mk.w12_mosaic_partials(x, nk, split=split, interpret=ip), twin)
+            assert_same_bits(mk.w12_mosaic_partials(x, nk, split=split, interpret=ip, early_base=True), twin)
+            assert_same_bits(mk.w12_mosaic_partials(x, flat, split=split, interpret=ip, early_base=True), twin)
+            if split > 1:
+                summed = mk.w12_mosaic_partials(x, nk, split=split, interpret=ip, raw=True, early_base=True,
+                                                sum_splits_in_kernel=True)
+                assert_same_bits(summed[0], km.sum_splits(mk.bf16_mosaic_partials(x, w_t, raw=True, **opts)))
+        with pytest.raises(ValueError, match="tiled for block_k = 64"):
+            mk.bf16_mosaic_partials(x, mk.tile_twin(w_t, 64), tiled=True, block_k=128, interpret=ip)
+        with pytest.raises(NotImplementedError, match="early_base takes W12"):
+            mk.w12_mosaic_partials(x, flat, interpret=ip, early_base=True, warp_specialized=True)
+        with pytest.raises(NotImplementedError, match="tiled weights are packed W12 planes"):
+            mk.w12_mosaic_partials(x, nk, interpret=ip, warp_specialized=True)
+
     def test_warp_specialized_bit_identical_to_bf16_twin(self):
         """warp_specialized: two consumer warpgroups per program (128 W^T rows, x shared) and a copying
         warpgroup; same wgmma calls per 64 rows as the plain kernel, so the same twin's bits. Slot table and
@@ -358,6 +394,17 @@ def test_lowers_for_cuda(k, n):
                 twin = jax.jit(functools.partial(mk.bf16_mosaic_partials, sum_splits_in_kernel=True))
                 assert "mosaic_gpu" in twin.trace(s((m, k), jnp.bfloat16), s((n, k), jnp.bfloat16)).lower(
                     lowering_platforms=("cuda",)).as_text()
+        for m in (1, 16, 64):  # planes stored tile by tile, bases copied alongside the pipeline; the tiled twin
+            if slot_k:
+                fn = jax.jit(functools.partial(mk.w12_mosaic_partials, decode="ptx", early_base=True))
+                tiled_nk = dataclasses.replace(nk, mma_order=True, tiled=True,
+                                               packed=s((n * (k // 2 // 64), 3 * 64), jnp.int8))
+                assert "mosaic_gpu" in fn.trace(s((m, k), jnp.bfloat16), tiled_nk).lower(
+                    lowering_platforms=("cuda",)).as_text()
+                twin = jax.jit(functools.partial(mk.bf16_mosaic_partials, tiled=True))
+                assert "mosaic_gpu" in twin.trace(s((m, k), jnp.bfloat16), s((n * (k // 2 // 64), 128),
+                                                                             jnp.bfloat16)).lower(
+                    lowering_platforms=("cuda",)).as_text()
         for m in (1, 64):  # warp-specialized programs (two consumers and a copying warpgroup)
             if slot_k and n % 128 == 0:
                 fn = jax.jit(functools.partial(mk.w12_mosaic_partials, warp_specialized=True, decode="ptx"))
@@ -520,6 +567,25 @@ def test_runs_with_splits_summed_in_the_kernel_pair_as_their_twin(monkeypatch):
     twin = w12.linear(x, w, out_dtype=jnp.float32, interpret=True, dense_kernel=True, implementation="mosaic")
     assert_same_bits(got, twin)
     assert_same_bits(got, summed_by_xla)
+
+
+def test_runs_with_tiled_planes_and_early_bases_pair_as_their_twin(monkeypatch):
+    """With `w12_mosaic.TILED` and `EARLY_BASE` on, runs store the planes tile by tile and copy the bases
+    alongside the pipeline, and the twin reads its own tiles: the same bits as each other and as the
+    default."""
+    k, n = 512, 128
+    w = jnp.asarray(adversarial_weights(k, n, seed=10, finite=True))
+    x = jnp.asarray(np.random.default_rng(5).standard_normal((2, k)), jnp.bfloat16)
+    flat = w12.encode_params({"layers": ({"q": w},)}, kernel="mosaic", max_exception_rate=1.0)["layers"][0]["q"]
+    default = w12.linear(x, flat, out_dtype=jnp.float32, interpret=True)
+    monkeypatch.setattr(mk, "TILED", True)
+    monkeypatch.setattr(mk, "EARLY_BASE", True)
+    wq = w12.encode_params({"layers": ({"q": w},)}, kernel="mosaic", max_exception_rate=1.0)["layers"][0]["q"]
+    assert wq.tiled and not flat.tiled
+    got = w12.linear(x, wq, out_dtype=jnp.float32, interpret=True)
+    twin = w12.linear(x, w, out_dtype=jnp.float32, interpret=True, dense_kernel=True, implementation="mosaic")
+    assert_same_bits(got, twin)
+    assert_same_bits(got, default)
 
 
 # ---- the PTX of `decode="ptx"`, executed on the CPU ----------------------------------------------------

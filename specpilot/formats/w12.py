@@ -114,7 +114,7 @@ class W12NK(_EncodedMatrix):
     exc_col: Any
     exc_val: Any
     slots: Any  # int32 [N / 64 * (K / 2) / slot_k, P]: each step's exceptions
-    packed: Any  # int8 [N, 3 K / 2]: per step of slot_k rows, [sm lower | sm upper | nibbles]
+    packed: Any  # int8 [N, 3 K / 2]: per step of slot_k rows, [sm lower | sm upper | nibbles] (or `tiled`)
     shape: tuple[int, int]  # static: (K, N)
     group_n: int  # static: the CSR cells
     group_k: int
@@ -124,12 +124,15 @@ class W12NK(_EncodedMatrix):
     mma_order: bool = False
     # static: packed steps pair adjacent row blocks, not the K halves (`w12_mosaic.pack_planes`)
     adjacent: bool = False
+    # static: the packed planes are stored tile by tile, each step's [64, 3 slot_k] tile contiguous
+    # (`w12_mosaic.tile_rows`): packed is then [N * K / 2 / slot_k, 3 slot_k]
+    tiled: bool = False
 
 
 jax.tree_util.register_dataclass(W12NK, data_fields=["sm_t", "nib_t", "base7", "exc_ptr", "exc_row", "exc_col",
                                                      "exc_val", "slots", "packed"],
                                  meta_fields=["shape", "group_n", "group_k", "n_groups_k", "slot_k", "mma_order",
-                                              "adjacent"])
+                                              "adjacent", "tiled"])
 ENCODED = (W12, W12NK)  # the weight types `linear` multiplies
 
 
@@ -409,7 +412,7 @@ def encode_params(params: dict, names: tuple[str, ...] = LINEAR_NAMES, lm_head: 
             step = w12_mosaic.default_block_k(*x.shape, rows)
             w12_mosaic.check_shape(*x.shape, step)
             nk = w12_mosaic.to_nk(w, step, mma=w12_mosaic.default_mma(*x.shape, rows),
-                                  adjacent=w12_mosaic.ADJACENT)
+                                  adjacent=w12_mosaic.ADJACENT, tiled=w12_mosaic.TILED)
             if nk.adjacent != w12_mosaic.ADJACENT:  # a step overflows its slot row: keep bf16, so that every
                 return x  # matrix of a run pairs its rows as the runs' twin does (`_mosaic_rows`)
             return nk
@@ -466,15 +469,19 @@ def _mosaic_rows(x: jax.Array, w, interpret: bool | None = None) -> jax.Array:
     step = max(w12_mosaic.MP_CHOICES)
     if isinstance(w, W12NK):
         def call(r):  # the splits are added before the transpose (`w12_mosaic.sum_rows`)
-            return w12_mosaic.sum_rows(w12_mosaic.w12_mosaic_partials(r, w, interpret=interpret, raw=True,
-                                                                      **w12_mosaic.run_options(w.adjacent)), len(r))
+            return w12_mosaic.sum_rows(w12_mosaic.w12_mosaic_partials(
+                r, w, interpret=interpret, raw=True, early_base=w12_mosaic.EARLY_BASE,
+                **w12_mosaic.run_options(w.adjacent)), len(r))
     else:
         w_t = jnp.asarray(w).T
+        adjacent, tiled = w12_mosaic.ADJACENT, w12_mosaic.TILED
+        if tiled:  # the twin of tiled planes reads its tiles as they are stored
+            w_t = w12_mosaic.tile_twin(w_t, w12_mosaic.default_block_k(k, n), adjacent)
 
         def call(r):
             return w12_mosaic.sum_rows(w12_mosaic.bf16_mosaic_partials(
-                r, w_t, interpret=interpret, raw=True, adjacent=w12_mosaic.ADJACENT,
-                **w12_mosaic.run_options(w12_mosaic.ADJACENT)), len(r))
+                r, w_t, interpret=interpret, raw=True, adjacent=adjacent, tiled=tiled,
+                **w12_mosaic.run_options(adjacent)), len(r))
     parts = [call(rows[i:i + step]) for i in range(0, rows.shape[0], step)]
     y = parts[0] if len(parts) == 1 else jnp.concatenate(parts, axis=0)
     return y.reshape(*x.shape[:-1], n)
