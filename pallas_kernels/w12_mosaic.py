@@ -579,7 +579,9 @@ def _kernel_call(x, operands, *, k: int, n: int, mp: int, block_k: int, split: i
         else:
             w_gmem, o_gmem, *scr = refs
             ws_gmem = scr.pop(0) if fixup else None
-        sem = scr.pop() if fixup and not interpret else None  # one semaphore per column block
+        # one semaphore per column block, global: a scratch semaphore is the program's own (block scope),
+        # so another program's signal would never reach it (the first GPU run hung)
+        sem = pl.get_global(plgpu.SemaphoreType.REGULAR((n // cta,))) if fixup and not interpret else None
         j, si = jax.lax.axis_index("n"), jax.lax.axis_index("s")
         wg = jax.lax.axis_index("wg") if ws else 0  # this consumer's 64 rows of the program's W^T rows
         first = si * steps  # this program's first K block (in each half)
@@ -829,8 +831,6 @@ def _kernel_call(x, operands, *, k: int, n: int, mp: int, block_k: int, split: i
     out_type = jax.ShapeDtypeStruct((1 if fixup else split, n, mp), jnp.float32)
     if fixup:  # the workspace of splits 0 .. S-2 (an output XLA allocates; discarded)
         out_type = (out_type, jax.ShapeDtypeStruct((split - 1, n, mp), jnp.float32))
-        if not interpret:  # zeroed at each call by the Pallas runtime
-            scratch.append(plgpu.SemaphoreType.REGULAR((n // cta,)))
     call = plgpu.kernel(kernel, out_type=out_type,
                         grid=(n // cta, split), grid_names=("n", "s"), scratch_types=scratch,
                         compiler_params=plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Lane),
