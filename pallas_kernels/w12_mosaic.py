@@ -29,8 +29,11 @@ Design choices (the measurements behind each: docs/notes_w12.md):
   the two agree bit for bit (tests: interpreter and GPU; the benchmark checks every timed case).
 - Split-K over a grid axis (partials [S, N, Mp]; sum them with `w12_matmul.sum_splits`, the fixed order),
   or, with `sum_splits_in_kernel`, added by the kernel itself in the same order: the last split's program
-  waits on its column block's semaphore for the others' partials (exact in the interpreter; not yet run
-  on the GPU, so runs leave it off: `SUM_SPLITS_IN_KERNEL`).
+  waits on its column block's semaphore (a global one, `pl.get_global`) for the others' partials. Exact on
+  the H200 but slower in AR decode, so runs leave it off (`SUM_SPLITS_IN_KERNEL`).
+- `tiled` planes (each step's tile contiguous, `to_nk(tiled=True)`; the twin's `tile_twin`) and
+  `early_base` (the bases' copy issued alongside the pipeline): exact, 1-3% off the kernel, slower in AR
+  decode: off in runs (`TILED`, `EARLY_BASE`).
 - The step follows the shape and the rows per call (`default_block_k`): 128 half-rows over 2 stages at the
   LM head for up to 16 rows, 64 over 3 elsewhere. Warp specialization (`warp_specialized`) is exact on
   the GPU but not faster; not yet: M > 64.
@@ -122,15 +125,17 @@ ADJACENT = False
 PAD_X = True
 
 # Whether runs have the kernel add its K splits itself (`sum_splits_in_kernel`): no XLA sum of the partials
-# follows each call (in AR decode the sums cost about 0.17 ms per token, and qkv's sum, recomputed inside
-# the k-norm's reduce, 0.20 ms: docs/notes_w12.md). Exact in the interpreter; not yet timed on the GPU: off.
+# follows each call. Exact on the H200, and the sums went from AR decode, but each call got 1.6 us longer
+# (the last split waits, then reads the partials) and AR was slower: 4.95 against 4.75 ms per token
+# (docs/performance.md, eighth pass). Off.
 SUM_SPLITS_IN_KERNEL = False
 
 
 # Whether runs (`w12.encode_params(kernel="mosaic")`) store packed planes tile by tile (`to_nk(tiled=)`),
 # each step's 12 KB tile one contiguous run of memory instead of 64 pieces of 192 bytes 6-18 KB apart, and
 # whether the W12 kernel copies its rows' bases alongside the pipeline (`early_base`) instead of before it.
-# Exact in the interpreter; not yet timed on the GPU: off.
+# Both exact on the H200 and 1-3% faster at the kernel level (the twin, tiled too, 5-6%), but AR decode was
+# slower with them: 5.05 against 4.75 ms per token (docs/performance.md, eighth pass). Off.
 TILED = False
 EARLY_BASE = False
 
