@@ -435,6 +435,9 @@ def main(argv=None) -> dict:
     p.add_argument("--profile", default="",
                    help="comma list of implementation-name prefixes (e.g. 'w12_mg,twin_mg') whose chains are also "
                         "traced: kernel time per call (min/median/max) and busy vs span per matrix")
+    p.add_argument("--shapes", default="",
+                   help="comma list of KxN weight shapes to time instead of Qwen3-8B's (e.g. '1024x12288,8192x12288'); "
+                        "--only then takes their names as given")
     p.add_argument("--out", default="")
     p.add_argument("--table", default="",
                    help="comma list of recorded --out files (run with --profile xla,twin_mg,w12_mg): print the "
@@ -450,6 +453,11 @@ def main(argv=None) -> dict:
     args.profile = [s for s in args.profile.split(",") if s]
     interpret = jax.default_backend() == "cpu"
     shapes = TINY if args.tiny else QWEN3_8B
+    if args.shapes:  # other [K, N] shapes, in the order given (e.g. a sweep of K at one N)
+        try:
+            shapes = {f"{k}x{n}": (int(k), int(n)) for k, n in (item.split("x") for item in args.shapes.split(","))}
+        except ValueError:
+            p.error(f"--shapes takes a comma list of KxN, got {args.shapes!r}")
     ms = [1, 16] if args.tiny and args.m == p.get_default("m") else [int(v) for v in args.m.split(",")]
     if args.tiny:
         args.min_bytes, args.trials = 0, min(args.trials, 2)
