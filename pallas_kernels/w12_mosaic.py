@@ -374,7 +374,8 @@ mov.b32 $1, $3;
 }"""
 
 
-def _ptx_decode(dec_layout, shape, use_slots: bool, col_offset: int = 0, mma: bool = False):
+def _ptx_decode(dec_layout, shape, use_slots: bool, col_offset: int = 0, mma: bool = False,
+                part: int | None = None):
     """The decode of `decode="ptx"`: one `plgpu.inline_mgpu` function that works on the registers
     themselves. The plane tiles arrive in the upcast layout, four consecutive K elements of one W^T row
     per 32-bit register, and each register is decoded by a few PTX instructions on packed pairs:
@@ -397,7 +398,11 @@ def _ptx_decode(dec_layout, shape, use_slots: bool, col_offset: int = 0, mma: bo
     `mma` (planes packed in `mma_order`): a register's 4 loaded columns are the true columns
     2 (lane%4) + {0, 1} and 8 + 2 (lane%4) + {0, 1} of its 16, so its two decoded words are two registers
     of the WGMMA layout (column groups 2g and 2g + 1 of the register's 16-column group g), and the tiles
-    come out in that layout: no layout change follows."""
+    come out in that layout: no layout change follows.
+
+    `part` (`wide_swizzle`): the plane tiles arrive `shape[1] * parts` columns wide, and only the registers
+    of their columns [part * shape[1], (part + 1) * shape[1]) are decoded (the others are never touched, so
+    their loads are dead code); `col_offset` is then that part's first column in the step's table row."""
     from jax._src.lib.mlir import ir
     from jax._src.lib.mlir.dialects import arith, llvm, memref
     from jax.experimental.mosaic import gpu as mgpu
@@ -425,6 +430,20 @@ def _ptx_decode(dec_layout, shape, use_slots: bool, col_offset: int = 0, mma: bo
                                   ",".join(["=r"] * n_out + ["r"] * len(args)))
             return [llvm.extractvalue(i32, res, [q]) for q in range(n_out)]
 
+        if part is not None:  # the part's column groups (dimension 1 of the upcast layout's registers)
+            width = s_lo.shape[1]
+
+            def cut(a):  # the registers of a tiled layout index its column tiles in order along dimension 1
+                full_rs, part_rs = a.layout.registers_shape((shape[0], width)), a.layout.registers_shape(shape)
+                assert [r for q, r in enumerate(full_rs) if q != 1] == [r for q, r in enumerate(part_rs) if q != 1]
+                assert full_rs[1] == part_rs[1] * width // shape[1], (full_rs, part_rs)
+                groups = part_rs[1]
+                regs = a.registers[:, part * groups:(part + 1) * groups]
+                out_ = mgpu.FragmentedArray(_registers=regs, _layout=a.layout, _is_signed=a.is_signed)
+                assert out_.shape == tuple(shape), (out_.shape, shape)
+                return out_
+
+            s_lo, s_hi, nib = cut(s_lo), cut(s_hi), cut(nib)
         regs_shape = s_lo.registers.shape
         words = []  # per register: [lo0, lo1, hi0, hi1]
         for idx in np.ndindex(regs_shape):
@@ -495,7 +514,7 @@ def _kernel_call(x, operands, *, k: int, n: int, mp: int, block_k: int, split: i
                  a_operand: str = "registers", decode: str = "jnp", fold_x: bool = False,
                  warp_specialized: bool = False, subtile: bool = False, mma: bool = False,
                  adjacent: bool = False, sum_splits_in_kernel: bool = False, tiled: bool = False,
-                 early_base: bool = False):
+                 early_base: bool = False, wide_swizzle: bool = False):
     ws = warp_specialized
     # sum_splits_in_kernel: programs of splits 0 .. S-2 store their partials to a workspace and signal their
     # column block's semaphore; the split S-1 program waits for them, adds the partials in index order with
@@ -536,7 +555,12 @@ def _kernel_call(x, operands, *, k: int, n: int, mp: int, block_k: int, split: i
     if a_operand not in ("registers", "smem"):
         raise ValueError(f"a_operand must be 'registers' or 'smem', got {a_operand!r}")
     a_in_registers = a_operand == "registers" and not interpret
-    plane_tiles = () if planes == "wgmma" else _transforms(8, mma_k)
+    # wide_swizzle (with subtile): the plane tiles are copied with rows of block_k bytes and their swizzle
+    # (128 at block_k 128: the copies' fastest, docs/performance.md), and each sub-step loads its 64-column
+    # slices of them; otherwise each sub-step's columns are their own swizzled tile of mma_k bytes.
+    if wide_swizzle and not (subtile and block_k <= SWIZZLE):
+        raise NotImplementedError(f"wide_swizzle takes subtile and block_k <= {SWIZZLE}")
+    plane_tiles = () if planes == "wgmma" else _transforms(8, block_k if wide_swizzle else mma_k)
 
     def tile(ref, layout):  # the interpreter has no layouts; compiled, they are explicit
         return ref[...] if interpret else plgpu.load(ref, (), layout=layout, optimized=planes != "wgmma")
@@ -557,8 +581,11 @@ def _kernel_call(x, operands, *, k: int, n: int, mp: int, block_k: int, split: i
         raise ValueError("decode='ptx' runs only compiled for an NVIDIA GPU: the interpreter has no PTX")
     if decode != "jnp" and ptx_able and w12 and not interpret:
         ptx_slots = use_slots and not diagnostic
-        ptx_decode = [_ptx_decode(dec_layout, (BN, mma_k), ptx_slots, u * mma_k, mma)  # one per sub-step
+        ptx_decode = [_ptx_decode(dec_layout, (BN, mma_k), ptx_slots, u * mma_k, mma,  # one per sub-step
+                                  part=u if wide_swizzle else None)
                       for u in range(block_k // mma_k)]
+    if wide_swizzle and not interpret and ptx_decode is None and diagnostic != "copies_only":
+        raise NotImplementedError("wide_swizzle takes the PTX decode when compiled (decode='auto' or 'ptx')")
     if adjacent and w12 and not (planes == "packed" and (use_slots or diagnostic)):
         raise NotImplementedError("adjacent row blocks are packed W12 planes with slot-table exceptions")
     if mma:  # planes packed in `mma_order`
@@ -648,7 +675,10 @@ def _kernel_call(x, operands, *, k: int, n: int, mp: int, block_k: int, split: i
             k0 = k0 + u * mma_k  # the sub-step's first half-row
             if planes == "packed":
                 pk = tiles[0].at[pl.ds(wg * BN, BN)] if ws else tiles[0]  # this consumer's rows
-                s_lo, s_hi, nb = (pk.at[:, pl.ds(q * block_k + u * mma_k, mma_k)] for q in range(3))
+                if wide_swizzle:  # whole tiles (a slice inside a swizzled row is refused); the sub-step's
+                    s_lo, s_hi, nb = (pk.at[:, pl.ds(q * block_k, block_k)] for q in range(3))  # columns below
+                else:
+                    s_lo, s_hi, nb = (pk.at[:, pl.ds(q * block_k + u * mma_k, mma_k)] for q in range(3))
                 slot = tiles[1:]
             else:
                 s_lo, s_hi, nb, *slot = tiles
@@ -661,16 +691,20 @@ def _kernel_call(x, operands, *, k: int, n: int, mp: int, block_k: int, split: i
                 lo = jax.lax.bitcast_convert_type(lo, jnp.uint16)  # the CSR patches work on the bits
                 hi = jax.lax.bitcast_convert_type(hi, jnp.uint16)
                 return csr_patches(k0, lo, hi)
+            def plane(ref):  # a plane tile's values for this sub-step (interpreter, or the jnp decode)
+                a = tile(ref, dec_layout)
+                return a[:, u * mma_k:(u + 1) * mma_k] if wide_swizzle else a
+
             if diagnostic != "copies_only":
-                nib = tile(nb, dec_layout).astype(jnp.int32) & 0xFF  # & 0xFF: packed planes hold it as int8
+                nib = plane(nb).astype(jnp.int32) & 0xFF  # & 0xFF: packed planes hold it as int8
             if diagnostic == "copies_only":  # timing only: the planes are copied in but never loaded
                 lo = hi = base7 + k0
             elif diagnostic == "load_only":  # timing only: one op per weight instead of the decode, no patches
-                lo = tile(s_lo, dec_layout).astype(jnp.int32) ^ nib
-                hi = tile(s_hi, dec_layout).astype(jnp.int32) ^ nib
+                lo = plane(s_lo).astype(jnp.int32) ^ nib
+                hi = plane(s_hi).astype(jnp.int32) ^ nib
             else:
-                lo = (tile(s_lo, dec_layout).astype(jnp.int32) & 0x807F) | (((nib & 0xF) << 7) + base7)
-                hi = (tile(s_hi, dec_layout).astype(jnp.int32) & 0x807F) | (((nib >> 4) << 7) + base7)
+                lo = (plane(s_lo).astype(jnp.int32) & 0x807F) | (((nib & 0xF) << 7) + base7)
+                hi = (plane(s_hi).astype(jnp.int32) & 0x807F) | (((nib >> 4) << 7) + base7)
             lo, hi = lo.astype(jnp.uint16), hi.astype(jnp.uint16)  # the bf16 bits, unsigned like exc_val
             if diagnostic:  # "no_patch", "load_only": exceptions left unpatched (exact only without any)
                 return finish(lo, hi)
@@ -881,14 +915,15 @@ def _prepare_x(x: jax.Array, k: int, n: int, block_k: int, mp: int | None = None
 @functools.partial(jax.jit, static_argnames=("block_k", "split", "stages", "interpret", "exceptions", "diagnostic",
                                              "planes", "a_operand", "decode", "fold_x", "warp_specialized",
                                              "subtile", "raw", "mp", "pad_x", "sum_splits_in_kernel",
-                                             "early_base"))
+                                             "early_base", "wide_swizzle"))
 def w12_mosaic_partials(x: jax.Array, w: W12NK, block_k: int | None = None, split: int | None = None,
                         stages: int | None = None,
                         interpret: bool = False, exceptions: str = "auto", diagnostic: str = "",
                         planes: str = "auto", a_operand: str = "registers", decode: str = "auto",
                         fold_x: bool = True, warp_specialized: bool = False, subtile: bool = False,
                         raw: bool = False, mp: int | None = None, pad_x: bool = True,
-                        sum_splits_in_kernel: bool = False, early_base: bool = False) -> jax.Array:
+                        sum_splits_in_kernel: bool = False, early_base: bool = False,
+                        wide_swizzle: bool = False) -> jax.Array:
     """x [M, K] bf16 (M <= 64), W12NK [K, N] -> partial products [split, M, N] float32.
 
     block_k: the step `to_nk` packed the planes for (`w.slot_k`) by default; stages: `default_stages`.
@@ -909,6 +944,10 @@ def w12_mosaic_partials(x: jax.Array, w: W12NK, block_k: int | None = None, spli
     sub-steps (half the live registers at 128); its products are then those of the twin at block_k 64 with
     the same split (`default_split(k, n, block_k)`), bit for bit. Exact on the H200 but slower than the
     whole-step decode at every M measured (docs/performance.md), so off by default.
+    wide_swizzle (with subtile): the step's plane tiles are copied with rows of block_k bytes and their
+    swizzle (128 bytes at block_k 128, with which the copies alone ran 10% faster on the H200), and each
+    sub-step decodes its 64 columns of them (PTX: only that part's registers). Exact in the interpreter;
+    not yet run on the GPU.
     raw: the kernel's own output, [split, N, Mp] (rows padded to Mp), untransposed: `sum_rows` adds the
     splits there and transposes only the sum (one small fusion instead of a transpose of every split).
     mp, pad_x: how x's rows are padded (`_prepare_x`).
@@ -948,7 +987,7 @@ def w12_mosaic_partials(x: jax.Array, w: W12NK, block_k: int | None = None, spli
                        diagnostic=diagnostic, planes=planes, a_operand=a_operand, decode=decode, fold_x=fold_x,
                        warp_specialized=warp_specialized, subtile=subtile, mma=w.mma_order and planes == "packed",
                        adjacent=w.adjacent, sum_splits_in_kernel=sum_splits_in_kernel,
-                       tiled=w.tiled and planes == "packed", early_base=early_base)
+                       tiled=w.tiled and planes == "packed", early_base=early_base, wide_swizzle=wide_swizzle)
     return out if raw else jnp.swapaxes(out, 1, 2)[:, :m]
 
 

@@ -265,6 +265,29 @@ class _MosaicCases:
             mk.w12_mosaic_partials(x, mk.to_nk(enc, block_k=128, pack=False), subtile=True, interpret=ip)
 
 
+    def test_wide_swizzle_equals_the_twin_at_64(self):
+        """wide_swizzle: 128-row steps copied as tiles with 128-byte rows (the 128-byte swizzle) and each
+        decoded in two 64-column halves give the twin's products at block_k 64 (same split) bit for bit:
+        plain and mma order, slot-table and CSR patches, Inf / NaN exceptions in both halves of a tile."""
+        k, n = 512, 128
+        w = (0.02 * np.random.default_rng(12).standard_normal((k, n))).astype(jnp.bfloat16)
+        for r, c, v in ((70, 3, np.inf), (5, 64, np.nan), (256 + 100, 127, 1e30), (256 + 3, 9, -1e-30),
+                        (191, 0, -np.inf), (256 + 255, 66, 3e-39), (127, 40, np.nan), (64, 100, 1e30)):
+            w[r, c] = v
+        enc = w12.encode(w)
+        ip = self.interpret
+        w_t = jnp.asarray(w).T
+        for m, split, mma, exceptions in ((5, 1, False, "auto"), (33, 2, True, "auto"), (16, 2, False, "csr"),
+                                          (1, 1, True, "auto")):
+            nk = mk.to_nk(enc, block_k=128, mma=mma)
+            x = jnp.asarray(np.random.default_rng(m).standard_normal((m, k)), jnp.bfloat16)
+            twin = mk.bf16_mosaic_partials(x, w_t, block_k=64, split=split, interpret=ip)
+            got = mk.w12_mosaic_partials(x, nk, split=split, subtile=True, wide_swizzle=True, exceptions=exceptions,
+                                         interpret=ip)
+            assert_same_bits(got, twin)
+        with pytest.raises(NotImplementedError, match="wide_swizzle takes subtile"):
+            mk.w12_mosaic_partials(x, nk, split=1, wide_swizzle=True, interpret=ip)
+
     def test_mma_order_bit_identical_to_bf16_twin(self):
         """Planes packed in mma order (`to_nk(mma=True)`: the decode writes the wgmma registers directly)
         give the twin's bits: slot-table exceptions in both K halves and sub-steps, Inf / NaN, two splits,
@@ -394,6 +417,14 @@ def test_lowers_for_cuda(k, n):
                 twin = jax.jit(functools.partial(mk.bf16_mosaic_partials, sum_splits_in_kernel=True))
                 assert "mosaic_gpu" in twin.trace(s((m, k), jnp.bfloat16), s((n, k), jnp.bfloat16)).lower(
                     lowering_platforms=("cuda",)).as_text()
+        for m in (1, 16, 64):  # 128-byte-swizzled plane tiles decoded in 64-column halves
+            if slot_k:
+                wide = dataclasses.replace(nk, mma_order=True, slot_k=128,
+                                           slots=s((n // mk.BN * (k // 2 // 128), mk.SLOT_ALIGN), jnp.int32))
+                for opts in (dict(decode="ptx"), dict(diagnostic="copies_only")):
+                    fn = jax.jit(functools.partial(mk.w12_mosaic_partials, subtile=True, wide_swizzle=True, **opts))
+                    assert "mosaic_gpu" in fn.trace(s((m, k), jnp.bfloat16), wide).lower(
+                        lowering_platforms=("cuda",)).as_text()
         for m in (1, 16, 64):  # planes stored tile by tile, bases copied alongside the pipeline; the tiled twin
             if slot_k:
                 fn = jax.jit(functools.partial(mk.w12_mosaic_partials, decode="ptx", early_base=True))
