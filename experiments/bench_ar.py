@@ -305,6 +305,8 @@ MOSAIC_SWITCHES = (
     ("--w12-sum-in-kernel", "SUM_SPLITS_IN_KERNEL", "the kernel adds its K splits itself, or XLA adds the partials"),
     ("--w12-tiled", "TILED", "store the packed planes tile by tile (each step's tile contiguous) or row by row"),
     ("--w12-early-base", "EARLY_BASE", "copy the rows' bases alongside the pipeline's first steps or before them"),
+    ("--w12-wide-swizzle", "WIDE_SWIZZLE",
+     "pack steps of 128 copied as 128-byte-swizzled tiles and decoded in 64-column halves, or the default steps"),
 )
 
 

@@ -140,6 +140,37 @@ TILED = False
 EARLY_BASE = False
 
 
+# Whether runs pack every W12 matrix at steps of 128 half-rows, copied as 128-byte-swizzled tiles and decoded
+# in 64-column halves (`subtile`, `wide_swizzle`), with twins at block_k 64 and W12's split. With the planes
+# only copied, such steps ran 10% faster than the 64-byte ones at K = 8192 (docs/performance.md, eighth
+# pass); the full kernel is not yet timed: off.
+WIDE_SWIZZLE = False
+
+
+def run_block_k(k: int, n: int, rows: int = 1) -> int:
+    """The step runs pack a [K, N] weight for: 128 with `WIDE_SWIZZLE` where the shape takes it, else
+    `default_block_k`."""
+    if WIDE_SWIZZLE and ADJACENT:  # W12's sub-steps of adjacent 128-row blocks are no twin's 64-row pairs
+        raise NotImplementedError("w12_mosaic.WIDE_SWIZZLE does not take ADJACENT")
+    if WIDE_SWIZZLE and (k // 2) % 128 == 0 and n % BN == 0:
+        return 128
+    return default_block_k(k, n, rows)
+
+
+def run_w12_options(w: W12NK) -> dict:
+    """The options runs pass to the W12 kernel for a matrix packed by `to_nk` (besides `run_options`)."""
+    wide = WIDE_SWIZZLE and w.slot_k == 128 and w.packed.shape[0] > 1
+    return dict(early_base=EARLY_BASE, subtile=wide, wide_swizzle=wide)
+
+
+def run_twin_steps(k: int, n: int, rows: int = 1) -> dict:
+    """The step and split of the runs' twin for a [K, N] weight, paired with `run_block_k` and
+    `run_w12_options`: W12's 64-column sub-steps of 128-row steps are the twin's steps of 64 at W12's split."""
+    if WIDE_SWIZZLE and run_block_k(k, n, rows) == 128:
+        return dict(block_k=64, split=default_split(k, n, 128))
+    return dict(block_k=default_block_k(k, n, rows))
+
+
 def run_options(adjacent: bool) -> dict:
     """The options runs pass to either kernel (`PAD_X`, `SUM_SPLITS_IN_KERNEL`)."""
     return dict(pad_x=PAD_X, fold_x=PAD_X or adjacent, sum_splits_in_kernel=SUM_SPLITS_IN_KERNEL)

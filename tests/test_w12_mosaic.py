@@ -619,6 +619,36 @@ def test_runs_with_tiled_planes_and_early_bases_pair_as_their_twin(monkeypatch):
     assert_same_bits(got, default)
 
 
+def test_runs_with_wide_swizzle_pair_as_their_twin(monkeypatch):
+    """With `w12_mosaic.WIDE_SWIZZLE` on, runs pack at steps of 128 and decode them in 64-column halves from
+    128-byte-swizzled tiles, and the twin runs at 64 with W12's split: the same bits as each other, and
+    as close to an exact product as the default; tiled storage on top keeps them; adjacent blocks are refused."""
+    k, n = 512, 128
+    w = jnp.asarray(_scattered_exceptions(np.random.default_rng(11), k, n, finite=True))  # < 256 per 128-row step
+    x = jnp.asarray(np.random.default_rng(6).standard_normal((3, k)), jnp.bfloat16)
+    flat = w12.encode_params({"layers": ({"q": w},)}, kernel="mosaic", max_exception_rate=1.0)["layers"][0]["q"]
+    default = w12.linear(x, flat, out_dtype=jnp.float32, interpret=True)
+    monkeypatch.setattr(mk, "WIDE_SWIZZLE", True)
+    for tiled in (False, True):
+        monkeypatch.setattr(mk, "TILED", tiled)
+        wq = w12.encode_params({"layers": ({"q": w},)}, kernel="mosaic", max_exception_rate=1.0)["layers"][0]["q"]
+        assert wq.slot_k == 128 and wq.tiled == tiled and mk.run_w12_options(wq)["wide_swizzle"]
+        got = w12.linear(x, wq, out_dtype=jnp.float32, interpret=True)
+        twin = w12.linear(x, w, out_dtype=jnp.float32, interpret=True, dense_kernel=True, implementation="mosaic")
+        assert_same_bits(got, twin)
+        # another split than the default's (the splits of 128-row steps), so other rounding: both within the
+        # float32 summation bound of an exact product, not equal
+        for y in (got, default):
+            assert_close_to_exact(np.asarray(y), np.asarray(x, np.float32), np.asarray(w))
+    monkeypatch.setattr(mk, "ADJACENT", True)
+    with pytest.raises(NotImplementedError, match="does not take ADJACENT"):
+        w12.encode_params({"layers": ({"q": w},)}, kernel="mosaic", max_exception_rate=1.0)
+    monkeypatch.setattr(mk, "ADJACENT", False)  # a matrix whose 128-row steps overflow a slot row stays bf16
+    dense = w12.encode_params({"layers": ({"q": jnp.asarray(adversarial_weights(k, n, seed=11))},)}, kernel="mosaic",
+                              max_exception_rate=1.0)["layers"][0]["q"]
+    assert not isinstance(dense, w12.W12NK)
+
+
 # ---- the PTX of `decode="ptx"`, executed on the CPU ----------------------------------------------------
 
 def test_ptx_decode_every_bit_pattern():

@@ -409,12 +409,14 @@ def encode_params(params: dict, names: tuple[str, ...] = LINEAR_NAMES, lm_head: 
         if kernel == "mosaic":  # the Mosaic GPU kernel's own layout (imported on use: it imports this module)
             from pallas_kernels import w12_mosaic
 
-            step = w12_mosaic.default_block_k(*x.shape, rows)
+            step = w12_mosaic.run_block_k(*x.shape, rows)
             w12_mosaic.check_shape(*x.shape, step)
             nk = w12_mosaic.to_nk(w, step, mma=w12_mosaic.default_mma(*x.shape, rows),
                                   adjacent=w12_mosaic.ADJACENT, tiled=w12_mosaic.TILED)
             if nk.adjacent != w12_mosaic.ADJACENT:  # a step overflows its slot row: keep bf16, so that every
                 return x  # matrix of a run pairs its rows as the runs' twin does (`_mosaic_rows`)
+            if w12_mosaic.WIDE_SWIZZLE and step == 128 and not w12_mosaic.run_w12_options(nk)["wide_swizzle"]:
+                return x  # likewise: unpacked planes (a step over 255 exceptions) cannot take the twin's pairing
             return nk
         return dataclasses.replace(w, kernel=kernel)
 
@@ -470,17 +472,18 @@ def _mosaic_rows(x: jax.Array, w, interpret: bool | None = None) -> jax.Array:
     if isinstance(w, W12NK):
         def call(r):  # the splits are added before the transpose (`w12_mosaic.sum_rows`)
             return w12_mosaic.sum_rows(w12_mosaic.w12_mosaic_partials(
-                r, w, interpret=interpret, raw=True, early_base=w12_mosaic.EARLY_BASE,
+                r, w, interpret=interpret, raw=True, **w12_mosaic.run_w12_options(w),
                 **w12_mosaic.run_options(w.adjacent)), len(r))
     else:
         w_t = jnp.asarray(w).T
         adjacent, tiled = w12_mosaic.ADJACENT, w12_mosaic.TILED
+        steps = w12_mosaic.run_twin_steps(k, n)
         if tiled:  # the twin of tiled planes reads its tiles as they are stored
-            w_t = w12_mosaic.tile_twin(w_t, w12_mosaic.default_block_k(k, n), adjacent)
+            w_t = w12_mosaic.tile_twin(w_t, steps["block_k"], adjacent)
 
         def call(r):
             return w12_mosaic.sum_rows(w12_mosaic.bf16_mosaic_partials(
-                r, w_t, interpret=interpret, raw=True, adjacent=adjacent, tiled=tiled,
+                r, w_t, interpret=interpret, raw=True, adjacent=adjacent, tiled=tiled, **steps,
                 **w12_mosaic.run_options(adjacent)), len(r))
     parts = [call(rows[i:i + step]) for i in range(0, rows.shape[0], step)]
     y = parts[0] if len(parts) == 1 else jnp.concatenate(parts, axis=0)
