@@ -285,6 +285,21 @@ def test_bench_tiny_smoke(tmp_path):
     assert {r["impl"] for r in record["rows"]} == {"w12", "w12_noexc", "bf16_twin", "xla_bf16"}
 
 
+def test_bench_other_shapes():
+    """`bench_w12.py --shapes KxN,...` times those shapes instead of Qwen3-8B's; a malformed list is refused."""
+    sys.path.insert(0, os.path.join(ROOT, "experiments"))
+    try:
+        import bench_w12
+    finally:
+        sys.path.pop(0)
+    record = bench_w12.main(["--shapes", "128x64,256x128", "--m", "1", "--reps", "1", "--trials", "1",
+                             "--min-bytes", "0", "--no-triton"])
+    assert [(r["shape"], r["k"], r["n"], r["impl"]) for r in record["rows"]] == [
+        ("128x64", 128, 64, "xla_bf16"), ("256x128", 256, 128, "xla_bf16")]
+    with pytest.raises(SystemExit):
+        bench_w12.main(["--shapes", "128x"])
+
+
 def test_bench_profile_table(tmp_path):
     """`bench_w12.py --table`: rows from recorded profiles, the ratio taken against the faster bf16 path;
     non-default Mosaic variants and unprofiled implementations are left out."""

@@ -371,6 +371,11 @@ def test_errors():
     odd = mk.to_nk(jax.device_put(w12.encode(adversarial_weights(128, 96, seed=1))))
     with pytest.raises(NotImplementedError, match="N % 64"):
         mk.w12_mosaic_partials(x[:4], odd, interpret=True)
+    with pytest.raises(ValueError, match="tile_rows takes N % 64"):
+        mk.tile_rows(jnp.zeros((96, 384), jnp.int8), 64, 192)
+    with pytest.raises(ValueError, match="do not match x's K"):  # tiled twin weights of another K
+        mk.bf16_mosaic_partials(x[:4, :96], mk.tile_twin(jnp.zeros((64, 128), jnp.bfloat16), 64), tiled=True,
+                                interpret=True)
 
 
 @pytest.mark.skipif(not _cuda_lowering_available(), reason="GPU-free cuda lowering unavailable")
