@@ -236,6 +236,15 @@ def forward(params: dict, cfg, v: Variant, tokens: jax.Array, cache: KVCache):
     return logits, KVCache(k=tuple(ks), v=tuple(vs), lengths=cache.lengths)
 
 
+def linear_call_labels(params: dict) -> list[str]:
+    """The matrices a step multiplies, in call order (each layer's, then the LM head), by their names in
+    `params`' layers: fused q/k/v and gate/up where the params hold them (`Variant.fuse`, or dense.forward
+    over such params)."""
+    layer = ["qkv", "o", "gate_up", "down"] if "qkv" in params["layers"][0] else ["q", "k", "v", "o", "gate", "up",
+                                                                                 "down"]
+    return layer * len(params["layers"]) + ["lm_head"]
+
+
 def make_step(cfg, v: Variant):
     """Jitted greedy AR step (cache donated): (params, tokens [B], cache) -> (next [B], logits [B, V], cache)."""
 

@@ -185,6 +185,21 @@ def profile_steps(step, params, cache, tokens0, n_steps: int, context: int, batc
             return {"error": repr(e)[:500]}, cache
 
 
+def mosaic_calls(profile: dict, params, name: str) -> None:
+    """Adds to a profile the Mosaic kernel's time per matrix (qkv, o, gate_up, down, lm_head, ...): the
+    per-call medians of one step grouped by the matrix each call multiplies (`bench.label_calls`), so that
+    AR's kernels compare with the chains' (`bench_w12.py`). Left out where the calls do not match the
+    matrices one to one (a matrix kept bf16, or no Mosaic kernel)."""
+    seqs = {n: q for n, q in (profile.get("sequences") or {}).items() if "mosaic_gpu" in n}
+    if len(seqs) != 1:
+        return
+    calls = bench.label_calls(next(iter(seqs.values())), ar_variants.linear_call_labels(params))
+    if calls:
+        profile["mosaic_calls"] = calls
+        print(f"{name:20s} Mosaic kernel per call (median us, calls per step): " + ", ".join(
+            f"{label} {c['us_median']:.1f} x{c['calls']}" for label, c in calls.items()), flush=True)
+
+
 def token_agreement(generated: np.ndarray, ref_tokens: np.ndarray) -> dict:
     same = generated == ref_tokens
     return {"token_match_frac": float(same.mean()),
@@ -222,6 +237,7 @@ def run_variant(name, cfg, params_v, snapshot, tokens0, args, ctx, step_bytes, c
         if name in args.profile or name.split("@")[0] in args.profile:
             rec["profile"], cache = profile_steps(compiled, params_v, cache, tokens0, args.profile_steps,
                                                   ctx, args.batch)
+            mosaic_calls(rec["profile"], params_v, name)
     gen_ms = rec["gen_ms_per_token"]
     rec["tokens_per_s"] = args.batch * 1e3 / gen_ms
     rec.update({f"gen_{k}": x for k, x in

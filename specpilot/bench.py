@@ -168,6 +168,13 @@ def kernel_summary(trace_dir: str, steps: int, top: int = 25) -> dict[str, Any] 
     for name, (_, dur) in by_name.items():
         cats[_kernel_category(name)] += dur
     rows = sorted(by_name.items(), key=lambda kv: -kv[1][1])[:top]
+    sequences = {}  # a kernel called several times per step: its median time at each call of the step
+    for name, (count, _) in rows:
+        per_step = count // steps
+        if per_step >= 2 and count == per_step * steps:
+            ordered = sorted((e for e in kernels if e["name"] == name), key=lambda e: e["ts"])
+            sequences[name[:120]] = [round(statistics.median(float(e.get("dur", 0.0)) for e in ordered[q::per_step]), 3)
+                                     for q in range(per_step)]
     return {
         "steps": steps, "kernels_per_step": len(kernels) / steps,
         "busy_ms_per_step": busy_us / steps / 1e3, "span_ms_per_step": span_us / steps / 1e3,
@@ -175,7 +182,22 @@ def kernel_summary(trace_dir: str, steps: int, top: int = 25) -> dict[str, Any] 
         "top": [{"name": n[:120], "calls_per_step": c / steps, "ms_per_step": d / steps / 1e3,
                  "us_per_call": d / c, "us_min": min(durations[n]), "us_median": statistics.median(durations[n]),
                  "us_max": max(durations[n])} for n, (c, d) in rows],
+        "sequences": sequences,
     }
+
+
+def label_calls(sequence: list[float], labels: list[str]) -> dict[str, dict[str, float]] | None:
+    """One kernel's per-call medians of a step (`kernel_summary`'s "sequences") grouped by what each call
+    multiplies: `labels` names the calls in step order (e.g. a layer's matrices, repeated, then the LM head).
+    Per label: its calls per step, the median of their times and their sum per step (us). None if the counts
+    differ (another step structure than the labels describe)."""
+    if len(sequence) != len(labels):
+        return None
+    groups = collections.defaultdict(list)
+    for label, us in zip(labels, sequence):
+        groups[label].append(us)
+    return {label: {"calls": len(v), "us_median": statistics.median(v), "us_per_step": sum(v)}
+            for label, v in groups.items()}
 
 
 def _kernel_category(name: str) -> str:

@@ -115,6 +115,43 @@ def test_kernel_summary_reads_a_perfetto_trace(tmp_path):
     assert bench_.kernel_summary(str(tmp_path / "none"), steps=1) is None
 
 
+def test_kernel_summary_times_each_call_of_a_step(tmp_path, bench_ar):
+    """A kernel called several times per step gets its median time at each call of the step ("sequences",
+    over the steps), and `mosaic_calls` names those calls by the matrices a step multiplies, in order; a
+    count that does not match the matrices gives no breakdown."""
+    import gzip
+    import json as json_
+
+    from specpilot import bench as bench_
+
+    meta = [{"ph": "M", "name": "process_name", "pid": 1, "args": {"name": "/device:GPU:0"}},
+            {"ph": "M", "name": "thread_name", "pid": 1, "tid": 7, "args": {"name": "Stream #13(Compute)"}}]
+    per_call = [(5.0, 7.0), (50.0, 54.0), (9.0, 9.0), (300.0, 310.0)]  # two steps: qkv, gate_up, down, lm_head
+    events, t = [], 0
+    for step in range(2):
+        for name, durs in zip(("kernel_mosaic_gpu_kernel",) * 4, per_call):
+            events.append({"ph": "X", "pid": 1, "tid": 7, "name": name, "ts": t, "dur": durs[step]})
+            t += 400
+        events.append({"ph": "X", "pid": 1, "tid": 7, "name": "loop_add_fusion", "ts": t, "dur": 1.0})
+        t += 10
+    d = tmp_path / "plugins" / "profile"
+    d.mkdir(parents=True)
+    with gzip.open(d / "x.perfetto_trace.json.gz", "wt") as f:
+        json_.dump({"traceEvents": meta + events}, f)
+    s = bench_.kernel_summary(str(tmp_path), steps=2)
+    assert s["sequences"] == {"kernel_mosaic_gpu_kernel": [6.0, 52.0, 9.0, 305.0]}  # loop_add: once per step
+    params = {"layers": ({"qkv": None, "o": None, "gate_up": None, "down": None},)}
+    profile = dict(s, sequences={"kernel_mosaic_gpu_kernel": [6.0, 8.0, 52.0, 9.0, 305.0]})
+    bench_ar.mosaic_calls(profile, params, "fused@w12")
+    assert profile["mosaic_calls"]["gate_up"] == {"calls": 1, "us_median": 52.0, "us_per_step": 52.0}
+    assert list(profile["mosaic_calls"]) == ["qkv", "o", "gate_up", "down", "lm_head"]
+    bench_ar.mosaic_calls(s, params, "fused@w12")  # 4 calls for 5 matrices (one kept bf16): no breakdown
+    assert "mosaic_calls" not in s
+    assert bench_.label_calls([1.0, 2.0, 3.0], ["a", "b", "a"]) == {
+        "a": {"calls": 2, "us_median": 2.0, "us_per_step": 4.0},
+        "b": {"calls": 1, "us_median": 2.0, "us_per_step": 2.0}}
+
+
 def test_bench_ar_qkv_barrier_keeps_the_tokens(bench_ar):
     """--qkv-barrier materializes the fused qkv product (a scheduling change only): same greedy tokens."""
     rec = bench_ar.main(["--shape", "tiny", "--context", "8", "--new-tokens", "4", "--warmup", "1",
