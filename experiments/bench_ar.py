@@ -326,8 +326,12 @@ MOSAIC_SWITCHES = (
 )
 
 
+def _dest(flag: str) -> str:
+    return flag[2:].replace("-", "_")  # argparse's attribute (and the record's key) for a flag
+
+
 def _switch(args, flag: str) -> str:
-    return getattr(args, flag[2:].replace("-", "_"))
+    return getattr(args, _dest(flag))
 
 
 def parse_args(argv=None):
@@ -406,7 +410,7 @@ def main(argv=None) -> dict:
     record = {"date": datetime.date.today().isoformat(), "shape": args.shape, "config": cfg.to_hf_dict(),
               "batch": b, "context": ctx, "new_tokens": args.new_tokens, "device": bench.device_info(),
               "xla_flags": os.environ.get("XLA_FLAGS", ""), "w12_kernel": args.w12_kernel,
-              **{flag[2:].replace("-", "_"): _switch(args, flag) for flag, _, _ in MOSAIC_SWITCHES},
+              **{_dest(flag): _switch(args, flag) for flag, _, _ in MOSAIC_SWITCHES},
               "w12_mp": args.w12_mp, "qkv_barrier": args.qkv_barrier, "variants": {}}
 
     def save():

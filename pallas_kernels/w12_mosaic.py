@@ -587,8 +587,9 @@ def _kernel_call(x, operands, *, k: int, n: int, mp: int, block_k: int, split: i
         raise ValueError(f"a_operand must be 'registers' or 'smem', got {a_operand!r}")
     a_in_registers = a_operand == "registers" and not interpret
     # wide_swizzle (with subtile): the plane tiles are copied with rows of block_k bytes and their swizzle
-    # (128 at block_k 128: the copies' fastest, docs/performance.md), and each sub-step loads its 64-column
-    # slices of them; otherwise each sub-step's columns are their own swizzled tile of mma_k bytes.
+    # (128 at block_k 128: the copies' fastest, docs/performance.md), and each sub-step decodes its 64 columns
+    # of them (the whole tile loaded, only that part's registers used); otherwise each sub-step's columns are
+    # their own swizzled tile of mma_k bytes.
     if wide_swizzle and not (subtile and block_k <= SWIZZLE):
         raise NotImplementedError(f"wide_swizzle takes subtile and block_k <= {SWIZZLE}")
     plane_tiles = () if planes == "wgmma" else _transforms(8, block_k if wide_swizzle else mma_k)

@@ -158,10 +158,12 @@ def kernel_summary(trace_dir: str, steps: int, top: int = 25) -> dict[str, Any] 
         return {"kernels": 0, "device_pids": sorted(names[p] for p in dev_pids)}
     by_name = collections.defaultdict(lambda: [0, 0.0])
     durations = collections.defaultdict(list)
+    calls = collections.defaultdict(list)  # per name, (start, duration) of each call
     for e in kernels:
         by_name[e["name"]][0] += 1
         by_name[e["name"]][1] += float(e.get("dur", 0.0))
         durations[e["name"]].append(float(e.get("dur", 0.0)))
+        calls[e["name"]].append((e["ts"], float(e.get("dur", 0.0))))
     busy_us = sum(v[1] for v in by_name.values())
     span_us = max(e["ts"] + e.get("dur", 0) for e in kernels) - min(e["ts"] for e in kernels)
     cats = collections.Counter()
@@ -172,9 +174,8 @@ def kernel_summary(trace_dir: str, steps: int, top: int = 25) -> dict[str, Any] 
     for name, (count, _) in rows:
         per_step = count // steps
         if per_step >= 2 and count == per_step * steps:
-            ordered = sorted((e for e in kernels if e["name"] == name), key=lambda e: e["ts"])
-            sequences[name[:120]] = [round(statistics.median(float(e.get("dur", 0.0)) for e in ordered[q::per_step]), 3)
-                                     for q in range(per_step)]
+            ordered = [dur for _, dur in sorted(calls[name])]
+            sequences[name[:120]] = [round(statistics.median(ordered[q::per_step]), 3) for q in range(per_step)]
     return {
         "steps": steps, "kernels_per_step": len(kernels) / steps,
         "busy_ms_per_step": busy_us / steps / 1e3, "span_ms_per_step": span_us / steps / 1e3,
