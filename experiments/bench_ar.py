@@ -323,6 +323,7 @@ MOSAIC_SWITCHES = (
     ("--w12-early-base", "EARLY_BASE", "copy the rows' bases alongside the pipeline's first steps or before them"),
     ("--w12-wide-swizzle", "WIDE_SWIZZLE",
      "pack steps of 128 copied as 128-byte-swizzled tiles and decoded in 64-column halves, or the default steps"),
+    ("--w12-plain-planes", "PLAIN_PLANES", "copy the packed plane tiles as stored (no tiling or swizzle) or swizzled"),
 )
 
 

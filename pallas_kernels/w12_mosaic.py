@@ -147,6 +147,12 @@ EARLY_BASE = False
 WIDE_SWIZZLE = False
 
 
+# Whether runs copy the packed plane tiles plain (`plain_planes`: one box as stored, neither tiled nor
+# swizzled); with `TILED`, each step's tile is then one contiguous copy. At M = 1, plain tiled planes took
+# 5% off the kernel at K = 4096 and 8192 (docs/performance.md, ninth pass); AR is not yet timed: off.
+PLAIN_PLANES = False
+
+
 def run_block_k(k: int, n: int, rows: int = 1) -> int:
     """The step runs pack a [K, N] weight for: 128 with `WIDE_SWIZZLE` where the shape takes it, else
     `default_block_k`."""
@@ -160,7 +166,8 @@ def run_block_k(k: int, n: int, rows: int = 1) -> int:
 def run_w12_options(w: W12NK) -> dict:
     """The options runs pass to the W12 kernel for a matrix packed by `to_nk` (besides `run_options`)."""
     wide = WIDE_SWIZZLE and w.slot_k == 128 and w.packed.shape[0] > 1
-    return dict(early_base=EARLY_BASE, subtile=wide, wide_swizzle=wide)
+    plain = PLAIN_PLANES and not wide and w.packed.shape[0] > 1  # packed planes only
+    return dict(early_base=EARLY_BASE, subtile=wide, wide_swizzle=wide, plain_planes=plain)
 
 
 def run_twin_steps(k: int, n: int, rows: int = 1) -> dict:
@@ -545,7 +552,7 @@ def _kernel_call(x, operands, *, k: int, n: int, mp: int, block_k: int, split: i
                  a_operand: str = "registers", decode: str = "jnp", fold_x: bool = False,
                  warp_specialized: bool = False, subtile: bool = False, mma: bool = False,
                  adjacent: bool = False, sum_splits_in_kernel: bool = False, tiled: bool = False,
-                 early_base: bool = False, wide_swizzle: bool = False):
+                 early_base: bool = False, wide_swizzle: bool = False, plain_planes: bool = False):
     ws = warp_specialized
     # sum_splits_in_kernel: programs of splits 0 .. S-2 store their partials to a workspace and signal their
     # column block's semaphore; the split S-1 program waits for them, adds the partials in index order with
@@ -592,10 +599,15 @@ def _kernel_call(x, operands, *, k: int, n: int, mp: int, block_k: int, split: i
     # their own swizzled tile of mma_k bytes.
     if wide_swizzle and not (subtile and block_k <= SWIZZLE):
         raise NotImplementedError(f"wide_swizzle takes subtile and block_k <= {SWIZZLE}")
-    plane_tiles = () if planes == "wgmma" else _transforms(8, block_k if wide_swizzle else mma_k)
+    # plain_planes: packed plane tiles copied as they are stored (one TMA box, neither tiled nor swizzled)
+    # and loaded from there by plain (unoptimized) loads: the copies without the swizzle's constraints.
+    if plain_planes and (planes != "packed" or wide_swizzle):
+        raise NotImplementedError("plain_planes takes packed planes, without wide_swizzle")
+    plain = planes == "wgmma" or plain_planes
+    plane_tiles = () if plain else _transforms(8, block_k if wide_swizzle else mma_k)
 
     def tile(ref, layout):  # the interpreter has no layouts; compiled, they are explicit
-        return ref[...] if interpret else plgpu.load(ref, (), layout=layout, optimized=planes != "wgmma")
+        return ref[...] if interpret else plgpu.load(ref, (), layout=layout, optimized=not plain)
 
     def iota(dim):
         if interpret:
@@ -947,7 +959,7 @@ def _prepare_x(x: jax.Array, k: int, n: int, block_k: int, mp: int | None = None
 @functools.partial(jax.jit, static_argnames=("block_k", "split", "stages", "interpret", "exceptions", "diagnostic",
                                              "planes", "a_operand", "decode", "fold_x", "warp_specialized",
                                              "subtile", "raw", "mp", "pad_x", "sum_splits_in_kernel",
-                                             "early_base", "wide_swizzle"))
+                                             "early_base", "wide_swizzle", "plain_planes"))
 def w12_mosaic_partials(x: jax.Array, w: W12NK, block_k: int | None = None, split: int | None = None,
                         stages: int | None = None,
                         interpret: bool = False, exceptions: str = "auto", diagnostic: str = "",
@@ -955,7 +967,7 @@ def w12_mosaic_partials(x: jax.Array, w: W12NK, block_k: int | None = None, spli
                         fold_x: bool = True, warp_specialized: bool = False, subtile: bool = False,
                         raw: bool = False, mp: int | None = None, pad_x: bool = True,
                         sum_splits_in_kernel: bool = False, early_base: bool = False,
-                        wide_swizzle: bool = False) -> jax.Array:
+                        wide_swizzle: bool = False, plain_planes: bool = False) -> jax.Array:
     """x [M, K] bf16 (M <= 64), W12NK [K, N] -> partial products [split, M, N] float32.
 
     block_k: the step `to_nk` packed the planes for (`w.slot_k`) by default; stages: `default_stages`.
@@ -980,6 +992,8 @@ def w12_mosaic_partials(x: jax.Array, w: W12NK, block_k: int | None = None, spli
     swizzle (128 bytes at block_k 128, with which the copies alone ran 10% faster on the H200), and each
     sub-step decodes its 64 columns of them (PTX: only that part's registers). Exact in the interpreter;
     not yet run on the GPU.
+    plain_planes: the packed plane tiles are copied as stored, without the tiling and swizzle, and loaded
+    by plain loads (bank conflicts allowed): to time copies free of the swizzle's box constraints.
     raw: the kernel's own output, [split, N, Mp] (rows padded to Mp), untransposed: `sum_rows` adds the
     splits there and transposes only the sum (one small fusion instead of a transpose of every split).
     mp, pad_x: how x's rows are padded (`_prepare_x`).
@@ -1019,7 +1033,8 @@ def w12_mosaic_partials(x: jax.Array, w: W12NK, block_k: int | None = None, spli
                        diagnostic=diagnostic, planes=planes, a_operand=a_operand, decode=decode, fold_x=fold_x,
                        warp_specialized=warp_specialized, subtile=subtile, mma=w.mma_order and planes == "packed",
                        adjacent=w.adjacent, sum_splits_in_kernel=sum_splits_in_kernel,
-                       tiled=w.tiled and planes == "packed", early_base=early_base, wide_swizzle=wide_swizzle)
+                       tiled=w.tiled and planes == "packed", early_base=early_base, wide_swizzle=wide_swizzle,
+                       plain_planes=plain_planes)
     return out if raw else jnp.swapaxes(out, 1, 2)[:, :m]
 
 

@@ -288,6 +288,28 @@ class _MosaicCases:
         with pytest.raises(NotImplementedError, match="wide_swizzle takes subtile"):
             mk.w12_mosaic_partials(x, nk, split=1, wide_swizzle=True, interpret=ip)
 
+    def test_plain_planes_bit_identical_to_bf16_twin(self):
+        """plain_planes: packed plane tiles copied as stored (no tiling or swizzle) and loaded by plain loads
+        give the twin's bits, planes stored row by row or tile by tile (the tiled twin), plain and mma order,
+        Inf / NaN / subnormal exceptions in both K halves; with wide_swizzle or unpacked planes it is refused."""
+        k, n = 512, 128
+        w = (0.02 * np.random.default_rng(14).standard_normal((k, n))).astype(jnp.bfloat16)
+        for r, c, v in ((70, 3, np.inf), (5, 64, np.nan), (256 + 100, 127, 1e30), (256 + 3, 9, -1e-30),
+                        (191, 0, -np.inf), (256 + 255, 66, 3e-39)):
+            w[r, c] = v
+        enc = w12.encode(w)
+        ip = self.interpret
+        w_t = jnp.asarray(w).T
+        for m, split, mma, tiled in ((1, 1, True, False), (16, 2, True, True), (33, 2, False, True),
+                                     (64, 1, False, False)):
+            nk = mk.to_nk(enc, block_k=64, mma=mma, tiled=tiled)
+            x = jnp.asarray(np.random.default_rng(m).standard_normal((m, k)), jnp.bfloat16)
+            twin_w = mk.tile_twin(w_t, 64) if tiled else w_t
+            twin = mk.bf16_mosaic_partials(x, twin_w, block_k=64, split=split, tiled=tiled, interpret=ip)
+            assert_same_bits(mk.w12_mosaic_partials(x, nk, split=split, plain_planes=True, interpret=ip), twin)
+        with pytest.raises(NotImplementedError, match="plain_planes takes packed planes"):
+            mk.w12_mosaic_partials(x, mk.to_nk(enc, block_k=64, pack=False), plain_planes=True, interpret=ip)
+
     def test_mma_order_bit_identical_to_bf16_twin(self):
         """Planes packed in mma order (`to_nk(mma=True)`: the decode writes the wgmma registers directly)
         give the twin's bits: slot-table exceptions in both K halves and sub-steps, Inf / NaN, two splits,
@@ -430,6 +452,15 @@ def test_lowers_for_cuda(k, n):
                     fn = jax.jit(functools.partial(mk.w12_mosaic_partials, subtile=True, wide_swizzle=True, **opts))
                     assert "mosaic_gpu" in fn.trace(s((m, k), jnp.bfloat16), wide).lower(
                         lowering_platforms=("cuda",)).as_text()
+        for m in (1, 16, 64):  # plane tiles copied plain (neither tiled nor swizzled), stored tile by tile or not
+            if slot_k:
+                for tiled in (False, True):
+                    pnk = dataclasses.replace(nk, mma_order=True, tiled=tiled, packed=s(
+                        (n * (k // 2 // 64), 3 * 64) if tiled else (n, 3 * k // 2), jnp.int8))
+                    for opts in (dict(decode="ptx"), dict(diagnostic="copies_only")):
+                        fn = jax.jit(functools.partial(mk.w12_mosaic_partials, plain_planes=True, **opts))
+                        assert "mosaic_gpu" in fn.trace(s((m, k), jnp.bfloat16), pnk).lower(
+                            lowering_platforms=("cuda",)).as_text()
         for m in (1, 16, 64):  # planes stored tile by tile, bases copied alongside the pipeline; the tiled twin
             if slot_k:
                 fn = jax.jit(functools.partial(mk.w12_mosaic_partials, decode="ptx", early_base=True))
@@ -605,10 +636,11 @@ def test_runs_with_splits_summed_in_the_kernel_pair_as_their_twin(monkeypatch):
     assert_same_bits(got, summed_by_xla)
 
 
-def test_runs_with_tiled_planes_and_early_bases_pair_as_their_twin(monkeypatch):
+@pytest.mark.parametrize("plain", [False, True])
+def test_runs_with_tiled_planes_and_early_bases_pair_as_their_twin(monkeypatch, plain):
     """With `w12_mosaic.TILED` and `EARLY_BASE` on, runs store the planes tile by tile and copy the bases
     alongside the pipeline, and the twin reads its own tiles: the same bits as each other and as the
-    default."""
+    default; with `PLAIN_PLANES` too, the runs pass `plain_planes` (one unswizzled copy per step)."""
     k, n = 512, 128
     w = jnp.asarray(adversarial_weights(k, n, seed=10, finite=True))
     x = jnp.asarray(np.random.default_rng(5).standard_normal((2, k)), jnp.bfloat16)
@@ -616,8 +648,10 @@ def test_runs_with_tiled_planes_and_early_bases_pair_as_their_twin(monkeypatch):
     default = w12.linear(x, flat, out_dtype=jnp.float32, interpret=True)
     monkeypatch.setattr(mk, "TILED", True)
     monkeypatch.setattr(mk, "EARLY_BASE", True)
+    monkeypatch.setattr(mk, "PLAIN_PLANES", plain)
     wq = w12.encode_params({"layers": ({"q": w},)}, kernel="mosaic", max_exception_rate=1.0)["layers"][0]["q"]
     assert wq.tiled and not flat.tiled
+    assert mk.run_w12_options(wq)["plain_planes"] == plain
     got = w12.linear(x, wq, out_dtype=jnp.float32, interpret=True)
     twin = w12.linear(x, w, out_dtype=jnp.float32, interpret=True, dense_kernel=True, implementation="mosaic")
     assert_same_bits(got, twin)
