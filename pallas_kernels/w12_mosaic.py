@@ -166,7 +166,7 @@ def run_block_k(k: int, n: int, rows: int = 1) -> int:
 def run_w12_options(w: W12NK) -> dict:
     """The options runs pass to the W12 kernel for a matrix packed by `to_nk` (besides `run_options`)."""
     wide = WIDE_SWIZZLE and w.slot_k == 128 and w.packed.shape[0] > 1
-    plain = PLAIN_PLANES and not wide and w.packed.shape[0] > 1  # packed planes only
+    plain = PLAIN_PLANES and not wide and w.packed.shape[0] > 1 and w.slot_k == 64  # packed, one box per step
     return dict(early_base=EARLY_BASE, subtile=wide, wide_swizzle=wide, plain_planes=plain)
 
 
@@ -601,8 +601,9 @@ def _kernel_call(x, operands, *, k: int, n: int, mp: int, block_k: int, split: i
         raise NotImplementedError(f"wide_swizzle takes subtile and block_k <= {SWIZZLE}")
     # plain_planes: packed plane tiles copied as they are stored (one TMA box, neither tiled nor swizzled)
     # and loaded from there by plain (unoptimized) loads: the copies without the swizzle's constraints.
-    if plain_planes and (planes != "packed" or wide_swizzle):
-        raise NotImplementedError("plain_planes takes packed planes, without wide_swizzle")
+    if plain_planes and (planes != "packed" or wide_swizzle or 3 * block_k > 256):
+        raise NotImplementedError("plain_planes takes packed planes of steps up to 85 half-rows (a TMA box row "
+                                  "holds <= 256 bytes), without wide_swizzle")
     plain = planes == "wgmma" or plain_planes
     plane_tiles = () if plain else _transforms(8, block_k if wide_swizzle else mma_k)
 

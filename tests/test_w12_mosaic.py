@@ -309,6 +309,8 @@ class _MosaicCases:
             assert_same_bits(mk.w12_mosaic_partials(x, nk, split=split, plain_planes=True, interpret=ip), twin)
         with pytest.raises(NotImplementedError, match="plain_planes takes packed planes"):
             mk.w12_mosaic_partials(x, mk.to_nk(enc, block_k=64, pack=False), plain_planes=True, interpret=ip)
+        with pytest.raises(NotImplementedError, match="256 bytes"):  # 128-row steps: 384-byte box rows
+            mk.w12_mosaic_partials(x, mk.to_nk(enc, block_k=128), plain_planes=True, interpret=ip)
 
     def test_mma_order_bit_identical_to_bf16_twin(self):
         """Planes packed in mma order (`to_nk(mma=True)`: the decode writes the wgmma registers directly)
