@@ -638,6 +638,17 @@ def test_runs_with_splits_summed_in_the_kernel_pair_as_their_twin(monkeypatch):
     assert_same_bits(got, summed_by_xla)
 
 
+def test_storage_bytes_count_the_planes_however_packed():
+    """`w12.storage_bytes` counts 12 bits of planes per weight for N-major planes packed row by row, tile by
+    tile, or kept separate (the tiled planes were once counted as 0 bytes)."""
+    k, n = 256, 128
+    enc = w12.encode(adversarial_weights(k, n, seed=3))
+    for form in (dict(pack=False), dict(), dict(tiled=True), dict(tiled=True, mma=True)):
+        b = w12.storage_bytes(mk.to_nk(enc, block_k=64, **form))
+        assert b["planes"] == 3 * k * n // 2, form
+        assert b["total"] > b["planes"]
+
+
 @pytest.mark.parametrize("plain", [False, True])
 def test_runs_with_tiled_planes_and_early_bases_pair_as_their_twin(monkeypatch, plain):
     """With `w12_mosaic.TILED` and `EARLY_BASE` on, runs store the planes tile by tile and copy the bases

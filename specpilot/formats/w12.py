@@ -331,8 +331,8 @@ def storage_bytes(w: W12 | W12NK) -> dict[str, int]:
     what its kernel reads: the packed (or separate) planes, base << 7 as int32, and the slot table, or
     the CSR lists when there is none."""
     if isinstance(w, W12NK):
-        k, n = w.shape
-        planes = _nbytes(w.packed) if w.packed.shape[1] == 3 * k // 2 else _nbytes(w.sm_t) + _nbytes(w.nib_t)
+        packed = w.packed.shape[0] > 1  # packed row by row [N, 3K/2] or tile by tile; else a 1-row placeholder
+        planes = _nbytes(w.packed) if packed else _nbytes(w.sm_t) + _nbytes(w.nib_t)
         ptr = 0 if w.slot_k else _nbytes(w.exc_ptr)
         exc = _nbytes(w.slots) if w.slot_k else _nbytes(w.exc_row) + _nbytes(w.exc_col) + _nbytes(w.exc_val)
         base = _nbytes(w.base7)
