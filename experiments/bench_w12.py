@@ -375,18 +375,24 @@ def summary(rows) -> None:
               f"{t['xla_bf16'] / best_w12:8.2f} {t['bf16_twin'] / best_w12:8.2f} {exact}")
 
 
-def profile_table(paths: list[str], w12_variant: dict | None = None) -> list[str]:
+def profile_table(paths: list[str], w12_variant: dict | None = None, twin_variant: dict | None = None) -> list[str]:
     """Markdown rows from recorded runs with `--profile xla,twin_mg,w12_mg`: per (shape, M), the wall,
-    busy and main-kernel time of XLA, the Mosaic twin and Mosaic W12 (default variants, or the W12 variant
-    recorded with the `--mg-edits` options `w12_variant`, against the default twin), and W12 against the
-    faster bf16 path on busy and on kernel time (docs/performance.md's layer tables)."""
+    busy and main-kernel time of XLA, the Mosaic twin and Mosaic W12 (default variants, or the W12 and twin
+    variants recorded with the `--mg-edits` options `w12_variant` and the twin's options `twin_variant`,
+    e.g. {"tiled": True}), and W12 against the faster bf16 path on busy and on kernel time
+    (docs/performance.md's layer tables)."""
     defaults = ({}, {"block_k": 64})
     cells = {}
     for path in paths:
         with open(path) as f:
             for r in json.load(f)["rows"]:
                 mg = r.get("mg") or {}
-                wanted = [w12_variant] if w12_variant and r["impl"] == "w12_mg" else defaults
+                if w12_variant and r["impl"] == "w12_mg":
+                    wanted = [w12_variant]
+                elif twin_variant and r["impl"] == "twin_mg":
+                    wanted = [twin_variant]
+                else:
+                    wanted = defaults
                 if "us_per_matrix" not in r or mg not in wanted:
                     continue
                 prof = r.get("profile") or {}
@@ -445,10 +451,15 @@ def main(argv=None) -> dict:
     p.add_argument("--table-w12", default="",
                    help="with --table: the W12 variant's --mg-edits options (one group, e.g. 'mma=1'), "
                         "against the default twin")
+    p.add_argument("--table-twin", default="",
+                   help="with --table: the twin variant's options as recorded (one group, e.g. 'tiled=1'); "
+                        "default: the default twin")
     args = p.parse_args(argv)
     if args.table:
         variant = parse_edits(args.table_w12)
-        print("\n".join(profile_table(args.table.split(","), variant[0] if variant else None)))
+        twin = parse_edits(args.table_twin)
+        print("\n".join(profile_table(args.table.split(","), variant[0] if variant else None,
+                                       twin[0] if twin else None)))
         return {}
     args.profile = [s for s in args.profile.split(",") if s]
     interpret = jax.default_backend() == "cpu"

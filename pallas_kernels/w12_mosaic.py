@@ -74,23 +74,27 @@ def default_block_k(k: int, n: int, rows: int = 1) -> int:
     return 128 if large and (k // 2) % 128 == 0 and n % BN == 0 else 64
 
 
-def default_stages(block_k: int) -> int:
-    """Pipeline depth for a step size: 2 for 128 (two 32 KB steps in flight per program), else 3."""
-    return 2 if block_k >= 128 else 3
+def default_stages(block_k: int, mp: int = 16) -> int:
+    """Pipeline depth for a step size and x's padded rows: 2 for steps of 128 (two 32 KB steps in flight
+    per program) and for 32 or 64 rows (x's tile is then 8-16 KB a step; fewer stages leave room for more
+    programs per SM: 4-8% faster for W12 and 1-5% for the twin at 64 rows on the H200, mg36-mg37 in
+    docs/performance.md), else 3."""
+    return 2 if block_k >= 128 or mp >= 32 else 3
 
 
-# Packed planes in the wgmma register order (`mma_order`) where measured faster on the H200 (runs mg20,
-# mg21: docs/performance.md): every shape at up to 16 rows per call (3-6% off the kernel time) and the LM
-# head at any (at 64 rows with 64-row steps 309 against 329 us); the layer shapes at 64 rows were 8%
-# slower. MMA_ORDER, if not None, overrides the rule (benchmarks time both).
+# Packed planes in the wgmma register order (`mma_order`), measured faster on the H200 at every shape and
+# row count (docs/performance.md): at up to 16 rows per call 3-6% off the kernel time (mg20), the LM head at
+# any (mg21), and the layer shapes at 32 and 64 rows over 2 stages (`default_stages`; 3-6% faster than the
+# plain order there, mg37; over 3 stages they had been 8% slower, mg20). MMA_ORDER, if not None, overrides
+# it (benchmarks time both).
 MMA_ORDER: bool | None = None
 
 
 def default_mma(k: int, n: int, rows: int = 1) -> bool:
-    """Whether `to_nk` packs a [K, N] weight in `mma_order` for products of up to `rows` rows per call."""
-    if MMA_ORDER is not None:
-        return MMA_ORDER
-    return rows <= LARGE_STEP_MAX_ROWS or n >= LARGE_N
+    """Whether `to_nk` packs a [K, N] weight in `mma_order` for products of up to `rows` rows per call:
+    yes at every shape and row count measured, unless `MMA_ORDER` says otherwise."""
+    del k, n, rows  # the measured rule no longer depends on them
+    return True if MMA_ORDER is None else MMA_ORDER
 
 
 def mma_order(width: int) -> np.ndarray:
@@ -1005,11 +1009,11 @@ def w12_mosaic_partials(x: jax.Array, w: W12NK, block_k: int | None = None, spli
     (`_kernel_call`). Planes packed `tiled` (`to_nk`) are read one contiguous tile per step."""
     k, n = w.shape
     block_k = block_k or w.slot_k or default_block_k(k, n)
-    stages = stages or default_stages(block_k)
     if (exceptions not in ("auto", "csr") or diagnostic not in ("", "no_patch", "load_only", "copies_only")
             or planes not in ("auto", "upcast", "wgmma", "packed")):
         raise ValueError(f"unknown exceptions={exceptions!r}, diagnostic={diagnostic!r} or planes={planes!r}")
     x_p, m, mp = _prepare_x(x, k, n, block_k, mp, pad_x, interpret, fold=fold_x and not w.adjacent)
+    stages = stages or default_stages(block_k, mp)
     packed_shape = (n * (k // 2 // block_k), 3 * block_k) if w.tiled else (n, 3 * k // 2)
     has_packed = w.slot_k == block_k and w.packed.shape == packed_shape
     if planes == "auto":
@@ -1065,10 +1069,10 @@ def bf16_mosaic_partials(x: jax.Array, w_t: jax.Array, block_k: int | None = Non
     else:
         n, k = w_t.shape
     block_k = block_k or default_block_k(k, n)
-    stages = stages or default_stages(block_k)
     if w_t.dtype != jnp.bfloat16:
         raise NotImplementedError(f"the twin reads bf16 weights, got {w_t.dtype}")
     x_p, m, mp = _prepare_x(x, k, n, block_k, mp, pad_x, interpret, fold=fold_x and not adjacent)
+    stages = stages or default_stages(block_k, mp)
     split = split or default_split(k, n, block_k)
     out = _kernel_call(x_p, (w_t,), k=k, n=n, mp=mp, block_k=block_k, split=split, stages=stages, w12=False,
                        fmt={}, interpret=interpret, a_operand=a_operand, fold_x=fold_x, adjacent=adjacent,

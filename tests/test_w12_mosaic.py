@@ -767,7 +767,8 @@ def test_ptx_patch_replaces_exactly_the_listed_element():
 
 
 def test_step_defaults_follow_the_shape_and_the_packing():
-    """The LM head's shape packs for 128-row steps over 2 stages, the layer shapes for 64 over 3; a packed
+    """The LM head's shape packs for 128-row steps over 2 stages, the layer shapes for 64 over 3 (at up to
+    16 rows); a packed
     W12NK runs at the step it was packed for without being told, and its default twin pairs with it."""
     assert mk.default_block_k(4096, 151936) == 128 and mk.default_stages(128) == 2
     assert mk.default_block_k(4096, 12288) == 64 and mk.default_stages(64) == 3
@@ -862,11 +863,13 @@ def test_raw_partials_summed_before_the_transpose_keep_the_bits():
     assert_same_bits(mk.sum_rows(twin_raw, m), mk.sum_rows(raw, m))
 
 
-def test_mma_order_default_follows_the_rows():
-    """Packed in mma order for up to 16 rows per call at every shape, and at the LM head for any; the
-    override (benchmarks) wins."""
+def test_mma_order_default_and_stages_follow_the_rows():
+    """Packed in mma order at every shape and row count (measured with 2 stages from 32 rows: the default
+    stages follow x's padded rows, for W12 and the twin alike); the override (benchmarks) wins."""
     assert mk.default_mma(4096, 12288, 1) and mk.default_mma(4096, 12288, 16)
-    assert not mk.default_mma(4096, 12288, 64) and mk.default_mma(4096, 151936, 64)
+    assert mk.default_mma(4096, 12288, 64) and mk.default_mma(4096, 151936, 64)
+    assert [mk.default_stages(64, mp) for mp in (16, 32, 64)] == [3, 2, 2]
+    assert [mk.default_stages(128, mp) for mp in (16, 32, 64)] == [2, 2, 2]
     enc = w12.encode((0.02 * np.random.default_rng(0).standard_normal((256, 128))).astype(jnp.bfloat16))
     assert mk.to_nk(enc).mma_order and not mk.to_nk(enc, mma=False).mma_order
     assert not mk.to_nk(enc, pack=False, mma=True).mma_order  # only packed planes take the order
