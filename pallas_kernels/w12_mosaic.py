@@ -31,12 +31,13 @@ Design choices (the measurements behind each: docs/notes_w12.md):
   or, with `sum_splits_in_kernel`, added by the kernel itself in the same order: the last split's program
   waits on its column block's semaphore (a global one, `pl.get_global`) for the others' partials. Exact on
   the H200 but slower in AR decode, so runs leave it off (`SUM_SPLITS_IN_KERNEL`).
-- `tiled` planes (each step's tile contiguous, `to_nk(tiled=True)`; the twin's `tile_twin`) and
-  `early_base` (the bases' copy issued alongside the pipeline): exact, 1-3% off the kernel, slower in AR
-  decode: off in runs (`TILED`, `EARLY_BASE`).
+- `tiled` planes (each step's tile contiguous, `to_nk(tiled=True)`; the twin's `tile_twin`) copied
+  `plain_planes` (one unswizzled 12 KB box per step, plain loads): exact, 3-8% off the kernel at the big
+  layer shapes and 2.4% off AR decode: on in runs (`TILED`, `PLAIN_PLANES`). `early_base` (the bases'
+  copy issued alongside the pipeline) made AR slower: off (`EARLY_BASE`).
 - The step follows the shape and the rows per call (`default_block_k`): 128 half-rows over 2 stages at the
-  LM head for up to 16 rows, 64 over 3 elsewhere. Warp specialization (`warp_specialized`) is exact on
-  the GPU but not faster; not yet: M > 64.
+  LM head for up to 16 rows, 64 elsewhere, over 3 stages up to 16 rows and 2 from 32 (`default_stages`).
+  Warp specialization (`warp_specialized`) is exact on the GPU but not faster; not yet: M > 64.
 """
 
 from __future__ import annotations
@@ -138,9 +139,10 @@ SUM_SPLITS_IN_KERNEL = False
 # Whether runs (`w12.encode_params(kernel="mosaic")`) store packed planes tile by tile (`to_nk(tiled=)`),
 # each step's 12 KB tile one contiguous run of memory instead of 64 pieces of 192 bytes 6-18 KB apart, and
 # whether the W12 kernel copies its rows' bases alongside the pipeline (`early_base`) instead of before it.
-# Both exact on the H200 and 1-3% faster at the kernel level (the twin, tiled too, 5-6%), but AR decode was
-# slower with them: 5.05 against 4.75 ms per token (docs/performance.md, eighth pass). Off.
-TILED = False
+# Tiled planes copied plain (`PLAIN_PLANES`: one contiguous 12 KB copy per step) made AR decode 2.4% faster:
+# 4.59 against 4.71 ms per token in one session (docs/performance.md, ninth pass): on. Early bases, with
+# tiled swizzled planes, made AR slower (5.05 against 4.75 ms per token, eighth pass): off.
+TILED = True
 EARLY_BASE = False
 
 
@@ -152,9 +154,10 @@ WIDE_SWIZZLE = False
 
 
 # Whether runs copy the packed plane tiles plain (`plain_planes`: one box as stored, neither tiled nor
-# swizzled); with `TILED`, each step's tile is then one contiguous copy. At M = 1, plain tiled planes took
-# 5% off the kernel at K = 4096 and 8192 (docs/performance.md, ninth pass); AR is not yet timed: off.
-PLAIN_PLANES = False
+# swizzled; steps of 64 only, a box row holds <= 256 bytes); with `TILED`, each step's tile is then one
+# contiguous copy. Exact on the H200; plain tiled planes took 3-8% off the kernel at gate/up and down at
+# 1-64 rows (mg33, mg38) and made AR decode 2.4% faster (docs/performance.md, ninth pass): on.
+PLAIN_PLANES = True
 
 
 def run_block_k(k: int, n: int, rows: int = 1) -> int:

@@ -651,12 +651,13 @@ def test_storage_bytes_count_the_planes_however_packed():
 
 @pytest.mark.parametrize("plain", [False, True])
 def test_runs_with_tiled_planes_and_early_bases_pair_as_their_twin(monkeypatch, plain):
-    """With `w12_mosaic.TILED` and `EARLY_BASE` on, runs store the planes tile by tile and copy the bases
-    alongside the pipeline, and the twin reads its own tiles: the same bits as each other and as the
-    default; with `PLAIN_PLANES` too, the runs pass `plain_planes` (one unswizzled copy per step)."""
+    """With `w12_mosaic.TILED` (on by default) and `EARLY_BASE` on, runs store the planes tile by tile and
+    copy the bases alongside the pipeline, and the twin reads its own tiles: the same bits as each other and
+    as planes stored row by row; with `PLAIN_PLANES` (on by default), the runs pass `plain_planes`."""
     k, n = 512, 128
     w = jnp.asarray(adversarial_weights(k, n, seed=10, finite=True))
     x = jnp.asarray(np.random.default_rng(5).standard_normal((2, k)), jnp.bfloat16)
+    monkeypatch.setattr(mk, "TILED", False)  # planes row by row, as before tiled storage
     flat = w12.encode_params({"layers": ({"q": w},)}, kernel="mosaic", max_exception_rate=1.0)["layers"][0]["q"]
     default = w12.linear(x, flat, out_dtype=jnp.float32, interpret=True)
     monkeypatch.setattr(mk, "TILED", True)
