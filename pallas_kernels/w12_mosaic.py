@@ -32,8 +32,8 @@ Design choices (the measurements behind each: docs/notes_w12.md):
   waits on its column block's semaphore (a global one, `pl.get_global`) for the others' partials. Exact on
   the H200 but slower in AR decode, so runs leave it off (`SUM_SPLITS_IN_KERNEL`).
 - `tiled` planes (each step's tile contiguous, `to_nk(tiled=True)`; the twin's `tile_twin`) copied
-  `plain_planes` (one unswizzled 12 KB box per step, plain loads): exact, 3-8% off the kernel at the big
-  layer shapes and 2.4% off AR decode: on in runs (`TILED`, `PLAIN_PLANES`). `early_base` (the bases'
+  `plain_planes` (one unswizzled 12 KB box per step, plain loads): exact, 4-6% off the kernel at the big
+  layer shapes at up to 16 rows and 2.4% off AR decode: on in runs (`TILED`, `PLAIN_PLANES`). `early_base` (the bases'
   copy issued alongside the pipeline) made AR slower: off (`EARLY_BASE`).
 - The step follows the shape and the rows per call (`default_block_k`): 128 half-rows over 2 stages at the
   LM head for up to 16 rows, 64 elsewhere, over 3 stages up to 16 rows and 2 from 32 (`default_stages`).
@@ -78,7 +78,7 @@ def default_block_k(k: int, n: int, rows: int = 1) -> int:
 def default_stages(block_k: int, mp: int = 16) -> int:
     """Pipeline depth for a step size and x's padded rows: 2 for steps of 128 (two 32 KB steps in flight
     per program) and for 32 or 64 rows (x's tile is then 8-16 KB a step; fewer stages leave room for more
-    programs per SM: 4-8% faster for W12 and 1-5% for the twin at 64 rows on the H200, mg36-mg37 in
+    programs per SM: 5-10% faster for W12 and 2-4% for the twin at 64 rows on the H200, mg36-mg37 in
     docs/performance.md), else 3."""
     return 2 if block_k >= 128 or mp >= 32 else 3
 
@@ -155,8 +155,9 @@ WIDE_SWIZZLE = False
 
 # Whether runs copy the packed plane tiles plain (`plain_planes`: one box as stored, neither tiled nor
 # swizzled; steps of 64 only, a box row holds <= 256 bytes); with `TILED`, each step's tile is then one
-# contiguous copy. Exact on the H200; plain tiled planes took 3-8% off the kernel at gate/up and down at
-# 1-64 rows (mg33, mg38) and made AR decode 2.4% faster (docs/performance.md, ninth pass): on.
+# contiguous copy. Exact on the H200; plain tiled planes took 4-6% off the kernel at gate/up and down at
+# 1-16 rows (mg33, mg38; level to 6% at 32-64) and made AR decode 2.4% faster (docs/performance.md,
+# ninth pass): on.
 PLAIN_PLANES = True
 
 
@@ -1001,7 +1002,8 @@ def w12_mosaic_partials(x: jax.Array, w: W12NK, block_k: int | None = None, spli
     sub-step decodes its 64 columns of them (PTX: only that part's registers). Exact in the interpreter;
     not yet run on the GPU.
     plain_planes: the packed plane tiles are copied as stored, without the tiling and swizzle, and loaded
-    by plain loads (bank conflicts allowed): to time copies free of the swizzle's box constraints.
+    by plain loads (bank conflicts allowed); with planes packed `tiled`, one contiguous copy per step
+    (the runs' choice, `PLAIN_PLANES`). Steps of 64 only (a TMA box row holds <= 256 bytes).
     raw: the kernel's own output, [split, N, Mp] (rows padded to Mp), untransposed: `sum_rows` adds the
     splits there and transposes only the sum (one small fusion instead of a transpose of every split).
     mp, pad_x: how x's rows are padded (`_prepare_x`).
