@@ -293,10 +293,7 @@ class _MosaicCases:
         give the twin's bits, planes stored row by row or tile by tile (the tiled twin), plain and mma order,
         Inf / NaN / subnormal exceptions in both K halves; with wide_swizzle or unpacked planes it is refused."""
         k, n = 512, 128
-        w = (0.02 * np.random.default_rng(14).standard_normal((k, n))).astype(jnp.bfloat16)
-        for r, c, v in ((70, 3, np.inf), (5, 64, np.nan), (256 + 100, 127, 1e30), (256 + 3, 9, -1e-30),
-                        (191, 0, -np.inf), (256 + 255, 66, 3e-39)):
-            w[r, c] = v
+        w = _special_exceptions(k, n, seed=14)
         enc = w12.encode(w)
         ip = self.interpret
         w_t = jnp.asarray(w).T
@@ -317,10 +314,7 @@ class _MosaicCases:
         read through the swizzle's view, give the tiled twin's bits: plain and mma order, Inf / NaN /
         subnormal exceptions in both K halves, 1-64 rows, 1 and 2 splits. Refused at steps of 128."""
         k, n = 512, 128
-        w = (0.02 * np.random.default_rng(15).standard_normal((k, n))).astype(jnp.bfloat16)
-        for r, c, v in ((70, 3, np.inf), (5, 64, np.nan), (256 + 100, 127, 1e30), (256 + 3, 9, -1e-30),
-                        (191, 0, -np.inf), (256 + 255, 66, 3e-39)):
-            w[r, c] = v
+        w = _special_exceptions(k, n, seed=15)
         enc = w12.encode(w)
         ip = self.interpret
         twin_w = mk.tile_twin(jnp.asarray(w).T, 64)
@@ -390,6 +384,15 @@ class _MosaicCases:
 @pytest.mark.skipif(not _interpreter_available(), reason="this jax has no Mosaic GPU interpreter")
 class TestMosaicInterpreter(_MosaicCases):
     interpret = True
+
+
+def _special_exceptions(k: int, n: int, seed: int) -> np.ndarray:
+    """N(0, 0.02) bf16 [K, N] with Inf, NaN, huge and subnormal exceptions in both K halves (K = 512)."""
+    w = (0.02 * np.random.default_rng(seed).standard_normal((k, n))).astype(jnp.bfloat16)
+    for r, c, v in ((70, 3, np.inf), (5, 64, np.nan), (256 + 100, 127, 1e30), (256 + 3, 9, -1e-30),
+                    (191, 0, -np.inf), (256 + 255, 66, 3e-39)):
+        w[r, c] = v
+    return w
 
 
 @pytest.mark.gpu
