@@ -149,7 +149,8 @@ EARLY_BASE = False
 # Whether runs pack every W12 matrix at steps of 128 half-rows, copied as 128-byte-swizzled tiles and decoded
 # in 64-column halves (`subtile`, `wide_swizzle`), with twins at block_k 64 and W12's split. With the planes
 # only copied, such steps ran 10% faster than the 64-byte ones at K = 8192 (docs/performance.md, eighth
-# pass); the full kernel is not yet timed: off.
+# pass); the full kernel, exact on the H200, was not faster (42.7 against 43.5 us at K = 8192, slower at
+# 4096: ninth pass): off.
 WIDE_SWIZZLE = False
 
 
@@ -1083,8 +1084,8 @@ def w12_mosaic_partials(x: jax.Array, w: W12NK, block_k: int | None = None, spli
     whole-step decode at every M measured (docs/performance.md), so off by default.
     wide_swizzle (with subtile): the step's plane tiles are copied with rows of block_k bytes and their
     swizzle (128 bytes at block_k 128, with which the copies alone ran 10% faster on the H200), and each
-    sub-step decodes its 64 columns of them (PTX: only that part's registers). Exact in the interpreter;
-    not yet run on the GPU.
+    sub-step decodes its 64 columns of them (PTX: only that part's registers). Exact on the H200 but not
+    faster (docs/performance.md, ninth pass).
     plain_planes: the packed plane tiles are copied as stored, without the tiling and swizzle, and loaded
     by plain loads (bank conflicts allowed); with planes packed `tiled`, one contiguous copy per step
     (the runs' choice, `PLAIN_PLANES`). Steps of 64 only (a TMA box row holds <= 256 bytes). Planes packed
