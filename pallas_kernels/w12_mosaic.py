@@ -283,7 +283,8 @@ def tile_rows(a: jax.Array, block_k: int, width: int) -> jax.Array:
 def _swizzle_perm(swizzle: int) -> np.ndarray:
     """The byte order of one [8, swizzle] tile in shared memory under the swizzle: physical byte p holds
     logical byte perm[p]. Each 16-byte chunk c of row r sits at chunk c ^ ((r * swizzle >> 7) % (swizzle // 16))
-    (the address bits above the 128-byte line select the XOR, as in TMA's swizzle modes)."""
+    (the address bits above the 128-byte line select the XOR, as in TMA's swizzle modes and in the offsets
+    Mosaic GPU's swizzled loads compute from a buffer's start)."""
     chunks = swizzle // 16
     r, c, b = np.meshgrid(np.arange(8), np.arange(chunks), np.arange(16), indexing="ij")
     phys = r * swizzle + (c ^ ((r * swizzle >> 7) % chunks)) * 16 + b
