@@ -179,9 +179,8 @@ def run_block_k(k: int, n: int, rows: int = 1) -> int:
 
 def run_w12_options(w: W12NK) -> dict:
     """The options runs pass to the W12 kernel for a matrix packed by `to_nk` (besides `run_options`)."""
-    wide = WIDE_SWIZZLE and w.slot_k == 128 and w.packed.shape[0] > 1
-    plain = (PLAIN_PLANES and not wide and not w.swizzled and w.packed.shape[0] > 1
-             and w.slot_k == 64)  # packed, one box per step
+    wide = WIDE_SWIZZLE and w.slot_k == 128 and w.has_packed_planes
+    plain = PLAIN_PLANES and not wide and not w.swizzled and w.has_packed_planes and w.slot_k == 64  # one box
     return dict(early_base=EARLY_BASE, subtile=wide, wide_swizzle=wide, plain_planes=plain)
 
 

@@ -131,6 +131,12 @@ class W12NK(_EncodedMatrix):
     # (`w12_mosaic.swizzle_tiles`), copied as they are and read through the swizzle's view
     swizzled: bool = False
 
+    @property
+    def has_packed_planes(self) -> bool:
+        """Whether the planes are packed (row by row or tile by tile); else `packed` is a 1-row placeholder
+        and the separate `sm_t` / `nib_t` hold them."""
+        return self.packed.shape[0] > 1
+
 
 jax.tree_util.register_dataclass(W12NK, data_fields=["sm_t", "nib_t", "base7", "exc_ptr", "exc_row", "exc_col",
                                                      "exc_val", "slots", "packed"],
@@ -334,8 +340,7 @@ def storage_bytes(w: W12 | W12NK) -> dict[str, int]:
     what its kernel reads: the packed (or separate) planes, base << 7 as int32, and the slot table, or
     the CSR lists when there is none."""
     if isinstance(w, W12NK):
-        packed = w.packed.shape[0] > 1  # packed row by row [N, 3K/2] or tile by tile; else a 1-row placeholder
-        planes = _nbytes(w.packed) if packed else _nbytes(w.sm_t) + _nbytes(w.nib_t)
+        planes = _nbytes(w.packed) if w.has_packed_planes else _nbytes(w.sm_t) + _nbytes(w.nib_t)
         ptr = 0 if w.slot_k else _nbytes(w.exc_ptr)
         exc = _nbytes(w.slots) if w.slot_k else _nbytes(w.exc_row) + _nbytes(w.exc_col) + _nbytes(w.exc_val)
         base = _nbytes(w.base7)
