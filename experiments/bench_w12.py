@@ -179,7 +179,7 @@ def bench_shape(name, k, n, ms, args, interpret, copy_bw, record):
                 mma = bool(mg.get("mma", mk.default_mma(k, n))) and pack  # planes packed in the wgmma register order
                 adj = bool(mg.get("adjacent", False)) and pack  # adjacent row blocks per step (and in the twin)
                 tiled = bool(mg.get("tiled", False)) and pack  # each step's tile contiguous (and in the twin)
-                swz = bool(mg.get("swizzled", False)) and tiled  # tiles stored in the swizzled order
+                swz = bool(mg.get("swizzled", False)) and pack  # tiles stored in the swizzled order (tiled only)
                 if (bk, pack, mma, adj, tiled, swz) not in ws_nk:
                     ws_nk[bk, pack, mma, adj, tiled, swz] = [
                         mk.to_nk(e, block_k=bk, pack=pack, mma=mma, adjacent=adj, tiled=tiled, swizzled=swz)

@@ -353,6 +353,8 @@ def to_nk(w: W12, block_k: int | None = None, pack: bool = True, mma: bool | Non
     (`tile_rows`; only with packed planes), so that each step's copy reads one contiguous 12 KB run.
     `swizzled` (with `tiled`, steps of 64): each tile's bytes stored in the kernel's swizzled shared-memory
     order (`swizzle_tiles`), so a plain copy needs no TMA swizzle and the loads read through the swizzle."""
+    if swizzled and not tiled:
+        raise ValueError("swizzled tiles are tiled planes: to_nk(..., tiled=True, swizzled=True)")
     exc = exception_lists(w)
     k, n = w.shape
     block_k = block_k or default_block_k(k, n)

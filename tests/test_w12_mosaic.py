@@ -326,6 +326,8 @@ class _MosaicCases:
             assert_same_bits(mk.w12_mosaic_partials(x, nk, split=split, interpret=ip), twin)
         with pytest.raises(NotImplementedError, match="swizzled tiles take steps of 64"):
             mk.to_nk(enc, block_k=128, tiled=True, swizzled=True)
+        with pytest.raises(ValueError, match="tiled=True, swizzled=True"):
+            mk.to_nk(enc, block_k=64, swizzled=True)
         with pytest.raises(NotImplementedError, match="without plain_planes"):
             mk.w12_mosaic_partials(x, nk, plain_planes=True, interpret=ip)
 
