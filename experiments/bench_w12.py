@@ -314,7 +314,8 @@ def parse_edits(text: str) -> list:
         for item in group.split(","):
             key, value = item.split("=")
             if key in ("prefetch", "fold_x", "warp_specialized", "subtile", "mma", "adjacent", "pad_x",
-                       "sum_splits_in_kernel", "tiled", "early_base", "wide_swizzle", "plain_planes", "swizzled"):
+                       "sum_splits_in_kernel", "tiled", "early_base", "wide_swizzle", "plain_planes", "swizzled",
+                       "owner_branch"):
                 edit[key] = bool(int(value))
             elif key in ("exceptions", "diagnostic", "planes", "a_operand", "twin_a", "decode"):
                 edit[key] = value

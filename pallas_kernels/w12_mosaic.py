@@ -153,6 +153,11 @@ EARLY_BASE = False
 # 4096: ninth pass): off.
 WIDE_SWIZZLE = False
 
+# Whether runs patch exceptions only in the threads that hold the exception's row (`owner_branch`) or
+# compare every register with every exception in every thread. Exact by construction (the same selects),
+# timed on the H200 in the tenth pass (docs/performance.md).
+OWNER_BRANCH = True
+
 
 # Whether runs copy the packed plane tiles plain (`plain_planes`: one box as stored, neither tiled nor
 # swizzled; steps of 64 only, a box row holds <= 256 bytes); with `TILED`, each step's tile is then one
@@ -181,7 +186,8 @@ def run_w12_options(w: W12NK) -> dict:
     """The options runs pass to the W12 kernel for a matrix packed by `to_nk` (besides `run_options`)."""
     wide = WIDE_SWIZZLE and w.slot_k == 128 and w.has_packed_planes
     plain = PLAIN_PLANES and not wide and not w.swizzled and w.has_packed_planes and w.slot_k == 64  # one box
-    return dict(early_base=EARLY_BASE, subtile=wide, wide_swizzle=wide, plain_planes=plain)
+    return dict(early_base=EARLY_BASE, subtile=wide, wide_swizzle=wide, plain_planes=plain,
+                owner_branch=OWNER_BRANCH)
 
 
 def run_twin_steps(k: int, n: int, rows: int = 1) -> dict:
@@ -486,8 +492,16 @@ mov.b32 $1, $3;
 }"""
 
 
+def _if_else(scf, cond, result_types):
+    """An `scf.if` with an else block: its keyword is `has_else` in jaxlib 0.10's MLIR bindings and
+    `hasElse` in upstream MLIR's."""
+    import inspect
+    kw = "has_else" if "has_else" in inspect.signature(scf.IfOp.__init__).parameters else "hasElse"
+    return scf.IfOp(cond, result_types, **{kw: True})
+
+
 def _ptx_decode(dec_layout, shape, use_slots: bool, col_offset: int = 0, mma: bool = False,
-                part: int | None = None):
+                part: int | None = None, owner_branch: bool = True):
     """The decode of `decode="ptx"`: one `plgpu.inline_mgpu` function that works on the registers
     themselves. The plane tiles arrive in the upcast layout, four consecutive K elements of one W^T row
     per 32-bit register, and each register is decoded by a few PTX instructions on packed pairs:
@@ -506,6 +520,9 @@ def _ptx_decode(dec_layout, shape, use_slots: bool, col_offset: int = 0, mma: bo
     Exceptions (slot table): each listed entry is compared with each register's position (row << 8 |
     first column, with the half bit), and the register holding it takes the value with two predicated
     bit-selects: about 3 instructions per register per exception, against 4 per element before.
+    `owner_branch`: only the threads that hold the entry's row (a 64-bit mask of their rows, built once)
+    take that branch, so the other warps of the warpgroup pay a few instructions per exception instead of
+    the compares over all their registers.
 
     `mma` (planes packed in `mma_order`): a register's 4 loaded columns are the true columns
     2 (lane%4) + {0, 1} and 8 + 2 (lane%4) + {0, 1} of its 16, so its two decoded words are two registers
@@ -516,7 +533,7 @@ def _ptx_decode(dec_layout, shape, use_slots: bool, col_offset: int = 0, mma: bo
     of their columns [part * shape[1], (part + 1) * shape[1]) are decoded (the others are never touched, so
     their loads are dead code); `col_offset` is then that part's first column in the step's table row."""
     from jax._src.lib.mlir import ir
-    from jax._src.lib.mlir.dialects import arith, llvm, memref
+    from jax._src.lib.mlir.dialects import arith, llvm, memref, scf
     from jax.experimental.mosaic import gpu as mgpu
     from jax.experimental.mosaic.gpu import utils as mgpu_utils
 
@@ -563,21 +580,21 @@ def _ptx_decode(dec_layout, shape, use_slots: bool, col_offset: int = 0, mma: bo
                                  word(base7.registers[idx])], _DECODE4_PTX))
         if use_slots:
             (slot_ref,) = slot
+            i64 = ir.IntegerType.get_signless(64)
             keys = []  # per register: row << 8 | first column (the half bit is added for the upper tile)
+            rows = mgpu_utils.c(0, i64)  # bit r set for each tile row r this thread holds
             for rc in s_lo.layout.thread_idxs(s_lo.shape):
                 r, c = (arith.index_cast(i32, v) for v in rc)
                 c = arith.addi(c, mgpu_utils.c(col_offset, i32))  # the tile's first column in the table row
                 keys.append(arith.ori(arith.shli(r, mgpu_utils.c(8, i32)), c))
+                rows = arith.ori(rows, arith.shli(mgpu_utils.c(1, i64), arith.extui(i64, r)))
             hi_bit = mgpu_utils.c(0x8000, i32)
             keys_hi = [arith.ori(k, hi_bit) for k in keys]
             zero = arith.constant(index, 0)
             count = memref.load(slot_ref, [zero, zero])
             flat = [w for ws in words for w in ws]
 
-            @mgpu_utils.fori(count, flat)
-            def patched(e, flat):
-                e1 = arith.addi(arith.index_cast(index, e), arith.constant(index, 1))
-                entry = memref.load(slot_ref, [zero, e1])
+            def compare_all(entry, flat):  # every register against the entry; the match takes its value
                 keyq, vv, m0, m1 = asm(4, [entry], _EXCEPTION_PTX)
                 out = []
                 for q in range(len(words)):
@@ -585,6 +602,24 @@ def _ptx_decode(dec_layout, shape, use_slots: bool, col_offset: int = 0, mma: bo
                         w0, w1 = flat[4 * q + 2 * h], flat[4 * q + 2 * h + 1]
                         out += asm(2, [w0, w1, keyq, key, vv, m0, m1], _PATCH_PTX)
                 return out  # per register: lo0, lo1, hi0, hi1, as `flat`
+
+            @mgpu_utils.fori(count, flat)
+            def patched(e, flat):
+                e1 = arith.addi(arith.index_cast(index, e), arith.constant(index, 1))
+                entry = memref.load(slot_ref, [zero, e1])
+                if not owner_branch:
+                    return compare_all(entry, flat)
+                # only the threads that hold the entry's row compare (4 lanes of one warp): the others
+                # skip the per-register work, so an exception costs the warpgroup a few instructions
+                n_local = arith.andi(arith.shrui(entry, mgpu_utils.c(8, i32)), mgpu_utils.c(BN - 1, i32))
+                held = arith.andi(arith.shrui(rows, arith.extui(i64, n_local)), mgpu_utils.c(1, i64))
+                branch = _if_else(scf, arith.cmpi(arith.CmpIPredicate.ne, held, mgpu_utils.c(0, i64)),
+                                  [w.type for w in flat])
+                with ir.InsertionPoint(branch.then_block):
+                    scf.yield_(compare_all(entry, flat))
+                with ir.InsertionPoint(branch.else_block):
+                    scf.yield_(list(flat))
+                return list(branch.results)
 
             flat = list(patched.results)
             words = [flat[4 * q:4 * q + 4] for q in range(len(words))]
@@ -627,7 +662,7 @@ def _kernel_call(x, operands, *, k: int, n: int, mp: int, block_k: int, split: i
                  warp_specialized: bool = False, subtile: bool = False, mma: bool = False,
                  adjacent: bool = False, sum_splits_in_kernel: bool = False, tiled: bool = False,
                  early_base: bool = False, wide_swizzle: bool = False, plain_planes: bool = False,
-                 swizzled: bool = False):
+                 swizzled: bool = False, owner_branch: bool = True):
     ws = warp_specialized
     # sum_splits_in_kernel: programs of splits 0 .. S-2 store their partials to a workspace and signal their
     # column block's semaphore; the split S-1 program waits for them, adds the partials in index order with
@@ -711,7 +746,7 @@ def _kernel_call(x, operands, *, k: int, n: int, mp: int, block_k: int, split: i
     if decode != "jnp" and ptx_able and w12 and not interpret:
         ptx_slots = use_slots and not diagnostic
         ptx_decode = [_ptx_decode(dec_layout, (BN, mma_k), ptx_slots, u * mma_k, mma,  # one per sub-step
-                                  part=u if wide_swizzle else None)
+                                  part=u if wide_swizzle else None, owner_branch=owner_branch)
                       for u in range(block_k // mma_k)]
     if wide_swizzle and not interpret and ptx_decode is None and diagnostic != "copies_only":
         raise NotImplementedError("wide_swizzle takes the PTX decode when compiled (decode='auto' or 'ptx')")
@@ -1055,7 +1090,7 @@ def _prepare_x(x: jax.Array, k: int, n: int, block_k: int, mp: int | None = None
 @functools.partial(jax.jit, static_argnames=("block_k", "split", "stages", "interpret", "exceptions", "diagnostic",
                                              "planes", "a_operand", "decode", "fold_x", "warp_specialized",
                                              "subtile", "raw", "mp", "pad_x", "sum_splits_in_kernel",
-                                             "early_base", "wide_swizzle", "plain_planes"))
+                                             "early_base", "wide_swizzle", "plain_planes", "owner_branch"))
 def w12_mosaic_partials(x: jax.Array, w: W12NK, block_k: int | None = None, split: int | None = None,
                         stages: int | None = None,
                         interpret: bool = False, exceptions: str = "auto", diagnostic: str = "",
@@ -1063,7 +1098,8 @@ def w12_mosaic_partials(x: jax.Array, w: W12NK, block_k: int | None = None, spli
                         fold_x: bool = True, warp_specialized: bool = False, subtile: bool = False,
                         raw: bool = False, mp: int | None = None, pad_x: bool = True,
                         sum_splits_in_kernel: bool = False, early_base: bool = False,
-                        wide_swizzle: bool = False, plain_planes: bool = False) -> jax.Array:
+                        wide_swizzle: bool = False, plain_planes: bool = False,
+                        owner_branch: bool = True) -> jax.Array:
     """x [M, K] bf16 (M <= 64), W12NK [K, N] -> partial products [split, M, N] float32.
 
     block_k: the step `to_nk` packed the planes for (`w.slot_k`) by default; stages: `default_stages`.
@@ -1080,6 +1116,8 @@ def w12_mosaic_partials(x: jax.Array, w: W12NK, block_k: int | None = None, spli
     diagnostic (timing only, inexact with exceptions): "no_patch" skips the patches, "load_only" also
     replaces the decode by one XOR per weight, "copies_only" streams the planes but never loads them
     (the A tile is a constant): the cost of the copies alone.
+    owner_branch (default; PTX decode with the slot table): an exception's compares run only in the threads
+    that hold its row (`_ptx_decode`); off, every thread compares every register with every exception.
     subtile: a step of block_k > 64 half-rows is copied whole but decoded and multiplied as 64-row
     sub-steps (half the live registers at 128); its products are then those of the twin at block_k 64 with
     the same split (`default_split(k, n, block_k)`), bit for bit. Exact on the H200 but slower than the
@@ -1135,7 +1173,7 @@ def w12_mosaic_partials(x: jax.Array, w: W12NK, block_k: int | None = None, spli
                        warp_specialized=warp_specialized, subtile=subtile, mma=w.mma_order and planes == "packed",
                        adjacent=w.adjacent, sum_splits_in_kernel=sum_splits_in_kernel,
                        tiled=w.tiled and planes == "packed", early_base=early_base, wide_swizzle=wide_swizzle,
-                       plain_planes=plain_planes, swizzled=swizzled)
+                       plain_planes=plain_planes, swizzled=swizzled, owner_branch=owner_branch)
     return out if raw else jnp.swapaxes(out, 1, 2)[:, :m]
 
 

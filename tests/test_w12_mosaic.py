@@ -233,6 +233,24 @@ class _MosaicCases:
                 assert_same_bits(got, twin)
                 np.testing.assert_array_equal(np.asarray(got[0])[normal], want[normal])  # -0.0 == 0.0
 
+    def test_owner_branch_either_way_equals_the_twin(self):
+        """The PTX patches with and without the owner branch (`owner_branch`: only the threads holding an
+        exception's row compare it) give the twin's bits, with 2% exceptions (many per step) in plain and
+        mma order. GPU only: the interpreter runs no PTX."""
+        if self.interpret:
+            pytest.skip("the owner branch is in the PTX decode: compiled only")
+        k, n = 512, 256
+        w = adversarial_weights(k, n, seed=7, finite=False)
+        enc = jax.device_put(w12.encode(w))
+        x = jnp.asarray(np.random.default_rng(3).standard_normal((16, k)), jnp.bfloat16)
+        twin = mk.bf16_mosaic_partials(x, jnp.asarray(w).T, split=2)
+        for mma in (False, True):
+            nk = mk.to_nk(enc, mma=mma)
+            assert int(np.asarray(nk.slots)[:, 0].max()) > 1  # steps with several exceptions
+            for owner in (True, False):
+                got = mk.w12_mosaic_partials(x, nk, split=2, decode="ptx", owner_branch=owner)
+                assert_same_bits(got, twin)
+
     def test_no_exceptions(self):
         w = np.full((128, 64), 0.5, jnp.bfloat16)
         enc = w12.encode(w)
