@@ -324,8 +324,6 @@ MOSAIC_SWITCHES = (
     ("--w12-wide-swizzle", "WIDE_SWIZZLE",
      "pack steps of 128 copied as 128-byte-swizzled tiles and decoded in 64-column halves, or the default steps"),
     ("--w12-plain-planes", "PLAIN_PLANES", "copy the packed plane tiles as stored (no tiling or swizzle) or swizzled"),
-    ("--w12-swizzled-tiles", "SWIZZLED_TILES",
-     "store tiled steps in the swizzled shared-memory order (copied plain, loaded swizzled) or as they are"),
 )
 
 
