@@ -326,8 +326,6 @@ MOSAIC_SWITCHES = (
     ("--w12-plain-planes", "PLAIN_PLANES", "copy the packed plane tiles as stored (no tiling or swizzle) or swizzled"),
     ("--w12-owner-branch", "OWNER_BRANCH",
      "patch exceptions only in the threads that hold their row, or compare them in every thread"),
-    ("--w12-swizzled-tiles", "SWIZZLED_TILES",
-     "store tiled steps in the swizzled shared-memory order (copied plain, loaded swizzled) or as they are"),
 )
 
 

@@ -166,11 +166,6 @@ OWNER_BRANCH = True
 # ninth pass): on.
 PLAIN_PLANES = True
 
-# Whether runs store each tiled step's bytes in the swizzled shared-memory order (`to_nk(swizzled=True)`,
-# `swizzle_tiles`), copy them plain and load them through the swizzle's view: plain tiled copies without
-# the plain loads' bank conflicts. Exact in the interpreter and lowers for CUDA; not yet run on a GPU: off.
-SWIZZLED_TILES = False
-
 
 def run_block_k(k: int, n: int, rows: int = 1) -> int:
     """The step runs pack a [K, N] weight for: 128 with `WIDE_SWIZZLE` where the shape takes it, else
@@ -185,7 +180,7 @@ def run_block_k(k: int, n: int, rows: int = 1) -> int:
 def run_w12_options(w: W12NK) -> dict:
     """The options runs pass to the W12 kernel for a matrix packed by `to_nk` (besides `run_options`)."""
     wide = WIDE_SWIZZLE and w.slot_k == 128 and w.has_packed_planes
-    plain = PLAIN_PLANES and not wide and not w.swizzled and w.has_packed_planes and w.slot_k == 64  # one box
+    plain = PLAIN_PLANES and not wide and w.has_packed_planes and w.slot_k == 64  # packed, one box per step
     return dict(early_base=EARLY_BASE, subtile=wide, wide_swizzle=wide, plain_planes=plain,
                 owner_branch=OWNER_BRANCH)
 
@@ -285,51 +280,6 @@ def tile_rows(a: jax.Array, block_k: int, width: int) -> jax.Array:
     return a.reshape(n // BN, BN, steps, width).transpose(0, 2, 1, 3).reshape(n * steps, width)
 
 
-def _swizzle_perm(swizzle: int) -> np.ndarray:
-    """The byte order of one [8, swizzle] tile in shared memory under the swizzle: physical byte p holds
-    logical byte perm[p]. Each 16-byte chunk c of row r sits at chunk c ^ ((r * swizzle >> 7) % (swizzle // 16))
-    (the address bits above the 128-byte line select the XOR, as in TMA's swizzle modes and in the offsets
-    Mosaic GPU's swizzled loads compute from a buffer's start)."""
-    chunks = swizzle // 16
-    r, c, b = np.meshgrid(np.arange(8), np.arange(chunks), np.arange(16), indexing="ij")
-    phys = r * swizzle + (c ^ ((r * swizzle >> 7) % chunks)) * 16 + b
-    perm = np.empty(8 * swizzle, np.int64)
-    perm[phys.ravel()] = (r * swizzle + c * 16 + b).ravel()
-    return perm
-
-
-PLANE_SWIZZLE = 64  # bytes: the swizzle of a step's plane tiles at steps of 64 (int8 rows of 64 bytes)
-
-
-def swizzle_tiles(tiled: jax.Array, width: int = PLANE_SWIZZLE) -> jax.Array:
-    """Tiled packed planes [T * 64, C] (`tile_rows`) -> the same shape, each [64, C] tile's bytes in the
-    order of shared-memory tiles of [8, width] bytes (row tiles outer, column tiles inner) with the
-    `width`-byte swizzle, so that a plain copy of a step lands in shared memory as the swizzled, tiled
-    buffer the kernel's loads expect (`swizzled` planes; `unswizzle_tiles` inverts it)."""
-    rows, cols = tiled.shape
-    if rows % BN or cols % width:
-        raise ValueError(f"swizzle_tiles takes [T * {BN}, C] with C % {width} == 0, got {tiled.shape}")
-    t = tiled.reshape(rows // BN, BN // 8, 8, cols // width, width).transpose(0, 1, 3, 2, 4)
-    t = t.reshape(rows // BN, BN // 8, cols // width, 8 * width)[..., _swizzle_perm(width)]
-    return t.reshape(rows, cols)
-
-
-def unswizzle_tiles(tiles: jax.Array, width: int = PLANE_SWIZZLE) -> jax.Array:
-    """The inverse of `swizzle_tiles` over any number of leading [64, C] tiles: [..., 64, C] stored
-    swizzled -> the logical [..., 64, C] tiles."""
-    *lead, rows, cols = tiles.shape
-    chunks = width // 16
-    t = tiles.reshape(*lead, rows // 8, cols // width, 8, chunks, 16)
-    # static slices only (no index constants, so it also runs inside an interpreted kernel): logical chunk
-    # c of row r is stored at chunk c ^ x(r)
-    out = []
-    for r in range(8):
-        x = (r * width >> 7) % chunks
-        out.append(jnp.concatenate([t[..., r:r + 1, c ^ x:(c ^ x) + 1, :] for c in range(chunks)], axis=-2))
-    t = jnp.concatenate(out, axis=-3).reshape(*lead, rows // 8, cols // width, 8, width)
-    return jnp.swapaxes(t, -3, -2).reshape(*lead, rows, cols)
-
-
 def tile_twin(w_t: jax.Array, block_k: int | None = None, adjacent: bool = False) -> jax.Array:
     """The twin's bf16 W^T [N, K] stored tile by tile (`bf16_mosaic_partials(tiled=True)`): per step, the
     lower and upper tiles side by side ([64, 2 block_k], as W12's packed planes pair them), each step's tile
@@ -346,7 +296,7 @@ def tile_twin(w_t: jax.Array, block_k: int | None = None, adjacent: bool = False
 
 
 def to_nk(w: W12, block_k: int | None = None, pack: bool = True, mma: bool | None = None,
-          adjacent: bool = False, tiled: bool = False, swizzled: bool = False) -> W12NK:
+          adjacent: bool = False, tiled: bool = False) -> W12NK:
     """Transpose the planes once (offline, like encoding) and tabulate the exceptions per kernel step of
     `block_k` rows (`exception_slots`); the CSR lists are kept for matrices whose steps overflow a slot row.
     `block_k` defaults to `default_block_k(K, N)`. `pack` (default) stores the planes step by step for
@@ -356,11 +306,7 @@ def to_nk(w: W12, block_k: int | None = None, pack: bool = True, mma: bool | Non
     `mma_order` (only with packed planes; the slot table then lists stored columns). `adjacent`: packed
     steps pair adjacent row blocks (`pack_planes`; only with packed planes), so x is not reordered per call;
     its twin is `bf16_mosaic_partials(..., adjacent=True)`. `tiled`: packed planes stored tile by tile
-    (`tile_rows`; only with packed planes), so that each step's copy reads one contiguous 12 KB run.
-    `swizzled` (with `tiled`, steps of 64): each tile's bytes stored in the kernel's swizzled shared-memory
-    order (`swizzle_tiles`), so a plain copy needs no TMA swizzle and the loads read through the swizzle."""
-    if swizzled and not tiled:
-        raise ValueError("swizzled tiles are tiled planes: to_nk(..., tiled=True, swizzled=True)")
+    (`tile_rows`; only with packed planes), so that each step's copy reads one contiguous 12 KB run."""
     exc = exception_lists(w)
     k, n = w.shape
     block_k = block_k or default_block_k(k, n)
@@ -379,10 +325,6 @@ def to_nk(w: W12, block_k: int | None = None, pack: bool = True, mma: bool | Non
         packed_planes = pack_planes(sm_t, nib_t, block_k, mma=mma, adjacent=adjacent)
         if tiled:
             packed_planes = tile_rows(packed_planes, block_k, 3 * block_k)
-        if tiled and swizzled:
-            if block_k != PLANE_SWIZZLE:
-                raise NotImplementedError(f"swizzled tiles take steps of {PLANE_SWIZZLE}, got {block_k}")
-            packed_planes = swizzle_tiles(packed_planes)
         sm_t, nib_t = jnp.zeros((1, 2 * SWIZZLE_BF16), jnp.int8), jnp.zeros((1, SWIZZLE_BF16), jnp.uint8)
     else:
         packed_planes = jnp.zeros((1, 3 * SWIZZLE_BF16), jnp.int8)
@@ -392,14 +334,7 @@ def to_nk(w: W12, block_k: int | None = None, pack: bool = True, mma: bool | Non
                  slots=jnp.zeros((1, SLOT_ALIGN), jnp.int32) if slots is None else jnp.asarray(slots),
                  shape=w.shape, group_n=w.group_n, group_k=w.group_k, n_groups_k=w.n_groups_k,
                  slot_k=0 if slots is None else block_k, mma_order=bool(mma), adjacent=bool(adjacent),
-                 tiled=bool(packed and tiled), swizzled=bool(packed and tiled and swizzled))
-
-
-class _Loaded:
-    """A plane tile's values the interpreter already holds (swizzled planes, unswizzled by jnp)."""
-
-    def __init__(self, value):
-        self.value = value
+                 tiled=bool(packed and tiled))
 
 
 def _transforms(bits: int, swizzle: int):
@@ -662,7 +597,7 @@ def _kernel_call(x, operands, *, k: int, n: int, mp: int, block_k: int, split: i
                  warp_specialized: bool = False, subtile: bool = False, mma: bool = False,
                  adjacent: bool = False, sum_splits_in_kernel: bool = False, tiled: bool = False,
                  early_base: bool = False, wide_swizzle: bool = False, plain_planes: bool = False,
-                 swizzled: bool = False, owner_branch: bool = True):
+                 owner_branch: bool = True):
     ws = warp_specialized
     # sum_splits_in_kernel: programs of splits 0 .. S-2 store their partials to a workspace and signal their
     # column block's semaphore; the split S-1 program waits for them, adds the partials in index order with
@@ -714,19 +649,10 @@ def _kernel_call(x, operands, *, k: int, n: int, mp: int, block_k: int, split: i
     if plain_planes and (planes != "packed" or wide_swizzle or 3 * block_k > 256):
         raise NotImplementedError("plain_planes takes packed planes of steps up to 85 half-rows (a TMA box row "
                                   "holds <= 256 bytes), without wide_swizzle")
-    # swizzled: tiled planes stored in the swizzled tiles' byte order (`swizzle_tiles`), streamed as
-    # [8, 3, 8, 64] blocks by a plain copy (no TMA swizzle) and read through the view of the swizzled,
-    # tiled buffer a transformed copy would have made (the loads as with swizzled copies).
-    if swizzled and (plain_planes or not tiled or planes != "packed" or block_k != PLANE_SWIZZLE or subtile
-                     or ws):
-        raise NotImplementedError(f"swizzled planes are tiled, packed at steps of {PLANE_SWIZZLE}, without "
-                                  "plain_planes, subtile or warp_specialized")
     plain = planes == "wgmma" or plain_planes
-    plane_tiles = () if plain or swizzled else _transforms(8, block_k if wide_swizzle else mma_k)
+    plane_tiles = () if plain else _transforms(8, block_k if wide_swizzle else mma_k)
 
     def tile(ref, layout):  # the interpreter has no layouts; compiled, they are explicit
-        if isinstance(ref, _Loaded):  # the interpreter's planes, unswizzled already
-            return ref.value
         return ref[...] if interpret else plgpu.load(ref, (), layout=layout, optimized=not plain)
 
     def iota(dim):
@@ -817,11 +743,7 @@ def _kernel_call(x, operands, *, k: int, n: int, mp: int, block_k: int, split: i
             if planes == "packed":  # one copy per step: [sm lower half | sm upper half | nibbles] per row
                 # tiled: tile (j, kb) is the planes' block row j * half_blocks + kb (`tile_rows`)
                 index = (lambda i: (j * half_blocks + first + i, 0)) if tiled else (lambda i: (j, first + i))
-                if swizzled:  # the tile's [8, 3, 8, 64] bytes as stored (`swizzle_tiles`)
-                    w_specs = [plgpu.BlockSpec((BN // 8, 3, 8, PLANE_SWIZZLE),
-                                               lambda i: (j * half_blocks + first + i, 0, 0, 0))]
-                else:
-                    w_specs = [plgpu.BlockSpec((cta, 3 * block_k), index, transforms=plane_tiles)]
+                w_specs = [plgpu.BlockSpec((cta, 3 * block_k), index, transforms=plane_tiles)]
                 w_gmem_refs = (sm_gmem,)
             else:
                 w_specs = [spec((BN, block_k), h, True, plane_tiles) for h in (0, 1, 0)]
@@ -843,14 +765,7 @@ def _kernel_call(x, operands, *, k: int, n: int, mp: int, block_k: int, split: i
             k0 = k0 + u * mma_k  # the sub-step's first half-row
             if planes == "packed":
                 pk = tiles[0].at[pl.ds(wg * BN, BN)] if ws else tiles[0]  # this consumer's rows
-                if swizzled and interpret:  # the stored bytes, unswizzled by jnp (the interpreter has no views)
-                    pk_all = unswizzle_tiles(pk[...].reshape(BN, 3 * block_k))
-                    s_lo, s_hi, nb = (_Loaded(pk_all[:, q * block_k:(q + 1) * block_k]) for q in range(3))
-                elif swizzled:  # the buffer viewed as the swizzled, tiled one: [64, 3 * 64] logical
-                    view = plgpu.transform_ref(pk, plgpu.SwizzleTransform(PLANE_SWIZZLE).undo(None))
-                    view = plgpu.transform_ref(view, plgpu.TilingTransform((8, PLANE_SWIZZLE)).undo(None))
-                    s_lo, s_hi, nb = (view.at[:, pl.ds(q * block_k, block_k)] for q in range(3))
-                elif wide_swizzle:  # whole tiles (a slice inside a swizzled row is refused); the sub-step's
+                if wide_swizzle:  # whole tiles (a slice inside a swizzled row is refused); the sub-step's
                     s_lo, s_hi, nb = (pk.at[:, pl.ds(q * block_k, block_k)] for q in range(3))  # columns below
                 else:
                     s_lo, s_hi, nb = (pk.at[:, pl.ds(q * block_k + u * mma_k, mma_k)] for q in range(3))
@@ -1128,9 +1043,7 @@ def w12_mosaic_partials(x: jax.Array, w: W12NK, block_k: int | None = None, spli
     faster (docs/performance.md, ninth pass).
     plain_planes: the packed plane tiles are copied as stored, without the tiling and swizzle, and loaded
     by plain loads (bank conflicts allowed); with planes packed `tiled`, one contiguous copy per step
-    (the runs' choice, `PLAIN_PLANES`). Steps of 64 only (a TMA box row holds <= 256 bytes). Planes packed
-    `swizzled` (`to_nk`) are copied plain too, as [8, 3, 8, 64] blocks, and loaded through the view of the
-    swizzled tiles (not with plain_planes; exact in the interpreter, not yet run on a GPU).
+    (the runs' choice, `PLAIN_PLANES`). Steps of 64 only (a TMA box row holds <= 256 bytes).
     raw: the kernel's own output, [split, N, Mp] (rows padded to Mp), untransposed: `sum_rows` adds the
     splits there and transposes only the sum (one small fusion instead of a transpose of every split).
     mp, pad_x: how x's rows are padded (`_prepare_x`).
@@ -1162,9 +1075,7 @@ def w12_mosaic_partials(x: jax.Array, w: W12NK, block_k: int | None = None, spli
         raise NotImplementedError(f"subtile takes packed planes, got planes={planes!r}")
     fmt = dict(group_n=w.group_n, group_k=w.group_k, n_groups_k=w.n_groups_k)
     use_slots = exceptions == "auto" and w.slot_k == block_k
-    swizzled = w.swizzled and planes == "packed"
-    packed = w.packed.reshape(-1, 3, 8, PLANE_SWIZZLE) if swizzled else w.packed  # [8, 3, 8, 64] per step
-    arrays = dict(planes=packed if planes == "packed" else w.sm_t, nib=w.nib_t, base7=w.base7, exc_ptr=w.exc_ptr,
+    arrays = dict(planes=w.packed if planes == "packed" else w.sm_t, nib=w.nib_t, base7=w.base7, exc_ptr=w.exc_ptr,
                   exc_row=w.exc_row, exc_col=w.exc_col, exc_val=w.exc_val, slots=w.slots)
     out = _kernel_call(x_p, tuple(arrays[q] for q in w12_operand_names(planes, use_slots)),
                        k=k, n=n, mp=mp, block_k=block_k, split=split, stages=stages, w12=True, fmt=fmt,
@@ -1173,7 +1084,7 @@ def w12_mosaic_partials(x: jax.Array, w: W12NK, block_k: int | None = None, spli
                        warp_specialized=warp_specialized, subtile=subtile, mma=w.mma_order and planes == "packed",
                        adjacent=w.adjacent, sum_splits_in_kernel=sum_splits_in_kernel,
                        tiled=w.tiled and planes == "packed", early_base=early_base, wide_swizzle=wide_swizzle,
-                       plain_planes=plain_planes, swizzled=swizzled, owner_branch=owner_branch)
+                       plain_planes=plain_planes, owner_branch=owner_branch)
     return out if raw else jnp.swapaxes(out, 1, 2)[:, :m]
 
 

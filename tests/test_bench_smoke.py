@@ -164,7 +164,7 @@ def test_bench_ar_qkv_barrier_keeps_the_tokens(bench_ar):
 
 def test_bench_ar_mosaic_x_flags(bench_ar, monkeypatch):
     """--w12-pad-x, --w12-mp, --w12-sum-in-kernel, --w12-tiled, --w12-early-base, --w12-wide-swizzle and
-    --w12-plain-planes and --w12-swizzled-tiles set
+    --w12-plain-planes set
     the Mosaic kernel's options for a run; bad values are refused."""
     from pallas_kernels import w12_mosaic
 
@@ -177,12 +177,11 @@ def test_bench_ar_mosaic_x_flags(bench_ar, monkeypatch):
     monkeypatch.setattr(w12_mosaic, "SUM_SPLITS_IN_KERNEL", False)
     with pytest.raises(SystemExit):
         bench_ar.parse_args(["--w12-sum-in-kernel", "on"])
-    for attr in ("TILED", "EARLY_BASE", "WIDE_SWIZZLE", "PLAIN_PLANES", "SWIZZLED_TILES"):
+    for attr in ("TILED", "EARLY_BASE", "WIDE_SWIZZLE", "PLAIN_PLANES"):
         monkeypatch.setattr(w12_mosaic, attr, False)
     args = bench_ar.parse_args(["--w12-kernel", "mosaic", "--w12-pad-x", "off", "--w12-mp", "64,8,16",
                                 "--w12-sum-in-kernel", "on", "--w12-tiled", "on", "--w12-early-base", "on",
-                                "--w12-wide-swizzle", "on", "--w12-plain-planes", "on",
-                                "--w12-swizzled-tiles", "on"])
+                                "--w12-wide-swizzle", "on", "--w12-plain-planes", "on"])
     assert w12_mosaic.PAD_X is False and w12_mosaic.MP_CHOICES == (8, 16, 64) and w12_mosaic.SUM_SPLITS_IN_KERNEL
     assert w12_mosaic.TILED and w12_mosaic.EARLY_BASE and w12_mosaic.WIDE_SWIZZLE and args.w12_wide_swizzle == "on"
-    assert w12_mosaic.PLAIN_PLANES and args.w12_plain_planes == "on" and w12_mosaic.SWIZZLED_TILES
+    assert w12_mosaic.PLAIN_PLANES and args.w12_plain_planes == "on"

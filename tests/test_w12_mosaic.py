@@ -327,28 +327,6 @@ class _MosaicCases:
         with pytest.raises(NotImplementedError, match="256 bytes"):  # 128-row steps: 384-byte box rows
             mk.w12_mosaic_partials(x, mk.to_nk(enc, block_k=128), plain_planes=True, interpret=ip)
 
-    def test_swizzled_tiles_bit_identical_to_bf16_twin(self):
-        """Tiled planes stored in the swizzled shared-memory order (`to_nk(swizzled=True)`), copied plain and
-        read through the swizzle's view, give the tiled twin's bits: plain and mma order, Inf / NaN /
-        subnormal exceptions in both K halves, 1-64 rows, 1 and 2 splits. Refused at steps of 128."""
-        k, n = 512, 128
-        w = _special_exceptions(k, n, seed=15)
-        enc = w12.encode(w)
-        ip = self.interpret
-        twin_w = mk.tile_twin(jnp.asarray(w).T, 64)
-        for m, split, mma in ((1, 1, True), (16, 2, True), (33, 2, False), (64, 1, True)):
-            nk = mk.to_nk(enc, block_k=64, mma=mma, tiled=True, swizzled=True)
-            assert nk.swizzled and nk.packed.shape == (n * (k // 2 // 64), 3 * 64)
-            x = jnp.asarray(np.random.default_rng(m).standard_normal((m, k)), jnp.bfloat16)
-            twin = mk.bf16_mosaic_partials(x, twin_w, block_k=64, split=split, tiled=True, interpret=ip)
-            assert_same_bits(mk.w12_mosaic_partials(x, nk, split=split, interpret=ip), twin)
-        with pytest.raises(NotImplementedError, match="swizzled tiles take steps of 64"):
-            mk.to_nk(enc, block_k=128, tiled=True, swizzled=True)
-        with pytest.raises(ValueError, match="tiled=True, swizzled=True"):
-            mk.to_nk(enc, block_k=64, swizzled=True)
-        with pytest.raises(NotImplementedError, match="without plain_planes"):
-            mk.w12_mosaic_partials(x, nk, plain_planes=True, interpret=ip)
-
     def test_mma_order_bit_identical_to_bf16_twin(self):
         """Planes packed in mma order (`to_nk(mma=True)`: the decode writes the wgmma registers directly)
         give the twin's bits: slot-table exceptions in both K halves and sub-steps, Inf / NaN, two splits,
@@ -499,14 +477,6 @@ def test_lowers_for_cuda(k, n):
                 for opts in (dict(decode="ptx"), dict(diagnostic="copies_only")):
                     fn = jax.jit(functools.partial(mk.w12_mosaic_partials, subtile=True, wide_swizzle=True, **opts))
                     assert "mosaic_gpu" in fn.trace(s((m, k), jnp.bfloat16), wide).lower(
-                        lowering_platforms=("cuda",)).as_text()
-        for m in (1, 16, 64):  # tiles stored in the swizzled order, copied plain, read through the swizzle's view
-            if slot_k:
-                snk = dataclasses.replace(nk, mma_order=True, tiled=True, swizzled=True,
-                                          packed=s((n * (k // 2 // 64), 3 * 64), jnp.int8))
-                for opts in (dict(decode="ptx"), dict(diagnostic="copies_only")):
-                    fn = jax.jit(functools.partial(mk.w12_mosaic_partials, **opts))
-                    assert "mosaic_gpu" in fn.trace(s((m, k), jnp.bfloat16), snk).lower(
                         lowering_platforms=("cuda",)).as_text()
         for m in (1, 16, 64):  # plane tiles copied plain (neither tiled nor swizzled), stored tile by tile or not
             if slot_k:
@@ -692,28 +662,6 @@ def test_runs_with_splits_summed_in_the_kernel_pair_as_their_twin(monkeypatch):
     assert_same_bits(got, summed_by_xla)
 
 
-def test_swizzle_tiles_follow_the_tma_swizzle_patterns():
-    """`_swizzle_perm` places 16-byte chunk c of row r of an [8, width] tile at chunk c ^ r for the
-    128-byte swizzle, c ^ (r // 2) % 4 for 64 bytes and c ^ (r // 4) % 2 for 32 (the XOR patterns of TMA's
-    swizzle modes, CUTLASS's Swizzle<3,4,3>, <2,4,3>, <1,4,3>); `swizzle_tiles` lays [64, C] tiles out as
-    [8 row tiles, C / width column tiles, 8, width] swizzled, and `unswizzle_tiles` inverts it."""
-    for width, xor in ((128, lambda r: r), (64, lambda r: (r // 2) % 4), (32, lambda r: (r // 4) % 2)):
-        perm = mk._swizzle_perm(width)
-        for r in range(8):
-            for c in range(width // 16):
-                phys = r * width + (c ^ xor(r)) * 16
-                assert list(perm[phys:phys + 16]) == list(range(r * width + c * 16, r * width + c * 16 + 16))
-    a = np.arange(2 * 64 * 192).reshape(128, 192) % 251
-    sw = np.asarray(mk.swizzle_tiles(jnp.asarray(a, jnp.int32)))
-    # tile 1, row tile 2 (rows 80-87), column tile 1 (bytes 64-127), row 5 of it: chunks XOR (5 // 2) % 4 = 2
-    flat = sw.reshape(2, 8, 3, 8, 64)[1, 2, 1].reshape(-1)
-    for c in range(4):
-        got = flat[5 * 64 + (c ^ 2) * 16: 5 * 64 + (c ^ 2) * 16 + 16]
-        np.testing.assert_array_equal(got, a[64 + 2 * 8 + 5, 64 + c * 16: 64 + c * 16 + 16])
-    back = mk.unswizzle_tiles(jnp.asarray(sw).reshape(2, 64, 192))
-    np.testing.assert_array_equal(np.asarray(back).reshape(a.shape), a)
-
-
 def test_storage_bytes_count_the_planes_however_packed():
     """`w12.storage_bytes` counts 12 bits of planes per weight for N-major planes packed row by row, tile by
     tile, or kept separate (the tiled planes were once counted as 0 bytes)."""
@@ -742,12 +690,6 @@ def test_runs_with_tiled_planes_and_early_bases_pair_as_their_twin(monkeypatch, 
     wq = w12.encode_params({"layers": ({"q": w},)}, kernel="mosaic", max_exception_rate=1.0)["layers"][0]["q"]
     assert wq.tiled and not flat.tiled
     assert mk.run_w12_options(wq)["plain_planes"] == plain
-    if plain:  # with SWIZZLED_TILES the tiles are stored swizzled and copied plain without `plain_planes`
-        monkeypatch.setattr(mk, "SWIZZLED_TILES", True)
-        ws_ = w12.encode_params({"layers": ({"q": w},)}, kernel="mosaic", max_exception_rate=1.0)["layers"][0]["q"]
-        assert ws_.swizzled and not mk.run_w12_options(ws_)["plain_planes"]
-        assert_same_bits(w12.linear(x, ws_, out_dtype=jnp.float32, interpret=True), default)
-        monkeypatch.setattr(mk, "SWIZZLED_TILES", False)
     got = w12.linear(x, wq, out_dtype=jnp.float32, interpret=True)
     twin = w12.linear(x, w, out_dtype=jnp.float32, interpret=True, dense_kernel=True, implementation="mosaic")
     assert_same_bits(got, twin)
