@@ -396,6 +396,14 @@ and.b32 t, e1, 0x00F000F0;
 mad.lo.u32 t, t, 8, b2;
 lop3.b32 $3, x, 0x807F807F, t, 0xEA;
 }"""
+# The diagnostic "ptx_load_only": the registers' loads kept, the decode replaced by one XOR per output
+# word (4 instructions per 8 weights instead of 19); wrong values, timing only.
+_LOAD_ONLY_PTX = """{
+xor.b32 $0, $4, $6;
+xor.b32 $1, $4, $7;
+xor.b32 $2, $5, $6;
+xor.b32 $3, $5, $7;
+}"""
 # One exception entry $4 (bits << 16 | half << 15 | n_local << 8 | k_local) -> $0 its position without the
 # two lane bits (compared with a register's key), $1 its bits in both halves, $2 / $3 the halfword mask
 # that selects its lane in a register's first / second word (zero in the other word).
@@ -436,7 +444,7 @@ def _if_else(scf, cond, result_types):
 
 
 def _ptx_decode(dec_layout, shape, use_slots: bool, col_offset: int = 0, mma: bool = False,
-                part: int | None = None, owner_branch: bool = True):
+                part: int | None = None, owner_branch: bool = True, arithmetic: bool = True):
     """The decode of `decode="ptx"`: one `plgpu.inline_mgpu` function that works on the registers
     themselves. The plane tiles arrive in the upcast layout, four consecutive K elements of one W^T row
     per 32-bit register, and each register is decoded by a few PTX instructions on packed pairs:
@@ -466,7 +474,10 @@ def _ptx_decode(dec_layout, shape, use_slots: bool, col_offset: int = 0, mma: bo
 
     `part` (`wide_swizzle`): the plane tiles arrive `shape[1] * parts` columns wide, and only the registers
     of their columns [part * shape[1], (part + 1) * shape[1]) are decoded (the others are never touched, so
-    their loads are dead code); `col_offset` is then that part's first column in the step's table row."""
+    their loads are dead code); `col_offset` is then that part's first column in the step's table row.
+
+    `arithmetic=False` (the diagnostic "ptx_load_only"): the same loads, one XOR per output word instead
+    of the decode: wrong values, to time the loads against the arithmetic."""
     from jax._src.lib.mlir import ir
     from jax._src.lib.mlir.dialects import arith, llvm, memref, scf
     from jax.experimental.mosaic import gpu as mgpu
@@ -512,7 +523,7 @@ def _ptx_decode(dec_layout, shape, use_slots: bool, col_offset: int = 0, mma: bo
         words = []  # per register: [lo0, lo1, hi0, hi1]
         for idx in np.ndindex(regs_shape):
             words.append(asm(4, [word(s_lo.registers[idx]), word(s_hi.registers[idx]), word(nib.registers[idx]),
-                                 word(base7.registers[idx])], _DECODE4_PTX))
+                                 word(base7.registers[idx])], _DECODE4_PTX if arithmetic else _LOAD_ONLY_PTX))
         if use_slots:
             (slot_ref,) = slot
             i64 = ir.IntegerType.get_signless(64)
@@ -663,16 +674,19 @@ def _kernel_call(x, operands, *, k: int, n: int, mp: int, block_k: int, split: i
     if decode not in ("auto", "jnp", "ptx"):
         raise ValueError(f"decode must be 'auto', 'jnp' or 'ptx', got {decode!r}")
     ptx_decode, ptx_slots = None, False
-    ptx_able = planes != "wgmma" and diagnostic in ("", "no_patch")
+    ptx_able = planes != "wgmma" and diagnostic in ("", "no_patch", "ptx_load_only")
     if decode == "ptx" and not ptx_able:
-        raise NotImplementedError(f"decode='ptx' takes planes 'upcast' or 'packed' and diagnostic '' or "
-                                  f"'no_patch', got {planes!r}, {diagnostic!r}")
+        raise NotImplementedError(f"decode='ptx' takes planes 'upcast' or 'packed' and diagnostic '', "
+                                  f"'no_patch' or 'ptx_load_only', got {planes!r}, {diagnostic!r}")
+    if diagnostic == "ptx_load_only" and (interpret or decode == "jnp" or not w12):
+        raise ValueError("diagnostic='ptx_load_only' times the PTX decode's loads: W12, compiled, decode 'auto'/'ptx'")
     if decode == "ptx" and interpret:
         raise ValueError("decode='ptx' runs only compiled for an NVIDIA GPU: the interpreter has no PTX")
     if decode != "jnp" and ptx_able and w12 and not interpret:
         ptx_slots = use_slots and not diagnostic
         ptx_decode = [_ptx_decode(dec_layout, (BN, mma_k), ptx_slots, u * mma_k, mma,  # one per sub-step
-                                  part=u if wide_swizzle else None, owner_branch=owner_branch)
+                                  part=u if wide_swizzle else None, owner_branch=owner_branch,
+                                  arithmetic=diagnostic != "ptx_load_only")
                       for u in range(block_k // mma_k)]
     if wide_swizzle and not interpret and ptx_decode is None and diagnostic != "copies_only":
         raise NotImplementedError("wide_swizzle takes the PTX decode when compiled (decode='auto' or 'ptx')")
@@ -1029,8 +1043,9 @@ def w12_mosaic_partials(x: jax.Array, w: W12NK, block_k: int | None = None, spli
     (128 W^T rows, x's tile shared) and a third that only issues the copies
     (`plgpu.emit_pipeline_warp_specialized`); packed planes, x folded, N % 128 == 0.
     diagnostic (timing only, inexact with exceptions): "no_patch" skips the patches, "load_only" also
-    replaces the decode by one XOR per weight, "copies_only" streams the planes but never loads them
-    (the A tile is a constant): the cost of the copies alone.
+    replaces the decode by one XOR per weight (the element-wise path), "ptx_load_only" keeps the PTX
+    path's loads with one XOR per output word instead of its decode, "copies_only" streams the planes but
+    never loads them (the A tile is a constant): the cost of the copies alone.
     owner_branch (default; PTX decode with the slot table): an exception's compares run only in the threads
     that hold its row (`_ptx_decode`); off, every thread compares every register with every exception.
     subtile: a step of block_k > 64 half-rows is copied whole but decoded and multiplied as 64-row
@@ -1054,7 +1069,8 @@ def w12_mosaic_partials(x: jax.Array, w: W12NK, block_k: int | None = None, spli
     (`_kernel_call`). Planes packed `tiled` (`to_nk`) are read one contiguous tile per step."""
     k, n = w.shape
     block_k = block_k or w.slot_k or default_block_k(k, n)
-    if (exceptions not in ("auto", "csr") or diagnostic not in ("", "no_patch", "load_only", "copies_only")
+    if (exceptions not in ("auto", "csr")
+            or diagnostic not in ("", "no_patch", "load_only", "ptx_load_only", "copies_only")
             or planes not in ("auto", "upcast", "wgmma", "packed")):
         raise ValueError(f"unknown exceptions={exceptions!r}, diagnostic={diagnostic!r} or planes={planes!r}")
     x_p, m, mp = _prepare_x(x, k, n, block_k, mp, pad_x, interpret, fold=fold_x and not w.adjacent)

@@ -424,6 +424,8 @@ def test_errors():
     with pytest.raises(ValueError, match="do not match x's K"):  # tiled twin weights of another K
         mk.bf16_mosaic_partials(x[:4, :96], mk.tile_twin(jnp.zeros((64, 128), jnp.bfloat16), 64), tiled=True,
                                 interpret=True)
+    with pytest.raises(ValueError, match="ptx_load_only.*compiled"):  # the interpreter runs no PTX
+        mk.w12_mosaic_partials(x[:4], enc, interpret=True, diagnostic="ptx_load_only")
 
 
 @pytest.mark.skipif(not _cuda_lowering_available(), reason="GPU-free cuda lowering unavailable")
@@ -447,7 +449,7 @@ def test_lowers_for_cuda(k, n):
             fn = jax.jit(functools.partial(mk.w12_mosaic_partials, planes=planes, a_operand=a_operand))
             text = fn.trace(s((m, k), jnp.bfloat16), nk).lower(lowering_platforms=("cuda",)).as_text()
             assert "mosaic_gpu" in text
-        for diagnostic in ("no_patch", "load_only", "copies_only"):  # the benchmark's timing diagnostics
+        for diagnostic in ("no_patch", "load_only", "ptx_load_only", "copies_only"):  # the bench's diagnostics
             fn = jax.jit(functools.partial(mk.w12_mosaic_partials, diagnostic=diagnostic))
             assert "mosaic_gpu" in fn.trace(s((1, k), jnp.bfloat16), nk).lower(lowering_platforms=("cuda",)).as_text()
         for m in (1, 16, 64):  # planes in mma order: the PTX decode writes the WGMMA layout directly
