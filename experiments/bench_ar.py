@@ -324,6 +324,8 @@ MOSAIC_SWITCHES = (
     ("--w12-wide-swizzle", "WIDE_SWIZZLE",
      "pack steps of 128 copied as 128-byte-swizzled tiles and decoded in 64-column halves, or the default steps"),
     ("--w12-plain-planes", "PLAIN_PLANES", "copy the packed plane tiles as stored (no tiling or swizzle) or swizzled"),
+    ("--w12-xor-chunks", "XOR_CHUNKS",
+     "store tiled steps of 64 in the bank-conflict-free chunk order (loaded by the PTX decode) or as they are"),
     ("--w12-owner-branch", "OWNER_BRANCH",
      "patch exceptions only in the threads that hold their row, or compare them in every thread"),
 )

@@ -179,9 +179,11 @@ def bench_shape(name, k, n, ms, args, interpret, copy_bw, record):
                 mma = bool(mg.get("mma", mk.default_mma(k, n))) and pack  # planes packed in the wgmma register order
                 adj = bool(mg.get("adjacent", False)) and pack  # adjacent row blocks per step (and in the twin)
                 tiled = bool(mg.get("tiled", False)) and pack  # each step's tile contiguous (and in the twin)
-                if (bk, pack, mma, adj, tiled) not in ws_nk:
-                    ws_nk[bk, pack, mma, adj, tiled] = [
-                        mk.to_nk(e, block_k=bk, pack=pack, mma=mma, adjacent=adj, tiled=tiled) for e in ws_w12]
+                xor = bool(mg.get("xor_chunks", False)) and tiled  # tiles stored in `chunk_order`
+                if (bk, pack, mma, adj, tiled, xor) not in ws_nk:
+                    ws_nk[bk, pack, mma, adj, tiled, xor] = [
+                        mk.to_nk(e, block_k=bk, pack=pack, mma=mma, adjacent=adj, tiled=tiled, xor_chunks=xor)
+                        for e in ws_w12]
                 twin_opts = {key: v for key, v in mg.items()
                              if key in ("block_k", "stages", "split", "fold_x", "adjacent", "mp", "pad_x",
                                         "sum_splits_in_kernel", "tiled")}
@@ -196,9 +198,10 @@ def bench_shape(name, k, n, ms, args, interpret, copy_bw, record):
                         ws_t_tiled[bk, adj] = [mk.tile_twin(w, bk, adj) for w in ws_t]
                     impls.append(("twin_mg", twin_key, mosaic_mm(mk.bf16_mosaic_partials, interpret, twin_opts),
                                   ws_t_tiled[bk, adj] if twin_opts.get("tiled") else ws_t))
-                kernel_opts = {key: v for key, v in mg.items() if key not in ("mma", "adjacent", "tiled")}  # packing
+                kernel_opts = {key: v for key, v in mg.items()
+                               if key not in ("mma", "adjacent", "tiled", "xor_chunks")}  # packing
                 impls.append(("w12_mg", mg_key, mosaic_mm(mk.w12_mosaic_partials, interpret, kernel_opts),
-                              ws_nk[bk, pack, mma, adj, tiled]))
+                              ws_nk[bk, pack, mma, adj, tiled, xor]))
         if m == 1 and args.gemv:  # the CUDA-core path and its twin
             for gb in gemv_variants(k, n, args.sweep):
                 impls.append(("twin_gemv", gb, kernel_mm(km.bf16_matmul, gb, interpret, "gemv"), ws_bf16))
@@ -312,7 +315,7 @@ def parse_edits(text: str) -> list:
             key, value = item.split("=")
             if key in ("prefetch", "fold_x", "warp_specialized", "subtile", "mma", "adjacent", "pad_x",
                        "sum_splits_in_kernel", "tiled", "early_base", "wide_swizzle", "plain_planes",
-                       "owner_branch"):
+                       "owner_branch", "xor_chunks"):
                 edit[key] = bool(int(value))
             elif key in ("exceptions", "diagnostic", "planes", "a_operand", "twin_a", "decode"):
                 edit[key] = value

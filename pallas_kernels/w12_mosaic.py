@@ -158,6 +158,11 @@ WIDE_SWIZZLE = False
 # timed on the H200 in the tenth pass (docs/performance.md).
 OWNER_BRANCH = True
 
+# Whether runs store tiled steps of 64 in `chunk_order` (`to_nk(xor_chunks=True)`), so that the PTX decode
+# loads the plainly copied tiles without bank conflicts (the plain loads' are 4-way). Exact in the
+# interpreter and lowers for CUDA; not yet timed on a GPU: off.
+XOR_CHUNKS = False
+
 
 # Whether runs copy the packed plane tiles plain (`plain_planes`: one box as stored, neither tiled nor
 # swizzled; steps of 64 only, a box row holds <= 256 bytes); with `TILED`, each step's tile is then one
@@ -175,6 +180,12 @@ def run_block_k(k: int, n: int, rows: int = 1) -> int:
     if WIDE_SWIZZLE and (k // 2) % 128 == 0 and n % BN == 0:
         return 128
     return default_block_k(k, n, rows)
+
+
+def run_xor_chunks(step: int) -> bool:
+    """Whether runs store a matrix packed at `step` in `chunk_order`: `XOR_CHUNKS` where its tiles are
+    copied plain (`TILED`, `PLAIN_PLANES`, steps of 64)."""
+    return XOR_CHUNKS and TILED and PLAIN_PLANES and step == 64
 
 
 def run_w12_options(w: W12NK) -> dict:
@@ -295,8 +306,43 @@ def tile_twin(w_t: jax.Array, block_k: int | None = None, adjacent: bool = False
     return tile_rows(paired, block_k, 2 * block_k)
 
 
+class _Loaded:
+    """A plane tile's values the interpreter already holds (planes stored in `chunk_order`, put back in
+    order by jnp): `tile` passes them through."""
+
+    def __init__(self, value):
+        self.value = value
+
+
+def chunk_order(rows: int = BN, width: int = 3 * 64) -> np.ndarray:
+    """[rows, width] int: for each byte of a step's [64, 192] plane tile, the column it is stored at with
+    `to_nk(xor_chunks=True)`: within each 64-byte plane (lower sm, upper sm, nibbles) the 16-byte chunk c of row r moves
+    to c ^ ((r // 2) % 4) (the pattern of TMA's 64-byte swizzle). The kernel's loads in the upcast layout
+    read 4 bytes per lane from 8 rows and 4 chunks per warp, and plain [64, 192] rows put rows r and r + 2
+    on the same banks (a 4-way conflict); stored this way every load of a warp hits 32 distinct banks
+    (`tests/test_w12_mosaic.py` checks both claims against jax's layout). Its own inverse."""
+    r = np.arange(rows)[:, None]
+    c = np.arange(width)[None, :]
+    return (c & ~63) | ((c & 63) ^ (16 * ((r >> 1) & 3)))
+
+
+def xor_tile_chunks(tiles: jax.Array) -> jax.Array:
+    """Tiled packed planes [T * 64, 192] with each tile's rows stored in `chunk_order` (and back: the
+    order is its own inverse). Static slices and selects only, so the interpreted kernel runs it too."""
+    rows, width = tiles.shape
+    if rows % BN or width != 3 * 64:
+        raise ValueError(f"xor_tile_chunks takes tiled planes of steps of 64, [T * {BN}, 192], got {tiles.shape}")
+    key = (jax.lax.broadcasted_iota(jnp.int32, tiles.shape, 0) >> 1) & 3  # the row's chunk XOR
+    out = tiles
+    for t in (1, 2, 3):  # the rows whose chunks c are stored at c ^ t
+        moved = jnp.concatenate([tiles[:, 64 * p + 16 * (c ^ t):64 * p + 16 * (c ^ t) + 16]
+                                 for p in range(3) for c in range(4)], axis=1)
+        out = jnp.where(key == t, moved, out)
+    return out
+
+
 def to_nk(w: W12, block_k: int | None = None, pack: bool = True, mma: bool | None = None,
-          adjacent: bool = False, tiled: bool = False) -> W12NK:
+          adjacent: bool = False, tiled: bool = False, xor_chunks: bool = False) -> W12NK:
     """Transpose the planes once (offline, like encoding) and tabulate the exceptions per kernel step of
     `block_k` rows (`exception_slots`); the CSR lists are kept for matrices whose steps overflow a slot row.
     `block_k` defaults to `default_block_k(K, N)`. `pack` (default) stores the planes step by step for
@@ -306,7 +352,12 @@ def to_nk(w: W12, block_k: int | None = None, pack: bool = True, mma: bool | Non
     `mma_order` (only with packed planes; the slot table then lists stored columns). `adjacent`: packed
     steps pair adjacent row blocks (`pack_planes`; only with packed planes), so x is not reordered per call;
     its twin is `bf16_mosaic_partials(..., adjacent=True)`. `tiled`: packed planes stored tile by tile
-    (`tile_rows`; only with packed planes), so that each step's copy reads one contiguous 12 KB run."""
+    (`tile_rows`; only with packed planes), so that each step's copy reads one contiguous 12 KB run.
+    `xor_chunks` (with `tiled`, steps of 64): each tile's rows stored in `chunk_order` (`xor_tile_chunks`), read
+    by the kernel's own conflict-free loads after a plain copy (`plain_planes`)."""
+    if xor_chunks and not (tiled and (block_k or default_block_k(*w.shape)) == 64):
+        raise ValueError("xor_chunks stores tiled planes of steps of 64: to_nk(..., block_k=64, tiled=True, "
+                         "xor_chunks=True)")
     exc = exception_lists(w)
     k, n = w.shape
     block_k = block_k or default_block_k(k, n)
@@ -325,6 +376,8 @@ def to_nk(w: W12, block_k: int | None = None, pack: bool = True, mma: bool | Non
         packed_planes = pack_planes(sm_t, nib_t, block_k, mma=mma, adjacent=adjacent)
         if tiled:
             packed_planes = tile_rows(packed_planes, block_k, 3 * block_k)
+            if xor_chunks:
+                packed_planes = xor_tile_chunks(packed_planes)
         sm_t, nib_t = jnp.zeros((1, 2 * SWIZZLE_BF16), jnp.int8), jnp.zeros((1, SWIZZLE_BF16), jnp.uint8)
     else:
         packed_planes = jnp.zeros((1, 3 * SWIZZLE_BF16), jnp.int8)
@@ -334,7 +387,7 @@ def to_nk(w: W12, block_k: int | None = None, pack: bool = True, mma: bool | Non
                  slots=jnp.zeros((1, SLOT_ALIGN), jnp.int32) if slots is None else jnp.asarray(slots),
                  shape=w.shape, group_n=w.group_n, group_k=w.group_k, n_groups_k=w.n_groups_k,
                  slot_k=0 if slots is None else block_k, mma_order=bool(mma), adjacent=bool(adjacent),
-                 tiled=bool(packed and tiled))
+                 tiled=bool(packed and tiled), xor_chunks=bool(packed and tiled and xor_chunks))
 
 
 def _transforms(bits: int, swizzle: int):
@@ -444,7 +497,8 @@ def _if_else(scf, cond, result_types):
 
 
 def _ptx_decode(dec_layout, shape, use_slots: bool, col_offset: int = 0, mma: bool = False,
-                part: int | None = None, owner_branch: bool = True, arithmetic: bool = True):
+                part: int | None = None, owner_branch: bool = True, arithmetic: bool = True,
+                from_ref: bool = False):
     """The decode of `decode="ptx"`: one `plgpu.inline_mgpu` function that works on the registers
     themselves. The plane tiles arrive in the upcast layout, four consecutive K elements of one W^T row
     per 32-bit register, and each register is decoded by a few PTX instructions on packed pairs:
@@ -477,7 +531,12 @@ def _ptx_decode(dec_layout, shape, use_slots: bool, col_offset: int = 0, mma: bo
     their loads are dead code); `col_offset` is then that part's first column in the step's table row.
 
     `arithmetic=False` (the diagnostic "ptx_load_only"): the same loads, one XOR per output word instead
-    of the decode: wrong values, to time the loads against the arithmetic."""
+    of the decode: wrong values, to time the loads against the arithmetic.
+
+    `from_ref` (planes stored with `xor_chunks`): the function takes the step's [64, 3 * 64] plane tile in
+    shared memory instead of three loaded tiles, and loads each register's 4 bytes of each plane itself,
+    at the column `chunk_order` stored them in (one 32-bit shared-memory load each, all 32 lanes of a warp
+    on distinct banks)."""
     from jax._src.lib.mlir import ir
     from jax._src.lib.mlir.dialects import arith, llvm, memref, scf
     from jax.experimental.mosaic import gpu as mgpu
@@ -485,11 +544,18 @@ def _ptx_decode(dec_layout, shape, use_slots: bool, col_offset: int = 0, mma: bo
 
     out_layout = plgpu.Layout.WGMMA if mma else dec_layout
     out = plgpu.ShapeDtypeStruct(shape, jnp.bfloat16, layout=out_layout)
-    arg_types = (dec_layout, dec_layout, dec_layout, dec_layout) + ((plgpu.RefType(),) if use_slots else ())
+    if from_ref and (part is not None or shape != (BN, 64)):
+        raise NotImplementedError(f"from_ref takes whole steps of 64, [{BN}, 64], got {shape}, part {part}")
+    planes_in = (plgpu.RefType(),) if from_ref else (dec_layout, dec_layout, dec_layout)
+    arg_types = planes_in + (dec_layout,) + ((plgpu.RefType(),) if use_slots else ())
 
     @plgpu.inline_mgpu(arg_types=arg_types, return_type=(out, out))
-    def decode(ctx, s_lo, s_hi, nib, base7, *slot):
+    def decode(ctx, *args):
         del ctx
+        if from_ref:
+            tile_ref, base7, *slot = args
+        else:
+            s_lo, s_hi, nib, base7, *slot = args
         i32 = ir.IntegerType.get_signless(32)
         index = ir.IndexType.get()
         pair = ir.VectorType.get((2,), ir.BF16Type.get())
@@ -505,6 +571,20 @@ def _ptx_decode(dec_layout, shape, use_slots: bool, col_offset: int = 0, mma: bo
                                   ",".join(["=r"] * n_out + ["r"] * len(args)))
             return [llvm.extractvalue(i32, res, [q]) for q in range(n_out)]
 
+        if from_ref:  # the three planes' registers, loaded here from the chunk-ordered tile
+            lay = base7.layout  # the upcast layout the planes would have been loaded in
+            regs_shape = base7.registers.shape
+            ptr = mgpu_utils.memref_ptr(tile_ref)
+            i8 = ir.IntegerType.get_signless(8)
+            loaded = []  # per register: [lo, hi, nib] words
+            for rc in lay.thread_idxs(shape):
+                r, c = (arith.index_cast(i32, v) for v in rc)
+                chunk = arith.shli(arith.andi(arith.shrui(r, mgpu_utils.c(1, i32)), mgpu_utils.c(3, i32)),
+                                   mgpu_utils.c(4, i32))  # ((r // 2) % 4) * 16: `chunk_order`
+                off = arith.addi(arith.muli(r, mgpu_utils.c(3 * shape[1], i32)), arith.xori(c, chunk))
+                loaded.append([llvm.load(i32, mgpu_utils.getelementptr(
+                    ptr, [arith.addi(off, mgpu_utils.c(q * shape[1], i32))], i8), alignment=4) for q in range(3)])
+            layout_of_planes = lay
         if part is not None:  # the part's column groups (dimension 1 of the upcast layout's registers)
             width = s_lo.shape[1]
 
@@ -519,17 +599,20 @@ def _ptx_decode(dec_layout, shape, use_slots: bool, col_offset: int = 0, mma: bo
                 return out_
 
             s_lo, s_hi, nib = cut(s_lo), cut(s_hi), cut(nib)
-        regs_shape = s_lo.registers.shape
+        if not from_ref:
+            regs_shape = s_lo.registers.shape
+            loaded = [[word(t.registers[idx]) for t in (s_lo, s_hi, nib)] for idx in np.ndindex(regs_shape)]
+            layout_of_planes = s_lo.layout
         words = []  # per register: [lo0, lo1, hi0, hi1]
-        for idx in np.ndindex(regs_shape):
-            words.append(asm(4, [word(s_lo.registers[idx]), word(s_hi.registers[idx]), word(nib.registers[idx]),
-                                 word(base7.registers[idx])], _DECODE4_PTX if arithmetic else _LOAD_ONLY_PTX))
+        for q, idx in enumerate(np.ndindex(regs_shape)):
+            words.append(asm(4, [*loaded[q], word(base7.registers[idx])],
+                             _DECODE4_PTX if arithmetic else _LOAD_ONLY_PTX))
         if use_slots:
             (slot_ref,) = slot
             i64 = ir.IntegerType.get_signless(64)
             keys = []  # per register: row << 8 | first column (the half bit is added for the upper tile)
             rows = mgpu_utils.c(0, i64)  # bit r set for each tile row r this thread holds
-            for rc in s_lo.layout.thread_idxs(s_lo.shape):
+            for rc in layout_of_planes.thread_idxs(shape):
                 r, c = (arith.index_cast(i32, v) for v in rc)
                 c = arith.addi(c, mgpu_utils.c(col_offset, i32))  # the tile's first column in the table row
                 keys.append(arith.ori(arith.shli(r, mgpu_utils.c(8, i32)), c))
@@ -587,7 +670,7 @@ def _ptx_decode(dec_layout, shape, use_slots: bool, col_offset: int = 0, mma: bo
             for q, idx in enumerate(np.ndindex(regs_shape)):
                 w0, w1 = words[q][first], words[q][first + 1]
                 regs[idx] = mgpu_utils.vector_concat([mgpu_utils.bitcast(w0, pair), mgpu_utils.bitcast(w1, pair)])
-            return mgpu.FragmentedArray(_registers=regs, _layout=s_lo.layout, _is_signed=None)
+            return mgpu.FragmentedArray(_registers=regs, _layout=layout_of_planes, _is_signed=None)
 
         return array(0), array(2)
 
@@ -608,7 +691,7 @@ def _kernel_call(x, operands, *, k: int, n: int, mp: int, block_k: int, split: i
                  warp_specialized: bool = False, subtile: bool = False, mma: bool = False,
                  adjacent: bool = False, sum_splits_in_kernel: bool = False, tiled: bool = False,
                  early_base: bool = False, wide_swizzle: bool = False, plain_planes: bool = False,
-                 owner_branch: bool = True):
+                 owner_branch: bool = True, xor_chunks: bool = False):
     ws = warp_specialized
     # sum_splits_in_kernel: programs of splits 0 .. S-2 store their partials to a workspace and signal their
     # column block's semaphore; the split S-1 program waits for them, adds the partials in index order with
@@ -660,10 +743,17 @@ def _kernel_call(x, operands, *, k: int, n: int, mp: int, block_k: int, split: i
     if plain_planes and (planes != "packed" or wide_swizzle or 3 * block_k > 256):
         raise NotImplementedError("plain_planes takes packed planes of steps up to 85 half-rows (a TMA box row "
                                   "holds <= 256 bytes), without wide_swizzle")
+    # xor_chunks: tiled planes stored in `chunk_order`, copied plain and loaded by the PTX decode itself
+    # (`_ptx_decode(from_ref=True)`); the interpreter puts the bytes back in order with jnp.
+    if xor_chunks and not (plain_planes and tiled and block_k == 64 and not subtile and not ws):
+        raise NotImplementedError("xor_chunks planes are tiled steps of 64 copied plain (plain_planes), without "
+                                  "subtile or warp_specialized")
     plain = planes == "wgmma" or plain_planes
     plane_tiles = () if plain else _transforms(8, block_k if wide_swizzle else mma_k)
 
     def tile(ref, layout):  # the interpreter has no layouts; compiled, they are explicit
+        if isinstance(ref, _Loaded):  # the interpreter's planes, put back in order already
+            return ref.value
         return ref[...] if interpret else plgpu.load(ref, (), layout=layout, optimized=not plain)
 
     def iota(dim):
@@ -686,8 +776,11 @@ def _kernel_call(x, operands, *, k: int, n: int, mp: int, block_k: int, split: i
         ptx_slots = use_slots and not diagnostic
         ptx_decode = [_ptx_decode(dec_layout, (BN, mma_k), ptx_slots, u * mma_k, mma,  # one per sub-step
                                   part=u if wide_swizzle else None, owner_branch=owner_branch,
-                                  arithmetic=diagnostic != "ptx_load_only")
+                                  arithmetic=diagnostic != "ptx_load_only", from_ref=xor_chunks)
                       for u in range(block_k // mma_k)]
+    if xor_chunks and not interpret and ptx_decode is None and diagnostic != "copies_only":
+        raise NotImplementedError("xor_chunks planes are loaded by the PTX decode when compiled (decode='auto' "
+                                  "or 'ptx')")
     if wide_swizzle and not interpret and ptx_decode is None and diagnostic != "copies_only":
         raise NotImplementedError("wide_swizzle takes the PTX decode when compiled (decode='auto' or 'ptx')")
     if adjacent and w12 and not (planes == "packed" and (use_slots or diagnostic)):
@@ -779,7 +872,12 @@ def _kernel_call(x, operands, *, k: int, n: int, mp: int, block_k: int, split: i
             k0 = k0 + u * mma_k  # the sub-step's first half-row
             if planes == "packed":
                 pk = tiles[0].at[pl.ds(wg * BN, BN)] if ws else tiles[0]  # this consumer's rows
-                if wide_swizzle:  # whole tiles (a slice inside a swizzled row is refused); the sub-step's
+                if xor_chunks and interpret:  # the stored bytes, put back in order by jnp (no PTX here)
+                    pk_all = xor_tile_chunks(pk[...])
+                    s_lo, s_hi, nb = (_Loaded(pk_all[:, q * block_k:(q + 1) * block_k]) for q in range(3))
+                elif xor_chunks:  # the PTX decode loads from the tile itself
+                    s_lo = s_hi = nb = None
+                elif wide_swizzle:  # whole tiles (a slice inside a swizzled row is refused); the sub-step's
                     s_lo, s_hi, nb = (pk.at[:, pl.ds(q * block_k, block_k)] for q in range(3))  # columns below
                 else:
                     s_lo, s_hi, nb = (pk.at[:, pl.ds(q * block_k + u * mma_k, mma_k)] for q in range(3))
@@ -788,7 +886,7 @@ def _kernel_call(x, operands, *, k: int, n: int, mp: int, block_k: int, split: i
                 s_lo, s_hi, nb, *slot = tiles
             slot = [t.at[pl.ds(wg, 1)] for t in slot] if ws else slot  # this consumer's row
             if ptx_decode is not None:  # registers decoded by PTX, slot-table patches included
-                planes_ = [tile(t, dec_layout) for t in (s_lo, s_hi, nb)]
+                planes_ = [pk] if xor_chunks else [tile(t, dec_layout) for t in (s_lo, s_hi, nb)]
                 lo, hi = ptx_decode[u](*planes_, base7, *(slot[:1] if ptx_slots else ()))
                 if ptx_slots or diagnostic:
                     return finish(lo, hi, in_wgmma=mma)
@@ -1100,7 +1198,8 @@ def w12_mosaic_partials(x: jax.Array, w: W12NK, block_k: int | None = None, spli
                        warp_specialized=warp_specialized, subtile=subtile, mma=w.mma_order and planes == "packed",
                        adjacent=w.adjacent, sum_splits_in_kernel=sum_splits_in_kernel,
                        tiled=w.tiled and planes == "packed", early_base=early_base, wide_swizzle=wide_swizzle,
-                       plain_planes=plain_planes, owner_branch=owner_branch)
+                       plain_planes=plain_planes, owner_branch=owner_branch,
+                       xor_chunks=w.xor_chunks and planes == "packed")
     return out if raw else jnp.swapaxes(out, 1, 2)[:, :m]
 
 

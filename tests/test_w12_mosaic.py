@@ -327,6 +327,29 @@ class _MosaicCases:
         with pytest.raises(NotImplementedError, match="256 bytes"):  # 128-row steps: 384-byte box rows
             mk.w12_mosaic_partials(x, mk.to_nk(enc, block_k=128), plain_planes=True, interpret=ip)
 
+    def test_xor_chunks_bit_identical_to_bf16_twin(self):
+        """Tiled planes stored in `chunk_order` (`to_nk(xor_chunks=True)`), copied plain and loaded by the PTX
+        decode itself (compiled) or put back in order by jnp (interpreter), give the tiled twin's bits: plain
+        and mma order, Inf / NaN / subnormal exceptions in both K halves, 1-64 rows, 1 and 2 splits; without
+        plain copies, tiling or steps of 64 it is refused."""
+        k, n = 512, 128
+        w = _special_exceptions(k, n, seed=15)
+        enc = w12.encode(w)
+        ip = self.interpret
+        twin_w = mk.tile_twin(jnp.asarray(w).T, 64)
+        for m, split, mma in ((1, 1, True), (16, 2, True), (33, 2, False), (64, 1, True)):
+            nk = mk.to_nk(enc, block_k=64, mma=mma, tiled=True, xor_chunks=True)
+            assert nk.xor_chunks and nk.tiled
+            x = jnp.asarray(np.random.default_rng(m).standard_normal((m, k)), jnp.bfloat16)
+            twin = mk.bf16_mosaic_partials(x, twin_w, block_k=64, split=split, tiled=True, interpret=ip)
+            assert_same_bits(mk.w12_mosaic_partials(x, nk, split=split, plain_planes=True, interpret=ip), twin)
+        with pytest.raises(NotImplementedError, match="xor_chunks planes are tiled steps of 64 copied plain"):
+            mk.w12_mosaic_partials(x, nk, plain_planes=False, interpret=ip)
+        with pytest.raises(ValueError, match="xor_chunks stores tiled planes of steps of 64"):
+            mk.to_nk(enc, block_k=64, tiled=False, xor_chunks=True)
+        with pytest.raises(ValueError, match="xor_chunks stores tiled planes of steps of 64"):
+            mk.to_nk(enc, block_k=128, tiled=True, xor_chunks=True)
+
     def test_mma_order_bit_identical_to_bf16_twin(self):
         """Planes packed in mma order (`to_nk(mma=True)`: the decode writes the wgmma registers directly)
         give the twin's bits: slot-table exceptions in both K halves and sub-steps, Inf / NaN, two splits,
@@ -482,10 +505,11 @@ def test_lowers_for_cuda(k, n):
                         lowering_platforms=("cuda",)).as_text()
         for m in (1, 16, 64):  # plane tiles copied plain (neither tiled nor swizzled), stored tile by tile or not
             if slot_k:
-                for tiled in (False, True):
-                    pnk = dataclasses.replace(nk, mma_order=True, tiled=tiled, packed=s(
+                for tiled, xor in ((False, False), (True, False), (True, True)):  # xor: `chunk_order`
+                    pnk = dataclasses.replace(nk, mma_order=True, tiled=tiled, xor_chunks=xor, packed=s(
                         (n * (k // 2 // 64), 3 * 64) if tiled else (n, 3 * k // 2), jnp.int8))
-                    for opts in (dict(decode="ptx"), dict(diagnostic="copies_only")):
+                    for opts in (dict(decode="ptx"), dict(diagnostic="copies_only"),
+                                 dict(diagnostic="ptx_load_only")):
                         fn = jax.jit(functools.partial(mk.w12_mosaic_partials, plain_planes=True, **opts))
                         assert "mosaic_gpu" in fn.trace(s((m, k), jnp.bfloat16), pnk).lower(
                             lowering_platforms=("cuda",)).as_text()
@@ -675,11 +699,12 @@ def test_storage_bytes_count_the_planes_however_packed():
         assert b["total"] > b["planes"]
 
 
-@pytest.mark.parametrize("plain", [False, True])
-def test_runs_with_tiled_planes_and_early_bases_pair_as_their_twin(monkeypatch, plain):
+@pytest.mark.parametrize("plain,xor", [(False, False), (True, False), (True, True)])
+def test_runs_with_tiled_planes_and_early_bases_pair_as_their_twin(monkeypatch, plain, xor):
     """With `w12_mosaic.TILED` (on by default) and `EARLY_BASE` on, runs store the planes tile by tile and
     copy the bases alongside the pipeline, and the twin reads its own tiles: the same bits as each other and
-    as planes stored row by row; with `PLAIN_PLANES` (on by default), the runs pass `plain_planes`."""
+    as planes stored row by row; with `PLAIN_PLANES` (on by default), the runs pass `plain_planes`; with
+    `XOR_CHUNKS` too, they store the tiles in `chunk_order`."""
     k, n = 512, 128
     w = jnp.asarray(adversarial_weights(k, n, seed=10, finite=True))
     x = jnp.asarray(np.random.default_rng(5).standard_normal((2, k)), jnp.bfloat16)
@@ -689,8 +714,9 @@ def test_runs_with_tiled_planes_and_early_bases_pair_as_their_twin(monkeypatch, 
     monkeypatch.setattr(mk, "TILED", True)
     monkeypatch.setattr(mk, "EARLY_BASE", True)
     monkeypatch.setattr(mk, "PLAIN_PLANES", plain)
+    monkeypatch.setattr(mk, "XOR_CHUNKS", xor)
     wq = w12.encode_params({"layers": ({"q": w},)}, kernel="mosaic", max_exception_rate=1.0)["layers"][0]["q"]
-    assert wq.tiled and not flat.tiled
+    assert wq.tiled and not flat.tiled and wq.xor_chunks == xor
     assert mk.run_w12_options(wq)["plain_planes"] == plain
     got = w12.linear(x, wq, out_dtype=jnp.float32, interpret=True)
     twin = w12.linear(x, w, out_dtype=jnp.float32, interpret=True, dense_kernel=True, implementation="mosaic")
@@ -852,6 +878,44 @@ def _layout_positions(layout, shape):
                 for v in range(layout.vector_length):
                     out[(warp, lane, *r, v)] = lin + v * tile_strides[layout.vector_dim]
     return out
+
+
+def test_chunk_order_makes_the_upcast_loads_conflict_free():
+    """Why planes are stored in `chunk_order`: a warp's 32-bit loads of a [64, 192] plane tile in the
+    upcast layout (positions from jax's own layout definition) hit each shared-memory bank up to 4 times
+    when the rows are stored plain (rows r and r + 2 share banks), and exactly once in `chunk_order`. The
+    order keeps each byte in its row and 64-byte plane, is its own inverse, and `xor_tile_chunks` applies
+    it to every tile."""
+    from jax.experimental.mosaic.gpu import fragmented_array as fa
+    up = _layout_positions(fa.WGMMA_LAYOUT_UPCAST_2X, (64, 64))  # [warp, lane, *registers, byte]
+    order = mk.chunk_order()
+
+    def worst(stored_col):  # the most distinct 4-byte words one bank serves in one load of one warp
+        out = 1
+        for plane in range(3):
+            for warp in range(4):
+                for reg in np.ndindex(up.shape[2:-1]):
+                    first = up[(warp, slice(None), *reg, 0)]  # each lane's first byte (its 4 are contiguous)
+                    assert np.all(up[(warp, slice(None), *reg, 3)] == first + 3)
+                    rows, cols = first // 64, first % 64 + 64 * plane
+                    addr = rows * 192 + stored_col(rows, cols)
+                    assert np.all(addr % 4 == 0)
+                    words = np.unique(addr // 4)
+                    out = max(out, int(np.bincount(words % 32).max()))
+        return out
+
+    assert worst(lambda r, c: c) == 4
+    assert worst(lambda r, c: order[r, c]) == 1
+    np.testing.assert_array_equal(order // 64, np.arange(192)[None, :] // 64 + 0 * order)  # same plane
+    np.testing.assert_array_equal(np.sort(order, axis=1), np.tile(np.arange(192), (64, 1)))  # a permutation
+    np.testing.assert_array_equal(np.take_along_axis(order, order, axis=1), np.tile(np.arange(192), (64, 1)))
+    tiles = jnp.asarray(np.random.default_rng(0).integers(-128, 128, (128, 192)), jnp.int8)
+    stored = np.asarray(mk.xor_tile_chunks(tiles))
+    for r in range(128):
+        np.testing.assert_array_equal(stored[r, order[r % 64]], np.asarray(tiles)[r])
+    np.testing.assert_array_equal(np.asarray(mk.xor_tile_chunks(jnp.asarray(stored))), np.asarray(tiles))
+    with pytest.raises(ValueError, match="xor_tile_chunks takes tiled planes"):
+        mk.xor_tile_chunks(tiles[:, :128])
 
 
 @pytest.mark.parametrize("width", [64, 128])

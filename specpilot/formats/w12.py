@@ -127,6 +127,9 @@ class W12NK(_EncodedMatrix):
     # static: the packed planes are stored tile by tile, each step's [64, 3 slot_k] tile contiguous
     # (`w12_mosaic.tile_rows`): packed is then [N * K / 2 / slot_k, 3 slot_k]
     tiled: bool = False
+    # static: each tiled step's rows have their 16-byte chunks XOR-permuted within each 64-byte plane
+    # (`w12_mosaic.xor_chunks`), so that the kernel's own loads hit distinct shared-memory banks
+    xor_chunks: bool = False
 
     @property
     def has_packed_planes(self) -> bool:
@@ -138,7 +141,7 @@ class W12NK(_EncodedMatrix):
 jax.tree_util.register_dataclass(W12NK, data_fields=["sm_t", "nib_t", "base7", "exc_ptr", "exc_row", "exc_col",
                                                      "exc_val", "slots", "packed"],
                                  meta_fields=["shape", "group_n", "group_k", "n_groups_k", "slot_k", "mma_order",
-                                              "adjacent", "tiled"])
+                                              "adjacent", "tiled", "xor_chunks"])
 ENCODED = (W12, W12NK)  # the weight types `linear` multiplies
 
 
@@ -417,7 +420,8 @@ def encode_params(params: dict, names: tuple[str, ...] = LINEAR_NAMES, lm_head: 
             step = w12_mosaic.run_block_k(*x.shape, rows)
             w12_mosaic.check_shape(*x.shape, step)
             nk = w12_mosaic.to_nk(w, step, mma=w12_mosaic.default_mma(*x.shape, rows),
-                                  adjacent=w12_mosaic.ADJACENT, tiled=w12_mosaic.TILED)
+                                  adjacent=w12_mosaic.ADJACENT, tiled=w12_mosaic.TILED,
+                                  xor_chunks=w12_mosaic.run_xor_chunks(step))
             if nk.adjacent != w12_mosaic.ADJACENT:  # a step overflows its slot row: keep bf16, so that every
                 return x  # matrix of a run pairs its rows as the runs' twin does (`_mosaic_rows`)
             if w12_mosaic.WIDE_SWIZZLE and step == 128 and not w12_mosaic.run_w12_options(nk)["wide_swizzle"]:
