@@ -22,7 +22,8 @@ Design choices (the measurements behind each: docs/notes_w12.md):
   exact, 0-3% off the kernel, but AR decode was slower with x unpadded, so runs pad (`PAD_X`).
 - Exceptions: `to_nk` tabulates each step's exceptions (`exception_slots`); the pipeline streams a step's
   row with its planes, and each listed exception overwrites its element (PTX: a predicated bit-select in
-  the register that holds it; jnp: `where` against a packed iota).
+  the register that holds it, compared only by the threads that hold its row, `owner_branch`; jnp:
+  `where` against a packed iota).
   Matrices with a step of more than 255 exceptions fall back to the CSR lists, read from global memory.
 - The twin (`bf16_mosaic_partials`) is the same kernel with the bf16 W^T tiles streamed by the same
   pipeline instead of decoded: same wgmma calls on the same values in the same order. W12 is lossless iff
@@ -33,8 +34,10 @@ Design choices (the measurements behind each: docs/notes_w12.md):
   the H200 but slower in AR decode, so runs leave it off (`SUM_SPLITS_IN_KERNEL`).
 - `tiled` planes (each step's tile contiguous, `to_nk(tiled=True)`; the twin's `tile_twin`) copied
   `plain_planes` (one unswizzled 12 KB box per step, plain loads): exact, 4-6% off the kernel at the big
-  layer shapes at up to 16 rows and 2.4% off AR decode: on in runs (`TILED`, `PLAIN_PLANES`). `early_base` (the bases'
-  copy issued alongside the pipeline) made AR slower: off (`EARLY_BASE`).
+  layer shapes at up to 16 rows and 2.4% off AR decode: on in runs (`TILED`, `PLAIN_PLANES`). Their rows
+  are stored in `chunk_order` (`to_nk(xor_chunks=True)`, runs `XOR_CHUNKS`) and loaded by the PTX decode
+  itself, so no load has a bank conflict (plain rows of 192 bytes gave 4-way ones). `early_base` (the
+  bases' copy issued alongside the pipeline) made AR slower: off (`EARLY_BASE`).
 - The step follows the shape and the rows per call (`default_block_k`): 128 half-rows over 2 stages at the
   LM head for up to 16 rows, 64 elsewhere, over 3 stages up to 16 rows and 2 from 32 (`default_stages`).
   Warp specialization (`warp_specialized`) is exact on the GPU but not faster; not yet: M > 64.
