@@ -300,7 +300,7 @@ def test_bench_other_shapes():
         bench_w12.main(["--shapes", "128x"])
 
 
-def test_bench_profile_table(tmp_path):
+def test_bench_profile_table(tmp_path, capsys):
     """`bench_w12.py --table`: rows from recorded profiles, the ratio taken against the faster bf16 path;
     non-default Mosaic variants and unprofiled implementations are left out."""
     import json
@@ -326,6 +326,13 @@ def test_bench_profile_table(tmp_path):
     # --table-w12 picks a recorded W12 variant against the default twin
     table = bench_w12.profile_table([str(path)], {"subtile": True})
     assert table[2:] == ["| q/o | 1 | 16.0 / 15.0 / 1.0 | 15.0 / 14.0 / 1.0 | 12.0 / 10.0 / 1.0 | 14.00x | 10.00x |"]
+    # the closing summary never takes a diagnostic variant (wrong values) as the best W12, nor its
+    # inexact check as the row's
+    diag = {**row("w12_mg", 0.5, 1.0, 1.0, {"diagnostic": "copies_only"}), "bit_exact": False}
+    good = {**row("w12_mg", 20.0, 1.0, 1.0, {}), "bit_exact": True}
+    bench_w12.summary([row("xla_bf16", 16.0, 15.0, 12.0), diag, good])
+    line = capsys.readouterr().out.strip().splitlines()[-1].split()
+    assert line[13] == "20.0" and line[14] == "0.80" and line[-1] == "True"
 
 
 # ---- the PTX decoder, executed on the CPU -------------------------------------------------------------
