@@ -90,6 +90,9 @@ class _MosaicCases:
             mk.w12_mosaic_partials(x, nk, planes="upcast", interpret=self.interpret)
         assert_same_bits(mk.w12_mosaic_partials(x, unpacked, interpret=self.interpret), twin)  # "auto": upcast
 
+    # Options the runs leave off (measured slower on the H200): their interpreter runs take 30-50 s each
+    # on 2 CPU cores, so the default CPU suite skips them (`-m slow`); `-m gpu` still runs them compiled.
+    @pytest.mark.slow
     def test_unpadded_x_and_8_row_tiles_bit_identical_to_bf16_twin(self):
         """x read as it is (`pad_x=False`: the tiles' copies overhang x's rows, TMA fills zeros; the interpreter
         pads) and 8-row x tiles (`mp=8`, the smallest wgmma N): W12 against its twin under the same options,
@@ -121,6 +124,7 @@ class _MosaicCases:
         with pytest.raises(NotImplementedError, match="takes fold_x=False or adjacent"):
             mk.bf16_mosaic_partials(x, w_t, pad_x=False, fold_x=True, interpret=self.interpret)
 
+    @pytest.mark.slow  # an option the runs leave off: see test_unpadded_x_and_8_row_tiles_...
     def test_splits_summed_in_the_kernel_equal_the_summed_partials(self):
         """sum_splits_in_kernel: the last split's program adds the others' partials (semaphores when
         compiled) in index order: the same bits as `sum_splits` over the partials, for W12 and the twin,
@@ -146,6 +150,7 @@ class _MosaicCases:
             mk.w12_mosaic_partials(x, nk, interpret=self.interpret, warp_specialized=True,
                                    sum_splits_in_kernel=True)
 
+    @pytest.mark.slow  # an option the runs leave off: see test_unpadded_x_and_8_row_tiles_...
     def test_tiled_planes_and_early_bases_bit_identical_to_bf16_twin(self):
         """Planes stored tile by tile (`to_nk(tiled=True)`: each step's tile one contiguous run) and the
         bases' copy issued alongside the pipeline (`early_base`) give the twin's bits, and so does the
@@ -182,6 +187,7 @@ class _MosaicCases:
         with pytest.raises(NotImplementedError, match="tiled weights are packed W12 planes"):
             mk.w12_mosaic_partials(x, nk, interpret=ip, warp_specialized=True)
 
+    @pytest.mark.slow  # an option the runs leave off: see test_unpadded_x_and_8_row_tiles_...
     def test_warp_specialized_bit_identical_to_bf16_twin(self):
         """warp_specialized: two consumer warpgroups per program (128 W^T rows, x shared) and a copying
         warpgroup; same wgmma calls per 64 rows as the plain kernel, so the same twin's bits. Slot table and
