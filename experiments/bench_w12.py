@@ -362,7 +362,6 @@ def summary(rows) -> None:
           f"{'twin_mg us':>10s} {'w12_mg us':>9s} {'w12/xla':>8s} "
           f"{'w12/twin':>8s} exact")
     keys = sorted({(r["shape"], r["m"]) for r in rows}, key=lambda t: (t[0], t[1]))
-    # timing diagnostics of the Mosaic kernel (`diagnostic=...`) compute wrong values: never the best W12
     rows = [r for r in rows if not (r.get("mg") or {}).get("diagnostic")]
     for s, m in keys:
         best = {}

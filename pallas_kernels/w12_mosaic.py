@@ -161,19 +161,18 @@ WIDE_SWIZZLE = False
 # timed on the H200 in the tenth pass (docs/performance.md).
 OWNER_BRANCH = True
 
-# Whether runs store tiled steps of 64 in `chunk_order` (`to_nk(xor_chunks=True)`), so that the PTX decode
-# loads the plainly copied tiles without bank conflicts (the plain loads' are 4-way). Exact on the H200;
-# the loads then cost nothing over the copies, the kernel 0.1-0.5 us less at the layer shapes, AR decode
-# 4.490 against 4.540 ms per token (docs/performance.md, tenth pass): on.
-XOR_CHUNKS = True
-
-
 # Whether runs copy the packed plane tiles plain (`plain_planes`: one box as stored, neither tiled nor
 # swizzled; steps of 64 only, a box row holds <= 256 bytes); with `TILED`, each step's tile is then one
 # contiguous copy. Exact on the H200; plain tiled planes took 4-6% off the kernel at gate/up and down at
 # 1-16 rows (mg33, mg38; level to 6% at 32-64) and made AR decode 2.4% faster (docs/performance.md,
 # ninth pass): on.
 PLAIN_PLANES = True
+
+# Whether runs store tiled steps of 64 in `chunk_order` (`to_nk(xor_chunks=True)`), so that the PTX decode
+# loads the plainly copied tiles without bank conflicts (the plain loads' are 4-way). Exact on the H200;
+# the loads then cost nothing over the copies, the kernel 0.1-0.5 us less at the layer shapes, AR decode
+# 4.490 against 4.540 ms per token (docs/performance.md, tenth pass): on.
+XOR_CHUNKS = True
 
 
 def run_block_k(k: int, n: int, rows: int = 1) -> int:
@@ -575,20 +574,6 @@ def _ptx_decode(dec_layout, shape, use_slots: bool, col_offset: int = 0, mma: bo
                                   ",".join(["=r"] * n_out + ["r"] * len(args)))
             return [llvm.extractvalue(i32, res, [q]) for q in range(n_out)]
 
-        if from_ref:  # the three planes' registers, loaded here from the chunk-ordered tile
-            lay = base7.layout  # the upcast layout the planes would have been loaded in
-            regs_shape = base7.registers.shape
-            ptr = mgpu_utils.memref_ptr(tile_ref)
-            i8 = ir.IntegerType.get_signless(8)
-            loaded = []  # per register: [lo, hi, nib] words
-            for rc in lay.thread_idxs(shape):
-                r, c = (arith.index_cast(i32, v) for v in rc)
-                chunk = arith.shli(arith.andi(arith.shrui(r, mgpu_utils.c(1, i32)), mgpu_utils.c(3, i32)),
-                                   mgpu_utils.c(4, i32))  # ((r // 2) % 4) * 16: `chunk_order`
-                off = arith.addi(arith.muli(r, mgpu_utils.c(3 * shape[1], i32)), arith.xori(c, chunk))
-                loaded.append([llvm.load(i32, mgpu_utils.getelementptr(
-                    ptr, [arith.addi(off, mgpu_utils.c(q * shape[1], i32))], i8), alignment=4) for q in range(3)])
-            layout_of_planes = lay
         if part is not None:  # the part's column groups (dimension 1 of the upcast layout's registers)
             width = s_lo.shape[1]
 
@@ -603,10 +588,24 @@ def _ptx_decode(dec_layout, shape, use_slots: bool, col_offset: int = 0, mma: bo
                 return out_
 
             s_lo, s_hi, nib = cut(s_lo), cut(s_hi), cut(nib)
-        if not from_ref:
-            regs_shape = s_lo.registers.shape
+        # the planes' layout (base7's, when the function loads them itself) and, per register, the (row,
+        # column) of its first element
+        lay = base7.layout if from_ref else s_lo.layout
+        regs_shape = base7.registers.shape if from_ref else s_lo.registers.shape
+        positions = ([tuple(arith.index_cast(i32, v) for v in rc) for rc in lay.thread_idxs(shape)]
+                     if from_ref or use_slots else [])
+        if from_ref:  # the three planes' registers, loaded here from the chunk-ordered tile
+            ptr = mgpu_utils.memref_ptr(tile_ref)
+            i8 = ir.IntegerType.get_signless(8)
+            loaded = []  # per register: [lo, hi, nib] words
+            for r, c in positions:
+                chunk = arith.shli(arith.andi(arith.shrui(r, mgpu_utils.c(1, i32)), mgpu_utils.c(3, i32)),
+                                   mgpu_utils.c(4, i32))  # ((r // 2) % 4) * 16: `chunk_order`
+                off = arith.addi(arith.muli(r, mgpu_utils.c(3 * shape[1], i32)), arith.xori(c, chunk))
+                loaded.append([llvm.load(i32, mgpu_utils.getelementptr(
+                    ptr, [arith.addi(off, mgpu_utils.c(q * shape[1], i32))], i8), alignment=4) for q in range(3)])
+        else:
             loaded = [[word(t.registers[idx]) for t in (s_lo, s_hi, nib)] for idx in np.ndindex(regs_shape)]
-            layout_of_planes = s_lo.layout
         words = []  # per register: [lo0, lo1, hi0, hi1]
         for q, idx in enumerate(np.ndindex(regs_shape)):
             words.append(asm(4, [*loaded[q], word(base7.registers[idx])],
@@ -616,8 +615,7 @@ def _ptx_decode(dec_layout, shape, use_slots: bool, col_offset: int = 0, mma: bo
             i64 = ir.IntegerType.get_signless(64)
             keys = []  # per register: row << 8 | first column (the half bit is added for the upper tile)
             rows = mgpu_utils.c(0, i64)  # bit r set for each tile row r this thread holds
-            for rc in layout_of_planes.thread_idxs(shape):
-                r, c = (arith.index_cast(i32, v) for v in rc)
+            for r, c in positions:
                 c = arith.addi(c, mgpu_utils.c(col_offset, i32))  # the tile's first column in the table row
                 keys.append(arith.ori(arith.shli(r, mgpu_utils.c(8, i32)), c))
                 rows = arith.ori(rows, arith.shli(mgpu_utils.c(1, i64), arith.extui(i64, r)))
@@ -674,7 +672,7 @@ def _ptx_decode(dec_layout, shape, use_slots: bool, col_offset: int = 0, mma: bo
             for q, idx in enumerate(np.ndindex(regs_shape)):
                 w0, w1 = words[q][first], words[q][first + 1]
                 regs[idx] = mgpu_utils.vector_concat([mgpu_utils.bitcast(w0, pair), mgpu_utils.bitcast(w1, pair)])
-            return mgpu.FragmentedArray(_registers=regs, _layout=layout_of_planes, _is_signed=None)
+            return mgpu.FragmentedArray(_registers=regs, _layout=lay, _is_signed=None)
 
         return array(0), array(2)
 

@@ -128,7 +128,7 @@ class W12NK(_EncodedMatrix):
     # (`w12_mosaic.tile_rows`): packed is then [N * K / 2 / slot_k, 3 slot_k]
     tiled: bool = False
     # static: each tiled step's rows have their 16-byte chunks XOR-permuted within each 64-byte plane
-    # (`w12_mosaic.xor_chunks`), so that the kernel's own loads hit distinct shared-memory banks
+    # (`w12_mosaic.chunk_order`), so that the kernel's own loads hit distinct shared-memory banks
     xor_chunks: bool = False
 
     @property
