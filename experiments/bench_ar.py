@@ -328,8 +328,6 @@ MOSAIC_SWITCHES = (
      "store tiled steps of 64 in the bank-conflict-free chunk order (loaded by the PTX decode) or as they are"),
     ("--w12-owner-branch", "OWNER_BRANCH",
      "patch exceptions only in the threads that hold their row, or compare them in every thread"),
-    ("--w12-async-mma", "ASYNC_MMA",
-     "let each step's wgmma groups run on through the next step (tiles released a step later) or wait for them"),
 )
 
 

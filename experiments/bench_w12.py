@@ -186,7 +186,7 @@ def bench_shape(name, k, n, ms, args, interpret, copy_bw, record):
                         for e in ws_w12]
                 twin_opts = {key: v for key, v in mg.items()
                              if key in ("block_k", "stages", "split", "fold_x", "adjacent", "mp", "pad_x",
-                                        "sum_splits_in_kernel", "tiled", "async_mma")}
+                                        "sum_splits_in_kernel", "tiled")}
                 if mg.get("subtile"):  # 64-row sub-steps: the twin at block_k 64, with W12's split
                     twin_opts.update(block_k=64, split=int(mg.get("split", 0)) or mk.default_split(k, n, bk))
                 if "twin_a" in mg:  # the twin's A operand ("registers": its bf16 tiles through registers)

@@ -45,7 +45,6 @@ Design choices (the measurements behind each: docs/notes_w12.md):
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 
 import jax
@@ -175,10 +174,6 @@ PLAIN_PLANES = True
 # 4.490 against 4.540 ms per token (docs/performance.md, tenth pass): on.
 XOR_CHUNKS = True
 
-# Whether runs let each step's wgmma groups run on through the next step's wait and decode (`async_mma`,
-# both kernels: the same bits either way). Not yet timed on the H200: off.
-ASYNC_MMA = False
-
 
 def run_block_k(k: int, n: int, rows: int = 1) -> int:
     """The step runs pack a [K, N] weight for: 128 with `WIDE_SWIZZLE` where the shape takes it, else
@@ -213,9 +208,8 @@ def run_twin_steps(k: int, n: int, rows: int = 1) -> dict:
 
 
 def run_options(adjacent: bool) -> dict:
-    """The options runs pass to either kernel (`PAD_X`, `SUM_SPLITS_IN_KERNEL`, `ASYNC_MMA`)."""
-    return dict(pad_x=PAD_X, fold_x=PAD_X or adjacent, sum_splits_in_kernel=SUM_SPLITS_IN_KERNEL,
-                async_mma=ASYNC_MMA)
+    """The options runs pass to either kernel (`PAD_X`, `SUM_SPLITS_IN_KERNEL`)."""
+    return dict(pad_x=PAD_X, fold_x=PAD_X or adjacent, sum_splits_in_kernel=SUM_SPLITS_IN_KERNEL)
 
 
 MAX_SLOTS = 256  # a step's slot row is one TMA box (<= 256 elements): 1 count + up to 255 exceptions
@@ -699,7 +693,7 @@ def _kernel_call(x, operands, *, k: int, n: int, mp: int, block_k: int, split: i
                  warp_specialized: bool = False, subtile: bool = False, mma: bool = False,
                  adjacent: bool = False, sum_splits_in_kernel: bool = False, tiled: bool = False,
                  early_base: bool = False, wide_swizzle: bool = False, plain_planes: bool = False,
-                 owner_branch: bool = True, xor_chunks: bool = False, async_mma: bool = False):
+                 owner_branch: bool = True, xor_chunks: bool = False):
     ws = warp_specialized
     # sum_splits_in_kernel: programs of splits 0 .. S-2 store their partials to a workspace and signal their
     # column block's semaphore; the split S-1 program waits for them, adds the partials in index order with
@@ -756,14 +750,6 @@ def _kernel_call(x, operands, *, k: int, n: int, mp: int, block_k: int, split: i
     if xor_chunks and not (plain_planes and tiled and block_k == 64 and not subtile and not ws):
         raise NotImplementedError("xor_chunks planes are tiled steps of 64 copied plain (plain_planes), without "
                                   "subtile or warp_specialized")
-    # async_mma: a step's wgmma groups run on while the next step waits for its copies and decodes; they are
-    # waited for at the end of that next step, and every tile is released one step later (the pipeline's
-    # `delay_release`), so the copies run stages - 1 steps ahead. The accumulation order is unchanged.
-    if async_mma and (ws or subtile or stages < 2):
-        raise NotImplementedError(f"async_mma takes 2 or more stages, without subtile or warp_specialized "
-                                  f"(stages={stages})")
-    if async_mma and w12 and not a_in_registers and not interpret:  # one decoded A buffer per consumer
-        raise NotImplementedError("async_mma takes W12's decoded tiles in registers (a_operand='registers')")
     plain = planes == "wgmma" or plain_planes
     plane_tiles = () if plain else _transforms(8, block_k if wide_swizzle else mma_k)
 
@@ -1003,14 +989,10 @@ def _kernel_call(x, operands, *, k: int, n: int, mp: int, block_k: int, split: i
                     plgpu.commit_smem()
                 plgpu.wgmma(acc, a_lo, b_lo)
                 plgpu.wgmma(acc, a_hi, b_hi)
-                # before the pipeline refills these buffers (or the next sub-step); async_mma: the previous
-                # step's two groups, whose buffers are released after this step
-                plgpu.wgmma_wait(2 if async_mma else 0)
+                plgpu.wgmma_wait(0)  # before the pipeline refills these buffers (or the next sub-step)
 
         def store(acc):  # the program's partial, or (sum_splits_in_kernel) the column block's sum
             rows = pl.ds(state["row0"], BN)
-            if async_mma:  # the last step's groups
-                plgpu.wgmma_wait(0)
             if not fixup:  # (one split: si = 0, the sum's own index)
                 o_gmem[si, rows, :] = acc[...]
                 return
@@ -1036,14 +1018,11 @@ def _kernel_call(x, operands, *, k: int, n: int, mp: int, block_k: int, split: i
                 o_gmem[0, rows, :] = total + acc[...]
 
         gmem_refs = (*(x_gmem,) * len(x_specs), *w_gmem_refs)
-        in_specs = [*x_specs, *w_specs]
-        if async_mma:  # a step's tiles stay until the next step has waited for its wgmma groups
-            in_specs = [dataclasses.replace(sp, delay_release=1) for sp in in_specs]
         if not ws:
             setup()
 
             def scope(acc):
-                plgpu.emit_pipeline(functools.partial(step, acc), grid=(steps,), in_specs=in_specs,
+                plgpu.emit_pipeline(functools.partial(step, acc), grid=(steps,), in_specs=[*x_specs, *w_specs],
                                     max_concurrent_steps=stages)(*gmem_refs)
                 store(acc)
 
@@ -1140,8 +1119,7 @@ def _prepare_x(x: jax.Array, k: int, n: int, block_k: int, mp: int | None = None
 @functools.partial(jax.jit, static_argnames=("block_k", "split", "stages", "interpret", "exceptions", "diagnostic",
                                              "planes", "a_operand", "decode", "fold_x", "warp_specialized",
                                              "subtile", "raw", "mp", "pad_x", "sum_splits_in_kernel",
-                                             "early_base", "wide_swizzle", "plain_planes", "owner_branch",
-                                             "async_mma"))
+                                             "early_base", "wide_swizzle", "plain_planes", "owner_branch"))
 def w12_mosaic_partials(x: jax.Array, w: W12NK, block_k: int | None = None, split: int | None = None,
                         stages: int | None = None,
                         interpret: bool = False, exceptions: str = "auto", diagnostic: str = "",
@@ -1150,7 +1128,7 @@ def w12_mosaic_partials(x: jax.Array, w: W12NK, block_k: int | None = None, spli
                         raw: bool = False, mp: int | None = None, pad_x: bool = True,
                         sum_splits_in_kernel: bool = False, early_base: bool = False,
                         wide_swizzle: bool = False, plain_planes: bool = False,
-                        owner_branch: bool = True, async_mma: bool = False) -> jax.Array:
+                        owner_branch: bool = True) -> jax.Array:
     """x [M, K] bf16 (M <= 64), W12NK [K, N] -> partial products [split, M, N] float32.
 
     block_k: the step `to_nk` packed the planes for (`w.slot_k`) by default; stages: `default_stages`.
@@ -1188,10 +1166,7 @@ def w12_mosaic_partials(x: jax.Array, w: W12NK, block_k: int | None = None, spli
     for the others' partials, then adds them in index order, its own last: `sum_splits`'s order and bits)
     and returns one "split", [1, N, Mp] raw; no XLA sum follows. Not with warp_specialized.
     early_base: the rows' bases are copied alongside the pipeline's first steps instead of before them
-    (`_kernel_call`). Planes packed `tiled` (`to_nk`) are read one contiguous tile per step.
-    async_mma: each step's wgmma groups are waited for at the end of the next step (its copies and decode
-    run meanwhile) and every tile is released a step later; the same products in the same order, so the
-    same bits (`_kernel_call`)."""
+    (`_kernel_call`). Planes packed `tiled` (`to_nk`) are read one contiguous tile per step."""
     k, n = w.shape
     block_k = block_k or w.slot_k or default_block_k(k, n)
     if (exceptions not in ("auto", "csr")
@@ -1226,26 +1201,24 @@ def w12_mosaic_partials(x: jax.Array, w: W12NK, block_k: int | None = None, spli
                        adjacent=w.adjacent, sum_splits_in_kernel=sum_splits_in_kernel,
                        tiled=w.tiled and planes == "packed", early_base=early_base, wide_swizzle=wide_swizzle,
                        plain_planes=plain_planes, owner_branch=owner_branch,
-                       xor_chunks=w.xor_chunks and planes == "packed", async_mma=async_mma)
+                       xor_chunks=w.xor_chunks and planes == "packed")
     return out if raw else jnp.swapaxes(out, 1, 2)[:, :m]
 
 
 @functools.partial(jax.jit, static_argnames=("block_k", "split", "stages", "interpret", "a_operand", "fold_x",
                                              "raw", "adjacent", "mp", "pad_x", "sum_splits_in_kernel",
-                                             "tiled", "async_mma"))
+                                             "tiled"))
 def bf16_mosaic_partials(x: jax.Array, w_t: jax.Array, block_k: int | None = None, split: int | None = None,
                          stages: int | None = None, interpret: bool = False, a_operand: str = "smem",
                          fold_x: bool = True, raw: bool = False, adjacent: bool = False, mp: int | None = None,
-                         pad_x: bool = True, sum_splits_in_kernel: bool = False, tiled: bool = False,
-                         async_mma: bool = False) -> jax.Array:
+                         pad_x: bool = True, sum_splits_in_kernel: bool = False, tiled: bool = False) -> jax.Array:
     """The twin: the same kernel over the original bf16 weight, given transposed (w_t [N, K] = W^T, stored
     once like `to_nk`'s planes), its tiles streamed by the same pipeline straight to the same wgmma calls.
     block_k and stages default as W12's do for the same shape, so the defaults of the two pair up.
     adjacent: each step pairs two adjacent row blocks, as W12 planes packed with `to_nk(adjacent=True)` do
     (the twin of such a matrix); x is then read as it is. mp, pad_x, sum_splits_in_kernel: as W12's.
     tiled: w_t is `tile_twin(W^T, block_k, adjacent)`, [N / 64 * steps * 64, 2 block_k]: one contiguous
-    copy per step (the twin of W12 planes packed `tiled`; the same products, bit for bit). async_mma: as
-    W12's (the same bits either way)."""
+    copy per step (the twin of W12 planes packed `tiled`; the same products, bit for bit)."""
     if tiled:  # the step is the tiles' width; N follows from x's K
         k = x.shape[-1]
         if block_k and w_t.shape[1] != 2 * block_k:
@@ -1265,7 +1238,7 @@ def bf16_mosaic_partials(x: jax.Array, w_t: jax.Array, block_k: int | None = Non
     split = split or default_split(k, n, block_k)
     out = _kernel_call(x_p, (w_t,), k=k, n=n, mp=mp, block_k=block_k, split=split, stages=stages, w12=False,
                        fmt={}, interpret=interpret, a_operand=a_operand, fold_x=fold_x, adjacent=adjacent,
-                       sum_splits_in_kernel=sum_splits_in_kernel, tiled=tiled, async_mma=async_mma)
+                       sum_splits_in_kernel=sum_splits_in_kernel, tiled=tiled)
     return out if raw else jnp.swapaxes(out, 1, 2)[:, :m]
 
 

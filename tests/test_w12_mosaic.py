@@ -356,31 +356,6 @@ class _MosaicCases:
         with pytest.raises(ValueError, match="xor_chunks stores tiled planes of steps of 64"):
             mk.to_nk(enc, block_k=128, tiled=True, xor_chunks=True)
 
-    def test_async_mma_bit_identical_to_bf16_twin(self):
-        """With each step's wgmma groups left running through the next step (`async_mma`, tiles released a
-        step later), W12 (the runs' tiled, chunk-ordered planes) and the twin give the synchronous twin's
-        bits: 1, 2 and 4 steps per program, 1-64 rows, 2 and 3 stages. One stage, sub-steps and warp
-        specialization are refused."""
-        k, n = 512, 128
-        w = _special_exceptions(k, n, seed=16)
-        enc = w12.encode(w)
-        ip = self.interpret
-        twin_w = mk.tile_twin(jnp.asarray(w).T, 64)
-        nk = mk.to_nk(enc, block_k=64, mma=True, tiled=True, xor_chunks=True)
-        for m, split, stages in ((1, 1, 3), (16, 2, 2), (64, 4, 2)):
-            x = jnp.asarray(np.random.default_rng(m + 3).standard_normal((m, k)), jnp.bfloat16)
-            twin = mk.bf16_mosaic_partials(x, twin_w, block_k=64, split=split, tiled=True, interpret=ip)
-            twin_async = mk.bf16_mosaic_partials(x, twin_w, block_k=64, split=split, stages=stages, tiled=True,
-                                                 async_mma=True, interpret=ip)
-            assert_same_bits(twin_async, twin)
-            got = mk.w12_mosaic_partials(x, nk, split=split, stages=stages, plain_planes=True, async_mma=True,
-                                         interpret=ip)
-            assert_same_bits(got, twin)
-        with pytest.raises(NotImplementedError, match="async_mma takes 2 or more stages"):
-            mk.w12_mosaic_partials(x, nk, stages=1, plain_planes=True, async_mma=True, interpret=ip)
-        with pytest.raises(NotImplementedError, match="async_mma takes 2 or more stages"):
-            mk.w12_mosaic_partials(x, mk.to_nk(enc, block_k=128), subtile=True, async_mma=True, interpret=ip)
-
     def test_mma_order_bit_identical_to_bf16_twin(self):
         """Planes packed in mma order (`to_nk(mma=True)`: the decode writes the wgmma registers directly)
         give the twin's bits: slot-table exceptions in both K halves and sub-steps, Inf / NaN, two splits,
@@ -540,7 +515,7 @@ def test_lowers_for_cuda(k, n):
                     pnk = dataclasses.replace(nk, mma_order=True, tiled=tiled, xor_chunks=xor, packed=s(
                         (n * (k // 2 // 64), 3 * 64) if tiled else (n, 3 * k // 2), jnp.int8))
                     for opts in (dict(decode="ptx"), dict(diagnostic="copies_only"),
-                                 dict(diagnostic="ptx_load_only"), dict(decode="ptx", async_mma=True)):
+                                 dict(diagnostic="ptx_load_only")):
                         fn = jax.jit(functools.partial(mk.w12_mosaic_partials, plain_planes=True, **opts))
                         assert "mosaic_gpu" in fn.trace(s((m, k), jnp.bfloat16), pnk).lower(
                             lowering_platforms=("cuda",)).as_text()
@@ -551,11 +526,10 @@ def test_lowers_for_cuda(k, n):
                                                packed=s((n * (k // 2 // 64), 3 * 64), jnp.int8))
                 assert "mosaic_gpu" in fn.trace(s((m, k), jnp.bfloat16), tiled_nk).lower(
                     lowering_platforms=("cuda",)).as_text()
-                for async_mma in (False, True):
-                    twin = jax.jit(functools.partial(mk.bf16_mosaic_partials, tiled=True, async_mma=async_mma))
-                    twin_w = s((n * (k // 2 // 64), 128), jnp.bfloat16)
-                    assert "mosaic_gpu" in twin.trace(s((m, k), jnp.bfloat16), twin_w).lower(
-                        lowering_platforms=("cuda",)).as_text()
+                twin = jax.jit(functools.partial(mk.bf16_mosaic_partials, tiled=True))
+                assert "mosaic_gpu" in twin.trace(s((m, k), jnp.bfloat16), s((n * (k // 2 // 64), 128),
+                                                                             jnp.bfloat16)).lower(
+                    lowering_platforms=("cuda",)).as_text()
         for m in (1, 64):  # warp-specialized programs (two consumers and a copying warpgroup)
             if slot_k and n % 128 == 0:
                 fn = jax.jit(functools.partial(mk.w12_mosaic_partials, warp_specialized=True, decode="ptx"))
@@ -696,7 +670,7 @@ def test_runs_with_unpadded_x_pair_as_their_twin(monkeypatch):
     x = jnp.asarray(np.random.default_rng(2).standard_normal((3, k)), jnp.bfloat16)
     padded = w12.linear(x, wq, out_dtype=jnp.float32, interpret=True)
     monkeypatch.setattr(mk, "PAD_X", False)
-    assert mk.run_options(False) == dict(pad_x=False, fold_x=False, sum_splits_in_kernel=False, async_mma=False)
+    assert mk.run_options(False) == dict(pad_x=False, fold_x=False, sum_splits_in_kernel=False)
     assert mk.run_options(True)["fold_x"]
     got = w12.linear(x, wq, out_dtype=jnp.float32, interpret=True)
     twin = w12.linear(x, w, out_dtype=jnp.float32, interpret=True, dense_kernel=True, implementation="mosaic")
