@@ -37,7 +37,8 @@ Design choices (the measurements behind each: docs/notes_w12.md):
   layer shapes at up to 16 rows and 2.4% off AR decode: on in runs (`TILED`, `PLAIN_PLANES`). Their rows
   are stored in `chunk_order` (`to_nk(xor_chunks=True)`, runs `XOR_CHUNKS`) and loaded by the PTX decode
   itself, so no load has a bank conflict (plain rows of 192 bytes gave 4-way ones). `early_base` (the
-  bases' copy issued alongside the pipeline) made AR slower: off (`EARLY_BASE`).
+  bases' copy issued alongside the pipeline, waited for in the first step) is on in runs (`EARLY_BASE`).
+- The K split (`default_split`): 2 programs per SM, unless that needs a second wave of programs.
 - The step follows the shape and the rows per call (`default_block_k`): 128 half-rows over 2 stages at the
   LM head for up to 16 rows, 64 elsewhere, over 3 stages up to 16 rows and 2 from 32 (`default_stages`).
   Warp specialization (`warp_specialized`) is exact on the GPU but not faster; not yet: M > 64.
@@ -144,9 +145,12 @@ SUM_SPLITS_IN_KERNEL = False
 # whether the W12 kernel copies its rows' bases alongside the pipeline (`early_base`) instead of before it.
 # Tiled planes copied plain (`PLAIN_PLANES`: one contiguous 12 KB copy per step) made AR decode 2.4% faster:
 # 4.59 against 4.71 ms per token in one session (docs/performance.md, ninth pass): on. Early bases, with
-# tiled swizzled planes, made AR slower (5.05 against 4.75 ms per token, eighth pass): off.
+# tiled swizzled planes, made AR slower (5.05 against 4.75 ms per token, eighth pass); with plain chunk-ordered
+# tiles they take 0.4 us (8%) off [4096, 1024], 0.2-1.0 us off [4096, 4096], and are level at the big shapes
+# (mg48, eleventh pass), and AR decode was faster with them (4.34 against 4.50 ms per token, with `SUM_BARRIER`;
+# docs/performance.md, eleventh pass): on.
 TILED = True
-EARLY_BASE = False
+EARLY_BASE = True
 
 
 # Whether runs pack every W12 matrix at steps of 128 half-rows, copied as 128-byte-swizzled tiles and decoded
@@ -173,6 +177,12 @@ PLAIN_PLANES = True
 # the loads then cost nothing over the copies, the kernel 0.1-0.5 us less at the layer shapes, AR decode
 # 4.490 against 4.540 ms per token (docs/performance.md, tenth pass): on.
 XOR_CHUNKS = True
+
+# Whether runs (`w12._mosaic_rows`) materialize each product after its split sum (an optimization barrier),
+# W12 and twin alike. Without it XLA fused the sum of the fused qkv matrix's partials into the k-norm's
+# 8-output reduce and recomputed it there: 5.8 us per layer, 0.2 ms per token of AR decode on the H200
+# (docs/performance.md, sixth and eleventh passes). Bits are unchanged (the sum's order is written out).
+SUM_BARRIER = True
 
 
 def run_block_k(k: int, n: int, rows: int = 1) -> int:
@@ -397,18 +407,29 @@ def _transforms(bits: int, swizzle: int):
     return (plgpu.TilingTransform((8, swizzle * 8 // bits)), plgpu.SwizzleTransform(swizzle))
 
 
-def _split(kh: int, block_k: int, n: int, target_programs: int) -> int:
-    """Smallest split of the K/2 rows into whole steps giving `target_programs` programs (of 64 W^T rows)."""
+def _split(kh: int, block_k: int, n: int, target_programs: int, max_programs: int | None = None) -> int:
+    """Smallest split of the K/2 rows into whole steps giving `target_programs` programs (of 64 W^T rows);
+    if that gives more than `max_programs`, the largest split giving at most that many (and at least 1)."""
     steps = kh // block_k
-    for s in range(1, steps + 1):
-        if steps % s == 0 and (n // BN) * s >= target_programs:
-            return s
-    return steps
+    splits = [s for s in range(1, steps + 1) if steps % s == 0]
+    s = next((s for s in splits if (n // BN) * s >= target_programs), steps)
+    if max_programs is not None and (n // BN) * s > max_programs:
+        s = max([t for t in splits if (n // BN) * t <= max_programs] or [1])
+    return s
+
+
+# Programs per SM that one wave of the grid may hold: at 64 rows a program's stages take 56 KB of shared
+# memory (W12) or 64 KB (the twin), so 3 fit on an H200 SM. A grid of more programs than 3 per SM ran a
+# second wave there: [4096, 4096] at split 8 (512 programs) took 12.4-13.4 us at 64 rows against 10.6 at
+# split 4 (256), and [4096, 1024] at split 32 5.5-5.6 against 5.1-5.3 at 16 (docs/performance.md, mg48,
+# mg49); at the shapes whose default gives at most 3 per SM, the default split stayed the fastest.
+WAVE_PROGRAMS_PER_SM = 3
 
 
 def default_split(k: int, n: int, block_k: int) -> int:
-    """The K split both kernels take by default for a [K, N] weight at a step of block_k half-rows."""
-    return _split(k // 2, block_k, n, 2 * NUM_SMS_H200)
+    """The K split both kernels take by default for a [K, N] weight at a step of block_k half-rows: the
+    smallest giving 2 programs per SM, unless that needs more than one wave (`WAVE_PROGRAMS_PER_SM`)."""
+    return _split(k // 2, block_k, n, 2 * NUM_SMS_H200, WAVE_PROGRAMS_PER_SM * NUM_SMS_H200)
 
 
 def check_shape(k: int, n: int, block_k: int = 64):

@@ -976,3 +976,46 @@ def test_mma_order_default_and_stages_follow_the_rows():
         assert not mk.default_mma(4096, 12288, 1) and not mk.to_nk(enc).mma_order
     finally:
         mk.MMA_ORDER = old
+
+
+def test_default_split_fills_one_wave_of_programs():
+    """The default K split gives 2 programs (of 64 columns) per SM where one wave holds them (3 per SM),
+    else the largest split that fits one wave: at Qwen3-8B's matrices the splits measured fastest on the
+    H200 at 64 rows (docs/performance.md, mg48-mg49), and at every shape a whole number of steps per program."""
+    measured = {(4096, 4096): 4, (4096, 1024): 16, (4096, 12288): 2, (12288, 4096): 6}
+    for (k, n), split in measured.items():
+        assert mk.default_split(k, n, 64) == split
+    cap = mk.WAVE_PROGRAMS_PER_SM * mk.NUM_SMS_H200
+    for k in (512, 1024, 2048, 4096, 5120, 12288, 25600):
+        for n in (64, 128, 1024, 3072, 4096, 6144, 12288, 24576, 151936):
+            for block_k in (64, 128):
+                if (k // 2) % block_k:
+                    continue
+                steps, programs = k // 2 // block_k, n // mk.BN
+                s = mk.default_split(k, n, block_k)
+                assert steps % s == 0
+                assert programs * s <= cap or s == 1  # one wave, unless even one split is more
+                # no smaller split reaches 2 per SM; a larger one reaching it would overflow the wave
+                assert all(programs * t < 2 * mk.NUM_SMS_H200 for t in range(1, s) if steps % t == 0) \
+                    or programs * s < 2 * mk.NUM_SMS_H200
+                if programs * s < 2 * mk.NUM_SMS_H200 and s < steps:
+                    assert all(programs * t > cap for t in range(s + 1, steps + 1) if steps % t == 0)
+
+
+@pytest.mark.skipif(not _interpreter_available(), reason="this jax has no Mosaic GPU interpreter")
+def test_sum_barrier_materializes_the_product_and_keeps_the_bits(monkeypatch):
+    """`SUM_BARRIER` (on in runs) puts an optimization barrier after each product's split sum, W12 and twin
+    alike; the bits are those without it."""
+    k, n = 256, 128
+    w = jnp.asarray(adversarial_weights(k, n, seed=11, finite=True))
+    wq = w12.encode_params({"layers": ({"q": w},)}, kernel="mosaic", max_exception_rate=1.0)["layers"][0]["q"]
+    x = jnp.asarray(np.random.default_rng(6).standard_normal((3, k)), jnp.bfloat16)
+    out = {}
+    for barrier in (True, False):
+        monkeypatch.setattr(mk, "SUM_BARRIER", barrier)
+        fn = jax.jit(lambda x, w: w12.linear(x, w, out_dtype=jnp.float32, interpret=True))
+        assert ("optimization_barrier" in str(jax.make_jaxpr(fn)(x, wq))) == barrier
+        out[barrier] = fn(x, wq)
+        twin = w12.linear(x, w, out_dtype=jnp.float32, interpret=True, dense_kernel=True, implementation="mosaic")
+        assert_same_bits(out[barrier], twin)
+    assert_same_bits(out[True], out[False])

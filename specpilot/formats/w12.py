@@ -496,4 +496,6 @@ def _mosaic_rows(x: jax.Array, w, interpret: bool | None = None) -> jax.Array:
                 **w12_mosaic.run_options(adjacent)), len(r))
     parts = [call(rows[i:i + step]) for i in range(0, rows.shape[0], step)]
     y = parts[0] if len(parts) == 1 else jnp.concatenate(parts, axis=0)
+    if w12_mosaic.SUM_BARRIER:  # the summed product materialized: XLA does not recompute the sum in consumers
+        y = jax.lax.optimization_barrier(y)
     return y.reshape(*x.shape[:-1], n)
