@@ -147,8 +147,8 @@ SUM_SPLITS_IN_KERNEL = False
 # 4.59 against 4.71 ms per token in one session (docs/performance.md, ninth pass): on. Early bases, with
 # tiled swizzled planes, made AR slower (5.05 against 4.75 ms per token, eighth pass); with plain chunk-ordered
 # tiles they take 0.4 us (8%) off [4096, 1024], 0.2-1.0 us off [4096, 4096], and are level at the big shapes
-# (mg48, eleventh pass), and AR decode was faster with them (4.34 against 4.50 ms per token, with `SUM_BARRIER`;
-# docs/performance.md, eleventh pass): on.
+# (mg48, eleventh pass), and AR decode was faster with them (4.34 against 4.50 ms per token, both with
+# qkv's product materialized, `bench_ar.py --qkv-barrier`; docs/performance.md, eleventh pass): on.
 TILED = True
 EARLY_BASE = True
 
@@ -179,10 +179,12 @@ PLAIN_PLANES = True
 XOR_CHUNKS = True
 
 # Whether runs (`w12._mosaic_rows`) materialize each product after its split sum (an optimization barrier),
-# W12 and twin alike. Without it XLA fused the sum of the fused qkv matrix's partials into the k-norm's
-# 8-output reduce and recomputed it there: 5.8 us per layer, 0.2 ms per token of AR decode on the H200
-# (docs/performance.md, sixth and eleventh passes). Bits are unchanged (the sum's order is written out).
-SUM_BARRIER = True
+# W12 and twin alike; bits are unchanged (the sum's order is written out). XLA otherwise fuses the sum of the
+# fused qkv matrix's partials into the k-norm's 8-output reduce and recomputes it there (5.8 us per layer on
+# the H200). A barrier after qkv's product alone (`bench_ar.py --qkv-barrier`) removed that and made AR decode
+# faster (4.32-4.34 against 4.50 ms per token); one after every product kept the GPU's busy time but
+# lengthened the gaps between kernels (4.75 ms per token; docs/performance.md, eleventh pass): off.
+SUM_BARRIER = False
 
 
 def run_block_k(k: int, n: int, rows: int = 1) -> int:

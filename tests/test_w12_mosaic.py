@@ -1004,8 +1004,8 @@ def test_default_split_fills_one_wave_of_programs():
 
 @pytest.mark.skipif(not _interpreter_available(), reason="this jax has no Mosaic GPU interpreter")
 def test_sum_barrier_materializes_the_product_and_keeps_the_bits(monkeypatch):
-    """`SUM_BARRIER` (on in runs) puts an optimization barrier after each product's split sum, W12 and twin
-    alike; the bits are those without it."""
+    """`SUM_BARRIER` (off in runs: measured slower in AR decode) puts an optimization barrier after each
+    product's split sum, W12 and twin alike; the bits are those without it."""
     k, n = 256, 128
     w = jnp.asarray(adversarial_weights(k, n, seed=11, finite=True))
     wq = w12.encode_params({"layers": ({"q": w},)}, kernel="mosaic", max_exception_rate=1.0)["layers"][0]["q"]
