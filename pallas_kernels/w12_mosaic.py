@@ -146,7 +146,7 @@ SUM_SPLITS_IN_KERNEL = False
 # Tiled planes copied plain (`PLAIN_PLANES`: one contiguous 12 KB copy per step) made AR decode 2.4% faster:
 # 4.59 against 4.71 ms per token in one session (docs/performance.md, ninth pass): on. Early bases, with
 # tiled swizzled planes, made AR slower (5.05 against 4.75 ms per token, eighth pass); with plain chunk-ordered
-# tiles they take 0.4 us (8%) off [4096, 1024], 0.2-1.0 us off [4096, 4096], and are level at the big shapes
+# tiles they take 0.4-0.6 us off [4096, 1024], 0.2-1.0 us off [4096, 4096], and are level at the big shapes
 # (mg48, eleventh pass), and AR decode was faster with them (4.34 against 4.50 ms per token, both with
 # qkv's product materialized, `bench_ar.py --qkv-barrier`; docs/performance.md, eleventh pass): on.
 TILED = True
@@ -420,11 +420,12 @@ def _split(kh: int, block_k: int, n: int, target_programs: int, max_programs: in
     return s
 
 
-# Programs per SM that one wave of the grid may hold: at 64 rows a program's stages take 56 KB of shared
-# memory (W12) or 64 KB (the twin), so 3 fit on an H200 SM. A grid of more programs than 3 per SM ran a
-# second wave there: [4096, 4096] at split 8 (512 programs) took 12.4-13.4 us at 64 rows against 10.6 at
-# split 4 (256), and [4096, 1024] at split 32 5.5-5.6 against 5.1-5.3 at 16 (docs/performance.md, mg48,
-# mg49); at the shapes whose default gives at most 3 per SM, the default split stayed the fastest.
+# Programs per SM that one wave of the grid may hold: at 64 rows a program's two stages take 56 KB of shared
+# memory (W12) or 64 KB (the twin) of an H200 SM's 228 KB: room for 3, for W12 4 with none to spare. Grids
+# of 512 programs (3.9 per SM) were the slow ones there, for both kernels: [4096, 4096] at split 8 took
+# 12.4-13.4 us at 64 rows against 10.6 at split 4 (256 programs), and [4096, 1024] at split 32 5.5-5.6
+# against 5.1-5.3 at 16 (docs/performance.md, mg48, mg49); where the default gives at most 3 per SM, it
+# stayed the fastest split measured.
 WAVE_PROGRAMS_PER_SM = 3
 
 
