@@ -1016,6 +1016,7 @@ def test_default_split_fills_one_wave_of_programs():
                     assert all(programs * t > cap for t in range(s + 1, steps + 1) if steps % t == 0)
 
 
+@pytest.mark.slow  # an option the runs leave off (the interpreter's four products take a while on 2 cores)
 @pytest.mark.skipif(not _interpreter_available(), reason="this jax has no Mosaic GPU interpreter")
 def test_sum_barrier_materializes_the_product_and_keeps_the_bits(monkeypatch):
     """`SUM_BARRIER` (off in runs: measured slower in AR decode) puts an optimization barrier after each
