@@ -370,12 +370,12 @@ def to_nk(w: W12, block_k: int | None = None, pack: bool = True, mma: bool | Non
     (`tile_rows`; only with packed planes), so that each step's copy reads one contiguous 12 KB run.
     `xor_chunks` (with `tiled`, steps of 64): each tile's rows stored in `chunk_order` (`xor_tile_chunks`), read
     by the kernel's own conflict-free loads after a plain copy (`plain_planes`)."""
-    if xor_chunks and not (tiled and (block_k or default_block_k(*w.shape)) == 64):
+    k, n = w.shape
+    block_k = block_k or default_block_k(k, n)
+    if xor_chunks and not (tiled and block_k == 64):
         raise ValueError("xor_chunks stores tiled planes of steps of 64: to_nk(..., block_k=64, tiled=True, "
                          "xor_chunks=True)")
     exc = exception_lists(w)
-    k, n = w.shape
-    block_k = block_k or default_block_k(k, n)
     fits = (k // 2) % block_k == 0 and n % BN == 0
     mma = pack and (default_mma(k, n) if mma is None else mma)
     slots = exception_slots(w, block_k, mma=mma) if fits else None  # mma order renumbers, never moves, them
