@@ -186,6 +186,13 @@ XOR_CHUNKS = True
 # lengthened the gaps between kernels (4.75 ms per token; docs/performance.md, eleventh pass): off.
 SUM_BARRIER = False
 
+# Whether the model's fused qkv product through the W12 kernel is materialized before its split, norms and
+# RoPE (`dense._projections`: an optimization barrier after it; bits unchanged). Without it XLA fuses the sum
+# of qkv's K-split partials into the k-norm's 8-output reduce and recomputes it there (5.8 us per layer on the
+# H200); with it (`bench_ar.py --qkv-barrier`) AR decode took 4.32-4.34 against 4.50 ms per token
+# (docs/performance.md, eleventh pass): on.
+QKV_BARRIER = True
+
 
 def run_block_k(k: int, n: int, rows: int = 1) -> int:
     """The step runs pack a [K, N] weight for: 128 with `WIDE_SWIZZLE` where the shape takes it, else

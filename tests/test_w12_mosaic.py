@@ -1034,3 +1034,32 @@ def test_sum_barrier_materializes_the_product_and_keeps_the_bits(monkeypatch):
         twin = w12.linear(x, w, out_dtype=jnp.float32, interpret=True, dense_kernel=True, implementation="mosaic")
         assert_same_bits(out[barrier], twin)
     assert_same_bits(out[True], out[False])
+
+
+def test_model_materializes_the_fused_qkv_product_of_the_w12_kernel(monkeypatch):
+    """`dense.decoder_layer` puts an optimization barrier after the fused qkv product when qkv is a W12NK
+    matrix and `QKV_BARRIER` is on (runs: on), and nowhere else: not after the other products, not for
+    bf16 weights, not with the switch off."""
+    from specpilot.models import dense
+    from specpilot.models.config import ModelConfig
+    from specpilot.models.layers import rope_tables
+
+    cfg = ModelConfig(vocab_size=64, hidden_size=256, intermediate_size=256, num_layers=1, num_heads=2,
+                      num_kv_heads=1, head_dim=128, qk_norm=True)
+    bf16 = dense.fuse_projections(dense.init(jax.random.PRNGKey(0), cfg))
+    enc = w12.encode_params(bf16, kernel="mosaic", max_exception_rate=1.0)
+    assert isinstance(enc["layers"][0]["qkv"], w12.W12NK) and isinstance(enc["layers"][0]["down"], w12.W12NK)
+    x = jnp.zeros((1, 1, cfg.hidden_size), jnp.bfloat16)
+    cos, sin = rope_tables(jnp.zeros((1, 1), jnp.int32), cfg.inv_freq())
+    cache = jnp.zeros((1, 8, cfg.num_kv_heads, cfg.head_dim), jnp.bfloat16)
+    mask = jnp.ones((1, 1, 8), bool)
+
+    def barriers(params):
+        jaxpr = jax.make_jaxpr(lambda p: dense.decoder_layer(p, cfg, x, cos, sin, cache, cache,
+                                                             jnp.zeros((1,), jnp.int32), mask))(params["layers"][0])
+        return str(jaxpr).count("optimization_barrier")
+
+    assert barriers(enc) == 1
+    assert barriers(bf16) == 0
+    monkeypatch.setattr(mk, "QKV_BARRIER", False)
+    assert barriers(enc) == 0

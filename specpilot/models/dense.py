@@ -151,6 +151,11 @@ def _projections(p: dict, h: jax.Array, fused: str, sizes: tuple[int, ...]):
     """The outputs of _FUSED[fused]'s matrices for h, from the fused matrix when present."""
     if fused in p:
         y = linear(h, p[fused], p.get(fused + "_bias"))
+        if fused == "qkv" and isinstance(p[fused], w12.W12NK):
+            from pallas_kernels import w12_mosaic  # imported on use, as w12 does
+
+            if w12_mosaic.QKV_BARRIER:  # the K-split sum materialized once, not recomputed in the norms
+                y = jax.lax.optimization_barrier(y)
         return jnp.split(y, list(np.cumsum(sizes)[:-1]), axis=-1)
     return [linear(h, p[n], p.get(n + "_bias")) for n in _FUSED[fused]]
 
