@@ -87,6 +87,14 @@ TWIN_IMPLEMENTATION: str | None = None
 # in every variant. With the Mosaic kernel, XLA otherwise fuses the sum of qkv's K-split partials into the
 # k-norm's multi-output reduce and recomputes it there (5.8 us per layer on the H200, docs/notes_w12.md).
 QKV_BARRIER = False
+# Products also materialized (`jax.lax.optimization_barrier`) right after they are computed, by name ("o",
+# "down"), in every variant (bench_ar.py --barrier-after): where XLA fuses a K-split sum into a later
+# reduce and recomputes it there.
+BARRIER_AFTER: tuple[str, ...] = ()
+
+
+def _after(name: str, y: jax.Array) -> jax.Array:
+    return jax.lax.optimization_barrier(y) if name in BARRIER_AFTER else y
 
 
 def twin_of(name: str) -> str | None:
@@ -184,14 +192,14 @@ def _layer(p: dict, cfg, v: Variant, x, cos, sin, k_cache, v_cache, start, mask)
         attn = _attention_deferred(q, k_cache, v_cache, mask)
     else:
         attn = attention(q, k_cache, v_cache, mask)
-    x = x + _linear(attn.reshape(b, t, nq), p["o"], v)
+    x = x + _after("o", _linear(attn.reshape(b, t, nq), p["o"], v))
     h = rms_norm(x, p["mlp_norm"], cfg.rms_norm_eps) if v.elementwise else x
     if v.fuse:
         gu = _linear(h, p["gate_up"], v)
         g, u = gu[..., :cfg.intermediate_size], gu[..., cfg.intermediate_size:]
     else:
         g, u = _linear(h, p["gate"], v), _linear(h, p["up"], v)
-    x = x + _linear(jax.nn.silu(g) * u, p["down"], v)
+    x = x + _after("down", _linear(jax.nn.silu(g) * u, p["down"], v))
     return x, k_cache, v_cache
 
 

@@ -371,6 +371,9 @@ def parse_args(argv=None):
     p.add_argument("--qkv-barrier", action="store_true",
                    help="materialize the fused qkv product before its split and norms, in every variant "
                         "(ar_variants.QKV_BARRIER)")
+    p.add_argument("--barrier-after", default="",
+                   help="products also materialized right after they are computed, in every variant: "
+                        "a comma list of o, down (ar_variants.BARRIER_AFTER)")
     p.add_argument("--out", default="")
     args = p.parse_args(argv)
     args.variants = list(ar_variants.VARIANTS) if args.variants == "all" else [
@@ -396,6 +399,10 @@ def parse_args(argv=None):
                 p.error(f"--w12-mp takes multiples of 8 up to 64, 64 included; got {args.w12_mp}")
             w12_mosaic.MP_CHOICES = choices
     ar_variants.QKV_BARRIER = args.qkv_barrier
+    args.barrier_after = tuple(s for s in args.barrier_after.split(",") if s)
+    if set(args.barrier_after) - {"o", "down"}:
+        p.error(f"--barrier-after takes o and down, got {args.barrier_after}")
+    ar_variants.BARRIER_AFTER = args.barrier_after
     args.weights = [s for s in args.weights.split(",") if s]
     if not args.weights or set(args.weights) - {"bf16", "w12"}:
         p.error(f"--weights takes bf16 and/or w12, got {args.weights}")
@@ -418,7 +425,8 @@ def main(argv=None) -> dict:
               "batch": b, "context": ctx, "new_tokens": args.new_tokens, "device": bench.device_info(),
               "xla_flags": os.environ.get("XLA_FLAGS", ""), "w12_kernel": args.w12_kernel,
               **{_dest(flag): _switch(args, flag) for flag, _, _ in MOSAIC_SWITCHES},
-              "w12_mp": args.w12_mp, "qkv_barrier": args.qkv_barrier, "variants": {}}
+              "w12_mp": args.w12_mp, "qkv_barrier": args.qkv_barrier,
+              "barrier_after": list(args.barrier_after), "variants": {}}
 
     def save():
         if args.out:

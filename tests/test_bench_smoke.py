@@ -155,11 +155,15 @@ def test_kernel_summary_times_each_call_of_a_step(tmp_path, bench_ar):
 def test_bench_ar_qkv_barrier_keeps_the_tokens(bench_ar):
     """--qkv-barrier materializes the fused qkv product (a scheduling change only): same greedy tokens."""
     rec = bench_ar.main(["--shape", "tiny", "--context", "8", "--new-tokens", "4", "--warmup", "1",
-                         "--copy-gib", "0.01", "--variants", "stock,fused", "--qkv-barrier"])
+                         "--copy-gib", "0.01", "--variants", "stock,fused", "--qkv-barrier",
+                         "--barrier-after", "o,down"])
     assert rec["qkv_barrier"] and bench_ar.ar_variants.QKV_BARRIER
+    assert rec["barrier_after"] == ["o", "down"] == list(bench_ar.ar_variants.BARRIER_AFTER)
     assert rec["variants"]["fused"]["token_match_frac"] == 1.0
-    bench_ar.parse_args([])  # each run sets the flag: off again without it
-    assert not bench_ar.ar_variants.QKV_BARRIER
+    bench_ar.parse_args([])  # each run sets the flags: off again without them
+    assert not bench_ar.ar_variants.QKV_BARRIER and not bench_ar.ar_variants.BARRIER_AFTER
+    with pytest.raises(SystemExit):
+        bench_ar.parse_args(["--barrier-after", "qkv"])
 
 
 def test_bench_ar_mosaic_x_flags(bench_ar, monkeypatch):

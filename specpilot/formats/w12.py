@@ -467,8 +467,8 @@ def linear(x: jax.Array, w, b: jax.Array | None = None, *, out_dtype=None, imple
 
 def _mosaic_rows(x: jax.Array, w, interpret: bool | None = None) -> jax.Array:
     """x [..., K] @ w through the Mosaic GPU kernel (W12NK) or its bf16 twin (a bf16 [K, N] array, read
-    transposed), 64 rows per call (the kernel's largest M): float32 [..., N]. Every row is computed as the
-    kernel computes it alone, so the W12 path and the twin agree bit for bit at any number of rows."""
+    transposed), 64 rows per call (the kernel's largest M; more rows loop over blocks of 64): float32
+    [..., N]. The W12 path and the twin tile rows alike, so they agree bit for bit at any number of rows."""
     from pallas_kernels import w12_mosaic
 
     if interpret is None:
@@ -494,8 +494,13 @@ def _mosaic_rows(x: jax.Array, w, interpret: bool | None = None) -> jax.Array:
             return w12_mosaic.sum_rows(w12_mosaic.bf16_mosaic_partials(
                 r, w_t, interpret=interpret, raw=True, adjacent=adjacent, tiled=tiled, **steps,
                 **w12_mosaic.run_options(adjacent)), len(r))
-    parts = [call(rows[i:i + step]) for i in range(0, rows.shape[0], step)]
-    y = parts[0] if len(parts) == 1 else jnp.concatenate(parts, axis=0)
+    m = rows.shape[0]
+    if m <= step:
+        y = call(rows)
+    else:  # one kernel call in a loop over blocks of `step` rows (the last one zero-padded): a prefill's
+        # program holds one call per matrix, not m / step of them (compile time grows with the calls)
+        blocks = jnp.pad(rows, ((0, -m % step), (0, 0))).reshape(-1, step, k)
+        y = jax.lax.map(call, blocks).reshape(-1, n)[:m]
     if w12_mosaic.SUM_BARRIER:  # the summed product materialized: XLA does not recompute the sum in consumers
         y = jax.lax.optimization_barrier(y)
     return y.reshape(*x.shape[:-1], n)
