@@ -46,6 +46,7 @@ Design choices (the measurements behind each: docs/notes_w12.md):
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 
 import jax
@@ -194,6 +195,16 @@ SUM_BARRIER = False
 QKV_BARRIER = True
 
 
+_KNOBS = ("MP_CHOICES", "LARGE_N", "LARGE_STEP_MAX_ROWS", "MMA_ORDER", "ADJACENT", "PAD_X", "SUM_SPLITS_IN_KERNEL",
+          "TILED", "EARLY_BASE", "WIDE_SWIZZLE", "OWNER_BRANCH", "PLAIN_PLANES", "XOR_CHUNKS", "WAVE_PROGRAMS_PER_SM")
+
+
+def knobs() -> tuple:
+    """The module's switches that a product's trace reads (`w12._mosaic_rows`), as (name, value) pairs: the
+    key under which that trace is cached."""
+    return tuple((name, globals()[name]) for name in _KNOBS)
+
+
 def run_block_k(k: int, n: int, rows: int = 1) -> int:
     """The step runs pack a [K, N] weight for: 128 with `WIDE_SWIZZLE` where the shape takes it, else
     `default_block_k`."""
@@ -216,6 +227,16 @@ def run_w12_options(w: W12NK) -> dict:
     plain = PLAIN_PLANES and not wide and w.has_packed_planes and w.slot_k == 64  # packed, one box per step
     return dict(early_base=EARLY_BASE, subtile=wide, wide_swizzle=wide, plain_planes=plain,
                 owner_branch=OWNER_BRANCH)
+
+
+def run_operands(w: W12NK) -> W12NK:
+    """The matrix as runs pass it to the kernel: with a slot table (`slot_k`, the step runs use) the kernel
+    never reads the CSR lists, whose lengths differ from matrix to matrix, so they become one-element
+    placeholders; a model's products of one shape then share one trace (`w12._mosaic_rows`)."""
+    if not w.slot_k:
+        return w
+    return dataclasses.replace(w, exc_ptr=jnp.zeros((1,), jnp.int32), exc_row=jnp.full((1,), -1, jnp.int32),
+                               exc_col=jnp.full((1,), -1, jnp.int32), exc_val=jnp.zeros((1,), jnp.uint16))
 
 
 def run_twin_steps(k: int, n: int, rows: int = 1) -> dict:

@@ -1063,3 +1063,49 @@ def test_model_materializes_the_fused_qkv_product_of_the_w12_kernel(monkeypatch)
     assert barriers(bf16) == 0
     monkeypatch.setattr(mk, "QKV_BARRIER", False)
     assert barriers(enc) == 0
+
+
+def _product_traces(ws, x):
+    """The jaxprs of the `w12._mosaic_rows_2d` calls in a function multiplying x by each of ws in turn."""
+    def f(x, ws):
+        for w in ws:
+            x = w12.linear(x, w, out_dtype=jnp.bfloat16, interpret=True)
+        return x
+
+    eqns = jax.make_jaxpr(f)(x, ws).jaxpr.eqns
+    return [e.params["jaxpr"] for e in eqns if e.params.get("name") == "_mosaic_rows_2d"]
+
+
+def test_products_of_one_shape_share_one_trace(monkeypatch):
+    """A model's W12 products of one shape are traced (and so lowered and compiled) once, although each
+    matrix has its own number of exceptions (the CSR lists the kernel does not read with a slot table are
+    placeholders in the call); a changed kernel switch traces anew instead of reusing a stale trace."""
+    k = n = 256  # square: each product feeds the next
+    rng = np.random.default_rng(0)
+    mats = [rng.standard_normal((k, n)).astype(np.float32) * 0.02 for _ in range(3)]
+    for i, mat in enumerate(mats):  # 3, 5 and 7 exceptions: outliers far above their column's exponents
+        mat.flat[rng.choice(k * n, 2 * i + 3, replace=False)] = 1e6
+    ws = [w12.encode_params({"layers": ({"q": jnp.asarray(mat, jnp.bfloat16)},)}, kernel="mosaic")["layers"][0]["q"]
+          for mat in mats]
+    assert len({int(w.exc_row.shape[0]) for w in ws}) == 3 and all(w.slot_k for w in ws)
+    assert len({w.slots.shape for w in ws}) == 1  # the slot table's width is the same (its rows hold <= 31)
+    x = jnp.ones((1, k), jnp.bfloat16)
+    traces = _product_traces(ws, x)
+    assert len(traces) == 3 and all(t is traces[0] for t in traces)
+    monkeypatch.setattr(mk, "EARLY_BASE", not mk.EARLY_BASE)
+    again = _product_traces(ws, x)
+    assert all(t is again[0] for t in again) and again[0] is not traces[0]
+
+
+def test_the_trace_key_holds_every_switch_the_benchmarks_set():
+    """`w12_mosaic.knobs()` (the products' trace cache key) names every module switch that bench_ar.py sets."""
+    import importlib.util
+    import pathlib
+
+    path = pathlib.Path(__file__).parents[1] / "experiments" / "bench_ar.py"
+    spec = importlib.util.spec_from_file_location("bench_ar_for_knobs", path)
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    outside = {"SUM_BARRIER"}  # applied after the traced call (`w12._mosaic_rows`)
+    switched = {attr for _, attr, _ in bench.MOSAIC_SWITCHES} | {"MP_CHOICES"}
+    assert switched - outside <= {name for name, _ in mk.knobs()}

@@ -476,7 +476,24 @@ def _mosaic_rows(x: jax.Array, w, interpret: bool | None = None) -> jax.Array:
     k, n = w.shape
     if x.shape[-1] != k:
         raise ValueError(f"x {x.shape} does not match a [{k}, {n}] weight")
-    rows = x.reshape(-1, k).astype(jnp.bfloat16)
+    if isinstance(w, W12NK):
+        w = w12_mosaic.run_operands(w)
+    y = _mosaic_rows_2d(x.reshape(-1, k).astype(jnp.bfloat16), w, interpret=bool(interpret),
+                        knobs=w12_mosaic.knobs())
+    if w12_mosaic.SUM_BARRIER:  # the summed product materialized: XLA does not recompute the sum in consumers
+        y = jax.lax.optimization_barrier(y)
+    return y.reshape(*x.shape[:-1], n)
+
+
+@functools.partial(jax.jit, static_argnames=("interpret", "knobs"))
+def _mosaic_rows_2d(rows: jax.Array, w, *, interpret: bool, knobs: tuple) -> jax.Array:
+    """`_mosaic_rows` on rows [M, K] bf16. Jitted so that a model's products of one shape are traced and
+    lowered once, not once per layer (a Qwen3-8B step has 145 of them); `knobs` (the kernel module's
+    switches, which the trace reads) is part of the cache key, so a changed switch traces anew."""
+    from pallas_kernels import w12_mosaic
+
+    del knobs
+    k, n = w.shape
     step = max(w12_mosaic.MP_CHOICES)
     if isinstance(w, W12NK):
         def call(r):  # the splits are added before the transpose (`w12_mosaic.sum_rows`)
@@ -496,11 +513,8 @@ def _mosaic_rows(x: jax.Array, w, interpret: bool | None = None) -> jax.Array:
                 **w12_mosaic.run_options(adjacent)), len(r))
     m = rows.shape[0]
     if m <= step:
-        y = call(rows)
-    else:  # one kernel call in a loop over blocks of `step` rows (the last one zero-padded): a prefill's
-        # program holds one call per matrix, not m / step of them (compile time grows with the calls)
-        blocks = jnp.pad(rows, ((0, -m % step), (0, 0))).reshape(-1, step, k)
-        y = jax.lax.map(call, blocks).reshape(-1, n)[:m]
-    if w12_mosaic.SUM_BARRIER:  # the summed product materialized: XLA does not recompute the sum in consumers
-        y = jax.lax.optimization_barrier(y)
-    return y.reshape(*x.shape[:-1], n)
+        return call(rows)
+    # one kernel call in a loop over blocks of `step` rows (the last one zero-padded): a prefill's program
+    # holds one call per matrix, not m / step of them (compile time grows with the calls)
+    blocks = jnp.pad(rows, ((0, -m % step), (0, 0))).reshape(-1, step, k)
+    return jax.lax.map(call, blocks).reshape(-1, n)[:m]
