@@ -194,6 +194,12 @@ SUM_BARRIER = False
 # (docs/performance.md, eleventh pass): on.
 QKV_BARRIER = True
 
+# Whether runs multiply more than 64 rows at once (a prefill) by decoding the W12 matrix to bf16 (`unpack_nk`,
+# `w12.decode_jnp`: exact) and using XLA's dot, the twin by XLA's dot of its bf16 weight, instead of looping
+# the kernel over 64-row blocks (which reads the planes once per block: a 512-token Qwen3-8B prefill took 52
+# against bf16's 18 ms on the H200, twelfth pass). Built and checked on the CPU; not yet timed on a GPU: off.
+PREFILL_DECODE = False
+
 
 _KNOBS = ("MP_CHOICES", "LARGE_N", "LARGE_STEP_MAX_ROWS", "MMA_ORDER", "ADJACENT", "PAD_X", "SUM_SPLITS_IN_KERNEL",
           "TILED", "EARLY_BASE", "WIDE_SWIZZLE", "OWNER_BRANCH", "PLAIN_PLANES", "XOR_CHUNKS", "WAVE_PROGRAMS_PER_SM")
@@ -431,6 +437,38 @@ def to_nk(w: W12, block_k: int | None = None, pack: bool = True, mma: bool | Non
                  shape=w.shape, group_n=w.group_n, group_k=w.group_k, n_groups_k=w.n_groups_k,
                  slot_k=0 if slots is None else block_k, mma_order=bool(mma), adjacent=bool(adjacent),
                  tiled=bool(packed and tiled), xor_chunks=bool(packed and tiled and xor_chunks))
+
+
+def unpack_nk(w: W12NK) -> W12:
+    """The W12 matrix that `to_nk` laid out as `w` (jax ops, traceable): chunk order, tiling, packing and mma
+    order undone, the planes transposed back. Its CSR lists are `w`'s (with `exception_lists`' sentinel
+    row -1 for a matrix without exceptions, which `w12.decode_jnp` skips)."""
+    k, n = w.shape
+    kh = k // 2
+    if not w.has_packed_planes:
+        sm_t, nib_t = w.sm_t, w.nib_t
+    else:
+        block_k = w.slot_k
+        steps = kh // block_k
+        packed = w.packed
+        if w.tiled:  # `tile_rows` undone (after the chunk order, which is its own inverse)
+            packed = xor_tile_chunks(packed) if w.xor_chunks else packed
+            packed = packed.reshape(n // BN, steps, BN, 3 * block_k).transpose(0, 2, 1, 3).reshape(n, 3 * kh)
+        parts = packed.reshape(n, steps, 3, block_k)
+        if w.mma_order:  # its own inverse
+            parts = parts[..., mma_order(block_k)]
+        lower, upper = parts[:, :, 0], parts[:, :, 1]
+        nib = jax.lax.bitcast_convert_type(parts[:, :, 2], jnp.uint8)
+        if w.adjacent:  # step kb holds K rows [2 block_k kb, 2 block_k (kb + 1)), codes paired within it
+            sm_t = jnp.stack([lower, upper], axis=2).reshape(n, k)
+            codes = jnp.stack([nib & 0xF, nib >> 4], axis=2).reshape(n, k)  # row r's code, in row order
+            nib_t = (codes[:, :kh] | (codes[:, kh:] << 4)).astype(jnp.uint8)
+        else:
+            sm_t = jnp.concatenate([lower.reshape(n, kh), upper.reshape(n, kh)], axis=1)
+            nib_t = nib.reshape(n, kh)
+    return W12(sm=sm_t.T, nib=nib_t.T, base=(w.base7 >> 7).astype(jnp.uint8), exc_ptr=w.exc_ptr,
+               exc_row=w.exc_row, exc_col=w.exc_col, exc_val=w.exc_val, shape=w.shape, group_n=w.group_n,
+               group_k=w.group_k)
 
 
 def _transforms(bits: int, swizzle: int):

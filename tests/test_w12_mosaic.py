@@ -1109,3 +1109,47 @@ def test_the_trace_key_holds_every_switch_the_benchmarks_set():
     outside = {"SUM_BARRIER"}  # applied after the traced call (`w12._mosaic_rows`)
     switched = {attr for _, attr, _ in bench.MOSAIC_SWITCHES} | {"MP_CHOICES"}
     assert switched - outside <= {name for name, _ in mk.knobs()}
+
+
+@pytest.mark.parametrize("layout", ["runs", "mma", "plain", "adjacent", "separate", "no_exceptions"])
+def test_unpack_nk_gives_back_every_bit(layout):
+    """`unpack_nk` undoes `to_nk` in every layout the runs or the options make (tiles in chunk order, mma
+    order, adjacent pairs, separate planes): decoded, every bf16 bit pattern of the original comes back,
+    Inf and NaN payloads included, and a matrix without exceptions (sentinel lists) decodes cleanly."""
+    k, n = 256, 128
+    if layout == "no_exceptions":
+        bits = np.random.default_rng(3).uniform(-1, 1, (k, n)).astype(np.float32).astype(jnp.bfloat16).view(np.uint16)
+        bits = bits | 0x3C00  # magnitudes in [2^-7, 1): every exponent within one 4-bit window
+    else:
+        bits = adversarial_weights(k, n, seed=7, finite=False).view(np.uint16)
+    enc = jax.device_put(w12.encode(bits.view(jnp.bfloat16)))
+    options = {"runs": dict(tiled=True, xor_chunks=True, mma=True), "mma": dict(mma=True), "plain": dict(mma=False),
+               "adjacent": dict(mma=True, adjacent=True), "separate": dict(pack=False),
+               "no_exceptions": dict(tiled=True, xor_chunks=True, mma=True)}[layout]
+    nk = mk.to_nk(enc, 64, **options)
+    assert nk.has_packed_planes == (layout != "separate") and nk.adjacent == (layout == "adjacent")
+    if layout == "no_exceptions":
+        assert enc.num_exceptions == 0 and int(nk.exc_row[0]) == -1
+    back = jax.jit(lambda w: w12.decode_jnp(mk.unpack_nk(w)))(nk)
+    np.testing.assert_array_equal(np.asarray(back).view(np.uint16), bits)
+
+
+def test_prefill_decode_equals_the_twin_and_the_bf16_dot(monkeypatch):
+    """With `PREFILL_DECODE`, more than 64 rows are multiplied by XLA's dot of the decoded matrix: the W12
+    path equals the twin bit for bit, and both equal the bf16 model's own dot (`layers.linear`); 64 rows
+    or fewer still take the kernel."""
+    from specpilot.models import layers
+
+    k, n = 256, 128
+    w = jnp.asarray(adversarial_weights(k, n, seed=9, finite=True))
+    wq = w12.encode_params({"layers": ({"q": w},)}, kernel="mosaic", max_exception_rate=1.0)["layers"][0]["q"]
+    x = jnp.asarray(np.random.default_rng(4).standard_normal((2, 35, k)), jnp.bfloat16)
+    monkeypatch.setattr(mk, "PREFILL_DECODE", True)
+    got = w12.linear(x, wq, out_dtype=jnp.float32, interpret=True)
+    twin = w12.linear(x, w, out_dtype=jnp.float32, interpret=True, dense_kernel=True, implementation="mosaic")
+    assert_same_bits(got, twin)
+    assert_same_bits(got, jnp.einsum("...k,kn->...n", x, w, preferred_element_type=jnp.float32))
+    assert_same_bits(w12.linear(x, wq, interpret=True), layers.linear(x, w))
+    few = jax.make_jaxpr(lambda x: w12.linear(x, wq, interpret=True))(x[:1, :8])  # the kernel's route
+    assert "_mosaic_rows_2d" in str(few)
+    assert "_mosaic_rows_2d" not in str(jax.make_jaxpr(lambda x: w12.linear(x, wq, interpret=True))(x))

@@ -327,7 +327,9 @@ def decode_jnp(w: W12) -> jax.Array:
     nib = w.nib.astype(jnp.int32)
     code = jnp.concatenate([nib & 0xF, nib >> 4], axis=0)[:k]
     bits = (w.sm.astype(jnp.int32) & 0x807F) | ((code + w.base.astype(jnp.int32)[None, :]) << 7)
-    bits = bits.at[w.exc_row, w.exc_col].set(w.exc_val.astype(jnp.int32))
+    # a sentinel row of -1 (kernel operands of a matrix without exceptions) is dropped, not wrapped around
+    rows = jnp.where(w.exc_row < 0, k, w.exc_row)
+    bits = bits.at[rows, w.exc_col].set(w.exc_val.astype(jnp.int32), mode="drop")
     return jax.lax.bitcast_convert_type(bits.astype(jnp.uint16), jnp.bfloat16)
 
 
@@ -467,8 +469,9 @@ def linear(x: jax.Array, w, b: jax.Array | None = None, *, out_dtype=None, imple
 
 def _mosaic_rows(x: jax.Array, w, interpret: bool | None = None) -> jax.Array:
     """x [..., K] @ w through the Mosaic GPU kernel (W12NK) or its bf16 twin (a bf16 [K, N] array, read
-    transposed), 64 rows per call (the kernel's largest M; more rows loop over blocks of 64): float32
-    [..., N]. The W12 path and the twin tile rows alike, so they agree bit for bit at any number of rows."""
+    transposed), 64 rows per call (the kernel's largest M; more rows loop over blocks of 64, or, with
+    `w12_mosaic.PREFILL_DECODE`, are multiplied by XLA's dot of the decoded matrix): float32 [..., N]. The W12
+    path and the twin take the same route, so they agree bit for bit at any number of rows."""
     from pallas_kernels import w12_mosaic
 
     if interpret is None:
@@ -476,13 +479,26 @@ def _mosaic_rows(x: jax.Array, w, interpret: bool | None = None) -> jax.Array:
     k, n = w.shape
     if x.shape[-1] != k:
         raise ValueError(f"x {x.shape} does not match a [{k}, {n}] weight")
+    rows = x.reshape(-1, k).astype(jnp.bfloat16)
+    if rows.shape[0] > max(w12_mosaic.MP_CHOICES) and w12_mosaic.PREFILL_DECODE:
+        return _decoded_rows(rows, w).reshape(*x.shape[:-1], n)
     if isinstance(w, W12NK):
         w = w12_mosaic.run_operands(w)
-    y = _mosaic_rows_2d(x.reshape(-1, k).astype(jnp.bfloat16), w, interpret=bool(interpret),
-                        knobs=w12_mosaic.knobs())
+    y = _mosaic_rows_2d(rows, w, interpret=bool(interpret), knobs=w12_mosaic.knobs())
     if w12_mosaic.SUM_BARRIER:  # the summed product materialized: XLA does not recompute the sum in consumers
         y = jax.lax.optimization_barrier(y)
     return y.reshape(*x.shape[:-1], n)
+
+
+def _decoded_rows(rows: jax.Array, w) -> jax.Array:
+    """rows [M, K] bf16 @ w by XLA's dot (`w12_mosaic.PREFILL_DECODE`): a W12NK decoded to its bf16 matrix
+    first (exact), materialized so that the dot is the same as the twin's, which multiplies its bf16 weight
+    as it is: the two agree bit for bit. float32 [M, N]."""
+    from pallas_kernels import w12_mosaic
+
+    if isinstance(w, W12NK):
+        w = jax.lax.optimization_barrier(decode_jnp(w12_mosaic.unpack_nk(w)))
+    return jnp.einsum("mk,kn->mn", rows, jnp.asarray(w), preferred_element_type=jnp.float32)
 
 
 @functools.partial(jax.jit, static_argnames=("interpret", "knobs"))
