@@ -472,7 +472,8 @@ def test_errors():
 
 
 @pytest.mark.skipif(not _cuda_lowering_available(), reason="GPU-free cuda lowering unavailable")
-@pytest.mark.parametrize("k,n", [(4096, 4096), (4096, 1024), (4096, 12288), (12288, 4096)])
+@pytest.mark.parametrize("k,n", [(4096, 1024)] + [  # one shape by default; the others 30-45 s each: slow
+    pytest.param(k, n, marks=pytest.mark.slow) for k, n in ((4096, 4096), (4096, 12288), (12288, 4096))])
 def test_lowers_for_cuda(k, n):
     """GPU-free check that the W12 kernel and its twin lower to Mosaic GPU at every M class (Mp 16/32/64)."""
     s = jax.ShapeDtypeStruct
