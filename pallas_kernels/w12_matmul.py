@@ -472,11 +472,16 @@ def _whole(a) -> pl.BlockSpec:
     return pl.BlockSpec(a.shape, lambda *_: (0,) * a.ndim)
 
 
+def no_exception_lists() -> tuple[jax.Array, jax.Array, jax.Array]:
+    """(rows, cols, bits) standing for no exceptions: one sentinel at row -1, which matches nothing."""
+    return jnp.full((1,), -1, jnp.int32), jnp.full((1,), -1, jnp.int32), jnp.zeros((1,), jnp.uint16)
+
+
 def exception_lists(w: W12) -> tuple[jax.Array, jax.Array, jax.Array]:
     """(rows, cols, bits) of the exceptions as kernel operands: zero-size operands do not lower, so a
-    matrix without exceptions gets one sentinel at row -1, which matches nothing."""
+    matrix without exceptions gets `no_exception_lists`."""
     if w.num_exceptions == 0:
-        return jnp.full((1,), -1, jnp.int32), jnp.full((1,), -1, jnp.int32), jnp.zeros((1,), jnp.uint16)
+        return no_exception_lists()
     return w.exc_row, w.exc_col, w.exc_val
 
 

@@ -56,7 +56,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from pallas_kernels.gemv import NUM_SMS_H200
-from pallas_kernels.w12_matmul import exception_lists, sum_splits
+from pallas_kernels.w12_matmul import exception_lists, no_exception_lists, sum_splits
 from specpilot.formats.w12 import W12, W12NK  # noqa: F401 - W12NK is this kernel's layout
 
 BN = 64  # W^T rows (W columns) per program: one warpgroup's wgmma M
@@ -241,8 +241,8 @@ def run_operands(w: W12NK) -> W12NK:
     placeholders; a model's products of one shape then share one trace (`w12._mosaic_rows`)."""
     if not w.slot_k:
         return w
-    return dataclasses.replace(w, exc_ptr=jnp.zeros((1,), jnp.int32), exc_row=jnp.full((1,), -1, jnp.int32),
-                               exc_col=jnp.full((1,), -1, jnp.int32), exc_val=jnp.zeros((1,), jnp.uint16))
+    rows, cols, vals = no_exception_lists()
+    return dataclasses.replace(w, exc_ptr=jnp.zeros((1,), jnp.int32), exc_row=rows, exc_col=cols, exc_val=vals)
 
 
 def run_twin_steps(k: int, n: int, rows: int = 1) -> dict:
