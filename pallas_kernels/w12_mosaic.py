@@ -197,7 +197,8 @@ QKV_BARRIER = True
 # Whether runs multiply more than 64 rows at once (a prefill) by decoding the W12 matrix to bf16 (`unpack_nk`,
 # `w12.decode_jnp`: exact) and using XLA's dot, the twin by XLA's dot of its bf16 weight, instead of looping
 # the kernel over 64-row blocks (which reads the planes once per block: a 512-token Qwen3-8B prefill took 52
-# against bf16's 18 ms on the H200, twelfth pass). Built and checked on the CPU; not yet timed on a GPU: off.
+# against bf16's 18 ms on the H200, twelfth pass). Exact, but slower: the same prefill took 110 ms through the
+# run harness (XLA's elementwise decode makes several passes over every matrix; thirteenth pass): off.
 PREFILL_DECODE = False
 
 
@@ -809,6 +810,9 @@ def _kernel_call(x, operands, *, k: int, n: int, mp: int, block_k: int, split: i
     if ws and not (w12 and planes == "packed" and fold_x and n % cta == 0):
         raise NotImplementedError(f"warp_specialized takes W12 with packed planes, x folded and N % {cta} == 0")
     kh = k // 2
+    if split < 1 or kh % (split * block_k):  # a split must cover whole steps, or the rows left over are dropped
+        raise ValueError(f"split {split} does not divide the {kh // block_k} steps of {block_k} half-rows of a "
+                         f"[{k}, {n}] weight into whole steps per program")
     steps = kh // split // block_k  # K steps per program (each covers block_k rows of both K halves)
     half_blocks = kh // block_k  # block index of the upper K half's first block
     mma_tiles = _transforms(16, SWIZZLE)  # bf16 tiles with 128-byte rows: x [Mp, BK] and the twin's W^T

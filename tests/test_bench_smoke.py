@@ -189,3 +189,47 @@ def test_bench_ar_mosaic_x_flags(bench_ar, monkeypatch):
     assert w12_mosaic.PAD_X is False and w12_mosaic.MP_CHOICES == (8, 16, 64) and w12_mosaic.SUM_SPLITS_IN_KERNEL
     assert w12_mosaic.TILED and w12_mosaic.EARLY_BASE and w12_mosaic.WIDE_SWIZZLE and args.w12_wide_swizzle == "on"
     assert w12_mosaic.PLAIN_PLANES and args.w12_plain_planes == "on"
+
+
+def _ncu_csv(path, kernels):
+    """A minimal ncu `--csv --page details` export: kernels [(name, duration_us)], one metric row each."""
+    import csv
+
+    with open(path, "w", newline="") as f:
+        w = csv.writer(f, quoting=csv.QUOTE_ALL)
+        w.writerow(["ID", "Kernel Name", "Grid Size", "Section Name", "Metric Name", "Metric Unit", "Metric Value"])
+        for i, (name, us) in enumerate(kernels):
+            w.writerow([i, name, "(1, 1, 1)", "GPU Speed Of Light Throughput", "Duration", "us", f"{us:,}"])
+            w.writerow([i, name, "(1, 1, 1)", "GPU Speed Of Light Throughput", "DRAM Throughput", "%", "50"])
+
+
+def test_ncu_table_assigns_kernels_to_calls(tmp_path):
+    """`ncu_w12.py --table`: XLA's call is what precedes W12's x preparation, W12's call its prep, Mosaic
+    kernel and split sum, the twin's the rest up to its split sum; durations add up per call."""
+    ncu = _load("ncu_w12")
+    order = [dict(shape="o", m=1, call=c) for c in ("xla", "w12", "twin")]
+    order += [dict(shape="k/v", m=1, call=c) for c in ("xla", "w12", "twin")]
+    kernels = [("gemm_fusion_dot", 13.0), ("loop_reduce_fusion", 3.0),  # o: xla
+               ("loop_transpose_fusion", 2.5), ("kernel_mosaic_gpu_kernel", 10.0), ("loop_slice_fusion", 2.0),
+               ("loop_transpose_fusion", 2.0), ("input_transpose_fusion", 1000.5),  # twin: x prep, tiling
+               ("kernel_mosaic_gpu_kernel", 11.0), ("loop_slice_fusion", 2.0),
+               ("loop_multiply_fusion", 8.0), ("input_reduce_fusion", 12.0),  # k/v: xla
+               ("loop_transpose_fusion", 2.0), ("kernel_mosaic_gpu_kernel", 5.0), ("loop_slice_fusion", 3.0),
+               ("input_transpose_fusion", 6.0), ("kernel_mosaic_gpu_kernel", 4.0), ("loop_slice_fusion", 3.0)]
+    path = tmp_path / "details.csv"
+    _ncu_csv(path, kernels)
+    rows = ncu.table(ncu.read_details(str(path)), order)
+    got = [(r["shape"], r["call"], r["kernel"], r["us"], r["all_kernels_us"]) for r in rows]
+    assert got == [("o", "xla", "gemm_fusion_dot", 13.0, 16.0),
+                   ("o", "w12", "kernel_mosaic_gpu_kernel", 10.0, 14.5),
+                   ("o", "twin", "kernel_mosaic_gpu_kernel", 11.0, 1015.5),
+                   ("k/v", "xla", "input_reduce_fusion", 12.0, 20.0),
+                   ("k/v", "w12", "kernel_mosaic_gpu_kernel", 5.0, 10.0),
+                   ("k/v", "twin", "kernel_mosaic_gpu_kernel", 4.0, 13.0)]
+    assert all(r["dram_pct"] == 50.0 for r in rows)
+    _ncu_csv(path, kernels[:-1])  # the last call's split sum missing: the kernels no longer fit the calls
+    with pytest.raises(ValueError, match="no kernel after the twin"):
+        ncu.table(ncu.read_details(str(path)), order)
+    _ncu_csv(path, kernels[2:])  # the first case has no XLA kernel
+    with pytest.raises(ValueError, match="no kernel for XLA"):
+        ncu.table(ncu.read_details(str(path)), order)

@@ -283,6 +283,9 @@ def test_bench_tiny_smoke(tmp_path):
     assert out.exists() and record["rows"]
     assert all(r.get("bit_exact") for r in record["rows"] if r["impl"].startswith("w12"))
     assert {r["impl"] for r in record["rows"]} == {"w12", "w12_noexc", "bf16_twin", "xla_bf16"}
+    # every product is also close to XLA's (a shared tiling bug would pass the twin check, not this one)
+    assert all(r["rel_err_vs_xla"] <= bench_w12.REL_ERR_VS_XLA_MAX and "wrong_vs_xla" not in r
+               for r in record["rows"])
 
 
 def test_bench_other_shapes():

@@ -1154,3 +1154,17 @@ def test_prefill_decode_equals_the_twin_and_the_bf16_dot(monkeypatch):
     few = jax.make_jaxpr(lambda x: w12.linear(x, wq, interpret=True))(x[:1, :8])  # the kernel's route
     assert "_mosaic_rows_2d" in str(few)
     assert "_mosaic_rows_2d" not in str(jax.make_jaxpr(lambda x: w12.linear(x, wq, interpret=True))(x))
+
+
+def test_a_split_that_leaves_rows_over_is_refused():
+    """A K split must give every program whole steps: with 4 steps, split 3 would give each program one step
+    and drop the fourth from both W12 and its twin alike (so the twin check alone would not see it)."""
+    rng = np.random.default_rng(0)
+    w = (rng.standard_normal((512, 128)) * 0.02).astype(jnp.bfloat16)
+    nk = mk.to_nk(w12.encode_device(jnp.asarray(w)), block_k=64)
+    x = jnp.ones((1, 512), jnp.bfloat16)
+    for split in (3, 8):  # 8 > 4 steps: no step at all per program
+        with pytest.raises(ValueError, match=f"split {split} does not divide the 4 steps"):
+            mk.w12_mosaic_partials(x, nk, block_k=64, split=split, interpret=True)
+        with pytest.raises(ValueError, match=f"split {split} does not divide the 4 steps"):
+            mk.bf16_mosaic_partials(x, jnp.asarray(w).T, block_k=64, split=split, interpret=True)
