@@ -368,6 +368,9 @@ def parse_args(argv=None):
     p.add_argument("--w12-mp", default="default",
                    help="with --w12-kernel mosaic: the kernel's row paddings, e.g. '8,16,32,64' "
                         "(pallas_kernels.w12_mosaic.MP_CHOICES for this run)")
+    p.add_argument("--w12-small-m-stages", type=int, default=0,
+                   help="with --w12-kernel mosaic: pipeline stages at steps of 64 for up to 16 rows, both kernels "
+                        "(pallas_kernels.w12_mosaic.SMALL_M_STAGES for this run; 0: the default)")
     p.add_argument("--qkv-barrier", action="store_true",
                    help="materialize the fused qkv product before its split and norms, in every variant "
                         "(ar_variants.QKV_BARRIER)")
@@ -386,10 +389,11 @@ def parse_args(argv=None):
     W12_KERNEL, W12_ROWS = args.w12_kernel, args.batch
     ar_variants.TWIN_IMPLEMENTATION = "mosaic" if args.w12_kernel == "mosaic" else None
     switched = [(flag, attr) for flag, attr, _ in MOSAIC_SWITCHES if _switch(args, flag) != "default"]
-    if switched or args.w12_mp != "default":
+    if switched or args.w12_mp != "default" or args.w12_small_m_stages:
         if args.w12_kernel != "mosaic":
-            p.error(f"{', '.join([f for f, _ in switched] + ['--w12-mp'] * (args.w12_mp != 'default'))} "
-                    f"take --w12-kernel mosaic")
+            named = ([f for f, _ in switched] + ["--w12-mp"] * (args.w12_mp != "default")
+                     + ["--w12-small-m-stages"] * bool(args.w12_small_m_stages))
+            p.error(f"{', '.join(named)} take --w12-kernel mosaic")
         from pallas_kernels import w12_mosaic
         for flag, attr in switched:  # read when the weights are packed (MMA_ORDER, ADJACENT) or at each call
             setattr(w12_mosaic, attr, _switch(args, flag) == "on")
@@ -398,6 +402,10 @@ def parse_args(argv=None):
             if any(v % 8 or v > 64 for v in choices) or choices[-1] != 64:
                 p.error(f"--w12-mp takes multiples of 8 up to 64, 64 included; got {args.w12_mp}")
             w12_mosaic.MP_CHOICES = choices
+        if args.w12_small_m_stages:
+            if not 2 <= args.w12_small_m_stages <= 4:
+                p.error(f"--w12-small-m-stages takes 2 to 4, got {args.w12_small_m_stages}")
+            w12_mosaic.SMALL_M_STAGES = args.w12_small_m_stages
     ar_variants.QKV_BARRIER = args.qkv_barrier
     args.barrier_after = tuple(s for s in args.barrier_after.split(",") if s)
     if set(args.barrier_after) - {"o", "down"}:
@@ -425,7 +433,8 @@ def main(argv=None) -> dict:
               "batch": b, "context": ctx, "new_tokens": args.new_tokens, "device": bench.device_info(),
               "xla_flags": os.environ.get("XLA_FLAGS", ""), "w12_kernel": args.w12_kernel,
               **{_dest(flag): _switch(args, flag) for flag, _, _ in MOSAIC_SWITCHES},
-              "w12_mp": args.w12_mp, "qkv_barrier": args.qkv_barrier,
+              "w12_mp": args.w12_mp, "w12_small_m_stages": args.w12_small_m_stages or "default",
+              "qkv_barrier": args.qkv_barrier,
               "barrier_after": list(args.barrier_after), "variants": {}}
 
     def save():

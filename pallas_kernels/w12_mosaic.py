@@ -80,12 +80,19 @@ def default_block_k(k: int, n: int, rows: int = 1) -> int:
     return 128 if large and (k // 2) % 128 == 0 and n % BN == 0 else 64
 
 
+# The pipeline depth at steps of 64 for up to 16 rows (`default_stages`). 3 is the measured default of the
+# earlier passes; 2 took 1-3% off W12's gate/up and down kernels at M = 1 and 16 and left the twin level
+# (mg53, docs/performance.md, thirteenth pass), but AR decode with it is not timed yet, so runs keep 3.
+# `bench_ar.py --w12-small-m-stages` sets it for a run.
+SMALL_M_STAGES = 3
+
+
 def default_stages(block_k: int, mp: int = 16) -> int:
     """Pipeline depth for a step size and x's padded rows: 2 for steps of 128 (two 32 KB steps in flight
     per program) and for 32 or 64 rows (x's tile is then 8-16 KB a step; fewer stages leave room for more
     programs per SM: 5-10% faster for W12 and 2-4% for the twin at 64 rows on the H200, mg36-mg37 in
-    docs/performance.md), else 3."""
-    return 2 if block_k >= 128 or mp >= 32 else 3
+    docs/performance.md), else `SMALL_M_STAGES`. Stages do not change the bits (same steps, same order)."""
+    return 2 if block_k >= 128 or mp >= 32 else SMALL_M_STAGES
 
 
 # Packed planes in the wgmma register order (`mma_order`), measured faster on the H200 at every shape and
@@ -203,7 +210,8 @@ PREFILL_DECODE = False
 
 
 _KNOBS = ("MP_CHOICES", "LARGE_N", "LARGE_STEP_MAX_ROWS", "MMA_ORDER", "ADJACENT", "PAD_X", "SUM_SPLITS_IN_KERNEL",
-          "TILED", "EARLY_BASE", "WIDE_SWIZZLE", "OWNER_BRANCH", "PLAIN_PLANES", "XOR_CHUNKS", "WAVE_PROGRAMS_PER_SM")
+          "TILED", "EARLY_BASE", "WIDE_SWIZZLE", "OWNER_BRANCH", "PLAIN_PLANES", "XOR_CHUNKS", "WAVE_PROGRAMS_PER_SM",
+          "SMALL_M_STAGES")
 
 
 def knobs() -> tuple:

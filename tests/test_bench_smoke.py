@@ -189,6 +189,16 @@ def test_bench_ar_mosaic_x_flags(bench_ar, monkeypatch):
     assert w12_mosaic.PAD_X is False and w12_mosaic.MP_CHOICES == (8, 16, 64) and w12_mosaic.SUM_SPLITS_IN_KERNEL
     assert w12_mosaic.TILED and w12_mosaic.EARLY_BASE and w12_mosaic.WIDE_SWIZZLE and args.w12_wide_swizzle == "on"
     assert w12_mosaic.PLAIN_PLANES and args.w12_plain_planes == "on"
+    monkeypatch.setattr(w12_mosaic, "SMALL_M_STAGES", 3)
+    for bad in (["--w12-small-m-stages", "2"], ["--w12-kernel", "mosaic", "--w12-small-m-stages", "5"]):
+        with pytest.raises(SystemExit):
+            bench_ar.parse_args(bad)
+    assert w12_mosaic.SMALL_M_STAGES == 3
+    key = w12_mosaic.knobs()
+    bench_ar.parse_args(["--w12-kernel", "mosaic", "--w12-small-m-stages", "2"])
+    assert w12_mosaic.SMALL_M_STAGES == 2 and w12_mosaic.default_stages(64, 16) == 2
+    assert w12_mosaic.default_stages(64, 32) == 2 and w12_mosaic.default_stages(128, 16) == 2
+    assert w12_mosaic.knobs() != key  # a product traced at 3 stages is not reused at 2
 
 
 def _ncu_csv(path, kernels):
