@@ -1,10 +1,10 @@
 """Hardware counters (Nsight Compute) of the W12 Mosaic kernel as runs call it, its bf16 twin and XLA's dot,
 at Qwen3-8B's fused decode shapes: where the W12 kernel's time goes, measured rather than inferred.
 
-    ncu --profile-from-start off --clock-control none --target-processes all \
-        --section SpeedOfLight --section MemoryWorkloadAnalysis --section Occupancy --section LaunchStats \
-        --section WarpStateStats --section SchedulerStats -o w12 \
-        python3 experiments/ncu_w12.py --m 1,16 --out order.json
+    XLA_PYTHON_CLIENT_PREALLOCATE=false ncu --profile-from-start off --clock-control none \
+        --target-processes application-only --section SpeedOfLight --section MemoryWorkloadAnalysis \
+        --section Occupancy --section LaunchStats --section WarpStateStats --section SchedulerStats \
+        --section ComputeWorkloadAnalysis -o w12 python3 experiments/ncu_w12.py --m 1,16 --out order.json
     ncu --import w12.ncu-rep --csv --page details > details.csv
     python3 experiments/ncu_w12.py --table details.csv --order order.json      # the table in performance.md
 
@@ -199,8 +199,7 @@ def main(argv=None) -> dict:
         raise SystemExit(f"unknown shapes {unknown}; choose from {list(SHAPES)}")
     ms = [int(m) for m in args.m.split(",")]
 
-    xla = jax.jit(lambda x, w: w12.linear(x, w))
-    w12_call = jax.jit(lambda x, w: w12.linear(x, w))
+    xla = w12_call = jax.jit(lambda x, w: w12.linear(x, w))  # by the weight's type: XLA's dot, or the W12 kernel
     twin = jax.jit(lambda x, w: w12.linear(x, w, implementation="mosaic", dense_kernel=True))
     key = jax.random.PRNGKey(args.seed)
     cases = []
