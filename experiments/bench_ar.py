@@ -330,6 +330,9 @@ MOSAIC_SWITCHES = (
      "patch exceptions only in the threads that hold their row, or compare them in every thread"),
     ("--w12-sum-barrier", "SUM_BARRIER",
      "materialize each Mosaic product after its split sum (an optimization barrier) or let XLA fuse the sum"),
+    ("--w12-halves", "HALVES", "two warpgroups per program, one per K half of each step, or one for both"),
+    ("--w12-auto-barriers", "AUTO_BARRIERS",
+     "let Pallas insert warpgroup barriers around copies and conditionals, or leave them out (both kernels)"),
 )
 
 

@@ -195,7 +195,7 @@ def bench_shape(name, k, n, ms, args, interpret, copy_bw, record):
                         for e in ws_w12]
                 twin_opts = {key: v for key, v in mg.items()
                              if key in ("block_k", "stages", "split", "fold_x", "adjacent", "mp", "pad_x",
-                                        "sum_splits_in_kernel", "tiled")}
+                                        "sum_splits_in_kernel", "tiled", "halves", "auto_barriers")}
                 if mg.get("subtile"):  # 64-row sub-steps: the twin at block_k 64, with W12's split
                     twin_opts.update(block_k=64, split=int(mg.get("split", 0)) or mk.default_split(k, n, bk))
                 if "twin_a" in mg:  # the twin's A operand ("registers": its bf16 tiles through registers)
@@ -329,7 +329,7 @@ def parse_edits(text: str) -> list:
             key, value = item.split("=")
             if key in ("prefetch", "fold_x", "warp_specialized", "subtile", "mma", "adjacent", "pad_x",
                        "sum_splits_in_kernel", "tiled", "early_base", "wide_swizzle", "plain_planes",
-                       "owner_branch", "xor_chunks"):
+                       "owner_branch", "xor_chunks", "halves", "auto_barriers"):
                 edit[key] = bool(int(value))
             elif key in ("exceptions", "diagnostic", "planes", "a_operand", "twin_a", "decode"):
                 edit[key] = value

@@ -60,7 +60,10 @@ from pallas_kernels.w12_matmul import exception_lists, no_exception_lists, sum_s
 from specpilot.formats.w12 import W12, W12NK  # noqa: F401 - W12NK is this kernel's layout
 
 BN = 64  # W^T rows (W columns) per program: one warpgroup's wgmma M
-MP_CHOICES = (16, 32, 64)  # x rows padded to one of these (wgmma N)
+# x rows padded to one of these (wgmma N). 8 (wgmma's least) took 2-3% off the kernel at M = 1 in an earlier
+# pass (mg23) but was timed in AR decode only with x unpadded, which was slower for another reason; padded
+# to 8 rows, AR decode took 4.27 against 4.35 ms per token at 16 (fifteenth pass, docs/performance.md).
+MP_CHOICES = (8, 16, 32, 64)
 SWIZZLE = 128  # bytes: the swizzle of both wgmma operands in shared memory (TMA's widest, bank-conflict free)
 SWIZZLE_BF16 = SWIZZLE // 2  # bf16 elements per swizzled row: block_k is a multiple of it
 
@@ -80,11 +83,11 @@ def default_block_k(k: int, n: int, rows: int = 1) -> int:
     return 128 if large and (k // 2) % 128 == 0 and n % BN == 0 else 64
 
 
-# The pipeline depth at steps of 64 for up to 16 rows (`default_stages`). 3 is the measured default of the
-# earlier passes; 2 took 1-3% off W12's gate/up and down kernels at M = 1 and 16 and left the twin level
-# (mg53, docs/performance.md, thirteenth pass), but AR decode with it is not timed yet, so runs keep 3.
-# `bench_ar.py --w12-small-m-stages` sets it for a run.
-SMALL_M_STAGES = 3
+# The pipeline depth at steps of 64 for up to 16 rows (`default_stages`). 2 took 1-3% off W12's gate/up and
+# down kernels at M = 1 and 16 and left the twin level (mg53, docs/performance.md, thirteenth pass); alone it
+# left AR decode level (4.33-4.37 against 4.34 ms per token), together with 8-row x tiles and no automatic
+# barriers it took AR decode to 4.22 ms (fifteenth pass). `bench_ar.py --w12-small-m-stages` sets it for a run.
+SMALL_M_STAGES = 2
 
 
 def default_stages(block_k: int, mp: int = 16) -> int:
@@ -208,10 +211,21 @@ QKV_BARRIER = True
 # run harness (XLA's elementwise decode makes several passes over every matrix; thirteenth pass): off.
 PREFILL_DECODE = False
 
+# Whether runs multiply with two warpgroups per program, one per K half of every step (`halves`), W12 and twin
+# alike: twice the warps per program at the same programs and shared-memory tiles. Not yet timed on the H200:
+# off.
+HALVES = False
+
+# Whether runs let Pallas insert its warpgroup barriers (bar.sync) around each copy issue and conditional of
+# the pipeline, both kernels (`auto_barriers`; `_kernel_call` says why leaving them out is safe here). Without
+# them W12's gate/up kernel took 1-4% less at M = 1 and 16, the other shapes level (mg55), AR decode level
+# alone and faster together with 8-row x tiles and 2 stages (fifteenth pass, docs/performance.md): off.
+AUTO_BARRIERS = False
+
 
 _KNOBS = ("MP_CHOICES", "LARGE_N", "LARGE_STEP_MAX_ROWS", "MMA_ORDER", "ADJACENT", "PAD_X", "SUM_SPLITS_IN_KERNEL",
           "TILED", "EARLY_BASE", "WIDE_SWIZZLE", "OWNER_BRANCH", "PLAIN_PLANES", "XOR_CHUNKS", "WAVE_PROGRAMS_PER_SM",
-          "SMALL_M_STAGES")
+          "SMALL_M_STAGES", "HALVES", "AUTO_BARRIERS")
 
 
 def knobs() -> tuple:
@@ -263,8 +277,9 @@ def run_twin_steps(k: int, n: int, rows: int = 1) -> dict:
 
 
 def run_options(adjacent: bool) -> dict:
-    """The options runs pass to either kernel (`PAD_X`, `SUM_SPLITS_IN_KERNEL`)."""
-    return dict(pad_x=PAD_X, fold_x=PAD_X or adjacent, sum_splits_in_kernel=SUM_SPLITS_IN_KERNEL)
+    """The options runs pass to either kernel (`PAD_X`, `SUM_SPLITS_IN_KERNEL`, `HALVES`, `AUTO_BARRIERS`)."""
+    return dict(pad_x=PAD_X, fold_x=PAD_X or adjacent, sum_splits_in_kernel=SUM_SPLITS_IN_KERNEL, halves=HALVES,
+                auto_barriers=AUTO_BARRIERS)
 
 
 MAX_SLOTS = 256  # a step's slot row is one TMA box (<= 256 elements): 1 count + up to 255 exceptions
@@ -559,6 +574,30 @@ xor.b32 $1, $4, $7;
 xor.b32 $2, $5, $6;
 xor.b32 $3, $5, $7;
 }"""
+def decode2_ptx(half: int) -> str:
+    """`_DECODE4_PTX` for one K half (`halves`): $2 the half's four sign+mantissa bytes, $3 the four nibble
+    bytes, $4 the row's base << 7; out $0, $1 the half's four bf16 patterns. The same instructions as that
+    half's in `_DECODE4_PTX`, so the same bits: 11 instructions per 4 weights."""
+    if half not in (0, 1):
+        raise ValueError(f"half must be 0 or 1, got {half}")
+    mask, scale = ("0x000F000F", 128) if half == 0 else ("0x00F000F0", 8)
+    return f"""{{
+.reg .b32 z, b2, e0, e1, x, t;
+mov.b32 z, 0;
+prmt.b32 b2, $4, z, 0x1010;
+prmt.b32 e0, $3, z, 0x4140;
+prmt.b32 e1, $3, z, 0x4342;
+prmt.b32 x, $2, z, 0x9180;
+and.b32 t, e0, {mask};
+mad.lo.u32 t, t, {scale}, b2;
+lop3.b32 $0, x, 0x807F807F, t, 0xEA;
+prmt.b32 x, $2, z, 0xB3A2;
+and.b32 t, e1, {mask};
+mad.lo.u32 t, t, {scale}, b2;
+lop3.b32 $1, x, 0x807F807F, t, 0xEA;
+}}"""
+
+
 # One exception entry $4 (bits << 16 | half << 15 | n_local << 8 | k_local) -> $0 its position without the
 # two lane bits (compared with a register's key), $1 its bits in both halves, $2 / $3 the halfword mask
 # that selects its lane in a register's first / second word (zero in the other word).
@@ -600,7 +639,7 @@ def _if_else(scf, cond, result_types):
 
 def _ptx_decode(dec_layout, shape, use_slots: bool, col_offset: int = 0, mma: bool = False,
                 part: int | None = None, owner_branch: bool = True, arithmetic: bool = True,
-                from_ref: bool = False):
+                from_ref: bool = False, half: int | None = None):
     """The decode of `decode="ptx"`: one `plgpu.inline_mgpu` function that works on the registers
     themselves. The plane tiles arrive in the upcast layout, four consecutive K elements of one W^T row
     per 32-bit register, and each register is decoded by a few PTX instructions on packed pairs:
@@ -638,7 +677,11 @@ def _ptx_decode(dec_layout, shape, use_slots: bool, col_offset: int = 0, mma: bo
     `from_ref` (planes stored with `xor_chunks`): the function takes the step's [64, 3 * 64] plane tile in
     shared memory instead of three loaded tiles, and loads each register's 4 bytes of each plane itself,
     at the column `chunk_order` stored them in (one 32-bit shared-memory load each, all 32 lanes of a warp
-    on distinct banks)."""
+    on distinct banks).
+
+    `half` (0 or 1; `halves`, with `from_ref`): only that K half's tile is decoded (`decode2_ptx`), from
+    its sign+mantissa plane and the nibbles; exceptions of the other half never match its keys. The
+    function then returns that one tile."""
     from jax._src.lib.mlir import ir
     from jax._src.lib.mlir.dialects import arith, llvm, memref, scf
     from jax.experimental.mosaic import gpu as mgpu
@@ -648,10 +691,13 @@ def _ptx_decode(dec_layout, shape, use_slots: bool, col_offset: int = 0, mma: bo
     out = plgpu.ShapeDtypeStruct(shape, jnp.bfloat16, layout=out_layout)
     if from_ref and (part is not None or shape != (BN, 64)):
         raise NotImplementedError(f"from_ref takes whole steps of 64, [{BN}, 64], got {shape}, part {part}")
+    if half is not None and not (from_ref and arithmetic):
+        raise NotImplementedError("half takes from_ref and the arithmetic decode")
+    n_words = 4 if half is None else 2  # output words per register: both halves' two, or one half's
     planes_in = (plgpu.RefType(),) if from_ref else (dec_layout, dec_layout, dec_layout)
     arg_types = planes_in + (dec_layout,) + ((plgpu.RefType(),) if use_slots else ())
 
-    @plgpu.inline_mgpu(arg_types=arg_types, return_type=(out, out))
+    @plgpu.inline_mgpu(arg_types=arg_types, return_type=(out, out) if half is None else (out,))
     def decode(ctx, *args):
         del ctx
         if from_ref:
@@ -701,14 +747,15 @@ def _ptx_decode(dec_layout, shape, use_slots: bool, col_offset: int = 0, mma: bo
                 chunk = arith.shli(arith.andi(arith.shrui(r, mgpu_utils.c(1, i32)), mgpu_utils.c(3, i32)),
                                    mgpu_utils.c(4, i32))  # ((r // 2) % 4) * 16: `chunk_order`
                 off = arith.addi(arith.muli(r, mgpu_utils.c(3 * shape[1], i32)), arith.xori(c, chunk))
+                planes_q = range(3) if half is None else (half, 2)  # one half's: its plane and the nibbles
                 loaded.append([llvm.load(i32, mgpu_utils.getelementptr(
-                    ptr, [arith.addi(off, mgpu_utils.c(q * shape[1], i32))], i8), alignment=4) for q in range(3)])
+                    ptr, [arith.addi(off, mgpu_utils.c(q * shape[1], i32))], i8), alignment=4) for q in planes_q])
         else:
             loaded = [[word(t.registers[idx]) for t in (s_lo, s_hi, nib)] for idx in np.ndindex(regs_shape)]
-        words = []  # per register: [lo0, lo1, hi0, hi1]
+        words = []  # per register: [lo0, lo1, hi0, hi1] (one half: its two)
+        text = decode2_ptx(half) if half is not None else _DECODE4_PTX if arithmetic else _LOAD_ONLY_PTX
         for q, idx in enumerate(np.ndindex(regs_shape)):
-            words.append(asm(4, [*loaded[q], word(base7.registers[idx])],
-                             _DECODE4_PTX if arithmetic else _LOAD_ONLY_PTX))
+            words.append(asm(n_words, [*loaded[q], word(base7.registers[idx])], text))
         if use_slots:
             (slot_ref,) = slot
             i64 = ir.IntegerType.get_signless(64)
@@ -720,6 +767,7 @@ def _ptx_decode(dec_layout, shape, use_slots: bool, col_offset: int = 0, mma: bo
                 rows = arith.ori(rows, arith.shli(mgpu_utils.c(1, i64), arith.extui(i64, r)))
             hi_bit = mgpu_utils.c(0x8000, i32)
             keys_hi = [arith.ori(k, hi_bit) for k in keys]
+            key_sets = [keys, keys_hi] if half is None else [keys_hi if half else keys]
             zero = arith.constant(index, 0)
             count = memref.load(slot_ref, [zero, zero])
             flat = [w for ws in words for w in ws]
@@ -728,10 +776,10 @@ def _ptx_decode(dec_layout, shape, use_slots: bool, col_offset: int = 0, mma: bo
                 keyq, vv, m0, m1 = asm(4, [entry], _EXCEPTION_PTX)
                 out = []
                 for q in range(len(words)):
-                    for h, key in ((0, keys[q]), (1, keys_hi[q])):
-                        w0, w1 = flat[4 * q + 2 * h], flat[4 * q + 2 * h + 1]
-                        out += asm(2, [w0, w1, keyq, key, vv, m0, m1], _PATCH_PTX)
-                return out  # per register: lo0, lo1, hi0, hi1, as `flat`
+                    for h, ks in enumerate(key_sets):
+                        w0, w1 = flat[n_words * q + 2 * h], flat[n_words * q + 2 * h + 1]
+                        out += asm(2, [w0, w1, keyq, ks[q], vv, m0, m1], _PATCH_PTX)
+                return out  # per register: lo0, lo1, hi0, hi1 (or one half's two), as `flat`
 
             @mgpu_utils.fori(count, flat)
             def patched(e, flat):
@@ -752,7 +800,7 @@ def _ptx_decode(dec_layout, shape, use_slots: bool, col_offset: int = 0, mma: bo
                 return list(branch.results)
 
             flat = list(patched.results)
-            words = [flat[4 * q:4 * q + 4] for q in range(len(words))]
+            words = [flat[n_words * q:n_words * (q + 1)] for q in range(len(words))]
 
         def array(first):
             if mma:  # upcast register [.., g, .., h, ..] -> WGMMA registers [.., 2g, .., h, ..] and [.., 2g + 1, ..]
@@ -773,7 +821,7 @@ def _ptx_decode(dec_layout, shape, use_slots: bool, col_offset: int = 0, mma: bo
                 regs[idx] = mgpu_utils.vector_concat([mgpu_utils.bitcast(w0, pair), mgpu_utils.bitcast(w1, pair)])
             return mgpu.FragmentedArray(_registers=regs, _layout=lay, _is_signed=None)
 
-        return array(0), array(2)
+        return (array(0), array(2)) if half is None else (array(0),)
 
     return decode
 
@@ -792,7 +840,8 @@ def _kernel_call(x, operands, *, k: int, n: int, mp: int, block_k: int, split: i
                  warp_specialized: bool = False, subtile: bool = False, mma: bool = False,
                  adjacent: bool = False, sum_splits_in_kernel: bool = False, tiled: bool = False,
                  early_base: bool = False, wide_swizzle: bool = False, plain_planes: bool = False,
-                 owner_branch: bool = True, xor_chunks: bool = False):
+                 owner_branch: bool = True, xor_chunks: bool = False, halves: bool = False,
+                 auto_barriers: bool = True):
     ws = warp_specialized
     # sum_splits_in_kernel: programs of splits 0 .. S-2 store their partials to a workspace and signal their
     # column block's semaphore; the split S-1 program waits for them, adds the partials in index order with
@@ -815,6 +864,21 @@ def _kernel_call(x, operands, *, k: int, n: int, mp: int, block_k: int, split: i
         raise NotImplementedError("early_base takes W12 without warp_specialized")
     nwg = 2 if ws else 1  # consumer warpgroups per program, each over its own 64 W^T rows
     cta = BN * nwg  # W^T rows per program
+    # halves: two warpgroups per program over the same 64 W^T rows, one per K half of every step (the step's
+    # tiles hold both halves), each with its own accumulator; the first also issues the copies (`halves_body`).
+    # At the end the first adds the second's accumulator to its own (lower + upper, in that order), so the
+    # twin with `halves` gives the same bits. Twice the warps per program, the same programs and tiles.
+    if halves and (ws or subtile or fixup or adjacent or diagnostic or not fold_x):
+        raise NotImplementedError("halves takes x folded, without warp_specialized, subtile, adjacent, "
+                                  "sum_splits_in_kernel or a diagnostic")
+    if halves and w12 and not (planes == "packed" and tiled and xor_chunks and use_slots):
+        raise NotImplementedError("halves takes W12 planes packed tiled in chunk order (to_nk(tiled=True, "
+                                  "xor_chunks=True)) with the slot table")
+    if halves and not w12 and not tiled:
+        raise NotImplementedError("halves takes the twin's tiled weights (tile_twin)")
+    if halves and x.shape[0] != mp:
+        raise NotImplementedError(f"halves takes x padded to Mp = {mp} rows (pad_x=True), got {x.shape[0]}")
+    per_wg = 2 if (ws or halves) else 1  # warpgroups that own scratch
     if ws and not (w12 and planes == "packed" and fold_x and n % cta == 0):
         raise NotImplementedError(f"warp_specialized takes W12 with packed planes, x folded and N % {cta} == 0")
     kh = k // 2
@@ -836,6 +900,18 @@ def _kernel_call(x, operands, *, k: int, n: int, mp: int, block_k: int, split: i
     if a_operand not in ("registers", "smem"):
         raise ValueError(f"a_operand must be 'registers' or 'smem', got {a_operand!r}")
     a_in_registers = a_operand == "registers" and not interpret
+    # auto_barriers=False (`unsafe_no_auto_barriers`): Pallas inserts no warpgroup barrier (bar.sync) around
+    # each copy issue, `pl.when` or conditional fetch of the pipeline (about 7 per step). Its two conditions
+    # hold here: no thread writes shared memory that it or another thread then reads (the tiles arrive by
+    # TMA, the A operand is decoded into registers or read by wgmma from the copied tiles), and nothing is
+    # read after a commit_smem. A slot is refilled only after the step's `wgmma_wait(0)` in the issuing
+    # warp, and the warpgroup's wgmma completes only once all four warps issued it, after their decodes'
+    # loads from that slot (the A registers depend on them) and with the B tile read: no read of the
+    # slot is left when the refill starts.
+    if not auto_barriers and w12 and not interpret and not a_in_registers:
+        raise NotImplementedError("auto_barriers=False takes W12's decoded tiles in registers (a_operand="
+                                  "'registers'): stored to shared memory they would be written and read by "
+                                  "the same threads")
     # wide_swizzle (with subtile): the plane tiles are copied with rows of block_k bytes and their swizzle
     # (128 at block_k 128: the copies' fastest, docs/performance.md), and each sub-step decodes its 64 columns
     # of them (the whole tile loaded, only that part's registers used); otherwise each sub-step's columns are
@@ -882,6 +958,12 @@ def _kernel_call(x, operands, *, k: int, n: int, mp: int, block_k: int, split: i
                                   part=u if wide_swizzle else None, owner_branch=owner_branch,
                                   arithmetic=diagnostic != "ptx_load_only", from_ref=xor_chunks)
                       for u in range(block_k // mma_k)]
+    ptx_half = None
+    if halves and ptx_decode is not None:  # one decode per K half, the warpgroup's own
+        ptx_half = [_ptx_decode(dec_layout, (BN, mma_k), ptx_slots, 0, mma, owner_branch=owner_branch,
+                                from_ref=True, half=h) for h in (0, 1)]
+    if halves and w12 and not interpret and (ptx_half is None or not a_in_registers):
+        raise NotImplementedError("halves decodes by PTX (decode='auto' or 'ptx') into registers when compiled")
     if xor_chunks and not interpret and ptx_decode is None and diagnostic != "copies_only":
         raise NotImplementedError("xor_chunks planes are loaded by the PTX decode when compiled (decode='auto' "
                                   "or 'ptx')")
@@ -901,6 +983,8 @@ def _kernel_call(x, operands, *, k: int, n: int, mp: int, block_k: int, split: i
     names = w12_operand_names(planes, use_slots) if w12 else ()
 
     def kernel(x_gmem, *refs):
+        hrefs = refs[-7:] if halves else ()  # `halves_body`'s buffers and barriers, last
+        refs = refs[:-7] if halves else refs
         if w12:  # only the operands this configuration reads (`w12_operand_names`)
             g = dict(zip(names, refs))
             o_gmem, *scr = refs[len(names):]
@@ -916,7 +1000,7 @@ def _kernel_call(x, operands, *, k: int, n: int, mp: int, block_k: int, split: i
         # so another program's signal would never reach it (the first GPU run hung)
         sem = pl.get_global(plgpu.SemaphoreType.REGULAR((n // cta,))) if fixup and not interpret else None
         j, si = jax.lax.axis_index("n"), jax.lax.axis_index("s")
-        wg = jax.lax.axis_index("wg") if ws else 0  # this consumer's 64 rows of the program's W^T rows
+        wg = jax.lax.axis_index("wg") if (ws or halves) else 0  # this consumer's rows (halves: K half)
         first = si * steps  # this program's first K block (in each half)
         state = {}  # per consumer: its first W^T row, bases and positions (`setup`)
 
@@ -932,7 +1016,8 @@ def _kernel_call(x, operands, *, k: int, n: int, mp: int, block_k: int, split: i
         else:
             x_specs = [spec((mp, block_k), h, False, mma_tiles) for h in (0, 1)]
         def load_base7():  # the bases of this consumer's rows (base << 7), broadcast over a tile's columns
-            base7 = jax.lax.broadcast_in_dim(tile(bs.at[wg], dec_layout.reduce(1)), (BN, mma_k), (0,))
+            base7 = jax.lax.broadcast_in_dim(tile(bs.at[0 if halves else wg], dec_layout.reduce(1)), (BN, mma_k),
+                                             (0,))
             if not interpret:  # the broadcast's layout, named for the lowering
                 base7 = plgpu.layout_cast(base7, dec_layout)
             return base7
@@ -1119,7 +1204,82 @@ def _kernel_call(x, operands, *, k: int, n: int, mp: int, block_k: int, split: i
                     total = total + part(q)
                 o_gmem[0, rows, :] = total + acc[...]
 
+        def halves_body():
+            xb, wb, sb, full, cons, acc_s, done = hrefs
+            n_cb = n // cta
+
+            def issue(i, slot):  # step i's tiles into buffer slot (warpgroup 0)
+                kb = first + i
+                plgpu.copy_gmem_to_smem(x_gmem.at[pl.ds(0, mp), pl.ds(kb * 2 * block_k, 2 * block_k)],
+                                        xb.at[slot], full.at[slot])
+                rows = pl.ds((j * half_blocks + kb) * BN, BN)  # the step's tile (`tile_rows`, `tile_twin`)
+                plgpu.copy_gmem_to_smem((sm_gmem if w12 else w_gmem).at[rows], wb.at[slot], full.at[slot])
+                if w12:
+                    plgpu.copy_gmem_to_smem(slot_gmem.at[pl.ds(kb * n_cb + j, 1)], sb.at[slot], full.at[slot])
+
+            def consumer(h):  # warpgroup h: the K half h of every step
+                state["row0"] = j * BN
+                if w12:
+                    if h == 0:  # the bases first, then the pipeline's first steps
+                        plgpu.copy_gmem_to_smem(base_gmem.at[pl.ds(state["row0"], BN)], bs.at[0], bar.at[0])
+                    state["n_iota"], state["k_iota"] = iota(0) + state["row0"], iota(1)
+                    state["pos_lo"] = (iota(0) << 8) | state["k_iota"]
+                    state["pos_hi"] = state["pos_lo"] | 0x8000
+                if h == 0:
+                    for i in range(min(stages, steps)):
+                        issue(i, i)
+                if w12:
+                    plgpu.barrier_wait(bar.at[0])
+                    if not early_base:
+                        state["base7"] = load_base7()
+
+                def scope(acc):
+                    def body(i, carry):
+                        slot = jax.lax.rem(i, stages)
+                        plgpu.barrier_wait(full.at[slot])
+                        x_half = xb.at[slot].at[:, pl.ds(h * block_k, block_k)]
+                        if w12 and ptx_half is not None:
+                            base7 = load_base7() if early_base else state["base7"]
+                            (a,) = ptx_half[h](wb.at[slot], base7, *((sb.at[slot],) if ptx_slots else ()))
+                            if not mma:
+                                a = plgpu.layout_cast(a, wgmma_layout)
+                        elif w12:  # the interpreter: both halves decoded, this one's taken
+                            a = decode((first + i) * block_k, 0, wb.at[slot], sb.at[slot])[h]
+                        else:
+                            a = wb.at[slot].at[:, pl.ds(h * block_k, block_k)]
+                            if a_in_registers:
+                                a = plgpu.load(a, (), layout=wgmma_layout)
+                        plgpu.wgmma(acc, a, b_operand(x_half, h))
+                        plgpu.wgmma_wait(0)
+                        plgpu.barrier_arrive(cons.at[slot])
+                        if h == 0:
+                            @pl.when(i + stages < steps)
+                            def _():  # both warpgroups are done with the slot: step i + stages into it
+                                plgpu.barrier_wait(cons.at[slot])
+                                issue(i + stages, slot)
+                        return carry
+
+                    jax.lax.fori_loop(0, steps, body, 0)
+                    if h == 0:  # the last steps' releases, so that every phase of the barriers is waited for
+                        for i in range(max(0, steps - stages), steps):
+                            plgpu.barrier_wait(cons.at[i % stages])
+                    if h == 1:  # the upper half's sum to the first warpgroup
+                        acc_s[...] = acc[...]
+                        plgpu.barrier_arrive(done.at[0])
+                        return
+                    plgpu.barrier_wait(done.at[0])
+                    upper = acc_s[...] if interpret else plgpu.load(acc_s, (), layout=wgmma_layout, optimized=False)
+                    o_gmem[si, pl.ds(state["row0"], BN), :] = acc[...] + upper
+
+                pl.run_scoped(scope, plgpu.ACC((BN, mp), jnp.float32))
+
+            for h in (0, 1):
+                pl.when(wg == h)(functools.partial(consumer, h))
+
         gmem_refs = (*(x_gmem,) * len(x_specs), *w_gmem_refs)
+        if halves:
+            halves_body()
+            return
         if not ws:
             setup()
 
@@ -1164,21 +1324,31 @@ def _kernel_call(x, operands, *, k: int, n: int, mp: int, block_k: int, split: i
     if w12:  # the bases of its rows
         scratch = [plgpu.SMEM((nwg, BN), jnp.int32), plgpu.Barrier(num_arrivals=1, num_barriers=nwg)]
     if w12 and not a_in_registers:  # the decoded A tiles
-        scratch += [plgpu.SMEM((nwg, BN, mma_k), jnp.bfloat16, transforms=mma_tiles)] * 2
+        scratch += [plgpu.SMEM((per_wg, BN, mma_k), jnp.bfloat16, transforms=mma_tiles)] * 2
     if interpret:  # the interpreter has no transposed refs: transposed x tiles
         x_t = _transforms(16, 2 * mp) if mp >= 16 else ()  # rows of 16 bytes have no swizzle
-        scratch += [plgpu.SMEM((nwg, mma_k, mp), jnp.bfloat16, transforms=x_t)] * 2
+        scratch += [plgpu.SMEM((per_wg, mma_k, mp), jnp.bfloat16, transforms=x_t)] * 2
         from jax._src.pallas.mosaic_gpu.interpret.params import InterpretGPUParams
         interpret_arg = InterpretGPUParams()
     else:
         interpret_arg = None
-    threads = dict(num_threads=nwg + 1, thread_name="wg") if ws else {}
+    if halves:  # `halves_body`'s: x, weight and slot-row buffers per stage, their barriers, the upper sum
+        w_buf = (plgpu.SMEM((stages, BN, 3 * block_k), jnp.int8) if w12
+                 else plgpu.SMEM((stages, BN, 2 * block_k), jnp.bfloat16, transforms=mma_tiles))
+        slot_buf = plgpu.SMEM((stages, 1, operands[-1].shape[1] if w12 else 1), jnp.int32)
+        scratch += [plgpu.SMEM((stages, mp, 2 * block_k), jnp.bfloat16, transforms=mma_tiles), w_buf, slot_buf,
+                    plgpu.Barrier(num_arrivals=3 if w12 else 2, num_barriers=stages),
+                    plgpu.Barrier(num_arrivals=2, num_barriers=stages),
+                    plgpu.SMEM((BN, mp), jnp.float32), plgpu.Barrier(num_arrivals=1, num_barriers=1)]
+    threads = (dict(num_threads=nwg + 1, thread_name="wg") if ws
+               else dict(num_threads=2, thread_name="wg") if halves else {})
     out_type = jax.ShapeDtypeStruct((1 if fixup else split, n, mp), jnp.float32)
     if fixup:  # the workspace of splits 0 .. S-2 (an output XLA allocates; discarded)
         out_type = (out_type, jax.ShapeDtypeStruct((split - 1, n, mp), jnp.float32))
     call = plgpu.kernel(kernel, out_type=out_type,
                         grid=(n // cta, split), grid_names=("n", "s"), scratch_types=scratch,
-                        compiler_params=plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Lane),
+                        compiler_params=plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Lane,
+                                                             unsafe_no_auto_barriers=not auto_barriers),
                         interpret=interpret_arg, **threads)
     out = call(x, *operands)
     return out[0] if fixup else out
@@ -1221,7 +1391,8 @@ def _prepare_x(x: jax.Array, k: int, n: int, block_k: int, mp: int | None = None
 @functools.partial(jax.jit, static_argnames=("block_k", "split", "stages", "interpret", "exceptions", "diagnostic",
                                              "planes", "a_operand", "decode", "fold_x", "warp_specialized",
                                              "subtile", "raw", "mp", "pad_x", "sum_splits_in_kernel",
-                                             "early_base", "wide_swizzle", "plain_planes", "owner_branch"))
+                                             "early_base", "wide_swizzle", "plain_planes", "owner_branch",
+                                             "halves", "auto_barriers"))
 def w12_mosaic_partials(x: jax.Array, w: W12NK, block_k: int | None = None, split: int | None = None,
                         stages: int | None = None,
                         interpret: bool = False, exceptions: str = "auto", diagnostic: str = "",
@@ -1230,7 +1401,7 @@ def w12_mosaic_partials(x: jax.Array, w: W12NK, block_k: int | None = None, spli
                         raw: bool = False, mp: int | None = None, pad_x: bool = True,
                         sum_splits_in_kernel: bool = False, early_base: bool = False,
                         wide_swizzle: bool = False, plain_planes: bool = False,
-                        owner_branch: bool = True) -> jax.Array:
+                        owner_branch: bool = True, halves: bool = False, auto_barriers: bool = True) -> jax.Array:
     """x [M, K] bf16 (M <= 64), W12NK [K, N] -> partial products [split, M, N] float32.
 
     block_k: the step `to_nk` packed the planes for (`w.slot_k`) by default; stages: `default_stages`.
@@ -1268,7 +1439,11 @@ def w12_mosaic_partials(x: jax.Array, w: W12NK, block_k: int | None = None, spli
     for the others' partials, then adds them in index order, its own last: `sum_splits`'s order and bits)
     and returns one "split", [1, N, Mp] raw; no XLA sum follows. Not with warp_specialized.
     early_base: the rows' bases are copied alongside the pipeline's first steps instead of before them
-    (`_kernel_call`). Planes packed `tiled` (`to_nk`) are read one contiguous tile per step."""
+    (`_kernel_call`). Planes packed `tiled` (`to_nk`) are read one contiguous tile per step.
+    halves: two warpgroups per program, one per K half of every step, their sums added at the end (lower +
+    upper); the twin with `halves` gives the same bits. Planes packed tiled in chunk order with the slot
+    table, x folded and padded.
+    auto_barriers=False: Pallas inserts no warpgroup barriers (`_kernel_call` says why that is safe here)."""
     k, n = w.shape
     block_k = block_k or w.slot_k or default_block_k(k, n)
     if (exceptions not in ("auto", "csr")
@@ -1303,24 +1478,26 @@ def w12_mosaic_partials(x: jax.Array, w: W12NK, block_k: int | None = None, spli
                        adjacent=w.adjacent, sum_splits_in_kernel=sum_splits_in_kernel,
                        tiled=w.tiled and planes == "packed", early_base=early_base, wide_swizzle=wide_swizzle,
                        plain_planes=plain_planes, owner_branch=owner_branch,
-                       xor_chunks=w.xor_chunks and planes == "packed")
+                       xor_chunks=w.xor_chunks and planes == "packed", halves=halves, auto_barriers=auto_barriers)
     return out if raw else jnp.swapaxes(out, 1, 2)[:, :m]
 
 
 @functools.partial(jax.jit, static_argnames=("block_k", "split", "stages", "interpret", "a_operand", "fold_x",
                                              "raw", "adjacent", "mp", "pad_x", "sum_splits_in_kernel",
-                                             "tiled"))
+                                             "tiled", "halves", "auto_barriers"))
 def bf16_mosaic_partials(x: jax.Array, w_t: jax.Array, block_k: int | None = None, split: int | None = None,
                          stages: int | None = None, interpret: bool = False, a_operand: str = "smem",
                          fold_x: bool = True, raw: bool = False, adjacent: bool = False, mp: int | None = None,
-                         pad_x: bool = True, sum_splits_in_kernel: bool = False, tiled: bool = False) -> jax.Array:
+                         pad_x: bool = True, sum_splits_in_kernel: bool = False, tiled: bool = False,
+                         halves: bool = False, auto_barriers: bool = True) -> jax.Array:
     """The twin: the same kernel over the original bf16 weight, given transposed (w_t [N, K] = W^T, stored
     once like `to_nk`'s planes), its tiles streamed by the same pipeline straight to the same wgmma calls.
     block_k and stages default as W12's do for the same shape, so the defaults of the two pair up.
     adjacent: each step pairs two adjacent row blocks, as W12 planes packed with `to_nk(adjacent=True)` do
     (the twin of such a matrix); x is then read as it is. mp, pad_x, sum_splits_in_kernel: as W12's.
     tiled: w_t is `tile_twin(W^T, block_k, adjacent)`, [N / 64 * steps * 64, 2 block_k]: one contiguous
-    copy per step (the twin of W12 planes packed `tiled`; the same products, bit for bit)."""
+    copy per step (the twin of W12 planes packed `tiled`; the same products, bit for bit).
+    halves: one warpgroup per K half, as W12's `halves` (tiled weights only). auto_barriers: as W12's."""
     if tiled:  # the step is the tiles' width; N follows from x's K
         k = x.shape[-1]
         if block_k and w_t.shape[1] != 2 * block_k:
@@ -1340,7 +1517,8 @@ def bf16_mosaic_partials(x: jax.Array, w_t: jax.Array, block_k: int | None = Non
     split = split or default_split(k, n, block_k)
     out = _kernel_call(x_p, (w_t,), k=k, n=n, mp=mp, block_k=block_k, split=split, stages=stages, w12=False,
                        fmt={}, interpret=interpret, a_operand=a_operand, fold_x=fold_x, adjacent=adjacent,
-                       sum_splits_in_kernel=sum_splits_in_kernel, tiled=tiled)
+                       sum_splits_in_kernel=sum_splits_in_kernel, tiled=tiled, halves=halves,
+                       auto_barriers=auto_barriers)
     return out if raw else jnp.swapaxes(out, 1, 2)[:, :m]
 
 

@@ -116,7 +116,8 @@ class _MosaicCases:
                                                **opts)
                 assert_same_bits(twin, padded)
                 raw = mk.w12_mosaic_partials(x, nk, interpret=self.interpret, mp=mp, raw=True, **opts)
-                assert raw.shape == (mk.default_split(k, n, 64), n, mp or 16)
+                default_mp = min(c for c in mk.MP_CHOICES if c >= m)  # the least padding that holds m rows
+                assert raw.shape == (mk.default_split(k, n, 64), n, mp or default_mp)
                 assert_same_bits(mk.sum_rows(raw, m), km.sum_splits(twin))
         x = jnp.zeros((9, k), jnp.bfloat16)
         with pytest.raises(ValueError, match="mp = 8 must be a multiple of 8 in"):
@@ -356,6 +357,55 @@ class _MosaicCases:
         with pytest.raises(ValueError, match="xor_chunks stores tiled planes of steps of 64"):
             mk.to_nk(enc, block_k=128, tiled=True, xor_chunks=True)
 
+    def test_without_auto_barriers_bit_identical_to_bf16_twin(self):
+        """`auto_barriers=False` (no warpgroup barriers inserted by Pallas) at the runs' packing: the twin's
+        bits, 3 stages over 4 steps (slots refilled), 1 and 2 splits, Inf / NaN / subnormal exceptions; W12
+        with its decoded tiles in shared memory is refused (compiled)."""
+        k, n = 512, 128
+        w = _special_exceptions(k, n, seed=19)
+        ip = self.interpret
+        twin_w = mk.tile_twin(jnp.asarray(w).T, 64)
+        nk = mk.to_nk(w12.encode(w), block_k=64, mma=True, tiled=True, xor_chunks=True)
+        for m, split in ((1, 1), (16, 2)) + (() if ip else ((64, 1),)):
+            x = jnp.asarray(np.random.default_rng(m).standard_normal((m, k)), jnp.bfloat16)
+            opts = dict(split=split, stages=3, interpret=ip, auto_barriers=False)
+            got = mk.w12_mosaic_partials(x, nk, plain_planes=True, early_base=True, **opts)
+            assert_same_bits(got, mk.bf16_mosaic_partials(x, twin_w, tiled=True, **opts))
+            assert_same_bits(got, mk.w12_mosaic_partials(x, nk, plain_planes=True, early_base=True, split=split,
+                                                         stages=3, interpret=ip))
+        if not ip:
+            with pytest.raises(NotImplementedError, match="auto_barriers=False takes W12's decoded tiles"):
+                mk.w12_mosaic_partials(x, nk, plain_planes=True, a_operand="smem", auto_barriers=False)
+
+    @pytest.mark.slow  # an option the runs leave off (w12_mosaic.HALVES)
+    def test_halves_bit_identical_to_bf16_twin(self):
+        """`halves` (one warpgroup per K half of each step, the two sums added at the end, the first
+        warpgroup issuing the copies by hand) gives the halves twin's bits: plain and mma order, Inf / NaN /
+        subnormal exceptions in both K halves, 1-64 rows, 1 and 2 splits, 2 stages over 4 steps (the
+        buffers refilled). On finite weights its sum is within float32's bound of the exact product."""
+        k, n = 512, 128
+        ip = self.interpret
+        for w, finite in ((_special_exceptions(k, n, seed=17), False),
+                          ((0.02 * np.random.default_rng(3).standard_normal((k, n))).astype(jnp.bfloat16), True)):
+            enc = w12.encode(w)
+            twin_w = mk.tile_twin(jnp.asarray(w).T, 64)
+            cases = ((1, 1, True, 2), (16, 2, True, 3), (33, 2, False, 2)) + (() if ip else ((64, 1, True, 3),))
+            for m, split, mma, stages in cases:
+                nk = mk.to_nk(enc, block_k=64, mma=mma, tiled=True, xor_chunks=True)
+                x = jnp.asarray(np.random.default_rng(m).standard_normal((m, k)), jnp.bfloat16)
+                opts = dict(split=split, stages=stages, interpret=ip, halves=True)
+                got = mk.w12_mosaic_partials(x, nk, plain_planes=True, early_base=True, **opts)
+                assert_same_bits(got, mk.bf16_mosaic_partials(x, twin_w, tiled=True, **opts))
+                if finite:
+                    assert_close_to_exact(km.sum_splits(got), x, w)
+        with pytest.raises(NotImplementedError, match="halves takes W12 planes packed tiled in chunk order"):
+            mk.w12_mosaic_partials(x, mk.to_nk(enc, block_k=64, mma=True), interpret=ip, halves=True)
+        with pytest.raises(NotImplementedError, match="halves takes the twin's tiled weights"):
+            mk.bf16_mosaic_partials(x, jnp.asarray(w).T, interpret=ip, halves=True)
+        with pytest.raises(NotImplementedError, match="halves takes x folded"):
+            mk.bf16_mosaic_partials(x, twin_w, tiled=True, interpret=ip, halves=True, sum_splits_in_kernel=True,
+                                    split=2)
+
     def test_mma_order_bit_identical_to_bf16_twin(self):
         """Planes packed in mma order (`to_nk(mma=True)`: the decode writes the wgmma registers directly)
         give the twin's bits: slot-table exceptions in both K halves and sub-steps, Inf / NaN, two splits,
@@ -426,11 +476,17 @@ def _special_exceptions(k: int, n: int, seed: int) -> np.ndarray:
 class TestMosaicGPU(_MosaicCases):
     interpret = False
 
+    @pytest.mark.parametrize("knobs", [{}, {"HALVES": True}, {"AUTO_BARRIERS": not mk.AUTO_BARRIERS}],
+                             ids=("defaults", "halves", "auto_barriers_switched"))
     @pytest.mark.parametrize("k,n", [(4096, 1024), (4096, 4096), (12288, 4096)])
-    def test_runs_defaults_equal_the_twin_at_qwen3_shapes(self, k, n):
+    def test_runs_defaults_equal_the_twin_at_qwen3_shapes(self, k, n, knobs, monkeypatch):
         """The runs' options (`w12.linear` on `encode_params(kernel="mosaic")`) against the runs' twin at
         Qwen3-8B's matrix shapes, with 2% exceptions: many steps per program and many programs per SM, where
-        a race between steps shows (one did, in the benchmark, where the K = 512 cases above passed)."""
+        a race between steps shows (one did, in the benchmark, where the K = 512 cases above passed); at the
+        defaults, with `w12_mosaic.HALVES` on, and with `AUTO_BARRIERS` switched (a missing barrier is such a
+        race)."""
+        for name, value in knobs.items():
+            monkeypatch.setattr(mk, name, value)
         w = jnp.asarray(adversarial_weights(k, n, seed=k + n, finite=False))
         wq = w12.encode_params({"layers": ({"q": w},)}, kernel="mosaic", max_exception_rate=1.0)["layers"][0]["q"]
         assert isinstance(wq, w12.W12NK) and wq.slot_k  # every step's exceptions fit the slot table
@@ -685,7 +741,8 @@ def test_runs_with_unpadded_x_pair_as_their_twin(monkeypatch):
     x = jnp.asarray(np.random.default_rng(2).standard_normal((3, k)), jnp.bfloat16)
     padded = w12.linear(x, wq, out_dtype=jnp.float32, interpret=True)
     monkeypatch.setattr(mk, "PAD_X", False)
-    assert mk.run_options(False) == dict(pad_x=False, fold_x=False, sum_splits_in_kernel=False)
+    assert mk.run_options(False) == dict(pad_x=False, fold_x=False, sum_splits_in_kernel=False, halves=mk.HALVES,
+                                         auto_barriers=mk.AUTO_BARRIERS)
     assert mk.run_options(True)["fold_x"]
     got = w12.linear(x, wq, out_dtype=jnp.float32, interpret=True)
     twin = w12.linear(x, w, out_dtype=jnp.float32, interpret=True, dense_kernel=True, implementation="mosaic")
@@ -798,7 +855,8 @@ def test_ptx_decode_every_bit_pattern():
     exc = np.zeros(bits.shape, bool)
     exc[np.asarray(enc.exc_row), np.asarray(enc.exc_col)] = True
     reg = [_pack4(np.ascontiguousarray(a.T).view(np.uint8)) for a in (sm[:kh], sm[kh:], nib)]  # [N, Kh/4]
-    regs = _run_ptx(mk._DECODE4_PTX, [None] * 4 + reg + [np.broadcast_to((base << 7)[:, None], reg[0].shape)])
+    reg_base = np.broadcast_to((base << 7)[:, None], reg[0].shape)
+    regs = _run_ptx(mk._DECODE4_PTX, [None] * 4 + reg + [reg_base])
     for half, (w0, w1) in enumerate((("$0", "$1"), ("$2", "$3"))):
         r0, r1 = regs[w0], regs[w1]
         got = np.stack([r0 & 0xFFFF, r0 >> 16, r1 & 0xFFFF, r1 >> 16], axis=-1).reshape(n, kh).T.astype(np.uint16)
@@ -809,6 +867,12 @@ def test_ptx_decode_every_bit_pattern():
         keep = ~exc[rows]
         np.testing.assert_array_equal(got[keep], bits[rows][keep])
         assert len(np.unique(sm[rows][keep])) == 256  # every sign|mantissa byte decoded by the PTX alone
+    for half in (0, 1):  # `decode2_ptx`: one half's tile from its plane and the nibbles, the same bits
+        one = _run_ptx(mk.decode2_ptx(half), [None] * 2 + [reg[half], reg[2], reg_base])
+        for a, b in (("$0", ("$0", "$2")[half]), ("$1", ("$1", "$3")[half])):
+            np.testing.assert_array_equal(one[a], regs[b])
+    with pytest.raises(ValueError, match="half must be 0 or 1"):
+        mk.decode2_ptx(2)
 
 
 def test_ptx_patch_replaces_exactly_the_listed_element():
@@ -841,11 +905,11 @@ def test_ptx_patch_replaces_exactly_the_listed_element():
 
 
 def test_step_defaults_follow_the_shape_and_the_packing():
-    """The LM head's shape packs for 128-row steps over 2 stages, the layer shapes for 64 over 3 (at up to
-    16 rows); a packed
+    """The LM head's shape packs for 128-row steps over 2 stages, the layer shapes for 64 over
+    `SMALL_M_STAGES` (at up to 16 rows); a packed
     W12NK runs at the step it was packed for without being told, and its default twin pairs with it."""
     assert mk.default_block_k(4096, 151936) == 128 and mk.default_stages(128) == 2
-    assert mk.default_block_k(4096, 12288) == 64 and mk.default_stages(64) == 3
+    assert mk.default_block_k(4096, 12288) == 64 and mk.default_stages(64) == mk.SMALL_M_STAGES
     assert mk.default_block_k(4096 + 128, 151936) == 64  # K/2 = 2112 is not a multiple of 128
     k, n, m = 512, 128, 3
     w = (0.02 * np.random.default_rng(7).standard_normal((k, n))).astype(jnp.bfloat16)
@@ -969,7 +1033,7 @@ def test_raw_partials_summed_before_the_transpose_keep_the_bits():
     x = jnp.asarray(np.random.default_rng(4).standard_normal((m, k)), jnp.bfloat16)
     nk = mk.to_nk(w12.encode(w))
     raw = mk.w12_mosaic_partials(x, nk, split=4, raw=True, interpret=True)
-    assert raw.shape == (4, n, 16)
+    assert raw.shape == (4, n, 8)  # 5 rows padded to 8, the least of MP_CHOICES that holds them
     assert_same_bits(mk.sum_rows(raw, m), km.sum_splits(mk.w12_mosaic_partials(x, nk, split=4, interpret=True)))
     twin_raw = mk.bf16_mosaic_partials(x, jnp.asarray(w).T, split=4, raw=True, interpret=True)
     assert_same_bits(mk.sum_rows(twin_raw, m), mk.sum_rows(raw, m))
@@ -980,7 +1044,7 @@ def test_mma_order_default_and_stages_follow_the_rows():
     stages follow x's padded rows, for W12 and the twin alike); the override (benchmarks) wins."""
     assert mk.default_mma(4096, 12288, 1) and mk.default_mma(4096, 12288, 16)
     assert mk.default_mma(4096, 12288, 64) and mk.default_mma(4096, 151936, 64)
-    assert [mk.default_stages(64, mp) for mp in (16, 32, 64)] == [3, 2, 2]
+    assert [mk.default_stages(64, mp) for mp in (8, 16, 32, 64)] == [mk.SMALL_M_STAGES] * 2 + [2, 2]
     assert [mk.default_stages(128, mp) for mp in (16, 32, 64)] == [2, 2, 2]
     enc = w12.encode((0.02 * np.random.default_rng(0).standard_normal((256, 128))).astype(jnp.bfloat16))
     assert mk.to_nk(enc).mma_order and not mk.to_nk(enc, mma=False).mma_order
