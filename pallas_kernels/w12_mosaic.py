@@ -212,8 +212,9 @@ QKV_BARRIER = True
 PREFILL_DECODE = False
 
 # Whether runs multiply with two warpgroups per program, one per K half of every step (`halves`), W12 and twin
-# alike: twice the warps per program at the same programs and shared-memory tiles. Not yet timed on the H200:
-# off.
+# alike: twice the warps per program at the same programs and shared-memory tiles. Exact on the H200 but 1-3%
+# slower at every layer shape at M <= 16 and 28% at gate/up at M = 64 (mg54, docs/performance.md, fourteenth
+# pass): off.
 HALVES = False
 
 # Whether runs let Pallas insert its warpgroup barriers (bar.sync) around each copy issue and conditional of
