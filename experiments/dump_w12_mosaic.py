@@ -22,11 +22,15 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-VARIANTS = {  # name -> (w12?, planes packed by to_nk?, options)
-    "twin": (False, True, {}),
-    "w12": (True, True, {}),  # the defaults: packed planes, PTX decode, x folded
-    "w12_ws": (True, True, {"warp_specialized": True}),
-    "w12_upcast_jnp": (True, False, {"planes": "upcast", "decode": "jnp", "fold_x": False}),  # third pass
+_RUNS_NK = {"tiled": True, "xor_chunks": True, "mma": True}  # how runs pack (w12.encode_params, kernel="mosaic")
+VARIANTS = {  # name -> (w12?, to_nk's options (the twin: {"tiled": True} tiles its weight), kernel options)
+    "twin": (False, {}, {}),
+    "w12": (True, {"pack": True}, {}),  # the function's defaults: packed planes, PTX decode, x folded
+    "w12_ws": (True, {"pack": True}, {"warp_specialized": True}),
+    "w12_upcast_jnp": (True, {"pack": False}, {"planes": "upcast", "decode": "jnp", "fold_x": False}),  # third pass
+    # as runs call them (w12_mosaic's switches at their defaults: `run_w12_options`, `run_options`)
+    "w12_runs": (True, _RUNS_NK, {"plain_planes": True, "early_base": True, "auto_barriers": False}),
+    "twin_runs": (False, {"tiled": True}, {"tiled": True, "auto_barriers": False}),
 }
 
 
@@ -49,7 +53,7 @@ def main(argv=None) -> dict:
     names = [v for v in args.only.split(",") if v] or list(VARIANTS)
     report = {}
     for name in names:
-        w12_kernel, pack, opts = VARIANTS[name]
+        w12_kernel, nk_opts, opts = VARIANTS[name]
         for m in [int(v) for v in args.m.split(",")]:
             folder = os.path.join(args.out, f"{name}_m{m}")
             os.makedirs(folder, exist_ok=True)
@@ -60,10 +64,11 @@ def main(argv=None) -> dict:
                     f"w = (jax.random.normal(jax.random.key(0), (4096, 4096)) * 0.02).astype(jnp.bfloat16)\n"
                     f"x = jax.random.normal(jax.random.key(1), ({m}, 4096)).astype(jnp.bfloat16)\n"
                     f"if {w12_kernel}:\n"
-                    f"    nk = mk.to_nk(w12.encode(w), 64, pack={pack})\n"
+                    f"    nk = mk.to_nk(w12.encode(w), 64, **{nk_opts!r})\n"
                     f"    y = mk.w12_mosaic_partials(x, nk, **{opts!r})\n"
                     f"else:\n"
-                    f"    y = mk.bf16_mosaic_partials(x, w.T.copy())\n"
+                    f"    w_t = mk.tile_twin(w.T, 64) if {nk_opts.get('tiled', False)} else w.T.copy()\n"
+                    f"    y = mk.bf16_mosaic_partials(x, w_t, **{opts!r})\n"
                     f"print(float(y.sum()))\n")
             with open(f"{folder}/run.log", "w") as log:
                 rc = subprocess.run([sys.executable, "-c", code], stdout=log, stderr=subprocess.STDOUT).returncode
