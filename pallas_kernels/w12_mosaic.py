@@ -62,7 +62,7 @@ from specpilot.formats.w12 import W12, W12NK  # noqa: F401 - W12NK is this kerne
 BN = 64  # W^T rows (W columns) per program: one warpgroup's wgmma M
 # x rows padded to one of these (wgmma N). 8 (wgmma's least) took 2-3% off the kernel at M = 1 in an earlier
 # pass (mg23) but was timed in AR decode only with x unpadded, which was slower for another reason; padded
-# to 8 rows, AR decode took 4.27 against 4.35 ms per token at 16 (fifteenth pass, docs/performance.md).
+# to 8 rows, AR decode took 4.27 against 4.35 ms per token at 16 (fourteenth pass, docs/performance.md).
 MP_CHOICES = (8, 16, 32, 64)
 SWIZZLE = 128  # bytes: the swizzle of both wgmma operands in shared memory (TMA's widest, bank-conflict free)
 SWIZZLE_BF16 = SWIZZLE // 2  # bf16 elements per swizzled row: block_k is a multiple of it
@@ -86,7 +86,7 @@ def default_block_k(k: int, n: int, rows: int = 1) -> int:
 # The pipeline depth at steps of 64 for up to 16 rows (`default_stages`). 2 took 1-3% off W12's gate/up and
 # down kernels at M = 1 and 16 and left the twin level (mg53, docs/performance.md, thirteenth pass); alone it
 # left AR decode level (4.33-4.37 against 4.34 ms per token), together with 8-row x tiles and no automatic
-# barriers it took AR decode to 4.22 ms (fifteenth pass). `bench_ar.py --w12-small-m-stages` sets it for a run.
+# barriers it took AR decode to 4.21-4.22 ms (fourteenth pass). `bench_ar.py --w12-small-m-stages` sets it for a run.
 SMALL_M_STAGES = 2
 
 
@@ -220,7 +220,7 @@ HALVES = False
 # Whether runs let Pallas insert its warpgroup barriers (bar.sync) around each copy issue and conditional of
 # the pipeline, both kernels (`auto_barriers`; `_kernel_call` says why leaving them out is safe here). Without
 # them W12's gate/up kernel took 1-4% less at M = 1 and 16, the other shapes level (mg55), AR decode level
-# alone and faster together with 8-row x tiles and 2 stages (fifteenth pass, docs/performance.md): off.
+# alone and faster together with 8-row x tiles and 2 stages (fourteenth pass, docs/performance.md): off.
 AUTO_BARRIERS = False
 
 
@@ -908,7 +908,9 @@ def _kernel_call(x, operands, *, k: int, n: int, mp: int, block_k: int, split: i
     # read after a commit_smem. A slot is refilled only after the step's `wgmma_wait(0)` in the issuing
     # warp, and the warpgroup's wgmma completes only once all four warps issued it, after their decodes'
     # loads from that slot (the A registers depend on them) and with the B tile read: no read of the
-    # slot is left when the refill starts.
+    # slot is left when the refill starts. (That last step is a reading of wgmma's warpgroup-wide issue, not
+    # a documented guarantee; the GPU test at the Qwen3 shapes, where a race between steps showed before,
+    # checks it bit for bit against the twin.)
     if not auto_barriers and w12 and not interpret and not a_in_registers:
         raise NotImplementedError("auto_barriers=False takes W12's decoded tiles in registers (a_operand="
                                   "'registers'): stored to shared memory they would be written and read by "
