@@ -103,7 +103,7 @@ def ensure_pair(cache_dir: str | Path, cfg: EmbeddedConfig = EmbeddedConfig(), d
     else:
         _log(f"training a {cfg.vocab_size}-token BPE tokenizer on {corpus.root}")
         tokenizer = train_tokenizer(corpus.texts("train"), cfg.vocab_size, cfg.tokenizer_bytes)
-        tmp = tokenizer.save(directory / "tokenizer.json.tmp")
+        tmp = tokenizer.save(directory / "tokenizer.tmp.json")  # a .json name: saved as this file itself
         tmp.rename(tok_path)  # atomic: a half-written tokenizer is never picked up
 
     target_dir = directory / "target"

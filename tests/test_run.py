@@ -107,6 +107,7 @@ def test_embedded_toy_pipeline_trains_caches_and_compares(tmp_path):
     (pair,) = cache.glob("embedded-*")
     for stage in ("tokenizer.json", "target/model/specpilot.json", "drafter/model/model.safetensors"):
         assert (pair / stage).exists(), stage
+    assert not [p.name for p in pair.iterdir() if "tmp" in p.name]  # no temporary file or folder left behind
     stamp = (pair / "target" / "model" / "specpilot.json").stat().st_mtime
     second = _run("experiment=embedded_toy", f"cache_dir={cache}", f"output_dir={out2}",
                   f"hydra.run.dir={tmp_path / 'h2'}", cwd=tmp_path, base=())
