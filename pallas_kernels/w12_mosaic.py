@@ -539,34 +539,29 @@ def _check(k: int, n: int, m: int, block_k: int):
         raise NotImplementedError(f"the Mosaic W12 kernel takes M <= {MP_CHOICES[-1]}, got {m}")
 
 
+def _decode_ptx(halves: tuple[int, ...]) -> str:
+    """The decode of the K halves `halves` (in output order) for one register: out $0, $1 the first
+    half's words, then the next's; in, after the outputs, each half's sign+mantissa word, the nibble word
+    and the row's base << 7. The nibble and base spreads are shared by the halves."""
+    n_out = 2 * len(halves)
+    nib, base = f"${n_out + len(halves)}", f"${n_out + len(halves) + 1}"
+    lines = [".reg .b32 z, b2, e0, e1, x, t;", "mov.b32 z, 0;", f"prmt.b32 b2, {base}, z, 0x1010;",
+             f"prmt.b32 e0, {nib}, z, 0x4140;", f"prmt.b32 e1, {nib}, z, 0x4342;"]
+    for q, half in enumerate(halves):
+        mask, scale = ("0x000F000F", 128) if half == 0 else ("0x00F000F0", 8)  # the half's nibble, shifted to << 7
+        for w, (select, spread) in enumerate((("0x9180", "e0"), ("0xB3A2", "e1"))):
+            lines += [f"prmt.b32 x, ${n_out + q}, z, {select};", f"and.b32 t, {spread}, {mask};",
+                      f"mad.lo.u32 t, t, {scale}, b2;", f"lop3.b32 ${2 * q + w}, x, 0x807F807F, t, 0xEA;"]
+    return "{\n" + "\n".join(lines) + "\n}"
+
+
 # The PTX of `_ptx_decode` (tests/test_w12_mosaic.py runs each on the CPU, instruction by instruction).
 # One register of the upcast layout: $4 four sign|mantissa bytes of the lower K half's tile (K elements
 # k..k+3 of one W^T row), $5 the same for the upper half, $6 the four nibble bytes, $7 the row's base << 7;
 # out $0, $1 the lower half's four bf16 patterns (two per register, element 0 in the low half), $2, $3
 # the upper half's.
-_DECODE4_PTX = """{
-.reg .b32 z, b2, e0, e1, x, t;
-mov.b32 z, 0;
-prmt.b32 b2, $7, z, 0x1010;
-prmt.b32 e0, $6, z, 0x4140;
-prmt.b32 e1, $6, z, 0x4342;
-prmt.b32 x, $4, z, 0x9180;
-and.b32 t, e0, 0x000F000F;
-mad.lo.u32 t, t, 128, b2;
-lop3.b32 $0, x, 0x807F807F, t, 0xEA;
-prmt.b32 x, $4, z, 0xB3A2;
-and.b32 t, e1, 0x000F000F;
-mad.lo.u32 t, t, 128, b2;
-lop3.b32 $1, x, 0x807F807F, t, 0xEA;
-prmt.b32 x, $5, z, 0x9180;
-and.b32 t, e0, 0x00F000F0;
-mad.lo.u32 t, t, 8, b2;
-lop3.b32 $2, x, 0x807F807F, t, 0xEA;
-prmt.b32 x, $5, z, 0xB3A2;
-and.b32 t, e1, 0x00F000F0;
-mad.lo.u32 t, t, 8, b2;
-lop3.b32 $3, x, 0x807F807F, t, 0xEA;
-}"""
+_DECODE4_PTX = _decode_ptx((0, 1))
+
 # The diagnostic "ptx_load_only": the registers' loads kept, the decode replaced by one XOR per output
 # word (4 instructions per 8 weights instead of 19); wrong values, timing only.
 _LOAD_ONLY_PTX = """{
@@ -575,28 +570,15 @@ xor.b32 $1, $4, $7;
 xor.b32 $2, $5, $6;
 xor.b32 $3, $5, $7;
 }"""
+
+
 def decode2_ptx(half: int) -> str:
     """`_DECODE4_PTX` for one K half (`halves`): $2 the half's four sign+mantissa bytes, $3 the four nibble
     bytes, $4 the row's base << 7; out $0, $1 the half's four bf16 patterns. The same instructions as that
     half's in `_DECODE4_PTX`, so the same bits: 11 instructions per 4 weights."""
     if half not in (0, 1):
         raise ValueError(f"half must be 0 or 1, got {half}")
-    mask, scale = ("0x000F000F", 128) if half == 0 else ("0x00F000F0", 8)
-    return f"""{{
-.reg .b32 z, b2, e0, e1, x, t;
-mov.b32 z, 0;
-prmt.b32 b2, $4, z, 0x1010;
-prmt.b32 e0, $3, z, 0x4140;
-prmt.b32 e1, $3, z, 0x4342;
-prmt.b32 x, $2, z, 0x9180;
-and.b32 t, e0, {mask};
-mad.lo.u32 t, t, {scale}, b2;
-lop3.b32 $0, x, 0x807F807F, t, 0xEA;
-prmt.b32 x, $2, z, 0xB3A2;
-and.b32 t, e1, {mask};
-mad.lo.u32 t, t, {scale}, b2;
-lop3.b32 $1, x, 0x807F807F, t, 0xEA;
-}}"""
+    return _decode_ptx((half,))
 
 
 # One exception entry $4 (bits << 16 | half << 15 | n_local << 8 | k_local) -> $0 its position without the
@@ -984,10 +966,19 @@ def _kernel_call(x, operands, *, k: int, n: int, mp: int, block_k: int, split: i
             raise NotImplementedError("planes in mma order take the PTX decode when compiled (decode='auto' or 'ptx')")
 
     names = w12_operand_names(planes, use_slots) if w12 else ()
+    halves_scratch = []  # `halves_body`'s: x, weight and slot-row buffers per stage, their barriers, the upper sum
+    if halves:
+        w_buf = (plgpu.SMEM((stages, BN, 3 * block_k), jnp.int8) if w12
+                 else plgpu.SMEM((stages, BN, 2 * block_k), jnp.bfloat16, transforms=mma_tiles))
+        slot_buf = plgpu.SMEM((stages, 1, operands[-1].shape[1] if w12 else 1), jnp.int32)
+        halves_scratch = [plgpu.SMEM((stages, mp, 2 * block_k), jnp.bfloat16, transforms=mma_tiles), w_buf,
+                          slot_buf, plgpu.Barrier(num_arrivals=3 if w12 else 2, num_barriers=stages),
+                          plgpu.Barrier(num_arrivals=2, num_barriers=stages),
+                          plgpu.SMEM((BN, mp), jnp.float32), plgpu.Barrier(num_arrivals=1, num_barriers=1)]
 
     def kernel(x_gmem, *refs):
-        hrefs = refs[-7:] if halves else ()  # `halves_body`'s buffers and barriers, last
-        refs = refs[:-7] if halves else refs
+        if halves:  # `halves_body`'s buffers and barriers, last
+            refs, hrefs = refs[:-len(halves_scratch)], refs[-len(halves_scratch):]
         if w12:  # only the operands this configuration reads (`w12_operand_names`)
             g = dict(zip(names, refs))
             o_gmem, *scr = refs[len(names):]
@@ -1335,14 +1326,7 @@ def _kernel_call(x, operands, *, k: int, n: int, mp: int, block_k: int, split: i
         interpret_arg = InterpretGPUParams()
     else:
         interpret_arg = None
-    if halves:  # `halves_body`'s: x, weight and slot-row buffers per stage, their barriers, the upper sum
-        w_buf = (plgpu.SMEM((stages, BN, 3 * block_k), jnp.int8) if w12
-                 else plgpu.SMEM((stages, BN, 2 * block_k), jnp.bfloat16, transforms=mma_tiles))
-        slot_buf = plgpu.SMEM((stages, 1, operands[-1].shape[1] if w12 else 1), jnp.int32)
-        scratch += [plgpu.SMEM((stages, mp, 2 * block_k), jnp.bfloat16, transforms=mma_tiles), w_buf, slot_buf,
-                    plgpu.Barrier(num_arrivals=3 if w12 else 2, num_barriers=stages),
-                    plgpu.Barrier(num_arrivals=2, num_barriers=stages),
-                    plgpu.SMEM((BN, mp), jnp.float32), plgpu.Barrier(num_arrivals=1, num_barriers=1)]
+    scratch += halves_scratch
     threads = (dict(num_threads=nwg + 1, thread_name="wg") if ws
                else dict(num_threads=2, thread_name="wg") if halves else {})
     out_type = jax.ShapeDtypeStruct((1 if fixup else split, n, mp), jnp.float32)
