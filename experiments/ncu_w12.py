@@ -8,6 +8,12 @@ at Qwen3-8B's fused decode shapes: where the W12 kernel's time goes, measured ra
     ncu --import w12.ncu-rep --csv --page details > details.csv
     python3 experiments/ncu_w12.py --table details.csv --order order.json      # the table in performance.md
 
+Per instruction (`--section SourceCounters`, PC sampling; `--kernel-name regex:mosaic` profiles the Mosaic
+kernels alone, W12 then the twin per case):
+
+    ncu --import w12.ncu-rep --page source --csv --print-source sass > source.csv
+    python3 experiments/ncu_w12.py --source source.csv --order order.json     # where each kernel's warps wait
+
 Design choices:
 - Each product is called exactly as a run calls it (`w12.linear`: the W12 matrix packed by
   `w12.encode_params(kernel="mosaic")`, the twin through `dense_kernel=True`, bf16 through XLA's einsum),
@@ -175,6 +181,100 @@ def print_table(rows: list[dict]):
         print("| " + " | ".join(f"{r[c]:.1f}" if isinstance(r[c], float) else str(r[c]) for c in cols) + " |")
 
 
+# SASS classes of `--source`: the pipeline's wait for a step's copies (the mbarrier try-wait and the
+# branch that loops on it), wgmma (issue and the wait for its completion)
+_COPY_WAIT = ("SYNCS.PHASECHK",)
+_WGMMA = ("HGMMA", "WARPGROUP.DEPBAR", "WARPGROUP.ARRIVE")
+
+
+def read_source(path: str) -> list[list[dict]]:
+    """ncu's `--page source --csv --print-source sass` export: per kernel (in launch order) its SASS
+    instructions, each {address, sass, executed (warp instructions), samples (warp stall samples),
+    stalls {reason: samples}}. A path ending in .gz is read gzipped."""
+    opener = gzip.open if path.endswith(".gz") else open
+    kernels, header = [], None
+    with opener(path, "rt", newline="") as f:
+        for r in csv.reader(f):
+            if r and r[0] == "Kernel Name":
+                kernels.append([])
+                header = None
+            elif kernels and header is None:
+                header = r
+            elif kernels and r:
+                d = dict(zip(header, r))
+                stalls = {c[len("stall_"):]: _number(v) for c, v in d.items()
+                          if c.startswith("stall_") and "Not Issued" not in c and v not in ("", "-")}
+                kernels[-1].append(dict(address=d["Address"], sass=d["Source"].strip(),
+                                        executed=_number(d["Instructions Executed"] or "0"),
+                                        samples=_number(d["Warp Stall Sampling (All Samples)"] or "0"),
+                                        stalls=stalls))
+    if not kernels:
+        raise ValueError(f"{path}: no 'Kernel Name' line: not an ncu --page source export")
+    return kernels
+
+
+def source_summary(instrs: list[dict]) -> dict:
+    """Where one kernel's warps are, from its per-instruction counts:
+
+    - warps: the first instruction's execution count (the kernel's entry runs once per warp); steps: the
+      execution count held by the most instructions, over warps (the K loop's body runs once per warp and
+      step);
+    - instructions per warp and step: in the loop body (executed every step), in the rest of the loop
+      that runs at some steps (copies issued ahead, the exception patches), and once per warp;
+    - the share of stall samples at the copies' wait, at wgmma, in the loop body's other instructions,
+      in the rest of the loop and in the code run once per warp."""
+    executed = [i["executed"] for i in instrs if i["executed"] > 0]
+    if not instrs or not instrs[0]["executed"]:
+        raise ValueError("the kernel's first instruction was not executed: not a profiled kernel's source")
+    warps = instrs[0]["executed"]
+    counts = collections.Counter(executed)
+    body = max((c for c in counts if c > warps), key=lambda c: (counts[c], c), default=warps)
+    steps = body / warps
+    wait_idx = set()
+    for q, i in enumerate(instrs):  # the try-wait and the branch that loops back to it
+        if i["sass"].startswith(_COPY_WAIT):
+            wait_idx.update({q, q + 1})
+    total = sum(i["samples"] for i in instrs) or float("nan")
+    share = collections.Counter()
+    per_step = collections.Counter()
+    for q, i in enumerate(instrs):
+        if q in wait_idx:
+            cls = "copy_wait"
+        elif i["sass"].startswith(_WGMMA):
+            cls = "wgmma"
+        elif i["executed"] == body:
+            cls = "body"
+        elif i["executed"] != warps:
+            cls = "sometimes"
+        else:
+            cls = "once"
+        share[cls] += i["samples"] / total
+        if i["executed"] != warps or q in wait_idx:
+            per_step["loop" if i["executed"] == body else "sometimes"] += i["executed"] / body
+        else:
+            per_step["once"] += i["executed"] / warps
+    stalls = collections.Counter()
+    for i in instrs:
+        stalls.update(i["stalls"])
+    return dict(warps=int(warps), steps=steps, instructions=len(instrs),
+                body_per_step=sum(1 for i in instrs if i["executed"] == body),
+                per_step_loop=per_step["loop"], per_step_sometimes=per_step["sometimes"], once=per_step["once"],
+                share={k: round(v, 4) for k, v in share.items()},
+                stalls={k: v / total for k, v in stalls.most_common() if v})
+
+
+def print_source(paths_rows: list[tuple[dict, dict]]):
+    cols = ("copy_wait", "wgmma", "body", "sometimes", "once")
+    print("| shape | M | call | warps | steps | loop instructions per step (+ at some steps) | once per warp | "
+          + " | ".join(f"samples: {c}" for c in cols) + " | top stall reasons |")
+    print("|" + " --- |" * (7 + len(cols)))
+    for call, s in paths_rows:
+        top = ", ".join(f"{k} {100 * v:.0f}%" for k, v in list(s["stalls"].items())[:4])
+        print(f"| {call['shape']} | {call['m']} | {call['call']} | {s['warps']} | {s['steps']:.0f} | "
+              f"{s['per_step_loop']:.0f} (+{s['per_step_sometimes']:.0f}) | {s['once']:.0f} | "
+              + " | ".join(f"{100 * s['share'].get(c, 0):.1f}%" for c in cols) + f" | {top} |")
+
+
 def main(argv=None) -> dict:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--m", default="1", help="comma list of activation rows")
@@ -182,8 +282,23 @@ def main(argv=None) -> dict:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", default="", help="write the order of the profiled calls here (JSON)")
     p.add_argument("--table", default="", help="summarize this ncu details CSV (with --order) instead of running")
-    p.add_argument("--order", default="", help="with --table: the --out file of the profiled run")
+    p.add_argument("--order", default="", help="with --table or --source: the --out file of the profiled run")
+    p.add_argument("--source", default="",
+                   help="summarize this ncu source CSV (--page source --print-source sass, Mosaic kernels only) "
+                        "with --order instead of running")
     args = p.parse_args(argv)
+    if args.source:
+        if not args.order:
+            raise SystemExit("--source needs --order (the JSON the profiled run wrote with --out)")
+        with open(args.order) as f:
+            calls = [c for c in json.load(f)["order"] if c["call"] != "xla"]
+        kernels = read_source(args.source)
+        if len(kernels) != len(calls):
+            raise SystemExit(f"{len(kernels)} kernels in {args.source} for {len(calls)} W12 and twin calls: "
+                             f"profile the Mosaic kernels alone (--kernel-name regex:mosaic)")
+        rows = [(c, source_summary(k)) for c, k in zip(calls, kernels)]
+        print_source(rows)
+        return {"source": rows}
     if args.table:
         if not args.order:
             raise SystemExit("--table needs --order (the JSON the profiled run wrote with --out)")

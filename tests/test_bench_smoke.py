@@ -3,6 +3,7 @@
 No timing thresholds: CPU timings say nothing about the GPU and would make the test flaky.
 """
 
+import csv
 import importlib.util
 import math
 import os
@@ -243,3 +244,49 @@ def test_ncu_table_assigns_kernels_to_calls(tmp_path):
     _ncu_csv(path, kernels[2:])  # the first case has no XLA kernel
     with pytest.raises(ValueError, match="no kernel for XLA"):
         ncu.table(ncu.read_details(str(path)), order)
+
+
+def _source_csv(path, kernels):
+    """ncu's `--page source --csv --print-source sass` layout: per kernel a name line, a header, then one row
+    per instruction (address, SASS, samples, executed count, stall columns)."""
+    cols = ["Address", "Source", "Warp Stall Sampling (All Samples)", "Instructions Executed", "stall_long_sb",
+            "stall_wait", "stall_long_sb (Not Issued)"]
+    with open(path, "w", newline="") as f:
+        w = csv.writer(f)
+        for instrs in kernels:
+            w.writerow(["Kernel Name", "kernel_mosaic_gpu_kernel", ""])
+            w.writerow(cols)
+            for q, (sass, executed, long_sb, wait) in enumerate(instrs):
+                w.writerow([f"0x{16 * q:x}", sass, long_sb + wait, executed, long_sb, wait, 0])
+
+
+def test_ncu_source_summary(tmp_path):
+    """`ncu_w12.py --source`: warps from the prologue's count, steps from the loop body's, the copies' wait
+    (the try-wait and its branch) apart from the body, the code run at some steps and once per warp."""
+    ncu = _load("ncu_w12")
+    warps, steps = 8, 4
+    body = warps * steps
+    instrs = [("MOV R1, R2", warps, 0, 1),  # prologue
+              ("SYNCS.PHASECHK.TRANS64.TRYWAIT P0, [UR9], R0", body, 0, 1), ("@!P0 BRA 0x10", body, 30, 0),
+              ("LDS R0, [R1]", body, 4, 2), ("PRMT R3, R0, 0x1010, RZ", body, 0, 3),
+              ("HGMMA.64x8x16.F32.BF16 R24, R28, gdesc[UR16], R24", body, 0, 5),
+              ("WARPGROUP.DEPBAR.LE gsb0, 0x0", body, 0, 2),
+              ("LOP3.LUT R4, R4, R5, R6, 0xd8, !PT", 6, 1, 1),  # a patch, at some steps
+              ("UTMALDG.2D [UR16], [UR26]", warps * (steps - 2), 0, 1),  # copies issued ahead
+              ("STG.E [R2], R24", warps, 2, 0)]  # epilogue
+    path = tmp_path / "source.csv"
+    _source_csv(path, [instrs, instrs[:3] + instrs[5:7] + instrs[-1:]])
+    kernels = ncu.read_source(str(path))
+    assert [len(k) for k in kernels] == [10, 6]
+    s = ncu.source_summary(kernels[0])
+    assert (s["warps"], s["steps"], s["body_per_step"]) == (warps, steps, 6)
+    assert s["per_step_loop"] == 6 and s["once"] == 2
+    assert abs(s["per_step_sometimes"] - (6 + warps * (steps - 2)) / body) < 1e-9
+    total = 1 + 1 + 30 + 6 + 3 + 5 + 2 + 2 + 1 + 2
+    assert s["share"]["copy_wait"] == round(31 / total, 4)
+    assert s["share"]["wgmma"] == round(7 / total, 4) and s["share"]["body"] == round(9 / total, 4)
+    assert s["share"]["once"] == round(3 / total, 4) and s["share"]["sometimes"] == round(3 / total, 4)
+    assert abs(s["stalls"]["long_sb"] - 37 / total) < 1e-9  # "Not Issued" columns are not counted twice
+    with pytest.raises(ValueError, match="not an ncu --page source export"):
+        (tmp_path / "other.csv").write_text("ID,Kernel Name\n1,x\n")
+        ncu.read_source(str(tmp_path / "other.csv"))
