@@ -374,6 +374,9 @@ def parse_args(argv=None):
     p.add_argument("--w12-small-m-stages", type=int, default=0,
                    help="with --w12-kernel mosaic: pipeline stages at steps of 64 for up to 16 rows, both kernels "
                         "(pallas_kernels.w12_mosaic.SMALL_M_STAGES for this run; 0: the default)")
+    p.add_argument("--w12-prefetch-slots", type=int, default=-1,
+                   help="with --w12-kernel mosaic: slot-table entries per step the PTX decode loads before decoding "
+                        "(pallas_kernels.w12_mosaic.PREFETCH_SLOTS for this run; -1: the default)")
     p.add_argument("--qkv-barrier", action="store_true",
                    help="materialize the fused qkv product before its split and norms, in every variant "
                         "(ar_variants.QKV_BARRIER)")
@@ -392,10 +395,12 @@ def parse_args(argv=None):
     W12_KERNEL, W12_ROWS = args.w12_kernel, args.batch
     ar_variants.TWIN_IMPLEMENTATION = "mosaic" if args.w12_kernel == "mosaic" else None
     switched = [(flag, attr) for flag, attr, _ in MOSAIC_SWITCHES if _switch(args, flag) != "default"]
-    if switched or args.w12_mp != "default" or args.w12_small_m_stages:
+    prefetch = args.w12_prefetch_slots >= 0
+    if switched or args.w12_mp != "default" or args.w12_small_m_stages or prefetch:
         if args.w12_kernel != "mosaic":
             named = ([f for f, _ in switched] + ["--w12-mp"] * (args.w12_mp != "default")
-                     + ["--w12-small-m-stages"] * bool(args.w12_small_m_stages))
+                     + ["--w12-small-m-stages"] * bool(args.w12_small_m_stages)
+                     + ["--w12-prefetch-slots"] * prefetch)
             p.error(f"{', '.join(named)} take --w12-kernel mosaic")
         from pallas_kernels import w12_mosaic
         for flag, attr in switched:  # read when the weights are packed (MMA_ORDER, ADJACENT) or at each call
@@ -409,6 +414,10 @@ def parse_args(argv=None):
             if not 2 <= args.w12_small_m_stages <= 4:
                 p.error(f"--w12-small-m-stages takes 2 to 4, got {args.w12_small_m_stages}")
             w12_mosaic.SMALL_M_STAGES = args.w12_small_m_stages
+        if prefetch:
+            if args.w12_prefetch_slots >= w12_mosaic.SLOT_ALIGN:
+                p.error(f"--w12-prefetch-slots takes 0 to {w12_mosaic.SLOT_ALIGN - 1}, got {args.w12_prefetch_slots}")
+            w12_mosaic.PREFETCH_SLOTS = args.w12_prefetch_slots
     ar_variants.QKV_BARRIER = args.qkv_barrier
     args.barrier_after = tuple(s for s in args.barrier_after.split(",") if s)
     if set(args.barrier_after) - {"o", "down"}:
@@ -437,6 +446,7 @@ def main(argv=None) -> dict:
               "xla_flags": os.environ.get("XLA_FLAGS", ""), "w12_kernel": args.w12_kernel,
               **{_dest(flag): _switch(args, flag) for flag, _, _ in MOSAIC_SWITCHES},
               "w12_mp": args.w12_mp, "w12_small_m_stages": args.w12_small_m_stages or "default",
+              "w12_prefetch_slots": args.w12_prefetch_slots if args.w12_prefetch_slots >= 0 else "default",
               "qkv_barrier": args.qkv_barrier,
               "barrier_after": list(args.barrier_after), "variants": {}}
 

@@ -333,7 +333,7 @@ def parse_edits(text: str) -> list:
                 edit[key] = bool(int(value))
             elif key in ("exceptions", "diagnostic", "planes", "a_operand", "twin_a", "decode"):
                 edit[key] = value
-            else:
+            else:  # block_k, stages, split, mp, prefetch_slots, ...
                 edit[key] = float(value) if key == "split" else int(value)
         out.append(edit)
     return out

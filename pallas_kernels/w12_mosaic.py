@@ -223,10 +223,17 @@ HALVES = False
 # alone and faster together with 8-row x tiles and 2 stages (fourteenth pass, docs/performance.md): off.
 AUTO_BARRIERS = False
 
+# How many slot-table entries of each step the runs' PTX decode loads before decoding, deciding there which
+# threads patch them (`prefetch_slots`, `_ptx_decode`); later entries go through the loop, which loads one,
+# then branches on it. Bits unchanged (the same selects in the same order). With the loop alone, the patches
+# took 0.5-1.4 us of gate/up's 38.8-40.0 us kernel and 0.5-0.7 us at down, qkv and o (no_patch, mg60), most of
+# it in the loop's head: each entry's load, then its row's test, on every warp's path to the step's wgmma.
+PREFETCH_SLOTS = 0
+
 
 _KNOBS = ("MP_CHOICES", "LARGE_N", "LARGE_STEP_MAX_ROWS", "MMA_ORDER", "ADJACENT", "PAD_X", "SUM_SPLITS_IN_KERNEL",
           "TILED", "EARLY_BASE", "WIDE_SWIZZLE", "OWNER_BRANCH", "PLAIN_PLANES", "XOR_CHUNKS", "WAVE_PROGRAMS_PER_SM",
-          "SMALL_M_STAGES", "HALVES", "AUTO_BARRIERS")
+          "SMALL_M_STAGES", "HALVES", "AUTO_BARRIERS", "PREFETCH_SLOTS")
 
 
 def knobs() -> tuple:
@@ -256,7 +263,7 @@ def run_w12_options(w: W12NK) -> dict:
     wide = WIDE_SWIZZLE and w.slot_k == 128 and w.has_packed_planes
     plain = PLAIN_PLANES and not wide and w.has_packed_planes and w.slot_k == 64  # packed, one box per step
     return dict(early_base=EARLY_BASE, subtile=wide, wide_swizzle=wide, plain_planes=plain,
-                owner_branch=OWNER_BRANCH)
+                owner_branch=OWNER_BRANCH, prefetch_slots=PREFETCH_SLOTS)
 
 
 def run_operands(w: W12NK) -> W12NK:
@@ -622,7 +629,7 @@ def _if_else(scf, cond, result_types):
 
 def _ptx_decode(dec_layout, shape, use_slots: bool, col_offset: int = 0, mma: bool = False,
                 part: int | None = None, owner_branch: bool = True, arithmetic: bool = True,
-                from_ref: bool = False, half: int | None = None):
+                from_ref: bool = False, half: int | None = None, prefetch_slots: int = 0):
     """The decode of `decode="ptx"`: one `plgpu.inline_mgpu` function that works on the registers
     themselves. The plane tiles arrive in the upcast layout, four consecutive K elements of one W^T row
     per 32-bit register, and each register is decoded by a few PTX instructions on packed pairs:
@@ -664,7 +671,13 @@ def _ptx_decode(dec_layout, shape, use_slots: bool, col_offset: int = 0, mma: bo
 
     `half` (0 or 1; `halves`, with `from_ref`): only that K half's tile is decoded (`decode2_ptx`), from
     its sign+mantissa plane and the nibbles; exceptions of the other half never match its keys. The
-    function then returns that one tile."""
+    function then returns that one tile.
+
+    `prefetch_slots` (P > 0, with the slot table): the step's count and its first P entries are loaded before
+    the decode, and whether this thread holds each entry's row is worked out from them there, off the
+    decode's path; after the decode each of those entries is one branch taken only by its row's threads,
+    and only entries past the first P go through the loop (which loads each entry, then decides). The
+    same selects on the same registers in the same order as the loop alone, so the same bits."""
     from jax._src.lib.mlir import ir
     from jax._src.lib.mlir.dialects import arith, llvm, memref, scf
     from jax.experimental.mosaic import gpu as mgpu
@@ -676,6 +689,12 @@ def _ptx_decode(dec_layout, shape, use_slots: bool, col_offset: int = 0, mma: bo
         raise NotImplementedError(f"from_ref takes whole steps of 64, [{BN}, 64], got {shape}, part {part}")
     if half is not None and not (from_ref and arithmetic):
         raise NotImplementedError("half takes from_ref and the arithmetic decode")
+    if prefetch_slots < 0 or (prefetch_slots and not use_slots):
+        raise ValueError(f"prefetch_slots takes a count >= 0 of slot-table entries, with the slot table; got "
+                         f"{prefetch_slots}, use_slots={use_slots}")
+    if prefetch_slots >= SLOT_ALIGN:  # a row holds at least SLOT_ALIGN entries, the count included
+        raise ValueError(f"prefetch_slots must be below {SLOT_ALIGN} (the least row of the slot table), got "
+                         f"{prefetch_slots}")
     n_words = 4 if half is None else 2  # output words per register: both halves' two, or one half's
     planes_in = (plgpu.RefType(),) if from_ref else (dec_layout, dec_layout, dec_layout)
     arg_types = planes_in + (dec_layout,) + ((plgpu.RefType(),) if use_slots else ())
@@ -722,6 +741,27 @@ def _ptx_decode(dec_layout, shape, use_slots: bool, col_offset: int = 0, mma: bo
         regs_shape = base7.registers.shape if from_ref else s_lo.registers.shape
         positions = ([tuple(arith.index_cast(i32, v) for v in rc) for rc in lay.thread_idxs(shape)]
                      if from_ref or use_slots else [])
+        i64 = ir.IntegerType.get_signless(64)
+        if use_slots:
+            (slot_ref,) = slot
+            rows = mgpu_utils.c(0, i64)  # bit r set for each tile row r this thread holds
+            for r, _ in positions:
+                rows = arith.ori(rows, arith.shli(mgpu_utils.c(1, i64), arith.extui(i64, r)))
+
+            def held_by_me(entry):  # whether this thread holds the entry's row (n_local: bits 8-13)
+                n_local = arith.andi(arith.shrui(entry, mgpu_utils.c(8, i32)), mgpu_utils.c(BN - 1, i32))
+                held = arith.andi(arith.shrui(rows, arith.extui(i64, n_local)), mgpu_utils.c(1, i64))
+                return arith.cmpi(arith.CmpIPredicate.ne, held, mgpu_utils.c(0, i64))
+
+            zero = arith.constant(index, 0)
+            count = memref.load(slot_ref, [zero, zero])
+            # the first entries and whether each is this thread's, before the decode (rows are zero-padded
+            # to SLOT_ALIGN entries, so these loads stay inside the row; an entry past the count is not taken)
+            early = [memref.load(slot_ref, [zero, arith.constant(index, 1 + e)]) for e in range(prefetch_slots)]
+            early_mine = []
+            for e, entry in enumerate(early):
+                valid = arith.cmpi(arith.CmpIPredicate.sgt, count, mgpu_utils.c(e, i32))
+                early_mine.append(arith.andi(valid, held_by_me(entry)) if owner_branch else valid)
         if from_ref:  # the three planes' registers, loaded here from the chunk-ordered tile
             ptr = mgpu_utils.memref_ptr(tile_ref)
             i8 = ir.IntegerType.get_signless(8)
@@ -740,19 +780,13 @@ def _ptx_decode(dec_layout, shape, use_slots: bool, col_offset: int = 0, mma: bo
         for q, idx in enumerate(np.ndindex(regs_shape)):
             words.append(asm(n_words, [*loaded[q], word(base7.registers[idx])], text))
         if use_slots:
-            (slot_ref,) = slot
-            i64 = ir.IntegerType.get_signless(64)
             keys = []  # per register: row << 8 | first column (the half bit is added for the upper tile)
-            rows = mgpu_utils.c(0, i64)  # bit r set for each tile row r this thread holds
             for r, c in positions:
                 c = arith.addi(c, mgpu_utils.c(col_offset, i32))  # the tile's first column in the table row
                 keys.append(arith.ori(arith.shli(r, mgpu_utils.c(8, i32)), c))
-                rows = arith.ori(rows, arith.shli(mgpu_utils.c(1, i64), arith.extui(i64, r)))
             hi_bit = mgpu_utils.c(0x8000, i32)
             keys_hi = [arith.ori(k, hi_bit) for k in keys]
             key_sets = [keys, keys_hi] if half is None else [keys_hi if half else keys]
-            zero = arith.constant(index, 0)
-            count = memref.load(slot_ref, [zero, zero])
             flat = [w for ws in words for w in ws]
 
             def compare_all(entry, flat):  # every register against the entry; the match takes its value
@@ -764,23 +798,28 @@ def _ptx_decode(dec_layout, shape, use_slots: bool, col_offset: int = 0, mma: bo
                         out += asm(2, [w0, w1, keyq, ks[q], vv, m0, m1], _PATCH_PTX)
                 return out  # per register: lo0, lo1, hi0, hi1 (or one half's two), as `flat`
 
-            @mgpu_utils.fori(count, flat)
-            def patched(e, flat):
-                e1 = arith.addi(arith.index_cast(index, e), arith.constant(index, 1))
-                entry = memref.load(slot_ref, [zero, e1])
-                if not owner_branch:
-                    return compare_all(entry, flat)
-                # only the threads that hold the entry's row compare (4 lanes of one warp): the others
-                # skip the per-register work, so an exception costs the warpgroup a few instructions
-                n_local = arith.andi(arith.shrui(entry, mgpu_utils.c(8, i32)), mgpu_utils.c(BN - 1, i32))
-                held = arith.andi(arith.shrui(rows, arith.extui(i64, n_local)), mgpu_utils.c(1, i64))
-                branch = _if_else(scf, arith.cmpi(arith.CmpIPredicate.ne, held, mgpu_utils.c(0, i64)),
-                                  [w.type for w in flat])
+            def patch_if(cond, entry, flat):  # the entry's selects in the threads where cond holds
+                branch = _if_else(scf, cond, [w.type for w in flat])
                 with ir.InsertionPoint(branch.then_block):
                     scf.yield_(compare_all(entry, flat))
                 with ir.InsertionPoint(branch.else_block):
                     scf.yield_(list(flat))
                 return list(branch.results)
+
+            for entry, mine in zip(early, early_mine):  # the prefetched entries, decided before the decode
+                flat = patch_if(mine, entry, flat)
+            # the rest (all of them without prefetch_slots), each loaded, then decided
+            rest = arith.maxsi(arith.subi(count, mgpu_utils.c(prefetch_slots, i32)), mgpu_utils.c(0, i32))
+
+            @mgpu_utils.fori(rest, flat)
+            def patched(e, flat):
+                e1 = arith.addi(arith.index_cast(index, e), arith.constant(index, 1 + prefetch_slots))
+                entry = memref.load(slot_ref, [zero, e1])
+                if not owner_branch:
+                    return compare_all(entry, flat)
+                # only the threads that hold the entry's row compare (4 lanes of one warp): the others
+                # skip the per-register work, so an exception costs the warpgroup a few instructions
+                return patch_if(held_by_me(entry), entry, flat)
 
             flat = list(patched.results)
             words = [flat[n_words * q:n_words * (q + 1)] for q in range(len(words))]
@@ -824,7 +863,7 @@ def _kernel_call(x, operands, *, k: int, n: int, mp: int, block_k: int, split: i
                  adjacent: bool = False, sum_splits_in_kernel: bool = False, tiled: bool = False,
                  early_base: bool = False, wide_swizzle: bool = False, plain_planes: bool = False,
                  owner_branch: bool = True, xor_chunks: bool = False, halves: bool = False,
-                 auto_barriers: bool = True):
+                 auto_barriers: bool = True, prefetch_slots: int = 0):
     ws = warp_specialized
     # sum_splits_in_kernel: programs of splits 0 .. S-2 store their partials to a workspace and signal their
     # column block's semaphore; the split S-1 program waits for them, adds the partials in index order with
@@ -939,14 +978,16 @@ def _kernel_call(x, operands, *, k: int, n: int, mp: int, block_k: int, split: i
         raise ValueError("decode='ptx' runs only compiled for an NVIDIA GPU: the interpreter has no PTX")
     if decode != "jnp" and ptx_able and w12 and not interpret:
         ptx_slots = use_slots and not diagnostic
+        prefetch = prefetch_slots if ptx_slots else 0
         ptx_decode = [_ptx_decode(dec_layout, (BN, mma_k), ptx_slots, u * mma_k, mma,  # one per sub-step
                                   part=u if wide_swizzle else None, owner_branch=owner_branch,
-                                  arithmetic=diagnostic != "ptx_load_only", from_ref=xor_chunks)
+                                  arithmetic=diagnostic != "ptx_load_only", from_ref=xor_chunks,
+                                  prefetch_slots=prefetch)
                       for u in range(block_k // mma_k)]
     ptx_half = None
     if halves and ptx_decode is not None:  # one decode per K half, the warpgroup's own
         ptx_half = [_ptx_decode(dec_layout, (BN, mma_k), ptx_slots, 0, mma, owner_branch=owner_branch,
-                                from_ref=True, half=h) for h in (0, 1)]
+                                from_ref=True, half=h, prefetch_slots=prefetch) for h in (0, 1)]
     if halves and w12 and not interpret and (ptx_half is None or not a_in_registers):
         raise NotImplementedError("halves decodes by PTX (decode='auto' or 'ptx') into registers when compiled")
     if xor_chunks and not interpret and ptx_decode is None and diagnostic != "copies_only":
@@ -1379,7 +1420,7 @@ def _prepare_x(x: jax.Array, k: int, n: int, block_k: int, mp: int | None = None
                                              "planes", "a_operand", "decode", "fold_x", "warp_specialized",
                                              "subtile", "raw", "mp", "pad_x", "sum_splits_in_kernel",
                                              "early_base", "wide_swizzle", "plain_planes", "owner_branch",
-                                             "halves", "auto_barriers"))
+                                             "halves", "auto_barriers", "prefetch_slots"))
 def w12_mosaic_partials(x: jax.Array, w: W12NK, block_k: int | None = None, split: int | None = None,
                         stages: int | None = None,
                         interpret: bool = False, exceptions: str = "auto", diagnostic: str = "",
@@ -1388,7 +1429,8 @@ def w12_mosaic_partials(x: jax.Array, w: W12NK, block_k: int | None = None, spli
                         raw: bool = False, mp: int | None = None, pad_x: bool = True,
                         sum_splits_in_kernel: bool = False, early_base: bool = False,
                         wide_swizzle: bool = False, plain_planes: bool = False,
-                        owner_branch: bool = True, halves: bool = False, auto_barriers: bool = True) -> jax.Array:
+                        owner_branch: bool = True, halves: bool = False, auto_barriers: bool = True,
+                        prefetch_slots: int = 0) -> jax.Array:
     """x [M, K] bf16 (M <= 64), W12NK [K, N] -> partial products [split, M, N] float32.
 
     block_k: the step `to_nk` packed the planes for (`w.slot_k`) by default; stages: `default_stages`.
@@ -1430,7 +1472,9 @@ def w12_mosaic_partials(x: jax.Array, w: W12NK, block_k: int | None = None, spli
     halves: two warpgroups per program, one per K half of every step, their sums added at the end (lower +
     upper); the twin with `halves` gives the same bits. Planes packed tiled in chunk order with the slot
     table, x folded and padded.
-    auto_barriers=False: Pallas inserts no warpgroup barriers (`_kernel_call` says why that is safe here)."""
+    auto_barriers=False: Pallas inserts no warpgroup barriers (`_kernel_call` says why that is safe here).
+    prefetch_slots: the PTX decode loads each step's count and first entries of the slot table before
+    decoding and decides there which threads patch them (`_ptx_decode`); the rest go through the loop."""
     k, n = w.shape
     block_k = block_k or w.slot_k or default_block_k(k, n)
     if (exceptions not in ("auto", "csr")
@@ -1465,7 +1509,8 @@ def w12_mosaic_partials(x: jax.Array, w: W12NK, block_k: int | None = None, spli
                        adjacent=w.adjacent, sum_splits_in_kernel=sum_splits_in_kernel,
                        tiled=w.tiled and planes == "packed", early_base=early_base, wide_swizzle=wide_swizzle,
                        plain_planes=plain_planes, owner_branch=owner_branch,
-                       xor_chunks=w.xor_chunks and planes == "packed", halves=halves, auto_barriers=auto_barriers)
+                       xor_chunks=w.xor_chunks and planes == "packed", halves=halves, auto_barriers=auto_barriers,
+                       prefetch_slots=prefetch_slots)
     return out if raw else jnp.swapaxes(out, 1, 2)[:, :m]
 
 

@@ -200,6 +200,14 @@ def test_bench_ar_mosaic_x_flags(bench_ar, monkeypatch):
     assert w12_mosaic.SMALL_M_STAGES == 2 and w12_mosaic.default_stages(64, 16) == 2
     assert w12_mosaic.default_stages(64, 32) == 2 and w12_mosaic.default_stages(128, 16) == 2
     assert w12_mosaic.knobs() != key  # a product traced at 3 stages is not reused at 2
+    monkeypatch.setattr(w12_mosaic, "PREFETCH_SLOTS", 0)
+    for bad in (["--w12-prefetch-slots", "2"], ["--w12-kernel", "mosaic", "--w12-prefetch-slots", "32"]):
+        with pytest.raises(SystemExit):
+            bench_ar.parse_args(bad)
+    assert w12_mosaic.PREFETCH_SLOTS == 0
+    key = w12_mosaic.knobs()
+    bench_ar.parse_args(["--w12-kernel", "mosaic", "--w12-prefetch-slots", "2"])
+    assert w12_mosaic.PREFETCH_SLOTS == 2 and w12_mosaic.knobs() != key
 
 
 def _ncu_csv(path, kernels):

@@ -476,8 +476,9 @@ def _special_exceptions(k: int, n: int, seed: int) -> np.ndarray:
 class TestMosaicGPU(_MosaicCases):
     interpret = False
 
-    @pytest.mark.parametrize("knobs", [{}, {"HALVES": True}, {"AUTO_BARRIERS": not mk.AUTO_BARRIERS}],
-                             ids=("defaults", "halves", "auto_barriers_switched"))
+    @pytest.mark.parametrize("knobs", [{}, {"HALVES": True}, {"AUTO_BARRIERS": not mk.AUTO_BARRIERS},
+                                       {"PREFETCH_SLOTS": 2 if mk.PREFETCH_SLOTS != 2 else 0}],
+                             ids=("defaults", "halves", "auto_barriers_switched", "prefetch_slots_switched"))
     @pytest.mark.parametrize("k,n", [(4096, 1024), (4096, 4096), (12288, 4096)])
     def test_runs_defaults_equal_the_twin_at_qwen3_shapes(self, k, n, knobs, monkeypatch):
         """The runs' options (`w12.linear` on `encode_params(kernel="mosaic")`) against the runs' twin at
@@ -495,6 +496,40 @@ class TestMosaicGPU(_MosaicCases):
             got = w12.linear(x, wq, out_dtype=jnp.float32)
             twin = w12.linear(x, w, out_dtype=jnp.float32, dense_kernel=True, implementation="mosaic")
             assert_same_bits(got, twin)
+
+    @pytest.mark.parametrize("prefetch", [0, 1, 2, 3])
+    def test_prefetched_slots_equal_the_twin(self, prefetch, monkeypatch):
+        """`PREFETCH_SLOTS` (the first entries of each step loaded and decided before the decode, the rest by
+        the loop) at trained-like exception rates, with steps of 0 to 5 planted exceptions (prefetched alone,
+        then with the loop), two in one row (the same threads) and one per warp's rows, Inf / NaN / huge /
+        subnormal, in both K halves: the runs' options against the runs' twin, bit for bit."""
+        monkeypatch.setattr(mk, "PREFETCH_SLOTS", prefetch)
+        k, n = 4096, 256
+        w = (0.02 * np.random.default_rng(7).standard_normal((k, n))).astype(jnp.bfloat16)
+        special = (np.inf, np.nan, 1e30, -1e-30, -np.inf, 3e-39)
+        for step, count in enumerate((0, 1, 2, 3, 5)):  # step s: K rows [64 s, 64 s + 64) of both halves
+            for e in range(count):
+                half = (k // 2) * (e % 2)
+                row = half + 64 * step + 9 * e
+                col = 64 + (5 if e < 2 else 16 * e)  # entries 0 and 1 in one W^T row (one thread's)
+                w[row, col] = special[(step + e) % len(special)]
+        w = jnp.asarray(w)
+        wq = w12.encode_params({"layers": ({"q": w},)}, kernel="mosaic", max_exception_rate=1.0)["layers"][0]["q"]
+        assert isinstance(wq, w12.W12NK) and wq.slot_k
+        counts = np.asarray(wq.slots)[:, 0]
+        assert counts.max() >= 5 and (counts == 0).any() and (counts == 1).any()
+        for m in (1, 16):
+            x = jnp.asarray(np.random.default_rng(m).standard_normal((m, k)), jnp.bfloat16)
+            got = w12.linear(x, wq, out_dtype=jnp.float32)
+            twin = w12.linear(x, w, out_dtype=jnp.float32, dense_kernel=True, implementation="mosaic")
+            assert_same_bits(got, twin)
+
+
+def test_prefetch_slots_errors():
+    """`prefetch_slots` takes a count below one slot-table row's least width, with the slot table."""
+    for bad, slots in ((-1, True), (mk.SLOT_ALIGN, True), (2, False)):
+        with pytest.raises(ValueError, match="prefetch_slots"):
+            mk._ptx_decode(None, (mk.BN, 64), slots, prefetch_slots=bad)
 
 
 def test_errors():
@@ -586,7 +621,7 @@ def test_lowers_for_cuda(k, n):
                     pnk = dataclasses.replace(nk, mma_order=True, tiled=tiled, xor_chunks=xor, packed=s(
                         (n * (k // 2 // 64), 3 * 64) if tiled else (n, 3 * k // 2), jnp.int8))
                     for opts in (dict(decode="ptx"), dict(diagnostic="copies_only"),
-                                 dict(diagnostic="ptx_load_only")):
+                                 dict(diagnostic="ptx_load_only"), dict(decode="ptx", prefetch_slots=2)):
                         fn = jax.jit(functools.partial(mk.w12_mosaic_partials, plain_planes=True, **opts))
                         assert "mosaic_gpu" in fn.trace(s((m, k), jnp.bfloat16), pnk).lower(
                             lowering_platforms=("cuda",)).as_text()
