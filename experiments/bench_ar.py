@@ -377,6 +377,9 @@ def parse_args(argv=None):
     p.add_argument("--w12-prefetch-slots", type=int, default=-1,
                    help="with --w12-kernel mosaic: slot-table entries per step the PTX decode loads before decoding "
                         "(pallas_kernels.w12_mosaic.PREFETCH_SLOTS for this run; -1: the default)")
+    p.add_argument("--w12-copy-steps", type=int, default=0,
+                   help="with --w12-kernel mosaic: consecutive steps copied at once where they divide a program's "
+                        "steps (pallas_kernels.w12_mosaic.COPY_STEPS for this run; 0: the default)")
     p.add_argument("--qkv-barrier", action="store_true",
                    help="materialize the fused qkv product before its split and norms, in every variant "
                         "(ar_variants.QKV_BARRIER)")
@@ -396,11 +399,11 @@ def parse_args(argv=None):
     ar_variants.TWIN_IMPLEMENTATION = "mosaic" if args.w12_kernel == "mosaic" else None
     switched = [(flag, attr) for flag, attr, _ in MOSAIC_SWITCHES if _switch(args, flag) != "default"]
     prefetch = args.w12_prefetch_slots >= 0
-    if switched or args.w12_mp != "default" or args.w12_small_m_stages or prefetch:
+    if switched or args.w12_mp != "default" or args.w12_small_m_stages or prefetch or args.w12_copy_steps:
         if args.w12_kernel != "mosaic":
             named = ([f for f, _ in switched] + ["--w12-mp"] * (args.w12_mp != "default")
                      + ["--w12-small-m-stages"] * bool(args.w12_small_m_stages)
-                     + ["--w12-prefetch-slots"] * prefetch)
+                     + ["--w12-prefetch-slots"] * prefetch + ["--w12-copy-steps"] * bool(args.w12_copy_steps))
             p.error(f"{', '.join(named)} take --w12-kernel mosaic")
         from pallas_kernels import w12_mosaic
         for flag, attr in switched:  # read when the weights are packed (MMA_ORDER, ADJACENT) or at each call
@@ -418,6 +421,10 @@ def parse_args(argv=None):
             if args.w12_prefetch_slots >= w12_mosaic.SLOT_ALIGN:
                 p.error(f"--w12-prefetch-slots takes 0 to {w12_mosaic.SLOT_ALIGN - 1}, got {args.w12_prefetch_slots}")
             w12_mosaic.PREFETCH_SLOTS = args.w12_prefetch_slots
+        if args.w12_copy_steps:
+            if not 1 <= args.w12_copy_steps <= 8:
+                p.error(f"--w12-copy-steps takes 1 to 8, got {args.w12_copy_steps}")
+            w12_mosaic.COPY_STEPS = args.w12_copy_steps
     ar_variants.QKV_BARRIER = args.qkv_barrier
     args.barrier_after = tuple(s for s in args.barrier_after.split(",") if s)
     if set(args.barrier_after) - {"o", "down"}:
@@ -447,6 +454,7 @@ def main(argv=None) -> dict:
               **{_dest(flag): _switch(args, flag) for flag, _, _ in MOSAIC_SWITCHES},
               "w12_mp": args.w12_mp, "w12_small_m_stages": args.w12_small_m_stages or "default",
               "w12_prefetch_slots": args.w12_prefetch_slots if args.w12_prefetch_slots >= 0 else "default",
+              "w12_copy_steps": args.w12_copy_steps or "default",
               "qkv_barrier": args.qkv_barrier,
               "barrier_after": list(args.barrier_after), "variants": {}}
 

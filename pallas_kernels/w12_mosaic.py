@@ -230,10 +230,16 @@ AUTO_BARRIERS = False
 # it in the loop's head: each entry's load, then its row's test, on every warp's path to the step's wgmma.
 PREFETCH_SLOTS = 0
 
+# How many consecutive steps runs copy at once (`copy_steps`, planes tiled in chunk order: one copy of
+# COPY_STEPS x 12 KB), where it divides a program's steps; the steps are decoded and multiplied one by one,
+# so the bits are those of single steps. With the planes only copied (diagnostic "copies_only"), steps of 128
+# half-rows (24 KB) took 1-4% less than steps of 64 at gate/up and down (mg58, sixteenth session).
+COPY_STEPS = 1
+
 
 _KNOBS = ("MP_CHOICES", "LARGE_N", "LARGE_STEP_MAX_ROWS", "MMA_ORDER", "ADJACENT", "PAD_X", "SUM_SPLITS_IN_KERNEL",
           "TILED", "EARLY_BASE", "WIDE_SWIZZLE", "OWNER_BRANCH", "PLAIN_PLANES", "XOR_CHUNKS", "WAVE_PROGRAMS_PER_SM",
-          "SMALL_M_STAGES", "HALVES", "AUTO_BARRIERS", "PREFETCH_SLOTS")
+          "SMALL_M_STAGES", "HALVES", "AUTO_BARRIERS", "PREFETCH_SLOTS", "COPY_STEPS")
 
 
 def knobs() -> tuple:
@@ -262,8 +268,11 @@ def run_w12_options(w: W12NK) -> dict:
     """The options runs pass to the W12 kernel for a matrix packed by `to_nk` (besides `run_options`)."""
     wide = WIDE_SWIZZLE and w.slot_k == 128 and w.has_packed_planes
     plain = PLAIN_PLANES and not wide and w.has_packed_planes and w.slot_k == 64  # packed, one box per step
+    k, n = w.shape
+    steps = k // 2 // 64 // default_split(k, n, 64)  # a program's steps at the runs' split
+    copy = COPY_STEPS if plain and w.xor_chunks and not HALVES and steps % COPY_STEPS == 0 else 1
     return dict(early_base=EARLY_BASE, subtile=wide, wide_swizzle=wide, plain_planes=plain,
-                owner_branch=OWNER_BRANCH, prefetch_slots=PREFETCH_SLOTS)
+                owner_branch=OWNER_BRANCH, prefetch_slots=PREFETCH_SLOTS, copy_steps=copy)
 
 
 def run_operands(w: W12NK) -> W12NK:
@@ -863,7 +872,7 @@ def _kernel_call(x, operands, *, k: int, n: int, mp: int, block_k: int, split: i
                  adjacent: bool = False, sum_splits_in_kernel: bool = False, tiled: bool = False,
                  early_base: bool = False, wide_swizzle: bool = False, plain_planes: bool = False,
                  owner_branch: bool = True, xor_chunks: bool = False, halves: bool = False,
-                 auto_barriers: bool = True, prefetch_slots: int = 0):
+                 auto_barriers: bool = True, prefetch_slots: int = 0, copy_steps: int = 1):
     ws = warp_specialized
     # sum_splits_in_kernel: programs of splits 0 .. S-2 store their partials to a workspace and signal their
     # column block's semaphore; the split S-1 program waits for them, adds the partials in index order with
@@ -908,6 +917,8 @@ def _kernel_call(x, operands, *, k: int, n: int, mp: int, block_k: int, split: i
         raise ValueError(f"split {split} does not divide the {kh // block_k} steps of {block_k} half-rows of a "
                          f"[{k}, {n}] weight into whole steps per program")
     steps = kh // split // block_k  # K steps per program (each covers block_k rows of both K halves)
+    if copy_steps >= 1 and steps % copy_steps:
+        raise ValueError(f"copy_steps {copy_steps} does not divide the {steps} steps of each program")
     half_blocks = kh // block_k  # block index of the upper K half's first block
     mma_tiles = _transforms(16, SWIZZLE)  # bf16 tiles with 128-byte rows: x [Mp, BK] and the twin's W^T
     wgmma_layout = plgpu.Layout.WGMMA
@@ -952,6 +963,16 @@ def _kernel_call(x, operands, *, k: int, n: int, mp: int, block_k: int, split: i
     if xor_chunks and not (plain_planes and tiled and block_k == 64 and not subtile and not ws):
         raise NotImplementedError("xor_chunks planes are tiled steps of 64 copied plain (plain_planes), without "
                                   "subtile or warp_specialized")
+    # copy_steps (c > 1): the pipeline copies c consecutive steps at once (their tiles are contiguous in tiled
+    # planes: c * 12 KB in one copy; x's c folded tiles in one; the c slot rows as c copies) and the step body
+    # decodes and multiplies them one after the other, in the same order as c single steps: the same bits,
+    # with the same twin (whose steps stay single).
+    if copy_steps < 1:
+        raise ValueError(f"copy_steps must be >= 1, got {copy_steps}")
+    if copy_steps > 1 and not (w12 and xor_chunks and fold_x and not (halves or ws or subtile or adjacent)):
+        raise NotImplementedError("copy_steps takes W12 planes tiled in chunk order (to_nk(tiled=True, "
+                                  "xor_chunks=True)) with x folded, without halves, warp_specialized, subtile or "
+                                  "adjacent row blocks")
     plain = planes == "wgmma" or plain_planes
     plane_tiles = () if plain else _transforms(8, block_k if wide_swizzle else mma_k)
 
@@ -1047,7 +1068,8 @@ def _kernel_call(x, operands, *, k: int, n: int, mp: int, block_k: int, split: i
             return plgpu.BlockSpec(shape, index, transforms=transforms)
 
         if fold_x:  # x arrives folded (`_fold_x`): one [Mp, 2 BK] copy per step, [lower half | upper half]
-            x_specs = [plgpu.BlockSpec((mp, 2 * block_k), lambda i: (0, first + i), transforms=mma_tiles)]
+            x_specs = [plgpu.BlockSpec((mp, 2 * block_k * copy_steps), lambda i: (0, first // copy_steps + i),
+                                       transforms=mma_tiles)]
         else:
             x_specs = [spec((mp, block_k), h, False, mma_tiles) for h in (0, 1)]
         def load_base7():  # the bases of this consumer's rows (base << 7), broadcast over a tile's columns
@@ -1072,17 +1094,22 @@ def _kernel_call(x, operands, *, k: int, n: int, mp: int, block_k: int, split: i
 
         if w12:
             if planes == "packed":  # one copy per step: [sm lower half | sm upper half | nibbles] per row
-                # tiled: tile (j, kb) is the planes' block row j * half_blocks + kb (`tile_rows`)
-                index = (lambda i: (j * half_blocks + first + i, 0)) if tiled else (lambda i: (j, first + i))
-                w_specs = [plgpu.BlockSpec((cta, 3 * block_k), index, transforms=plane_tiles)]
+                # tiled: tile (j, kb) is the planes' block row j * half_blocks + kb (`tile_rows`); copy_steps
+                # of them (contiguous) per copy
+                index = ((lambda i: ((j * half_blocks + first) // copy_steps + i, 0)) if tiled
+                         else (lambda i: (j, first + i)))
+                w_specs = [plgpu.BlockSpec((copy_steps * cta, 3 * block_k), index, transforms=plane_tiles)]
                 w_gmem_refs = (sm_gmem,)
             else:
                 w_specs = [spec((BN, block_k), h, True, plane_tiles) for h in (0, 1, 0)]
                 w_gmem_refs = (sm_gmem, sm_gmem, nib_gmem)
-            if use_slots:  # the slot table's rows of this step (one per consumer), streamed like the planes
-                w_specs.append(plgpu.BlockSpec((nwg, slot_gmem.shape[1]),
-                                               lambda i: ((first + i) * (n // cta) + j, 0)))
-                w_gmem_refs += (slot_gmem,)
+            if use_slots:  # the slot table's rows of this step (one per consumer), streamed like the planes;
+                # with copy_steps, one copy per step of the copy (their rows are N / 64 apart)
+                for v in range(copy_steps):
+                    w_specs.append(plgpu.BlockSpec(
+                        (nwg, slot_gmem.shape[1]),
+                        lambda i, v=v: ((first + copy_steps * i + v) * (n // cta) + j, 0)))
+                w_gmem_refs += (slot_gmem,) * copy_steps
         elif tiled:  # the twin's two tiles of a step side by side, contiguous (`tile_twin`): one copy
             w_specs = [plgpu.BlockSpec((BN, 2 * block_k), lambda i: (j * half_blocks + first + i, 0),
                                        transforms=mma_tiles)]
@@ -1188,20 +1215,23 @@ def _kernel_call(x, operands, *, k: int, n: int, mp: int, block_k: int, split: i
 
         def step(acc, indices, *tiles):
             (i,) = indices
-            for u in range(block_k // mma_k):  # sub-steps (one unless subtile): lower, then upper K half
+            for v, u in np.ndindex(copy_steps, block_k // mma_k):  # the copy's steps; sub-steps (subtile)
                 if fold_x:
-                    x_lo, x_hi = (tiles[0].at[:, pl.ds(h * block_k + u * mma_k, mma_k)] for h in (0, 1))
+                    x0 = v * 2 * block_k  # the step's folded x tile in the copy's
+                    x_lo, x_hi = (tiles[0].at[:, pl.ds(x0 + h * block_k + u * mma_k, mma_k)] for h in (0, 1))
                     w_tiles = tiles[1:]
+                    if copy_steps > 1:  # the step's 64 plane rows, its slot row
+                        w_tiles = [tiles[1].at[pl.ds(v * cta, cta)], tiles[2 + v]]
                 else:
                     x_lo, x_hi, *w_tiles = tiles
                 if tiled and not w12:  # the twin's paired tile: lower | upper
                     w_tiles = [w_tiles[0].at[:, pl.ds(h * block_k, block_k)] for h in (0, 1)]
-                if early_base and u == 0:  # the bases' copy, issued before the pipeline, is waited for once
-                    @pl.when(i == 0)
+                if early_base and u == 0 and v == 0:  # the bases' copy, issued before the pipeline, is waited
+                    @pl.when(i == 0)  # for once
                     def _():
                         plgpu.barrier_wait(bar.at[wg])
                 if w12:
-                    a_lo, a_hi = decode((first + i) * block_k, u, *w_tiles)
+                    a_lo, a_hi = decode((first + copy_steps * i + v) * block_k, u, *w_tiles)
                 elif a_in_registers:  # a diagnostic twin: the bf16 tiles through registers, as W12's are
                     a_lo, a_hi = (plgpu.load(t, (), layout=wgmma_layout) for t in w_tiles)
                 else:
@@ -1319,8 +1349,8 @@ def _kernel_call(x, operands, *, k: int, n: int, mp: int, block_k: int, split: i
             setup()
 
             def scope(acc):
-                plgpu.emit_pipeline(functools.partial(step, acc), grid=(steps,), in_specs=[*x_specs, *w_specs],
-                                    max_concurrent_steps=stages)(*gmem_refs)
+                plgpu.emit_pipeline(functools.partial(step, acc), grid=(steps // copy_steps,),
+                                    in_specs=[*x_specs, *w_specs], max_concurrent_steps=stages)(*gmem_refs)
                 store(acc)
 
             pl.run_scoped(scope, plgpu.ACC((BN, mp), jnp.float32))
@@ -1420,7 +1450,7 @@ def _prepare_x(x: jax.Array, k: int, n: int, block_k: int, mp: int | None = None
                                              "planes", "a_operand", "decode", "fold_x", "warp_specialized",
                                              "subtile", "raw", "mp", "pad_x", "sum_splits_in_kernel",
                                              "early_base", "wide_swizzle", "plain_planes", "owner_branch",
-                                             "halves", "auto_barriers", "prefetch_slots"))
+                                             "halves", "auto_barriers", "prefetch_slots", "copy_steps"))
 def w12_mosaic_partials(x: jax.Array, w: W12NK, block_k: int | None = None, split: int | None = None,
                         stages: int | None = None,
                         interpret: bool = False, exceptions: str = "auto", diagnostic: str = "",
@@ -1430,7 +1460,7 @@ def w12_mosaic_partials(x: jax.Array, w: W12NK, block_k: int | None = None, spli
                         sum_splits_in_kernel: bool = False, early_base: bool = False,
                         wide_swizzle: bool = False, plain_planes: bool = False,
                         owner_branch: bool = True, halves: bool = False, auto_barriers: bool = True,
-                        prefetch_slots: int = 0) -> jax.Array:
+                        prefetch_slots: int = 0, copy_steps: int = 1) -> jax.Array:
     """x [M, K] bf16 (M <= 64), W12NK [K, N] -> partial products [split, M, N] float32.
 
     block_k: the step `to_nk` packed the planes for (`w.slot_k`) by default; stages: `default_stages`.
@@ -1474,7 +1504,9 @@ def w12_mosaic_partials(x: jax.Array, w: W12NK, block_k: int | None = None, spli
     table, x folded and padded.
     auto_barriers=False: Pallas inserts no warpgroup barriers (`_kernel_call` says why that is safe here).
     prefetch_slots: the PTX decode loads each step's count and first entries of the slot table before
-    decoding and decides there which threads patch them (`_ptx_decode`); the rest go through the loop."""
+    decoding and decides there which threads patch them (`_ptx_decode`); the rest go through the loop.
+    copy_steps: the pipeline copies that many consecutive steps at once (planes tiled in chunk order, x
+    folded), decoded and multiplied one after the other: the same bits as single steps (`_kernel_call`)."""
     k, n = w.shape
     block_k = block_k or w.slot_k or default_block_k(k, n)
     if (exceptions not in ("auto", "csr")
@@ -1510,7 +1542,7 @@ def w12_mosaic_partials(x: jax.Array, w: W12NK, block_k: int | None = None, spli
                        tiled=w.tiled and planes == "packed", early_base=early_base, wide_swizzle=wide_swizzle,
                        plain_planes=plain_planes, owner_branch=owner_branch,
                        xor_chunks=w.xor_chunks and planes == "packed", halves=halves, auto_barriers=auto_barriers,
-                       prefetch_slots=prefetch_slots)
+                       prefetch_slots=prefetch_slots, copy_steps=copy_steps)
     return out if raw else jnp.swapaxes(out, 1, 2)[:, :m]
 
 

@@ -208,6 +208,13 @@ def test_bench_ar_mosaic_x_flags(bench_ar, monkeypatch):
     key = w12_mosaic.knobs()
     bench_ar.parse_args(["--w12-kernel", "mosaic", "--w12-prefetch-slots", "2"])
     assert w12_mosaic.PREFETCH_SLOTS == 2 and w12_mosaic.knobs() != key
+    monkeypatch.setattr(w12_mosaic, "COPY_STEPS", 1)
+    for bad in (["--w12-copy-steps", "2"], ["--w12-kernel", "mosaic", "--w12-copy-steps", "9"]):
+        with pytest.raises(SystemExit):
+            bench_ar.parse_args(bad)
+    key = w12_mosaic.knobs()
+    bench_ar.parse_args(["--w12-kernel", "mosaic", "--w12-copy-steps", "2"])
+    assert w12_mosaic.COPY_STEPS == 2 and w12_mosaic.knobs() != key
 
 
 def _ncu_csv(path, kernels):

@@ -357,6 +357,36 @@ class _MosaicCases:
         with pytest.raises(ValueError, match="xor_chunks stores tiled planes of steps of 64"):
             mk.to_nk(enc, block_k=128, tiled=True, xor_chunks=True)
 
+    def test_copy_steps_bit_identical_to_bf16_twin(self):
+        """`copy_steps` (2 or 4 consecutive steps of tiled chunk-ordered planes, and their x tiles, in one copy;
+        each step's slot row its own copy) gives the single-step twin's bits: Inf / NaN / huge / subnormal
+        exceptions in both K halves and in every step of a copy, 1-64 rows, 1 and 2 splits, 2 and 3 stages
+        over 2-4 copies (buffers refilled); a count that does not divide the steps, or another packing, is
+        refused."""
+        k, n = 1024, 128
+        w = (0.02 * np.random.default_rng(23).standard_normal((k, n))).astype(jnp.bfloat16)
+        special = (np.inf, np.nan, 1e30, -1e-30, -np.inf, 3e-39)
+        for q, (r, c) in enumerate(((5, 3), (70, 64), (130, 127), (200, 9), (300, 0), (450, 66), (512 + 3, 9),
+                                    (512 + 64, 3), (512 + 130, 100), (512 + 260, 64), (512 + 511, 127))):
+            w[r, c] = special[q % len(special)]
+        enc = w12.encode(w)
+        ip = self.interpret
+        twin_w = mk.tile_twin(jnp.asarray(w).T, 64)
+        nk = mk.to_nk(enc, block_k=64, mma=True, tiled=True, xor_chunks=True)
+        for m, split, copy_steps, stages in ((1, 1, 2, 2), (16, 2, 2, 3), (33, 1, 4, 2), (64, 2, 2, 2), (8, 1, 2, 3)):
+            x = jnp.asarray(np.random.default_rng(m).standard_normal((m, k)), jnp.bfloat16)
+            twin = mk.bf16_mosaic_partials(x, twin_w, block_k=64, split=split, tiled=True, interpret=ip)
+            got = mk.w12_mosaic_partials(x, nk, split=split, stages=stages, plain_planes=True, early_base=True,
+                                         copy_steps=copy_steps, interpret=ip)
+            assert_same_bits(got, twin)
+        with pytest.raises(ValueError, match="copy_steps 3 does not divide the 8 steps"):
+            mk.w12_mosaic_partials(x, nk, split=1, plain_planes=True, copy_steps=3, interpret=ip)
+        with pytest.raises(ValueError, match="copy_steps must be >= 1"):
+            mk.w12_mosaic_partials(x, nk, plain_planes=True, copy_steps=0, interpret=ip)
+        with pytest.raises(NotImplementedError, match="copy_steps takes W12 planes tiled in chunk order"):
+            mk.w12_mosaic_partials(x, mk.to_nk(enc, block_k=64, mma=True, tiled=True), split=1, plain_planes=True,
+                                   copy_steps=2, interpret=ip)
+
     def test_without_auto_barriers_bit_identical_to_bf16_twin(self):
         """`auto_barriers=False` (no warpgroup barriers inserted by Pallas) at the runs' packing: the twin's
         bits, 3 stages over 4 steps (slots refilled), 1 and 2 splits, Inf / NaN / subnormal exceptions; W12
@@ -477,8 +507,10 @@ class TestMosaicGPU(_MosaicCases):
     interpret = False
 
     @pytest.mark.parametrize("knobs", [{}, {"HALVES": True}, {"AUTO_BARRIERS": not mk.AUTO_BARRIERS},
-                                       {"PREFETCH_SLOTS": 2 if mk.PREFETCH_SLOTS != 2 else 0}],
-                             ids=("defaults", "halves", "auto_barriers_switched", "prefetch_slots_switched"))
+                                       {"PREFETCH_SLOTS": 2 if mk.PREFETCH_SLOTS != 2 else 0},
+                                       {"COPY_STEPS": 2 if mk.COPY_STEPS != 2 else 1}],
+                             ids=("defaults", "halves", "auto_barriers_switched", "prefetch_slots_switched",
+                                  "copy_steps_switched"))
     @pytest.mark.parametrize("k,n", [(4096, 1024), (4096, 4096), (12288, 4096)])
     def test_runs_defaults_equal_the_twin_at_qwen3_shapes(self, k, n, knobs, monkeypatch):
         """The runs' options (`w12.linear` on `encode_params(kernel="mosaic")`) against the runs' twin at
@@ -621,7 +653,8 @@ def test_lowers_for_cuda(k, n):
                     pnk = dataclasses.replace(nk, mma_order=True, tiled=tiled, xor_chunks=xor, packed=s(
                         (n * (k // 2 // 64), 3 * 64) if tiled else (n, 3 * k // 2), jnp.int8))
                     for opts in (dict(decode="ptx"), dict(diagnostic="copies_only"),
-                                 dict(diagnostic="ptx_load_only"), dict(decode="ptx", prefetch_slots=2)):
+                                 dict(diagnostic="ptx_load_only"), dict(decode="ptx", prefetch_slots=2),
+                                 *([dict(decode="ptx", split=4, copy_steps=2)] if xor else [])):
                         fn = jax.jit(functools.partial(mk.w12_mosaic_partials, plain_planes=True, **opts))
                         assert "mosaic_gpu" in fn.trace(s((m, k), jnp.bfloat16), pnk).lower(
                             lowering_platforms=("cuda",)).as_text()
@@ -835,6 +868,25 @@ def test_runs_with_tiled_planes_and_early_bases_pair_as_their_twin(monkeypatch, 
     twin = w12.linear(x, w, out_dtype=jnp.float32, interpret=True, dense_kernel=True, implementation="mosaic")
     assert_same_bits(got, twin)
     assert_same_bits(got, default)
+
+
+def test_runs_with_copy_steps_pair_as_their_twin(monkeypatch):
+    """With `w12_mosaic.COPY_STEPS`, runs copy that many steps at once where the count divides a program's
+    steps (else one): the bits of single steps and of the twin (one split here, so 4 steps per program)."""
+    k, n = 512, 128
+    monkeypatch.setattr(mk, "default_split", lambda k, n, block_k: 1)
+    w = jnp.asarray(adversarial_weights(k, n, seed=12, finite=False))
+    x = jnp.asarray(np.random.default_rng(6).standard_normal((3, k)), jnp.bfloat16)
+    wq = w12.encode_params({"layers": ({"q": w},)}, kernel="mosaic", max_exception_rate=1.0)["layers"][0]["q"]
+    assert wq.xor_chunks and mk.run_w12_options(wq)["copy_steps"] == 1
+    single = w12.linear(x, wq, out_dtype=jnp.float32, interpret=True)
+    twin = w12.linear(x, w, out_dtype=jnp.float32, interpret=True, dense_kernel=True, implementation="mosaic")
+    assert_same_bits(single, twin)
+    monkeypatch.setattr(mk, "COPY_STEPS", 3)  # does not divide 4 steps: single steps
+    assert mk.run_w12_options(wq)["copy_steps"] == 1
+    monkeypatch.setattr(mk, "COPY_STEPS", 2)
+    assert mk.run_w12_options(wq)["copy_steps"] == 2
+    assert_same_bits(w12.linear(x, wq, out_dtype=jnp.float32, interpret=True), single)
 
 
 def test_runs_with_wide_swizzle_pair_as_their_twin(monkeypatch):
