@@ -228,12 +228,16 @@ AUTO_BARRIERS = False
 # then branches on it. Bits unchanged (the same selects in the same order). With the loop alone, the patches
 # took 0.5-1.4 us of gate/up's 38.8-40.0 us kernel and 0.5-0.7 us at down, qkv and o (no_patch, mg60), most of
 # it in the loop's head: each entry's load, then its row's test, on every warp's path to the step's wgmma.
+# Prefetching 1-3 entries left every shape within 0.4 us (mg62) and AR decode level (4.218 against 4.194 ms
+# per token; docs/performance.md, fifteenth pass): off.
 PREFETCH_SLOTS = 0
 
 # How many consecutive steps runs copy at once (`copy_steps`, planes tiled in chunk order: one copy of
 # COPY_STEPS x 12 KB), where it divides a program's steps; the steps are decoded and multiplied one by one,
 # so the bits are those of single steps. With the planes only copied (diagnostic "copies_only"), steps of 128
-# half-rows (24 KB) took 1-4% less than steps of 64 at gate/up and down (mg58, sixteenth session).
+# half-rows (24 KB) took 0-4% less than steps of 64 at gate/up and down (mg58). The whole kernel was 2-6%
+# slower with 2 steps a copy and 30-45% with 4 at every layer shape (mg63), AR decode 4.294 against 4.238 ms
+# per token (docs/performance.md, fifteenth pass): off.
 COPY_STEPS = 1
 
 
