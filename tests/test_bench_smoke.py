@@ -190,37 +190,25 @@ def test_bench_ar_mosaic_x_flags(bench_ar, monkeypatch):
     assert w12_mosaic.PAD_X is False and w12_mosaic.MP_CHOICES == (8, 16, 64) and w12_mosaic.SUM_SPLITS_IN_KERNEL
     assert w12_mosaic.TILED and w12_mosaic.EARLY_BASE and w12_mosaic.WIDE_SWIZZLE and args.w12_wide_swizzle == "on"
     assert w12_mosaic.PLAIN_PLANES and args.w12_plain_planes == "on"
-    monkeypatch.setattr(w12_mosaic, "SMALL_M_STAGES", 3)
-    for bad in (["--w12-small-m-stages", "2"], ["--w12-kernel", "mosaic", "--w12-small-m-stages", "5"]):
-        with pytest.raises(SystemExit):
-            bench_ar.parse_args(bad)
-    assert w12_mosaic.SMALL_M_STAGES == 3
-    key = w12_mosaic.knobs()
-    bench_ar.parse_args(["--w12-kernel", "mosaic", "--w12-small-m-stages", "2"])
-    assert w12_mosaic.SMALL_M_STAGES == 2 and w12_mosaic.default_stages(64, 16) == 2
+    # the numeric switches: refused without the Mosaic kernel or out of range, else set, and part of the trace key
+    for flag, attr, before, bad, good in (("--w12-small-m-stages", "SMALL_M_STAGES", 3, "5", 2),
+                                          ("--w12-prefetch-slots", "PREFETCH_SLOTS", 0, "32", 2),
+                                          ("--w12-copy-steps", "COPY_STEPS", 1, "9", 2)):
+        monkeypatch.setattr(w12_mosaic, attr, before)
+        for argv in ([flag, str(good)], ["--w12-kernel", "mosaic", flag, bad]):
+            with pytest.raises(SystemExit):
+                bench_ar.parse_args(argv)
+        assert getattr(w12_mosaic, attr) == before
+        key = w12_mosaic.knobs()
+        bench_ar.parse_args(["--w12-kernel", "mosaic", flag, str(good)])
+        assert getattr(w12_mosaic, attr) == good
+        assert w12_mosaic.knobs() != key  # a product traced before is not reused
+    assert w12_mosaic.default_stages(64, 16) == 2  # SMALL_M_STAGES = 2 from the loop above
     assert w12_mosaic.default_stages(64, 32) == 2 and w12_mosaic.default_stages(128, 16) == 2
-    assert w12_mosaic.knobs() != key  # a product traced at 3 stages is not reused at 2
-    monkeypatch.setattr(w12_mosaic, "PREFETCH_SLOTS", 0)
-    for bad in (["--w12-prefetch-slots", "2"], ["--w12-kernel", "mosaic", "--w12-prefetch-slots", "32"]):
-        with pytest.raises(SystemExit):
-            bench_ar.parse_args(bad)
-    assert w12_mosaic.PREFETCH_SLOTS == 0
-    key = w12_mosaic.knobs()
-    bench_ar.parse_args(["--w12-kernel", "mosaic", "--w12-prefetch-slots", "2"])
-    assert w12_mosaic.PREFETCH_SLOTS == 2 and w12_mosaic.knobs() != key
-    monkeypatch.setattr(w12_mosaic, "COPY_STEPS", 1)
-    for bad in (["--w12-copy-steps", "2"], ["--w12-kernel", "mosaic", "--w12-copy-steps", "9"]):
-        with pytest.raises(SystemExit):
-            bench_ar.parse_args(bad)
-    key = w12_mosaic.knobs()
-    bench_ar.parse_args(["--w12-kernel", "mosaic", "--w12-copy-steps", "2"])
-    assert w12_mosaic.COPY_STEPS == 2 and w12_mosaic.knobs() != key
 
 
 def _ncu_csv(path, kernels):
     """A minimal ncu `--csv --page details` export: kernels [(name, duration_us)], one metric row each."""
-    import csv
-
     with open(path, "w", newline="") as f:
         w = csv.writer(f, quoting=csv.QUOTE_ALL)
         w.writerow(["ID", "Kernel Name", "Grid Size", "Section Name", "Metric Name", "Metric Unit", "Metric Value"])
