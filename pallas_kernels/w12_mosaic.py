@@ -272,9 +272,10 @@ def run_w12_options(w: W12NK) -> dict:
     """The options runs pass to the W12 kernel for a matrix packed by `to_nk` (besides `run_options`)."""
     wide = WIDE_SWIZZLE and w.slot_k == 128 and w.has_packed_planes
     plain = PLAIN_PLANES and not wide and w.has_packed_planes and w.slot_k == 64  # packed, one box per step
-    k, n = w.shape
-    steps = k // 2 // 64 // default_split(k, n, 64)  # a program's steps at the runs' split
-    copy = COPY_STEPS if plain and w.xor_chunks and not HALVES and steps % COPY_STEPS == 0 else 1
+    copy = 1
+    if COPY_STEPS > 1 and plain and w.xor_chunks and not HALVES:  # where it divides a program's steps
+        k, n = w.shape
+        copy = COPY_STEPS if (k // 2 // w.slot_k // default_split(k, n, w.slot_k)) % COPY_STEPS == 0 else 1
     return dict(early_base=EARLY_BASE, subtile=wide, wide_swizzle=wide, plain_planes=plain,
                 owner_branch=OWNER_BRANCH, prefetch_slots=PREFETCH_SLOTS, copy_steps=copy)
 
@@ -822,7 +823,8 @@ def _ptx_decode(dec_layout, shape, use_slots: bool, col_offset: int = 0, mma: bo
             for entry, mine in zip(early, early_mine):  # the prefetched entries, decided before the decode
                 flat = patch_if(mine, entry, flat)
             # the rest (all of them without prefetch_slots), each loaded, then decided
-            rest = arith.maxsi(arith.subi(count, mgpu_utils.c(prefetch_slots, i32)), mgpu_utils.c(0, i32))
+            rest = (arith.maxsi(arith.subi(count, mgpu_utils.c(prefetch_slots, i32)), mgpu_utils.c(0, i32))
+                    if prefetch_slots else count)
 
             @mgpu_utils.fori(rest, flat)
             def patched(e, flat):
