@@ -328,6 +328,8 @@ MOSAIC_SWITCHES = (
      "store tiled steps of 64 in the bank-conflict-free chunk order (loaded by the PTX decode) or as they are"),
     ("--w12-owner-branch", "OWNER_BRANCH",
      "patch exceptions only in the threads that hold their row, or compare them in every thread"),
+    ("--w12-row-branch", "ROW_BRANCH",
+     "the owning thread compares only the registers of the exception's row and K half, or all of its registers"),
     ("--w12-sum-barrier", "SUM_BARRIER",
      "materialize each Mosaic product after its split sum (an optimization barrier) or let XLA fuse the sum"),
     ("--w12-halves", "HALVES", "two warpgroups per program, one per K half of each step, or one for both"),

@@ -329,7 +329,7 @@ def parse_edits(text: str) -> list:
             key, value = item.split("=")
             if key in ("prefetch", "fold_x", "warp_specialized", "subtile", "mma", "adjacent", "pad_x",
                        "sum_splits_in_kernel", "tiled", "early_base", "wide_swizzle", "plain_planes",
-                       "owner_branch", "xor_chunks", "halves", "auto_barriers"):
+                       "owner_branch", "xor_chunks", "halves", "auto_barriers", "row_branch"):
                 edit[key] = bool(int(value))
             elif key in ("exceptions", "diagnostic", "planes", "a_operand", "twin_a", "decode"):
                 edit[key] = value

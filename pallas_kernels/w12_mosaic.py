@@ -176,6 +176,11 @@ WIDE_SWIZZLE = False
 # timed on the H200 in the tenth pass (docs/performance.md).
 OWNER_BRANCH = True
 
+# Whether runs' owning threads (`OWNER_BRANCH`) branch on which of their two rows, then which K half, holds an
+# exception and compare only those 4 registers (`row_branch`, `_ptx_decode`) instead of all 8 in both halves.
+# Exact by construction (the registers skipped cannot match the entry): not yet timed on the H200.
+ROW_BRANCH = False
+
 # Whether runs copy the packed plane tiles plain (`plain_planes`: one box as stored, neither tiled nor
 # swizzled; steps of 64 only, a box row holds <= 256 bytes); with `TILED`, each step's tile is then one
 # contiguous copy. Exact on the H200; plain tiled planes took 4-6% off the kernel at gate/up and down at
@@ -242,8 +247,8 @@ COPY_STEPS = 1
 
 
 _KNOBS = ("MP_CHOICES", "LARGE_N", "LARGE_STEP_MAX_ROWS", "MMA_ORDER", "ADJACENT", "PAD_X", "SUM_SPLITS_IN_KERNEL",
-          "TILED", "EARLY_BASE", "WIDE_SWIZZLE", "OWNER_BRANCH", "PLAIN_PLANES", "XOR_CHUNKS", "WAVE_PROGRAMS_PER_SM",
-          "SMALL_M_STAGES", "HALVES", "AUTO_BARRIERS", "PREFETCH_SLOTS", "COPY_STEPS")
+          "TILED", "EARLY_BASE", "WIDE_SWIZZLE", "OWNER_BRANCH", "ROW_BRANCH", "PLAIN_PLANES", "XOR_CHUNKS",
+          "WAVE_PROGRAMS_PER_SM", "SMALL_M_STAGES", "HALVES", "AUTO_BARRIERS", "PREFETCH_SLOTS", "COPY_STEPS")
 
 
 def knobs() -> tuple:
@@ -277,7 +282,8 @@ def run_w12_options(w: W12NK) -> dict:
         k, n = w.shape
         copy = COPY_STEPS if (k // 2 // w.slot_k // default_split(k, n, w.slot_k)) % COPY_STEPS == 0 else 1
     return dict(early_base=EARLY_BASE, subtile=wide, wide_swizzle=wide, plain_planes=plain,
-                owner_branch=OWNER_BRANCH, prefetch_slots=PREFETCH_SLOTS, copy_steps=copy)
+                owner_branch=OWNER_BRANCH, row_branch=ROW_BRANCH and OWNER_BRANCH, prefetch_slots=PREFETCH_SLOTS,
+                copy_steps=copy)
 
 
 def run_operands(w: W12NK) -> W12NK:
@@ -643,7 +649,8 @@ def _if_else(scf, cond, result_types):
 
 def _ptx_decode(dec_layout, shape, use_slots: bool, col_offset: int = 0, mma: bool = False,
                 part: int | None = None, owner_branch: bool = True, arithmetic: bool = True,
-                from_ref: bool = False, half: int | None = None, prefetch_slots: int = 0):
+                from_ref: bool = False, half: int | None = None, prefetch_slots: int = 0,
+                row_branch: bool = False):
     """The decode of `decode="ptx"`: one `plgpu.inline_mgpu` function that works on the registers
     themselves. The plane tiles arrive in the upcast layout, four consecutive K elements of one W^T row
     per 32-bit register, and each register is decoded by a few PTX instructions on packed pairs:
@@ -687,6 +694,12 @@ def _ptx_decode(dec_layout, shape, use_slots: bool, col_offset: int = 0, mma: bo
     its sign+mantissa plane and the nibbles; exceptions of the other half never match its keys. The
     function then returns that one tile.
 
+    `row_branch` (with `owner_branch`): the thread's registers hold two rows of the tile (8 apart; their
+    offsets are static in the layout), and an entry branches on which of the two is its row, then on its K
+    half, so the owning thread compares only the 4 registers of that row and half instead of all 16 words'
+    8 registers in both halves. The registers it skips are those whose keys cannot match the entry (another
+    row or half), so the selects made are the same: the same bits.
+
     `prefetch_slots` (P > 0, with the slot table): the step's count and its first P entries are loaded before
     the decode, and whether this thread holds each entry's row is worked out from them there, off the
     decode's path; after the decode each of those entries is one branch taken only by its row's threads,
@@ -706,6 +719,8 @@ def _ptx_decode(dec_layout, shape, use_slots: bool, col_offset: int = 0, mma: bo
     if prefetch_slots < 0 or (prefetch_slots and not use_slots):
         raise ValueError(f"prefetch_slots takes a count >= 0 of slot-table entries, with the slot table; got "
                          f"{prefetch_slots}, use_slots={use_slots}")
+    if row_branch and not (use_slots and owner_branch):
+        raise ValueError("row_branch takes the slot table with owner_branch")
     if prefetch_slots >= SLOT_ALIGN:  # a row holds at least SLOT_ALIGN entries, the count included
         raise ValueError(f"prefetch_slots must be below {SLOT_ALIGN} (the least row of the slot table), got "
                          f"{prefetch_slots}")
@@ -756,16 +771,30 @@ def _ptx_decode(dec_layout, shape, use_slots: bool, col_offset: int = 0, mma: bo
         positions = ([tuple(arith.index_cast(i32, v) for v in rc) for rc in lay.thread_idxs(shape)]
                      if from_ref or use_slots else [])
         i64 = ir.IntegerType.get_signless(64)
+        # per register, its row's static offset from the thread's first row (the layout's tile strides)
+        strides = lay.tiling.tile_strides(tuple(mgpu_utils.get_contiguous_strides(shape)))
+        row_offs = [sum(i * s for i, s in zip(idx, strides)) // shape[1] for idx in np.ndindex(regs_shape)]
+        groups = [(off, [q for q, o in enumerate(row_offs) if o == off]) for off in sorted(set(row_offs))]
         if use_slots:
             (slot_ref,) = slot
             rows = mgpu_utils.c(0, i64)  # bit r set for each tile row r this thread holds
             for r, _ in positions:
                 rows = arith.ori(rows, arith.shli(mgpu_utils.c(1, i64), arith.extui(i64, r)))
 
-            def held_by_me(entry):  # whether this thread holds the entry's row (n_local: bits 8-13)
-                n_local = arith.andi(arith.shrui(entry, mgpu_utils.c(8, i32)), mgpu_utils.c(BN - 1, i32))
-                held = arith.andi(arith.shrui(rows, arith.extui(i64, n_local)), mgpu_utils.c(1, i64))
+            def n_local_of(entry):  # the entry's row in the tile (bits 8-13)
+                return arith.andi(arith.shrui(entry, mgpu_utils.c(8, i32)), mgpu_utils.c(BN - 1, i32))
+
+            def held_by_me(entry):  # whether this thread holds the entry's row
+                held = arith.andi(arith.shrui(rows, arith.extui(i64, n_local_of(entry))), mgpu_utils.c(1, i64))
                 return arith.cmpi(arith.CmpIPredicate.ne, held, mgpu_utils.c(0, i64))
+
+            # row_branch: the thread's first row (register 0's offset is 0 in every group listing)
+            row_first = arith.subi(positions[0][0], mgpu_utils.c(row_offs[0], i32))
+
+            def group_conds(entry):  # per row group: whether the entry's row is that group's row here
+                n_local = n_local_of(entry)
+                return [arith.cmpi(arith.CmpIPredicate.eq, n_local, arith.addi(row_first, mgpu_utils.c(off, i32)))
+                        for off, _ in groups]
 
             zero = arith.constant(index, 0)
             count = memref.load(slot_ref, [zero, zero])
@@ -775,7 +804,10 @@ def _ptx_decode(dec_layout, shape, use_slots: bool, col_offset: int = 0, mma: bo
             early_mine = []
             for e, entry in enumerate(early):
                 valid = arith.cmpi(arith.CmpIPredicate.sgt, count, mgpu_utils.c(e, i32))
-                early_mine.append(arith.andi(valid, held_by_me(entry)) if owner_branch else valid)
+                if row_branch:
+                    early_mine.append([arith.andi(valid, cond) for cond in group_conds(entry)])
+                else:
+                    early_mine.append(arith.andi(valid, held_by_me(entry)) if owner_branch else valid)
         if from_ref:  # the three planes' registers, loaded here from the chunk-ordered tile
             ptr = mgpu_utils.memref_ptr(tile_ref)
             i8 = ir.IntegerType.get_signless(8)
@@ -820,8 +852,38 @@ def _ptx_decode(dec_layout, shape, use_slots: bool, col_offset: int = 0, mma: bo
                     scf.yield_(list(flat))
                 return list(branch.results)
 
+            def patch_rows(conds, entry, flat):  # row_branch: the entry's row group, then its K half
+                for cond, (_, regs_q) in zip(conds, groups):
+                    branch = _if_else(scf, cond, [w.type for w in flat])
+                    with ir.InsertionPoint(branch.then_block):
+                        keyq, vv, m0, m1 = asm(4, [entry], _EXCEPTION_PTX)
+
+                        def patch_half(h, flat):  # the group's registers' words of key set h
+                            out = list(flat)
+                            for q in regs_q:
+                                w = n_words * q + 2 * h
+                                out[w:w + 2] = asm(2, [flat[w], flat[w + 1], keyq, key_sets[h][q], vv, m0, m1],
+                                                   _PATCH_PTX)
+                            return out
+
+                        if len(key_sets) == 1:  # one K half's registers (`half`)
+                            scf.yield_(patch_half(0, flat))
+                        else:
+                            upper = arith.cmpi(arith.CmpIPredicate.ne, arith.andi(entry, hi_bit),
+                                               mgpu_utils.c(0, i32))
+                            inner = _if_else(scf, upper, [w.type for w in flat])
+                            with ir.InsertionPoint(inner.then_block):
+                                scf.yield_(patch_half(1, flat))
+                            with ir.InsertionPoint(inner.else_block):
+                                scf.yield_(patch_half(0, flat))
+                            scf.yield_(list(inner.results))
+                    with ir.InsertionPoint(branch.else_block):
+                        scf.yield_(list(flat))
+                    flat = list(branch.results)
+                return flat
+
             for entry, mine in zip(early, early_mine):  # the prefetched entries, decided before the decode
-                flat = patch_if(mine, entry, flat)
+                flat = patch_rows(mine, entry, flat) if row_branch else patch_if(mine, entry, flat)
             # the rest (all of them without prefetch_slots), each loaded, then decided
             rest = (arith.maxsi(arith.subi(count, mgpu_utils.c(prefetch_slots, i32)), mgpu_utils.c(0, i32))
                     if prefetch_slots else count)
@@ -832,6 +894,8 @@ def _ptx_decode(dec_layout, shape, use_slots: bool, col_offset: int = 0, mma: bo
                 entry = memref.load(slot_ref, [zero, e1])
                 if not owner_branch:
                     return compare_all(entry, flat)
+                if row_branch:
+                    return patch_rows(group_conds(entry), entry, flat)
                 # only the threads that hold the entry's row compare (4 lanes of one warp): the others
                 # skip the per-register work, so an exception costs the warpgroup a few instructions
                 return patch_if(held_by_me(entry), entry, flat)
@@ -878,7 +942,8 @@ def _kernel_call(x, operands, *, k: int, n: int, mp: int, block_k: int, split: i
                  adjacent: bool = False, sum_splits_in_kernel: bool = False, tiled: bool = False,
                  early_base: bool = False, wide_swizzle: bool = False, plain_planes: bool = False,
                  owner_branch: bool = True, xor_chunks: bool = False, halves: bool = False,
-                 auto_barriers: bool = True, prefetch_slots: int = 0, copy_steps: int = 1):
+                 auto_barriers: bool = True, prefetch_slots: int = 0, copy_steps: int = 1,
+                 row_branch: bool = False):
     ws = warp_specialized
     # sum_splits_in_kernel: programs of splits 0 .. S-2 store their partials to a workspace and signal their
     # column block's semaphore; the split S-1 program waits for them, adds the partials in index order with
@@ -1006,15 +1071,16 @@ def _kernel_call(x, operands, *, k: int, n: int, mp: int, block_k: int, split: i
     if decode != "jnp" and ptx_able and w12 and not interpret:
         ptx_slots = use_slots and not diagnostic
         prefetch = prefetch_slots if ptx_slots else 0
+        rows_ = row_branch and ptx_slots and owner_branch
         ptx_decode = [_ptx_decode(dec_layout, (BN, mma_k), ptx_slots, u * mma_k, mma,  # one per sub-step
                                   part=u if wide_swizzle else None, owner_branch=owner_branch,
                                   arithmetic=diagnostic != "ptx_load_only", from_ref=xor_chunks,
-                                  prefetch_slots=prefetch)
+                                  prefetch_slots=prefetch, row_branch=rows_)
                       for u in range(block_k // mma_k)]
     ptx_half = None
     if halves and ptx_decode is not None:  # one decode per K half, the warpgroup's own
         ptx_half = [_ptx_decode(dec_layout, (BN, mma_k), ptx_slots, 0, mma, owner_branch=owner_branch,
-                                from_ref=True, half=h, prefetch_slots=prefetch) for h in (0, 1)]
+                                from_ref=True, half=h, prefetch_slots=prefetch, row_branch=rows_) for h in (0, 1)]
     if halves and w12 and not interpret and (ptx_half is None or not a_in_registers):
         raise NotImplementedError("halves decodes by PTX (decode='auto' or 'ptx') into registers when compiled")
     if xor_chunks and not interpret and ptx_decode is None and diagnostic != "copies_only":
@@ -1456,7 +1522,8 @@ def _prepare_x(x: jax.Array, k: int, n: int, block_k: int, mp: int | None = None
                                              "planes", "a_operand", "decode", "fold_x", "warp_specialized",
                                              "subtile", "raw", "mp", "pad_x", "sum_splits_in_kernel",
                                              "early_base", "wide_swizzle", "plain_planes", "owner_branch",
-                                             "halves", "auto_barriers", "prefetch_slots", "copy_steps"))
+                                             "halves", "auto_barriers", "prefetch_slots", "copy_steps",
+                                             "row_branch"))
 def w12_mosaic_partials(x: jax.Array, w: W12NK, block_k: int | None = None, split: int | None = None,
                         stages: int | None = None,
                         interpret: bool = False, exceptions: str = "auto", diagnostic: str = "",
@@ -1466,7 +1533,7 @@ def w12_mosaic_partials(x: jax.Array, w: W12NK, block_k: int | None = None, spli
                         sum_splits_in_kernel: bool = False, early_base: bool = False,
                         wide_swizzle: bool = False, plain_planes: bool = False,
                         owner_branch: bool = True, halves: bool = False, auto_barriers: bool = True,
-                        prefetch_slots: int = 0, copy_steps: int = 1) -> jax.Array:
+                        prefetch_slots: int = 0, copy_steps: int = 1, row_branch: bool = False) -> jax.Array:
     """x [M, K] bf16 (M <= 64), W12NK [K, N] -> partial products [split, M, N] float32.
 
     block_k: the step `to_nk` packed the planes for (`w.slot_k`) by default; stages: `default_stages`.
@@ -1509,6 +1576,8 @@ def w12_mosaic_partials(x: jax.Array, w: W12NK, block_k: int | None = None, spli
     upper); the twin with `halves` gives the same bits. Planes packed tiled in chunk order with the slot
     table, x folded and padded.
     auto_barriers=False: Pallas inserts no warpgroup barriers (`_kernel_call` says why that is safe here).
+    row_branch (with owner_branch): an exception's owning thread branches on which of its two rows holds it,
+    then on its K half, and compares only those 4 registers (`_ptx_decode`); the same selects, the same bits.
     prefetch_slots: the PTX decode loads each step's count and first entries of the slot table before
     decoding and decides there which threads patch them (`_ptx_decode`); the rest go through the loop.
     copy_steps: the pipeline copies that many consecutive steps at once (planes tiled in chunk order, x
@@ -1548,7 +1617,7 @@ def w12_mosaic_partials(x: jax.Array, w: W12NK, block_k: int | None = None, spli
                        tiled=w.tiled and planes == "packed", early_base=early_base, wide_swizzle=wide_swizzle,
                        plain_planes=plain_planes, owner_branch=owner_branch,
                        xor_chunks=w.xor_chunks and planes == "packed", halves=halves, auto_barriers=auto_barriers,
-                       prefetch_slots=prefetch_slots, copy_steps=copy_steps)
+                       prefetch_slots=prefetch_slots, copy_steps=copy_steps, row_branch=row_branch)
     return out if raw else jnp.swapaxes(out, 1, 2)[:, :m]
 
 

@@ -242,8 +242,9 @@ class _MosaicCases:
 
     def test_owner_branch_either_way_equals_the_twin(self):
         """The PTX patches with and without the owner branch (`owner_branch`: only the threads holding an
-        exception's row compare it) give the twin's bits, with 2% exceptions (many per step) in plain and
-        mma order. GPU only: the interpreter runs no PTX."""
+        exception's row compare it), and with the row branch (`row_branch`: only the registers of its row and
+        K half), give the twin's bits, with 2% exceptions (many per step) in plain and mma order. GPU only:
+        the interpreter runs no PTX."""
         if self.interpret:
             pytest.skip("the owner branch is in the PTX decode: compiled only")
         k, n = 512, 256
@@ -254,8 +255,8 @@ class _MosaicCases:
         for mma in (False, True):
             nk = mk.to_nk(enc, mma=mma)
             assert int(np.asarray(nk.slots)[:, 0].max()) > 1  # steps with several exceptions
-            for owner in (True, False):
-                got = mk.w12_mosaic_partials(x, nk, split=2, decode="ptx", owner_branch=owner)
+            for owner, rows in ((True, False), (False, False), (True, True)):
+                got = mk.w12_mosaic_partials(x, nk, split=2, decode="ptx", owner_branch=owner, row_branch=rows)
                 assert_same_bits(got, twin)
 
     def test_no_exceptions(self):
@@ -509,9 +510,11 @@ class TestMosaicGPU(_MosaicCases):
 
     @pytest.mark.parametrize("knobs", [{}, {"HALVES": True}, {"AUTO_BARRIERS": not mk.AUTO_BARRIERS},
                                        {"PREFETCH_SLOTS": 2 if mk.PREFETCH_SLOTS != 2 else 0},
-                                       {"COPY_STEPS": 2 if mk.COPY_STEPS != 2 else 1}],
+                                       {"COPY_STEPS": 2 if mk.COPY_STEPS != 2 else 1},
+                                       {"ROW_BRANCH": not mk.ROW_BRANCH},
+                                       {"ROW_BRANCH": not mk.ROW_BRANCH, "HALVES": True}],
                              ids=("defaults", "halves", "auto_barriers_switched", "prefetch_slots_switched",
-                                  "copy_steps_switched"))
+                                  "copy_steps_switched", "row_branch_switched", "row_branch_switched_halves"))
     @pytest.mark.parametrize("k,n", [(4096, 1024), (4096, 4096), (12288, 4096)])
     def test_runs_defaults_equal_the_twin_at_qwen3_shapes(self, k, n, knobs, monkeypatch):
         """The runs' options (`w12.linear` on `encode_params(kernel="mosaic")`) against the runs' twin at
@@ -530,13 +533,15 @@ class TestMosaicGPU(_MosaicCases):
             twin = w12.linear(x, w, out_dtype=jnp.float32, dense_kernel=True, implementation="mosaic")
             assert_same_bits(got, twin)
 
+    @pytest.mark.parametrize("row_branch", [False, True])
     @pytest.mark.parametrize("prefetch", [0, 1, 2, 3])
-    def test_prefetched_slots_equal_the_twin(self, prefetch, monkeypatch):
+    def test_prefetched_slots_equal_the_twin(self, prefetch, row_branch, monkeypatch):
         """`PREFETCH_SLOTS` (the first entries of each step loaded and decided before the decode, the rest by
         the loop) at trained-like exception rates, with steps of 0 to 5 planted exceptions (prefetched alone,
         then with the loop), two in one row (the same threads) and one per warp's rows, Inf / NaN / huge /
         subnormal, in both K halves: the runs' options against the runs' twin, bit for bit."""
         monkeypatch.setattr(mk, "PREFETCH_SLOTS", prefetch)
+        monkeypatch.setattr(mk, "ROW_BRANCH", row_branch)  # and with the row branch (`row_branch`)
         k, n = 4096, 256
         w = (0.02 * np.random.default_rng(7).standard_normal((k, n))).astype(jnp.bfloat16)
         special = (np.inf, np.nan, 1e30, -1e-30, -np.inf, 3e-39)
@@ -563,6 +568,9 @@ def test_prefetch_slots_errors():
     for bad, slots in ((-1, True), (mk.SLOT_ALIGN, True), (2, False)):
         with pytest.raises(ValueError, match="prefetch_slots"):
             mk._ptx_decode(None, (mk.BN, 64), slots, prefetch_slots=bad)
+    for slots, owner in ((False, True), (True, False)):  # `row_branch` refines the owner branch's patches
+        with pytest.raises(ValueError, match="row_branch"):
+            mk._ptx_decode(None, (mk.BN, 64), slots, owner_branch=owner, row_branch=True)
 
 
 def test_errors():
@@ -655,6 +663,8 @@ def test_lowers_for_cuda(k, n):
                         (n * (k // 2 // 64), 3 * 64) if tiled else (n, 3 * k // 2), jnp.int8))
                     for opts in (dict(decode="ptx"), dict(diagnostic="copies_only"),
                                  dict(diagnostic="ptx_load_only"), dict(decode="ptx", prefetch_slots=2),
+                                 dict(decode="ptx", row_branch=True),
+                                 dict(decode="ptx", prefetch_slots=2, row_branch=True),
                                  *([dict(decode="ptx", split=4, copy_steps=2)] if xor else [])):
                         fn = jax.jit(functools.partial(mk.w12_mosaic_partials, plain_planes=True, **opts))
                         assert "mosaic_gpu" in fn.trace(s((m, k), jnp.bfloat16), pnk).lower(
