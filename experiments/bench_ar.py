@@ -328,6 +328,8 @@ MOSAIC_SWITCHES = (
      "store tiled steps of 64 in the bank-conflict-free chunk order (loaded by the PTX decode) or as they are"),
     ("--w12-owner-branch", "OWNER_BRANCH",
      "patch exceptions only in the threads that hold their row, or compare them in every thread"),
+    ("--w12-out-rows", "OUT_ROWS",
+     "the products store their sums row by row ([split, M, N]), or column by column ([split, N, M])"),
     ("--w12-row-branch", "ROW_BRANCH",
      "the owning thread compares only the registers of the exception's row and K half, or all of its registers"),
     ("--w12-sum-barrier", "SUM_BARRIER",

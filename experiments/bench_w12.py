@@ -315,7 +315,8 @@ def mosaic_mm(partials_fn, interpret, options=None):
     options = {key: v if isinstance(v, str) else int(v) for key, v in (options or {}).items()}
 
     def mm(x, w):
-        return mk.sum_rows(partials_fn(x, w, interpret=interpret, raw=True, **options), x.shape[0])
+        return mk.sum_rows(partials_fn(x, w, interpret=interpret, raw=True, **options), x.shape[0],
+                           bool(options.get("out_rows")))
     return mm
 
 
@@ -329,7 +330,7 @@ def parse_edits(text: str) -> list:
             key, value = item.split("=")
             if key in ("prefetch", "fold_x", "warp_specialized", "subtile", "mma", "adjacent", "pad_x",
                        "sum_splits_in_kernel", "tiled", "early_base", "wide_swizzle", "plain_planes",
-                       "owner_branch", "xor_chunks", "halves", "auto_barriers", "row_branch"):
+                       "owner_branch", "xor_chunks", "halves", "auto_barriers", "row_branch", "out_rows"):
                 edit[key] = bool(int(value))
             elif key in ("exceptions", "diagnostic", "planes", "a_operand", "twin_a", "decode"):
                 edit[key] = value

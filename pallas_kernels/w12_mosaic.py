@@ -245,10 +245,16 @@ PREFETCH_SLOTS = 0
 # per token (docs/performance.md, fifteenth pass): off.
 COPY_STEPS = 1
 
+# Whether runs' products store their sums row by row (`out_rows`: [split, Mp, N] instead of [split, N, Mp]),
+# both kernels, so that the split sum after the call reads each real row's sums contiguously and nothing is
+# transposed. The same bits: not yet timed on the H200.
+OUT_ROWS = False
+
 
 _KNOBS = ("MP_CHOICES", "LARGE_N", "LARGE_STEP_MAX_ROWS", "MMA_ORDER", "ADJACENT", "PAD_X", "SUM_SPLITS_IN_KERNEL",
           "TILED", "EARLY_BASE", "WIDE_SWIZZLE", "OWNER_BRANCH", "ROW_BRANCH", "PLAIN_PLANES", "XOR_CHUNKS",
-          "WAVE_PROGRAMS_PER_SM", "SMALL_M_STAGES", "HALVES", "AUTO_BARRIERS", "PREFETCH_SLOTS", "COPY_STEPS")
+          "WAVE_PROGRAMS_PER_SM", "SMALL_M_STAGES", "HALVES", "AUTO_BARRIERS", "PREFETCH_SLOTS", "COPY_STEPS",
+          "OUT_ROWS")
 
 
 def knobs() -> tuple:
@@ -305,9 +311,10 @@ def run_twin_steps(k: int, n: int, rows: int = 1) -> dict:
 
 
 def run_options(adjacent: bool) -> dict:
-    """The options runs pass to either kernel (`PAD_X`, `SUM_SPLITS_IN_KERNEL`, `HALVES`, `AUTO_BARRIERS`)."""
+    """The options runs pass to either kernel (`PAD_X`, `SUM_SPLITS_IN_KERNEL`, `HALVES`, `AUTO_BARRIERS`,
+    `OUT_ROWS`)."""
     return dict(pad_x=PAD_X, fold_x=PAD_X or adjacent, sum_splits_in_kernel=SUM_SPLITS_IN_KERNEL, halves=HALVES,
-                auto_barriers=AUTO_BARRIERS)
+                auto_barriers=AUTO_BARRIERS, out_rows=OUT_ROWS)
 
 
 MAX_SLOTS = 256  # a step's slot row is one TMA box (<= 256 elements): 1 count + up to 255 exceptions
@@ -943,8 +950,12 @@ def _kernel_call(x, operands, *, k: int, n: int, mp: int, block_k: int, split: i
                  early_base: bool = False, wide_swizzle: bool = False, plain_planes: bool = False,
                  owner_branch: bool = True, xor_chunks: bool = False, halves: bool = False,
                  auto_barriers: bool = True, prefetch_slots: int = 0, copy_steps: int = 1,
-                 row_branch: bool = False):
+                 row_branch: bool = False, out_rows: bool = False):
     ws = warp_specialized
+    # out_rows: the output is [S, Mp, N] (x's rows, each a contiguous row of N sums) instead of [S, N, Mp]:
+    # each program stores its [64, Mp] sums transposed (the WGMMA_TRANSPOSED layout, whose register vectors
+    # run along the 64 rows, into a transposed view of its [Mp, 64] block). The same sums, so the same bits;
+    # the glue after the call then reads the real rows' contiguous sums instead of one float in every Mp.
     # sum_splits_in_kernel: programs of splits 0 .. S-2 store their partials to a workspace and signal their
     # column block's semaphore; the split S-1 program waits for them, adds the partials in index order with
     # its own last (`w12_matmul.sum_splits`'s order) and stores the sum: the output is [1, N, Mp].
@@ -1315,10 +1326,19 @@ def _kernel_call(x, operands, *, k: int, n: int, mp: int, block_k: int, split: i
                 plgpu.wgmma(acc, a_hi, b_hi)
                 plgpu.wgmma_wait(0)  # before the pipeline refills these buffers (or the next sub-step)
 
+        def put(idx, rows, value):  # sums [64, Mp] of W^T rows `rows` into o_gmem[idx] (`out_rows`: transposed)
+            if not out_rows:
+                o_gmem[idx, rows, :] = value
+            elif interpret:
+                o_gmem[idx, :, rows] = value.T
+            else:
+                plgpu.transpose_ref(o_gmem.at[idx, :, rows], (1, 0))[...] = plgpu.layout_cast(
+                    value, plgpu.Layout.WGMMA_TRANSPOSED)
+
         def store(acc):  # the program's partial, or (sum_splits_in_kernel) the column block's sum
             rows = pl.ds(state["row0"], BN)
             if not fixup:  # (one split: si = 0, the sum's own index)
-                o_gmem[si, rows, :] = acc[...]
+                put(si, rows, acc[...])
                 return
 
             @pl.when(si < split - 1)
@@ -1339,7 +1359,7 @@ def _kernel_call(x, operands, *, k: int, n: int, mp: int, block_k: int, split: i
                 total = part(0)
                 for q in range(1, split - 1):
                     total = total + part(q)
-                o_gmem[0, rows, :] = total + acc[...]
+                put(0, rows, total + acc[...])
 
         def halves_body():
             xb, wb, sb, full, cons, acc_s, done = hrefs
@@ -1406,7 +1426,7 @@ def _kernel_call(x, operands, *, k: int, n: int, mp: int, block_k: int, split: i
                         return
                     plgpu.barrier_wait(done.at[0])
                     upper = acc_s[...] if interpret else plgpu.load(acc_s, (), layout=wgmma_layout, optimized=False)
-                    o_gmem[si, pl.ds(state["row0"], BN), :] = acc[...] + upper
+                    put(si, pl.ds(state["row0"], BN), acc[...] + upper)
 
                 pl.run_scoped(scope, plgpu.ACC((BN, mp), jnp.float32))
 
@@ -1472,7 +1492,7 @@ def _kernel_call(x, operands, *, k: int, n: int, mp: int, block_k: int, split: i
     scratch += halves_scratch
     threads = (dict(num_threads=nwg + 1, thread_name="wg") if ws
                else dict(num_threads=2, thread_name="wg") if halves else {})
-    out_type = jax.ShapeDtypeStruct((1 if fixup else split, n, mp), jnp.float32)
+    out_type = jax.ShapeDtypeStruct((1 if fixup else split,) + ((mp, n) if out_rows else (n, mp)), jnp.float32)
     if fixup:  # the workspace of splits 0 .. S-2 (an output XLA allocates; discarded)
         out_type = (out_type, jax.ShapeDtypeStruct((split - 1, n, mp), jnp.float32))
     call = plgpu.kernel(kernel, out_type=out_type,
@@ -1523,7 +1543,7 @@ def _prepare_x(x: jax.Array, k: int, n: int, block_k: int, mp: int | None = None
                                              "subtile", "raw", "mp", "pad_x", "sum_splits_in_kernel",
                                              "early_base", "wide_swizzle", "plain_planes", "owner_branch",
                                              "halves", "auto_barriers", "prefetch_slots", "copy_steps",
-                                             "row_branch"))
+                                             "row_branch", "out_rows"))
 def w12_mosaic_partials(x: jax.Array, w: W12NK, block_k: int | None = None, split: int | None = None,
                         stages: int | None = None,
                         interpret: bool = False, exceptions: str = "auto", diagnostic: str = "",
@@ -1533,7 +1553,8 @@ def w12_mosaic_partials(x: jax.Array, w: W12NK, block_k: int | None = None, spli
                         sum_splits_in_kernel: bool = False, early_base: bool = False,
                         wide_swizzle: bool = False, plain_planes: bool = False,
                         owner_branch: bool = True, halves: bool = False, auto_barriers: bool = True,
-                        prefetch_slots: int = 0, copy_steps: int = 1, row_branch: bool = False) -> jax.Array:
+                        prefetch_slots: int = 0, copy_steps: int = 1, row_branch: bool = False,
+                        out_rows: bool = False) -> jax.Array:
     """x [M, K] bf16 (M <= 64), W12NK [K, N] -> partial products [split, M, N] float32.
 
     block_k: the step `to_nk` packed the planes for (`w.slot_k`) by default; stages: `default_stages`.
@@ -1566,6 +1587,8 @@ def w12_mosaic_partials(x: jax.Array, w: W12NK, block_k: int | None = None, spli
     (the runs' choice, `PLAIN_PLANES`). Steps of 64 only (a TMA box row holds <= 256 bytes).
     raw: the kernel's own output, [split, N, Mp] (rows padded to Mp), untransposed: `sum_rows` adds the
     splits there and transposes only the sum (one small fusion instead of a transpose of every split).
+    out_rows: the kernel stores its sums row by row, [split, Mp, N] raw (`_kernel_call`): the same bits, and
+    no transpose after the call.
     mp, pad_x: how x's rows are padded (`_prepare_x`).
     sum_splits_in_kernel: the kernel adds the splits itself (the last split's program waits on a semaphore
     for the others' partials, then adds them in index order, its own last: `sum_splits`'s order and bits)
@@ -1617,18 +1640,19 @@ def w12_mosaic_partials(x: jax.Array, w: W12NK, block_k: int | None = None, spli
                        tiled=w.tiled and planes == "packed", early_base=early_base, wide_swizzle=wide_swizzle,
                        plain_planes=plain_planes, owner_branch=owner_branch,
                        xor_chunks=w.xor_chunks and planes == "packed", halves=halves, auto_barriers=auto_barriers,
-                       prefetch_slots=prefetch_slots, copy_steps=copy_steps, row_branch=row_branch)
-    return out if raw else jnp.swapaxes(out, 1, 2)[:, :m]
+                       prefetch_slots=prefetch_slots, copy_steps=copy_steps, row_branch=row_branch,
+                       out_rows=out_rows)
+    return out if raw else _rows_of(out, m, out_rows)
 
 
 @functools.partial(jax.jit, static_argnames=("block_k", "split", "stages", "interpret", "a_operand", "fold_x",
                                              "raw", "adjacent", "mp", "pad_x", "sum_splits_in_kernel",
-                                             "tiled", "halves", "auto_barriers"))
+                                             "tiled", "halves", "auto_barriers", "out_rows"))
 def bf16_mosaic_partials(x: jax.Array, w_t: jax.Array, block_k: int | None = None, split: int | None = None,
                          stages: int | None = None, interpret: bool = False, a_operand: str = "smem",
                          fold_x: bool = True, raw: bool = False, adjacent: bool = False, mp: int | None = None,
                          pad_x: bool = True, sum_splits_in_kernel: bool = False, tiled: bool = False,
-                         halves: bool = False, auto_barriers: bool = True) -> jax.Array:
+                         halves: bool = False, auto_barriers: bool = True, out_rows: bool = False) -> jax.Array:
     """The twin: the same kernel over the original bf16 weight, given transposed (w_t [N, K] = W^T, stored
     once like `to_nk`'s planes), its tiles streamed by the same pipeline straight to the same wgmma calls.
     block_k and stages default as W12's do for the same shape, so the defaults of the two pair up.
@@ -1636,7 +1660,8 @@ def bf16_mosaic_partials(x: jax.Array, w_t: jax.Array, block_k: int | None = Non
     (the twin of such a matrix); x is then read as it is. mp, pad_x, sum_splits_in_kernel: as W12's.
     tiled: w_t is `tile_twin(W^T, block_k, adjacent)`, [N / 64 * steps * 64, 2 block_k]: one contiguous
     copy per step (the twin of W12 planes packed `tiled`; the same products, bit for bit).
-    halves: one warpgroup per K half, as W12's `halves` (tiled weights only). auto_barriers: as W12's."""
+    halves: one warpgroup per K half, as W12's `halves` (tiled weights only). auto_barriers, out_rows: as
+    W12's."""
     if tiled:  # the step is the tiles' width; N follows from x's K
         k = x.shape[-1]
         if block_k and w_t.shape[1] != 2 * block_k:
@@ -1657,11 +1682,19 @@ def bf16_mosaic_partials(x: jax.Array, w_t: jax.Array, block_k: int | None = Non
     out = _kernel_call(x_p, (w_t,), k=k, n=n, mp=mp, block_k=block_k, split=split, stages=stages, w12=False,
                        fmt={}, interpret=interpret, a_operand=a_operand, fold_x=fold_x, adjacent=adjacent,
                        sum_splits_in_kernel=sum_splits_in_kernel, tiled=tiled, halves=halves,
-                       auto_barriers=auto_barriers)
-    return out if raw else jnp.swapaxes(out, 1, 2)[:, :m]
+                       auto_barriers=auto_barriers, out_rows=out_rows)
+    return out if raw else _rows_of(out, m, out_rows)
 
 
-def sum_rows(raw: jax.Array, m: int) -> jax.Array:
+def _rows_of(raw: jax.Array, m: int, out_rows: bool) -> jax.Array:
+    """The kernel's raw output -> partials [split, m, N]."""
+    return raw[:, :m] if out_rows else jnp.swapaxes(raw, 1, 2)[:, :m]
+
+
+def sum_rows(raw: jax.Array, m: int, out_rows: bool = False) -> jax.Array:
     """[split, N, Mp] (`raw=True`) -> y [m, N] float32: the splits added in index order (as
-    `w12_matmul.sum_splits`, so the same bits as summing the transposed partials), then transposed."""
+    `w12_matmul.sum_splits`, so the same bits as summing the transposed partials), then transposed.
+    `out_rows` (raw [split, Mp, N]): the real rows' splits added, nothing transposed."""
+    if out_rows:
+        return sum_splits(raw[:, :m])
     return sum_splits(raw)[:, :m].T

@@ -125,6 +125,30 @@ class _MosaicCases:
         with pytest.raises(NotImplementedError, match="takes fold_x=False or adjacent"):
             mk.bf16_mosaic_partials(x, w_t, pad_x=False, fold_x=True, interpret=self.interpret)
 
+    def test_sums_stored_row_by_row_keep_the_bits(self):
+        """`out_rows`: each program stores its sums transposed, [S, Mp, N] raw: the default raw output
+        transposed, bit for bit, for W12 (the runs' planes; Inf / NaN exceptions) and the twin, with splits,
+        with the splits summed in the kernel and, compiled, at the runs' defaults; `sum_rows` then gives
+        the same product."""
+        k, n = 512, 128
+        w = adversarial_weights(k, n, seed=41, finite=False)
+        nk = mk.to_nk(jax.device_put(w12.encode(w)), block_k=64, mma=True, tiled=True, xor_chunks=True)
+        twin_w = mk.tile_twin(jnp.asarray(w).T, 64)
+        cases = ((1, 1, False), (5, 2, False), (1, 2, True)) + (() if self.interpret else ((16, 4, False),
+                                                                                           (64, 2, True)))
+        for m, split, in_kernel in cases:
+            x = jnp.asarray(np.random.default_rng(m).standard_normal((m, k)), jnp.bfloat16)
+            opts = {} if self.interpret else mk.run_options(False)  # compiled: the runs' other options
+            opts = {**opts, **dict(interpret=self.interpret, raw=True, split=split, sum_splits_in_kernel=in_kernel,
+                                   out_rows=False)}
+            for fn, weight, extra in ((mk.w12_mosaic_partials, nk, dict(plain_planes=True, early_base=True)),
+                                      (mk.bf16_mosaic_partials, twin_w, dict(tiled=True))):
+                cols = fn(x, weight, **opts, **extra)
+                rows = fn(x, weight, **{**opts, "out_rows": True}, **extra)
+                assert rows.shape == (cols.shape[0], cols.shape[2], n)
+                assert_same_bits(rows, jnp.swapaxes(cols, 1, 2))
+                assert_same_bits(mk.sum_rows(rows, m, out_rows=True), mk.sum_rows(cols, m))
+
     @pytest.mark.slow  # an option the runs leave off: see test_unpadded_x_and_8_row_tiles_...
     def test_splits_summed_in_the_kernel_equal_the_summed_partials(self):
         """sum_splits_in_kernel: the last split's program adds the others' partials (semaphores when
@@ -512,9 +536,11 @@ class TestMosaicGPU(_MosaicCases):
                                        {"PREFETCH_SLOTS": 2 if mk.PREFETCH_SLOTS != 2 else 0},
                                        {"COPY_STEPS": 2 if mk.COPY_STEPS != 2 else 1},
                                        {"ROW_BRANCH": not mk.ROW_BRANCH},
-                                       {"ROW_BRANCH": not mk.ROW_BRANCH, "HALVES": True}],
+                                       {"ROW_BRANCH": not mk.ROW_BRANCH, "HALVES": True},
+                                       {"OUT_ROWS": not mk.OUT_ROWS}],
                              ids=("defaults", "halves", "auto_barriers_switched", "prefetch_slots_switched",
-                                  "copy_steps_switched", "row_branch_switched", "row_branch_switched_halves"))
+                                  "copy_steps_switched", "row_branch_switched", "row_branch_switched_halves",
+                                  "out_rows_switched"))
     @pytest.mark.parametrize("k,n", [(4096, 1024), (4096, 4096), (12288, 4096)])
     def test_runs_defaults_equal_the_twin_at_qwen3_shapes(self, k, n, knobs, monkeypatch):
         """The runs' options (`w12.linear` on `encode_params(kernel="mosaic")`) against the runs' twin at
@@ -663,7 +689,8 @@ def test_lowers_for_cuda(k, n):
                         (n * (k // 2 // 64), 3 * 64) if tiled else (n, 3 * k // 2), jnp.int8))
                     for opts in (dict(decode="ptx"), dict(diagnostic="copies_only"),
                                  dict(diagnostic="ptx_load_only"), dict(decode="ptx", prefetch_slots=2),
-                                 dict(decode="ptx", row_branch=True),
+                                 dict(decode="ptx", row_branch=True), dict(decode="ptx", out_rows=True),
+                                 dict(decode="ptx", split=4, sum_splits_in_kernel=True, out_rows=True),
                                  dict(decode="ptx", prefetch_slots=2, row_branch=True),
                                  *([dict(decode="ptx", split=4, copy_steps=2)] if xor else [])):
                         fn = jax.jit(functools.partial(mk.w12_mosaic_partials, plain_planes=True, **opts))

@@ -515,7 +515,7 @@ def _mosaic_rows_2d(rows: jax.Array, w, *, interpret: bool, knobs: tuple) -> jax
         def call(r):  # the splits are added before the transpose (`w12_mosaic.sum_rows`)
             return w12_mosaic.sum_rows(w12_mosaic.w12_mosaic_partials(
                 r, w, interpret=interpret, raw=True, **w12_mosaic.run_w12_options(w),
-                **w12_mosaic.run_options(w.adjacent)), len(r))
+                **w12_mosaic.run_options(w.adjacent)), len(r), w12_mosaic.OUT_ROWS)
     else:
         w_t = jnp.asarray(w).T
         adjacent, tiled = w12_mosaic.ADJACENT, w12_mosaic.TILED
@@ -526,7 +526,7 @@ def _mosaic_rows_2d(rows: jax.Array, w, *, interpret: bool, knobs: tuple) -> jax
         def call(r):
             return w12_mosaic.sum_rows(w12_mosaic.bf16_mosaic_partials(
                 r, w_t, interpret=interpret, raw=True, adjacent=adjacent, tiled=tiled, **steps,
-                **w12_mosaic.run_options(adjacent)), len(r))
+                **w12_mosaic.run_options(adjacent)), len(r), w12_mosaic.OUT_ROWS)
     m = rows.shape[0]
     if m <= step:
         return call(rows)
