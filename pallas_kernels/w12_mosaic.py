@@ -141,7 +141,10 @@ ADJACENT = False
 
 # Whether runs (`w12._mosaic_rows`) pass x to the kernel as it is (`pad_x=False`: unpadded, and unfolded
 # unless adjacent row blocks), so that no fusion per call makes a padded copy of x: the copies of the x tiles
-# overhang x's rows and TMA fills the rest with zeros. The interpreter always pads.
+# overhang x's rows and TMA fills the rest with zeros. The interpreter always pads. At the sixteenth pass's
+# defaults it removes the o projection's own x fusion (1.2 us per layer in the AR profile); AR decode 4.190
+# against 4.238 ms per token in one call, 4.201 / 4.251 with `ADJACENT` too (docs/performance.md, sixteenth
+# pass): within the runs' spread, so x is still padded.
 PAD_X = True
 
 # Whether runs have the kernel add its K splits itself (`sum_splits_in_kernel`): no XLA sum of the partials
@@ -178,8 +181,11 @@ OWNER_BRANCH = True
 
 # Whether runs' owning threads (`OWNER_BRANCH`) branch on which of their two rows, then which K half, holds an
 # exception and compare only those 4 registers (`row_branch`, `_ptx_decode`) instead of all 8 in both halves.
-# Exact by construction (the registers skipped cannot match the entry): not yet timed on the H200.
-ROW_BRANCH = False
+# Exact by construction (the registers skipped cannot match the entry) and on the H200 (GPU tests at the
+# Qwen3 shapes). 0.0-0.4 us less at every layer shape at M = 1 and 16, never more (mg65: gate/up 38.5 against
+# 38.6 and 39.2 against 39.6 us); AR decode level (4.203 against 4.217 ms per token; docs/performance.md,
+# sixteenth pass): on. The patches still cost 0.4-0.8 us over no patches at all.
+ROW_BRANCH = True
 
 # Whether runs copy the packed plane tiles plain (`plain_planes`: one box as stored, neither tiled nor
 # swizzled; steps of 64 only, a box row holds <= 256 bytes); with `TILED`, each step's tile is then one
@@ -247,7 +253,9 @@ COPY_STEPS = 1
 
 # Whether runs' products store their sums row by row (`out_rows`: [split, Mp, N] instead of [split, N, Mp]),
 # both kernels, so that the split sum after the call reads each real row's sums contiguously and nothing is
-# transposed. The same bits: not yet timed on the H200.
+# transposed. The same bits (GPU tests). AR decode 4.271 ms per token with it against 4.20-4.24 without, 4.196
+# with `PAD_X` off too and qkv's barrier dropped (docs/performance.md, sixteenth pass): within the runs' spread,
+# off.
 OUT_ROWS = False
 
 
