@@ -848,12 +848,28 @@ def test_runs_with_unpadded_x_pair_as_their_twin(monkeypatch):
     padded = w12.linear(x, wq, out_dtype=jnp.float32, interpret=True)
     monkeypatch.setattr(mk, "PAD_X", False)
     assert mk.run_options(False) == dict(pad_x=False, fold_x=False, sum_splits_in_kernel=False, halves=mk.HALVES,
-                                         auto_barriers=mk.AUTO_BARRIERS)
+                                         auto_barriers=mk.AUTO_BARRIERS, out_rows=mk.OUT_ROWS)
     assert mk.run_options(True)["fold_x"]
     got = w12.linear(x, wq, out_dtype=jnp.float32, interpret=True)
     twin = w12.linear(x, w, out_dtype=jnp.float32, interpret=True, dense_kernel=True, implementation="mosaic")
     assert_same_bits(got, twin)
     assert_same_bits(got, padded)
+
+
+def test_runs_with_sums_row_by_row_pair_as_their_twin(monkeypatch):
+    """With `w12_mosaic.OUT_ROWS` switched, runs store the sums row by row (or column by column) in the kernel
+    and its twin alike (`run_options`): the same bits as each other and as the other layout."""
+    k, n = 256, 128
+    w = jnp.asarray(adversarial_weights(k, n, seed=9, finite=False))
+    wq = w12.encode_params({"layers": ({"q": w},)}, kernel="mosaic", max_exception_rate=1.0)["layers"][0]["q"]
+    x = jnp.asarray(np.random.default_rng(3).standard_normal((3, k)), jnp.bfloat16)
+    before = w12.linear(x, wq, out_dtype=jnp.float32, interpret=True)
+    monkeypatch.setattr(mk, "OUT_ROWS", not mk.OUT_ROWS)
+    assert mk.run_options(False)["out_rows"] == mk.OUT_ROWS
+    got = w12.linear(x, wq, out_dtype=jnp.float32, interpret=True)
+    twin = w12.linear(x, w, out_dtype=jnp.float32, interpret=True, dense_kernel=True, implementation="mosaic")
+    assert_same_bits(got, twin)
+    assert_same_bits(got, before)
 
 
 def test_runs_with_splits_summed_in_the_kernel_pair_as_their_twin(monkeypatch):
