@@ -711,9 +711,9 @@ def _ptx_decode(dec_layout, shape, use_slots: bool, col_offset: int = 0, mma: bo
 
     `row_branch` (with `owner_branch`): the thread's registers hold two rows of the tile (8 apart; their
     offsets are static in the layout), and an entry branches on which of the two is its row, then on its K
-    half, so the owning thread compares only the 4 registers of that row and half instead of all 16 words'
-    8 registers in both halves. The registers it skips are those whose keys cannot match the entry (another
-    row or half), so the selects made are the same: the same bits.
+    half, so the owning thread compares only that row's 4 registers in that half instead of all 8 registers in
+    both halves. The registers it skips are those whose keys cannot match the entry (another row or half), so
+    the selects made are the same: the same bits.
 
     `prefetch_slots` (P > 0, with the slot table): the step's count and its first P entries are loaded before
     the decode, and whether this thread holds each entry's row is worked out from them there, off the
@@ -803,7 +803,7 @@ def _ptx_decode(dec_layout, shape, use_slots: bool, col_offset: int = 0, mma: bo
                 held = arith.andi(arith.shrui(rows, arith.extui(i64, n_local_of(entry))), mgpu_utils.c(1, i64))
                 return arith.cmpi(arith.CmpIPredicate.ne, held, mgpu_utils.c(0, i64))
 
-            # row_branch: the thread's first row (register 0's offset is 0 in every group listing)
+            # row_branch: the thread's first row (register 0's row less its static offset)
             row_first = arith.subi(positions[0][0], mgpu_utils.c(row_offs[0], i32))
 
             def group_conds(entry):  # per row group: whether the entry's row is that group's row here

@@ -128,19 +128,20 @@ class _MosaicCases:
     def test_sums_stored_row_by_row_keep_the_bits(self):
         """`out_rows`: each program stores its sums transposed, [S, Mp, N] raw: the default raw output
         transposed, bit for bit, for W12 (the runs' planes; Inf / NaN exceptions) and the twin, with splits,
-        with the splits summed in the kernel and, compiled, at the runs' defaults; `sum_rows` then gives
-        the same product."""
+        with the splits summed in the kernel and, compiled, at the runs' defaults and with `halves`;
+        `sum_rows` then gives the same product."""
         k, n = 512, 128
         w = adversarial_weights(k, n, seed=41, finite=False)
         nk = mk.to_nk(jax.device_put(w12.encode(w)), block_k=64, mma=True, tiled=True, xor_chunks=True)
         twin_w = mk.tile_twin(jnp.asarray(w).T, 64)
-        cases = ((1, 1, False), (5, 2, False), (1, 2, True)) + (() if self.interpret else ((16, 4, False),
-                                                                                           (64, 2, True)))
-        for m, split, in_kernel in cases:
+        cases = ((1, 1, False, False), (5, 2, False, False), (1, 2, True, False))
+        if not self.interpret:  # and with `halves` (its own store path; slow in the interpreter)
+            cases += ((16, 4, False, False), (64, 2, True, False), (16, 1, False, True))
+        for m, split, in_kernel, halves in cases:
             x = jnp.asarray(np.random.default_rng(m).standard_normal((m, k)), jnp.bfloat16)
             opts = {} if self.interpret else mk.run_options(False)  # compiled: the runs' other options
             opts = {**opts, **dict(interpret=self.interpret, raw=True, split=split, sum_splits_in_kernel=in_kernel,
-                                   out_rows=False)}
+                                   out_rows=False, halves=halves)}
             for fn, weight, extra in ((mk.w12_mosaic_partials, nk, dict(plain_planes=True, early_base=True)),
                                       (mk.bf16_mosaic_partials, twin_w, dict(tiled=True))):
                 cols = fn(x, weight, **opts, **extra)
