@@ -296,6 +296,10 @@ def params_for(params: dict, cfg, name: str, fmt: str) -> dict:
     v = ar_variants.VARIANTS[name]
     if fmt == "bf16":
         return ar_variants.prepare_params(params, cfg, v)
+    if fmt == "twin":  # bf16, tiled once for the Mosaic kernel's twin (`w12.TwinNK`)
+        if v.layout != "kn":
+            raise ValueError(f"variant {name}: the twin's tiles need the [in, out] layout")
+        return w12.twin_params(params if v.stock else ar_variants.prepare_params(params, cfg, v))
     if v.stock:
         return w12.encode_params(params, kernel=W12_KERNEL, rows=W12_ROWS)
     if v.layout != "kn":
@@ -365,8 +369,10 @@ def parse_args(argv=None):
     p.add_argument("--init", choices=("wide_margin", "normal"), default="wide_margin",
                    help="random weights: wide greedy margins (tokens comparable across variants) or N(0, 0.02)")
     p.add_argument("--weights", default="bf16",
-                   help="comma list of weight formats: bf16, w12 (each variant runs on each; w12 adds "
-                        "each variant's bf16 twin for the exact comparison)")
+                   help="comma list of weight formats: bf16, w12, twin (each variant runs on each; w12 adds "
+                        "each variant's bf16 twin for the exact comparison; twin: the bf16 weights tiled once "
+                        "for the Mosaic kernel's twin, with --w12-kernel mosaic: a bf16 row with W12's kernel "
+                        "structure, compared with the @w12 row bit for bit)")
     p.add_argument("--w12-kernel", choices=("pallas", "mosaic"), default="pallas",
                    help="with --weights ...,w12: the W12 kernel (and its twin for the twin variants)")
     for flag, attr, what in MOSAIC_SWITCHES:
@@ -435,8 +441,10 @@ def parse_args(argv=None):
         p.error(f"--barrier-after takes o and down, got {args.barrier_after}")
     ar_variants.BARRIER_AFTER = args.barrier_after
     args.weights = [s for s in args.weights.split(",") if s]
-    if not args.weights or set(args.weights) - {"bf16", "w12"}:
-        p.error(f"--weights takes bf16 and/or w12, got {args.weights}")
+    if not args.weights or set(args.weights) - {"bf16", "w12", "twin"}:
+        p.error(f"--weights takes bf16, w12 and/or twin, got {args.weights}")
+    if "twin" in args.weights and args.w12_kernel != "mosaic":
+        p.error("--weights ...,twin tiles the weights for the Mosaic kernel's twin: it takes --w12-kernel mosaic")
     # the W12 rows' exact reference: each variant's twin, on bf16 params (added if not asked for)
     args.twins = []
     if "w12" in args.weights:
@@ -507,6 +515,7 @@ def main(argv=None) -> dict:
 
     bf16_names = args.variants + args.twins if "bf16" in args.weights else args.twins
     runs = [(n, "bf16") for n in sorted(bf16_names, key=rank)]
+    runs += [(n, "twin") for n in sorted(args.variants, key=rank) if "twin" in args.weights]
     runs += [(n, "w12") for n in sorted(args.variants, key=rank) if "w12" in args.weights]
 
     def param_key(n, fmt):
@@ -529,9 +538,13 @@ def main(argv=None) -> dict:
                                                  copy_bw, ref)
             if fmt == "bf16" and v.twin:
                 twins[v] = {"name": key, "tokens": generated, "logits": logits}
+            if fmt == "twin":  # the same kernel on tiles made once: W12's twin too
+                twins[("tiled", v)] = {"name": key, "tokens": generated, "logits": logits}
             twin = twins.get(dataclasses.replace(v, twin=True))
             if fmt == "w12" and twin is not None:
                 rec["vs_twin"] = compare_to_twin(generated, logits, twin)
+            if fmt == "w12" and ("tiled", v) in twins:
+                rec["vs_tiled_twin"] = compare_to_twin(generated, logits, twins[("tiled", v)])
         except Exception as e:  # noqa: BLE001 - one failing variant must not lose the others' numbers
             rec = {"error": repr(e)[:2000]}
         record["variants"][key] = {"variant": dataclasses.asdict(v), "weights": fmt, **rec}
@@ -553,8 +566,8 @@ def format_row(name: str, rec: dict) -> str:
     return (f"{name:20s} {step}gen {rec['gen_ms_per_token']:7.3f} ms/tok {rec['gen_pct_copy_bw']:5.1f}% "
             f"{rec['tokens_per_s']:7.1f} tok/s  match {rec['token_match_frac']:.2f}"
             + (f" relerr {rec['first_logits_rel_err_vs_ref']:.1e}" if "first_logits_rel_err_vs_ref" in rec else "")
-            + (f"  vs {twin['twin']}: {'EXACT' if twin['exact'] else 'DIFFERS'} "
-               f"(match {twin['token_match_frac']:.2f})" if twin else ""))
+            + "".join(f"  vs {t['twin']}: {'EXACT' if t['exact'] else 'DIFFERS'} (match {t['token_match_frac']:.2f})"
+                      for t in (twin, rec.get("vs_tiled_twin")) if t))
 
 
 def print_table(record: dict) -> None:

@@ -153,6 +153,25 @@ def test_kernel_summary_times_each_call_of_a_step(tmp_path, bench_ar):
         "b": {"calls": 1, "us_median": 2.0, "us_per_step": 2.0}}
 
 
+def test_bench_ar_tiled_twin_rows(bench_ar, tmp_path):
+    """--weights ...,twin: the bf16 weights tiled once for the Mosaic kernel's twin (`w12.TwinNK`) give a bf16
+    row with W12's kernel structure; the @w12 row equals it bit for bit, as it equals the per-call twin
+    (interpret mode on the CPU). The format needs --w12-kernel mosaic."""
+    rec = bench_ar.main(["--shape", "tiny-mosaic", "--w12-kernel", "mosaic", "--weights", "bf16,w12,twin",
+                         "--variants", "fused", "--context", "8", "--new-tokens", "3", "--warmup", "1",
+                         "--copy-gib", "0.01", "--out", str(tmp_path / "r.json")])
+    assert list(rec["variants"]) == ["fused", "fused_twin", "fused@twin", "fused@w12"]
+    for name, v in rec["variants"].items():
+        assert "error" not in v, (name, v.get("error"))
+    assert rec["variants"]["fused@twin"]["weights"] == "twin"
+    assert rec["variants"]["fused@twin"]["step_bytes_total"] == rec["step_bytes"]["total"]  # bf16 bytes
+    w12_row = rec["variants"]["fused@w12"]
+    for key, twin in (("vs_twin", "fused_twin"), ("vs_tiled_twin", "fused@twin")):
+        assert w12_row[key]["twin"] == twin and w12_row[key]["exact"] and w12_row[key]["first_logits_bit_equal"]
+    with pytest.raises(SystemExit):
+        bench_ar.parse_args(["--weights", "bf16,twin"])  # the twin's tiles are the Mosaic kernel's
+
+
 def test_bench_ar_qkv_barrier_keeps_the_tokens(bench_ar):
     """--qkv-barrier materializes the fused qkv product (a scheduling change only): same greedy tokens."""
     rec = bench_ar.main(["--shape", "tiny", "--context", "8", "--new-tokens", "4", "--warmup", "1",

@@ -873,6 +873,31 @@ def test_runs_with_sums_row_by_row_pair_as_their_twin(monkeypatch):
     assert_same_bits(got, before)
 
 
+def test_twin_tiled_once_pairs_as_the_twin(monkeypatch):
+    """`w12.twin_params` tiles the runs' matrices once for the twin (`TwinNK`): `linear` by them gives the bits of
+    the twin that tiles per call, and of the runs' W12 of the same weights; a TwinNK tiled for other knobs is
+    refused, as is the prefill by decode, which takes W12 or bf16 weights."""
+    k, n = 256, 128
+    w = jnp.asarray(adversarial_weights(k, n, seed=10, finite=False))
+    params = {"layers": ({"q": w, "attn_norm": jnp.ones((k,), jnp.bfloat16)},), "lm_head": w}
+    tw = w12.twin_params(params)
+    assert isinstance(tw["layers"][0]["q"], w12.TwinNK) and isinstance(tw["lm_head"], w12.TwinNK)
+    assert tw["layers"][0]["attn_norm"] is params["layers"][0]["attn_norm"]  # not a linear weight
+    wq = w12.encode_params(params, kernel="mosaic", max_exception_rate=1.0)["layers"][0]["q"]
+    x = jnp.asarray(np.random.default_rng(4).standard_normal((3, k)), jnp.bfloat16)
+    got = w12.linear(x, tw["layers"][0]["q"], out_dtype=jnp.float32, interpret=True)
+    per_call = w12.linear(x, w, out_dtype=jnp.float32, interpret=True, dense_kernel=True, implementation="mosaic")
+    assert_same_bits(got, per_call)
+    assert_same_bits(got, w12.linear(x, wq, out_dtype=jnp.float32, interpret=True))
+    monkeypatch.setattr(mk, "ADJACENT", not mk.ADJACENT)
+    with pytest.raises(ValueError, match="tile it again with twin_params"):
+        w12.linear(x, tw["layers"][0]["q"], interpret=True)
+    monkeypatch.setattr(mk, "ADJACENT", not mk.ADJACENT)
+    monkeypatch.setattr(mk, "PREFILL_DECODE", True)
+    with pytest.raises(NotImplementedError, match="not a TwinNK"):
+        w12.linear(jnp.zeros((65, k), jnp.bfloat16), tw["layers"][0]["q"], interpret=True)
+
+
 def test_runs_with_splits_summed_in_the_kernel_pair_as_their_twin(monkeypatch):
     """With `w12_mosaic.SUM_SPLITS_IN_KERNEL` on, runs multiply through the in-kernel split sum, the twin
     alike: the same bits as each other and as the XLA-summed default."""

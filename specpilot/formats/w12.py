@@ -142,7 +142,22 @@ jax.tree_util.register_dataclass(W12NK, data_fields=["sm_t", "nib_t", "base7", "
                                                      "exc_val", "slots", "packed"],
                                  meta_fields=["shape", "group_n", "group_k", "n_groups_k", "slot_k", "mma_order",
                                               "adjacent", "tiled", "xor_chunks"])
-ENCODED = (W12, W12NK)  # the weight types `linear` multiplies
+@dataclasses.dataclass(frozen=True)
+class TwinNK:
+    """A bf16 matrix tiled once for the Mosaic kernel's bf16 twin (`w12_mosaic.tile_twin` of W^T at the
+    runs' twin step), so that the twin reads its tiles as W12NK's planes are read, without tiling them at
+    every call. Not a compressed format: 16 bits per weight, the same products as the twin of the bf16
+    matrix (`linear(..., dense_kernel=True, implementation="mosaic")`), bit for bit. Made by
+    `twin_params`; a bf16 baseline with the W12 kernel's structure."""
+
+    tiles: Any  # bf16 [N / 64 * (K / 2) / block_k * 64, 2 block_k]
+    shape: tuple[int, int]  # static: (K, N)
+    block_k: int  # static: the step it was tiled for
+    adjacent: bool = False  # static: steps pair adjacent row blocks (`w12_mosaic.ADJACENT`)
+
+
+jax.tree_util.register_dataclass(TwinNK, data_fields=["tiles"], meta_fields=["shape", "block_k", "adjacent"])
+ENCODED = (W12, W12NK, TwinNK)  # the weight types `linear` multiplies by a kernel of their own
 
 
 def bf16_bits(w) -> np.ndarray:
@@ -442,6 +457,34 @@ def encode_params(params: dict, names: tuple[str, ...] = LINEAR_NAMES, lm_head: 
     return out
 
 
+def twin_params(params: dict, names: tuple[str, ...] = LINEAR_NAMES, lm_head: bool = True,
+                extra: tuple[str, ...] = ()) -> dict:
+    """Dense-model params with the matrices `encode_params(kernel="mosaic")` would encode (the named per-layer
+    linear weights, `lm_head`, `extra`) tiled once for the Mosaic kernel's bf16 twin (`TwinNK`): the twin
+    path of a run without the per-call tiling of its bf16 weights. Shapes the kernel does not take raise, as
+    they do for W12. Every matrix is tiled, so a run pairs bit for bit with the W12 run of the same weights
+    when that one kept none bf16."""
+    from pallas_kernels import w12_mosaic  # imported on use: it imports this module
+
+    def tile(x):
+        k, n = x.shape
+        steps = w12_mosaic.run_twin_steps(k, n)
+        w12_mosaic.check_shape(k, n, steps["block_k"])
+        if not w12_mosaic.TILED:
+            raise NotImplementedError("twin_params tiles the twin's weights: w12_mosaic.TILED must be on")
+        tiles = w12_mosaic.tile_twin(jnp.asarray(x, jnp.bfloat16).T, steps["block_k"], w12_mosaic.ADJACENT)
+        return TwinNK(tiles=tiles, shape=(k, n), block_k=steps["block_k"], adjacent=w12_mosaic.ADJACENT)
+
+    out = dict(params)
+    out["layers"] = tuple({k: tile(v) if k in names else v for k, v in layer.items()} for layer in params["layers"])
+    if lm_head and "lm_head" in params:
+        out["lm_head"] = tile(params["lm_head"])
+    for name in extra:
+        if name in params:
+            out[name] = tile(params[name])
+    return out
+
+
 def linear(x: jax.Array, w, b: jax.Array | None = None, *, out_dtype=None, implementation: str | None = None,
            interpret: bool | None = None, dense_kernel: bool = False) -> jax.Array:
     """Drop-in for `layers.linear`: x [..., K] @ w [K, N], float32 accumulation, result in `out_dtype`
@@ -452,7 +495,7 @@ def linear(x: jax.Array, w, b: jax.Array | None = None, *, out_dtype=None, imple
     # imported on use: the kernel module imports this one
     from pallas_kernels import w12_matmul as kern
 
-    if isinstance(w, W12NK):
+    if isinstance(w, (W12NK, TwinNK)):
         y = _mosaic_rows(x, w, interpret=interpret)
     elif isinstance(w, W12):
         y = kern.w12_matmul(x, w, implementation=implementation or w.kernel, interpret=interpret)
@@ -496,6 +539,8 @@ def _decoded_rows(rows: jax.Array, w) -> jax.Array:
     as it is: the two agree bit for bit. float32 [M, N]."""
     from pallas_kernels import w12_mosaic
 
+    if isinstance(w, TwinNK):
+        raise NotImplementedError("w12_mosaic.PREFILL_DECODE takes W12NK or bf16 weights, not a TwinNK")
     if isinstance(w, W12NK):
         w = jax.lax.optimization_barrier(decode_jnp(w12_mosaic.unpack_nk(w)))
     return jnp.einsum("mk,kn->mn", rows, jnp.asarray(w), preferred_element_type=jnp.float32)
@@ -517,11 +562,18 @@ def _mosaic_rows_2d(rows: jax.Array, w, *, interpret: bool, knobs: tuple) -> jax
                 r, w, interpret=interpret, raw=True, **w12_mosaic.run_w12_options(w),
                 **w12_mosaic.run_options(w.adjacent)), len(r), w12_mosaic.OUT_ROWS)
     else:
-        w_t = jnp.asarray(w).T
         adjacent, tiled = w12_mosaic.ADJACENT, w12_mosaic.TILED
         steps = w12_mosaic.run_twin_steps(k, n)
-        if tiled:  # the twin of tiled planes reads its tiles as they are stored
-            w_t = w12_mosaic.tile_twin(w_t, steps["block_k"], adjacent)
+        if isinstance(w, TwinNK):  # tiled once (`twin_params`), for the knobs of that time
+            if (w.block_k, w.adjacent, tiled) != (steps["block_k"], adjacent, True):
+                raise ValueError(f"a TwinNK tiled for step {w.block_k}, adjacent={w.adjacent} does not match the "
+                                 f"runs' twin now (step {steps['block_k']}, w12_mosaic.ADJACENT={adjacent}, "
+                                 f"TILED={tiled}): tile it again with twin_params")
+            w_t = w.tiles
+        else:
+            w_t = jnp.asarray(w).T
+            if tiled:  # the twin of tiled planes reads its tiles as they are stored
+                w_t = w12_mosaic.tile_twin(w_t, steps["block_k"], adjacent)
 
         def call(r):
             return w12_mosaic.sum_rows(w12_mosaic.bf16_mosaic_partials(

@@ -151,7 +151,7 @@ def _projections(p: dict, h: jax.Array, fused: str, sizes: tuple[int, ...]):
     """The outputs of _FUSED[fused]'s matrices for h, from the fused matrix when present."""
     if fused in p:
         y = linear(h, p[fused], p.get(fused + "_bias"))
-        if fused == "qkv" and isinstance(p[fused], w12.W12NK):
+        if fused == "qkv" and isinstance(p[fused], (w12.W12NK, w12.TwinNK)):
             from pallas_kernels import w12_mosaic  # imported on use, as w12 does
 
             if w12_mosaic.QKV_BARRIER:  # the K-split sum materialized once, not recomputed in the norms
