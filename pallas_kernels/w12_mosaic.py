@@ -665,7 +665,7 @@ def _if_else(scf, cond, result_types):
 def _ptx_decode(dec_layout, shape, use_slots: bool, col_offset: int = 0, mma: bool = False,
                 part: int | None = None, owner_branch: bool = True, arithmetic: bool = True,
                 from_ref: bool = False, half: int | None = None, prefetch_slots: int = 0,
-                row_branch: bool = False):
+                row_branch: bool = False, patch_probe: str = ""):
     """The decode of `decode="ptx"`: one `plgpu.inline_mgpu` function that works on the registers
     themselves. The plane tiles arrive in the upcast layout, four consecutive K elements of one W^T row
     per 32-bit register, and each register is decoded by a few PTX instructions on packed pairs:
@@ -715,6 +715,12 @@ def _ptx_decode(dec_layout, shape, use_slots: bool, col_offset: int = 0, mma: bo
     both halves. The registers it skips are those whose keys cannot match the entry (another row or half), so
     the selects made are the same: the same bits.
 
+    `patch_probe` (timing only, with the slot table; no exception is patched): "count" loads each step's count
+    and makes the decode's first word depend on it (a select that never fires), with no loop; "entries" also
+    loops over the count, loading each entry and carrying every word through the loop as the patches do, but
+    compares nothing. Against `no_patch` and the patches, they split the patches' cost into the count's
+    load, the loop with its loads, and the compares.
+
     `prefetch_slots` (P > 0, with the slot table): the step's count and its first P entries are loaded before
     the decode, and whether this thread holds each entry's row is worked out from them there, off the
     decode's path; after the decode each of those entries is one branch taken only by its row's threads,
@@ -736,6 +742,9 @@ def _ptx_decode(dec_layout, shape, use_slots: bool, col_offset: int = 0, mma: bo
                          f"{prefetch_slots}, use_slots={use_slots}")
     if row_branch and not (use_slots and owner_branch):
         raise ValueError("row_branch takes the slot table with owner_branch")
+    if patch_probe not in ("", "count", "entries") or (patch_probe and not use_slots):
+        raise ValueError(f"patch_probe takes 'count' or 'entries' with the slot table, got {patch_probe!r}, "
+                         f"use_slots={use_slots}")
     if prefetch_slots >= SLOT_ALIGN:  # a row holds at least SLOT_ALIGN entries, the count included
         raise ValueError(f"prefetch_slots must be below {SLOT_ALIGN} (the least row of the slot table), got "
                          f"{prefetch_slots}")
@@ -897,25 +906,40 @@ def _ptx_decode(dec_layout, shape, use_slots: bool, col_offset: int = 0, mma: bo
                     flat = list(branch.results)
                 return flat
 
-            for entry, mine in zip(early, early_mine):  # the prefetched entries, decided before the decode
-                flat = patch_rows(mine, entry, flat) if row_branch else patch_if(mine, entry, flat)
-            # the rest (all of them without prefetch_slots), each loaded, then decided
-            rest = (arith.maxsi(arith.subi(count, mgpu_utils.c(prefetch_slots, i32)), mgpu_utils.c(0, i32))
-                    if prefetch_slots else count)
+            def never(word, value):  # `word`, unless `value` is -1: a select that never fires here
+                cond = arith.cmpi(arith.CmpIPredicate.eq, value, mgpu_utils.c(-1, i32))
+                return arith.select(cond, arith.xori(word, mgpu_utils.c(1, i32)), word)
 
-            @mgpu_utils.fori(rest, flat)
-            def patched(e, flat):
-                e1 = arith.addi(arith.index_cast(index, e), arith.constant(index, 1 + prefetch_slots))
-                entry = memref.load(slot_ref, [zero, e1])
-                if not owner_branch:
-                    return compare_all(entry, flat)
-                if row_branch:
-                    return patch_rows(group_conds(entry), entry, flat)
-                # only the threads that hold the entry's row compare (4 lanes of one warp): the others
-                # skip the per-register work, so an exception costs the warpgroup a few instructions
-                return patch_if(held_by_me(entry), entry, flat)
+            if patch_probe == "count":  # timing only: the count's load on the path, nothing patched
+                flat = [never(flat[0], count)] + flat[1:]
+            elif patch_probe == "entries":  # timing only: the loop and its loads, every word carried, no compares
+                @mgpu_utils.fori(count, flat)
+                def probed(e, flat_):
+                    entry = memref.load(slot_ref, [zero, arith.addi(arith.index_cast(index, e),
+                                                                    arith.constant(index, 1))])
+                    return [never(flat_[0], entry)] + flat_[1:]
 
-            flat = list(patched.results)
+                flat = list(probed.results)
+            else:
+                for entry, mine in zip(early, early_mine):  # the prefetched entries, decided before the decode
+                    flat = patch_rows(mine, entry, flat) if row_branch else patch_if(mine, entry, flat)
+                # the rest (all of them without prefetch_slots), each loaded, then decided
+                rest = (arith.maxsi(arith.subi(count, mgpu_utils.c(prefetch_slots, i32)), mgpu_utils.c(0, i32))
+                        if prefetch_slots else count)
+
+                @mgpu_utils.fori(rest, flat)
+                def patched(e, flat):
+                    e1 = arith.addi(arith.index_cast(index, e), arith.constant(index, 1 + prefetch_slots))
+                    entry = memref.load(slot_ref, [zero, e1])
+                    if not owner_branch:
+                        return compare_all(entry, flat)
+                    if row_branch:
+                        return patch_rows(group_conds(entry), entry, flat)
+                    # only the threads that hold the entry's row compare (4 lanes of one warp): the others
+                    # skip the per-register work, so an exception costs the warpgroup a few instructions
+                    return patch_if(held_by_me(entry), entry, flat)
+
+                flat = list(patched.results)
             words = [flat[n_words * q:n_words * (q + 1)] for q in range(len(words))]
 
         def array(first):
@@ -1079,27 +1103,34 @@ def _kernel_call(x, operands, *, k: int, n: int, mp: int, block_k: int, split: i
     if decode not in ("auto", "jnp", "ptx"):
         raise ValueError(f"decode must be 'auto', 'jnp' or 'ptx', got {decode!r}")
     ptx_decode, ptx_slots = None, False
-    ptx_able = planes != "wgmma" and diagnostic in ("", "no_patch", "ptx_load_only")
+    probes = {"patch_count": "count", "patch_entries": "entries"}  # diagnostic -> `_ptx_decode`'s patch_probe
+    ptx_able = planes != "wgmma" and diagnostic in ("", "no_patch", "ptx_load_only", *probes)
     if decode == "ptx" and not ptx_able:
         raise NotImplementedError(f"decode='ptx' takes planes 'upcast' or 'packed' and diagnostic '', "
-                                  f"'no_patch' or 'ptx_load_only', got {planes!r}, {diagnostic!r}")
+                                  f"'no_patch', 'ptx_load_only', 'patch_count' or 'patch_entries', got {planes!r}, "
+                                  f"{diagnostic!r}")
+    if diagnostic in probes and (interpret or decode == "jnp" or not w12 or not use_slots):
+        raise ValueError(f"diagnostic={diagnostic!r} times the PTX decode's patch path: W12 with the slot table, "
+                         f"compiled, decode 'auto'/'ptx'")
     if diagnostic == "ptx_load_only" and (interpret or decode == "jnp" or not w12):
         raise ValueError("diagnostic='ptx_load_only' times the PTX decode's loads: W12, compiled, decode 'auto'/'ptx'")
     if decode == "ptx" and interpret:
         raise ValueError("decode='ptx' runs only compiled for an NVIDIA GPU: the interpreter has no PTX")
     if decode != "jnp" and ptx_able and w12 and not interpret:
-        ptx_slots = use_slots and not diagnostic
-        prefetch = prefetch_slots if ptx_slots else 0
+        ptx_slots = use_slots and diagnostic in ("", *probes)
+        probe = probes.get(diagnostic, "")
+        prefetch = prefetch_slots if ptx_slots and not probe else 0
         rows_ = row_branch and ptx_slots and owner_branch
         ptx_decode = [_ptx_decode(dec_layout, (BN, mma_k), ptx_slots, u * mma_k, mma,  # one per sub-step
                                   part=u if wide_swizzle else None, owner_branch=owner_branch,
                                   arithmetic=diagnostic != "ptx_load_only", from_ref=xor_chunks,
-                                  prefetch_slots=prefetch, row_branch=rows_)
+                                  prefetch_slots=prefetch, row_branch=rows_, patch_probe=probe)
                       for u in range(block_k // mma_k)]
     ptx_half = None
     if halves and ptx_decode is not None:  # one decode per K half, the warpgroup's own
         ptx_half = [_ptx_decode(dec_layout, (BN, mma_k), ptx_slots, 0, mma, owner_branch=owner_branch,
-                                from_ref=True, half=h, prefetch_slots=prefetch, row_branch=rows_) for h in (0, 1)]
+                                from_ref=True, half=h, prefetch_slots=prefetch, row_branch=rows_,
+                                patch_probe=probe) for h in (0, 1)]
     if halves and w12 and not interpret and (ptx_half is None or not a_in_registers):
         raise NotImplementedError("halves decodes by PTX (decode='auto' or 'ptx') into registers when compiled")
     if xor_chunks and not interpret and ptx_decode is None and diagnostic != "copies_only":
@@ -1579,7 +1610,9 @@ def w12_mosaic_partials(x: jax.Array, w: W12NK, block_k: int | None = None, spli
     diagnostic (timing only, inexact with exceptions): "no_patch" skips the patches, "load_only" also
     replaces the decode by one XOR per weight (the element-wise path), "ptx_load_only" keeps the PTX
     path's loads with one XOR per output word instead of its decode, "copies_only" streams the planes but
-    never loads them (the A tile is a constant): the cost of the copies alone.
+    never loads them (the A tile is a constant): the cost of the copies alone; "patch_count" and
+    "patch_entries" keep the patch path's count load, and for the latter its loop and entry loads, without
+    compares (`_ptx_decode`'s patch_probe; W12 with the slot table, compiled).
     owner_branch (default; PTX decode with the slot table): an exception's compares run only in the threads
     that hold its row (`_ptx_decode`); off, every thread compares every register with every exception.
     subtile: a step of block_k > 64 half-rows is copied whole but decoded and multiplied as 64-row
@@ -1616,7 +1649,8 @@ def w12_mosaic_partials(x: jax.Array, w: W12NK, block_k: int | None = None, spli
     k, n = w.shape
     block_k = block_k or w.slot_k or default_block_k(k, n)
     if (exceptions not in ("auto", "csr")
-            or diagnostic not in ("", "no_patch", "load_only", "ptx_load_only", "copies_only")
+            or diagnostic not in ("", "no_patch", "load_only", "ptx_load_only", "copies_only", "patch_count",
+                                  "patch_entries")
             or planes not in ("auto", "upcast", "wgmma", "packed")):
         raise ValueError(f"unknown exceptions={exceptions!r}, diagnostic={diagnostic!r} or planes={planes!r}")
     x_p, m, mp = _prepare_x(x, k, n, block_k, mp, pad_x, interpret, fold=fold_x and not w.adjacent)

@@ -591,13 +591,20 @@ class TestMosaicGPU(_MosaicCases):
 
 
 def test_prefetch_slots_errors():
-    """`prefetch_slots` takes a count below one slot-table row's least width, with the slot table."""
+    """`prefetch_slots` takes a count below one slot-table row's least width, with the slot table; `row_branch`
+    and the patch probes take the slot table (and the probes a compiled call)."""
     for bad, slots in ((-1, True), (mk.SLOT_ALIGN, True), (2, False)):
         with pytest.raises(ValueError, match="prefetch_slots"):
             mk._ptx_decode(None, (mk.BN, 64), slots, prefetch_slots=bad)
     for slots, owner in ((False, True), (True, False)):  # `row_branch` refines the owner branch's patches
         with pytest.raises(ValueError, match="row_branch"):
             mk._ptx_decode(None, (mk.BN, 64), slots, owner_branch=owner, row_branch=True)
+    for slots, probe in ((False, "count"), (True, "compares")):  # the patch path's timing probes
+        with pytest.raises(ValueError, match="patch_probe"):
+            mk._ptx_decode(None, (mk.BN, 64), slots, patch_probe=probe)
+    enc = mk.to_nk(jax.device_put(w12.encode(adversarial_weights(128, 64, seed=0))))
+    with pytest.raises(ValueError, match="times the PTX decode's patch path"):  # compiled only
+        mk.w12_mosaic_partials(jnp.ones((1, 128), jnp.bfloat16), enc, interpret=True, diagnostic="patch_count")
 
 
 def test_errors():
@@ -652,7 +659,10 @@ def test_lowers_for_cuda(k, n):
             fn = jax.jit(functools.partial(mk.w12_mosaic_partials, planes=planes, a_operand=a_operand))
             text = fn.trace(s((m, k), jnp.bfloat16), nk).lower(lowering_platforms=("cuda",)).as_text()
             assert "mosaic_gpu" in text
-        for diagnostic in ("no_patch", "load_only", "ptx_load_only", "copies_only"):  # the bench's diagnostics
+        for diagnostic in ("no_patch", "load_only", "ptx_load_only", "copies_only", "patch_count",
+                           "patch_entries"):  # the bench's diagnostics
+            if diagnostic.startswith("patch_") and not slot_k:
+                continue  # the patch path's probes take the slot table
             fn = jax.jit(functools.partial(mk.w12_mosaic_partials, diagnostic=diagnostic))
             assert "mosaic_gpu" in fn.trace(s((1, k), jnp.bfloat16), nk).lower(lowering_platforms=("cuda",)).as_text()
         for m in (1, 16, 64):  # planes in mma order: the PTX decode writes the WGMMA layout directly
@@ -691,6 +701,7 @@ def test_lowers_for_cuda(k, n):
                     for opts in (dict(decode="ptx"), dict(diagnostic="copies_only"),
                                  dict(diagnostic="ptx_load_only"), dict(decode="ptx", prefetch_slots=2),
                                  dict(decode="ptx", row_branch=True), dict(decode="ptx", out_rows=True),
+                                 dict(diagnostic="patch_count"), dict(diagnostic="patch_entries", row_branch=True),
                                  dict(decode="ptx", split=4, sum_splits_in_kernel=True, out_rows=True),
                                  dict(decode="ptx", prefetch_slots=2, row_branch=True),
                                  *([dict(decode="ptx", split=4, copy_steps=2)] if xor else [])):
