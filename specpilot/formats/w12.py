@@ -446,14 +446,19 @@ def encode_params(params: dict, names: tuple[str, ...] = LINEAR_NAMES, lm_head: 
             return nk
         return dataclasses.replace(w, kernel=kernel)
 
+    return _map_matrices(enc, params, names, lm_head, extra)
+
+
+def _map_matrices(fn, params: dict, names: tuple[str, ...], lm_head: bool, extra: tuple[str, ...]) -> dict:
+    """Params with `fn` applied to the named per-layer matrices, `lm_head` (if asked) and the top-level
+    matrices named in `extra`; everything else as it is."""
     out = dict(params)
-    out["layers"] = tuple({k: enc(v) if k in names else v for k, v in layer.items()}
-                          for layer in params["layers"])
+    out["layers"] = tuple({k: fn(v) if k in names else v for k, v in layer.items()} for layer in params["layers"])
     if lm_head and "lm_head" in params:
-        out["lm_head"] = enc(params["lm_head"])
+        out["lm_head"] = fn(params["lm_head"])
     for name in extra:
         if name in params:
-            out[name] = enc(params[name])
+            out[name] = fn(params[name])
     return out
 
 
@@ -475,14 +480,7 @@ def twin_params(params: dict, names: tuple[str, ...] = LINEAR_NAMES, lm_head: bo
         tiles = w12_mosaic.tile_twin(jnp.asarray(x, jnp.bfloat16).T, steps["block_k"], w12_mosaic.ADJACENT)
         return TwinNK(tiles=tiles, shape=(k, n), block_k=steps["block_k"], adjacent=w12_mosaic.ADJACENT)
 
-    out = dict(params)
-    out["layers"] = tuple({k: tile(v) if k in names else v for k, v in layer.items()} for layer in params["layers"])
-    if lm_head and "lm_head" in params:
-        out["lm_head"] = tile(params["lm_head"])
-    for name in extra:
-        if name in params:
-            out[name] = tile(params[name])
-    return out
+    return _map_matrices(tile, params, names, lm_head, extra)
 
 
 def linear(x: jax.Array, w, b: jax.Array | None = None, *, out_dtype=None, implementation: str | None = None,
