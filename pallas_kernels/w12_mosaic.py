@@ -822,6 +822,11 @@ def _ptx_decode(dec_layout, shape, use_slots: bool, col_offset: int = 0, mma: bo
 
             zero = arith.constant(index, 0)
             count = memref.load(slot_ref, [zero, zero])
+
+            def load_entry(e, skip=0):  # entry e (an i32 loop index) past the first `skip`; the count is first
+                return memref.load(slot_ref, [zero, arith.addi(arith.index_cast(index, e),
+                                                               arith.constant(index, 1 + skip))])
+
             # the first entries and whether each is this thread's, before the decode (rows are zero-padded
             # to SLOT_ALIGN entries, so these loads stay inside the row; an entry past the count is not taken)
             early = [memref.load(slot_ref, [zero, arith.constant(index, 1 + e)]) for e in range(prefetch_slots)]
@@ -915,9 +920,7 @@ def _ptx_decode(dec_layout, shape, use_slots: bool, col_offset: int = 0, mma: bo
             elif patch_probe == "entries":  # timing only: the loop and its loads, every word carried, no compares
                 @mgpu_utils.fori(count, flat)
                 def probed(e, flat_):
-                    entry = memref.load(slot_ref, [zero, arith.addi(arith.index_cast(index, e),
-                                                                    arith.constant(index, 1))])
-                    return [never(flat_[0], entry)] + flat_[1:]
+                    return [never(flat_[0], load_entry(e))] + flat_[1:]
 
                 flat = list(probed.results)
             else:
@@ -929,8 +932,7 @@ def _ptx_decode(dec_layout, shape, use_slots: bool, col_offset: int = 0, mma: bo
 
                 @mgpu_utils.fori(rest, flat)
                 def patched(e, flat):
-                    e1 = arith.addi(arith.index_cast(index, e), arith.constant(index, 1 + prefetch_slots))
-                    entry = memref.load(slot_ref, [zero, e1])
+                    entry = load_entry(e, prefetch_slots)
                     if not owner_branch:
                         return compare_all(entry, flat)
                     if row_branch:
@@ -1031,7 +1033,9 @@ def _kernel_call(x, operands, *, k: int, n: int, mp: int, block_k: int, split: i
         raise ValueError(f"split {split} does not divide the {kh // block_k} steps of {block_k} half-rows of a "
                          f"[{k}, {n}] weight into whole steps per program")
     steps = kh // split // block_k  # K steps per program (each covers block_k rows of both K halves)
-    if copy_steps >= 1 and steps % copy_steps:
+    if copy_steps < 1:
+        raise ValueError(f"copy_steps must be >= 1, got {copy_steps}")
+    if steps % copy_steps:
         raise ValueError(f"copy_steps {copy_steps} does not divide the {steps} steps of each program")
     half_blocks = kh // block_k  # block index of the upper K half's first block
     mma_tiles = _transforms(16, SWIZZLE)  # bf16 tiles with 128-byte rows: x [Mp, BK] and the twin's W^T
@@ -1081,8 +1085,6 @@ def _kernel_call(x, operands, *, k: int, n: int, mp: int, block_k: int, split: i
     # planes: c * 12 KB in one copy; x's c folded tiles in one; the c slot rows as c copies) and the step body
     # decodes and multiplies them one after the other, in the same order as c single steps: the same bits,
     # with the same twin (whose steps stay single).
-    if copy_steps < 1:
-        raise ValueError(f"copy_steps must be >= 1, got {copy_steps}")
     if copy_steps > 1 and not (w12 and xor_chunks and fold_x and not (halves or ws or subtile or adjacent)):
         raise NotImplementedError("copy_steps takes W12 planes tiled in chunk order (to_nk(tiled=True, "
                                   "xor_chunks=True)) with x folded, without halves, warp_specialized, subtile or "
