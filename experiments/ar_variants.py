@@ -30,6 +30,7 @@ import jax
 import jax.numpy as jnp
 
 from pallas_kernels.gemv import gemv
+from pallas_kernels.l2_prefetch import prefetch_l2
 from specpilot.cache import KVCache, write_positions
 from specpilot.formats import w12
 from specpilot.models import dense
@@ -91,6 +92,21 @@ QKV_BARRIER = False
 # "down"), in every variant (bench_ar.py --barrier-after): where XLA fuses a K-split sum into a later
 # reduce and recomputes it there.
 BARRIER_AFTER: tuple[str, ...] = ()
+
+
+# L2 prefetches of coming products' weights while the small kernels between products run
+# (`pallas_kernels.l2_prefetch`; bench_ar.py --l2-prefetch), in every non-stock variant: product name ->
+# (fraction, segments). "o" is issued after the qkv product (during the attention), "gate_up" after o's
+# residual add, "down" after the gate_up product, "qkv" after down's residual add (the next layer's; the LM
+# head's after the last layer, under "lm_head"). Values are never changed; GPUs only.
+PREFETCH: dict[str, tuple[float, int]] = {}
+
+
+def _prefetch(name: str, weights, after: jax.Array) -> jax.Array:
+    if name not in PREFETCH or weights is None:
+        return after
+    fraction, segments = PREFETCH[name]
+    return prefetch_l2(weights, after, fraction=fraction, segments=segments)
 
 
 def _after(name: str, y: jax.Array) -> jax.Array:
@@ -156,7 +172,8 @@ def _attention_deferred(q, k, v, mask):
     return out.reshape(b, t, h, d).astype(q.dtype)
 
 
-def _layer(p: dict, cfg, v: Variant, x, cos, sin, k_cache, v_cache, start, mask):
+def _layer(p: dict, cfg, v: Variant, x, cos, sin, k_cache, v_cache, start, mask, after_layer=("qkv", None)):
+    """One decoder layer; `after_layer`: the next product after it, (its `PREFETCH` name, its weights)."""
     b, t, _ = x.shape
     nq, nkv = cfg.q_size, cfg.kv_size
     h = rms_norm(x, p["attn_norm"], cfg.rms_norm_eps) if v.elementwise else x
@@ -164,9 +181,11 @@ def _layer(p: dict, cfg, v: Variant, x, cos, sin, k_cache, v_cache, start, mask)
         qkv = _linear(h, p["qkv"], v)
         if QKV_BARRIER:
             qkv = jax.lax.optimization_barrier(qkv)
+        qkv = _prefetch("o", p["o"], qkv)
         q, k, val = qkv[..., :nq], qkv[..., nq:nq + nkv], qkv[..., nq + nkv:]
     else:
         q, k, val = (_linear(h, p[n], v) for n in ("q", "k", "v"))
+        q = _prefetch("o", p["o"], q)
     q = q.reshape(b, t, cfg.num_heads, cfg.head_dim)
     k = k.reshape(b, t, cfg.num_kv_heads, cfg.head_dim)
     val = val.reshape(b, t, cfg.num_kv_heads, cfg.head_dim)
@@ -193,13 +212,15 @@ def _layer(p: dict, cfg, v: Variant, x, cos, sin, k_cache, v_cache, start, mask)
     else:
         attn = attention(q, k_cache, v_cache, mask)
     x = x + _after("o", _linear(attn.reshape(b, t, nq), p["o"], v))
+    x = _prefetch("gate_up", p.get("gate_up"), x)
     h = rms_norm(x, p["mlp_norm"], cfg.rms_norm_eps) if v.elementwise else x
     if v.fuse:
-        gu = _linear(h, p["gate_up"], v)
+        gu = _prefetch("down", p["down"], _linear(h, p["gate_up"], v))
         g, u = gu[..., :cfg.intermediate_size], gu[..., cfg.intermediate_size:]
     else:
         g, u = _linear(h, p["gate"], v), _linear(h, p["up"], v)
     x = x + _after("down", _linear(jax.nn.silu(g) * u, p["down"], v))
+    x = _prefetch(*after_layer, x)
     return x, k_cache, v_cache
 
 
@@ -235,8 +256,10 @@ def forward(params: dict, cfg, v: Variant, tokens: jax.Array, cache: KVCache):
     cos, sin = rope_tables(positions, cfg.inv_freq())
     mask = jnp.arange(cache.max_len, dtype=jnp.int32)[None, None, :] <= positions[:, :, None]
     ks, vs = [], []
-    for i, p in enumerate(params["layers"]):
-        x, kc, vc = _layer(p, cfg, v, x, cos, sin, cache.k[i], cache.v[i], start, mask)
+    layers = params["layers"]
+    for i, p in enumerate(layers):
+        nxt = ("qkv", layers[i + 1].get("qkv")) if i + 1 < len(layers) else ("lm_head", params["lm_head"])
+        x, kc, vc = _layer(p, cfg, v, x, cos, sin, cache.k[i], cache.v[i], start, mask, after_layer=nxt)
         ks.append(kc)
         vs.append(vc)
     x = rms_norm(x, params["final_norm"], cfg.rms_norm_eps) if v.elementwise else x

@@ -208,7 +208,7 @@ def token_agreement(generated: np.ndarray, ref_tokens: np.ndarray) -> dict:
 
 def run_variant(name, cfg, params_v, snapshot, tokens0, args, ctx, step_bytes, copy_bw, ref):
     """Time one variant on one set of params. Returns (record, generated tokens, first logits or None)."""
-    v = ar_variants.VARIANTS[name.split("@")[0]]
+    v = ar_variants.VARIANTS[name.split("@")[0].split("+")[0]]
     cache = copy_tree(snapshot)
     first_logits = None
     if v.loop == "fori":
@@ -396,6 +396,13 @@ def parse_args(argv=None):
     p.add_argument("--barrier-after", default="",
                    help="products also materialized right after they are computed, in every variant: "
                         "a comma list of o, down (ar_variants.BARRIER_AFTER)")
+    p.add_argument("--l2-prefetch", default="",
+                   help="L2 prefetches of coming products' weights during the small kernels between products "
+                        "(ar_variants.PREFETCH; non-stock variants, GPUs only): a comma list of NAME[=FRACTION[/"
+                        "SEGMENTS]], NAME in o, gate_up, down, qkv, lm_head (e.g. 'o,gate_up=0.25/512')")
+    p.add_argument("--l2-prefetch-ab", action="store_true",
+                   help="with --l2-prefetch: run every row without and then with the prefetches (the latter "
+                        "named NAME+l2), in the same process")
     p.add_argument("--out", default="")
     args = p.parse_args(argv)
     args.variants = list(ar_variants.VARIANTS) if args.variants == "all" else [
@@ -440,6 +447,13 @@ def parse_args(argv=None):
     if set(args.barrier_after) - {"o", "down"}:
         p.error(f"--barrier-after takes o and down, got {args.barrier_after}")
     ar_variants.BARRIER_AFTER = args.barrier_after
+    try:
+        args.l2_prefetch = parse_prefetch(args.l2_prefetch)
+    except ValueError as e:
+        p.error(str(e))
+    ar_variants.PREFETCH = args.l2_prefetch
+    if args.l2_prefetch_ab and not args.l2_prefetch:
+        p.error("--l2-prefetch-ab takes --l2-prefetch")
     args.weights = [s for s in args.weights.split(",") if s]
     if not args.weights or set(args.weights) - {"bf16", "w12", "twin"}:
         p.error(f"--weights takes bf16, w12 and/or twin, got {args.weights}")
@@ -455,6 +469,26 @@ def parse_args(argv=None):
     return args
 
 
+def parse_prefetch(spec: str) -> dict[str, tuple[float, int]]:
+    """'o,gate_up=0.25/512' -> {"o": (1.0, 1), "gate_up": (0.25, 512)} (ar_variants.PREFETCH)."""
+    out = {}
+    for item in (s for s in spec.split(",") if s):
+        name, _, rest = item.partition("=")
+        if name not in PREFETCH_NAMES:
+            raise ValueError(f"--l2-prefetch names {', '.join(PREFETCH_NAMES)}; got {name!r}")
+        fraction, _, segments = rest.partition("/")
+        try:
+            out[name] = (float(fraction) if fraction else 1.0, int(segments) if segments else 1)
+        except ValueError:
+            raise ValueError(f"--l2-prefetch takes NAME[=FRACTION[/SEGMENTS]], got {item!r}") from None
+        if not 0 < out[name][0] <= 1 or out[name][1] < 1:
+            raise ValueError(f"--l2-prefetch: fraction in (0, 1] and segments >= 1, got {item!r}")
+    return out
+
+
+PREFETCH_NAMES = ("o", "gate_up", "down", "qkv", "lm_head")
+
+
 def main(argv=None) -> dict:
     args = parse_args(argv)
     cfg = SHAPES[args.shape]
@@ -468,7 +502,9 @@ def main(argv=None) -> dict:
               "w12_prefetch_slots": args.w12_prefetch_slots if args.w12_prefetch_slots >= 0 else "default",
               "w12_copy_steps": args.w12_copy_steps or "default",
               "qkv_barrier": args.qkv_barrier,
-              "barrier_after": list(args.barrier_after), "variants": {}}
+              "barrier_after": list(args.barrier_after),
+              "l2_prefetch": {k: list(v) for k, v in args.l2_prefetch.items()},
+              "l2_prefetch_ab": args.l2_prefetch_ab, "variants": {}}
 
     def save():
         if args.out:
@@ -517,40 +553,50 @@ def main(argv=None) -> dict:
     runs = [(n, "bf16") for n in sorted(bf16_names, key=rank)]
     runs += [(n, "twin") for n in sorted(args.variants, key=rank) if "twin" in args.weights]
     runs += [(n, "w12") for n in sorted(args.variants, key=rank) if "w12" in args.weights]
+    # each row without and then with the prefetches (--l2-prefetch-ab), or as asked
+    modes = (False, True) if args.l2_prefetch_ab else (bool(args.l2_prefetch),)
+    runs = [(n, f, pf) for n, f in runs for pf in modes if not (pf and ar_variants.VARIANTS[n].stock)]
 
     def param_key(n, fmt):
         return (ar_variants.VARIANTS[n].param_key, fmt)
 
     ref: dict = {}
     twins: dict = {}  # Variant -> the bf16 twin run's name, tokens and first logits
+    plain: dict = {}  # (variant, weights) -> the run without prefetches (--l2-prefetch-ab)
     by_key: dict = {(("stock",), "bf16"): params}
     if enc_stock is not None:
         by_key[(("stock",), "w12")] = enc_stock
     del enc_stock
-    for i, (name, fmt) in enumerate(runs):
+    for i, (name, fmt, pf) in enumerate(runs):
         v = ar_variants.VARIANTS[name]
-        key = name if fmt == "bf16" else f"{name}@{fmt}"
+        key = (name if fmt == "bf16" else f"{name}@{fmt}") + ("+l2" * (pf and args.l2_prefetch_ab))
+        ar_variants.PREFETCH = args.l2_prefetch if pf else {}
         try:
             if param_key(name, fmt) not in by_key:
                 by_key[param_key(name, fmt)] = params_for(params, cfg, name, fmt)
             rec, generated, logits = run_variant(key, cfg, by_key[param_key(name, fmt)], snapshot, tokens0,
                                                  args, ctx, sb_w12 if fmt == "w12" else step_bytes,
                                                  copy_bw, ref)
-            if fmt == "bf16" and v.twin:
+            if fmt == "bf16" and v.twin and not pf:
                 twins[v] = {"name": key, "tokens": generated, "logits": logits}
-            if fmt == "twin":  # the same kernel on tiles made once: W12's twin too
+            if fmt == "twin" and not pf:  # the same kernel on tiles made once: W12's twin too
                 twins[("tiled", v)] = {"name": key, "tokens": generated, "logits": logits}
             twin = twins.get(dataclasses.replace(v, twin=True))
             if fmt == "w12" and twin is not None:
                 rec["vs_twin"] = compare_to_twin(generated, logits, twin)
             if fmt == "w12" and ("tiled", v) in twins:
                 rec["vs_tiled_twin"] = compare_to_twin(generated, logits, twins[("tiled", v)])
+            if not pf:
+                plain[(name, fmt)] = {"name": key, "tokens": generated, "logits": logits}
+            elif (name, fmt) in plain:  # a prefetch changes no value: bit for bit the row without it
+                rec["vs_no_prefetch"] = compare_to_twin(generated, logits, plain[(name, fmt)])
         except Exception as e:  # noqa: BLE001 - one failing variant must not lose the others' numbers
             rec = {"error": repr(e)[:2000]}
-        record["variants"][key] = {"variant": dataclasses.asdict(v), "weights": fmt, **rec}
+        record["variants"][key] = {"variant": dataclasses.asdict(v), "weights": fmt,
+                                   "l2_prefetch": {k: list(x) for k, x in ar_variants.PREFETCH.items()}, **rec}
         print(format_row(key, rec), flush=True)
         save()
-        later = {param_key(n, f) for n, f in runs[i + 1:]}
+        later = {param_key(n, f) for n, f, _ in runs[i + 1:]}
         for k in [k for k in by_key if k not in later and k != (("stock",), "bf16")]:
             del by_key[k]  # free a layout no later run uses
     print_table(record)
@@ -567,7 +613,7 @@ def format_row(name: str, rec: dict) -> str:
             f"{rec['tokens_per_s']:7.1f} tok/s  match {rec['token_match_frac']:.2f}"
             + (f" relerr {rec['first_logits_rel_err_vs_ref']:.1e}" if "first_logits_rel_err_vs_ref" in rec else "")
             + "".join(f"  vs {t['twin']}: {'EXACT' if t['exact'] else 'DIFFERS'} (match {t['token_match_frac']:.2f})"
-                      for t in (twin, rec.get("vs_tiled_twin")) if t))
+                      for t in (twin, rec.get("vs_tiled_twin"), rec.get("vs_no_prefetch")) if t))
 
 
 def print_table(record: dict) -> None:

@@ -172,6 +172,31 @@ def test_bench_ar_tiled_twin_rows(bench_ar, tmp_path):
         bench_ar.parse_args(["--weights", "bf16,twin"])  # the twin's tiles are the Mosaic kernel's
 
 
+def test_bench_ar_l2_prefetch_rows(bench_ar):
+    """--l2-prefetch sets ar_variants.PREFETCH for a run; with --l2-prefetch-ab every non-stock row runs
+    without and then with it (NAME+l2), each +l2 row compared bit for bit with the row without; bad specs
+    are refused."""
+    assert bench_ar.parse_prefetch("o,gate_up=0.25/512,qkv=0.5") == {"o": (1.0, 1), "gate_up": (0.25, 512),
+                                                                      "qkv": (0.5, 1)}
+    for bad in ("attn", "o=2", "o=0.5/0", "o=x"):
+        with pytest.raises(ValueError, match="--l2-prefetch"):
+            bench_ar.parse_prefetch(bad)
+    with pytest.raises(SystemExit):
+        bench_ar.parse_args(["--l2-prefetch-ab"])
+    rec = bench_ar.main(["--shape", "tiny", "--context", "8", "--new-tokens", "3", "--warmup", "1",
+                         "--copy-gib", "0.01", "--variants", "stock,fused", "--l2-prefetch", "o,gate_up=0.5,qkv",
+                         "--l2-prefetch-ab"])
+    assert list(rec["variants"]) == ["stock", "fused", "fused+l2"]
+    row = rec["variants"]["fused+l2"]
+    assert row["l2_prefetch"] == {"o": [1.0, 1], "gate_up": [0.5, 1], "qkv": [1.0, 1]}
+    assert rec["variants"]["fused"]["l2_prefetch"] == {}
+    assert row["vs_no_prefetch"]["twin"] == "fused" and row["vs_no_prefetch"]["exact"]
+    bench_ar.parse_args(["--l2-prefetch", "down"])  # each run sets it
+    assert bench_ar.ar_variants.PREFETCH == {"down": (1.0, 1)}
+    bench_ar.parse_args([])
+    assert bench_ar.ar_variants.PREFETCH == {}
+
+
 def test_bench_ar_qkv_barrier_keeps_the_tokens(bench_ar):
     """--qkv-barrier materializes the fused qkv product (a scheduling change only): same greedy tokens."""
     rec = bench_ar.main(["--shape", "tiny", "--context", "8", "--new-tokens", "4", "--warmup", "1",
