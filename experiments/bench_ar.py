@@ -555,7 +555,8 @@ def main(argv=None) -> dict:
     runs += [(n, "w12") for n in sorted(args.variants, key=rank) if "w12" in args.weights]
     # each row without and then with the prefetches (--l2-prefetch-ab), or as asked
     modes = (False, True) if args.l2_prefetch_ab else (bool(args.l2_prefetch),)
-    runs = [(n, f, pf) for n, f in runs for pf in modes if not (pf and ar_variants.VARIANTS[n].stock)]
+    runs = [(n, f, pf) for n, f in runs for pf in modes  # not the stock rows, nor the added twins
+            if not (pf and (ar_variants.VARIANTS[n].stock or (f == "bf16" and n in args.twins)))]
 
     def param_key(n, fmt):
         return (ar_variants.VARIANTS[n].param_key, fmt)

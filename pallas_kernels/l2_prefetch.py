@@ -8,9 +8,9 @@ fills the L2 with them while the small kernels run, and the product then finds t
 
 Nothing is computed: a prefetch changes no value, so every output stays bit for bit what it was. The hint's
 place in the step is fixed by data dependencies: the kernel takes `after` (an array the step has just
-produced) as an unused input, so it runs after that array's producer, and `after` comes back through an
-optimization barrier together with the kernel's token, so whatever reads the returned array runs after the
-prefetches were issued.
+produced) and returns it as its output, aliased (the same buffer, not copied), so it runs after that array's
+producer and whatever reads the returned array runs after the prefetches were issued. Returning `after`
+also keeps the kernel in the compiled step: an unused token would be dead code, and XLA removes it.
 
 The reference beside it (`prefetch_l2_reference`) is the identity: what the kernel means for the values.
 Off the GPU (the CPU, the interpreter) `prefetch_l2` returns `after` unchanged, since there is no L2 to fill.
@@ -71,13 +71,13 @@ def box_starts(plan: tuple[int, int, int, int], segments: int) -> list[int]:
     return [s * seg_rows + min(r * box, want - box) for s in range(segments) for r in range(per_segment)]
 
 
-def _kernel(dep_ref, *refs, plans, segments):
+def _kernel(after_ref, *refs, plans, segments):
     from jax.experimental import pallas as pl
     from jax.experimental.pallas import mosaic_gpu as plgpu
 
-    del dep_ref  # an input only to order this kernel after dep's producer
-    w_refs = refs[:len(plans)]  # refs[len(plans)] is the token: never written
-    pid = jax.lax.axis_index("p")
+    del after_ref  # in and out (aliased): it orders the kernel and is never touched
+    w_refs = refs[:len(plans)]  # refs[len(plans)] is the output: `after`'s own buffer
+    pid = pl.program_id(0)
     for w_ref, (seg_rows, want, box, per_segment) in zip(w_refs, plans):
         for j in range(BOXES_PER_PROGRAM):
             i = pid * BOXES_PER_PROGRAM + j  # the box's place in `box_starts`' order
@@ -99,13 +99,14 @@ def prefetch_l2(weights, after: jax.Array, *, fraction: float = 1.0, segments: i
     leaves = _leaves(weights)
     if platform != "gpu" or not leaves:
         return after
+    from jax.experimental import pallas as pl
     from jax.experimental.pallas import mosaic_gpu as plgpu
 
     views, plans = zip(*(_as_rows(a, fraction, segments) for a in leaves))
     programs = max(math.ceil(segments * plan[3] / BOXES_PER_PROGRAM) for plan in plans)
-    call = plgpu.kernel(functools.partial(_kernel, plans=plans, segments=segments),
-                        out_type=jax.ShapeDtypeStruct((1,), jnp.int32), grid=(programs,), grid_names=("p",),
-                        compiler_params=plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Lane))
-    token = call(after, *views)
-    after, _ = jax.lax.optimization_barrier((after, token))
-    return after
+    gmem = pl.BlockSpec(memory_space=plgpu.GMEM)
+    call = pl.pallas_call(functools.partial(_kernel, plans=plans, segments=segments),
+                          out_shape=jax.ShapeDtypeStruct(after.shape, after.dtype), grid=(programs,),
+                          in_specs=[gmem] * (1 + len(views)), out_specs=gmem, input_output_aliases={0: 0},
+                          compiler_params=plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Lane))
+    return call(after, *views)
