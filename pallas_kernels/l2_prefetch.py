@@ -8,9 +8,10 @@ fills the L2 with them while the small kernels run, and the product then finds t
 
 Nothing is computed: a prefetch changes no value, so every output stays bit for bit what it was. The hint's
 place in the step is fixed by data dependencies: the kernel takes `after` (an array the step has just
-produced) and returns it as its output, aliased (the same buffer, not copied), so it runs after that array's
-producer and whatever reads the returned array runs after the prefetches were issued. Returning `after`
-also keeps the kernel in the compiled step: an unused token would be dead code, and XLA removes it.
+produced) as an unused input, so it runs after that array's producer, and writes a token of zeros that
+`after` is selected through (`where(token == 0, after, NaN)`, fused into whatever reads it next), so the
+readers run after the prefetches were issued. The token must be read: a kernel whose output nothing uses
+is dead code to XLA, which removes it (the first version's was).
 
 The reference beside it (`prefetch_l2_reference`) is the identity: what the kernel means for the values.
 Off the GPU (the CPU, the interpreter) `prefetch_l2` returns `after` unchanged, since there is no L2 to fill.
@@ -71,13 +72,24 @@ def box_starts(plan: tuple[int, int, int, int], segments: int) -> list[int]:
     return [s * seg_rows + min(r * box, want - box) for s in range(segments) for r in range(per_segment)]
 
 
+TOKEN = 128  # int32 zeros the kernel writes (one warpgroup's lanes)
+
+
 def _kernel(after_ref, *refs, plans, segments):
     from jax.experimental import pallas as pl
     from jax.experimental.pallas import mosaic_gpu as plgpu
 
-    del after_ref  # in and out (aliased): it orders the kernel and is never touched
-    w_refs = refs[:len(plans)]  # refs[len(plans)] is the output: `after`'s own buffer
-    pid = pl.program_id(0)
+    del after_ref  # an input only to order this kernel after its producer
+    w_refs, token_ref, zeros = refs[:len(plans)], refs[len(plans)], refs[len(plans) + 1]
+    pid = jax.lax.axis_index("p")
+
+    @pl.when(pid == 0)
+    def _():
+        zeros[...] = jnp.zeros((TOKEN,), jnp.int32)
+        plgpu.commit_smem()
+        plgpu.copy_smem_to_gmem(zeros, token_ref)
+        plgpu.wait_smem_to_gmem(0)
+
     for w_ref, (seg_rows, want, box, per_segment) in zip(w_refs, plans):
         for j in range(BOXES_PER_PROGRAM):
             i = pid * BOXES_PER_PROGRAM + j  # the box's place in `box_starts`' order
@@ -99,14 +111,13 @@ def prefetch_l2(weights, after: jax.Array, *, fraction: float = 1.0, segments: i
     leaves = _leaves(weights)
     if platform != "gpu" or not leaves:
         return after
-    from jax.experimental import pallas as pl
     from jax.experimental.pallas import mosaic_gpu as plgpu
 
     views, plans = zip(*(_as_rows(a, fraction, segments) for a in leaves))
     programs = max(math.ceil(segments * plan[3] / BOXES_PER_PROGRAM) for plan in plans)
-    gmem = pl.BlockSpec(memory_space=plgpu.GMEM)
-    call = pl.pallas_call(functools.partial(_kernel, plans=plans, segments=segments),
-                          out_shape=jax.ShapeDtypeStruct(after.shape, after.dtype), grid=(programs,),
-                          in_specs=[gmem] * (1 + len(views)), out_specs=gmem, input_output_aliases={0: 0},
-                          compiler_params=plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Lane))
-    return call(after, *views)
+    call = plgpu.kernel(functools.partial(_kernel, plans=plans, segments=segments),
+                        out_type=jax.ShapeDtypeStruct((TOKEN,), jnp.int32), grid=(programs,), grid_names=("p",),
+                        scratch_types=[plgpu.SMEM((TOKEN,), jnp.int32)],
+                        compiler_params=plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Lane))
+    token = call(after, *views)
+    return jnp.where(token[0] == 0, after, jnp.asarray(jnp.nan, after.dtype))
