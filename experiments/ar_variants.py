@@ -98,7 +98,8 @@ BARRIER_AFTER: tuple[str, ...] = ()
 # (`pallas_kernels.l2_prefetch`; bench_ar.py --l2-prefetch), in every non-stock variant: product name ->
 # (fraction, segments). "o" is issued after the qkv product (during the attention), "gate_up" after o's
 # residual add, "down" after the gate_up product, "qkv" after down's residual add (the next layer's; the LM
-# head's after the last layer, under "lm_head"). Values are never changed; GPUs only.
+# head's after the last layer, under "lm_head"). Values are never changed; GPUs only. Measured slower on the
+# H200 (docs/performance.md, seventeenth pass): off unless asked for.
 PREFETCH: dict[str, tuple[float, int]] = {}
 
 

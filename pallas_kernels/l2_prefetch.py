@@ -13,6 +13,11 @@ produced) as an unused input, so it runs after that array's producer, and writes
 readers run after the prefetches were issued. The token must be read: a kernel whose output nothing uses
 is dead code to XLA, which removes it (the first version's was).
 
+Measured (H200, docs/performance.md, seventeenth pass): it loses. With prefetches of o, a third of qkv and a
+tenth of gate_up in each layer of the Qwen3-8B shape, AR decode took 5.04 against 4.31 ms per token (W12)
+and 8.85 against 5.02 (bf16 through the twin kernel): a kernel in the stream does not overlap the small
+kernels after it, and it costs more the more it prefetches. It is kept, off by default, as a measured option.
+
 The reference beside it (`prefetch_l2_reference`) is the identity: what the kernel means for the values.
 Off the GPU (the CPU, the interpreter) `prefetch_l2` returns `after` unchanged, since there is no L2 to fill.
 """

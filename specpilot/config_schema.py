@@ -175,6 +175,11 @@ def validate(cfg: DictConfig) -> None:
             _fail("drafter", f"method {m!r} needs a drafter; choose one, e.g. drafter=embedded")
     if any(m.endswith("_w12") for m in dec.methods) and t.dtype != "bfloat16":
         _fail("target.dtype", "the 12-bit weight format encodes bfloat16 weights; set target.dtype=bfloat16")
+    if "ar_twin" in dec.methods:
+        if cfg.gpu.kernel_backend != "mosaic":
+            _fail("gpu.kernel_backend", "ar_twin runs the Mosaic GPU kernel's bf16 twin; set gpu.kernel_backend=mosaic")
+        if t.dtype != "bfloat16":
+            _fail("target.dtype", "ar_twin multiplies bfloat16 weights; set target.dtype=bfloat16")
     if dec.temperature < 0 or not 0 < dec.top_p <= 1 or dec.top_k < 0:
         _fail("decoding", "temperature >= 0, top_k >= 0 and 0 < top_p <= 1 are required")
     for key in ("num_prompts", "prompt_len", "new_tokens", "batch_size", "repeats"):

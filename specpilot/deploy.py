@@ -58,6 +58,18 @@ class Deployment:
         """The target's params in weight format `fmt`."""
         return self._encode(fmt, self.params, fmt)
 
+    def twin(self):
+        """The target's bf16 params tiled once for the Mosaic W12 kernel's bf16 twin (`w12.twin_params`):
+        the same bits as `params`, multiplied by a bf16 kernel with W12's structure (the best bf16 path
+        at decode shapes on the H200, docs/performance.md)."""
+        if self.kernel_backend != "mosaic":
+            raise ValueError("the bf16 twin is the Mosaic GPU kernel's; set gpu.kernel_backend=mosaic")
+        if "twin" not in self.encoded_params:
+            from specpilot.formats import w12
+
+            self.encoded_params["twin"] = w12.twin_params(self.params)
+        return self.encoded_params["twin"]
+
     def encoded_drafter(self, fmt: str):
         """The drafter's own weights (its layers and `fc`; embedding and head are the target's) in
         format `fmt`. For an oracle drafter, those of the drafter it runs."""

@@ -122,6 +122,10 @@ def _w12(dep):
     return dep.encoded("w12")
 
 
+def _twin(dep):
+    return dep.twin()
+
+
 def _one(dep):
     return 1
 
@@ -139,6 +143,10 @@ METHODS: dict[str, Method] = {
     "ar_w12": Method("ar_w12", lambda dep: run_ar(dep, _w12(dep)),
                      description="AR with the lossless 12-bit weight format",
                      scorer=_scorer(_w12, _one)),
+    "ar_twin": Method("ar_twin", lambda dep: run_ar(dep, _twin(dep)),
+                      description="AR with bf16 weights through the Mosaic W12 kernel's bf16 twin (tiled once): "
+                                  "the bf16 baseline with W12's kernel structure",
+                      scorer=_scorer(_twin, _one)),
     "stock_w12": Method("stock_w12", lambda dep: run_stock(dep, _w12(dep), dep.encoded_drafter("w12")),
                         needs_drafter=True,
                         description="stock with the lossless 12-bit weight format (target and drafter)",
@@ -151,8 +159,9 @@ def register(method: Method) -> None:
 
 
 def median_run(method: Method, dep, repeats: int, progress=None) -> MethodRun:
-    """Run `repeats` times; keep the run with the median decode time (tokens are identical for greedy).
-    `progress(message)`, if given, hears about each repetition as it ends."""
+    """Run `repeats` times; keep the run with the median decode time (tokens are identical for greedy): of an
+    even count, the faster of the two middle runs, so that 2 repeats give the warm run rather than the first
+    one's warm-up. `progress(message)`, if given, hears about each repetition as it ends."""
     runs = []
     for i in range(repeats):
         t0 = time.perf_counter()
@@ -161,4 +170,4 @@ def median_run(method: Method, dep, repeats: int, progress=None) -> MethodRun:
             progress(f"{method.name}: run {i + 1}/{repeats} in {time.perf_counter() - t0:.1f} s "
                      f"({1e3 * runs[-1].decode_time_per_token:.3f} ms/token)")
     order = np.argsort([r.decode_s for r in runs])
-    return runs[int(order[len(order) // 2])]
+    return runs[int(order[(len(order) - 1) // 2])]

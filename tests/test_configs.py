@@ -30,6 +30,8 @@ def _fixups(group, option):
         extra = ["drafter=random"]  # speculative methods need a drafter
         if "w12" in option:
             extra.append("target.dtype=bfloat16")  # the 12-bit format encodes bf16 weights
+        if "twin" in option:
+            extra.append("gpu.kernel_backend=mosaic")  # the bf16 twin is the Mosaic kernel's
         return extra
     return []
 
@@ -70,6 +72,8 @@ def test_every_option_composes(group):
     ("drafter=embedded", "drafter.source"),
     ("bench=heldout", "bench.prompts"),
     ("decoding=stock", "needs a drafter"),
+    ("decoding=ar_w12_twin target.dtype=bfloat16 gpu.kernel_backend=xla", "ar_twin runs the Mosaic GPU kernel"),
+    ("decoding.methods=[ar,ar_twin] gpu.kernel_backend=mosaic target.dtype=float32", "ar_twin multiplies bfloat16"),
 ])
 def test_impossible_values_fail_clearly(override, match):
     with pytest.raises(ConfigValueError, match=match):

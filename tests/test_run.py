@@ -162,6 +162,22 @@ def test_w12_through_the_mosaic_kernel_is_checked_by_forcing(tmp_path):
         assert records[name]["mismatches"] == 0 and records[name]["forcing"]["outputs_differ"] == 0, name
 
 
+@pytest.mark.slow
+def test_ar_twin_is_checked_by_forcing(tmp_path):
+    """decoding=ar_w12_twin: AR through the Mosaic kernel's bf16 twin (here its interpreter), the best bf16
+    baseline beside W12's, matches AR position by position, as ar_w12 does."""
+    out = tmp_path / "out"
+    proc = _run(f"output_dir={out}", "decoding=ar_w12_twin", "target.dtype=bfloat16", "bench.num_prompts=1",
+                "bench.new_tokens=4", "gpu.kernel_backend=mosaic", f"hydra.run.dir={tmp_path / 'hydra'}",
+                cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    records = {r["method"]: r for r in map(json.loads, (out / "results.jsonl").read_text().splitlines())}
+    assert set(records) == {"ar", "ar_twin", "ar_w12"}
+    for name in ("ar_twin", "ar_w12"):
+        assert records[name]["mismatches"] == 0 and records[name]["forcing"]["outputs_differ"] == 0, name
+    assert records["ar_twin"]["ceiling_ms_per_token"] == records["ar"]["ceiling_ms_per_token"]  # 16 bits
+
+
 def test_w12_methods_are_checked_by_forcing(tmp_path):
     """decoding=w12 through the harness: the 12-bit methods' outputs equal AR's, position by position."""
     out = tmp_path / "out"
@@ -174,3 +190,13 @@ def test_w12_methods_are_checked_by_forcing(tmp_path):
     for name in ("stock", "ar_w12", "stock_w12"):
         assert records[name]["mismatches"] == 0 and records[name]["forcing"]["outputs_differ"] == 0, name
     assert records["ar_w12"]["ceiling_ms_per_token"] < records["ar"]["ceiling_ms_per_token"]  # 12 bits
+
+
+def test_median_run_keeps_the_middle_run_and_the_faster_of_two():
+    """median_run keeps the run with the median decode time; of an even count, the faster middle one."""
+    from specpilot.methods import Method, MethodRun, median_run
+
+    for times, kept in (([3.0, 1.0, 2.0], 2.0), ([5.0, 4.0], 4.0), ([4.0, 1.0, 3.0, 2.0], 2.0), ([7.0], 7.0)):
+        it = iter(times)
+        m = Method("t", lambda dep: MethodRun([], 0.0, next(it), 1, {}), description="test")
+        assert median_run(m, None, len(times)).decode_s == kept, times
