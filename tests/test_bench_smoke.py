@@ -9,6 +9,7 @@ import math
 import os
 import sys
 
+import numpy as np
 import pytest
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -158,8 +159,8 @@ def test_bench_ar_tiled_twin_rows(bench_ar, tmp_path):
     row with W12's kernel structure; the @w12 row equals it bit for bit, as it equals the per-call twin
     (interpret mode on the CPU). The format needs --w12-kernel mosaic."""
     rec = bench_ar.main(["--shape", "tiny-mosaic", "--w12-kernel", "mosaic", "--weights", "bf16,w12,twin",
-                         "--variants", "fused", "--context", "8", "--new-tokens", "3", "--warmup", "1",
-                         "--copy-gib", "0.01", "--out", str(tmp_path / "r.json")])
+                         "--gen-repeats", "1", "--variants", "fused", "--context", "8", "--new-tokens", "3",
+                         "--warmup", "1", "--copy-gib", "0.01", "--out", str(tmp_path / "r.json")])
     assert list(rec["variants"]) == ["fused", "fused_twin", "fused@twin", "fused@w12"]
     for name, v in rec["variants"].items():
         assert "error" not in v, (name, v.get("error"))
@@ -187,6 +188,9 @@ def test_bench_ar_l2_prefetch_rows(bench_ar):
                          "--copy-gib", "0.01", "--variants", "stock,fused", "--l2-prefetch", "o,gate_up=0.5,qkv",
                          "--l2-prefetch-ab"])
     assert list(rec["variants"]) == ["stock", "fused", "fused+l2"]
+    for v in rec["variants"].values():  # generation: 5 passes by default, the row's figure their median
+        assert len(v["gen_ms_per_token_passes"]) == 5 == rec["gen_repeats"]
+        assert v["gen_ms_per_token"] == np.median(v["gen_ms_per_token_passes"])
     row = rec["variants"]["fused+l2"]
     assert row["l2_prefetch"] == {"o": [1.0, 1], "gate_up": [0.5, 1], "qkv": [1.0, 1]}
     assert rec["variants"]["fused"]["l2_prefetch"] == {}
