@@ -719,7 +719,9 @@ def _ptx_decode(dec_layout, shape, use_slots: bool, col_offset: int = 0, mma: bo
     and makes the decode's first word depend on it (a select that never fires), with no loop; "entries" also
     loops over the count, loading each entry and carrying every word through the loop as the patches do, but
     compares nothing. Against `no_patch` and the patches, they split the patches' cost into the count's
-    load, the loop with its loads, and the compares.
+    load, the loop with its loads, and the compares. "hidden" keeps the whole patch path, compares and
+    selects included, but runs it with a count of 0 that the compiler cannot see (the count shifted right by
+    31 bits): against the patches it tells the code's presence from its execution.
 
     `prefetch_slots` (P > 0, with the slot table): the step's count and its first P entries are loaded before
     the decode, and whether this thread holds each entry's row is worked out from them there, off the
@@ -742,8 +744,8 @@ def _ptx_decode(dec_layout, shape, use_slots: bool, col_offset: int = 0, mma: bo
                          f"{prefetch_slots}, use_slots={use_slots}")
     if row_branch and not (use_slots and owner_branch):
         raise ValueError("row_branch takes the slot table with owner_branch")
-    if patch_probe not in ("", "count", "entries") or (patch_probe and not use_slots):
-        raise ValueError(f"patch_probe takes 'count' or 'entries' with the slot table, got {patch_probe!r}, "
+    if patch_probe not in ("", "count", "entries", "hidden") or (patch_probe and not use_slots):
+        raise ValueError(f"patch_probe takes 'count', 'entries' or 'hidden' with the slot table, got {patch_probe!r}, "
                          f"use_slots={use_slots}")
     if prefetch_slots >= SLOT_ALIGN:  # a row holds at least SLOT_ALIGN entries, the count included
         raise ValueError(f"prefetch_slots must be below {SLOT_ALIGN} (the least row of the slot table), got "
@@ -822,6 +824,8 @@ def _ptx_decode(dec_layout, shape, use_slots: bool, col_offset: int = 0, mma: bo
 
             zero = arith.constant(index, 0)
             count = memref.load(slot_ref, [zero, zero])
+            if patch_probe == "hidden":  # timing only: 0 for every count the table holds, unknown to the compiler
+                count = arith.shrui(count, mgpu_utils.c(31, i32))
 
             def load_entry(e, skip=0):  # entry e (an i32 loop index) past the first `skip`; the count is first
                 return memref.load(slot_ref, [zero, arith.addi(arith.index_cast(index, e),
@@ -1105,12 +1109,13 @@ def _kernel_call(x, operands, *, k: int, n: int, mp: int, block_k: int, split: i
     if decode not in ("auto", "jnp", "ptx"):
         raise ValueError(f"decode must be 'auto', 'jnp' or 'ptx', got {decode!r}")
     ptx_decode, ptx_slots = None, False
-    probes = {"patch_count": "count", "patch_entries": "entries"}  # diagnostic -> `_ptx_decode`'s patch_probe
+    # diagnostic -> `_ptx_decode`'s patch_probe
+    probes = {"patch_count": "count", "patch_entries": "entries", "patch_hidden": "hidden"}
     ptx_able = planes != "wgmma" and diagnostic in ("", "no_patch", "ptx_load_only", *probes)
     if decode == "ptx" and not ptx_able:
         raise NotImplementedError(f"decode='ptx' takes planes 'upcast' or 'packed' and diagnostic '', "
-                                  f"'no_patch', 'ptx_load_only', 'patch_count' or 'patch_entries', got {planes!r}, "
-                                  f"{diagnostic!r}")
+                                  f"'no_patch', 'ptx_load_only' or a patch probe ({', '.join(probes)}), got "
+                                  f"{planes!r}, {diagnostic!r}")
     if diagnostic in probes and (interpret or decode == "jnp" or not w12 or not use_slots):
         raise ValueError(f"diagnostic={diagnostic!r} times the PTX decode's patch path: W12 with the slot table, "
                          f"compiled, decode 'auto'/'ptx'")
@@ -1614,7 +1619,8 @@ def w12_mosaic_partials(x: jax.Array, w: W12NK, block_k: int | None = None, spli
     path's loads with one XOR per output word instead of its decode, "copies_only" streams the planes but
     never loads them (the A tile is a constant): the cost of the copies alone; "patch_count" and
     "patch_entries" keep the patch path's count load, and for the latter its loop and entry loads, without
-    compares (`_ptx_decode`'s patch_probe; W12 with the slot table, compiled).
+    compares; "patch_hidden" keeps all of the patch path and runs it with a count of 0 the compiler cannot
+    see (`_ptx_decode`'s patch_probe; W12 with the slot table, compiled).
     owner_branch (default; PTX decode with the slot table): an exception's compares run only in the threads
     that hold its row (`_ptx_decode`); off, every thread compares every register with every exception.
     subtile: a step of block_k > 64 half-rows is copied whole but decoded and multiplied as 64-row
@@ -1652,7 +1658,7 @@ def w12_mosaic_partials(x: jax.Array, w: W12NK, block_k: int | None = None, spli
     block_k = block_k or w.slot_k or default_block_k(k, n)
     if (exceptions not in ("auto", "csr")
             or diagnostic not in ("", "no_patch", "load_only", "ptx_load_only", "copies_only", "patch_count",
-                                  "patch_entries")
+                                  "patch_entries", "patch_hidden")
             or planes not in ("auto", "upcast", "wgmma", "packed")):
         raise ValueError(f"unknown exceptions={exceptions!r}, diagnostic={diagnostic!r} or planes={planes!r}")
     x_p, m, mp = _prepare_x(x, k, n, block_k, mp, pad_x, interpret, fold=fold_x and not w.adjacent)

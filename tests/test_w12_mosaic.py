@@ -660,7 +660,7 @@ def test_lowers_for_cuda(k, n):
             text = fn.trace(s((m, k), jnp.bfloat16), nk).lower(lowering_platforms=("cuda",)).as_text()
             assert "mosaic_gpu" in text
         for diagnostic in ("no_patch", "load_only", "ptx_load_only", "copies_only", "patch_count",
-                           "patch_entries"):  # the bench's diagnostics
+                           "patch_entries", "patch_hidden"):  # the bench's diagnostics
             if diagnostic.startswith("patch_") and not slot_k:
                 continue  # the patch path's probes take the slot table
             fn = jax.jit(functools.partial(mk.w12_mosaic_partials, diagnostic=diagnostic))
@@ -702,6 +702,7 @@ def test_lowers_for_cuda(k, n):
                                  dict(diagnostic="ptx_load_only"), dict(decode="ptx", prefetch_slots=2),
                                  dict(decode="ptx", row_branch=True), dict(decode="ptx", out_rows=True),
                                  dict(diagnostic="patch_count"), dict(diagnostic="patch_entries", row_branch=True),
+                                 dict(diagnostic="patch_hidden", row_branch=True),
                                  dict(decode="ptx", split=4, sum_splits_in_kernel=True, out_rows=True),
                                  dict(decode="ptx", prefetch_slots=2, row_branch=True),
                                  *([dict(decode="ptx", split=4, copy_steps=2)] if xor else [])):
