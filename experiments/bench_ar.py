@@ -502,6 +502,10 @@ def parse_prefetch(spec: str) -> dict[str, tuple[float, int]]:
 PREFETCH_NAMES = ("o", "gate_up", "down", "qkv", "lm_head")
 
 
+def _as_lists(prefetch: dict) -> dict:  # ar_variants.PREFETCH as JSON writes it
+    return {k: list(v) for k, v in prefetch.items()}
+
+
 def main(argv=None) -> dict:
     args = parse_args(argv)
     cfg = SHAPES[args.shape]
@@ -516,7 +520,7 @@ def main(argv=None) -> dict:
               "w12_copy_steps": args.w12_copy_steps or "default",
               "qkv_barrier": args.qkv_barrier, "gen_repeats": args.gen_repeats,
               "barrier_after": list(args.barrier_after),
-              "l2_prefetch": {k: list(v) for k, v in args.l2_prefetch.items()},
+              "l2_prefetch": _as_lists(args.l2_prefetch),
               "l2_prefetch_ab": args.l2_prefetch_ab, "variants": {}}
 
     def save():
@@ -607,7 +611,7 @@ def main(argv=None) -> dict:
         except Exception as e:  # noqa: BLE001 - one failing variant must not lose the others' numbers
             rec = {"error": repr(e)[:2000]}
         record["variants"][key] = {"variant": dataclasses.asdict(v), "weights": fmt,
-                                   "l2_prefetch": {k: list(x) for k, x in ar_variants.PREFETCH.items()}, **rec}
+                                   "l2_prefetch": _as_lists(ar_variants.PREFETCH), **rec}
         print(format_row(key, rec), flush=True)
         save()
         later = {param_key(n, f) for n, f, _ in runs[i + 1:]}

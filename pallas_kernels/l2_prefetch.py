@@ -69,12 +69,18 @@ def _as_rows(a: jax.Array, fraction: float, segments: int) -> tuple[jax.Array, t
     return a.reshape(rows, ROW_BYTES // a.dtype.itemsize), (seg_rows, want, box, math.ceil(want / box))
 
 
-def box_starts(plan: tuple[int, int, int, int], segments: int) -> list[int]:
-    """The first row of every box a plan prefetches, in issue order: boxes of `box` rows from each segment's
-    start, the last one ending at the wanted rows' end (it may overlap the one before; a row prefetched twice
-    costs nothing more)."""
+def box_row(i, plan: tuple[int, int, int, int], minimum=min):
+    """The first row of box `i` of a plan (`i` and `minimum` Python ints and `min`, or traced values and
+    `jnp.minimum` in the kernel): boxes of `box` rows from each segment's start, the last one of a segment
+    ending at its wanted rows' end (it may overlap the one before; a row prefetched twice costs nothing more)."""
     seg_rows, want, box, per_segment = plan
-    return [s * seg_rows + min(r * box, want - box) for s in range(segments) for r in range(per_segment)]
+    s, r = i // per_segment, i % per_segment
+    return s * seg_rows + minimum(r * box, want - box)
+
+
+def box_starts(plan: tuple[int, int, int, int], segments: int) -> list[int]:
+    """The first row of every box a plan prefetches, in issue order (`box_row` of each)."""
+    return [box_row(i, plan) for i in range(segments * plan[3])]
 
 
 TOKEN = 128  # int32 zeros the kernel writes (one warpgroup's lanes)
@@ -95,15 +101,13 @@ def _kernel(after_ref, *refs, plans, segments):
         plgpu.copy_smem_to_gmem(zeros, token_ref)
         plgpu.wait_smem_to_gmem(0)
 
-    for w_ref, (seg_rows, want, box, per_segment) in zip(w_refs, plans):
+    for w_ref, plan in zip(w_refs, plans):
         for j in range(BOXES_PER_PROGRAM):
             i = pid * BOXES_PER_PROGRAM + j  # the box's place in `box_starts`' order
 
-            @pl.when(i < segments * per_segment)
+            @pl.when(i < segments * plan[3])
             def _():
-                s, r = i // per_segment, i % per_segment
-                row = s * seg_rows + jnp.minimum(r * box, want - box)
-                plgpu.async_prefetch(w_ref.at[pl.ds(row, box)])
+                plgpu.async_prefetch(w_ref.at[pl.ds(box_row(i, plan, jnp.minimum), plan[2])])
 
 
 def prefetch_l2(weights, after: jax.Array, *, fraction: float = 1.0, segments: int = 1,
