@@ -422,7 +422,9 @@ def profile_table(paths: list[str], w12_variant: dict | None = None, twin_varian
                 cells[r["shape"], r["m"], r["impl"]] = (r["us_per_matrix"], busy, top.get("us_median", math.nan))
     out = ["| shape | M | wall: XLA / twin / W12 (us) | busy: XLA / twin / W12 (us) | kernel: XLA / twin / W12 (us) "
            "| W12 vs best bf16, busy | kernel |", "| --- | ---: | --- | --- | --- | ---: | ---: |"]
-    shapes = [s for s in QWEN3_8B if any(key[0] == s for key in cells)]
+    named = {key[0] for key in cells}  # Qwen3-8B's in their order, then --shapes' (KxN) in the records' order
+    shapes = [s for s in QWEN3_8B if s in named] + list(dict.fromkeys(
+        key[0] for key in cells if key[0] not in QWEN3_8B))
     for name in shapes:
         for m in sorted({key[1] for key in cells if key[0] == name}):
             got = [cells.get((name, m, i)) for i in ("xla_bf16", "twin_mg", "w12_mg")]

@@ -329,6 +329,10 @@ def test_bench_profile_table(tmp_path, capsys):
     # --table-w12 picks a recorded W12 variant against the default twin
     table = bench_w12.profile_table([str(path)], {"subtile": True})
     assert table[2:] == ["| q/o | 1 | 16.0 / 15.0 / 1.0 | 15.0 / 14.0 / 1.0 | 12.0 / 10.0 / 1.0 | 14.00x | 10.00x |"]
+    # shapes given by --shapes (named KxN) follow Qwen3-8B's, in the records' order
+    other = [{**r, "shape": "4096x24576"} for r in rec["rows"][:3]]
+    path.write_text(json.dumps({"rows": other + rec["rows"][:3]}))
+    assert [line.split(" | ")[0] for line in bench_w12.profile_table([str(path)])[2:]] == ["| q/o", "| 4096x24576"]
     # the closing summary never takes a diagnostic variant (wrong values) as the best W12, nor its
     # inexact check as the row's
     diag = {**row("w12_mg", 0.5, 1.0, 1.0, {"diagnostic": "copies_only"}), "bit_exact": False}
