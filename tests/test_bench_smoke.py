@@ -154,6 +154,7 @@ def test_kernel_summary_times_each_call_of_a_step(tmp_path, bench_ar):
         "b": {"calls": 1, "us_median": 2.0, "us_per_step": 2.0}}
 
 
+@pytest.mark.slow  # about 90 s in the interpreter; twin_params' bits: test_w12_mosaic
 def test_bench_ar_tiled_twin_rows(bench_ar, tmp_path):
     """--weights ...,twin: the bf16 weights tiled once for the Mosaic kernel's twin (`w12.TwinNK`) give a bf16
     row with W12's kernel structure; the @w12 row equals it bit for bit, as it equals the per-call twin

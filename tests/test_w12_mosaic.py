@@ -125,6 +125,7 @@ class _MosaicCases:
         with pytest.raises(NotImplementedError, match="takes fold_x=False or adjacent"):
             mk.bf16_mosaic_partials(x, w_t, pad_x=False, fold_x=True, interpret=self.interpret)
 
+    @pytest.mark.slow  # an option the runs leave off; 10-30 s in the interpreter
     def test_sums_stored_row_by_row_keep_the_bits(self):
         """`out_rows`: each program stores its sums transposed, [S, Mp, N] raw: the default raw output
         transposed, bit for bit, for W12 (the runs' planes; Inf / NaN exceptions) and the twin, with splits,
@@ -316,6 +317,7 @@ class _MosaicCases:
             mk.w12_mosaic_partials(x, mk.to_nk(enc, block_k=128, pack=False), subtile=True, interpret=ip)
 
 
+    @pytest.mark.slow  # an option the runs leave off; 10-30 s in the interpreter
     def test_wide_swizzle_equals_the_twin_at_64(self):
         """wide_swizzle: 128-row steps copied as tiles with 128-byte rows (the 128-byte swizzle) and each
         decoded in two 64-column halves give the twin's products at block_k 64 (same split) bit for bit:
@@ -383,6 +385,7 @@ class _MosaicCases:
         with pytest.raises(ValueError, match="xor_chunks stores tiled planes of steps of 64"):
             mk.to_nk(enc, block_k=128, tiled=True, xor_chunks=True)
 
+    @pytest.mark.slow  # an option the runs leave off; 10-30 s in the interpreter
     def test_copy_steps_bit_identical_to_bf16_twin(self):
         """`copy_steps` (2 or 4 consecutive steps of tiled chunk-ordered planes, and their x tiles, in one copy;
         each step's slot row its own copy) gives the single-step twin's bits: Inf / NaN / huge / subnormal
@@ -638,8 +641,8 @@ def test_errors():
 
 
 @pytest.mark.skipif(not _cuda_lowering_available(), reason="GPU-free cuda lowering unavailable")
-@pytest.mark.parametrize("k,n", [(4096, 1024)] + [  # one shape by default; the others 30-45 s each: slow
-    pytest.param(k, n, marks=pytest.mark.slow) for k, n in ((4096, 4096), (4096, 12288), (12288, 4096))])
+@pytest.mark.parametrize("k,n", [(1024, 1024)] + [  # one small shape by default; the real ones 30-60 s each: slow
+    pytest.param(k, n, marks=pytest.mark.slow) for k, n in ((4096, 1024), (4096, 4096), (4096, 12288), (12288, 4096))])
 def test_lowers_for_cuda(k, n):
     """GPU-free check that the W12 kernel and its twin lower to Mosaic GPU at every M class (Mp 16/32/64)."""
     s = jax.ShapeDtypeStruct
@@ -693,22 +696,6 @@ def test_lowers_for_cuda(k, n):
                     fn = jax.jit(functools.partial(mk.w12_mosaic_partials, subtile=True, wide_swizzle=True, **opts))
                     assert "mosaic_gpu" in fn.trace(s((m, k), jnp.bfloat16), wide).lower(
                         lowering_platforms=("cuda",)).as_text()
-        for m in (1, 16, 64):  # plane tiles copied plain (neither tiled nor swizzled), stored tile by tile or not
-            if slot_k:
-                for tiled, xor in ((False, False), (True, False), (True, True)):  # xor: `chunk_order`
-                    pnk = dataclasses.replace(nk, mma_order=True, tiled=tiled, xor_chunks=xor, packed=s(
-                        (n * (k // 2 // 64), 3 * 64) if tiled else (n, 3 * k // 2), jnp.int8))
-                    for opts in (dict(decode="ptx"), dict(diagnostic="copies_only"),
-                                 dict(diagnostic="ptx_load_only"), dict(decode="ptx", prefetch_slots=2),
-                                 dict(decode="ptx", row_branch=True), dict(decode="ptx", out_rows=True),
-                                 dict(diagnostic="patch_count"), dict(diagnostic="patch_entries", row_branch=True),
-                                 dict(diagnostic="patch_hidden", row_branch=True),
-                                 dict(decode="ptx", split=4, sum_splits_in_kernel=True, out_rows=True),
-                                 dict(decode="ptx", prefetch_slots=2, row_branch=True),
-                                 *([dict(decode="ptx", split=4, copy_steps=2)] if xor else [])):
-                        fn = jax.jit(functools.partial(mk.w12_mosaic_partials, plain_planes=True, **opts))
-                        assert "mosaic_gpu" in fn.trace(s((m, k), jnp.bfloat16), pnk).lower(
-                            lowering_platforms=("cuda",)).as_text()
         for m in (1, 16, 64):  # planes stored tile by tile, bases copied alongside the pipeline; the tiled twin
             if slot_k:
                 fn = jax.jit(functools.partial(mk.w12_mosaic_partials, decode="ptx", early_base=True))
@@ -736,6 +723,44 @@ def test_lowers_for_cuda(k, n):
         fn = jax.jit(functools.partial(mk.bf16_mosaic_partials, a_operand=a_operand))
         text = fn.trace(s((m, k), jnp.bfloat16), s((n, k), jnp.bfloat16)).lower(lowering_platforms=("cuda",)).as_text()
         assert "mosaic_gpu" in text
+
+
+@pytest.mark.skipif(not _cuda_lowering_available(), reason="GPU-free cuda lowering unavailable")
+@pytest.mark.parametrize("every_option", [False, pytest.param(True, marks=pytest.mark.slow)])
+def test_lowers_for_cuda_with_plain_planes(every_option):
+    """Plane tiles copied plain (neither tiled nor swizzled), stored tile by tile or not, lower to Mosaic GPU at
+    every M class: by default the runs' options (tiled, chunk-ordered, `row_branch`); with every_option
+    (slow: about 100 lowerings) every storage and every option and diagnostic the bench times."""
+    s = jax.ShapeDtypeStruct
+    k, n = 1024, 1024
+    st = _w12_struct(k, n)
+    nk = mk.W12NK(sm_t=s((n, k), jnp.int8), nib_t=s((n, k // 2), jnp.uint8), base7=s((n,), jnp.int32),
+                  exc_ptr=st.exc_ptr, exc_row=st.exc_row, exc_col=st.exc_col, exc_val=st.exc_val,
+                  slots=s((n // mk.BN * (k // 2 // 64), mk.SLOT_ALIGN), jnp.int32),
+                  packed=s((n, 3 * k // 2), jnp.int8), shape=(k, n),
+                  group_n=w12.DEFAULT_GROUP_N, group_k=w12.DEFAULT_GROUP_K, n_groups_k=st.n_groups_k, slot_k=64)
+    lowered = 0
+    for m in (1, 16, 64):
+        for tiled, xor in ((False, False), (True, False), (True, True)):  # xor: `chunk_order`
+            if not every_option and not (tiled and xor):
+                continue
+            pnk = dataclasses.replace(nk, mma_order=True, tiled=tiled, xor_chunks=xor, packed=s(
+                (n * (k // 2 // 64), 3 * 64) if tiled else (n, 3 * k // 2), jnp.int8))
+            options = [dict(decode="ptx", row_branch=True)] + ([] if not every_option else [
+                dict(decode="ptx"), dict(diagnostic="copies_only"),
+                dict(diagnostic="ptx_load_only"), dict(decode="ptx", prefetch_slots=2),
+                dict(decode="ptx", out_rows=True),
+                dict(diagnostic="patch_count"), dict(diagnostic="patch_entries", row_branch=True),
+                dict(diagnostic="patch_hidden", row_branch=True),
+                dict(decode="ptx", split=4, sum_splits_in_kernel=True, out_rows=True),
+                dict(decode="ptx", prefetch_slots=2, row_branch=True),
+                *([dict(decode="ptx", split=4, copy_steps=2)] if xor else [])])
+            for opts in options:
+                fn = jax.jit(functools.partial(mk.w12_mosaic_partials, plain_planes=True, **opts))
+                assert "mosaic_gpu" in fn.trace(s((m, k), jnp.bfloat16), pnk).lower(
+                    lowering_platforms=("cuda",)).as_text()
+                lowered += 1
+    assert lowered == (102 if every_option else 3)
 
 
 @pytest.mark.skipif(not _cuda_lowering_available(), reason="GPU-free cuda lowering unavailable")
@@ -910,6 +935,7 @@ def test_twin_tiled_once_pairs_as_the_twin(monkeypatch):
         w12.linear(jnp.zeros((65, k), jnp.bfloat16), tw["layers"][0]["q"], interpret=True)
 
 
+@pytest.mark.slow  # an option the runs leave off; 10-30 s in the interpreter
 def test_runs_with_splits_summed_in_the_kernel_pair_as_their_twin(monkeypatch):
     """With `w12_mosaic.SUM_SPLITS_IN_KERNEL` on, runs multiply through the in-kernel split sum, the twin
     alike: the same bits as each other and as the XLA-summed default."""
@@ -962,6 +988,7 @@ def test_runs_with_tiled_planes_and_early_bases_pair_as_their_twin(monkeypatch, 
     assert_same_bits(got, default)
 
 
+@pytest.mark.slow  # an option the runs leave off; 10-30 s in the interpreter
 def test_runs_with_copy_steps_pair_as_their_twin(monkeypatch):
     """With `w12_mosaic.COPY_STEPS`, runs copy that many steps at once where the count divides a program's
     steps (else one): the bits of single steps and of the twin (one split here, so 4 steps per program)."""
@@ -981,6 +1008,7 @@ def test_runs_with_copy_steps_pair_as_their_twin(monkeypatch):
     assert_same_bits(w12.linear(x, wq, out_dtype=jnp.float32, interpret=True), single)
 
 
+@pytest.mark.slow  # an option the runs leave off; 10-30 s in the interpreter
 def test_runs_with_wide_swizzle_pair_as_their_twin(monkeypatch):
     """With `w12_mosaic.WIDE_SWIZZLE` on, runs pack at steps of 128 and decode them in 64-column halves from
     128-byte-swizzled tiles, and the twin runs at 64 with W12's split: the same bits as each other, and
