@@ -26,3 +26,19 @@ def tiny_params():
 
 def replace(cfg, **kw):
     return dataclasses.replace(cfg, **kw)
+
+
+def pytest_collection_modifyitems(config, items):
+    """Tests marked gpu are skipped where jax has no GPU. `-m slow` (or any -m) replaces the default
+    `not slow and not gpu` selection, so a GPU test that is also slow would otherwise run on a CPU and fail."""
+    gpu_items = [item for item in items if item.get_closest_marker("gpu")]
+    if not gpu_items:
+        return
+    try:
+        has_gpu = bool(jax.devices("gpu"))
+    except RuntimeError:
+        has_gpu = False
+    if not has_gpu:
+        skip = pytest.mark.skip(reason="needs a CUDA GPU (jax finds none)")
+        for item in gpu_items:
+            item.add_marker(skip)
