@@ -640,6 +640,18 @@ def test_errors():
         mk.w12_mosaic_partials(x[:4], enc, interpret=True, diagnostic="ptx_load_only")
 
 
+def _nk_struct(k: int, n: int, st, slot_k: int):
+    """A [K, N] weight's N-major planes (`mk.W12NK`) as shape structs for lowering, steps of 64 half-rows in the
+    slot table (`slot_k` 64) or CSR lists only (0); `st`: the row-major struct's (`_w12_struct`) exceptions."""
+    s = jax.ShapeDtypeStruct
+    return mk.W12NK(sm_t=s((n, k), jnp.int8), nib_t=s((n, k // 2), jnp.uint8), base7=s((n,), jnp.int32),
+                    exc_ptr=st.exc_ptr, exc_row=st.exc_row, exc_col=st.exc_col, exc_val=st.exc_val,
+                    slots=s((n // mk.BN * (k // 2 // 64), mk.SLOT_ALIGN), jnp.int32),
+                    packed=s((n, 3 * k // 2), jnp.int8), shape=(k, n),
+                    group_n=w12.DEFAULT_GROUP_N, group_k=w12.DEFAULT_GROUP_K, n_groups_k=st.n_groups_k,
+                    slot_k=slot_k)
+
+
 @pytest.mark.skipif(not _cuda_lowering_available(), reason="GPU-free cuda lowering unavailable")
 @pytest.mark.parametrize("k,n", [(1024, 1024)] + [  # one small shape by default; the real ones 30-60 s each: slow
     pytest.param(k, n, marks=pytest.mark.slow) for k, n in ((4096, 1024), (4096, 4096), (4096, 12288), (12288, 4096))])
@@ -648,12 +660,7 @@ def test_lowers_for_cuda(k, n):
     s = jax.ShapeDtypeStruct
     st = _w12_struct(k, n)
     for slot_k in (0, 64):  # the CSR lists; the slot table
-        nk = mk.W12NK(sm_t=s((n, k), jnp.int8), nib_t=s((n, k // 2), jnp.uint8), base7=s((n,), jnp.int32),
-                      exc_ptr=st.exc_ptr, exc_row=st.exc_row, exc_col=st.exc_col, exc_val=st.exc_val,
-                      slots=s((n // mk.BN * (k // 2 // 64), mk.SLOT_ALIGN), jnp.int32),
-                      packed=s((n, 3 * k // 2), jnp.int8), shape=(k, n),
-                      group_n=w12.DEFAULT_GROUP_N, group_k=w12.DEFAULT_GROUP_K, n_groups_k=st.n_groups_k,
-                      slot_k=slot_k)
+        nk = _nk_struct(k, n, st, slot_k)
         for m, planes, a_operand in ((1, "upcast", "registers"), (32, "upcast", "registers"),
                                      (64, "upcast", "registers"), (1, "wgmma", "registers"), (16, "upcast", "smem"),
                                      (1, "packed", "registers")):
@@ -733,12 +740,7 @@ def test_lowers_for_cuda_with_plain_planes(every_option):
     (slow: about 100 lowerings) every storage and every option and diagnostic the bench times."""
     s = jax.ShapeDtypeStruct
     k, n = 1024, 1024
-    st = _w12_struct(k, n)
-    nk = mk.W12NK(sm_t=s((n, k), jnp.int8), nib_t=s((n, k // 2), jnp.uint8), base7=s((n,), jnp.int32),
-                  exc_ptr=st.exc_ptr, exc_row=st.exc_row, exc_col=st.exc_col, exc_val=st.exc_val,
-                  slots=s((n // mk.BN * (k // 2 // 64), mk.SLOT_ALIGN), jnp.int32),
-                  packed=s((n, 3 * k // 2), jnp.int8), shape=(k, n),
-                  group_n=w12.DEFAULT_GROUP_N, group_k=w12.DEFAULT_GROUP_K, n_groups_k=st.n_groups_k, slot_k=64)
+    nk = _nk_struct(k, n, _w12_struct(k, n), 64)
     lowered = 0
     for m in (1, 16, 64):
         for tiled, xor in ((False, False), (True, False), (True, True)):  # xor: `chunk_order`
