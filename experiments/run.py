@@ -1,10 +1,14 @@
-"""Run one deployment with every configured method: `python experiments/run.py target=... gpu=...`.
+"""Run one deployment with every plan of its run: `python experiments/run.py target=... gpu=...`.
 
-Hydra composes `conf/config.yaml`; sweeps use multirun (`-m bench.batch_size=1,4,8`). Results go to
-`results.jsonl` / `results.csv` in the run's output directory, and a table is printed.
+Hydra composes `conf/config.yaml`; sweeps use multirun (`-m decoding.plans.stock.block_size=4,8,16`).
+Results go to `results.jsonl` / `results.csv` in the run's output directory, and a table is printed.
+A run that fails prints its error in one line (the traceback with HYDRA_FULL_ERROR=1) and leaves no
+output folder of its own behind.
 """
 
 import logging
+import os
+import shutil
 import sys
 from pathlib import Path
 
@@ -12,20 +16,36 @@ import hydra
 from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout without install
-
-from specpilot import config_schema, runner  # noqa: E402
+from specpilot.harness import config_schema, runner
 
 config_schema.register()
 for noisy in ("jax._src.xla_bridge", "absl", "orbax"):  # "no TPU" and per-checkpoint INFO lines
     logging.getLogger(noisy).setLevel(logging.WARNING)
 
 
+def _discard_if_empty(folder: Path) -> None:
+    """Remove a run's output folder if it holds nothing but Hydra's own bookkeeping."""
+    if folder.is_dir() and all(p.name in (".hydra", "run.log") for p in folder.iterdir()):
+        shutil.rmtree(folder, ignore_errors=True)
+
+
 @hydra.main(version_base=None, config_path="../conf", config_name="config")
 def main(cfg: DictConfig) -> None:
-    cfg = config_schema.typed(cfg)
-    out_dir = cfg.output_dir or HydraConfig.get().runtime.output_dir
-    records = runner.run(cfg, out_dir)
+    hydra_dir = Path(HydraConfig.get().runtime.output_dir)
+    out_dir = None
+    try:
+        cfg = config_schema.typed(cfg)
+        out_dir = cfg.output_dir or str(hydra_dir)
+        records = runner.run(cfg, out_dir)
+    except Exception as e:
+        _discard_if_empty(hydra_dir)
+        if out_dir is not None:
+            _discard_if_empty(Path(out_dir))
+        if os.environ.get("HYDRA_FULL_ERROR") == "1":
+            raise
+        print(f"error: {type(e).__name__}: {e}", file=sys.stderr)
+        print("(set HYDRA_FULL_ERROR=1 for the traceback)", file=sys.stderr)
+        sys.exit(1)
     print(runner.format_table(records))
     print(f"results: {out_dir}/results.jsonl")
 

@@ -1,5 +1,6 @@
 """Every config composes and types check; impossible values fail with messages naming the key."""
 
+import dataclasses
 from pathlib import Path
 
 import pytest
@@ -7,8 +8,8 @@ from hydra import compose, initialize_config_dir
 from hydra.errors import ConfigCompositionException
 from omegaconf.errors import ValidationError
 
-from specpilot import config_schema
-from specpilot.config_schema import ConfigValueError, typed, validate
+from specpilot.harness import config_schema
+from specpilot.harness.config_schema import ConfigValueError, build_plans, typed, validate
 
 CONF = Path(__file__).resolve().parents[1] / "conf"
 config_schema.register()
@@ -31,7 +32,7 @@ def _fixups(group, option):
         if "w12" in option:
             extra.append("target.dtype=bfloat16")  # the 12-bit format encodes bf16 weights
         if "twin" in option:
-            extra.append("gpu.kernel_backend=mosaic")  # the bf16 twin is the Mosaic kernel's
+            extra.append("target.dtype=bfloat16")  # the Mosaic kernel's bf16 twin multiplies bf16 weights
         return extra
     return []
 
@@ -61,36 +62,128 @@ def test_every_option_composes(group):
     ("drafter.block_size=0", "drafter.block_size"),
     ("bench.batch_size=8", "bench.batch_size"),
     ("bench.cache_len=16", "bench.cache_len"),
-    ("decoding.methods=[ar,warp]", "unknown method 'warp'"),
+    ("decoding.plans.stock.verify=warp", "decoding.plans.stock.verify: 'warp' is not one of"),
+    ("decoding.plans.stock.verify=tree", "decoding.plans.stock.verify: 'tree' verification is not implemented yet"),
+    ("decoding.plans.stock.weights=w11", "decoding.plans.stock.weights"),
+    ("decoding.plans.stock.block_size=1", "decoding.plans.stock.block_size"),
+    ("decoding.plans.stock.batching=continuous", "decoding.plans.stock.batching"),
+    ("decoding.plans.stock.kernels.matmul.implementation=[cuda]", "decoding.plans.stock.kernels.matmul"),
+    ("decoding.plans.stock.kernels.matmul.implementation=[]", "decoding.plans.stock.kernels.matmul"),
+    ("decoding.plans.stock.weights=w12 target.dtype=float32", "the 12-bit weight format encodes bfloat16"),
     ("target.source=cloud", "target.source"),
     ("target.init=uniform", "target.init"),
     ("drafter=oracle drafter.acceptance_trace=/nonexistent/run", "no results.jsonl"),
-    ("gpu.kernel_backend=cuda", "gpu.kernel_backend"),
+    ("gpu.matmul.w12=[cuda]", "gpu.matmul.w12"),
+    ("gpu.ar_baselines=[[xla],[tpu]]", "gpu.ar_baselines.1"),
+    ("gpu.ar_baselines=[]", "gpu.ar_baselines"),
     ("bench.prompts=poems", "bench.prompts"),
     ("decoding.top_p=1.5", "decoding"),
     ("target=hf", "target.path"),
     ("drafter=embedded", "drafter.source"),
     ("bench=heldout", "bench.prompts"),
     ("decoding=stock", "needs a drafter"),
-    ("decoding=ar_w12_twin target.dtype=bfloat16 gpu.kernel_backend=xla", "ar_twin runs the Mosaic GPU kernel"),
-    ("decoding.methods=[ar,ar_twin] gpu.kernel_backend=mosaic target.dtype=float32", "ar_twin multiplies bfloat16"),
+    ("decoding=ar_w12_twin target.dtype=float32", "the Mosaic GPU kernel multiplies bfloat16 weights"),
+    ("drafter=oracle decoding=stock decoding.plans.stock.block_size=4", "an oracle drafter replays a profile"),
 ])
 def test_impossible_values_fail_clearly(override, match):
+    base = [*TINY, "drafter=random"] if "decoding.plans.stock" in override and "drafter=" not in override else TINY
+    if "decoding.plans.stock" in override and "decoding=" not in override:
+        base = [*base, "decoding=stock"]
     with pytest.raises(ConfigValueError, match=match):
-        validate(_compose(override.split()))
+        validate(_compose(override.split(), base=base))
 
 
 def test_typos_and_wrong_types_fail_at_composition():
     with pytest.raises(ConfigCompositionException):
         _compose(["bench.new_tokenz=5"])
+    # Hydra's own suggestion after a typo (`+key`) bypasses the group schema: typed() still refuses it
+    with pytest.raises(ConfigValueError, match="blok_size"):
+        _compose(["+drafter.blok_size=8"])
+    with pytest.raises(ConfigValueError, match="wieghts"):
+        _compose(["decoding=stock", "+decoding.plans.stock.wieghts=w12"])
     with pytest.raises((ConfigCompositionException, ValidationError)):
         _compose(["bench.new_tokens=many"])
     with pytest.raises(ConfigCompositionException):
         _compose(["target=qwen9"])
 
 
+PLAN_FLIPS = [  # (override, plan field, value as the Plan holds it)
+    ("decoding.plans.stock.verify=ar", "verify", "ar"),
+    ("decoding.plans.stock.weights=w12", "weights", "w12"),
+    ("decoding.plans.stock.block_size=4", "block_size", 4),
+    ("decoding.plans.stock.kernels.matmul.implementation=[triton,xla]", "kernels.matmul.implementation",
+     ("triton", "xla")),
+    ("+decoding.plans.stock.kernels.matmul.config.block_k=64", "kernels.matmul.config", (("block_k", 64),)),
+    ("decoding.plans.stock.batching=static", "batching", "static"),
+]
+
+
+@pytest.mark.parametrize("override,field,value", PLAN_FLIPS)
+def test_each_plan_field_flips_from_the_command_line(override, field, value):
+    """One override changes one field of one plan, and nothing else of the run's plans."""
+    base = [*TINY, "drafter=random", "decoding=stock", "target.dtype=bfloat16"]
+    before = {p.name: p for p in build_plans(_compose(base=base))}
+    cfg = _compose([override], base=base)
+    validate(cfg)
+    after = {p.name: p for p in build_plans(cfg)}
+    # a stock plan flipped to verify=ar is itself XLA's bf16 ar plan: the baseline is not added twice
+    assert set(after) == (set(before) - {"ar"} if field == "verify" else set(before))
+    got = after["stock"]
+    for part in field.split("."):
+        got = getattr(got, part)
+    assert got == value
+    for name in after:
+        if name != "stock":
+            assert after[name] == before[name]
+    changed = [f.name for f in dataclasses.fields(before["stock"])
+               if getattr(before["stock"], f.name) != getattr(after["stock"], f.name)]
+    if field == "verify":  # an ar plan verifies one token: its block size follows
+        assert set(changed) == {"verify", "block_size"}
+    elif field != "batching":  # static is the default: nothing changes
+        assert changed == [field.split(".")[0]]
+
+
+def test_ar_baselines_are_the_devices_candidates_and_plans_can_be_one():
+    """gpu.ar_baselines adds a bf16 ar plan per implementation unless the run's plans already hold it."""
+    plans = build_plans(_compose(["gpu=h200", "target.dtype=bfloat16"], base=[*TINY, "drafter=random", "decoding=stock"]))
+    assert [(p.name, p.kernels.matmul.implementation) for p in plans] == [
+        ("ar", ("xla",)), ("ar_mosaic", ("mosaic", "xla")), ("stock", ("xla",))]
+    plans = build_plans(_compose(["gpu=h200", "decoding=ar_w12_twin", "target.dtype=bfloat16"]))
+    assert [p.name for p in plans] == ["ar", "ar_twin", "ar_w12"]
+    assert plans[2].kernels.matmul.implementation == ("mosaic", "xla")  # the gpu's default for w12 weights
+    # no Mosaic candidate for a float32 target (the kernel multiplies bf16 weights)
+    plans = build_plans(_compose(["gpu=h200"], base=[*TINY, "drafter=random", "decoding=stock"]))
+    assert [p.name for p in plans] == ["ar", "stock"]
+
+
+def test_reserved_plan_fields_fail_naming_the_field():
+    from specpilot import plan as plan_mod
+
+    kw = dict(drafter_block_size=4, default_matmul={"bf16": ["xla"], "w12": ["xla"]})
+    with pytest.raises(plan_mod.PlanError, match="decoding.plans.t.tree: tree shapes belong to tree verification"):
+        plan_mod.build("t", {"verify": "chain", "tree": {"nodes": 8, "depth": 3, "branching": 2}}, **kw)
+    with pytest.raises(plan_mod.PlanError, match="decoding.plans.t.verify: 'two_level' verification is not"):
+        plan_mod.build("t", {"verify": "two_level"}, **kw)
+    with pytest.raises(plan_mod.PlanError, match="decoding.plans.t.block_size: a chain plan needs a drafter"):
+        plan_mod.build("t", {"verify": "chain"}, drafter_block_size=None, default_matmul=kw["default_matmul"])
+    p = plan_mod.build("t", {"verify": "chain", "weights": "w12"}, **kw)
+    assert hash(p) == hash(plan_mod.build("t", {"verify": "chain", "weights": "w12"}, **kw))  # frozen, hashable
+
+
+def test_multirun_sweeps_one_plan_axis():
+    """A multirun over one plan field composes one config per value (Hydra's sweeper expands the axis)."""
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+
+    parser = OverridesParser.create()
+    (sweep,) = parser.parse_overrides(["decoding.plans.stock.block_size=4,8,16"])
+    values = list(sweep.sweep_iterator())
+    blocks = [build_plans(_compose([f"decoding.plans.stock.block_size={v}"],
+                                   base=[*TINY, "drafter=random", "decoding=stock"]))[-1].block_size for v in values]
+    assert blocks == [4, 8, 16]
+
+
 def test_heads_not_dividing_fail_clearly():
-    from specpilot.deploy import build_target
+    from specpilot.harness.deploy import build_target
     from specpilot.models.config import ConfigError
 
     cfg = _compose(["target.model.num_key_value_heads=3"])

@@ -2,7 +2,7 @@
 
 import pytest
 
-from specpilot import costmodel
+from specpilot.harness import costmodel
 from specpilot.models.config import ModelConfig
 
 QWEN3_8B = ModelConfig(vocab_size=151936, hidden_size=4096, intermediate_size=12288, num_layers=36,

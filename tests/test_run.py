@@ -148,12 +148,12 @@ def test_every_experiment_smoke_runs_at_a_tiny_shape(experiment, tmp_path):
 
 @pytest.mark.slow
 def test_w12_through_the_mosaic_kernel_is_checked_by_forcing(tmp_path):
-    """gpu.kernel_backend=mosaic: the 12-bit methods run their linear layers through the Mosaic GPU kernel
+    """gpu.matmul.w12=[mosaic]: the 12-bit plans run their linear layers through the Mosaic GPU kernel
     (here its interpreter) and match AR position by position."""
     out = tmp_path / "out"
     proc = _run(f"output_dir={out}", "decoding=w12", "target.dtype=bfloat16", "drafter=oracle",
                 "drafter.num_layers=1", "drafter.block_size=4", "drafter.tau=2.5", "bench.num_prompts=1",
-                "bench.new_tokens=6", "gpu.kernel_backend=mosaic", f"hydra.run.dir={tmp_path / 'hydra'}",
+                "bench.new_tokens=6", "gpu.matmul.w12=[mosaic]", f"hydra.run.dir={tmp_path / 'hydra'}",
                 cwd=tmp_path)
     assert proc.returncode == 0, proc.stderr[-3000:]
     records = {r["method"]: r for r in map(json.loads, (out / "results.jsonl").read_text().splitlines())}
@@ -168,7 +168,7 @@ def test_ar_twin_is_checked_by_forcing(tmp_path):
     baseline beside W12's, matches AR position by position, as ar_w12 does."""
     out = tmp_path / "out"
     proc = _run(f"output_dir={out}", "decoding=ar_w12_twin", "target.dtype=bfloat16", "bench.num_prompts=1",
-                "bench.new_tokens=4", "gpu.kernel_backend=mosaic", f"hydra.run.dir={tmp_path / 'hydra'}",
+                "bench.new_tokens=4", "gpu.matmul.w12=[mosaic]", f"hydra.run.dir={tmp_path / 'hydra'}",
                 cwd=tmp_path)
     assert proc.returncode == 0, proc.stderr[-3000:]
     records = {r["method"]: r for r in map(json.loads, (out / "results.jsonl").read_text().splitlines())}
@@ -194,9 +194,8 @@ def test_w12_methods_are_checked_by_forcing(tmp_path):
 
 def test_median_run_keeps_the_middle_run_and_the_faster_of_two():
     """median_run keeps the run with the median decode time; of an even count, the faster middle one."""
-    from specpilot.methods import Method, MethodRun, median_run
+    from specpilot.harness.methods import MethodRun, median_run
 
     for times, kept in (([3.0, 1.0, 2.0], 2.0), ([5.0, 4.0], 4.0), ([4.0, 1.0, 3.0, 2.0], 2.0), ([7.0], 7.0)):
         it = iter(times)
-        m = Method("t", lambda dep: MethodRun([], 0.0, next(it), 1, {}), description="test")
-        assert median_run(m, None, len(times)).decode_s == kept, times
+        assert median_run(lambda: MethodRun([], 0.0, next(it), 1, {}), len(times)).decode_s == kept, times

@@ -463,7 +463,7 @@ def _map_matrices(fn, params: dict, names: tuple[str, ...], lm_head: bool, extra
 
 
 def twin_params(params: dict, names: tuple[str, ...] = LINEAR_NAMES, lm_head: bool = True,
-                extra: tuple[str, ...] = ()) -> dict:
+                extra: tuple[str, ...] = (), keep_untileable: bool = False) -> dict:
     """Dense-model params with the matrices `encode_params(kernel="mosaic")` would encode (the named per-layer
     linear weights, `lm_head`, `extra`) tiled once for the Mosaic kernel's bf16 twin (`TwinNK`): the twin
     path of a run without the per-call tiling of its bf16 weights. Shapes the kernel does not take raise, as
@@ -474,7 +474,12 @@ def twin_params(params: dict, names: tuple[str, ...] = LINEAR_NAMES, lm_head: bo
     def tile(x):
         k, n = x.shape
         steps = w12_mosaic.run_twin_steps(k, n)
-        w12_mosaic.check_shape(k, n, steps["block_k"])
+        try:
+            w12_mosaic.check_shape(k, n, steps["block_k"])
+        except NotImplementedError:
+            if keep_untileable:  # the caller falls through to XLA's dot for this matrix
+                return x
+            raise
         if not w12_mosaic.TILED:
             raise NotImplementedError("twin_params tiles the twin's weights: w12_mosaic.TILED must be on")
         tiles = w12_mosaic.tile_twin(jnp.asarray(x, jnp.bfloat16).T, steps["block_k"], w12_mosaic.ADJACENT)

@@ -1,11 +1,15 @@
-"""Run one deployment with every configured method and write its results.
+"""Run one deployment with every plan of its run and write its results.
 
 Design choices:
-- AR always runs (it is the baseline that defines speedup) even when not listed, and its numbers are
-  measured in the same process as every other method's.
-- Each result record is self-describing: the deployment labels, the method, the device, jax's version,
+- Every plan of the run is measured in one process. The device's AR baseline candidates (bf16 `ar` plans:
+  XLA's step everywhere, bf16 through the Mosaic kernel's twin on the H200) always run, first; "AR" is
+  the fastest of them as measured here, "stock" the chain plan with bf16 weights and default kernels.
+  Records name both, and carry the plan itself.
+- The reference for token forcing (and the tokens an oracle drafter replays) is the first AR candidate,
+  XLA's bf16 step: numerics we did not write a kernel for.
+- Each result record is self-describing: the deployment labels, the plan, the device, jax's version,
   the date, and notes such as "random weights" or "oracle acceptance", which the report repeats.
-- Records go to `results.jsonl` (one per method) and `results.csv` in the output directory.
+- Records go to `results.jsonl` (one per plan; `method` is the plan's name) and `results.csv` in the output directory.
 """
 
 from __future__ import annotations
@@ -22,15 +26,16 @@ import jax
 import numpy as np
 from omegaconf import DictConfig, OmegaConf
 
-from specpilot import costmodel, deploy
-from specpilot.config_schema import validate
-from specpilot.methods import METHODS, median_run
+from specpilot.harness import costmodel, deploy
+from specpilot.harness.config_schema import build_plans, validate
+from specpilot.harness.methods import median_run, run_plan, scorer
+from specpilot.plan import Plan, is_ar_baseline_candidate
 
 log = logging.getLogger(__name__)
 
-CSV_FIELDS = ("target", "drafter", "gpu", "batch_size", "prompts", "new_tokens", "method",
-              "decode_ms_per_token", "tokens_per_s", "prefill_ms", "speedup_vs_ar", "tau",
-              "ceiling_ms_per_token", "pct_of_ceiling", "mismatches", "notes")
+CSV_FIELDS = ("target", "drafter", "gpu", "batch_size", "prompts", "new_tokens", "method", "verify", "weights",
+              "matmul", "block_size", "decode_ms_per_token", "tokens_per_s", "prefill_ms", "speedup_vs_ar",
+              "baseline", "speedup_vs_stock", "tau", "ceiling_ms_per_token", "pct_of_ceiling", "mismatches", "notes")
 
 
 def environment() -> dict:
@@ -39,46 +44,69 @@ def environment() -> dict:
             "python": platform.python_version(), "date": datetime.date.today().isoformat()}
 
 
+def choose_baselines(plans: list[Plan], runs: dict) -> dict[str, str | None]:
+    """AR: the fastest bf16 `ar` plan measured in this run; stock: the chain plan with bf16 weights and the
+    first plan's (the reference's) default kernels, if the run has one."""
+    candidates = [p for p in plans if is_ar_baseline_candidate(p)]
+    ar_name = min(candidates, key=lambda p: runs[p.name].decode_time_per_token).name
+    stock = [p for p in plans if p.verify == "chain" and p.weights == "bf16"
+             and p.kernels == plans[0].kernels]
+    return {"ar": ar_name, "stock": stock[0].name if stock else None}
+
+
 def run(cfg: DictConfig, out_dir: str | Path) -> list[dict]:
     validate(cfg)
+    plans = build_plans(cfg)
     t0 = time.perf_counter()
-    dep = deploy.build(cfg)
+    dep = deploy.build(cfg, plans)
     log.info("deployment %s built in %.1f s", dep.labels, time.perf_counter() - t0)
-    methods = list(dict.fromkeys(["ar", *cfg.decoding.methods]))
     env = environment()
+    reference = plans[0]  # the first AR baseline candidate: its tokens are the reference (oracle, forcing)
     runs = {}
-    for name in methods:  # AR first: its tokens are the reference an oracle drafter replays
-        runs[name] = median_run(METHODS[name], dep, int(cfg.bench.repeats), progress=log.info)
-        if name == "ar":
-            dep.reference_tokens = runs["ar"].tokens
+    for plan in plans:  # AR baselines first: an oracle drafter replays the reference's tokens
+        runs[plan.name] = median_run(lambda: run_plan(dep, plan), int(cfg.bench.repeats), plan.name,
+                                     progress=log.info)
+        if plan is reference:
+            dep.reference_tokens = runs[plan.name].tokens
     forcing = {}
-    for name in runs:
-        if name != "ar":
+    for plan in plans:
+        if plan is not reference:
             t0 = time.perf_counter()
-            forcing[name] = check_by_forcing(METHODS[name], dep, runs["ar"], runs[name],
-                                             float(cfg.decoding.forcing_margin))
-            log.info("%s: token forcing in %.1f s", name, time.perf_counter() - t0)
-    ar_tpot = runs["ar"].decode_time_per_token
+            forcing[plan.name] = check_by_forcing(dep, reference, plan, runs[reference.name], runs[plan.name],
+                                                  float(cfg.decoding.forcing_margin))
+            log.info("%s: token forcing in %.1f s", plan.name, time.perf_counter() - t0)
+    baselines = choose_baselines(plans, runs)
+    ar_tpot = runs[baselines["ar"]].decode_time_per_token
+    stock_tpot = runs[baselines["stock"]].decode_time_per_token if baselines["stock"] else None
     hw = costmodel.Hardware.from_conf(cfg.gpu)
     mean_context = sum(len(p) for p in dep.prompts) / len(dep.prompts) + dep.new_tokens / 2
     ar_floor = costmodel.ar_ceiling_s(hw, dep.cfg, dep.batch_size, int(mean_context))
     records = []
-    for name, r in runs.items():
-        ceiling = method_ceiling_s(name, r, dep, hw, int(mean_context))
+    for plan in plans:
+        r = runs[plan.name]
+        ceiling = plan_ceiling_s(plan, r, dep, hw, int(mean_context))
         rec = dict(dep.labels)
         rec.update(
-            method=name,
+            method=plan.name,
+            verify=plan.verify,
+            weights=plan.weights,
+            matmul="+".join(plan.kernels.matmul.implementation),
+            block_size=plan.block_size,
+            plan=plan.describe(),
+            baseline=baselines["ar"],
+            stock_baseline=baselines["stock"],
             decode_ms_per_token=1e3 * r.decode_time_per_token,
             tokens_per_s=dep.batch_size / r.decode_time_per_token,
             prefill_ms=1e3 * r.prefill_s / max(1, len(dep.batches())),
             speedup_vs_ar=ar_tpot / r.decode_time_per_token,
+            speedup_vs_stock=None if stock_tpot is None else stock_tpot / r.decode_time_per_token,
             ar_ceiling_ms_per_token=1e3 * ar_floor,
             **oracle_fields(dep, r, ar_tpot),
             ceiling_ms_per_token=None if ceiling is None else 1e3 * ceiling,
             pct_of_ceiling=None if ceiling is None else 100 * ceiling / r.decode_time_per_token,
             tau=r.stats.get("tau"),
-            mismatches=forcing[name]["mismatches"] if name in forcing else None,
-            forcing=forcing.get(name),
+            mismatches=forcing[plan.name]["mismatches"] if plan.name in forcing else None,
+            forcing=forcing.get(plan.name),
             notes="; ".join(dep.notes + r.stats.get("notes", [])),
             stats={k: v for k, v in r.stats.items() if k not in ("tau", "mismatches", "notes")},
             config=OmegaConf.to_container(cfg, resolve=True),
@@ -105,20 +133,21 @@ def oracle_fields(dep, r, ar_tpot: float) -> dict:
             "profile_tau": profile_tau, "speedup_at_profile_tau": profile_tau * ar_tpot / step_s}
 
 
-def method_ceiling_s(name: str, r, dep, hw, context: int) -> float | None:
-    """The cost model's floor per output token for this method: AR's step floor, or for speculative
-    methods (draft + verify floors) / measured tau, at the method's bits per weight."""
-    bits = 12.0 if name.endswith("_w12") else 16.0
-    if dep.drafter is None or r.stats.get("tau") is None:
+def plan_ceiling_s(plan: Plan, r, dep, hw, context: int) -> float | None:
+    """The cost model's floor per output token for this plan: AR's step floor, or for speculative plans
+    (draft + verify floors) / measured tau, at the plan's bits per weight."""
+    bits = plan.bits_per_weight
+    if not plan.uses_drafter or r.stats.get("tau") is None:
         return costmodel.ar_ceiling_s(hw, dep.cfg, dep.batch_size, context, bits)
     dcfg = getattr(dep.drafter[0], "inner", dep.drafter[0]).cfg
-    c = costmodel.spec_ceiling_s(hw, dep.cfg, dep.batch_size, context, dep.block_size, float(r.stats["tau"]),
+    c = costmodel.spec_ceiling_s(hw, dep.cfg, dep.batch_size, context, plan.block_size, float(r.stats["tau"]),
                                  dcfg.num_layers, len(dcfg.tap_layers), bits)
     return c["per_token_s"]
 
 
-def check_by_forcing(method, dep, ar_run, run, tie_margin: float) -> dict:
-    """Token forcing against AR: AR's output tokens forced into both AR's and the method's numerics.
+def check_by_forcing(dep, reference: Plan, plan: Plan, ar_run, run, tie_margin: float) -> dict:
+    """Token forcing against the reference AR plan: its output tokens forced into both its and the plan's
+    numerics.
 
     Also counts prompts whose raw output differs from AR's. Greedy only: sampled outputs are checked
     statistically (tests), not token by token.
@@ -126,11 +155,11 @@ def check_by_forcing(method, dep, ar_run, run, tie_margin: float) -> dict:
     from specpilot.forcing import force
 
     outputs_differ = sum(a != b for a, b in zip(ar_run.tokens, run.tokens))
-    if not dep.sampling.greedy or method.scorer is None:
+    if not dep.sampling.greedy:
         return {"mismatches": None, "outputs_differ": outputs_differ,
-                "summary": "not checked by token forcing (sampling, or the method has no scorer)"}
+                "summary": "not checked by token forcing (sampling: checked statistically, in tests)"}
     n = len(ar_run.tokens)
-    report = force(METHODS["ar"].scorer(dep), method.scorer(dep), dep.prompts[:n],
+    report = force(scorer(dep, reference), scorer(dep, plan), dep.prompts[:n],
                    np.asarray(ar_run.tokens), tie_margin)
     return {"mismatches": report.num_mismatches, "hard": report.num_hard_mismatches,
             "near_ties": report.num_near_ties, "positions": report.num_positions,
@@ -156,16 +185,23 @@ def write(records: list[dict], out_dir: str | Path) -> None:
 
 
 def format_table(records: list[dict]) -> str:
-    head = (f"{'method':<10}{'ms/token':>10}{'tok/s':>10}{'speedup':>9}{'tau':>7}{'ceiling':>9}"
-            f"{'% ceil':>8}{'mismatch':>10}")
+    width = max([4] + [len(r["method"]) for r in records]) + 2
+    head = (f"{'plan':<{width}}{'verify':<7}{'weights':<8}{'matmul':<13}{'block':>5}{'ms/token':>10}{'tok/s':>10}"
+            f"{'speedup':>9}{'tau':>7}{'ceiling ms':>11}{'% ceil':>8}{'mismatch':>10}")
     lines = [head, "-" * len(head)]
     for r in records:
         tau = f"{r['tau']:.2f}" if r.get("tau") is not None else "-"
         mm = str(r["mismatches"]) if r.get("mismatches") is not None else "-"
         ceil = f"{r['ceiling_ms_per_token']:.3f}" if r.get("ceiling_ms_per_token") is not None else "-"
         pct = f"{r['pct_of_ceiling']:.0f}%" if r.get("pct_of_ceiling") is not None else "-"
-        lines.append(f"{r['method']:<10}{r['decode_ms_per_token']:>10.3f}{r['tokens_per_s']:>10.1f}"
-                     f"{r['speedup_vs_ar']:>8.2f}x{tau:>7}{ceil:>9}{pct:>8}{mm:>10}")
+        lines.append(f"{r['method']:<{width}}{r['verify']:<7}{r['weights']:<8}{r['matmul']:<13}{r['block_size']:>5}"
+                     f"{r['decode_ms_per_token']:>10.3f}{r['tokens_per_s']:>10.1f}"
+                     f"{r['speedup_vs_ar']:>8.2f}x{tau:>7}{ceil:>11}{pct:>8}{mm:>10}")
+    if records:
+        r = records[0]
+        stock = f"; stock: {r['stock_baseline']}" if r.get("stock_baseline") else ""
+        lines.append(f"speedup over AR = the fastest bf16 ar plan measured in this run: {r['baseline']}{stock}; "
+                     "ceiling: the cost model's floor per output token")
     for r in records:
         if r.get("speedup_at_profile_tau") is not None:
             lines.append(f"{r['method']}: oracle acceptance, tau {r['tau']:.2f} measured vs {r['profile_tau']:.2f} "

@@ -6,10 +6,12 @@ Design choices:
   a wrongly typed value fails when Hydra composes the config. The top level is checked by `typed`
   (merged onto `Config`), which keeps `_self_` first in the main defaults list.
 - `validate` checks what types cannot: impossible values and combinations (block size 0, a batch larger
-  than the prompt set, new tokens that cannot fit the cache, an unknown method) with messages that name
+  than the prompt set, new tokens that cannot fit the cache, an impossible plan) with messages that name
   the offending key.
-- Every mechanism is a named choice (method list, weight format, kernel backend), so a later agent loop
-  can rewrite a deployment's plan as a config override.
+- `decoding.plans` maps plan names to `PlanConf` (one field per choice: verification kind, weight
+  format, kernel implementation and its config, block size, reserved tree shape and batching policy), so
+  a loop can rewrite a deployment's plan one override at a time; `build_plans` turns them into frozen
+  `specpilot.plan.Plan`s and adds the device's AR baseline candidates. The `gpu` group gives defaults only.
 """
 
 from __future__ import annotations
@@ -18,6 +20,9 @@ import dataclasses
 from typing import Any, Dict, List, Optional
 
 from omegaconf import MISSING, DictConfig, OmegaConf
+
+from specpilot import plan as plan_mod
+from specpilot.plan import Plan
 
 TARGET_SOURCES = ("random", "hf", "embedded")
 DRAFTER_SOURCES = ("none", "random", "dflash", "embedded", "oracle")
@@ -61,21 +66,56 @@ class GpuConf:
     name: str = "cpu"
     memory_bandwidth_gbs: float = 50.0  # peak, feeds the cost model
     matmul_tflops_bf16: float = 1.0
-    # what multiplies weights stored in a non-bf16 format (decoding=w12): triton = the fused Pallas
-    # kernels (Pallas' Triton backend; GPUs), mosaic = the Mosaic GPU W12 kernel (Hopper; its layout,
-    # `w12.W12NK`), xla = decode to bf16 then XLA's dot (any backend)
-    kernel_backend: str = "xla"
+    # defaults only: the matmul implementations (tried in order) of a plan that names none, per weight
+    # format. xla = XLA's dot (12-bit weights decoded first); triton = the fused Pallas kernels (Pallas'
+    # Triton backend); mosaic = the Mosaic GPU W12 kernel (Hopper), and for bf16 weights its bf16 twin
+    matmul: Dict[str, List[str]] = dataclasses.field(
+        default_factory=lambda: {"bf16": ["xla"], "w12": ["xla"]})
+    # the bf16 AR implementations the runner measures on this device; the fastest is the AR baseline
+    ar_baselines: List[List[str]] = dataclasses.field(default_factory=lambda: [["xla"]])
+
+
+@dataclasses.dataclass
+class MatmulConf:
+    implementation: Optional[List[str]] = None  # null: the gpu group's default for the plan's weights
+    config: Dict[str, Any] = dataclasses.field(default_factory=dict)  # the implementation's options
+
+
+@dataclasses.dataclass
+class KernelsConf:
+    matmul: MatmulConf = dataclasses.field(default_factory=MatmulConf)
+
+
+@dataclasses.dataclass
+class TreeConf:
+    nodes: int = 0
+    depth: int = 0
+    branching: int = 0
+
+
+@dataclasses.dataclass
+class PlanConf:
+    """One decoding plan (`specpilot.plan.Plan`); unset fields take the deployment's defaults."""
+
+    verify: str = "chain"  # ar | chain (tree, two_level: reserved)
+    weights: str = "bf16"  # bf16 | w12
+    block_size: Optional[int] = None  # chain: the drafter's block size when null
+    kernels: KernelsConf = dataclasses.field(default_factory=KernelsConf)
+    tree: Optional[TreeConf] = None  # reserved for tree verification
+    batching: str = "static"  # reserved for the batching engine
 
 
 @dataclasses.dataclass
 class DecodingConf:
     name: str = "ar"
-    methods: List[str] = dataclasses.field(default_factory=lambda: ["ar"])
+    # the run's plans by name (every field overridable: `decoding.plans.stock.weights=w12`; new plans come
+    # in a conf/decoding/ file); the AR baseline candidates come from `gpu.ar_baselines`
+    plans: Dict[str, PlanConf] = dataclasses.field(default_factory=dict)
     temperature: float = 0.0
     top_k: int = 0
     top_p: float = 1.0
     forcing_margin: float = 1e-3  # top-1/top-2 logit gap below which a mismatch is a near-tie
-    # one extra profiled (phase-synced) pass per speculative method for the draft/verify/bookkeeping split
+    # one extra profiled (phase-synced) pass per speculative plan for the draft/verify/bookkeeping split
     profile_split: bool = True
 
 
@@ -124,8 +164,6 @@ def _fail(key: str, msg: str):
 
 def validate(cfg: DictConfig) -> None:
     """Raise ConfigValueError naming the key for impossible values (types are checked by Hydra)."""
-    from specpilot.methods import METHODS  # late import: methods import the heavy model code
-
     t, d, b, dec = cfg.target, cfg.drafter, cfg.bench, cfg.decoding
     if t.source not in TARGET_SOURCES:
         _fail("target.source", f"{t.source!r} is not one of {TARGET_SOURCES}")
@@ -135,8 +173,10 @@ def validate(cfg: DictConfig) -> None:
         _fail("target.model", "a random target needs its shape (config.json fields)")
     if t.layout not in ("fused", "separate"):
         _fail("target.layout", f"{t.layout!r} is not fused or separate")
-    if cfg.gpu.kernel_backend not in ("xla", "triton", "mosaic"):
-        _fail("gpu.kernel_backend", f"{cfg.gpu.kernel_backend!r} is not xla, triton or mosaic")
+    for fmt, impl in cfg.gpu.matmul.items():
+        _check_implementations(f"gpu.matmul.{fmt}", impl)
+    for i, impl in enumerate(cfg.gpu.ar_baselines):
+        _check_implementations(f"gpu.ar_baselines.{i}", impl)
     if t.init not in ("normal", "wide_margin"):
         _fail("target.init", f"{t.init!r} is not normal or wide_margin")
     if t.dtype not in ("bfloat16", "float32"):
@@ -168,18 +208,22 @@ def validate(cfg: DictConfig) -> None:
         _fail("drafter.tau", f"{d.tau} is impossible with block size {d.block_size}")
     if d.source == "oracle" and dec.temperature != 0:
         _fail("drafter.source", "oracle acceptance replays greedy continuations; use temperature 0")
-    for m in dec.methods:
-        if m not in METHODS:
-            _fail("decoding.methods", f"unknown method {m!r}; known: {sorted(METHODS)}")
-        if METHODS[m].needs_drafter and d.source == "none":
-            _fail("drafter", f"method {m!r} needs a drafter; choose one, e.g. drafter=embedded")
-    if any(m.endswith("_w12") for m in dec.methods) and t.dtype != "bfloat16":
-        _fail("target.dtype", "the 12-bit weight format encodes bfloat16 weights; set target.dtype=bfloat16")
-    if "ar_twin" in dec.methods:
-        if cfg.gpu.kernel_backend != "mosaic":
-            _fail("gpu.kernel_backend", "ar_twin runs the Mosaic GPU kernel's bf16 twin; set gpu.kernel_backend=mosaic")
-        if t.dtype != "bfloat16":
-            _fail("target.dtype", "ar_twin multiplies bfloat16 weights; set target.dtype=bfloat16")
+    plans = build_plans(cfg)
+    for plan in plans:
+        key = f"decoding.plans.{plan.name}"
+        _check_implementations(f"{key}.kernels.matmul.implementation", plan.kernels.matmul.implementation)
+        if plan.uses_drafter and d.source == "none":
+            _fail("drafter", f"plan {plan.name!r} ({plan.verify} verification) needs a drafter; choose one, "
+                  "e.g. drafter=embedded")
+        if plan.weights == "w12" and t.dtype != "bfloat16":
+            _fail("target.dtype", f"plan {plan.name!r}: the 12-bit weight format encodes bfloat16 weights; "
+                  "set target.dtype=bfloat16")
+        if plan.kernels.matmul.implementation[0] == "mosaic" and t.dtype != "bfloat16":
+            _fail("target.dtype", f"plan {plan.name!r}: the Mosaic GPU kernel multiplies bfloat16 weights; "
+                  "set target.dtype=bfloat16")
+        if plan.uses_drafter and d.source == "oracle" and plan.block_size != d.block_size:
+            _fail(f"{key}.block_size", f"an oracle drafter replays a profile for block size {d.block_size}; "
+                  f"got {plan.block_size} (set drafter.block_size instead)")
     if dec.temperature < 0 or not 0 < dec.top_p <= 1 or dec.top_k < 0:
         _fail("decoding", "temperature >= 0, top_k >= 0 and 0 < top_p <= 1 are required")
     for key in ("num_prompts", "prompt_len", "new_tokens", "batch_size", "repeats"):
@@ -189,17 +233,74 @@ def validate(cfg: DictConfig) -> None:
         _fail("bench.batch_size", f"{b.batch_size} is larger than the prompt set ({b.num_prompts})")
     if b.prompts not in PROMPT_SETS:
         _fail("bench.prompts", f"{b.prompts!r} is not one of {PROMPT_SETS}")
-    needed = b.prompt_len + b.new_tokens + d.block_size
+    block = max(p.block_size for p in plans)
+    needed = b.prompt_len + b.new_tokens + block
     if b.cache_len is not None and b.cache_len < needed:
-        _fail("bench.cache_len", f"{b.cache_len} cannot hold prompt_len + new_tokens + block_size "
+        _fail("bench.cache_len", f"{b.cache_len} cannot hold prompt_len + new_tokens + the largest block size "
               f"= {needed}")
 
 
+IMPLEMENTATIONS = ("xla", "triton", "mosaic")
+
+
+def _check_implementations(key: str, impl) -> None:
+    impl = list(impl or [])
+    if not impl:
+        _fail(key, "name at least one matmul implementation")
+    for name in impl:
+        if name not in IMPLEMENTATIONS:
+            _fail(key, f"{name!r} is not one of {IMPLEMENTATIONS}")
+
+
+def build_plans(cfg: DictConfig) -> list[Plan]:
+    """The run's plans: the AR baseline candidates of the device first (`gpu.ar_baselines`, unless a plan
+    of `decoding.plans` already is one; Mosaic candidates only for bf16 targets), then `decoding.plans` in
+    order. Raises ConfigValueError naming
+    the field of an impossible plan."""
+    d = cfg.drafter
+    drafter_block = int(d.block_size) if d.source != "none" else None
+    defaults = {k: list(v) for k, v in cfg.gpu.matmul.items()}
+    try:
+        given = [plan_mod.build(str(name), OmegaConf.to_container(fields, resolve=True),
+                                drafter_block_size=drafter_block, default_matmul=defaults)
+                 for name, fields in cfg.decoding.plans.items()]
+    except plan_mod.PlanError as e:
+        raise ConfigValueError(str(e)) from None
+    baselines = []
+    names = {p.name for p in given}
+    for impl in cfg.gpu.ar_baselines:
+        impl = tuple(str(i) for i in impl)
+        if impl[0] == "mosaic" and cfg.target.dtype != "bfloat16":
+            continue  # the Mosaic kernel multiplies bf16 weights: no candidate for another dtype
+        if any(plan_mod.is_ar_baseline_candidate(p) and p.kernels.matmul.implementation == impl for p in given):
+            continue
+        name = "ar" if impl[0] == "xla" else f"ar_{impl[0]}"
+        if name in names:
+            _fail(f"decoding.plans.{name}", f"the name is the AR baseline's on this gpu ({list(impl)}); rename it")
+        baselines.append(plan_mod.Plan(name=name, verify="ar", kernels=plan_mod.Kernels(plan_mod.KernelChoice(impl))))
+        names.add(name)
+    plans = baselines + given
+    if not any(plan_mod.is_ar_baseline_candidate(p) for p in plans):
+        _fail("gpu.ar_baselines", "no bf16 ar plan to measure the AR baseline with")
+    return plans
+
+
 def typed(cfg: DictConfig) -> DictConfig:
-    """Merge the composed config onto the top-level schema: a misspelled or mistyped key fails here."""
-    merged = OmegaConf.merge(OmegaConf.structured(Config), cfg)
+    """Merge the composed config onto the top-level schema: a misspelled or mistyped key fails here, also
+    one added with Hydra's `+` (which bypasses the group schemas)."""
+    from omegaconf.errors import OmegaConfBaseException
+
+    try:
+        merged = OmegaConf.merge(OmegaConf.structured(Config), OmegaConf.to_container(cfg, resolve=True))
+    except OmegaConfBaseException as e:
+        raise ConfigValueError(str(e).splitlines()[0] + _where(e)) from None
     OmegaConf.set_struct(merged, True)
     return merged
+
+
+def _where(e) -> str:
+    key = getattr(e, "full_key", None)
+    return f" (at {key})" if key else ""
 
 
 def to_container(cfg: DictConfig) -> dict:

@@ -1,7 +1,8 @@
 """A deployment: target (+ drafter), sampling, prompts and cache size, built from a composed config.
 
 Design choices:
-- Everything a method needs is in one `Deployment` value; methods never read the config themselves.
+- Everything a plan's run needs is in one `Deployment` value; runners never read the config themselves.
+  The deployment prepares each plan's weights (format, kernel layout) once and caches them.
 - Random-weight targets are built at their real shape directly on the device, and the deployment
   carries notes ("random weights", "oracle acceptance") that every result record repeats.
 """
@@ -20,6 +21,7 @@ from omegaconf import DictConfig, OmegaConf
 from specpilot.decoding.sampling import SamplingConfig
 from specpilot.models import dense
 from specpilot.models.config import ModelConfig, default_tap_layers
+from specpilot.plan import Plan
 
 DTYPES = {"bfloat16": jnp.bfloat16, "float32": jnp.float32}
 
@@ -35,45 +37,52 @@ class Deployment:
     cache_len: int
     key: jax.Array
     drafter: Any = None  # (drafter object, drafter params) or None
-    block_size: int = 1
     profile_split: bool = False  # speculative methods add a profiled pass for the time split
     notes: list[str] = dataclasses.field(default_factory=list)
     # the AR baseline's output tokens per prompt, filled by the runner (an oracle drafter replays them)
     reference_tokens: list[list[int]] | None = None
     labels: dict = dataclasses.field(default_factory=dict)
-    encoded_params: dict = dataclasses.field(default_factory=dict, repr=False)  # format -> params
-    kernel_backend: str = "xla"  # gpu.kernel_backend: what multiplies weights in a non-bf16 format
+    prepared: dict = dataclasses.field(default_factory=dict, repr=False)  # (role, weights, kernels) -> params
 
-    def _encode(self, key: str, params, fmt: str, **kw):
-        """params in weight format `fmt`, encoded once per deployment under `key` (offline work)."""
+    def _rows(self, plan: Plan) -> int:
+        return self.batch_size * plan.block_size  # the most rows one of the plan's steps multiplies per call
+
+    def _prepare(self, role: str, params, plan: Plan, extra: tuple[str, ...] = ()):
+        """`params` in the plan's weight format, laid out for its matmul implementation: encoded once per
+        deployment and cached (offline work, outside every timing)."""
         from specpilot import formats
+        from specpilot.formats import w12
 
-        if key not in self.encoded_params:
-            kernel = {"triton": "pallas", "xla": "xla", "mosaic": "mosaic"}[self.kernel_backend]
-            rows = self.batch_size * self.block_size  # the most rows a decoding step's products take
-            self.encoded_params[key] = formats.encode_params(params, fmt, kernel=kernel, rows=rows, **kw)
-        return self.encoded_params[key]
+        impl = plan.kernels.matmul.implementation[0]
+        key = (role, plan.weights, plan.kernels, self._rows(plan))
+        if key not in self.prepared:
+            if plan.weights == "w12":
+                kernel = {"triton": "pallas", "xla": "xla", "mosaic": "mosaic"}[impl]
+                self.prepared[key] = formats.encode_params(params, "w12", kernel=kernel, rows=self._rows(plan),
+                                                           extra=extra)
+            elif impl == "mosaic":  # bf16 weights through the Mosaic kernel's bf16 twin, tiled once
+                fallback = len(plan.kernels.matmul.implementation) > 1
+                self.prepared[key] = w12.twin_params(params, extra=extra, keep_untileable=fallback)
+            else:
+                self.prepared[key] = params
+        return self.prepared[key]
 
-    def encoded(self, fmt: str):
-        """The target's params in weight format `fmt`."""
-        return self._encode(fmt, self.params, fmt)
+    def params_for(self, plan: Plan):
+        """The target's params as `plan` multiplies them (weight format, kernel layout)."""
+        return self._prepare("target", self.params, plan)
 
-    def twin(self):
-        """The target's bf16 params tiled once for the Mosaic W12 kernel's bf16 twin (`w12.twin_params`):
-        the same bits as `params`, multiplied by a bf16 kernel with W12's structure (the best bf16 path
-        at decode shapes on the H200, docs/performance.md)."""
-        if self.kernel_backend != "mosaic":
-            raise ValueError("the bf16 twin is the Mosaic GPU kernel's; set gpu.kernel_backend=mosaic")
-        if "twin" not in self.encoded_params:
-            from specpilot.formats import w12
+    def cfg_for(self, plan: Plan) -> ModelConfig:
+        """The target's static config for `plan`."""
+        return self.cfg
 
-            self.encoded_params["twin"] = w12.twin_params(self.params)
-        return self.encoded_params["twin"]
-
-    def encoded_drafter(self, fmt: str):
-        """The drafter's own weights (its layers and `fc`; embedding and head are the target's) in
-        format `fmt`. For an oracle drafter, those of the drafter it runs."""
-        return self._encode("drafter:" + fmt, self.drafter[1], fmt, extra=("fc",))
+    def drafter_for(self, plan: Plan):
+        """(drafter object, its params as `plan` multiplies them): the drafter's own weights (its layers and
+        `fc`; embedding and head are the target's) in the plan's format. For an oracle drafter, the
+        params of the drafter it runs."""
+        if self.drafter is None:
+            raise ValueError(f"plan {plan.name!r} needs a drafter; the deployment has none")
+        drafter, params = self.drafter
+        return drafter, self._prepare("drafter", params, plan, extra=("fc",))
 
     def batches(self) -> list[list[list[int]]]:
         """Prompts grouped into batches of `batch_size` (a trailing partial batch is dropped)."""
@@ -164,7 +173,7 @@ def build_embedded(cfg: DictConfig):
     return pair.target_params, pair.target_cfg, drafter, pair.prompts.as_lists(), notes
 
 
-def build(cfg: DictConfig) -> Deployment:
+def build(cfg: DictConfig, plans: list[Plan]) -> Deployment:
     b, dec = cfg.bench, cfg.decoding
     drafter, heldout = None, None
     if cfg.target.source == "embedded":
@@ -185,15 +194,13 @@ def build(cfg: DictConfig) -> Deployment:
                              f"held-out prompts (embedded.num_prompts)")
         prompts = [p[-b.prompt_len:] for p in heldout[: b.num_prompts]]  # keep each prompt's end
     longest = max(len(p) for p in prompts)
-    block = int(cfg.drafter.block_size) if cfg.drafter.source != "none" else 1
+    block = max(p.block_size for p in plans)
     cache_len = b.cache_len or -(-(longest + b.new_tokens + block) // 128) * 128
     labels = {"target": cfg.target.name, "drafter": cfg.drafter.name, "gpu": cfg.gpu.name,
-              "block_size": block if cfg.drafter.source != "none" else None,
               "batch_size": int(b.batch_size), "prompts": b.prompts, "new_tokens": int(b.new_tokens)}
     return Deployment(
         params=params, cfg=mcfg,
         sampling=SamplingConfig(float(dec.temperature), int(dec.top_k), float(dec.top_p)),
         prompts=prompts, batch_size=int(b.batch_size), new_tokens=int(b.new_tokens),
         cache_len=int(cache_len), key=jax.random.key(int(cfg.seed)), drafter=drafter,
-        block_size=block, profile_split=bool(dec.profile_split), notes=notes, labels=labels,
-        kernel_backend=str(cfg.gpu.kernel_backend))
+        profile_split=bool(dec.profile_split), notes=notes, labels=labels)

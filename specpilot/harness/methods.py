@@ -1,0 +1,134 @@
+"""Running a plan on a deployment: one runner per verification kind, and its token-forcing scorer.
+
+Design choices:
+- What runs is decided by the plan's fields alone: `plan.verify` picks the runner (`ar`, `chain`),
+  `plan.weights` and `plan.kernels` the weights and kernels it runs with (the deployment prepares and
+  caches them per plan), `plan.block_size` the verification width. No runner reads the config or a
+  plan's name.
+- Each run repeats the whole prompt set `repeats` times after a warm-up and reports the median decode
+  time per output token, so compile time never enters a number.
+- A plan's scorer reproduces its target numerics under token forcing: its weights and kernels, and its
+  verification width as the chunk size (1 for AR, the block for a chain).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from typing import Callable
+
+import numpy as np
+
+from specpilot.decoding import ar
+from specpilot.plan import Plan
+
+
+@dataclasses.dataclass
+class MethodRun:
+    tokens: list[list[int]]  # generated tokens per prompt (prompt order)
+    prefill_s: float  # total over batches
+    decode_s: float  # total over batches
+    # output tokens per sequence produced after prefill, summed over batches: decode time per output
+    # token is then per-sequence latency (TPOT), and throughput is batch_size / TPOT
+    decode_tokens: int
+    stats: dict = dataclasses.field(default_factory=dict)  # verification-specific (tau, acceptance, ...)
+
+    @property
+    def decode_time_per_token(self) -> float:
+        return self.decode_s / self.decode_tokens
+
+
+def run_ar(dep, plan: Plan) -> MethodRun:
+    params, cfg = dep.params_for(plan), dep.cfg_for(plan)
+    tokens, prefill_s, decode_s, decode_tokens = [], 0.0, 0.0, 0
+    for batch in dep.batches():
+        res = ar.generate(params, cfg, batch, dep.new_tokens, dep.sampling, key=dep.key,
+                          cache_len=dep.cache_len)
+        tokens.extend(res.tokens.tolist())
+        prefill_s += res.prefill_s
+        decode_s += res.decode_s
+        decode_tokens += res.num_new_tokens - 1
+    return MethodRun(tokens, prefill_s, decode_s, decode_tokens)
+
+
+def _draft_params(dep, drafter, base, batch_index: int, batch):
+    """The drafter's params for one batch: an oracle drafter replays the AR baseline's tokens."""
+    from specpilot.models.drafter import replay_reference
+    from specpilot.models.oracle import OracleDrafter
+
+    if not isinstance(drafter, OracleDrafter):
+        return base
+    if dep.reference_tokens is None:
+        raise RuntimeError("an oracle drafter needs the AR baseline's tokens; run AR first")
+    n = len(batch)
+    continuation = dep.reference_tokens[batch_index * dep.batch_size:batch_index * dep.batch_size + n]
+    return OracleDrafter.make_params(base, replay_reference(batch, continuation), seed=batch_index)
+
+
+def run_chain(dep, plan: Plan) -> MethodRun:
+    """Block drafter + chain verification (greedy prefix match, or rejection sampling) with the plan's
+    weights and kernels for target and drafter."""
+    from specpilot.decoding import spec
+
+    params, cfg = dep.params_for(plan), dep.cfg_for(plan)
+    drafter, base = dep.drafter_for(plan)
+    tokens, prefill_s, decode_s, decode_tokens = [], 0.0, 0.0, 0
+    steps, emitted, hist = 0, 0, None
+    for i, batch in enumerate(dep.batches()):
+        res = spec.generate(params, cfg, drafter, _draft_params(dep, drafter, base, i, batch), batch,
+                            dep.new_tokens, block_size=plan.block_size, sampling=dep.sampling, key=dep.key,
+                            cache_len=dep.cache_len)
+        tokens.extend(res.tokens.tolist())
+        prefill_s += res.prefill_s
+        decode_s += res.decode_s
+        decode_tokens += res.num_new_tokens - 1
+        st = res.stats
+        steps += int(st.steps.sum())
+        emitted += int(st.emitted.sum())
+        hist = st.accept_hist if hist is None else hist + st.accept_hist
+    # per-position acceptance: fraction of verification steps that accepted draft k (k = 1..Bs-1)
+    at_least = hist[::-1].cumsum()[::-1] / max(1, hist.sum())
+    stats = {"tau": emitted / max(1, steps), "steps": steps,
+             "acceptance_per_position": [float(a) for a in at_least[1:]]}
+    if dep.profile_split:
+        # A separate, profiled pass over the first batch (phases jitted apart and synced): it gives the
+        # draft / verify / bookkeeping split without touching the timed runs above.
+        batch = dep.batches()[0]
+        prof = spec.generate(params, cfg, drafter, _draft_params(dep, drafter, base, 0, batch), batch,
+                             dep.new_tokens, block_size=plan.block_size, sampling=dep.sampling, key=dep.key,
+                             cache_len=dep.cache_len, profile=True).stats
+        total = prof.draft_s + prof.verify_s + prof.bookkeeping_s
+        stats["time_split"] = {"draft": prof.draft_s / total, "verify": prof.verify_s / total,
+                               "bookkeeping": prof.bookkeeping_s / total}
+    return MethodRun(tokens, prefill_s, decode_s, decode_tokens, stats)
+
+
+RUNNERS: dict[str, Callable] = {"ar": run_ar, "chain": run_chain}
+
+
+def run_plan(dep, plan: Plan) -> MethodRun:
+    if plan.verify not in RUNNERS:
+        raise NotImplementedError(f"plan {plan.name!r}: no runner for {plan.verify!r} verification")
+    return RUNNERS[plan.verify](dep, plan)
+
+
+def scorer(dep, plan: Plan):
+    """The forcing scorer reproducing `plan`'s target numerics (weights, kernels, verification width)."""
+    from specpilot.forcing import chunked_scorer
+
+    return chunked_scorer(dep.params_for(plan), dep.cfg_for(plan), chunk=plan.block_size)
+
+
+def median_run(run: Callable[[], MethodRun], repeats: int, name: str = "", progress=None) -> MethodRun:
+    """Call `run` `repeats` times; keep the run with the median decode time (tokens are identical for greedy):
+    of an even count, the faster of the two middle runs, so that 2 repeats give the warm run rather than the
+    first one's warm-up. `progress(message)`, if given, hears about each repetition as it ends."""
+    runs = []
+    for i in range(repeats):
+        t0 = time.perf_counter()
+        runs.append(run())
+        if progress:
+            progress(f"{name}: run {i + 1}/{repeats} in {time.perf_counter() - t0:.1f} s "
+                     f"({1e3 * runs[-1].decode_time_per_token:.3f} ms/token)")
+    order = np.argsort([r.decode_s for r in runs])
+    return runs[int(order[(len(order) - 1) // 2])]

@@ -1,0 +1,154 @@
+"""The plan: every choice a deployment makes about how it decodes, one field each.
+
+Design choices:
+- A `Plan` is a frozen, hashable dataclass. It names what verifies (`ar`: one token per target step;
+  `chain`: a drafted block checked in one target forward; `tree` and `two_level` are reserved), the weight
+  format (`bf16`, `w12`), the kernel implementation per op with a frozen config of its block sizes and
+  options (`Kernels`), the block size, and reserved fields for a tree shape and a batching policy. The
+  runner and the results read everything from the plan, never from its name, so a loop that rewrites a
+  deployment flips one field at a time.
+- A run's `decoding.plans` is a mapping name -> plan fields (Hydra: `decoding.plans.stock.weights=w12`,
+  multirun `-m decoding.plans.stock.block_size=4,8,16`). Fields a plan leaves unset take the deployment's
+  defaults: the block size is the drafter's, a kernel implementation left `null` is the `gpu` group's
+  default for the plan's weight format.
+- The baselines are plans too: "AR" is the fastest bf16 `ar` plan the run measured for the device (the
+  `gpu` group lists the candidates), "stock" is `chain` with bf16 weights and the default kernels.
+- Reserved kinds and fields fail when a plan is built, with an error naming the field, rather than
+  running something else.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Mapping
+
+VERIFY_KINDS = ("ar", "chain")
+RESERVED_VERIFY_KINDS = ("tree", "two_level")
+WEIGHT_FORMATS = ("bf16", "w12")
+BATCHING_POLICIES = ("static",)
+
+
+class PlanError(ValueError):
+    """A plan with an impossible or not yet available choice; the message names the field."""
+
+
+def _fail(plan: str, field: str, msg: str):
+    raise PlanError(f"decoding.plans.{plan}.{field}: {msg}")
+
+
+@dataclasses.dataclass(frozen=True)
+class KernelChoice:
+    """One op's implementation: names tried in order (falling through on NotImplementedError) and the
+    first one's config (a frozen dataclass of its block sizes and options; None = its defaults)."""
+
+    implementation: tuple[str, ...]
+    config: Any = None
+
+
+@dataclasses.dataclass(frozen=True)
+class Kernels:
+    matmul: KernelChoice = KernelChoice(("xla",))
+
+
+@dataclasses.dataclass(frozen=True)
+class TreeShape:
+    """Reserved for tree verification: node budget, depth and branching of the drafted tree."""
+
+    nodes: int
+    depth: int
+    branching: int
+
+
+@dataclasses.dataclass(frozen=True)
+class Plan:
+    name: str
+    verify: str = "chain"
+    weights: str = "bf16"
+    block_size: int = 1  # tokens one verification checks (last token + drafts); 1 for `ar`
+    kernels: Kernels = Kernels()
+    tree: TreeShape | None = None  # reserved
+    batching: str = "static"  # reserved: requests decoded in lockstep, as today
+
+    def __post_init__(self):
+        if self.verify in RESERVED_VERIFY_KINDS:
+            _fail(self.name, "verify", f"{self.verify!r} verification is not implemented yet; "
+                  f"available: {', '.join(VERIFY_KINDS)}")
+        if self.verify not in VERIFY_KINDS:
+            _fail(self.name, "verify", f"{self.verify!r} is not one of {VERIFY_KINDS + RESERVED_VERIFY_KINDS}")
+        if self.weights not in WEIGHT_FORMATS:
+            _fail(self.name, "weights", f"{self.weights!r} is not one of {WEIGHT_FORMATS}")
+        if self.verify == "ar" and self.block_size != 1:
+            _fail(self.name, "block_size", f"an ar plan verifies one token per step, got {self.block_size}")
+        if self.verify == "chain" and self.block_size < 2:
+            _fail(self.name, "block_size", f"a chain verifies the last token and >= 1 draft, got {self.block_size}")
+        if self.tree is not None:
+            _fail(self.name, "tree", "tree shapes belong to tree verification, which is not implemented yet")
+        if self.batching not in BATCHING_POLICIES:
+            _fail(self.name, "batching", f"{self.batching!r} is not available; available: {BATCHING_POLICIES}")
+        if not self.kernels.matmul.implementation:
+            _fail(self.name, "kernels.matmul.implementation", "name at least one implementation")
+
+    @property
+    def uses_drafter(self) -> bool:
+        return self.verify != "ar"
+
+    @property
+    def bits_per_weight(self) -> float:
+        return {"bf16": 16.0, "w12": 12.0}[self.weights]
+
+    def describe(self) -> dict:
+        """The plan as plain data (results records carry it)."""
+        out = dataclasses.asdict(self)
+        cfg = self.kernels.matmul.config
+        out["kernels"]["matmul"]["config"] = dataclasses.asdict(cfg) if dataclasses.is_dataclass(cfg) else cfg
+        out["kernels"]["matmul"]["implementation"] = list(self.kernels.matmul.implementation)
+        return out
+
+
+def is_ar_baseline_candidate(plan: Plan) -> bool:
+    """A plan that can be the AR baseline: one token per step, bf16 weights."""
+    return plan.verify == "ar" and plan.weights == "bf16"
+
+
+def build(name: str, fields: Mapping[str, Any], *, drafter_block_size: int | None,
+          default_matmul: Mapping[str, Any], make_choice=None) -> Plan:
+    """A Plan from a config mapping (the YAML's fields), with the deployment's defaults filled in.
+
+    `default_matmul`: weight format -> implementation list (the `gpu` group's defaults).
+    `make_choice(op, implementation, config)`: builds a KernelChoice with the implementation's typed
+    config (the kernel dispatch's); by default the config mapping is kept as sorted items.
+    """
+    verify = str(fields.get("verify", "chain"))
+    weights = str(fields.get("weights", "bf16"))
+    if weights not in WEIGHT_FORMATS:
+        _fail(name, "weights", f"{weights!r} is not one of {WEIGHT_FORMATS}")
+    block = fields.get("block_size")
+    if verify == "ar":
+        if block not in (None, 1):
+            _fail(name, "block_size", f"an ar plan verifies one token per step, got {block}")
+        block = 1
+    elif block is None:
+        if drafter_block_size is None:
+            _fail(name, "block_size", f"a {verify} plan needs a drafter (its block size is the default)")
+        block = drafter_block_size
+    kernels = fields.get("kernels") or {}
+    matmul = (kernels.get("matmul") or {}) if isinstance(kernels, Mapping) else {}
+    impl = matmul.get("implementation")
+    if impl is None:
+        if weights not in default_matmul:
+            _fail(name, "kernels.matmul.implementation", f"the gpu config gives no default for {weights!r} weights")
+        impl = default_matmul[weights]
+    impl = tuple(str(i) for i in ([impl] if isinstance(impl, str) else impl))
+    config = dict(matmul.get("config") or {})
+    if make_choice is None:
+        choice = KernelChoice(impl, tuple(sorted(config.items())) or None)
+    else:
+        try:
+            choice = make_choice("matmul", impl, config)
+        except (ValueError, TypeError, KeyError) as e:
+            _fail(name, "kernels.matmul", str(e))
+    tree = fields.get("tree")
+    if tree is not None:
+        tree = TreeShape(**dict(tree))
+    return Plan(name=name, verify=verify, weights=weights, block_size=int(block), kernels=Kernels(choice),
+                tree=tree, batching=str(fields.get("batching", "static")))
