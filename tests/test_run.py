@@ -67,6 +67,22 @@ def test_bad_override_fails_with_clear_message(tmp_path):
     proc = _run("drafter.block_size=0", f"hydra.run.dir={tmp_path / 'hydra'}", cwd=tmp_path)
     assert proc.returncode != 0
     assert "drafter.block_size" in proc.stderr
+    assert "Traceback" not in proc.stderr and proc.stderr.strip().splitlines()[0].startswith("error: ")
+    assert not (tmp_path / "hydra").exists()  # a failed run leaves no output folder behind
+    # HYDRA_FULL_ERROR=1 keeps the traceback
+    import os
+
+    env = {**os.environ, "HYDRA_FULL_ERROR": "1"}
+    full = subprocess.run([sys.executable, str(ROOT / "experiments" / "run.py"), *TINY, "drafter.block_size=0",
+                           f"hydra.run.dir={tmp_path / 'hydra2'}"], cwd=tmp_path, capture_output=True, text=True,
+                          timeout=600, env=env)
+    assert full.returncode != 0 and "Traceback" in full.stderr and "drafter.block_size" in full.stderr
+
+
+def test_misspelled_appended_key_fails(tmp_path):
+    """Hydra suggests `+key=value` after a typo; the appended key must still be refused, not ignored."""
+    proc = _run("+drafter.blok_size=8", f"hydra.run.dir={tmp_path / 'hydra'}", cwd=tmp_path)
+    assert proc.returncode != 0 and "blok_size" in proc.stderr
 
 
 def test_report_turns_a_multirun_into_table_and_plots(tmp_path):

@@ -17,6 +17,7 @@ Design choices:
 from __future__ import annotations
 
 import dataclasses
+from pathlib import Path
 from typing import Any, Dict, List, Optional
 
 from omegaconf import MISSING, DictConfig, OmegaConf
@@ -169,6 +170,8 @@ def validate(cfg: DictConfig) -> None:
         _fail("target.source", f"{t.source!r} is not one of {TARGET_SOURCES}")
     if t.source == "hf" and not t.path:
         _fail("target.path", "an hf target needs the path of a local checkpoint directory")
+    if t.source == "hf" and not Path(str(t.path)).expanduser().is_dir():
+        _fail("target.path", f"no checkpoint directory at {t.path}")
     if t.source == "random" and not t.model:
         _fail("target.model", "a random target needs its shape (config.json fields)")
     if t.layout not in ("fused", "separate"):
@@ -199,8 +202,6 @@ def validate(cfg: DictConfig) -> None:
     if d.acceptance_trace and d.acceptance is not None:
         _fail("drafter.acceptance_trace", "give an acceptance profile or a trace, not both")
     if d.acceptance_trace:
-        from pathlib import Path
-
         trace = Path(d.acceptance_trace).expanduser()
         if not (trace / "results.jsonl" if trace.is_dir() else trace).is_file():
             _fail("drafter.acceptance_trace", f"no results.jsonl at {trace}")
