@@ -2,7 +2,10 @@
 
 Design choices (semantics follow the public DFlash reference):
 - Context = the target's tapped hidden states `[B, T, n_taps*H]` -> `fc` (n*H -> H) -> RMSNorm
-  (`hidden_norm`). Context rows are NOT passed through the draft layers: every draft layer projects the
+  (`hidden_norm`). `tap_layers` are DFlash's `target_layer_ids` as written: any order, a layer may
+  repeat (DFlash's own spacing gives [1, 1] for a 4-layer target with 2 draft layers), and `fc` reads
+  one H-slice per listed id, in list order. The target taps each of those layers once, in layer order
+  (`target_tap_layers`); `context_features` lays its taps out in the drafter's order. Context rows are NOT passed through the draft layers: every draft layer projects the
   same normalized context with its own k/v projections (+ k_norm, RoPE at the tokens' absolute
   positions) and prepends those K/V to the block's own K/V.
 - The block is `[last accepted token, MASK x (B-1)]`, embedded with the TARGET's embedding (the params
@@ -87,7 +90,13 @@ class DrafterConfig:
 
     @property
     def num_taps(self) -> int:
+        """Listed tap ids, repeats counted: fc reads num_taps * H features."""
         return len(self.tap_layers)
+
+    @property
+    def target_tap_layers(self) -> tuple[int, ...]:
+        """The layers the target must tap: each listed layer once, in layer order."""
+        return tuple(sorted(set(self.tap_layers)))
 
     @property
     def layer_config(self) -> ModelConfig:
@@ -187,8 +196,9 @@ def check_compatible(cfg: DrafterConfig, target: ModelConfig) -> None:
     if wrong_depth or max(cfg.tap_layers) >= target.num_layers:
         raise ConfigError(f"drafter was built for a {cfg.num_target_layers}-layer target tapping "
                           f"{cfg.tap_layers}; this target has {target.num_layers} layers")
-    if tuple(target.tap_layers) != tuple(cfg.tap_layers):
-        raise ConfigError(f"target taps {target.tap_layers} differ from the drafter's {cfg.tap_layers}; "
+    if tuple(target.tap_layers) != cfg.target_tap_layers:
+        raise ConfigError(f"target taps {target.tap_layers}, the drafter reads layers "
+                          f"{cfg.target_tap_layers} (target_layer_ids {cfg.tap_layers}); "
                           f"use target_cfg.with_taps({cfg.tap_layers})")
 
 
@@ -234,8 +244,23 @@ def _keys_values(lp: dict, cfg: DrafterConfig, x: jax.Array, cos, sin):
     return apply_rope(k, cos, sin), v  # [B, T, KVH, D] each
 
 
+def arrange_taps(cfg: DrafterConfig, taps: jax.Array) -> jax.Array:
+    """The target's taps [..., m*H] (layers `cfg.target_tap_layers`) -> [..., n*H] in the drafter's
+    `tap_layers` order, a repeated layer's state repeated: DFlash's concatenation."""
+    h, distinct = cfg.hidden_size, cfg.target_tap_layers
+    if taps.shape[-1] != len(distinct) * h:
+        raise ValueError(f"taps have {taps.shape[-1]} features; the drafter reads target layers "
+                         f"{distinct}, {len(distinct)} x hidden {h} = {len(distinct) * h}")
+    if distinct == cfg.tap_layers:
+        return taps
+    slot = {layer: j for j, layer in enumerate(distinct)}
+    return jnp.concatenate([taps[..., slot[t] * h:(slot[t] + 1) * h] for t in cfg.tap_layers], axis=-1)
+
+
 def context_features(params: Params, cfg: DrafterConfig, taps: jax.Array) -> jax.Array:
-    """Target taps [B, T, n*H] -> normalized context features [B, T, H]."""
+    """Target taps [B, T, m*H] (one slice per layer of `cfg.target_tap_layers`) -> normalized context
+    features [B, T, H]."""
+    taps = arrange_taps(cfg, taps)
     return rms_norm(linear(taps.astype(params["fc"].dtype), params["fc"]), params["hidden_norm"],
                     cfg.rms_norm_eps)
 
