@@ -5,9 +5,10 @@ Design choices (semantics follow the public DFlash reference):
   (`hidden_norm`). `tap_layers` are DFlash's `target_layer_ids` as written: any order, a layer may
   repeat (DFlash's own spacing gives [1, 1] for a 4-layer target with 2 draft layers), and `fc` reads
   one H-slice per listed id, in list order. The target taps each of those layers once, in layer order
-  (`target_tap_layers`); `context_features` lays its taps out in the drafter's order. Context rows are NOT passed through the draft layers: every draft layer projects the
-  same normalized context with its own k/v projections (+ k_norm, RoPE at the tokens' absolute
-  positions) and prepends those K/V to the block's own K/V.
+  (`target_tap_layers`); `context_features` lays its taps out in the drafter's order. Context rows
+  are NOT passed through the draft layers: every draft layer projects the same normalized context
+  with its own k/v projections (+ k_norm, RoPE at the tokens' absolute positions) and prepends those
+  K/V to the block's own K/V.
 - The block is `[last accepted token, MASK x (B-1)]`, embedded with the TARGET's embedding (the params
   are passed in, never copied). Queries come only from the block; attention is bidirectional inside
   the block and sees all committed context. Block positions continue after the context. The output
