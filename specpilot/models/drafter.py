@@ -24,7 +24,8 @@ Design choices (semantics follow the public DFlash reference):
 - Checkpoints are the public DFlash format: `config.json` (a Qwen3 config with
   `architectures: ["DFlashDraftModel"]` and `dflash_config: {mask_token_id, target_layer_ids,
   block_size}`) and `model.safetensors` with DFlash's key names and torch `[out, in]` layout.
-  DFlash2 extras (candidate selector, convolutions, logit soft-capping) are refused with a clear error.
+  DFlash2 extras (candidate selector, convolutions, logit soft-capping) are refused with a clear error,
+  and so is any tensor with a NaN or Inf (`checkpoint.non_finite`), naming it.
 """
 
 from __future__ import annotations
@@ -40,6 +41,7 @@ import numpy as np
 
 from specpilot.cache import KVCache, init_cache, write_positions
 from specpilot.models import dense
+from specpilot.models.checkpoint import non_finite
 from specpilot.models.config import ConfigError, ModelConfig, RopeScaling, default_tap_layers
 from specpilot.models.layers import apply_rope, attention, linear, rms_norm, rope_tables, swiglu
 
@@ -441,9 +443,14 @@ def load_drafter(path: str | Path, dtype=None) -> tuple[Params, DrafterConfig]:
         with safe_open(str(f), framework="flax") as handle:
             for hf in handle.keys():
                 where, transposed, _ = expected[hf]
-                x = handle.get_tensor(hf)
-                x = x.T if transposed else x
-                flat[where] = x.astype(dtype) if dtype is not None else x
+                raw = handle.get_tensor(hf)
+                raw = raw.T if transposed else raw
+                x = raw.astype(dtype) if dtype is not None else raw
+                problem = non_finite(x, raw if x.dtype != raw.dtype else None)
+                if problem:
+                    raise DrafterCheckpointError(f"{f.name}: tensor {hf} holds {problem}; a drafter "
+                                                 f"with it would draft from NaN logits")
+                flat[where] = x
     params: Params = {name: flat[(name,)] for name in _TOP_KEYS}
     params["layers"] = tuple({name: flat[("layers", i, name)] for name in layer}
                              for i, layer in enumerate(param_shapes(cfg)["layers"]))
