@@ -4,12 +4,8 @@ Writes report.md (a markdown table) and PNG plots into the folder (or --out) and
 """
 
 import argparse
-import sys
-from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from specpilot.report import report  # noqa: E402
+from specpilot.report import report
 
 
 def main(argv=None):
