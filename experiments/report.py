@@ -13,7 +13,10 @@ def main(argv=None):
     ap.add_argument("folder", help="a run or multirun output folder holding results.jsonl files")
     ap.add_argument("--out", default=None, help="where to write report.md and plots (default: folder)")
     args = ap.parse_args(argv)
-    table, plots = report(args.folder, args.out)
+    try:
+        table, plots = report(args.folder, args.out)
+    except FileNotFoundError as e:
+        raise SystemExit(f"error: {e}")
     print(table)
     for p in plots:
         print(f"plot: {p}")

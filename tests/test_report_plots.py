@@ -5,6 +5,9 @@ method, and carries its resolved config. Figures are captured at `savefig` and i
 """
 
 import re
+import subprocess
+import sys
+from pathlib import Path
 
 import matplotlib
 import pytest
@@ -89,3 +92,11 @@ def test_records_nothing_tells_apart_are_numbered(drawn):
     _, bars, labels = _bars(drawn(records)["tpot_per_method.png"])
     assert len(bars) == 3
     assert labels == ["seed=0, #1", "seed=0, #2", "seed=1"]
+
+
+def test_cli_on_a_missing_folder_prints_the_message_alone(tmp_path):
+    cli = Path(__file__).resolve().parents[1] / "experiments" / "report.py"
+    proc = subprocess.run([sys.executable, str(cli), str(tmp_path / "nope")], capture_output=True,
+                          text=True, timeout=120)
+    assert proc.returncode != 0
+    assert proc.stderr.strip() == f"error: no such results folder: {tmp_path / 'nope'}"
