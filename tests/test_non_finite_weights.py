@@ -18,6 +18,7 @@ from safetensors.numpy import load_file, save_file
 from specpilot.models import drafter as dr
 from specpilot.models.checkpoint import CheckpointError, load_hf, save_hf
 from specpilot.models.config import ModelConfig
+from specpilot.training.checkpointing import load_model, save_model
 
 TARGET = ModelConfig(vocab_size=64, hidden_size=32, intermediate_size=48, num_layers=2, num_heads=4,
                      num_kv_heads=2, head_dim=8, qk_norm=True)
@@ -88,3 +89,16 @@ def test_drafter_with_a_non_finite_weight_is_refused(tmp_path, key, value):
     with pytest.raises(dr.DrafterCheckpointError,
                        match=rf"tensor {key} holds non-finite values \(1 {kind} of"):
         dr.load_drafter(tmp_path)
+
+
+def test_model_folder_with_a_nan_weight_is_refused(tmp_path):
+    from specpilot.models import dense
+
+    params = _params(dense.param_shapes(TARGET))
+    save_model(tmp_path / "model", params, TARGET)
+    load_model(tmp_path / "model")
+    layer1 = dict(params["layers"][1], up=params["layers"][1]["up"].at[3, 5].set(jnp.nan))
+    bad = dict(params, layers=(params["layers"][0], layer1))
+    save_model(tmp_path / "model", bad, TARGET)
+    with pytest.raises(CheckpointError, match=r"param layers/1/up holds non-finite values \(1 NaN of"):
+        load_model(tmp_path / "model")

@@ -9,7 +9,8 @@ Design choices:
   checkpoint a resume needs.
 - Finished weights go to a model folder: `config.json` (Hugging Face keys, `ModelConfig.to_hf_dict`),
   `params/` (orbax) and a JSON record of the dtype, so `load_model` needs no abstract tree from the
-  caller: it derives one from the config (`dense.param_shapes`).
+  caller: it derives one from the config (`dense.param_shapes`). Non-finite weights are refused at
+  load, as `load_hf` refuses them (a diverged run can save NaNs).
 - `load_target` reads either kind of finished target (a model folder here, or a Hugging Face directory),
   so entry points need not know which they were given; `export_hf` turns a model folder into a Hugging
   Face directory (config.json, model.safetensors, tokenizer.json) that `load_hf` and transformers read.
@@ -27,7 +28,7 @@ import numpy as np
 import orbax.checkpoint as ocp
 
 from specpilot.models import dense
-from specpilot.models.checkpoint import load_hf, save_hf
+from specpilot.models.checkpoint import CheckpointError, load_hf, non_finite, save_hf
 from specpilot.models.config import ModelConfig
 
 MODEL_RECORD = "specpilot.json"  # marks a model folder written by `save_model`
@@ -111,6 +112,12 @@ def load_model(directory: str | Path, dtype=None) -> tuple[dict, ModelConfig]:
     params = load_pytree(directory / "params", abstract)
     if dtype is not None:
         params = jax.tree.map(lambda x: x.astype(dtype), params)
+    for path, x in jax.tree_util.tree_flatten_with_path(params)[0]:
+        problem = non_finite(x)  # a diverged training run saves NaN weights
+        if problem:
+            name = "/".join(str(getattr(k, "key", getattr(k, "idx", k))) for k in path)
+            raise CheckpointError(f"{directory}: param {name} holds {problem}; a model with it would "
+                                  f"give NaN logits")
     return params, cfg
 
 
