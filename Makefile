@@ -3,18 +3,31 @@ PYTHON ?= python3
 VENV ?= .venv
 BIN := $(VENV)/bin
 PYTEST_ARGS ?= -n 2
+# Stamps inside the venv: the package is installed (editable, so source edits need no reinstall) once
+# per venv and again only when pyproject.toml changes.
+INSTALLED := $(VENV)/.installed
+INSTALLED_TEST := $(VENV)/.installed-test
 
 .PHONY: venv install install-test run test test-all clean
+
+venv: $(BIN)/python
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install -q --upgrade pip
 
-install: $(BIN)/python
+$(INSTALLED): pyproject.toml | $(BIN)/python
 	$(BIN)/python -m pip install -q -e .
+	touch $@
 
-install-test: $(BIN)/python
+# The test extras include the package itself, so this stamp satisfies `install` too.
+$(INSTALLED_TEST): pyproject.toml | $(BIN)/python
 	$(BIN)/python -m pip install -q -e ".[test]"
+	touch $@ $(INSTALLED)
+
+install: $(INSTALLED)
+
+install-test: $(INSTALLED_TEST)
 
 run: install
 	$(BIN)/python experiments/run.py

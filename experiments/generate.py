@@ -1,33 +1,36 @@
-"""Generate text with AR decoding from a local Hugging Face checkpoint.
+"""Generate text with AR decoding from a local checkpoint.
 
     python experiments/generate.py --checkpoint DIR --prompt "def fib(n):" --max-new-tokens 64
     python experiments/generate.py --checkpoint DIR --prompt-ids 1,2,3 --temperature 0.8 --top-p 0.95
+    python experiments/generate.py --checkpoint ~/.cache/specpilot --prompt "def fib(n):"
 
-The tokenizer is `tokenizer.json` in the checkpoint folder unless --tokenizer names another; with
---prompt-ids no tokenizer is needed and ids are printed.
+DIR is a Hugging Face folder (config.json + *.safetensors), a target trained here (a model folder, a
+pair folder such as experiments/train.py's out_dir, or the cache directory holding the embedded
+pair; `experiments/export.py` turns any of these into a Hugging Face folder). The tokenizer is the
+target folder's `tokenizer.json` unless --tokenizer names another; with --prompt-ids no tokenizer is
+needed and ids are printed.
 """
 
 import argparse
 import sys
-from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+import jax
+import jax.numpy as jnp
 
-import jax  # noqa: E402
-import jax.numpy as jnp  # noqa: E402
-
-from specpilot.decoding.ar import generate  # noqa: E402
-from specpilot.decoding.sampling import SamplingConfig  # noqa: E402
-from specpilot.models.checkpoint import load_hf  # noqa: E402
+from specpilot.decoding.ar import generate
+from specpilot.decoding.sampling import SamplingConfig
+from specpilot.embedded import find_target
+from specpilot.training.checkpointing import load_target
 
 
 def parse_args(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--checkpoint", required=True, help="HF folder: config.json + *.safetensors")
+    ap.add_argument("--checkpoint", required=True,
+                    help="HF folder, a target trained here, a pair folder or the cache directory")
     src = ap.add_mutually_exclusive_group(required=True)
     src.add_argument("--prompt", help="prompt text (needs a tokenizer)")
     src.add_argument("--prompt-ids", help="comma-separated prompt token ids")
-    ap.add_argument("--tokenizer", help="tokenizer.json (default: the checkpoint's)")
+    ap.add_argument("--tokenizer", help="tokenizer.json (default: the target folder's)")
     ap.add_argument("--max-new-tokens", type=int, default=64)
     ap.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
     ap.add_argument("--top-k", type=int, default=0)
@@ -40,12 +43,21 @@ def parse_args(argv=None):
 def main(argv=None) -> list[int]:
     args = parse_args(argv)
     sampling = SamplingConfig(args.temperature, args.top_k, args.top_p)
-    params, cfg = load_hf(args.checkpoint, dtype=jnp.dtype(args.dtype))
+    try:
+        folder = find_target(args.checkpoint)
+        params, cfg = load_target(folder, dtype=jnp.dtype(args.dtype))
+    except (FileNotFoundError, ValueError) as e:
+        raise SystemExit(f"error: {e}")
+    if str(folder) != str(args.checkpoint):
+        print(f"[target: {folder}]", file=sys.stderr)
     tokenizer = None
     if args.prompt is not None:
         from specpilot.data.tokenizer import load_tokenizer
 
-        tokenizer = load_tokenizer(args.tokenizer or args.checkpoint)
+        try:
+            tokenizer = load_tokenizer(args.tokenizer or folder)
+        except FileNotFoundError as e:
+            raise SystemExit(f"error: {e}; pass --tokenizer or --prompt-ids")
         prompt = tokenizer.encode(args.prompt)
     else:
         try:

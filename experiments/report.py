@@ -4,12 +4,8 @@ Writes report.md (a markdown table) and PNG plots into the folder (or --out) and
 """
 
 import argparse
-import sys
-from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from specpilot.report import report  # noqa: E402
+from specpilot.report import report
 
 
 def main(argv=None):
@@ -17,7 +13,10 @@ def main(argv=None):
     ap.add_argument("folder", help="a run or multirun output folder holding results.jsonl files")
     ap.add_argument("--out", default=None, help="where to write report.md and plots (default: folder)")
     args = ap.parse_args(argv)
-    table, plots = report(args.folder, args.out)
+    try:
+        table, plots = report(args.folder, args.out)
+    except FileNotFoundError as e:
+        raise SystemExit(f"error: {e}")
     print(table)
     for p in plots:
         print(f"plot: {p}")

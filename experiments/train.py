@@ -7,23 +7,20 @@ checkpoints when run again with the same out_dir. See conf/train.yaml for the op
 
 import dataclasses
 import logging
-import sys
 from pathlib import Path
 from typing import Optional
 
 import hydra
+import jax.numpy as jnp
 from hydra.core.config_store import ConfigStore
 from omegaconf import MISSING, DictConfig, OmegaConf
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout without install
-
-import jax.numpy as jnp  # noqa: E402
-
-from specpilot.data.corpus import load_corpus  # noqa: E402
-from specpilot.data.tokenizer import load_tokenizer, train_tokenizer  # noqa: E402
-from specpilot.embedded import from_overrides  # noqa: E402
-from specpilot.training.drafter import DrafterTrainConfig  # noqa: E402
-from specpilot.training.target import TargetTrainConfig  # noqa: E402
+from specpilot.data.corpus import load_corpus
+from specpilot.data.tokenizer import load_tokenizer, train_tokenizer
+from specpilot.embedded import from_overrides
+from specpilot.training.checkpointing import load_target
+from specpilot.training.drafter import DrafterTrainConfig
+from specpilot.training.target import TargetTrainConfig
 
 for noisy in ("jax._src.xla_bridge", "absl", "orbax"):
     logging.getLogger(noisy).setLevel(logging.WARNING)
@@ -71,19 +68,6 @@ class TrainConf:
 ConfigStore.instance().store(name="train_schema", node=TrainConf)
 
 
-def load_target(path: Path):
-    """(params float32, cfg, tokenizer) of a target trained here (model/) or a HF checkpoint."""
-    if (path / "specpilot.json").exists():
-        from specpilot.training.checkpointing import load_model
-
-        params, cfg = load_model(path, dtype=jnp.float32)
-    else:
-        from specpilot.models.checkpoint import load_hf
-
-        params, cfg = load_hf(path, dtype=jnp.float32)
-    return params, cfg, load_tokenizer(path)
-
-
 @hydra.main(version_base=None, config_path="../conf", config_name="train")
 def main(cfg: DictConfig) -> None:
     if cfg.stage not in STAGES:
@@ -115,7 +99,8 @@ def main(cfg: DictConfig) -> None:
         target_path = Path(cfg.target_path or out / "target" / "model").expanduser()
         if not target_path.is_dir():
             raise SystemExit(f"no target at {target_path}; train one (stage=target) or set target_path")
-        params, tcfg, tok = load_target(target_path)
+        params, tcfg = load_target(target_path, dtype=jnp.float32)  # trained here or a HF checkpoint
+        tok = load_tokenizer(target_path)
         _, dcfg = train_drafter(sizes.drafter, corpus, tok, params, tcfg, out / "drafter",
                                 progress=bool(cfg.progress))
         print(f"drafter (block {dcfg.block_size}, taps {dcfg.tap_layers}) -> {out / 'drafter' / 'model'}")

@@ -11,6 +11,9 @@ Design choices:
   skipped when present; the training stages resume from their orbax checkpoints, so an interrupted
   first run continues where it stopped. A stage is marked done only by its final output, so nothing
   half-written is ever loaded.
+- `find_target` maps what a user may name — the cache directory, a pair folder (this layout, which
+  `experiments/train.py` also writes), or a target folder itself — to the folder holding the target's
+  weights, so the generation and export commands read the cached pair without knowing its hash.
 """
 
 from __future__ import annotations
@@ -28,9 +31,14 @@ from specpilot.data.prompts import PromptSet, make_prompts
 from specpilot.data.tokenizer import TextTokenizer, load_tokenizer, train_tokenizer
 from specpilot.models import drafter as dr
 from specpilot.models.config import ModelConfig
-from specpilot.training.checkpointing import load_model
+from specpilot.training.checkpointing import MODEL_RECORD, is_model_folder, load_model
 from specpilot.training.drafter import DrafterTrainConfig, train_drafter
 from specpilot.training.target import TargetTrainConfig, train_target
+
+
+PAIR_PREFIX = "embedded-"  # a pair folder's name is this prefix and the EmbeddedConfig key
+TARGET_MODEL = Path("target") / "model"
+DRAFTER_MODEL = Path("drafter") / "model"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -92,7 +100,7 @@ def ensure_pair(cache_dir: str | Path, cfg: EmbeddedConfig = EmbeddedConfig(), d
     """Load the cached pair for `cfg`, training whatever stage is missing first."""
     t0 = time.perf_counter()
     corpus = load_corpus(cfg.corpus_root, heldout_fraction=cfg.heldout_fraction)
-    directory = Path(cache_dir).expanduser() / f"embedded-{cfg.key(str(corpus.root))}"
+    directory = Path(cache_dir).expanduser() / f"{PAIR_PREFIX}{cfg.key(str(corpus.root))}"
     directory.mkdir(parents=True, exist_ok=True)
     (directory / "config.json").write_text(json.dumps(
         {**dataclasses.asdict(cfg), "corpus_root": str(corpus.root)}, indent=2, default=str) + "\n")
@@ -106,18 +114,18 @@ def ensure_pair(cache_dir: str | Path, cfg: EmbeddedConfig = EmbeddedConfig(), d
         tmp = tokenizer.save(directory / "tokenizer.tmp.json")  # a .json name: saved as this file itself
         tmp.rename(tok_path)  # atomic: a half-written tokenizer is never picked up
 
-    target_dir = directory / "target"
-    if not (target_dir / "model" / "specpilot.json").exists():
+    target_dir = directory / TARGET_MODEL.parent
+    if not (directory / TARGET_MODEL / MODEL_RECORD).exists():
         _log(f"training the target ({cfg.target.steps} steps) into {target_dir}")
         train_target(cfg.target, corpus, tokenizer, target_dir, progress=progress)
-    target_params, target_cfg = load_model(target_dir / "model", dtype=dtype)
+    target_params, target_cfg = load_model(directory / TARGET_MODEL, dtype=dtype)
 
-    drafter_dir = directory / "drafter"
-    if not (drafter_dir / "model" / "model.safetensors").exists():
+    drafter_dir = directory / DRAFTER_MODEL.parent
+    if not (directory / DRAFTER_MODEL / "model.safetensors").exists():
         _log(f"training the drafter ({cfg.drafter.steps} steps) into {drafter_dir}")
         train_drafter(cfg.drafter, corpus, tokenizer, target_params, target_cfg, drafter_dir,
                       progress=progress)
-    drafter_params, drafter_cfg = dr.load_drafter(drafter_dir / "model", dtype=dtype)
+    drafter_params, drafter_cfg = dr.load_drafter(directory / DRAFTER_MODEL, dtype=dtype)
     target_cfg = target_cfg.with_taps(drafter_cfg.tap_layers)
 
     prompts_path = directory / f"prompts-{cfg.prompt_kind}-{cfg.num_prompts}x{cfg.prompt_len}.json"
@@ -128,3 +136,30 @@ def ensure_pair(cache_dir: str | Path, cfg: EmbeddedConfig = EmbeddedConfig(), d
         prompts.save(prompts_path)
     return EmbeddedPair(directory, tokenizer, target_params, target_cfg, drafter_params, drafter_cfg,
                         prompts, elapsed_s=time.perf_counter() - t0)
+
+
+def _holds_target(path: Path) -> bool:
+    """A model folder written here, or a Hugging Face directory (config.json + safetensors)."""
+    return is_model_folder(path) or ((path / "config.json").is_file() and any(path.glob("*.safetensors")))
+
+
+def find_target(path: str | Path) -> Path:
+    """The folder holding a target's weights, given that folder itself (a Hugging Face directory or a
+    model folder), a pair folder (its target/model), or a cache directory holding one pair."""
+    path = Path(path).expanduser()
+    if not path.exists():
+        raise FileNotFoundError(f"checkpoint path {path} does not exist")
+    if _holds_target(path):
+        return path
+    if _holds_target(path / TARGET_MODEL):
+        return path / TARGET_MODEL
+    pairs = sorted(p for p in path.glob(f"{PAIR_PREFIX}*") if _holds_target(p / TARGET_MODEL))
+    if len(pairs) == 1:
+        return pairs[0] / TARGET_MODEL
+    if pairs:
+        raise ValueError(f"{path} holds {len(pairs)} trained pairs ({', '.join(p.name for p in pairs)}); "
+                         f"name one of them")
+    raise FileNotFoundError(
+        f"no target in {path}: expected a Hugging Face directory (config.json + *.safetensors), a "
+        f"model folder ({MODEL_RECORD}), a pair folder with {TARGET_MODEL}/, or a cache directory "
+        f"holding a {PAIR_PREFIX}* pair")

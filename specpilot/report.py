@@ -7,12 +7,17 @@ Design choices:
   never shown without what it rests on.
 - Plots use matplotlib's Agg backend (no display) and are skipped, not faked, when their data are
   absent (e.g. no speculative method -> no tau plot).
+- One bar per record, at its own position, so records can never be drawn over each other. A bar is
+  labelled by the axes whose values differ across the plotted records ("batch 4, block 8", the words
+  spelled out); what they all share goes into the plot's title. Records that the axes cannot tell apart
+  (AR measured in each run of a block-size sweep) are told apart by the config settings that differ
+  between them, and failing that by a number.
 """
 
 from __future__ import annotations
 
 import json
-from collections import defaultdict
+from collections import Counter, defaultdict
 from pathlib import Path
 
 COLUMNS = ("target", "drafter", "gpu", "batch_size", "prompts", "method", "block_size",
@@ -53,6 +58,67 @@ def markdown_table(records: list[dict]) -> str:
     return "\n".join(lines)
 
 
+# Record fields a plot can vary over, in label order, with how a value is written.
+AXES = (("target", "{}"), ("drafter", "drafter {}"), ("gpu", "{}"), ("prompts", "prompts {}"),
+        ("method", "{}"), ("batch_size", "batch {}"), ("block_size", "block {}"))
+IGNORED_SETTINGS = ("output_dir",)  # differ between runs without making the measurements differ
+
+
+def _flat(tree: dict, prefix: str = "") -> dict:
+    out = {}
+    for k, v in tree.items():
+        if isinstance(v, dict):
+            out.update(_flat(v, f"{prefix}{k}."))
+        else:
+            out[f"{prefix}{k}"] = v
+    return out
+
+
+def describe(records: list[dict], x_axis: str | None = None) -> tuple[list[str], str]:
+    """(a distinct label per record, the values all records share) for a plot of `records`.
+
+    `x_axis` names a field the plot shows on an axis: it is left out of labels, and records that
+    differ in it may share a label (they are one series).
+    """
+    axes = [(k, fmt) for k, fmt in AXES if k != x_axis]
+    varies = [(k, fmt) for k, fmt in axes if len({repr(r.get(k)) for r in records}) > 1]
+    shared = [fmt.format(records[0][k]) for k, fmt in axes
+              if (k, fmt) not in varies and records[0].get(k) is not None]
+    labels = [", ".join(fmt.format(r[k]) for k, fmt in varies if r.get(k) is not None) for r in records]
+    groups = defaultdict(list)
+    for i, label in enumerate(labels):
+        groups[label, repr(records[i].get(x_axis)) if x_axis else None].append(i)
+    for (label, _), members in groups.items():
+        if len(members) < 2:
+            continue
+        flats = [_flat(records[i].get("config") or {}) for i in members]
+        # members share the x value too, so a setting that restates the x axis never differs here
+        settings = sorted(k for k in set().union(*flats)
+                          if k not in IGNORED_SETTINGS and len({repr(f.get(k)) for f in flats}) > 1)
+        keyed = [", ".join(f"{k}={f.get(k)}" for k in settings) for f in flats]
+        count, seen = Counter(keyed), defaultdict(int)
+        for i, extra in zip(members, keyed):
+            if count[extra] > 1:  # the same settings too: numbered in record order
+                seen[extra] += 1
+                extra = ", ".join(p for p in (extra, f"#{seen[extra]}") if p)
+            labels[i] = f"{label}, {extra}" if label else extra
+    if len(records) == 1 and not labels[0]:
+        labels[0] = records[0]["method"]
+    return labels, ", ".join(shared)
+
+
+def _title(ax, what: str, shared: str) -> None:
+    ax.set_title(f"{what}\n{shared}" if shared else what, fontsize=9)
+
+
+def _barh(ax, labels: list[str], values: list[float], left=None, **kw) -> None:
+    """Horizontal bars at positions 0..n-1, top to bottom in record order."""
+    pos = list(range(len(labels)))
+    ax.barh(pos, values, left=left, **kw)
+    ax.set_yticks(pos, labels, fontsize=7)
+    ax.set_ylim(len(labels) - 0.5, -0.5)
+
+
 def plot_all(records: list[dict], out_dir: str | Path) -> list[Path]:
     import matplotlib
 
@@ -70,48 +136,56 @@ def plot_all(records: list[dict], out_dir: str | Path) -> list[Path]:
         plt.close(fig)
         written.append(path)
 
-    # TPOT per method and deployment
-    fig, ax = plt.subplots(figsize=(7, 4))
-    labels = [f"{r['target']}/{r['method']}/b{r['batch_size']}" for r in records]
-    ax.barh(labels, [r["decode_ms_per_token"] for r in records])
+    def figure(n_bars):
+        return plt.subplots(figsize=(7, 1.6 + 0.3 * n_bars))
+
+    labels, shared = describe(records)
+    fig, ax = figure(len(records))
+    _barh(ax, labels, [r["decode_ms_per_token"] for r in records])
     ax.set_xlabel("decode time per output token (ms)")
+    _title(ax, "Decode time per output token", shared)
     save(fig, "tpot_per_method.png")
 
     spec = [r for r in records if r.get("block_size") and r["method"] != "ar"]
     if spec:
+        names, shared = describe(spec, x_axis="block_size")
         series = defaultdict(list)
-        for r in spec:
-            series[(r["target"], r["method"])].append((r["block_size"], r["speedup_vs_ar"]))
+        for name, r in zip(names, spec):
+            series[name].append((r["block_size"], r["speedup_vs_ar"]))
         fig, ax = plt.subplots(figsize=(6, 4))
-        for (target, method), pts in sorted(series.items()):
+        for name, pts in series.items():
             pts.sort()
-            ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=f"{target} {method}")
+            ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=name)
+        ax.set_xticks(sorted({r["block_size"] for r in spec}))
         ax.set_xlabel("block size")
         ax.set_ylabel("speedup over AR")
-        ax.legend(fontsize=7)
+        if len(series) > 1:
+            ax.legend(fontsize=7)
+        _title(ax, "Speedup over AR by block size", shared)
         save(fig, "speedup_vs_block.png")
 
     with_tau = [r for r in records if r.get("tau") is not None]
     if with_tau:
-        fig, ax = plt.subplots(figsize=(6, 4))
-        ax.bar([f"{r['prompts']}/{r['method']}/b{r.get('block_size')}" for r in with_tau],
-               [r["tau"] for r in with_tau])
-        ax.set_ylabel("tau (tokens per verification)")
-        ax.tick_params(axis="x", rotation=45, labelsize=7)
+        labels, shared = describe(with_tau)
+        fig, ax = figure(len(with_tau))
+        _barh(ax, labels, [r["tau"] for r in with_tau])
+        ax.set_xlabel("tau (tokens per verification)")
+        _title(ax, "Tokens per verification (tau)", shared)
         save(fig, "tau_per_prompt_set.png")
 
     split = [r for r in records if (r.get("stats") or {}).get("time_split")]
     if split:
-        fig, ax = plt.subplots(figsize=(6, 4))
+        labels, shared = describe(split)
+        fig, ax = figure(len(split))
         parts = sorted({k for r in split for k in r["stats"]["time_split"]})
         left = [0.0] * len(split)
-        names = [f"{r['target']}/{r['method']}/b{r.get('block_size')}" for r in split]
         for part in parts:
             vals = [r["stats"]["time_split"].get(part, 0.0) for r in split]
-            ax.barh(names, vals, left=left, label=part)
+            _barh(ax, labels, vals, left=left, label=part)
             left = [a + b for a, b in zip(left, vals)]
         ax.set_xlabel("fraction of decode time")
         ax.legend(fontsize=7)
+        _title(ax, "Where decode time goes", shared)
         save(fig, "time_split.png")
     return written
 

@@ -16,6 +16,9 @@ Design choices:
 - Tied embeddings: `lm_head.weight` is absent from our params. Some tied checkpoints still store it;
   it is accepted only when bit-identical to the embedding, since anything else would silently change
   the model.
+- Every tensor must be finite once in the requested dtype: a NaN or Inf weight (stored, or a float32
+  value that overflows bfloat16) would load silently and make every logit NaN. The check runs on the
+  device array (one reduction per tensor) and the error names the tensor and the count.
 - `rotary_emb.inv_freq` buffers (older Llama exports) are derived from the config and are skipped.
 - `save_hf` writes the stored dtype of the params and sharded files with an index when
   `max_shard_bytes` is set, using HF's file names, so transformers can read the result too. Stale
@@ -208,6 +211,21 @@ def _read_tensors(found, keys):
             raise CheckpointError(f"cannot read tensors from {path}: {e}") from e
 
 
+def non_finite(arr, stored=None) -> str:
+    """"" when `arr` is finite, else what is wrong ("2 NaN, 1 Inf of 4096 values"), saying when the
+    stored values (`stored`, the array before a dtype conversion) were finite and the conversion
+    overflowed."""
+    arr = jnp.asarray(arr)
+    if not jnp.issubdtype(arr.dtype, jnp.inexact) or bool(jnp.isfinite(arr).all()):
+        return ""
+    nan, inf = int(jnp.isnan(arr).sum()), int(jnp.isinf(arr).sum())
+    what = ", ".join(f"{n} {name}" for n, name in ((nan, "NaN"), (inf, "Inf")) if n)
+    msg = f"non-finite values ({what} of {arr.size})"
+    if stored is not None and not non_finite(stored):
+        msg += f": finite as stored ({jnp.asarray(stored).dtype}), they overflow {arr.dtype}"
+    return msg
+
+
 def load_hf(path: str | Path, dtype=jnp.bfloat16, tap_layers=()) -> tuple[dense.Params, ModelConfig]:
     """Load a HF Qwen3/Llama directory into (params, cfg). dtype=None keeps the stored dtype."""
     root = Path(path)
@@ -226,8 +244,12 @@ def load_hf(path: str | Path, dtype=jnp.bfloat16, tap_layers=()) -> tuple[dense.
     params: dict[str, Any] = {"layers": tuple({} for _ in range(cfg.num_layers))}
     for key, host in _read_tensors(found, expected):
         where, _, transpose = expected[key]
-        arr = jnp.asarray(host.T if transpose else host)
-        arr = arr if dtype is None else arr.astype(dtype)
+        raw = jnp.asarray(host.T if transpose else host)
+        arr = raw if dtype is None else raw.astype(dtype)
+        problem = non_finite(arr, raw if arr.dtype != raw.dtype else None)
+        if problem:
+            raise CheckpointError(f"{found[key][0].name}: tensor {key} holds {problem}; a model with "
+                                  f"it would give NaN logits")
         if where[0] == "layers":
             params["layers"][where[1]][where[2]] = arr
         else:

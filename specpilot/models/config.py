@@ -55,7 +55,9 @@ class ModelConfig:
     architecture: str = "Qwen3ForCausalLM"
     # Layers whose output hidden states are returned as `taps` (a drafter reads them). 0-based layer
     # index l means the output of decoder layer l (= HF `hidden_states[l + 1]` for l < L-1; HF's
-    # last entry hidden_states[L] has the final norm applied, our tap L-1 does not).
+    # last entry hidden_states[L] has the final norm applied, our tap L-1 does not). Each layer at
+    # most once, in layer order: a drafter that lists layers otherwise (DFlash allows repeats) picks
+    # its context from these (`DrafterConfig.target_tap_layers`).
     tap_layers: tuple[int, ...] = ()
     bos_token_id: int | None = None
     eos_token_id: int | None = None
@@ -80,7 +82,9 @@ class ModelConfig:
                 raise ConfigError(f"tap layer {layer} outside [0, {self.num_layers})")
         if list(self.tap_layers) != sorted(set(self.tap_layers)):
             # taps are concatenated in layer order, so the configured order must be that order
-            raise ConfigError(f"tap_layers must be strictly increasing, got {self.tap_layers}")
+            raise ConfigError(f"tap_layers must be strictly increasing (each layer once, in layer "
+                              f"order), got {self.tap_layers}; with_taps({self.tap_layers}) taps "
+                              f"{tuple(sorted(set(self.tap_layers)))}")
         if self.rope_theta <= 0 or self.rms_norm_eps <= 0:
             raise ConfigError("rope_theta and rms_norm_eps must be positive")
 
@@ -124,7 +128,9 @@ class ModelConfig:
         return np.where(medium, smoothed, scaled)
 
     def with_taps(self, tap_layers) -> "ModelConfig":
-        return dataclasses.replace(self, tap_layers=tuple(int(t) for t in tap_layers))
+        """This config tapping each listed layer once, in layer order, whatever the listed order or
+        repeats: a drafter's `target_layer_ids` in any form can be passed as they are."""
+        return dataclasses.replace(self, tap_layers=tuple(sorted({int(t) for t in tap_layers})))
 
     # ----------------------------------------------------------------------------------------------
     # Hugging Face config.json
@@ -237,8 +243,9 @@ def _parse_rope_scaling(rs: dict[str, Any] | None) -> RopeScaling | None:
 
 def default_tap_layers(num_layers: int, num_taps: int) -> tuple[int, ...]:
     """Distinct layers evenly spaced from 1 to L-3 (the DFlash choice; Qwen3-8B with 5 taps: 1, 9, 17,
-    25, 33). A target too shallow for that range is spread over all its layers instead; never more taps
-    than layers."""
+    25, 33). A target too shallow for that range is spread over all its layers instead, where DFlash's
+    own rule would repeat a layer (4 layers, 2 taps: DFlash 1, 1; here 0, 3); never more taps than
+    layers. Drafters that do list a layer twice still pair (see `ModelConfig.with_taps`)."""
     num_taps = min(num_taps, num_layers)
     if num_taps <= 0:
         return ()

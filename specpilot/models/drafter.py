@@ -2,9 +2,13 @@
 
 Design choices (semantics follow the public DFlash reference):
 - Context = the target's tapped hidden states `[B, T, n_taps*H]` -> `fc` (n*H -> H) -> RMSNorm
-  (`hidden_norm`). Context rows are NOT passed through the draft layers: every draft layer projects the
-  same normalized context with its own k/v projections (+ k_norm, RoPE at the tokens' absolute
-  positions) and prepends those K/V to the block's own K/V.
+  (`hidden_norm`). `tap_layers` are DFlash's `target_layer_ids` as written: any order, a layer may
+  repeat (DFlash's own spacing gives [1, 1] for a 4-layer target with 2 draft layers), and `fc` reads
+  one H-slice per listed id, in list order. The target taps each of those layers once, in layer order
+  (`target_tap_layers`); `context_features` lays its taps out in the drafter's order. Context rows
+  are NOT passed through the draft layers: every draft layer projects the same normalized context
+  with its own k/v projections (+ k_norm, RoPE at the tokens' absolute positions) and prepends those
+  K/V to the block's own K/V.
 - The block is `[last accepted token, MASK x (B-1)]`, embedded with the TARGET's embedding (the params
   are passed in, never copied). Queries come only from the block; attention is bidirectional inside
   the block and sees all committed context. Block positions continue after the context. The output
@@ -20,7 +24,8 @@ Design choices (semantics follow the public DFlash reference):
 - Checkpoints are the public DFlash format: `config.json` (a Qwen3 config with
   `architectures: ["DFlashDraftModel"]` and `dflash_config: {mask_token_id, target_layer_ids,
   block_size}`) and `model.safetensors` with DFlash's key names and torch `[out, in]` layout.
-  DFlash2 extras (candidate selector, convolutions, logit soft-capping) are refused with a clear error.
+  DFlash2 extras (candidate selector, convolutions, logit soft-capping) are refused with a clear error,
+  and so is any tensor with a NaN or Inf (`checkpoint.non_finite`), naming it.
 """
 
 from __future__ import annotations
@@ -36,6 +41,7 @@ import numpy as np
 
 from specpilot.cache import KVCache, init_cache, write_positions
 from specpilot.models import dense
+from specpilot.models.checkpoint import non_finite
 from specpilot.models.config import ConfigError, ModelConfig, RopeScaling, default_tap_layers
 from specpilot.models.layers import apply_rope, attention, linear, rms_norm, rope_tables, swiglu
 
@@ -87,7 +93,13 @@ class DrafterConfig:
 
     @property
     def num_taps(self) -> int:
+        """Listed tap ids, repeats counted: fc reads num_taps * H features."""
         return len(self.tap_layers)
+
+    @property
+    def target_tap_layers(self) -> tuple[int, ...]:
+        """The layers the target must tap: each listed layer once, in layer order."""
+        return tuple(sorted(set(self.tap_layers)))
 
     @property
     def layer_config(self) -> ModelConfig:
@@ -187,8 +199,9 @@ def check_compatible(cfg: DrafterConfig, target: ModelConfig) -> None:
     if wrong_depth or max(cfg.tap_layers) >= target.num_layers:
         raise ConfigError(f"drafter was built for a {cfg.num_target_layers}-layer target tapping "
                           f"{cfg.tap_layers}; this target has {target.num_layers} layers")
-    if tuple(target.tap_layers) != tuple(cfg.tap_layers):
-        raise ConfigError(f"target taps {target.tap_layers} differ from the drafter's {cfg.tap_layers}; "
+    if tuple(target.tap_layers) != cfg.target_tap_layers:
+        raise ConfigError(f"target taps {target.tap_layers}, the drafter reads layers "
+                          f"{cfg.target_tap_layers} (target_layer_ids {cfg.tap_layers}); "
                           f"use target_cfg.with_taps({cfg.tap_layers})")
 
 
@@ -234,8 +247,23 @@ def _keys_values(lp: dict, cfg: DrafterConfig, x: jax.Array, cos, sin):
     return apply_rope(k, cos, sin), v  # [B, T, KVH, D] each
 
 
+def arrange_taps(cfg: DrafterConfig, taps: jax.Array) -> jax.Array:
+    """The target's taps [..., m*H] (layers `cfg.target_tap_layers`) -> [..., n*H] in the drafter's
+    `tap_layers` order, a repeated layer's state repeated: DFlash's concatenation."""
+    h, distinct = cfg.hidden_size, cfg.target_tap_layers
+    if taps.shape[-1] != len(distinct) * h:
+        raise ValueError(f"taps have {taps.shape[-1]} features; the drafter reads target layers "
+                         f"{distinct}, {len(distinct)} x hidden {h} = {len(distinct) * h}")
+    if distinct == cfg.tap_layers:
+        return taps
+    slot = {layer: j for j, layer in enumerate(distinct)}
+    return jnp.concatenate([taps[..., slot[t] * h:(slot[t] + 1) * h] for t in cfg.tap_layers], axis=-1)
+
+
 def context_features(params: Params, cfg: DrafterConfig, taps: jax.Array) -> jax.Array:
-    """Target taps [B, T, n*H] -> normalized context features [B, T, H]."""
+    """Target taps [B, T, m*H] (one slice per layer of `cfg.target_tap_layers`) -> normalized context
+    features [B, T, H]."""
+    taps = arrange_taps(cfg, taps)
     return rms_norm(linear(taps.astype(params["fc"].dtype), params["fc"]), params["hidden_norm"],
                     cfg.rms_norm_eps)
 
@@ -415,9 +443,14 @@ def load_drafter(path: str | Path, dtype=None) -> tuple[Params, DrafterConfig]:
         with safe_open(str(f), framework="flax") as handle:
             for hf in handle.keys():
                 where, transposed, _ = expected[hf]
-                x = handle.get_tensor(hf)
-                x = x.T if transposed else x
-                flat[where] = x.astype(dtype) if dtype is not None else x
+                raw = handle.get_tensor(hf)
+                raw = raw.T if transposed else raw
+                x = raw.astype(dtype) if dtype is not None else raw
+                problem = non_finite(x, raw if x.dtype != raw.dtype else None)
+                if problem:
+                    raise DrafterCheckpointError(f"{f.name}: tensor {hf} holds {problem}; a drafter "
+                                                 f"with it would draft from NaN logits")
+                flat[where] = x
     params: Params = {name: flat[(name,)] for name in _TOP_KEYS}
     params["layers"] = tuple({name: flat[("layers", i, name)] for name in layer}
                              for i, layer in enumerate(param_shapes(cfg)["layers"]))

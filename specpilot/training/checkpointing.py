@@ -9,7 +9,11 @@ Design choices:
   checkpoint a resume needs.
 - Finished weights go to a model folder: `config.json` (Hugging Face keys, `ModelConfig.to_hf_dict`),
   `params/` (orbax) and a JSON record of the dtype, so `load_model` needs no abstract tree from the
-  caller: it derives one from the config (`dense.param_shapes`).
+  caller: it derives one from the config (`dense.param_shapes`). Non-finite weights are refused at
+  load, as `load_hf` refuses them (a diverged run can save NaNs).
+- `load_target` reads either kind of finished target (a model folder here, or a Hugging Face directory),
+  so entry points need not know which they were given; `export_hf` turns a model folder into a Hugging
+  Face directory (config.json, model.safetensors, tokenizer.json) that `load_hf` and transformers read.
 """
 
 from __future__ import annotations
@@ -24,7 +28,11 @@ import numpy as np
 import orbax.checkpoint as ocp
 
 from specpilot.models import dense
+from specpilot.models.checkpoint import CheckpointError, load_hf, non_finite, save_hf
 from specpilot.models.config import ModelConfig
+
+MODEL_RECORD = "specpilot.json"  # marks a model folder written by `save_model`
+TOKENIZER_FILE = "tokenizer.json"
 
 
 class Checkpointer:
@@ -88,7 +96,7 @@ def save_model(directory: str | Path, params: dict, cfg: ModelConfig, extra: dic
     (directory / "config.json").write_text(json.dumps(cfg.to_hf_dict(), indent=2) + "\n")
     dtype = str(jnp.asarray(params["embed"]).dtype)
     record = {"dtype": dtype, "tap_layers": list(cfg.tap_layers), **(extra or {})}
-    (directory / "specpilot.json").write_text(json.dumps(record, indent=2) + "\n")
+    (directory / MODEL_RECORD).write_text(json.dumps(record, indent=2) + "\n")
     save_pytree(directory / "params", params)
     return directory
 
@@ -96,7 +104,7 @@ def save_model(directory: str | Path, params: dict, cfg: ModelConfig, extra: dic
 def load_model(directory: str | Path, dtype=None) -> tuple[dict, ModelConfig]:
     """Inverse of `save_model`; `dtype` casts the weights after loading (e.g. jnp.bfloat16)."""
     directory = Path(directory)
-    record = json.loads((directory / "specpilot.json").read_text())
+    record = json.loads((directory / MODEL_RECORD).read_text())
     cfg = ModelConfig.from_json(directory / "config.json", tap_layers=tuple(record.get("tap_layers", ())))
     stored = jnp.dtype(record["dtype"])
     abstract = jax.tree.map(lambda s: jax.ShapeDtypeStruct(s, stored), dense.param_shapes(cfg),
@@ -104,4 +112,43 @@ def load_model(directory: str | Path, dtype=None) -> tuple[dict, ModelConfig]:
     params = load_pytree(directory / "params", abstract)
     if dtype is not None:
         params = jax.tree.map(lambda x: x.astype(dtype), params)
+    for path, x in jax.tree_util.tree_flatten_with_path(params)[0]:
+        problem = non_finite(x)  # a diverged training run saves NaN weights
+        if problem:
+            name = "/".join(str(getattr(k, "key", getattr(k, "idx", k))) for k in path)
+            raise CheckpointError(f"{directory}: param {name} holds {problem}; a model with it would "
+                                  f"give NaN logits")
     return params, cfg
+
+
+def is_model_folder(path: str | Path) -> bool:
+    """Whether `path` is a model folder written by `save_model` (orbax weights)."""
+    return (Path(path) / MODEL_RECORD).is_file()
+
+
+def load_target(path: str | Path, dtype=None, tap_layers=()) -> tuple[dict, ModelConfig]:
+    """A dense target from a model folder (`save_model`) or a Hugging Face directory (`load_hf`).
+
+    dtype None keeps the stored dtype; tap_layers as for `ModelConfig.with_taps`.
+    """
+    if is_model_folder(path):
+        params, cfg = load_model(path, dtype=dtype)
+        return params, cfg.with_taps(tap_layers) if tap_layers else cfg
+    return load_hf(path, dtype=dtype, tap_layers=tuple(sorted(set(tap_layers))))
+
+
+def export_hf(source: str | Path, out_dir: str | Path, dtype=None,
+              max_shard_bytes: int | None = None) -> Path:
+    """Write the target at `source` (a model folder or a HF directory) as a Hugging Face directory:
+    config.json, model.safetensors (sharded with an index when max_shard_bytes is set) and the
+    source's tokenizer.json when it has one. dtype None keeps the stored dtype."""
+    source, out_dir = Path(source), Path(out_dir)
+    if out_dir.exists() and out_dir.resolve() == source.resolve():
+        raise ValueError(f"export target {out_dir} is the source folder; choose another")
+    if is_model_folder(out_dir):
+        raise ValueError(f"{out_dir} holds a model folder ({MODEL_RECORD}); export to a new folder")
+    params, cfg = load_target(source, dtype=dtype)
+    save_hf(params, cfg, out_dir, max_shard_bytes=max_shard_bytes)
+    if (source / TOKENIZER_FILE).is_file():
+        (out_dir / TOKENIZER_FILE).write_bytes((source / TOKENIZER_FILE).read_bytes())
+    return out_dir

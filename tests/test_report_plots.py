@@ -1,0 +1,102 @@
+"""Report plots: one bar per record, labelled by what varies across the records, and a title on each.
+
+The records are shaped like a multirun's: each run measures AR (no block size) and the speculative
+method, and carries its resolved config. Figures are captured at `savefig` and inspected.
+"""
+
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import matplotlib
+import pytest
+
+matplotlib.use("Agg")
+from matplotlib.figure import Figure  # noqa: E402
+
+from specpilot import report  # noqa: E402
+
+
+def _record(method, block, batch=4, tpot=1.0, config_block=None):
+    rec = {"target": "tiny_random", "drafter": "oracle", "gpu": "cpu", "batch_size": batch,
+           "prompts": "heldout", "method": method, "block_size": None if method == "ar" else block,
+           "decode_ms_per_token": tpot, "speedup_vs_ar": 1.0 if method == "ar" else 2.0 / tpot,
+           "tau": None if method == "ar" else block / 2,
+           "stats": {} if method == "ar" else {"time_split": {"draft": 0.3, "verify": 0.6,
+                                                               "bookkeeping": 0.1}},
+           "config": {"seed": 0, "bench": {"batch_size": batch},
+                      "drafter": {"block_size": config_block or block}}}
+    return rec
+
+
+@pytest.fixture
+def drawn(monkeypatch, tmp_path):
+    """Draw `records` with report.plot_all; returns {file name: Figure}."""
+    figures = {}
+
+    def capture(fig, path, *args, **kwargs):
+        figures[str(path).rsplit("/", 1)[-1]] = fig
+
+    monkeypatch.setattr(Figure, "savefig", capture)
+    return lambda records: (report.plot_all(records, tmp_path), figures)[1]
+
+
+def _bars(fig):
+    ax = fig.axes[0]
+    labels = [t.get_text() for t in (ax.get_yticklabels() or ax.get_xticklabels())]
+    return ax, [p for p in ax.patches], labels
+
+
+def test_block_sweep_draws_every_record(drawn):
+    records = [_record("stock", b, tpot=1.0 / b) for b in (2, 4, 8, 16)]
+    figs = drawn(records)
+    ax, bars, labels = _bars(figs["tpot_per_method.png"])
+    assert len(bars) == 4
+    assert labels == ["block 2", "block 4", "block 8", "block 16"]
+    widths = sorted(round(b.get_width(), 6) for b in bars)
+    assert widths == sorted(round(r["decode_ms_per_token"], 6) for r in records)
+    assert "batch 4" in ax.get_title() and "stock" in ax.get_title()  # what all bars share
+
+
+def test_ar_and_spec_runs_of_a_block_sweep_stay_apart(drawn):
+    # Two runs (block 4 and block 8), each with its AR baseline: four records, four bars.
+    records = [_record("ar", None, tpot=1.0, config_block=4), _record("stock", 4, tpot=0.5),
+               _record("ar", None, tpot=1.1, config_block=8), _record("stock", 8, tpot=0.4)]
+    _, bars, labels = _bars(drawn(records)["tpot_per_method.png"])
+    assert len(bars) == 4 and len(set(labels)) == 4, labels
+    assert labels[1] == "stock, block 4" and labels[3] == "stock, block 8"
+    assert "drafter.block_size=4" in labels[0] and "drafter.block_size=8" in labels[2]
+
+
+def test_batch_and_block_are_spelled_out_and_every_plot_has_a_title(drawn):
+    records = [_record("stock", b, batch=n, tpot=1.0 / (b * n)) for n in (1, 4) for b in (4, 8)]
+    figs = drawn(records)
+    assert set(figs) == {"tpot_per_method.png", "speedup_vs_block.png", "tau_per_prompt_set.png",
+                         "time_split.png"}
+    for name, fig in figs.items():
+        assert fig.axes[0].get_title(), f"{name} has no title"
+    for name in ("tpot_per_method.png", "tau_per_prompt_set.png", "time_split.png"):
+        _, bars, labels = _bars(figs[name])
+        assert len(set(labels)) == 4, (name, labels)
+        assert all(re.fullmatch(r"batch \d+, block \d+", label) for label in labels), (name, labels)
+    lines = figs["speedup_vs_block.png"].axes[0].get_lines()
+    assert sorted(line.get_label() for line in lines) == ["batch 1", "batch 4"]  # one line per batch
+    assert all(list(line.get_xdata()) == [4, 8] for line in lines)
+
+
+def test_records_nothing_tells_apart_are_numbered(drawn):
+    # The same run read twice (e.g. copied into two sweep folders) and a third run with another seed.
+    records = [_record("stock", 4, tpot=0.5), _record("stock", 4, tpot=0.6), _record("stock", 4, tpot=0.7)]
+    records[2]["config"]["seed"] = 1
+    _, bars, labels = _bars(drawn(records)["tpot_per_method.png"])
+    assert len(bars) == 3
+    assert labels == ["seed=0, #1", "seed=0, #2", "seed=1"]
+
+
+def test_cli_on_a_missing_folder_prints_the_message_alone(tmp_path):
+    cli = Path(__file__).resolve().parents[1] / "experiments" / "report.py"
+    proc = subprocess.run([sys.executable, str(cli), str(tmp_path / "nope")], capture_output=True,
+                          text=True, timeout=120)
+    assert proc.returncode != 0
+    assert proc.stderr.strip() == f"error: no such results folder: {tmp_path / 'nope'}"
