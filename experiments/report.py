@@ -5,7 +5,7 @@ Writes report.md (a markdown table) and PNG plots into the folder (or --out) and
 
 import argparse
 
-from specpilot.report import report
+from specpilot.harness.report import report
 
 
 def main(argv=None):

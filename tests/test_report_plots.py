@@ -15,7 +15,7 @@ import pytest
 matplotlib.use("Agg")
 from matplotlib.figure import Figure  # noqa: E402
 
-from specpilot import report  # noqa: E402
+from specpilot.harness import report  # noqa: E402
 
 
 def _record(method, block, batch=4, tpot=1.0, config_block=None):
