@@ -5,21 +5,25 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from specpilot.cache import CacheOverflowError, init_cache
-from specpilot.decoding.ar import generate
+from specpilot.decoding import ar
 from specpilot.decoding.sampling import SamplingConfig
 from specpilot.models import dense
+from specpilot.state import CacheOverflowError
+
+
+def generate(params, cfg, *args, **kw):
+    return ar.generate(dense.target(cfg, params["embed"].dtype), params, *args, **kw)
 
 
 def _greedy_by_recompute(params, cfg, prompt, n):
     """Reference: recompute the whole sequence every step with a fresh cache (no incremental state)."""
     total = len(prompt) + n
-    forward = jax.jit(dense.forward, static_argnames="cfg")
+    forward = jax.jit(dense.chain_forward, static_argnames="cfg")
     seq = list(prompt)
     for _ in range(n):
         # causal attention: the zero padding after the sequence cannot change logits inside it
         padded = jnp.asarray([seq + [0] * (total - len(seq))])
-        logits, _, _ = forward(params, cfg, padded, init_cache(cfg, 1, total, jnp.float32))
+        logits, _, _ = forward(params, cfg, padded, dense.init_state(cfg, 1, total, jnp.float32))
         seq.append(int(jnp.argmax(logits[0, len(seq) - 1])))
     return seq[len(prompt):]
 
@@ -75,8 +79,8 @@ def test_fused_projections_give_the_same_logits(tiny_cfg, tiny_params):
     fused = dense.fuse_projections(tiny_params)
     assert "qkv" in fused["layers"][0] and "q" not in fused["layers"][0]
     tokens = jnp.asarray([[5, 7, 1, 3]])
-    want, _, _ = dense.forward(tiny_params, tiny_cfg, tokens, init_cache(tiny_cfg, 1, 8, jnp.float32))
-    got, _, _ = dense.forward(fused, tiny_cfg, tokens, init_cache(tiny_cfg, 1, 8, jnp.float32))
+    want, _, _ = dense.chain_forward(tiny_params, tiny_cfg, tokens, dense.init_state(tiny_cfg, 1, 8, jnp.float32))
+    got, _, _ = dense.chain_forward(fused, tiny_cfg, tokens, dense.init_state(tiny_cfg, 1, 8, jnp.float32))
     # float32: the same dot products, only grouped into one matrix (differences are rounding only)
     np.testing.assert_allclose(got, want, rtol=0, atol=1e-5 * float(jnp.abs(want).max()))
     np.testing.assert_array_equal(generate(fused, tiny_cfg, [[1, 2, 3]], 12).tokens,

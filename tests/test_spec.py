@@ -4,16 +4,17 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from specpilot.cache import CacheOverflowError
 from specpilot.decoding import ar, spec
 from specpilot.decoding.sampling import SamplingConfig
 from specpilot.models import dense
 from specpilot.models import drafter as dr
 from specpilot.models.config import ModelConfig
+from specpilot.state import CacheOverflowError
 from helpers import random_params
 
 CFG = ModelConfig(vocab_size=128, hidden_size=64, intermediate_size=128, num_layers=2, num_heads=4,
                   num_kv_heads=2, head_dim=16, qk_norm=True, tap_layers=(0, 1))
+TARGET = dense.target(CFG, jnp.float32)
 PROMPTS = [[1, 2, 3], [5, 9, 11, 40, 7, 3, 2, 8, 8, 1, 60], [17, 4, 99, 23, 5, 6]]
 N = 24  # new tokens per prompt
 EXTRA = 17  # AR reference runs past N so a replayed block never runs off its end
@@ -27,7 +28,7 @@ def target():
 
 @pytest.fixture(scope="module")
 def ar_tokens(target):
-    return ar.generate(target, CFG, PROMPTS, N + EXTRA).tokens  # [B, N + EXTRA]
+    return ar.generate(TARGET, target, PROMPTS, N + EXTRA).tokens  # [B, N + EXTRA]
 
 
 @pytest.fixture(scope="module")
@@ -45,7 +46,7 @@ def block_drafter(target):
 def test_greedy_equals_ar_every_block_size(target, ar_tokens, reference, block_size):
     # Every third position drafted wrong: acceptance lengths vary inside a run and across the batch.
     drafter = dr.ReplayDrafter(CFG.vocab_size, 16, shift=1, wrong_every=3)  # one drafter: one prefill
-    res = spec.generate(target, CFG, drafter, reference, PROMPTS, N, block_size=block_size)
+    res = spec.generate(TARGET, target, drafter, reference, PROMPTS, N, block_size=block_size)
     np.testing.assert_array_equal(res.tokens, ar_tokens[:, :N])
     assert (res.num_generated == N).all()
     assert res.stats.emitted.sum() == len(PROMPTS) * (N - 1)
@@ -56,7 +57,7 @@ def test_greedy_equals_ar_every_block_size(target, ar_tokens, reference, block_s
 @pytest.mark.parametrize("block_size", [2, 7, 16])
 def test_block_drafter_greedy_equals_ar(target, ar_tokens, block_drafter, block_size):
     drafter, dparams = block_drafter
-    res = spec.generate(target, CFG, drafter, dparams, PROMPTS, N, block_size=block_size)
+    res = spec.generate(TARGET, target, drafter, dparams, PROMPTS, N, block_size=block_size)
     np.testing.assert_array_equal(res.tokens, ar_tokens[:, :N])
     assert res.stats.tau >= 1.0
 
@@ -65,7 +66,7 @@ def test_block_drafter_greedy_equals_ar(target, ar_tokens, block_drafter, block_
 def test_oracle_drafter_gives_tau_block_size(target, ar_tokens, reference, block_size):
     n = 1 + 2 * block_size  # prefill's token + two full blocks
     drafter = dr.ReplayDrafter(CFG.vocab_size, block_size)
-    res = spec.generate(target, CFG, drafter, reference, PROMPTS, n)
+    res = spec.generate(TARGET, target, drafter, reference, PROMPTS, n)
     np.testing.assert_array_equal(res.tokens, ar_tokens[:, :n])
     assert res.stats.tau == block_size
     assert res.stats.num_steps == 2
@@ -74,7 +75,7 @@ def test_oracle_drafter_gives_tau_block_size(target, ar_tokens, reference, block
 
 def test_always_wrong_drafter_gives_tau_one(target, ar_tokens, reference):
     drafter = dr.ReplayDrafter(CFG.vocab_size, 6, shift=1)
-    res = spec.generate(target, CFG, drafter, reference, PROMPTS, N)
+    res = spec.generate(TARGET, target, drafter, reference, PROMPTS, N)
     np.testing.assert_array_equal(res.tokens, ar_tokens[:, :N])
     assert res.stats.tau == 1.0
     np.testing.assert_array_equal(res.stats.acceptance_rate, np.zeros(5))
@@ -83,9 +84,9 @@ def test_always_wrong_drafter_gives_tau_one(target, ar_tokens, reference):
 
 def test_loops_agree_and_profile_splits_time(target, block_drafter):
     drafter, dparams = block_drafter
-    runs = [spec.generate(target, CFG, drafter, dparams, PROMPTS, N, block_size=7, loop=loop)
+    runs = [spec.generate(TARGET, target, drafter, dparams, PROMPTS, N, block_size=7, loop=loop)
             for loop in spec.LOOPS]
-    profiled = spec.generate(target, CFG, drafter, dparams, PROMPTS, N, block_size=7, profile=True)
+    profiled = spec.generate(TARGET, target, drafter, dparams, PROMPTS, N, block_size=7, profile=True)
     for r in runs[1:] + [profiled]:
         np.testing.assert_array_equal(r.tokens, runs[0].tokens)
         np.testing.assert_array_equal(r.stats.accept_hist, runs[0].stats.accept_hist)
@@ -99,10 +100,10 @@ def test_capacity_error_up_front(target, reference):
     drafter = dr.ReplayDrafter(CFG.vocab_size, 8)
     longest = max(len(p) for p in PROMPTS)
     fits = longest + N + 8 - 2
-    res = spec.generate(target, CFG, drafter, reference, PROMPTS, N, cache_len=fits)
+    res = spec.generate(TARGET, target, drafter, reference, PROMPTS, N, cache_len=fits)
     assert (res.num_generated == N).all()
     with pytest.raises(CacheOverflowError, match="block size 8"):
-        spec.generate(target, CFG, drafter, reference, PROMPTS, N, cache_len=fits - 1)
+        spec.generate(TARGET, target, drafter, reference, PROMPTS, N, cache_len=fits - 1)
 
 
 def test_capacity_clean_stop(target, ar_tokens, reference):
@@ -111,7 +112,7 @@ def test_capacity_clean_stop(target, ar_tokens, reference):
     prompts = PROMPTS + [PROMPTS[1] * 2]
     ref = jnp.concatenate([reference, reference[1:2]], axis=0)
     drafter = dr.ReplayDrafter(CFG.vocab_size, bs, shift=1, wrong_every=4)
-    res = spec.generate(target, CFG, drafter, ref, prompts, N, cache_len=cache_len,
+    res = spec.generate(TARGET, target, drafter, ref, prompts, N, cache_len=cache_len,
                         stop_at_capacity=True)
     lengths = np.array([len(p) for p in prompts])
     n = res.num_generated
@@ -127,8 +128,8 @@ def test_capacity_clean_stop(target, ar_tokens, reference):
 def test_bad_arguments(target, reference):
     drafter = dr.ReplayDrafter(CFG.vocab_size, 4)
     with pytest.raises(ValueError, match="PRNG key"):
-        spec.generate(target, CFG, drafter, reference, PROMPTS, 4, sampling=SamplingConfig(1.0))
+        spec.generate(TARGET, target, drafter, reference, PROMPTS, 4, sampling=SamplingConfig(1.0))
     with pytest.raises(ValueError, match="loop"):
-        spec.generate(target, CFG, drafter, reference, PROMPTS, 4, loop="scan")
+        spec.generate(TARGET, target, drafter, reference, PROMPTS, 4, loop="scan")
     with pytest.raises(ValueError, match="max_new_tokens"):
-        spec.generate(target, CFG, drafter, reference, PROMPTS, 0)
+        spec.generate(TARGET, target, drafter, reference, PROMPTS, 0)
