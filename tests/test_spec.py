@@ -1,11 +1,15 @@
 """Speculative decoding: greedy output equals AR token for token; tau extremes; capacity; loops agree."""
 
+import dataclasses
+
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
 from specpilot.decoding import ar, spec
 from specpilot.decoding.sampling import SamplingConfig
+from specpilot.decoding.stats import SpecStats
 from specpilot.models import dense
 from specpilot.models import drafter as dr
 from specpilot.models.config import ModelConfig
@@ -133,3 +137,62 @@ def test_bad_arguments(target, reference):
         spec.generate(TARGET, target, drafter, reference, PROMPTS, 4, loop="scan")
     with pytest.raises(ValueError, match="max_new_tokens"):
         spec.generate(TARGET, target, drafter, reference, PROMPTS, 0)
+
+
+def test_per_request_values_do_not_recompile_and_budgets_hold(target, ar_tokens, reference):
+    """Budgets and temperatures are arrays: a second run with other values compiles nothing, row b
+    emits exactly budget[b] tokens, and temperature-0 rows of a sampled batch equal greedy AR."""
+    drafter = dr.ReplayDrafter(CFG.vocab_size, 6, shift=1, wrong_every=3)
+    sampled = SamplingConfig(temperature=1.0)
+    for loop in spec.LOOPS:
+        runs = [(np.array([N, 5, 12]), np.array([0.0, 0.8, 1.2]), np.array([1.0, 0.9, 1.0])),
+                (np.array([3, N, 1]), np.array([0.5, 0.0, 0.0]), np.array([0.7, 1.0, 1.0]))]
+        sizes = []
+        for budgets, temperature, top_p in runs:
+            res = spec.generate(TARGET, target, drafter, reference, PROMPTS, N, sampling=sampled,
+                                key=jax.random.key(2), loop=loop, budgets=budgets,
+                                temperature=temperature, top_p=top_p)
+            sizes.append(len(spec._CACHE))
+            np.testing.assert_array_equal(res.num_generated, budgets)
+            assert res.stats.emitted.sum() == (budgets - 1).sum()
+            for b, n in enumerate(budgets):
+                assert (res.tokens[b, :n] >= 0).all() and (res.tokens[b, n:] == -1).all()
+                if temperature[b] == 0:
+                    np.testing.assert_array_equal(res.tokens[b, :n], ar_tokens[b, :n])
+        assert sizes[1] == sizes[0], f"loop={loop}: a run with other per-request values compiled"
+    budgets = np.array([7, N, 2])
+    res = spec.generate(TARGET, target, drafter, reference, PROMPTS, N, budgets=budgets)
+    for b, n in enumerate(budgets):
+        np.testing.assert_array_equal(res.tokens[b, :n], ar_tokens[b, :n])
+
+
+def test_tau_and_upstream_acceptance_length_differ_where_the_budget_truncates(target, ar_tokens,
+                                                                              reference):
+    # Always-right drafts, block 4, 7 new tokens: prefill gives 1, step 1 emits 4, step 2 accepts 4 but
+    # only 2 fit. tau counts emitted tokens (6 / 2 steps); upstream DFlash counts accepted + 1 (8 / 2).
+    drafter = dr.ReplayDrafter(CFG.vocab_size, 4)
+    res = spec.generate(TARGET, target, drafter, reference, PROMPTS, 7)
+    np.testing.assert_array_equal(res.tokens, ar_tokens[:, :7])
+    assert res.stats.tau == 3.0
+    assert res.stats.acceptance_length_upstream == 4.0
+    assert res.stats.summary()["acceptance_length_upstream"] == 4.0
+    # By hand: two sequences, three steps in all; the second sequence's last step accepted 3 drafts
+    # (4 tokens) of which 1 fit its budget.
+    stats = SpecStats(block_size=4, steps=np.array([1, 2]), emitted=np.array([2, 5]),
+                      accept_hist=np.array([0, 1, 0, 2]), accepted=np.array([2, 8]))
+    assert stats.tau == 7 / 3 and stats.acceptance_length_upstream == 10 / 3
+    # Where nothing is truncated they agree.
+    res = spec.generate(TARGET, target, drafter, reference, PROMPTS, 9)
+    assert res.stats.tau == res.stats.acceptance_length_upstream == 4.0
+
+
+def test_position_limit_is_refused_before_anything_runs(reference):
+    cfg = dataclasses.replace(CFG, max_position_embeddings=30)
+    params = random_params(dense.param_shapes(cfg), 0.5, 0)
+    drafter = dr.ReplayDrafter(CFG.vocab_size, 4)
+    with pytest.raises(ar.PositionLimitError, match=r"11 tokens\) plus 24 new tokens .* 35 positions.*"
+                                                    r"max_position_embeddings \(30\)"):
+        spec.generate(dense.target(cfg, jnp.float32), params, drafter, reference, PROMPTS, N)
+    res = spec.generate(dense.target(cfg, jnp.float32), params, drafter, reference, PROMPTS, N,
+                        budgets=[N, 19, N])  # each request within the limit runs
+    np.testing.assert_array_equal(res.num_generated, [N, 19, N])
