@@ -1,10 +1,11 @@
 """Speculative-decoding statistics, with the definitions of DESIGN.md.
 
 Design choices:
-- The decoding loop accumulates two small device arrays and nothing else: `steps [B]` (verification
-  steps taken while the sequence was still generating) and `accept_hist [Bs]` (how many of those
-  (sequence, step) pairs accepted exactly k drafts). Every acceptance number derives from them on the
-  host, so collecting statistics costs no host sync inside the loop.
+- The decoding loop accumulates a few small device arrays and nothing else: `steps [B]` (verification
+  steps taken while the sequence was still generating), `emitted [B]` and `accepted [B]` (tokens
+  emitted, and accepted drafts + 1 untruncated) and `accept_hist [Bs]` (how many of those (sequence,
+  step) pairs accepted exactly k drafts). Every acceptance number derives from them on the host, so
+  collecting statistics costs no host sync inside the loop.
 - tau = tokens emitted by verification steps / verification steps, bonus included; the first token,
   which prefill produces, is not a verification step's and is excluded (as in DFlash's own counts).
   Tokens cut off at the budget (max_new_tokens) are not counted as emitted.

@@ -306,8 +306,8 @@ class BlockDrafter:
         return self.cfg.block_size
 
     def init_state(self, params: Params, batch_size: int, max_len: int, dtype=None) -> TargetState:
-        """The context cache, in dtype or else the drafter params' dtype."""
-        return init_context_cache(self.cfg, batch_size, max_len, dtype or params["fc"].dtype)
+        """The context cache, in dtype or else the drafter's own dtype (that of a norm: never encoded)."""
+        return init_context_cache(self.cfg, batch_size, max_len, dtype or params["hidden_norm"].dtype)
 
     def extend(self, params: Params, target_params: Params, state: TargetState, taps: jax.Array,
                n_new: jax.Array) -> TargetState:
