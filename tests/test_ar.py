@@ -85,8 +85,9 @@ def test_fused_projections_give_the_same_logits(tiny_cfg, tiny_params):
     fused = dense.fuse_projections(tiny_params)
     assert "qkv" in fused["layers"][0] and "q" not in fused["layers"][0]
     tokens = jnp.asarray([[5, 7, 1, 3]])
-    want, _, _ = dense.chain_forward(tiny_params, tiny_cfg, tokens, dense.init_state(tiny_cfg, 1, 8, jnp.float32))
-    got, _, _ = dense.chain_forward(fused, tiny_cfg, tokens, dense.init_state(tiny_cfg, 1, 8, jnp.float32))
+    fresh = lambda: dense.init_state(tiny_cfg, 1, 8, jnp.float32)  # noqa: E731
+    want, _, _ = dense.chain_forward(tiny_params, tiny_cfg, tokens, fresh())
+    got, _, _ = dense.chain_forward(fused, tiny_cfg, tokens, fresh())
     # float32: the same dot products, only grouped into one matrix (differences are rounding only)
     np.testing.assert_allclose(got, want, rtol=0, atol=1e-5 * float(jnp.abs(want).max()))
     np.testing.assert_array_equal(generate(fused, tiny_cfg, [[1, 2, 3]], 12).tokens,
@@ -130,7 +131,8 @@ def test_position_limit_is_refused_before_anything_runs(tiny_cfg, tiny_params):
     with pytest.raises(ar.PositionLimitError, match=r"14 tokens\) plus 4 new tokens .* 18 positions.*"
                                                     r"max_position_embeddings \(16\)"):
         generate(tiny_params, cfg, [[1, 2], list(range(1, 15))], 4)
-    with pytest.raises(ar.PositionLimitError, match=r"20 tokens, past the model's max_position_embeddings \(16\)"):
+    with pytest.raises(ar.PositionLimitError,
+                       match=r"20 tokens, past the model's max_position_embeddings \(16\)"):
         ar.pack_prompts([list(range(20))], cache_len=64, max_positions=16)
     res = generate(tiny_params, cfg, [list(range(1, 13))], 4)  # exactly at the limit runs
     assert res.tokens.shape == (1, 4)

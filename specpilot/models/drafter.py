@@ -9,9 +9,10 @@ Design choices (semantics follow the public DFlash reference):
   are passed in, never copied). Queries come only from the block; attention is bidirectional inside
   the block and sees all committed context. Block positions continue after the context. The output
   goes through the drafter's final norm and the TARGET's lm_head; positions 1..B-1 are the drafts.
-- Draft context cache = a `state.TargetState` over the draft layers (attention layers only) holding
-  the per-layer context K/V (post k_norm and RoPE) of ACCEPTED tokens only. Storing K/V rather than the projected features costs
-  2*KVH*D per token per layer instead of H, but saves re-projecting the whole context every step.
+- Draft context cache = a `state.TargetState` over the draft layers (attention layers only): the
+  per-layer context K/V (post k_norm and RoPE) of ACCEPTED tokens only. Storing K/V rather than the
+  projected features costs 2*KVH*D per token per layer instead of H, but saves re-projecting the
+  whole context every step.
   `extend_context` writes new rows at `lengths` and commits `n_new[b]` of them; `draft_block` writes
   the block's K/V after the committed context without committing it, so the next `extend_context`
   overwrites it (rollback by not advancing a length, as for the target cache).
