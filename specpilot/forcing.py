@@ -8,14 +8,17 @@ Design choices:
   -> [B, N, V] logits or [B, N] int choices`, row i being the method's prediction of forced[:, i]
   given the prompt and forced[:, :i]. Anything that can be phrased that way plugs in: a target
   forward with another weight format or kernel, a verification step of another block size, tree
-  verification. `chunked_scorer` builds one from any `forward(params, cfg, tokens, cache)` with
-  `dense.forward`'s contract, feeding the forced tokens `chunk` at a time: chunk=1 reproduces AR decode
+  verification. `chunked_scorer` builds one from any target (the target protocol: `init_state`,
+  `forward`), feeding the forced tokens `chunk` at a time as chains: chunk=1 reproduces AR decode
   numerics, chunk=Bs a block verification's.
 - Mismatches are never dropped. Each carries the reference's top-1/top-2 logit margin at that
   position; those with margin < `tie_margin` are counted as near-ties, separately from the hard ones.
   Whether near-ties are acceptable is the caller's decision (`passed` vs `passed_up_to_ties`).
 - The reference's own choices under forcing are compared with the forced tokens too: a reference that
   disagrees with its own output (`reference_self_mismatches`) makes the comparison meaningless.
+- Non-finite logits fail a position whatever the tokens say: a NaN checkpoint makes both sides argmax
+  to token 0 and agree. Each such position is reported (`NonFinite`: position, which side) and no
+  report with one passes.
 - Forced tokens < 0 (unfilled output, e.g. a sequence stopped at capacity) end that prompt's check.
 """
 
@@ -29,31 +32,28 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from specpilot.cache import init_cache
 from specpilot.decoding.ar import pack_prompts
-from specpilot.models import dense
-from specpilot.models.config import ModelConfig
+from specpilot.state import chain_forward
 
 Scorer = Callable[[np.ndarray, np.ndarray, np.ndarray], np.ndarray]
 DEFAULT_TIE_MARGIN = 1e-3  # float32 logits; state the margin used in every report
 
 
-@functools.partial(jax.jit, static_argnames=("forward", "cfg"), donate_argnames=("cache",))
-def _prefill(params, forward, cfg, tokens, lengths, cache):
-    logits, _, cache = forward(params, cfg, tokens, cache)
+@functools.partial(jax.jit, static_argnames=("target",), donate_argnames=("state",))
+def _prefill(params, target, tokens, lengths, state):
+    logits, _, state = chain_forward(target, params, tokens, state)
     last = jnp.take_along_axis(logits, (lengths - 1)[:, None, None], axis=1)[:, 0]  # [B, V]
-    return last, cache.commit(lengths)
+    return last, state.commit(lengths)
 
 
-@functools.partial(jax.jit, static_argnames=("forward", "cfg"), donate_argnames=("cache",))
-def _chunk(params, forward, cfg, tokens, cache):
-    logits, _, cache = forward(params, cfg, tokens, cache)  # [B, k, V]
-    return logits, cache.commit(tokens.shape[1])
+@functools.partial(jax.jit, static_argnames=("target",), donate_argnames=("state",))
+def _chunk(params, target, tokens, state):
+    logits, _, state = chain_forward(target, params, tokens, state)  # [B, k, V]
+    return logits, state.commit(tokens.shape[1])
 
 
-def chunked_scorer(params, cfg: ModelConfig, chunk: int | None = 1, forward=dense.forward,
-                   cache_dtype=None) -> Scorer:
-    """Scorer running `forward` over the prompt, then over the forced tokens `chunk` at a time.
+def chunked_scorer(params, target, chunk: int | None = 1, cache_dtype=None) -> Scorer:
+    """Scorer running `target.forward` over the prompt, then over the forced tokens `chunk` at a time.
 
     chunk=None feeds all forced tokens in one forward (a teacher-forced prefill).
     """
@@ -63,16 +63,15 @@ def chunked_scorer(params, cfg: ModelConfig, chunk: int | None = 1, forward=dens
         k = n if chunk is None else chunk
         n_chunks = -(-max(n - 1, 0) // k)
         cache_len = prompt_tokens.shape[1] + n_chunks * k
-        dtype = cache_dtype or jax.tree.leaves(params)[0].dtype
-        cache = init_cache(cfg, b, cache_len, dtype)
-        first, cache = _prefill(params, forward, cfg, jnp.asarray(prompt_tokens),
-                                jnp.asarray(prompt_lengths), cache)
+        state = target.init_state(b, cache_len, cache_dtype)
+        first, state = _prefill(params, target, jnp.asarray(prompt_tokens), jnp.asarray(prompt_lengths),
+                                state)
         # Forced token i-1 is the input whose output predicts forced token i; the tail chunk is padded.
         inputs = np.zeros((b, n_chunks * k), np.int32)
         inputs[:, : n - 1] = np.maximum(forced[:, : n - 1], 0)
         out = [first[:, None]]
         for c in range(n_chunks):
-            logits, cache = _chunk(params, forward, cfg, jnp.asarray(inputs[:, c * k:(c + 1) * k]), cache)
+            logits, state = _chunk(params, target, jnp.asarray(inputs[:, c * k:(c + 1) * k]), state)
             out.append(logits)
         return np.asarray(jnp.concatenate(out, axis=1)[:, :n])
 
@@ -95,10 +94,17 @@ class Mismatch:
 
 
 @dataclasses.dataclass
+class NonFinite:
+    position: int  # index into the generated tokens
+    side: str  # "reference", "candidate" or "both": whose logits there hold a NaN or an infinity
+
+
+@dataclasses.dataclass
 class PromptForcing:
     num_positions: int
     mismatches: list[Mismatch]
     reference_self_mismatches: int
+    non_finite: list[NonFinite] = dataclasses.field(default_factory=list)
 
     @property
     def first_mismatch(self) -> int | None:
@@ -147,20 +153,32 @@ class ForcingReport:
         return sum(p.reference_self_mismatches for p in self.prompts)
 
     @property
+    def num_non_finite(self) -> int:
+        """Positions whose reference or candidate logits are not finite (each fails)."""
+        return sum(len(p.non_finite) for p in self.prompts)
+
+    @property
     def passed(self) -> bool:
-        """Every position agrees and the reference reproduces its own output."""
-        return self.num_mismatches == 0 and self.reference_self_mismatches == 0
+        """Every position agrees on finite logits and the reference reproduces its own output."""
+        return (self.num_mismatches == 0 and self.reference_self_mismatches == 0
+                and self.num_non_finite == 0)
 
     @property
     def passed_up_to_ties(self) -> bool:
-        return self.num_hard_mismatches == 0 and self.reference_self_mismatches == 0
+        return (self.num_hard_mismatches == 0 and self.reference_self_mismatches == 0
+                and self.num_non_finite == 0)
 
     def summary(self) -> str:
         lines = [f"token forcing: {self.num_positions} positions, {self.num_mismatches} mismatches "
                  f"({self.num_hard_mismatches} hard, {self.num_near_ties} near-ties with reference "
                  f"margin < {self.tie_margin:g}); reference self-mismatches "
-                 f"{self.reference_self_mismatches}"]
+                 f"{self.reference_self_mismatches}; non-finite logits at {self.num_non_finite} "
+                 f"positions"]
         for i, p in enumerate(self.prompts):
+            if p.non_finite:
+                shown = ", ".join(f"@{n.position} ({n.side})" for n in p.non_finite[:5])
+                more = f" (+{len(p.non_finite) - 5} more)" if len(p.non_finite) > 5 else ""
+                lines.append(f"  prompt {i}: non-finite logits (NaN or inf) at {shown}{more}")
             if p.mismatches:
                 shown = ", ".join(f"@{m.position}: ref {m.reference_token} cand {m.candidate_token} "
                                   f"margin {m.reference_margin:.4g}" for m in p.mismatches[:5])
@@ -174,6 +192,12 @@ def _choices(out: np.ndarray) -> np.ndarray:
     return out.argmax(-1) if out.ndim == 3 else out.astype(np.int64)
 
 
+def _non_finite(out: np.ndarray, shape) -> np.ndarray:
+    """[B, N] bool: positions whose logits hold a NaN or an infinity (choices-only outputs: none)."""
+    out = np.asarray(out)
+    return ~np.isfinite(out).all(-1) if out.ndim == 3 else np.zeros(shape, bool)
+
+
 def compare(reference_out: np.ndarray, candidate_out: np.ndarray, forced: np.ndarray,
             tie_margin: float = DEFAULT_TIE_MARGIN) -> ForcingReport:
     """Compare two scorers' outputs ([B, N, V] logits or [B, N] choices) on the forced tokens [B, N]."""
@@ -181,6 +205,8 @@ def compare(reference_out: np.ndarray, candidate_out: np.ndarray, forced: np.nda
     ref_choice, cand_choice = _choices(reference_out), _choices(candidate_out)
     margins = (top2_margin(reference_out) if np.ndim(reference_out) == 3
                else np.full(forced.shape, np.nan))
+    bad_ref = _non_finite(reference_out, forced.shape)
+    bad_cand = _non_finite(candidate_out, forced.shape)
     prompts = []
     for b in range(forced.shape[0]):
         unfilled = np.flatnonzero(forced[b] < 0)
@@ -188,7 +214,11 @@ def compare(reference_out: np.ndarray, candidate_out: np.ndarray, forced: np.nda
         wrong = np.flatnonzero(cand_choice[b, :n] != forced[b, :n])
         mismatches = [Mismatch(int(i), int(forced[b, i]), int(cand_choice[b, i]), float(margins[b, i]),
                                bool(margins[b, i] < tie_margin)) for i in wrong]
-        prompts.append(PromptForcing(n, mismatches, int((ref_choice[b, :n] != forced[b, :n]).sum())))
+        non_finite = [NonFinite(int(i), "both" if bad_ref[b, i] and bad_cand[b, i]
+                                else "reference" if bad_ref[b, i] else "candidate")
+                      for i in np.flatnonzero(bad_ref[b, :n] | bad_cand[b, :n])]
+        prompts.append(PromptForcing(n, mismatches, int((ref_choice[b, :n] != forced[b, :n]).sum()),
+                                     non_finite))
     return ForcingReport(prompts, tie_margin)
 
 

@@ -19,7 +19,6 @@ import pytest
 torch = pytest.importorskip("torch")  # test-only reference dependencies (pip install -e ".[test]")
 pytest.importorskip("transformers")
 import hf_tiny  # noqa: E402  (needs torch and transformers)
-from specpilot.cache import init_cache  # noqa: E402
 from specpilot.models import checkpoint, dense  # noqa: E402
 
 # float32 end to end: ours and transformers differ only in summation order, so logits agree to a
@@ -85,7 +84,7 @@ def test_prefill_logits_all_positions(case):
     """The prompt pass (`step` over a right-padded batch) at every valid position, and tap 0."""
     name, model, params, cfg = case
     tokens, lengths = _padded_batch(_rng(name), BATCH_LENGTHS, PAD_TO)
-    cache = init_cache(cfg, len(lengths), MAX_LEN, jnp.float32)
+    cache = dense.init_state(cfg, len(lengths), MAX_LEN, jnp.float32)
     logits, taps, _ = dense.step(params, cfg, jnp.asarray(tokens, jnp.int32), cache)
     for b, n in enumerate(lengths):
         prompt = torch.tensor(tokens[b, :n][None])
@@ -101,7 +100,7 @@ def test_prefill_logits_all_positions(case):
 
 def greedy(params, cfg, tokens, lengths, new_tokens: int) -> np.ndarray:
     """Greedy continuation [B, new_tokens] with prefill + decode_step (float32 cache)."""
-    cache = init_cache(cfg, len(lengths), MAX_LEN, jnp.float32)
+    cache = dense.init_state(cfg, len(lengths), MAX_LEN, jnp.float32)
     logits, _, cache = dense.prefill(params, cfg, jnp.asarray(tokens, jnp.int32), jnp.asarray(lengths),
                                      cache)
     out = [jnp.argmax(logits, axis=-1).astype(jnp.int32)]
@@ -134,7 +133,7 @@ def _check_cached_decode(name, model, params, cfg):
     for b, n in enumerate(BATCH_LENGTHS):
         tokens[b, n:] = rng.integers(0, hf_tiny.VOCAB, PAD_TO - n)  # garbage past each prompt
     lengths = np.asarray(BATCH_LENGTHS, np.int32)
-    cache = init_cache(cfg, len(lengths), MAX_LEN, jnp.float32)
+    cache = dense.init_state(cfg, len(lengths), MAX_LEN, jnp.float32)
     logits, _, cache = dense.prefill(params, cfg, jnp.asarray(tokens, jnp.int32), jnp.asarray(lengths),
                                      cache)
     n_steps = SEQ_LEN - max(BATCH_LENGTHS)
@@ -208,5 +207,5 @@ def test_default_dtype_is_bf16_and_close_to_f32(tmp_path):
                                   ref_embed.view(torch.int16).numpy())
     tokens = _rng(name + "bf16").integers(0, hf_tiny.VOCAB, (1, PAD_TO))
     logits, _, _ = dense.step(params, cfg, jnp.asarray(tokens, jnp.int32),
-                              init_cache(cfg, 1, MAX_LEN, jnp.bfloat16))
+                              dense.init_state(cfg, 1, MAX_LEN, jnp.bfloat16))
     _assert_close(np.asarray(logits)[0], _hf_logits(model, tokens[0]), BF16_LOGIT_TOL, f"{name} bf16")

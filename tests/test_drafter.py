@@ -237,3 +237,12 @@ def test_bad_checkpoints_fail_clearly(tmp_path, breakage, error, match):
         (tmp_path / "model.safetensors").write_bytes(b"\x10\x00\x00\x00\x00\x00\x00\x00{not json")
     with pytest.raises(error, match=match):
         dr.load_drafter(tmp_path)
+
+
+def test_context_cache_dtype_follows_the_drafter(params):
+    _, dp = params
+    state = dr.BlockDrafter(DCFG, CFG).init_state(dp, 2, 8)  # float32 drafter: float32 K/V
+    assert {leaf.dtype for leaf in jax.tree.leaves(state.layers)} == {jnp.dtype(jnp.float32)}
+    assert state.max_len == 8 and state.lengths.tolist() == [0, 0]
+    with pytest.raises(ValueError, match="dtype must be given"):
+        dr.init_context_cache(DCFG, 2, 8)

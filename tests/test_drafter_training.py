@@ -90,7 +90,8 @@ def test_drafter_training_end_to_end(setup, tmp_path):
     # The trained drafter plugs into the speculative loop, which stays lossless.
     tcfg = target_cfg.with_taps(dcfg.tap_layers)
     prompts = data["heldout"][:2, :TINY_DRAFTER.prompt_len].tolist()
-    out = spec.generate(target_params, tcfg, drafter_model.BlockDrafter(dcfg, tcfg), loaded, prompts, 10)
+    out = spec.generate(dense.target(tcfg, target_params["embed"].dtype), target_params,
+                        drafter_model.BlockDrafter(dcfg, tcfg), loaded, prompts, 10)
     np.testing.assert_array_equal(out.tokens, data["heldout"][:2, 8:18])
     # Resuming a finished run restores instead of retraining, and gives the same params.
     again, _ = train_drafter(TINY_DRAFTER, corpus, tokenizer, target_params, target_cfg, tmp_path,

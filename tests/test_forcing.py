@@ -1,5 +1,9 @@
-"""Token forcing: agreeing methods pass; a perturbed candidate is flagged at the right positions."""
+"""Token forcing: agreeing methods pass; a perturbed candidate is flagged at the right positions;
+non-finite logits fail however the tokens agree."""
 
+import dataclasses
+
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -12,6 +16,7 @@ from helpers import random_params
 
 CFG = ModelConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_layers=2, num_heads=2,
                   num_kv_heads=1, head_dim=16, qk_norm=True)
+TARGET = dense.target(CFG, jnp.float32)
 PROMPTS = [[1, 2, 3], [7, 8, 9, 10, 11, 12]]
 N = 12
 PERTURBED_POSITION = 9  # absolute position whose logits the perturbed candidate corrupts
@@ -24,29 +29,31 @@ def target():
 
 @pytest.fixture(scope="module")
 def ar_tokens(target):
-    return ar.generate(target, CFG, PROMPTS, N).tokens
+    return ar.generate(TARGET, target, PROMPTS, N).tokens
 
 
-def perturbed_forward(params, cfg, tokens, cache):
-    """dense.forward, except logits at one absolute position are negated (its argmax becomes argmin)."""
-    logits, taps, cache = dense.forward(params, cfg, tokens, cache)
-    positions = cache.lengths[:, None] + jnp.arange(tokens.shape[1])[None, :]  # [B, T]
-    return jnp.where((positions == PERTURBED_POSITION)[..., None], -logits, logits), taps, cache
+@dataclasses.dataclass(frozen=True)
+class PerturbedTarget(dense.Target):
+    """The dense target, except logits at one absolute position are negated (argmax becomes argmin)."""
+
+    def forward(self, params, tokens, positions, state, mask):
+        logits, taps, state = super().forward(params, tokens, positions, state, mask)
+        return jnp.where((positions == PERTURBED_POSITION)[..., None], -logits, logits), taps, state
 
 
 def test_block_verification_numerics_agree_with_ar(target, ar_tokens):
-    reference = forcing.chunked_scorer(target, CFG, chunk=1)
+    reference = forcing.chunked_scorer(target, TARGET, chunk=1)
     for chunk in (4, None):
-        report = forcing.force(reference, forcing.chunked_scorer(target, CFG, chunk=chunk), PROMPTS,
+        report = forcing.force(reference, forcing.chunked_scorer(target, TARGET, chunk=chunk), PROMPTS,
                                ar_tokens)
         assert report.passed, report.summary()
         assert report.num_positions == len(PROMPTS) * N
 
 
 def test_perturbed_candidate_is_flagged_at_the_right_position(target, ar_tokens):
-    reference = forcing.chunked_scorer(target, CFG, chunk=1)
+    reference = forcing.chunked_scorer(target, TARGET, chunk=1)
     ref_logits = reference(*ar.pack_prompts(PROMPTS, 6), ar_tokens)
-    candidate = forcing.chunked_scorer(target, CFG, chunk=4, forward=perturbed_forward)
+    candidate = forcing.chunked_scorer(target, PerturbedTarget(CFG, "float32"), chunk=4)
     report = forcing.force(reference, candidate, PROMPTS, ar_tokens, tie_margin=1e-3)
     assert not report.passed and report.reference_self_mismatches == 0
     for b, prompt in enumerate(PROMPTS):
@@ -80,10 +87,42 @@ def test_near_ties_are_counted_separately_never_dropped():
 
 
 def test_reference_inconsistent_with_forced_tokens_is_reported(target, ar_tokens):
-    scorer = forcing.chunked_scorer(target, CFG, chunk=4)
+    scorer = forcing.chunked_scorer(target, TARGET, chunk=4)
     wrong = ar_tokens.copy()
     wrong[:, 5] = (wrong[:, 5] + 1) % CFG.vocab_size
     report = forcing.force(scorer, scorer, PROMPTS, wrong)
     # Later positions are conditioned on the altered token, so they may disagree too.
     assert report.reference_self_mismatches >= 2 and report.num_mismatches >= 2
     assert [p.first_mismatch for p in report.prompts] == [5, 5] and not report.passed
+
+
+def test_non_finite_logits_fail_even_when_tokens_agree(target):
+    """A NaN weight makes every logit NaN: generation emits token 0 and both sides agree on it, yet
+    forcing must fail, naming the positions and that the logits were not finite."""
+    broken = jax.tree.map(lambda x: x, target)
+    broken["layers"] = (dict(broken["layers"][0], o=broken["layers"][0]["o"].at[0, 0].set(jnp.nan)),
+                        *broken["layers"][1:])
+    tokens = ar.generate(TARGET, broken, PROMPTS, N).tokens
+    assert (tokens == 0).all()  # what a NaN model emits: the argmax of all-NaN logits
+    scorer = forcing.chunked_scorer(broken, TARGET, chunk=4)
+    report = forcing.force(forcing.chunked_scorer(broken, TARGET, chunk=1), scorer, PROMPTS, tokens)
+    assert report.num_mismatches == 0 and report.reference_self_mismatches == 0  # tokens agree
+    assert not report.passed and not report.passed_up_to_ties
+    assert report.num_non_finite == len(PROMPTS) * N
+    assert [n.position for n in report.prompts[0].non_finite] == list(range(N))
+    assert {n.side for p in report.prompts for n in p.non_finite} == {"both"}
+    assert "non-finite logits (NaN or inf) at @0 (both)" in report.summary()
+
+
+def test_non_finite_on_one_side_is_named():
+    forced = np.array([[0, 1, 2]])
+    ref = np.eye(3, dtype=np.float32)[None]  # [1, 3, 3]: argmax 0, 1, 2
+    cand = ref.copy()
+    cand[0, 1, 2] = np.inf  # candidate's logits at position 1 hold an infinity
+    ref_bad = ref.copy()
+    ref_bad[0, 2, 0] = np.nan
+    report = forcing.compare(ref_bad, cand, forced)
+    p = report.prompts[0]
+    assert [(n.position, n.side) for n in p.non_finite] == [(1, "candidate"), (2, "reference")]
+    assert not report.passed
+    assert forcing.compare(ref, ref.copy(), forced).passed

@@ -7,8 +7,9 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from specpilot.decoding import ar as ar_decoding
 from specpilot.decoding import spec
-from specpilot.decoding.ar import generate
+from specpilot.models import dense
 from specpilot.models import drafter as dr
 from specpilot.models.oracle import (OracleDrafter, conditional_profile, constant_acceptance_for_tau,
                                      conditional_from_marginal, expected_tau, leading_right, load_trace)
@@ -23,6 +24,14 @@ def test_constant_acceptance_solves_tau():
     np.testing.assert_allclose(conditional_profile(5, acceptance=[0.9, 0.5]), [0.9, 0.5, 0.5, 0.5])
     with pytest.raises(ValueError, match="probabilities"):
         conditional_profile(4, acceptance=[1.5])
+
+
+def generate(params, cfg, *args, **kw):
+    return ar_decoding.generate(dense.target(cfg, params["embed"].dtype), params, *args, **kw)
+
+
+def spec_generate(params, cfg, *args, **kw):
+    return spec.generate(dense.target(cfg, params["embed"].dtype), params, *args, **kw)
 
 
 def _setup(tiny_cfg, tiny_params, block):
@@ -40,14 +49,14 @@ def test_tau_follows_profile_and_output_equals_ar(tiny_cfg, tiny_params):
     profile = conditional_profile(block, tau=4.0)
     oracle = OracleDrafter(inner, tuple(profile))
     params = OracleDrafter.make_params(inner_params, dr.replay_reference(prompts, ar.tolist()))
-    res = spec.generate(tiny_params, target_cfg, oracle, params, prompts, n)
+    res = spec_generate(tiny_params, target_cfg, oracle, params, prompts, n)
     np.testing.assert_array_equal(res.tokens, ar)
     # ~2 x 24 steps: the mean of a [1, 8]-valued variable with sd ~2.5 lands within +-1.5 of 4 w.h.p.
     assert abs(res.stats.tau - expected_tau(profile)) < 1.5
     # always right / never right extremes are exact
     for c, tau in ((1.0, block), (0.0, 1.0)):
         o = OracleDrafter(inner, (c,) * (block - 1))
-        r = spec.generate(tiny_params, target_cfg, o, params, prompts, 33)
+        r = spec_generate(tiny_params, target_cfg, o, params, prompts, 33)
         assert r.stats.tau == pytest.approx(tau)
 
 
@@ -77,7 +86,7 @@ def test_non_finite_drafter_logits_do_not_reach_the_drafts(tiny_cfg, tiny_params
     prompts = [[1, 2, 3]]
     ar = generate(tiny_params, target_cfg, prompts, 17).tokens
     params = OracleDrafter.make_params(inner_params, dr.replay_reference(prompts, ar.tolist()))
-    res = spec.generate(tiny_params, target_cfg, oracle, params, prompts, 17)
+    res = spec_generate(tiny_params, target_cfg, oracle, params, prompts, 17)
     np.testing.assert_array_equal(res.tokens, ar)
     assert res.stats.tau == pytest.approx(4.0)
 

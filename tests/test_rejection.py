@@ -14,10 +14,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from scipy import stats
 
-from specpilot.cache import init_cache
 from specpilot.decoding import ar, spec
 from specpilot.decoding.rejection import accept_greedy, rejection_sample, verify_chain
-from specpilot.decoding.sampling import GREEDY, SamplingConfig, probabilities
+from specpilot.decoding.sampling import GREEDY, RequestSampling, SamplingConfig, probabilities, sample
 from specpilot.models import dense
 from specpilot.models import drafter as dr
 from specpilot.models.config import ModelConfig
@@ -133,8 +132,8 @@ def _exact_joint(params, prompt, sampling):
     v = SMALL.vocab_size
     t1, t2 = np.divmod(np.arange(v * v), v)
     seqs = np.concatenate([np.tile(prompt, (v * v, 1)), t1[:, None], t2[:, None]], 1)
-    cache = init_cache(SMALL, v * v, seqs.shape[1], jnp.float32)
-    logits, _, _ = dense.forward(params, SMALL, jnp.asarray(seqs, jnp.int32), cache)
+    state = dense.init_state(SMALL, v * v, seqs.shape[1], jnp.float32)
+    logits, _, _ = dense.chain_forward(params, SMALL, jnp.asarray(seqs, jnp.int32), state)
     p = np.asarray(probabilities(logits[:, len(prompt) - 1:], sampling), np.float64)  # [V*V, 3, V]
     joint = (p[0, 0][:, None, None]  # p(t1)
              * p[np.arange(v) * v, 1][:, :, None]  # p(t2 | t1)
@@ -151,12 +150,73 @@ def test_spec_sampling_matches_target_distribution_end_to_end():
     prompt, n = [1, 2, 3], 4000
     want = _exact_joint(params, prompt, sampling)
     # A cache just large enough (3 + 3 + 3 - 2 positions) keeps the 4000-row batch cheap.
-    res = spec.generate(params, SMALL, drafter, dparams, [prompt] * n, 3, sampling=sampling,
+    target = dense.target(SMALL, jnp.float32)
+    res = spec.generate(target, params, drafter, dparams, [prompt] * n, 3, sampling=sampling,
                         key=jax.random.key(5), cache_len=7)
     codes = res.tokens @ np.array([64, 8, 1])
     assert_distributed_as(codes, want, "speculative (t1, t2, t3)")
     # Drafts were both accepted and rejected, so both branches of the rejection step ran.
     assert res.stats.accept_hist[0] > 0 and res.stats.accept_hist[1:].sum() > 0
     # The AR sampler, judged by the same test, agrees with the same exact distribution.
-    ar_res = ar.generate(params, SMALL, [prompt] * n, 3, sampling, key=jax.random.key(6), cache_len=6)
+    ar_res = ar.generate(target, params, [prompt] * n, 3, sampling, key=jax.random.key(6), cache_len=6)
     assert_distributed_as(ar_res.tokens @ np.array([64, 8, 1]), want, "AR (t1, t2, t3)")
+
+
+# ------------------------------------------------------------------------------------------------
+# Per-request temperature / top-p: each row is verified under its own transform, losslessly
+
+
+ROW_SETTINGS = [(0.6, 1.0), (1.4, 0.8), (1.0, 0.6)]  # (temperature, top_p) of the row groups
+
+
+@functools.partial(jax.jit, static_argnums=0)
+def _per_row_chain(n, key, target_logits, draft_logits):
+    """n rows per setting, each verifying K = 2 drafts sampled from its own q."""
+    g = len(ROW_SETTINGS)
+    temps = jnp.repeat(jnp.asarray([t for t, _ in ROW_SETTINGS], jnp.float32), n)
+    top_ps = jnp.repeat(jnp.asarray([p for _, p in ROW_SETTINGS], jnp.float32), n)
+    sampling = RequestSampling(temps, top_ps, greedy=False)
+    tl = jnp.broadcast_to(target_logits, (g * n,) + target_logits.shape)
+    dl = jnp.broadcast_to(draft_logits, (g * n,) + draft_logits.shape)
+    key_draft, key_verify = jax.random.split(key)
+    drafts = sample(key_draft, dl, sampling)  # [g*n, K]
+    n_acc, nxt = verify_chain(key_verify, drafts, dl, tl, sampling)
+    first = jnp.where(n_acc >= 1, drafts[:, 0], nxt)
+    return n_acc, first
+
+
+def test_per_row_sampling_preserves_each_rows_distribution():
+    rng = np.random.default_rng(7)
+    target_logits = jnp.asarray(rng.normal(size=(3, 6)) * 2, jnp.float32)  # K + 1 = 3 positions
+    # a drafter that roughly agrees with the target, so both accepts and rejects happen
+    draft_logits = target_logits[:2] + jnp.asarray(rng.normal(size=(2, 6)), jnp.float32)
+    n = 60_000
+    n_acc, first = map(np.asarray, _per_row_chain(n, jax.random.key(3), target_logits, draft_logits))
+    for g, (temperature, top_p) in enumerate(ROW_SETTINGS):
+        want = probabilities(target_logits[0], SamplingConfig(temperature, 0, top_p))
+        rows = slice(g * n, (g + 1) * n)
+        assert_distributed_as(first[rows], want, f"first token at temperature {temperature}, top_p {top_p}")
+        assert 0 < (n_acc[rows] >= 1).mean() < 1  # both accept and reject ran in every group
+
+
+def test_temperature_zero_rows_of_a_sampled_batch_are_greedy_exactly():
+    rng = np.random.default_rng(8)
+    b, k, v = 64, 4, 9
+    target_logits = jnp.asarray(rng.normal(size=(b, k + 1, v)), jnp.float32)
+    choice = np.asarray(target_logits).argmax(-1)
+    drafts = choice[:, :k].copy()
+    drafts[::2, 2] = (drafts[::2, 2] + 1) % v  # half the rows have a wrong third draft
+    temps = np.where(np.arange(b) % 4 < 2, 0.0, 0.9).astype(np.float32)
+    sampling = SamplingConfig(1.0).for_requests(b, temperature=temps)
+    assert not sampling.greedy
+    draft_logits = jnp.asarray(rng.normal(size=(b, k, v)), jnp.float32)
+    n_acc, nxt = jax.jit(verify_chain)(jax.random.key(0), jnp.asarray(drafts, jnp.int32), draft_logits,
+                                       target_logits, sampling)
+    want_acc, want_next = accept_greedy(jnp.asarray(drafts, jnp.int32), target_logits)
+    greedy_rows = temps == 0
+    # A greedy row's q is the one-hot at its draft logits' argmax; these drafts are the target's
+    # argmax instead, so a greedy row sees p(x) = 1 >= q(x) wherever its draft is right.
+    np.testing.assert_array_equal(np.asarray(n_acc)[greedy_rows], np.asarray(want_acc)[greedy_rows])
+    np.testing.assert_array_equal(np.asarray(nxt)[greedy_rows], np.asarray(want_next)[greedy_rows])
+    tokens = np.asarray(sample(jax.random.key(1), target_logits, sampling))
+    np.testing.assert_array_equal(tokens[greedy_rows], choice[greedy_rows])

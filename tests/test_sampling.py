@@ -72,3 +72,31 @@ def test_sample_frequencies_match_distribution():
 def test_bad_sampling_config(kw):
     with pytest.raises(ValueError):
         SamplingConfig(**kw)
+
+
+def test_per_request_values_match_each_rows_scalar_config():
+    """Row b of a batch with per-request temperature / top-p gets exactly what a scalar config of
+    row b's values gives; temperature-0 rows are one-hot at the argmax; top_p = 1 filters nothing."""
+    rng = np.random.default_rng(3)
+    logits = jnp.asarray(rng.normal(size=(4, 2, 32)) * 3, jnp.float32)  # [B, K, V]
+    temps, top_ps = [0.7, 0.0, 1.3, 1.0], [1.0, 0.5, 0.8, 1.0]
+    per_row = SamplingConfig(1.0, top_k=6).for_requests(4, temperature=temps, top_p=top_ps)
+    assert not per_row.greedy and per_row.top_k == 6
+    got = np.asarray(jax.jit(probabilities)(logits, per_row))
+    for b, (t, p) in enumerate(zip(temps, top_ps)):
+        want = probabilities(logits[b], SamplingConfig(t, 6, p))
+        np.testing.assert_array_equal(got[b], np.asarray(want), err_msg=f"row {b}")
+    np.testing.assert_array_equal(got[1], np.eye(32)[np.asarray(logits[1]).argmax(-1)])
+    draws = np.asarray(sample(jax.random.key(0), logits, per_row))
+    np.testing.assert_array_equal(draws[1], np.asarray(logits[1]).argmax(-1))
+    # all rows at temperature 0: the static greedy path, no PRNG needed
+    assert SamplingConfig(0.9).for_requests(2, temperature=[0.0, 0.0]).greedy
+
+
+@pytest.mark.parametrize("kw, match", [
+    (dict(temperature=[1.0, -0.5]), "temperatures"), (dict(temperature=[1.0, np.nan]), "temperatures"),
+    (dict(top_p=[0.0, 1.0]), "top_p"), (dict(top_p=[1.0, 1.2]), "top_p"),
+    (dict(temperature=[1.0, 1.0, 1.0]), "shape")])
+def test_bad_per_request_values(kw, match):
+    with pytest.raises(ValueError, match=match):
+        SamplingConfig(1.0).for_requests(2, **kw)

@@ -8,7 +8,6 @@ import numpy as np
 import optax
 import pytest
 
-from specpilot.cache import init_cache
 from specpilot.data.corpus import load_corpus
 from specpilot.data.tokenizer import train_tokenizer
 from specpilot.models import dense
@@ -44,8 +43,8 @@ def test_train_forward_matches_dense_forward(setup):
     tokens = jax.random.randint(jax.random.key(1), (3, 11), 0, cfg.vocab_size)
     logits, taps = jax.jit(train_forward, static_argnums=1)(params, cfg, tokens)
     # A decoding cache is longer than the sequence: the extra, masked slots must change nothing.
-    ref_logits, ref_taps, _ = jax.jit(dense.forward, static_argnums=1)(
-        params, cfg, tokens, init_cache(cfg, 3, 32, jnp.float32))
+    ref_logits, ref_taps, _ = jax.jit(dense.chain_forward, static_argnums=1)(
+        params, cfg, tokens, dense.init_state(cfg, 3, 32, jnp.float32))
     np.testing.assert_allclose(logits, ref_logits, rtol=1e-6, atol=1e-6)
     np.testing.assert_allclose(taps, ref_taps, rtol=1e-6, atol=1e-6)
     assert logits.shape == (3, 11, cfg.vocab_size) and taps.shape == (3, 11, 2 * cfg.hidden_size)

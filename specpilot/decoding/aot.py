@@ -20,6 +20,10 @@ class CompileCache:
         self.max_size = max_size
         self._exes: collections.OrderedDict = collections.OrderedDict()
 
+    def __len__(self) -> int:
+        """Executables held (each one compile): a call that adds none did not compile."""
+        return len(self._exes)
+
     def get(self, fn, static: Any, args: tuple, lower: Callable[[], Any]):
         """The executable of `fn` for `static` and `args` (arrays or ShapeDtypeStructs); `lower()` builds
         the lowering on a miss."""

@@ -1,16 +1,26 @@
 """Autoregressive (AR) generation: the baseline every speedup is measured against.
 
 Design choices:
-- The default decode loop is one jitted `lax.fori_loop` over decode steps (cache donated): no
+- The target is an argument (`dense.target(cfg, dtype)` or any value with the target protocol:
+  `init_state`, `forward`, `check_params`, `vocab_size`, `max_positions`), as the drafter is for
+  speculative decoding; every forward goes through `target.forward` with chain positions and a causal
+  mask (`state.chain_forward`).
+- The default decode loop is one jitted `lax.fori_loop` over decode steps (state donated): no
   per-token dispatch, which on a CPU or a small model would otherwise dominate the baseline and flatter
   every speculative method. `loop="host"` keeps the one-jitted-step-per-token loop (`ar_step`); it never
   reads a token back until the end, so steps queue asynchronously.
+- Per-request values are arrays, so changing them never recompiles: the new-token budget `[B]` (each
+  at most the static capacity `max_new_tokens`; the loop runs until the largest budget and row b keeps
+  its first budget[b] tokens, the rest read -1) and the temperature / top-p `[B]`
+  (`sampling.RequestSampling`). Shapes, the target and the greedy/sampled switch stay static.
 - Every jitted piece is compiled ahead of time for the call's shapes, so timings exclude compiles.
 - Prompts are right-padded to a bucketed length (`pack_prompts`) so a new prompt length does not
   recompile prefill; padding positions are written but never committed.
-- Capacity is checked on the host before anything runs: prompt + new tokens must fit the cache.
+- Checked on the host before anything runs: prompt + new tokens must fit the state
+  (`CacheOverflowError`) and the model's `max_position_embeddings` (`PositionLimitError`): past it a
+  model decodes garbage silently.
 - Timings: prefill (until its first token is ready) and decode (the remaining steps) separately; decode
-  time per output token = decode time / (new tokens - 1), since the first token comes from prefill.
+  time per output token = decode time / (largest budget - 1), since the first token comes from prefill.
 """
 
 from __future__ import annotations
@@ -24,11 +34,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from specpilot.cache import KVCache, check_capacity, init_cache
 from specpilot.decoding.aot import CompileCache
-from specpilot.decoding.sampling import GREEDY, SamplingConfig, resolve_key, sample
-from specpilot.models import dense
-from specpilot.models.config import ModelConfig
+from specpilot.decoding.sampling import GREEDY, RequestSampling, SamplingConfig, resolve_key, sample
+from specpilot.state import TargetState, chain_forward, check_capacity
 
 PREFILL_BUCKET = 64
 
@@ -39,6 +47,8 @@ class GenerationResult:
     prompt_lengths: np.ndarray  # [B]
     prefill_s: float
     decode_s: float
+    budgets: np.ndarray | None = None  # [B] new-token budget per request (None: N for every row)
+    num_generated: np.ndarray | None = None  # [B] tokens generated per row (the rest read -1)
 
     @property
     def num_new_tokens(self) -> int:
@@ -46,25 +56,33 @@ class GenerationResult:
 
     @property
     def decode_time_per_token(self) -> float:
-        steps = self.num_new_tokens - 1
+        """Decode time / decode steps of the longest request (its budget - 1: prefill gives one)."""
+        longest = self.num_new_tokens if self.budgets is None else int(np.max(self.budgets))
+        steps = longest - 1
         return self.decode_s / steps if steps > 0 else float("nan")
 
     def as_lists(self, eos_token_id: int | None = None) -> list[list[int]]:
-        """Generated tokens per sequence, cut after the first EOS if one is given."""
+        """Generated tokens per sequence (unfilled -1 dropped), cut after the first EOS if one is given."""
         out = []
         for row in self.tokens.tolist():
+            row = [t for t in row if t >= 0]
             if eos_token_id is not None and eos_token_id in row:
                 row = row[: row.index(eos_token_id) + 1]
             out.append(row)
         return out
 
 
+class PositionLimitError(ValueError):
+    """A prompt or a generation would run past the model's max_position_embeddings."""
+
+
 def pack_prompts(prompts: Sequence[Sequence[int]], cache_len: int, needed_after: int = 0,
-                 bucket: int = PREFILL_BUCKET) -> tuple[np.ndarray, np.ndarray]:
+                 bucket: int = PREFILL_BUCKET, max_positions: int | None = None
+                 ) -> tuple[np.ndarray, np.ndarray]:
     """Right-pad token-id prompts to a bucketed length -> (tokens [B, T] int32, lengths [B] int32).
 
-    Raises a clear error for an empty prompt or when a prompt plus `needed_after` positions exceeds
-    `cache_len`.
+    Raises a clear error for an empty prompt, when a prompt plus `needed_after` positions exceeds
+    `cache_len`, or when a prompt is longer than `max_positions` (the model's position limit).
     """
     if len(prompts) == 0:
         raise ValueError("no prompts given")
@@ -72,6 +90,10 @@ def pack_prompts(prompts: Sequence[Sequence[int]], cache_len: int, needed_after:
     if (lengths == 0).any():
         raise ValueError(f"prompt {int(np.argmin(lengths))} is empty; every prompt needs >= 1 token")
     longest = int(lengths.max())
+    if max_positions is not None and longest > max_positions:
+        raise PositionLimitError(
+            f"prompt {int(np.argmax(lengths))} has {longest} tokens, past the model's "
+            f"max_position_embeddings ({max_positions})")
     check_capacity(cache_len, longest + needed_after,
                    f"the longest prompt ({longest} tokens) plus {needed_after} generated positions")
     padded = min(-(-longest // bucket) * bucket, cache_len)
@@ -81,96 +103,132 @@ def pack_prompts(prompts: Sequence[Sequence[int]], cache_len: int, needed_after:
     return tokens, lengths
 
 
+def check_position_limit(prompts: Sequence[Sequence[int]], budgets: np.ndarray, max_positions: int) -> None:
+    """Refuse, on the host, a request whose prompt plus new tokens exceeds max_positions."""
+    total = np.array([len(p) for p in prompts]) + np.asarray(budgets)
+    if (total > max_positions).any():
+        b = int(np.argmax(total))
+        raise PositionLimitError(
+            f"prompt {b} ({len(prompts[b])} tokens) plus {int(budgets[b])} new tokens is a sequence of "
+            f"{int(total[b])} positions, past the model's max_position_embeddings ({max_positions})")
+
+
+def request_budgets(budgets, max_new_tokens: int, batch_size: int) -> np.ndarray:
+    """[B] int32 new-token budgets (default: max_new_tokens each), each in [1, max_new_tokens]."""
+    if max_new_tokens < 1:
+        raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
+    if budgets is None:
+        return np.full((batch_size,), max_new_tokens, np.int32)
+    out = np.asarray(budgets, np.int32)
+    if out.shape != (batch_size,):
+        raise ValueError(f"budgets must have shape ({batch_size},), got {out.shape}")
+    if (out < 1).any() or (out > max_new_tokens).any():
+        raise ValueError(f"every budget must be in [1, max_new_tokens={max_new_tokens}], got {out.tolist()}")
+    return out
+
+
 def default_cache_len(prompts: Sequence[Sequence[int]], max_new_tokens: int, extra: int = 0,
                       multiple: int = 128) -> int:
     need = max(len(p) for p in prompts) + max_new_tokens + extra
     return -(-need // multiple) * multiple
 
 
-@functools.partial(jax.jit, static_argnames=("cfg", "sampling"), donate_argnames=("cache",))
-def ar_step(params, cfg: ModelConfig, sampling: SamplingConfig, tokens: jax.Array, cache: KVCache,
+@functools.partial(jax.jit, static_argnums=0, donate_argnames=("state",))
+def ar_step(target, params, sampling: RequestSampling, tokens: jax.Array, state: TargetState,
             key: jax.Array):
-    """tokens [B] -> (next tokens [B], cache committed by one)."""
-    logits, _, cache = dense.forward(params, cfg, tokens[:, None], cache)
-    return sample(key, logits[:, 0], sampling), cache.commit(1)
+    """tokens [B] -> (next tokens [B], state committed by one)."""
+    logits, _, state = chain_forward(target, params, tokens[:, None], state)
+    return sample(key, logits[:, 0], sampling), state.commit(1)
 
 
-@functools.partial(jax.jit, static_argnames=("cfg", "sampling"), donate_argnames=("cache",))
-def ar_prefill(params, cfg: ModelConfig, sampling: SamplingConfig, tokens: jax.Array,
-               lengths: jax.Array, cache: KVCache, key: jax.Array):
-    """Prompt pass + first token: -> (first tokens [B], taps [B, T, n*H], committed cache)."""
-    logits, taps, cache = dense.prefill(params, cfg, tokens, lengths, cache)
-    return sample(key, logits, sampling), taps, cache
+@functools.partial(jax.jit, static_argnums=0, donate_argnames=("state",))
+def ar_prefill(target, params, sampling: RequestSampling, tokens: jax.Array, lengths: jax.Array,
+               state: TargetState, key: jax.Array):
+    """Prompt pass + first token: -> (first tokens [B], taps [B, T, n*H], committed state)."""
+    logits, taps, state = chain_forward(target, params, tokens, state)
+    last = jnp.take_along_axis(logits, (lengths - 1)[:, None, None], axis=1)[:, 0]  # [B, V]
+    return sample(key, last, sampling), taps, state.commit(lengths)
 
 
-@functools.partial(jax.jit, static_argnames=("cfg", "sampling"), donate_argnames=("cache",))
-def ar_decode_loop(params, cfg: ModelConfig, sampling: SamplingConfig, first: jax.Array, cache: KVCache,
-                   keys: jax.Array):
-    """All decode steps in one `lax.fori_loop`: first [B], keys [N-1] -> (tokens [B, N-1], cache)."""
-    n = keys.shape[0]
+@functools.partial(jax.jit, static_argnums=0, donate_argnames=("state",))
+def ar_decode_loop(target, params, sampling: RequestSampling, first: jax.Array, state: TargetState,
+                   keys: jax.Array, num_steps: jax.Array):
+    """num_steps (<= N-1, traced) decode steps in one `lax.fori_loop`: first [B], keys [N-1]
+    -> (tokens [B, N-1], state); columns past num_steps stay 0."""
 
     def body(i, carry):
-        tok, cache, out = carry
-        logits, _, cache = dense.forward(params, cfg, tok[:, None], cache)
+        tok, state, out = carry
+        logits, _, state = chain_forward(target, params, tok[:, None], state)
         tok = sample(keys[i], logits[:, 0], sampling)
-        return tok, cache.commit(1), out.at[:, i].set(tok)
+        return tok, state.commit(1), out.at[:, i].set(tok)
 
-    out = jnp.zeros((first.shape[0], n), jnp.int32)
-    _, cache, out = jax.lax.fori_loop(0, n, body, (first, cache, out))
-    return out, cache
+    out = jnp.zeros((first.shape[0], keys.shape[0]), jnp.int32)
+    _, state, out = jax.lax.fori_loop(0, num_steps, body, (first, state, out))
+    return out, state
 
 
 LOOPS = ("fori", "host")
 _CACHE = CompileCache()
 
 
-def _compiled(fn, static: tuple, *args):
-    """Ahead-of-time compiled `fn` for these shapes (static arguments follow the first argument)."""
-    return _CACHE.get(fn, static, args, lambda: fn.lower(*args[:1], *static, *args[1:]))
+def _compiled(fn, static, *args):
+    """Ahead-of-time compiled `fn` for these shapes (the static argument comes first)."""
+    return _CACHE.get(fn, static, args, lambda: fn.lower(static, *args))
 
 
-def generate(params, cfg: ModelConfig, prompts: Sequence[Sequence[int]], max_new_tokens: int,
+def generate(target, params, prompts: Sequence[Sequence[int]], max_new_tokens: int,
              sampling: SamplingConfig = GREEDY, key: jax.Array | None = None,
-             cache_len: int | None = None, cache_dtype=None, loop: str = "fori") -> GenerationResult:
-    """Generate `max_new_tokens` tokens after each prompt (a list of token-id lists).
+             cache_len: int | None = None, cache_dtype=None, loop: str = "fori", *,
+             budgets=None, temperature=None, top_p=None) -> GenerationResult:
+    """Generate up to `max_new_tokens` tokens after each prompt (a list of token-id lists).
 
-    loop="fori" runs every decode step inside one jitted `lax.fori_loop` (no per-token dispatch);
-    loop="host" dispatches one jitted step per token from Python (never syncing until the end).
+    `budgets` [B]: new tokens per request (default max_new_tokens each); `temperature` / `top_p` [B]:
+    per-request values in place of `sampling`'s (its top_k applies to all). Changing any of them
+    reuses the compiled steps. loop="fori" runs every decode step inside one jitted `lax.fori_loop`
+    (no per-token dispatch); loop="host" dispatches one jitted step per token from Python (never
+    syncing until the end).
     """
-    if max_new_tokens < 1:
-        raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
     if loop not in LOOPS:
         raise ValueError(f"loop must be one of {LOOPS}, got {loop!r}")
-    key = resolve_key(key, sampling)
-    cache_len = cache_len or default_cache_len(prompts, max_new_tokens)
-    tokens, lengths = pack_prompts(prompts, cache_len, needed_after=max_new_tokens)
-    tokens, lengths = jnp.asarray(tokens), jnp.asarray(lengths)
-    dtype = cache_dtype or params["embed"].dtype
     b = len(prompts)
+    budgets = request_budgets(budgets, max_new_tokens, b)
+    requests = sampling.for_requests(b, temperature, top_p)
+    key = resolve_key(key, requests)
+    target.check_params(params)
+    check_position_limit(prompts, budgets, target.max_positions)
+    cache_len = cache_len or default_cache_len(prompts, max_new_tokens)
+    tokens, lengths = pack_prompts(prompts, cache_len, needed_after=max_new_tokens,
+                                   max_positions=target.max_positions)
+    tokens, lengths = jnp.asarray(tokens), jnp.asarray(lengths)
+    dtype = cache_dtype or target.dtype
     keys = jax.random.split(key, max_new_tokens)
-    cache_shape = jax.eval_shape(lambda: init_cache(cfg, b, cache_len, dtype))
-    static = (cfg, sampling)
-    prefill = _compiled(ar_prefill, static, params, tokens, lengths, cache_shape, keys[0])
+    num_steps = int(budgets.max()) - 1
+    state_shape = jax.eval_shape(lambda: target.init_state(b, cache_len, dtype))
+    prefill = _compiled(ar_prefill, target, params, requests, tokens, lengths, state_shape, keys[0])
     tok_shape = jax.ShapeDtypeStruct((b,), jnp.int32)
+    steps_arg = jnp.int32(num_steps)
     if loop == "fori":
-        decode = _compiled(ar_decode_loop, static, params, tok_shape, cache_shape, keys[1:])
+        decode = _compiled(ar_decode_loop, target, params, requests, tok_shape, state_shape, keys[1:],
+                           steps_arg)
     else:
-        step = _compiled(ar_step, static, params, tok_shape, cache_shape, keys[0])
-    cache = init_cache(cfg, b, cache_len, dtype)
+        step = _compiled(ar_step, target, params, requests, tok_shape, state_shape, keys[0])
+    state = target.init_state(b, cache_len, dtype)
 
     t0 = time.perf_counter()
-    tok, _, cache = prefill(params, tokens, lengths, cache, keys[0])
+    tok, _, state = prefill(params, requests, tokens, lengths, state, keys[0])
     tok.block_until_ready()
     t1 = time.perf_counter()
     if loop == "fori":
-        rest, cache = decode(params, tok, cache, keys[1:])
+        rest, state = decode(params, requests, tok, state, keys[1:], steps_arg)
         generated = np.concatenate([np.asarray(tok)[:, None], np.asarray(rest)], axis=1)
     else:
         out = [tok]
-        for i in range(1, max_new_tokens):
-            tok, cache = step(params, tok, cache, keys[i])
+        for i in range(1, num_steps + 1):
+            tok, state = step(params, requests, tok, state, keys[i])
             out.append(tok)
-        generated = np.asarray(jnp.stack(out, axis=1))  # the loop's only device -> host transfer
+        out += [jnp.zeros_like(tok)] * (max_new_tokens - 1 - num_steps)
+        generated = np.array(jnp.stack(out, axis=1))  # the loop's only device -> host transfer
     t2 = time.perf_counter()
+    generated[np.arange(max_new_tokens)[None, :] >= budgets[:, None]] = -1
     return GenerationResult(tokens=generated, prompt_lengths=np.asarray(lengths), prefill_s=t1 - t0,
-                            decode_s=t2 - t1)
+                            decode_s=t2 - t1, budgets=budgets, num_generated=budgets.copy())

@@ -13,6 +13,10 @@ Design choices:
   probabilities so the statistics can be tested on hand-made (p, q); `accept_sampled` builds p and q
   from logits with the SAME temperature/top-k/top-p transform (`sampling.probabilities`), which
   losslessness requires.
+- Per-request values: `sampling` is a `RequestSampling` whose temperature / top-p are `[B]` arrays;
+  p and q of row b both use row b's values. A temperature-0 row's p and q are one-hots at their
+  argmax, so rejection sampling accepts exactly the drafts greedy matching accepts and emits the
+  target's argmax: such a row decodes exactly as greedy inside a sampled batch.
 - Randomness only from explicit keys: one key gives the uniforms for the K accept tests and one the
   residual / bonus draw.
 """
@@ -22,10 +26,10 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from specpilot.decoding.sampling import SamplingConfig, probabilities, sample
+from specpilot.decoding.sampling import RequestSampling, as_request_sampling, probabilities, sample
 
 
-def choose_drafts(key: jax.Array, draft_logits: jax.Array, sampling: SamplingConfig) -> jax.Array:
+def choose_drafts(key: jax.Array, draft_logits: jax.Array, sampling: RequestSampling) -> jax.Array:
     """Draft tokens [B, K] from draft logits [B, K, V]: argmax when greedy, else samples from q."""
     return sample(key, draft_logits, sampling)
 
@@ -72,7 +76,7 @@ def rejection_sample(key: jax.Array, drafts: jax.Array, q: jax.Array, p: jax.Arr
 
 
 def accept_sampled(key: jax.Array, drafts: jax.Array, draft_logits: jax.Array, target_logits: jax.Array,
-                   sampling: SamplingConfig) -> tuple[jax.Array, jax.Array]:
+                   sampling: RequestSampling) -> tuple[jax.Array, jax.Array]:
     """Rejection sampling with p and q from logits under the same sampling transform."""
     q = probabilities(draft_logits, sampling)  # [B, K, V]
     p = probabilities(target_logits, sampling)  # [B, K+1, V]
@@ -80,8 +84,8 @@ def accept_sampled(key: jax.Array, drafts: jax.Array, draft_logits: jax.Array, t
 
 
 def verify_chain(key: jax.Array, drafts: jax.Array, draft_logits: jax.Array, target_logits: jax.Array,
-                 sampling: SamplingConfig) -> tuple[jax.Array, jax.Array]:
+                 sampling: RequestSampling) -> tuple[jax.Array, jax.Array]:
     """The one entry the decoding loop calls: greedy matching or rejection sampling."""
-    if sampling.greedy:
+    if as_request_sampling(sampling).greedy:
         return accept_greedy(drafts, target_logits)
     return accept_sampled(key, drafts, draft_logits, target_logits, sampling)

@@ -1,14 +1,21 @@
 """Stock speculative decoding: draft a block, verify it in one target forward, accept, commit, repeat.
 
 Design choices:
+- The target and the drafter are arguments (values with their protocols, static and hashable), and
+  `ChainSetup` bundles what is static about a run; the phase functions reach the target only through
+  `target.forward` (chain positions, causal mask: `state.chain_forward`).
 - One loop-state pytree (`SpecState`) threads through pure phase functions: `draft_phase` (the drafter
-  proposes Bs-1 tokens after the last accepted one), `verify_phase` (one target `forward` over
+  proposes Bs-1 tokens after the last accepted one), `verify_phase` (one target forward over
   `[last, d_1 .. d_{Bs-1}]`, T = Bs) and `accept_phase` (prefix matching or rejection sampling, output
   write, commits). `spec_step` fuses them into one jitted step; the profiled host loop jits them apart
   to time each.
 - Static shapes, per-sequence progress: every sequence in the batch verifies Bs tokens each step and
-  advances by its own accepted count through its cache `lengths` (target and draft context stay equal).
-  A sequence that is done keeps running inside the batch as a no-op: nothing committed, nothing emitted.
+  advances by its own accepted count through its state's `lengths` (target and draft context stay
+  equal). A sequence that is done keeps running inside the batch as a no-op: nothing committed,
+  nothing emitted.
+- Per-request values live in the loop state as arrays, so changing them never recompiles: the
+  new-token budget `[B]` (at most the static capacity `max_new_tokens`) and the sampling temperature /
+  top-p `[B]` (`sampling.RequestSampling`; greedy vs sampled stays a static switch).
 - Two loop drivers (`loop=`): "while" runs the whole decode in one `lax.while_loop` (one host sync at the
   end); "host" dispatches jitted steps from Python, first the number of steps every sequence needs at
   least, then one step ahead of each `done` read-back, so a sync never drains the queue (costing at most
@@ -18,11 +25,15 @@ Design choices:
   against 0.10-2.6 (host 7% faster once, oracle drafter at block 16).
 - Capacity: a verification writes Bs positions at the committed length, so emitting N tokens after a
   prompt of P needs P + N + Bs - 2 positions; `generate` checks this on the host before anything runs
-  and raises `CacheOverflowError`, or with `stop_at_capacity=True` stops each sequence cleanly at the
+  (with P + N against the model's `max_position_embeddings`, `PositionLimitError`) and raises
+  `CacheOverflowError`, or with `stop_at_capacity=True` stops each sequence cleanly at the
   last step that fits (`num_generated` says how far it got). The step itself also refuses to advance a
   sequence whose next verification would not fit, so no write can ever pass the cache's end for a
   sequence that still generates. A sequence stopped there still rides along in the batch: its no-op
   writes are clamped by `dynamic_update_slice` into its own finished rows, which no output reads again.
+- Statistics: tau counts the tokens a step emits after truncation at the budget; the step's
+  untruncated accepted + 1 are counted apart, for the acceptance length upstream DFlash reports
+  (`stats.SpecStats`).
 - Compilation is kept out of timings by compiling ahead of time (`jit(...).lower(...).compile()`).
 """
 
@@ -38,28 +49,26 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from specpilot.cache import KVCache, check_capacity, init_cache
 from specpilot.decoding.aot import CompileCache
-from specpilot.decoding.ar import GenerationResult, default_cache_len, pack_prompts
+from specpilot.decoding.ar import (GenerationResult, check_position_limit, default_cache_len, pack_prompts,
+                                   request_budgets)
 from specpilot.decoding.rejection import choose_drafts, verify_chain
-from specpilot.decoding.sampling import GREEDY, SamplingConfig, resolve_key, sample
+from specpilot.decoding.sampling import GREEDY, RequestSampling, SamplingConfig, resolve_key, sample
 from specpilot.decoding.stats import SpecStats
-from specpilot.models import dense
-from specpilot.models.config import ModelConfig
+from specpilot.state import TargetState, chain_forward, check_capacity
 
 LOOPS = ("while", "host")
 DEFAULT_LOOP = "while"
 
 
 @dataclasses.dataclass(frozen=True)
-class SpecPlan:
-    """Everything static about a run (hashable: a jit static argument; changing it recompiles)."""
+class ChainSetup:
+    """Everything static about a chain run (hashable: a jit static argument; changing it recompiles)."""
 
-    target_cfg: ModelConfig
+    target: Any  # dense.Target, or any value with the target protocol
     drafter: Any  # BlockDrafter, ReplayDrafter, ... (None only for block_size == 1)
     block_size: int
-    max_new_tokens: int
-    sampling: SamplingConfig = GREEDY
+    max_new_tokens: int  # capacity: the most tokens any request may generate
 
     def __post_init__(self):
         if self.block_size < 1:
@@ -77,93 +86,101 @@ class SpecPlan:
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
 class SpecState:
-    target_cache: KVCache
-    draft_state: Any  # the drafter's context state (lengths kept equal to target_cache.lengths)
-    last: jax.Array  # [B] int32: newest emitted token, at position target_cache.lengths, not yet cached
+    target_state: TargetState
+    draft_state: Any  # the drafter's context state (lengths kept equal to target_state.lengths)
+    last: jax.Array  # [B] int32: newest emitted token, at position target_state.lengths, not yet cached
     out: jax.Array  # [B, N + Bs] int32 generated tokens; Bs slack so a step's write never clamps
     n_out: jax.Array  # [B] int32 tokens generated so far (prefill's first token included)
     key: jax.Array
     steps: jax.Array  # [B] int32 verification steps while generating
-    emitted: jax.Array  # [B] int32 tokens emitted by verification steps
+    emitted: jax.Array  # [B] int32 tokens emitted by verification steps (truncated at the budget)
+    accepted: jax.Array  # [B] int32 accepted drafts + 1 per verification step, untruncated
     accept_hist: jax.Array  # [Bs] int32 (sequence, step) pairs with k accepted drafts
+    budget: jax.Array  # [B] int32 new tokens per request (<= max_new_tokens)
+    sampling: RequestSampling  # per-request temperature / top-p [B]
 
 
-def _active(plan: SpecPlan, state: SpecState) -> jax.Array:
-    """[B] bool: still generating, and the next verification's Bs writes fit the cache."""
-    fits = state.target_cache.lengths + plan.block_size <= state.target_cache.max_len
-    return (state.n_out < plan.max_new_tokens) & fits
+def _active(setup: ChainSetup, state: SpecState) -> jax.Array:
+    """[B] bool: still generating, and the next verification's Bs writes fit the state."""
+    fits = state.target_state.lengths + setup.block_size <= state.target_state.max_len
+    return (state.n_out < state.budget) & fits
 
 
-def all_done(plan: SpecPlan, state: SpecState) -> jax.Array:
-    return ~jnp.any(_active(plan, state))
+def all_done(setup: ChainSetup, state: SpecState) -> jax.Array:
+    return ~jnp.any(_active(setup, state))
 
 
-def prefill_phase(plan: SpecPlan, target_params, draft_params, tokens: jax.Array, lengths: jax.Array,
-                  target_cache: KVCache, draft_state, key: jax.Array) -> SpecState:
-    """Prompt pass: first token from the prompt's last logits, target cache and draft context filled."""
-    first, target_cache, draft_state, key = _prefill_core(
-        _prefill_key(plan), target_params, draft_params, tokens, lengths, target_cache, draft_state, key)
-    return _initial_state(plan, first, target_cache, draft_state, key)
+def prefill_phase(setup: ChainSetup, target_params, draft_params, tokens: jax.Array, lengths: jax.Array,
+                  target_state: TargetState, draft_state, key: jax.Array, budget: jax.Array,
+                  sampling: RequestSampling) -> SpecState:
+    """Prompt pass: first token from the prompt's last logits, target state and draft context filled."""
+    first, target_state, draft_state, key = _prefill_core(
+        _prefill_key(setup), target_params, draft_params, tokens, lengths, target_state, draft_state, key,
+        sampling)
+    return _initial_state(setup, first, target_state, draft_state, key, budget, sampling)
 
 
-def _split(key: jax.Array, sampling: SamplingConfig):
+def _split(key: jax.Array, sampling: RequestSampling):
     # Greedy decoding draws nothing: skipping the split keeps PRNG code (slow to compile) out of the step.
     return (key, key) if sampling.greedy else tuple(jax.random.split(key))
 
 
-def _prefill_key(plan: SpecPlan):
+def _prefill_key(setup: ChainSetup):
     # What prefill depends on: not the block size or token budget, so a sweep over those shares it.
-    return plan.target_cfg, plan.drafter if plan.uses_drafter else None, plan.sampling
+    return setup.target, setup.drafter if setup.uses_drafter else None
 
 
-def _prefill_core(static, target_params, draft_params, tokens, lengths, target_cache, draft_state, key):
-    target_cfg, drafter, sampling = static
+def _prefill_core(static, target_params, draft_params, tokens, lengths, target_state, draft_state, key,
+                  sampling):
+    target, drafter = static
     key, key_first = _split(key, sampling)
-    logits, taps, target_cache = dense.forward(target_params, target_cfg, tokens, target_cache)
+    logits, taps, target_state = chain_forward(target, target_params, tokens, target_state)
     last_logits = jnp.take_along_axis(logits, (lengths - 1)[:, None, None], axis=1)[:, 0]  # [B, V]
     first = sample(key_first, last_logits, sampling)  # [B]
     if drafter is not None:
         draft_state = drafter.extend(draft_params, target_params, draft_state, taps, lengths)
-    return first, target_cache.commit(lengths), draft_state, key
+    return first, target_state.commit(lengths), draft_state, key
 
 
-def _initial_state(plan: SpecPlan, first, target_cache, draft_state, key) -> SpecState:
+def _initial_state(setup: ChainSetup, first, target_state, draft_state, key, budget,
+                   sampling) -> SpecState:
     b = first.shape[0]
-    out = jnp.zeros((b, plan.max_new_tokens + plan.block_size), jnp.int32).at[:, 0].set(first)
+    out = jnp.zeros((b, setup.max_new_tokens + setup.block_size), jnp.int32).at[:, 0].set(first)
     zeros = jnp.zeros((b,), jnp.int32)
-    return SpecState(target_cache=target_cache, draft_state=draft_state, last=first, out=out,
+    return SpecState(target_state=target_state, draft_state=draft_state, last=first, out=out,
                      n_out=jnp.ones((b,), jnp.int32), key=key, steps=zeros, emitted=zeros,
-                     accept_hist=jnp.zeros((plan.block_size,), jnp.int32))
+                     accepted=zeros, accept_hist=jnp.zeros((setup.block_size,), jnp.int32),
+                     budget=budget, sampling=sampling)
 
 
-def draft_phase(plan: SpecPlan, target_params, draft_params, state: SpecState):
+def draft_phase(setup: ChainSetup, target_params, draft_params, state: SpecState):
     """-> (state with draft context/key advanced, block [B, Bs], draft logits [B, Bs-1, V])."""
     b = state.last.shape[0]
-    if not plan.uses_drafter:
-        empty = jnp.zeros((b, 0, plan.target_cfg.vocab_size), jnp.float32)
+    if not setup.uses_drafter:
+        empty = jnp.zeros((b, 0, setup.target.vocab_size), jnp.float32)
         return state, state.last[:, None], empty
-    key, key_draft = _split(state.key, plan.sampling)
-    draft_logits, draft_state = plan.drafter.propose(draft_params, target_params, state.draft_state,
-                                                     state.last, plan.block_size)
-    drafts = choose_drafts(key_draft, draft_logits, plan.sampling)  # [B, Bs-1]
+    key, key_draft = _split(state.key, state.sampling)
+    draft_logits, draft_state = setup.drafter.propose(draft_params, target_params, state.draft_state,
+                                                      state.last, setup.block_size)
+    drafts = choose_drafts(key_draft, draft_logits, state.sampling)  # [B, Bs-1]
     block = jnp.concatenate([state.last[:, None], drafts], axis=1)  # [B, Bs]
     return dataclasses.replace(state, draft_state=draft_state, key=key), block, draft_logits
 
 
-def verify_phase(plan: SpecPlan, target_params, state: SpecState, block: jax.Array):
+def verify_phase(setup: ChainSetup, target_params, state: SpecState, block: jax.Array):
     """One target forward over the block -> (state with K/V written, logits [B, Bs, V], taps)."""
-    logits, taps, cache = dense.forward(target_params, plan.target_cfg, block, state.target_cache)
-    return dataclasses.replace(state, target_cache=cache), logits, taps
+    logits, taps, target_state = chain_forward(setup.target, target_params, block, state.target_state)
+    return dataclasses.replace(state, target_state=target_state), logits, taps
 
 
-def accept_phase(plan: SpecPlan, target_params, draft_params, state: SpecState, block: jax.Array,
+def accept_phase(setup: ChainSetup, target_params, draft_params, state: SpecState, block: jax.Array,
                  draft_logits: jax.Array, target_logits: jax.Array, taps: jax.Array) -> SpecState:
-    """Accept a prefix + one token per sequence, write outputs, commit target cache and draft context."""
-    bs, n_max = plan.block_size, plan.max_new_tokens
-    active = _active(plan, state)  # uses lengths before this step's commit
-    key, key_verify = _split(state.key, plan.sampling)
+    """Accept a prefix + one token per sequence, write outputs, commit target state and draft context."""
+    bs = setup.block_size
+    active = _active(setup, state)  # uses lengths before this step's commit
+    key, key_verify = _split(state.key, state.sampling)
     n_acc, next_token = verify_chain(key_verify, block[:, 1:], draft_logits, target_logits,
-                                     plan.sampling)
+                                     state.sampling)
     n_acc = jnp.where(active, n_acc, 0)
     n_new = jnp.where(active, n_acc + 1, 0)  # tokens that enter the caches: last + accepted drafts
     # Emitted this step: drafts 1..n_acc then next_token; later slots are overwritten next step.
@@ -172,33 +189,34 @@ def accept_phase(plan: SpecPlan, target_params, draft_params, state: SpecState, 
     emit = jnp.where(idx < n_acc[:, None], shifted, next_token[:, None])  # [B, Bs]
     out = jax.vmap(lambda row, e, s: jax.lax.dynamic_update_slice(row, e, (s,)))(
         state.out, emit, state.n_out)
-    take = jnp.minimum(n_new, n_max - state.n_out)  # the last step may overshoot max_new_tokens
+    take = jnp.minimum(n_new, state.budget - state.n_out)  # the last step may overshoot the budget
     draft_state = state.draft_state
-    if plan.uses_drafter:
-        draft_state = plan.drafter.extend(draft_params, target_params, draft_state, taps, n_new)
+    if setup.uses_drafter:
+        draft_state = setup.drafter.extend(draft_params, target_params, draft_state, taps, n_new)
     hist = state.accept_hist.at[n_acc].add(active.astype(jnp.int32))
-    return SpecState(
-        target_cache=state.target_cache.commit(n_new), draft_state=draft_state,
+    return dataclasses.replace(
+        state, target_state=state.target_state.commit(n_new), draft_state=draft_state,
         last=jnp.where(active, next_token, state.last), out=out, n_out=state.n_out + take, key=key,
-        steps=state.steps + active.astype(jnp.int32), emitted=state.emitted + take, accept_hist=hist)
+        steps=state.steps + active.astype(jnp.int32), emitted=state.emitted + take,
+        accepted=state.accepted + n_new, accept_hist=hist)
 
 
-def spec_step(plan: SpecPlan, target_params, draft_params, state: SpecState):
+def spec_step(setup: ChainSetup, target_params, draft_params, state: SpecState):
     """One draft -> verify -> accept step -> (state, all_done scalar bool)."""
-    state, block, draft_logits = draft_phase(plan, target_params, draft_params, state)
-    state, target_logits, taps = verify_phase(plan, target_params, state, block)
-    state = accept_phase(plan, target_params, draft_params, state, block, draft_logits, target_logits,
+    state, block, draft_logits = draft_phase(setup, target_params, draft_params, state)
+    state, target_logits, taps = verify_phase(setup, target_params, state, block)
+    state = accept_phase(setup, target_params, draft_params, state, block, draft_logits, target_logits,
                          taps)
-    return state, all_done(plan, state)
+    return state, all_done(setup, state)
 
 
-def decode_while(plan: SpecPlan, target_params, draft_params, state: SpecState) -> SpecState:
+def decode_while(setup: ChainSetup, target_params, draft_params, state: SpecState) -> SpecState:
     """The whole decode as one `lax.while_loop` (no host sync until it returns)."""
-    return jax.lax.while_loop(lambda s: ~all_done(plan, s),
-                              lambda s: spec_step(plan, target_params, draft_params, s)[0], state)
+    return jax.lax.while_loop(lambda s: ~all_done(setup, s),
+                              lambda s: spec_step(setup, target_params, draft_params, s)[0], state)
 
 
-_prefill_jit = jax.jit(_prefill_core, static_argnums=0, donate_argnames=("target_cache", "draft_state"))
+_prefill_jit = jax.jit(_prefill_core, static_argnums=0, donate_argnames=("target_state", "draft_state"))
 _initial_jit = jax.jit(_initial_state, static_argnums=0)
 _step_jit = jax.jit(spec_step, static_argnums=0, donate_argnames=("state",))
 _while_jit = jax.jit(decode_while, static_argnums=0, donate_argnames=("state",))
@@ -209,9 +227,9 @@ _accept_jit = jax.jit(accept_phase, static_argnums=0, donate_argnames=("state",)
 _CACHE = CompileCache()
 
 
-def _compiled(fn, plan: SpecPlan, *args):
+def _compiled(fn, static, *args):
     """Ahead-of-time compiled `fn` for these argument shapes, so no timed call ever compiles."""
-    return _CACHE.get(fn, plan, args, lambda: fn.lower(plan, *args))
+    return _CACHE.get(fn, static, args, lambda: fn.lower(static, *args))
 
 
 # --------------------------------------------------------------------------------------------------
@@ -219,21 +237,21 @@ def _compiled(fn, plan: SpecPlan, *args):
 # starts, then maps that state to (final state, phase timings or None).
 
 
-def _while_driver(plan, tp, dp, state_shape):
-    run = _compiled(_while_jit, plan, tp, dp, state_shape)
+def _while_driver(setup, tp, dp, state_shape, budgets):
+    run = _compiled(_while_jit, setup, tp, dp, state_shape)
     return lambda state: (run(tp, dp, state), None)
 
 
-def _host_driver(plan, tp, dp, state_shape):
-    step = _compiled(_step_jit, plan, tp, dp, state_shape)
+def _host_driver(setup, tp, dp, state_shape, budgets):
+    step = _compiled(_step_jit, setup, tp, dp, state_shape)
     # Every sequence needs at least this many steps (each emits <= Bs tokens): dispatch them blind.
-    n_blind = max(1, math.ceil((plan.max_new_tokens - 1) / plan.block_size))
+    n_blind = max(1, math.ceil((int(budgets.min()) - 1) / setup.block_size))
 
     def run(state):
         done = None
         for _ in range(n_blind):
             state, done = step(tp, dp, state)
-        for _ in range(plan.max_new_tokens):  # each active sequence emits >= 1 token per step
+        for _ in range(int(budgets.max())):  # each active sequence emits >= 1 token per step
             nxt, nxt_done = step(tp, dp, state)  # queued before the read-back below blocks
             if bool(done):  # deliberate host sync, one step behind the dispatch front
                 return nxt, None  # that extra step was a no-op for every sequence
@@ -243,19 +261,19 @@ def _host_driver(plan, tp, dp, state_shape):
     return run
 
 
-def _profiled_driver(plan, tp, dp, state_shape):
+def _profiled_driver(setup, tp, dp, state_shape, budgets):
     """Host loop with each phase jitted apart and synced, to split time draft/verify/bookkeeping."""
-    s1, block, draft_logits = jax.eval_shape(functools.partial(draft_phase, plan), tp, dp, state_shape)
-    s2, target_logits, taps = jax.eval_shape(functools.partial(verify_phase, plan), tp, s1, block)
-    draft = _compiled(_draft_jit, plan, tp, dp, state_shape)
-    verify = _compiled(_verify_jit, plan, tp, s1, block)
-    accept = _compiled(_accept_jit, plan, tp, dp, s2, block, draft_logits, target_logits, taps)
+    s1, block, draft_logits = jax.eval_shape(functools.partial(draft_phase, setup), tp, dp, state_shape)
+    s2, target_logits, taps = jax.eval_shape(functools.partial(verify_phase, setup), tp, s1, block)
+    draft = _compiled(_draft_jit, setup, tp, dp, state_shape)
+    verify = _compiled(_verify_jit, setup, tp, s1, block)
+    accept = _compiled(_accept_jit, setup, tp, dp, s2, block, draft_logits, target_logits, taps)
     done = jax.jit(all_done, static_argnums=0)
 
     def run(state):
         times = {"draft": 0.0, "verify": 0.0, "bookkeeping": 0.0}
-        for _ in range(plan.max_new_tokens):
-            if bool(done(plan, state)):
+        for _ in range(int(budgets.max())):
+            if bool(done(setup, state)):
                 break
             t0 = time.perf_counter()
             state, block, draft_logits = draft(tp, dp, state)
@@ -277,57 +295,64 @@ def _profiled_driver(plan, tp, dp, state_shape):
 
 @dataclasses.dataclass
 class SpecResult(GenerationResult):
-    """AR's result plus how far each sequence got and the speculative statistics."""
+    """AR's result (num_generated < budget only where stop_at_capacity cut a sequence short) plus the
+    speculative statistics."""
 
-    num_generated: np.ndarray = None  # [B]; < N only when stop_at_capacity cut a sequence short
     stats: SpecStats = None
 
 
-def generate(target_params, target_cfg: ModelConfig, drafter, draft_params,
-             prompts: Sequence[Sequence[int]], max_new_tokens: int, *, block_size: int | None = None,
-             sampling: SamplingConfig = GREEDY, key: jax.Array | None = None,
-             cache_len: int | None = None, cache_dtype=None, loop: str = DEFAULT_LOOP,
-             profile: bool = False, stop_at_capacity: bool = False) -> SpecResult:
-    """Speculatively generate `max_new_tokens` tokens after each prompt (token-id lists).
+def generate(target, target_params, drafter, draft_params, prompts: Sequence[Sequence[int]],
+             max_new_tokens: int, *, block_size: int | None = None, sampling: SamplingConfig = GREEDY,
+             key: jax.Array | None = None, cache_len: int | None = None, cache_dtype=None,
+             loop: str = DEFAULT_LOOP, profile: bool = False, stop_at_capacity: bool = False,
+             budgets=None, temperature=None, top_p=None) -> SpecResult:
+    """Speculatively generate up to `max_new_tokens` tokens after each prompt (token-id lists).
 
-    Tokens past `num_generated[b]` (only with stop_at_capacity) are -1. `profile=True` uses the host
-    loop with separately synced phases and fills the draft/verify/bookkeeping times.
+    `budgets` [B]: new tokens per request (default max_new_tokens each); `temperature` / `top_p` [B]:
+    per-request values in place of `sampling`'s; changing them reuses the compiled steps. Tokens past
+    `num_generated[b]` are -1. `profile=True` uses the host loop with separately synced phases and
+    fills the draft/verify/bookkeeping times.
     """
     if loop not in LOOPS:
         raise ValueError(f"loop must be one of {LOOPS}, got {loop!r}")
-    key = resolve_key(key, sampling)
+    b = len(prompts)
     bs = block_size or drafter.block_size
-    plan = SpecPlan(target_cfg, drafter if bs > 1 else None, bs, max_new_tokens, sampling)
+    setup = ChainSetup(target, drafter if bs > 1 else None, bs, max_new_tokens)
+    budgets = request_budgets(budgets, max_new_tokens, b)
+    requests = sampling.for_requests(b, temperature, top_p)
+    key = resolve_key(key, requests)
+    target.check_params(target_params)
+    check_position_limit(prompts, budgets, target.max_positions)
     cache_len = cache_len or default_cache_len(prompts, max_new_tokens, extra=bs)
-    longest = max((len(p) for p in prompts), default=0)
+    longest = max(len(p) for p in prompts)
     if not stop_at_capacity:
         check_capacity(cache_len, longest + max_new_tokens + bs - 2,
                        f"the longest prompt ({longest} tokens) plus {max_new_tokens} new tokens with "
                        f"block size {bs} (a verification writes {bs} positions)")
-    tokens, lengths = pack_prompts(prompts, cache_len)
-    dtype = cache_dtype or target_params["embed"].dtype
-    b = len(prompts)
+    tokens, lengths = pack_prompts(prompts, cache_len, max_positions=target.max_positions)
+    dtype = cache_dtype or target.dtype
 
     def fresh():
-        draft_state = (drafter.init_state(draft_params, b, cache_len, dtype) if plan.uses_drafter
+        draft_state = (drafter.init_state(draft_params, b, cache_len, dtype) if setup.uses_drafter
                        else None)
-        return init_cache(target_cfg, b, cache_len, dtype), draft_state
+        return target.init_state(b, cache_len, dtype), draft_state
 
     args = (jnp.asarray(tokens), jnp.asarray(lengths))
-    cache_shapes = jax.eval_shape(fresh)
-    prefill_args = (target_params, draft_params, *args, *cache_shapes, key)
-    prefill = _compiled(_prefill_jit, _prefill_key(plan), *prefill_args)
-    first, tcache, dstate, key_shape = jax.eval_shape(
-        functools.partial(_prefill_core, _prefill_key(plan)), *prefill_args)
-    initial = _compiled(_initial_jit, plan, first, tcache, dstate, key_shape)
-    state_shape = jax.eval_shape(functools.partial(_initial_state, plan), first, tcache, dstate,
-                                 key_shape)
+    budget = jnp.asarray(budgets)
+    state_shapes = jax.eval_shape(fresh)
+    prefill_args = (target_params, draft_params, *args, *state_shapes, key, requests)
+    prefill = _compiled(_prefill_jit, _prefill_key(setup), *prefill_args)
+    first, tstate, dstate, key_shape = jax.eval_shape(
+        functools.partial(_prefill_core, _prefill_key(setup)), *prefill_args)
+    initial = _compiled(_initial_jit, setup, first, tstate, dstate, key_shape, budget, requests)
+    state_shape = jax.eval_shape(functools.partial(_initial_state, setup), first, tstate, dstate,
+                                 key_shape, budget, requests)
     driver = _profiled_driver if profile else {"while": _while_driver, "host": _host_driver}[loop]
-    run = driver(plan, target_params, draft_params, state_shape)
-    caches = fresh()
+    run = driver(setup, target_params, draft_params, state_shape, budgets)
+    states = fresh()
 
     t0 = time.perf_counter()
-    state = initial(*prefill(target_params, draft_params, *args, *caches, key))
+    state = initial(*prefill(target_params, draft_params, *args, *states, key, requests), budget, requests)
     state.last.block_until_ready()
     t1 = time.perf_counter()
     state, times = run(state)
@@ -338,9 +363,9 @@ def generate(target_params, target_cfg: ModelConfig, drafter, draft_params,
     generated[np.arange(max_new_tokens)[None, :] >= n_out[:, None]] = -1
     stats = SpecStats(block_size=bs, steps=np.asarray(state.steps), emitted=np.asarray(state.emitted),
                       accept_hist=np.asarray(state.accept_hist), prefill_s=t1 - t0, decode_s=t2 - t1,
-                      new_tokens=max_new_tokens)
+                      new_tokens=int(budgets.max()), accepted=np.asarray(state.accepted))
     if times is not None:
         stats.draft_s, stats.verify_s, stats.bookkeeping_s = (
             times["draft"], times["verify"], times["bookkeeping"])
     return SpecResult(tokens=generated, prompt_lengths=lengths, prefill_s=t1 - t0, decode_s=t2 - t1,
-                      num_generated=n_out, stats=stats)
+                      budgets=budgets, num_generated=n_out, stats=stats)

@@ -1,13 +1,18 @@
 """Speculative-decoding statistics, with the definitions of DESIGN.md.
 
 Design choices:
-- The decoding loop accumulates two small device arrays and nothing else: `steps [B]` (verification
-  steps taken while the sequence was still generating) and `accept_hist [Bs]` (how many of those
-  (sequence, step) pairs accepted exactly k drafts). Every acceptance number derives from them on the
-  host, so collecting statistics costs no host sync inside the loop.
+- The decoding loop accumulates a few small device arrays and nothing else: `steps [B]` (verification
+  steps taken while the sequence was still generating), `emitted [B]` and `accepted [B]` (tokens
+  emitted, and accepted drafts + 1 untruncated) and `accept_hist [Bs]` (how many of those (sequence,
+  step) pairs accepted exactly k drafts). Every acceptance number derives from them on the host, so
+  collecting statistics costs no host sync inside the loop.
 - tau = tokens emitted by verification steps / verification steps, bonus included; the first token,
   which prefill produces, is not a verification step's and is excluded (as in DFlash's own counts).
-  Tokens cut off at max_new_tokens are not counted as emitted.
+  Tokens cut off at the budget (max_new_tokens) are not counted as emitted.
+- `acceptance_length_upstream` is upstream DFlash's mean acceptance length: every verification
+  step's accepted drafts + 1, untruncated, over the steps. It differs from tau only in the last step
+  of a sequence whose accepted tokens run past the budget (upstream's benchmark counts them, then cuts
+  the output). Both are reported, named, so figures compare with published ones.
 - Per-position acceptance: `acceptance_rate[k-1]` = fraction of steps whose draft k was accepted
   (needs drafts 1..k all accepted); `conditional_acceptance[k-1]` = the same given draft k-1 was.
 - Decode time per output token = decode time / (new tokens - 1): the first token comes from prefill,
@@ -36,6 +41,7 @@ class SpecStats:
     draft_s: float | None = None
     verify_s: float | None = None
     bookkeeping_s: float | None = None
+    accepted: np.ndarray | None = None  # [B] accepted drafts + 1 summed over steps, untruncated
 
     @property
     def num_steps(self) -> int:
@@ -46,6 +52,14 @@ class SpecStats:
     def tau(self) -> float:
         total = int(self.steps.sum())
         return float(self.emitted.sum()) / total if total else float("nan")
+
+    @property
+    def acceptance_length_upstream(self) -> float:
+        """Upstream DFlash's mean acceptance length: accepted + 1 per step, untruncated."""
+        if self.accepted is None:
+            raise ValueError("these statistics carry no untruncated accepted counts")
+        total = int(self.steps.sum())
+        return float(self.accepted.sum()) / total if total else float("nan")
 
     @property
     def tau_per_sequence(self) -> np.ndarray:
@@ -81,6 +95,8 @@ class SpecStats:
                "acceptance_rate": [round(float(x), 4) for x in self.acceptance_rate],
                "prefill_s": self.prefill_s, "decode_s": self.decode_s,
                "decode_time_per_token": self.decode_time_per_token}
+        if self.accepted is not None:
+            out["acceptance_length_upstream"] = self.acceptance_length_upstream
         if self.draft_s is not None:
             out.update(draft_s=self.draft_s, verify_s=self.verify_s, bookkeeping_s=self.bookkeeping_s)
         return out

@@ -4,10 +4,17 @@ Design choices:
 - Params are plain nested dicts: `{"embed", "layers": (per-layer dict, ...), "final_norm", "lm_head"?}`
   with linear weights stored `[in, out]`. Layers are a tuple of per-layer arrays and the layer loop is
   unrolled: scanning over stacked weights made XLA copy per-layer slices (29% of bandwidth vs 79%).
-- One function, `forward`, serves prefill (T = prompt length), AR decode (T = 1) and block verification
-  (T = k). It writes K/V at positions `lengths[b] + i` and returns the cache WITHOUT committing them:
-  callers commit what they accept (`KVCache.commit`). `prefill` and `decode_step` are the committing
-  wrappers most users want.
+- The target protocol: a target is its config, params and pure functions. `init_state(cfg, batch,
+  max_len, dtype)` and `forward(params, cfg, tokens, positions, state, mask) -> (logits, taps, state)`
+  serve prefill (T = prompt length), AR decode (T = 1), block verification (T = k) and trees: the T
+  tokens' K/V go to slots `lengths[b] + i`, rotated by `positions [B, T]`, each query seeing the slots
+  `mask [B, T, S]` allows (`state.chain_positions` / `causal_mask` build the chain case,
+  `state.tree_mask` a tree's). Nothing is committed: callers commit what they accept
+  (`TargetState.commit`, `gather_path`). `prefill`, `step` and `decode_step` are the jitted chain
+  wrappers most users want. `Target` bundles the config and the state dtype with these functions as
+  one hashable value (a jit static argument), as the drafter objects are; decoding loops take it.
+- The state's dtype is the target's activation dtype (`target(cfg, params['embed'].dtype)`), never a
+  fixed default: a bf16 default put errors near 1e-2 (relative) into a float32 model's logits.
 - `taps` are the outputs of the layers in `cfg.tap_layers`, concatenated on the feature axis
   `[B, T, n_taps * H]` — exactly what a DFlash-style drafter projects.
 - `fuse_projections` turns a layer's q/k/v into one `qkv` matrix and gate/up into one `gate_up` matrix
@@ -18,16 +25,18 @@ Design choices:
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from specpilot.cache import KVCache, write_positions
+from specpilot import state as st
 from specpilot.formats import w12
 from specpilot.models.config import ModelConfig
 from specpilot.models.layers import apply_rope, attention, linear, rms_norm, rope_tables
+from specpilot.state import AttentionState, TargetState
 
 Params = dict
 
@@ -173,9 +182,9 @@ def lm_head(params: Params, cfg: ModelConfig, x: jax.Array) -> jax.Array:
     return jnp.einsum("...h,hv->...v", x, params["lm_head"], preferred_element_type=jnp.float32)
 
 
-def decoder_layer(p: dict, cfg: ModelConfig, x: jax.Array, cos, sin, k_cache, v_cache,
+def decoder_layer(p: dict, cfg: ModelConfig, x: jax.Array, cos, sin, kv: AttentionState,
                   start: jax.Array, mask: jax.Array):
-    """One pre-norm decoder layer. x: [B, T, H]; returns (x, k_cache, v_cache)."""
+    """One pre-norm decoder layer. x: [B, T, H]; K/V written at slots start[b] + i; returns (x, kv)."""
     b, t, _ = x.shape
     h = rms_norm(x, p["attn_norm"], cfg.rms_norm_eps)
     q, k, v = _projections(p, h, "qkv", (cfg.q_size, cfg.kv_size, cfg.kv_size))
@@ -186,69 +195,119 @@ def decoder_layer(p: dict, cfg: ModelConfig, x: jax.Array, cos, sin, k_cache, v_
         q = rms_norm(q, p["q_norm"], cfg.rms_norm_eps)
         k = rms_norm(k, p["k_norm"], cfg.rms_norm_eps)
     q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-    k_cache = write_positions(k_cache, k, start)
-    v_cache = write_positions(v_cache, v, start)
-    attn = attention(q, k_cache.astype(q.dtype), v_cache.astype(q.dtype), mask)
+    kv = kv.write(k, v, start)
+    attn = attention(q, kv.k.astype(q.dtype), kv.v.astype(q.dtype), mask)
     x = x + linear(attn.reshape(b, t, cfg.q_size), p["o"], p.get("o_bias"))
     h = rms_norm(x, p["mlp_norm"], cfg.rms_norm_eps)
     g, u = _projections(p, h, "gate_up", (cfg.intermediate_size, cfg.intermediate_size))
     x = x + linear(jax.nn.silu(g) * u, p["down"], p.get("down_bias"))
-    return x, k_cache, v_cache
+    return x, kv
 
 
-def hidden_forward(params: Params, cfg: ModelConfig, x: jax.Array, cache: KVCache):
-    """Decoder stack over input embeddings x [B, T, H] starting at cache.lengths.
+def init_state(cfg: ModelConfig, batch_size: int, max_len: int, dtype=None) -> TargetState:
+    """Empty state: one `AttentionState` per layer, nothing committed. dtype is required (the params'
+    activation dtype); None raises rather than guess."""
+    layers = tuple(st.init_attention_state(batch_size, max_len, cfg.num_kv_heads, cfg.head_dim, dtype)
+                   for _ in range(cfg.num_layers))
+    return TargetState(layers=layers, lengths=jnp.zeros((batch_size,), jnp.int32))
 
-    Returns (final-normed hidden [B, T, H], taps [B, T, n_taps*H], cache with K/V written, uncommitted).
+
+def hidden_forward(params: Params, cfg: ModelConfig, x: jax.Array, positions: jax.Array,
+                   state: TargetState, mask: jax.Array):
+    """Decoder stack over input embeddings x [B, T, H] at rotary positions [B, T], K/V written at
+    slots state.lengths[b] + i, attention over the slots mask [B, T, S] allows.
+
+    Returns (final-normed hidden [B, T, H], taps [B, T, n_taps*H], state with K/V written, uncommitted).
     """
     b, t, _ = x.shape
-    start = cache.lengths  # [B]
-    positions = start[:, None] + jnp.arange(t, dtype=jnp.int32)[None, :]  # [B, T]
     cos, sin = rope_tables(positions, cfg.inv_freq())
-    key_pos = jnp.arange(cache.max_len, dtype=jnp.int32)
-    mask = key_pos[None, None, :] <= positions[:, :, None]  # [B, T, S]
-    new_k, new_v, taps = [], [], []
+    layers, taps = [], []
     for i, p in enumerate(params["layers"]):
-        x, kc, vc = decoder_layer(p, cfg, x, cos, sin, cache.k[i], cache.v[i], start, mask)
-        new_k.append(kc)
-        new_v.append(vc)
+        x, kv = decoder_layer(p, cfg, x, cos, sin, state.layers[i], state.lengths, mask)
+        layers.append(kv)
         if i in cfg.tap_layers:
             taps.append(x)
     taps_arr = jnp.concatenate(taps, axis=-1) if taps else jnp.zeros((b, t, 0), x.dtype)
     x = rms_norm(x, params["final_norm"], cfg.rms_norm_eps)
-    return x, taps_arr, KVCache(k=tuple(new_k), v=tuple(new_v), lengths=cache.lengths)
+    return x, taps_arr, TargetState(layers=tuple(layers), lengths=state.lengths)
 
 
-def forward(params: Params, cfg: ModelConfig, tokens: jax.Array, cache: KVCache):
-    """tokens [B, T] -> (logits [B, T, V] float32, taps [B, T, n_taps*H], cache with K/V written).
-
-    Positions start at `cache.lengths`; nothing is committed (see `KVCache.commit`).
-    """
-    x, taps, cache = hidden_forward(params, cfg, embed(params, tokens), cache)
-    return lm_head(params, cfg, x), taps, cache
-
-
-@functools.partial(jax.jit, static_argnames=("cfg",), donate_argnames=("cache",))
-def step(params: Params, cfg: ModelConfig, tokens: jax.Array, cache: KVCache):
-    """Jitted `forward` with the cache donated: AR decode (T = 1) and block verification (T = k)."""
-    return forward(params, cfg, tokens, cache)
+def forward(params: Params, cfg: ModelConfig, tokens: jax.Array, positions: jax.Array,
+            state: TargetState, mask: jax.Array):
+    """tokens [B, T], positions [B, T] int32, mask [B, T, S] bool (True: query t sees slot s)
+    -> (logits [B, T, V] float32, taps [B, T, n_taps*H], state with K/V written at slots
+    lengths[b] .. lengths[b]+T-1). Nothing is committed (see `TargetState.commit`)."""
+    x, taps, state = hidden_forward(params, cfg, embed(params, tokens), positions, state, mask)
+    return lm_head(params, cfg, x), taps, state
 
 
-@functools.partial(jax.jit, static_argnames=("cfg",), donate_argnames=("cache",))
+def chain_forward(params: Params, cfg: ModelConfig, tokens: jax.Array, state: TargetState):
+    """`forward` over T chained tokens right after the committed prefix (causal mask)."""
+    positions = st.chain_positions(state, tokens.shape[1])
+    return forward(params, cfg, tokens, positions, state, st.causal_mask(state, positions))
+
+
+@dataclasses.dataclass(frozen=True)
+class Target:
+    """A dense target as one hashable value (a jit static argument; params travel apart).
+
+    `dtype` is the activation dtype, which the state takes (that of the params' embedding)."""
+
+    cfg: ModelConfig
+    dtype: str
+
+    def __post_init__(self):
+        object.__setattr__(self, "dtype", jnp.dtype(self.dtype).name)
+
+    @property
+    def vocab_size(self) -> int:
+        return self.cfg.vocab_size
+
+    @property
+    def max_positions(self) -> int:
+        return self.cfg.max_position_embeddings
+
+    def check_params(self, params: Params) -> None:
+        """A clear error when params do not run at this target's dtype."""
+        got = jnp.dtype(params["embed"].dtype).name
+        if got != self.dtype:
+            raise ValueError(f"the target was built for {self.dtype} activations but the params' "
+                             f"embedding is {got}; build it with dense.target(cfg, {got!r})")
+
+    def init_state(self, batch_size: int, max_len: int, dtype=None) -> TargetState:
+        return init_state(self.cfg, batch_size, max_len, dtype or self.dtype)
+
+    def forward(self, params: Params, tokens: jax.Array, positions: jax.Array, state: TargetState,
+                mask: jax.Array):
+        return forward(params, self.cfg, tokens, positions, state, mask)
+
+
+def target(cfg: ModelConfig, dtype) -> Target:
+    """The dense target for cfg with state and activations in dtype (e.g. params['embed'].dtype)."""
+    return Target(cfg, dtype)
+
+
+@functools.partial(jax.jit, static_argnames=("cfg",), donate_argnames=("state",))
+def step(params: Params, cfg: ModelConfig, tokens: jax.Array, state: TargetState):
+    """Jitted chain forward with the state donated: AR decode (T = 1) and block verification (T = k)."""
+    return chain_forward(params, cfg, tokens, state)
+
+
+@functools.partial(jax.jit, static_argnames=("cfg",), donate_argnames=("state",))
 def prefill(params: Params, cfg: ModelConfig, tokens: jax.Array, prompt_lengths: jax.Array,
-            cache: KVCache):
+            state: TargetState):
     """Prompt pass. tokens [B, T] right-padded, prompt_lengths [B] (1 <= len <= T).
 
-    Returns (logits at each prompt's last token [B, V], taps [B, T, n_taps*H], cache committed by
+    Returns (logits at each prompt's last token [B, V], taps [B, T, n_taps*H], state committed by
     prompt_lengths). Padding positions are written but never committed, so later steps overwrite them.
     """
-    logits, taps, cache = forward(params, cfg, tokens, cache)
+    logits, taps, state = chain_forward(params, cfg, tokens, state)
     last = jnp.take_along_axis(logits, (prompt_lengths - 1)[:, None, None], axis=1)[:, 0]
-    return last, taps, cache.commit(prompt_lengths)
+    return last, taps, state.commit(prompt_lengths)
 
 
-@functools.partial(jax.jit, static_argnames=("cfg",), donate_argnames=("cache",))
-def decode_step(params: Params, cfg: ModelConfig, tokens: jax.Array, cache: KVCache):
-    """AR step: tokens [B] -> (logits [B, V], taps [B, 1, n_taps*H], cache committed by one)."""
-    logits, taps, cache = forward(params, cfg, tokens[:, None], cache)
-    return logits[:, 0], taps, cache.commit(1)
+@functools.partial(jax.jit, static_argnames=("cfg",), donate_argnames=("state",))
+def decode_step(params: Params, cfg: ModelConfig, tokens: jax.Array, state: TargetState):
+    """AR step: tokens [B] -> (logits [B, V], taps [B, 1, n_taps*H], state committed by one)."""
+    logits, taps, state = chain_forward(params, cfg, tokens[:, None], state)
+    return logits[:, 0], taps, state.commit(1)

@@ -13,9 +13,10 @@ Design choices (semantics follow the public DFlash reference):
   are passed in, never copied). Queries come only from the block; attention is bidirectional inside
   the block and sees all committed context. Block positions continue after the context. The output
   goes through the drafter's final norm and the TARGET's lm_head; positions 1..B-1 are the drafts.
-- Draft context cache = a `KVCache` over the draft layers holding the per-layer context K/V (post
-  k_norm and RoPE) of ACCEPTED tokens only. Storing K/V rather than the projected features costs
-  2*KVH*D per token per layer instead of H, but saves re-projecting the whole context every step.
+- Draft context cache = a `state.TargetState` over the draft layers (attention layers only): the
+  per-layer context K/V (post k_norm and RoPE) of ACCEPTED tokens only. Storing K/V rather than the
+  projected features costs 2*KVH*D per token per layer instead of H, but saves re-projecting the
+  whole context every step.
   `extend_context` writes new rows at `lengths` and commits `n_new[b]` of them; `draft_block` writes
   the block's K/V after the committed context without committing it, so the next `extend_context`
   overwrites it (rollback by not advancing a length, as for the target cache).
@@ -39,7 +40,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from specpilot.cache import KVCache, init_cache, write_positions
+from specpilot.state import TargetState
 from specpilot.models import dense
 from specpilot.models.checkpoint import non_finite
 from specpilot.models.config import ConfigError, ModelConfig, RopeScaling, default_tap_layers
@@ -229,9 +230,10 @@ def init(key: jax.Array, cfg: DrafterConfig, dtype=jnp.bfloat16, std: float = 0.
             "layers": tuple({n: make(n, s) for n, s in layer.items()} for layer in shapes["layers"])}
 
 
-def init_context_cache(cfg: DrafterConfig, batch_size: int, max_len: int, dtype=jnp.bfloat16) -> KVCache:
-    """Empty draft context cache; max_len must match the target cache (lengths stay equal)."""
-    return init_cache(cfg.layer_config, batch_size, max_len, dtype)
+def init_context_cache(cfg: DrafterConfig, batch_size: int, max_len: int, dtype=None) -> TargetState:
+    """Empty draft context cache; max_len must match the target's state (lengths stay equal). dtype is
+    required (the drafter params' dtype): there is no bf16 default."""
+    return dense.init_state(cfg.layer_config, batch_size, max_len, dtype)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -268,8 +270,8 @@ def context_features(params: Params, cfg: DrafterConfig, taps: jax.Array) -> jax
                     cfg.rms_norm_eps)
 
 
-def extend_context(params: Params, cfg: DrafterConfig, cache: KVCache, taps: jax.Array,
-                   n_new: jax.Array) -> KVCache:
+def extend_context(params: Params, cfg: DrafterConfig, cache: TargetState, taps: jax.Array,
+                   n_new: jax.Array) -> TargetState:
     """Append context rows and commit the first n_new[b] of them.
 
     taps [B, T, n*H] are the target's tapped states of the tokens at positions lengths[b] + i (a prompt
@@ -279,16 +281,13 @@ def extend_context(params: Params, cfg: DrafterConfig, cache: KVCache, taps: jax
     ctx = context_features(params, cfg, taps)  # [B, T, H]
     positions = cache.lengths[:, None] + jnp.arange(t, dtype=jnp.int32)[None, :]  # [B, T]
     cos, sin = rope_tables(positions, cfg.layer_config.inv_freq())
-    new_k, new_v = [], []
-    for i, lp in enumerate(params["layers"]):
-        k, v = _keys_values(lp, cfg, ctx, cos, sin)
-        new_k.append(write_positions(cache.k[i], k, cache.lengths))
-        new_v.append(write_positions(cache.v[i], v, cache.lengths))
-    return KVCache(k=tuple(new_k), v=tuple(new_v), lengths=cache.lengths).commit(n_new)
+    layers = tuple(cache.layers[i].write(*_keys_values(lp, cfg, ctx, cos, sin), cache.lengths)
+                   for i, lp in enumerate(params["layers"]))
+    return TargetState(layers=layers, lengths=cache.lengths).commit(n_new)
 
 
 def draft_block(params: Params, cfg: DrafterConfig, target_params: Params, target_cfg: ModelConfig,
-                cache: KVCache, block_tokens: jax.Array):
+                cache: TargetState, block_tokens: jax.Array):
     """block_tokens [B, Bs] -> (final-normed hidden [B, Bs, H], cache with block K/V written, uncommitted).
 
     The block sits at positions lengths[b] .. lengths[b]+Bs-1 and sees every committed context row and
@@ -302,22 +301,19 @@ def draft_block(params: Params, cfg: DrafterConfig, target_params: Params, targe
     key_pos = jnp.arange(cache.max_len, dtype=jnp.int32)
     visible = key_pos[None, :] < (start + t)[:, None]  # [B, S]: context + the whole block
     mask = jnp.broadcast_to(visible[:, None, :], (b, t, cache.max_len))  # [B, Bs, S]
-    new_k, new_v = [], []
+    layers = []
     for i, lp in enumerate(params["layers"]):
         h = rms_norm(x, lp["attn_norm"], cfg.rms_norm_eps)
         q = linear(h, lp["q"], lp.get("q_bias")).reshape(b, t, cfg.num_heads, cfg.head_dim)
         q = apply_rope(rms_norm(q, lp["q_norm"], cfg.rms_norm_eps), cos, sin)
-        k, v = _keys_values(lp, cfg, h, cos, sin)
-        kc = write_positions(cache.k[i], k, start)
-        vc = write_positions(cache.v[i], v, start)
-        new_k.append(kc)
-        new_v.append(vc)
-        attn = attention(q, kc.astype(q.dtype), vc.astype(q.dtype), mask)
+        kv = cache.layers[i].write(*_keys_values(lp, cfg, h, cos, sin), start)
+        layers.append(kv)
+        attn = attention(q, kv.k.astype(q.dtype), kv.v.astype(q.dtype), mask)
         x = x + linear(attn.reshape(b, t, cfg.num_heads * cfg.head_dim), lp["o"], lp.get("o_bias"))
         h = rms_norm(x, lp["mlp_norm"], cfg.rms_norm_eps)
         x = x + swiglu(h, lp["gate"], lp["up"], lp["down"])
     x = rms_norm(x, params["norm"], cfg.rms_norm_eps)
-    return x, KVCache(k=tuple(new_k), v=tuple(new_v), lengths=cache.lengths)
+    return x, TargetState(layers=tuple(layers), lengths=cache.lengths)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -338,14 +334,15 @@ class BlockDrafter:
     def block_size(self) -> int:
         return self.cfg.block_size
 
-    def init_state(self, params: Params, batch_size: int, max_len: int, dtype) -> KVCache:
-        return init_context_cache(self.cfg, batch_size, max_len, dtype)
+    def init_state(self, params: Params, batch_size: int, max_len: int, dtype=None) -> TargetState:
+        """The context cache, in dtype or else the drafter's own dtype (that of a norm: never encoded)."""
+        return init_context_cache(self.cfg, batch_size, max_len, dtype or params["hidden_norm"].dtype)
 
-    def extend(self, params: Params, target_params: Params, state: KVCache, taps: jax.Array,
-               n_new: jax.Array) -> KVCache:
+    def extend(self, params: Params, target_params: Params, state: TargetState, taps: jax.Array,
+               n_new: jax.Array) -> TargetState:
         return extend_context(params, self.cfg, state, taps, n_new)
 
-    def propose(self, params: Params, target_params: Params, state: KVCache, last_tokens: jax.Array,
+    def propose(self, params: Params, target_params: Params, state: TargetState, last_tokens: jax.Array,
                 block_size: int):
         """last_tokens [B] -> (draft logits [B, Bs-1, V] float32, state)."""
         b = last_tokens.shape[0]
@@ -475,7 +472,7 @@ class ReplayDrafter:
     wrong_every: int = 0  # with shift != 0: 0 = every draft wrong, k = positions divisible by k wrong
     confidence: float = 30.0
 
-    def init_state(self, params, batch_size: int, max_len: int, dtype) -> jax.Array:
+    def init_state(self, params, batch_size: int, max_len: int, dtype=None) -> jax.Array:
         return jnp.zeros((batch_size,), jnp.int32)
 
     def extend(self, params, target_params, state, taps, n_new):

@@ -120,7 +120,7 @@ class OracleDrafter:
         return {"inner": inner_params, "reference": jnp.asarray(reference, jnp.int32),
                 "key": jax.random.key_data(jax.random.key(seed))}
 
-    def init_state(self, params, batch_size: int, max_len: int, dtype):
+    def init_state(self, params, batch_size: int, max_len: int, dtype=None):
         return self.inner.init_state(params["inner"], batch_size, max_len, dtype)
 
     def extend(self, params, target_params, state, taps, n_new):

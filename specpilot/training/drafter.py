@@ -33,13 +33,13 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from specpilot.cache import init_cache
 from specpilot.data.corpus import Corpus, batch_at, packed_split
 from specpilot.data.tokenizer import TextTokenizer
 from specpilot.decoding.ar import generate
 from specpilot.models import dense
 from specpilot.models import drafter as drafter_model
 from specpilot.models.config import ModelConfig
+from specpilot.state import causal_mask, chain_positions
 from specpilot.training.common import cross_entropy, make_optimizer, run_training
 
 
@@ -113,7 +113,8 @@ def regenerate(target_params: dict, target_cfg: ModelConfig, prompts: np.ndarray
         chunk = prompts[i:i + batch]
         if len(chunk) < batch:  # pad the last chunk so every call has one shape (one compile)
             chunk = np.concatenate([chunk, np.repeat(chunk[-1:], batch - len(chunk), 0)])
-        result = generate(target_params, target_cfg, chunk.tolist(), gen_len)
+        result = generate(dense.target(target_cfg, target_params["embed"].dtype), target_params,
+                          chunk.tolist(), gen_len)
         out.append(np.concatenate([chunk, result.tokens.astype(np.int32)], axis=1))
         if progress is not None:
             progress(min(i + batch, len(prompts)))
@@ -123,8 +124,10 @@ def regenerate(target_params: dict, target_cfg: ModelConfig, prompts: np.ndarray
 def target_taps(target_params: dict, target_cfg: ModelConfig, tokens: jax.Array) -> jax.Array:
     """tokens [B, T] -> frozen target taps [B, T, n_taps*H] (no LM head, no gradient)."""
     b, t = tokens.shape
-    cache = init_cache(target_cfg, b, t, dtype=target_params["embed"].dtype)
-    _, taps, _ = dense.hidden_forward(target_params, target_cfg, dense.embed(target_params, tokens), cache)
+    state = dense.init_state(target_cfg, b, t, target_params["embed"].dtype)
+    positions = chain_positions(state, t)
+    _, taps, _ = dense.hidden_forward(target_params, target_cfg, dense.embed(target_params, tokens),
+                                      positions, state, causal_mask(state, positions))
     return jax.lax.stop_gradient(taps)
 
 

@@ -2,7 +2,7 @@
 
 Design choices:
 - The model is `dense` itself (Qwen3ForCausalLM, qk_norm, tied embeddings like the small Qwen3s):
-  `train_forward` runs `dense.forward` over a scratch cache exactly T long, so training and decoding
+  `train_forward` runs `dense.forward` (as a chain) over a scratch state exactly T long, so training and decoding
   share every line of model code and their logits agree (tested). Writing K/V into a cache that is
   overwritten whole costs nothing measurable here; a second, cache-free copy of the layer would be
   code to keep in sync.
@@ -25,7 +25,6 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from specpilot.cache import init_cache
 from specpilot.data.corpus import Corpus, batch_at, packed_split
 from specpilot.data.tokenizer import TextTokenizer
 from specpilot.models import dense
@@ -86,12 +85,12 @@ def model_config(cfg: TargetTrainConfig, tokenizer: TextTokenizer) -> ModelConfi
 def train_forward(params: dict, cfg: ModelConfig, tokens: jax.Array) -> tuple[jax.Array, jax.Array]:
     """tokens [B, T] -> (logits [B, T, V] float32, taps [B, T, n_taps*H]), positions 0..T-1.
 
-    `dense.forward` over a scratch cache of exactly T positions in the weights' dtype: every K/V slot
+    `dense.forward` over a scratch state of exactly T positions in the weights' dtype: every K/V slot
     is overwritten, so the result is plain causal attention.
     """
     b, t = tokens.shape
-    cache = init_cache(cfg, b, t, dtype=params["embed"].dtype)
-    logits, taps, _ = dense.forward(params, cfg, tokens, cache)
+    state = dense.init_state(cfg, b, t, params["embed"].dtype)
+    logits, taps, _ = dense.chain_forward(params, cfg, tokens, state)
     return logits, taps
 
 

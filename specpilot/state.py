@@ -1,0 +1,249 @@
+"""Per-layer decoding state: attention K/V written by slot, recurrent state with per-token snapshots.
+
+Design choices (gpt-fast style, generalised for trees and recurrent layers):
+- `TargetState` holds one state per layer and the committed `lengths [B]`. An attention layer's
+  `AttentionState` is a `[B, S, KVH, D]` array for K and one for V; the layers are a tuple, not one
+  stacked array, so a jitted step with the state donated updates each in place (a stacked array made
+  XLA materialize per-layer slices). A recurrent layer's `RecurrentState` holds its convolution state
+  `[B, W-1, C]` and matrix state `[B, NH, DK, DV]`, plus one snapshot of each per token of the last
+  forward (`[B, T, ...]`): which token's state survives is known only after verification.
+- Slots and positions are apart. A forward writes its T new tokens' K/V at slots `lengths[b] ..
+  lengths[b]+T-1` (the uncommitted tail, one `dynamic_update_slice` per layer) and rotates them by
+  the rotary `positions [B, T]` it is given; the mask `[B, T, S]` says which slots each query sees.
+  For a chain, slot and position coincide (`chain_positions`, `causal_mask`). A tree's nodes sit at
+  consecutive slots while their positions are the committed length plus their depth, which repeats
+  across siblings (`tree_mask`); accepting a path then moves its nodes' K/V to consecutive slots
+  (`gather_path`), where slot and position coincide again, so nothing is rotated twice.
+- Committing is the only way tokens become visible. `commit(n)` (chains) advances `lengths` by n and
+  makes each recurrent layer's snapshot n-1 its state; `gather_path` (trees) moves the accepted nodes'
+  K/V and takes the snapshot of the path's last node. Rejected slots are never cleared: masks hide
+  every slot at or past the committed length except the forward's own, and the next forward
+  overwrites them.
+- Capacity is checked on the host before a jitted call (`check_capacity`): `dynamic_update_slice`
+  would otherwise clamp an out-of-range write silently.
+- The state's dtype is always given by the caller (a target carries its activation dtype): there is
+  no default, because a bf16 default silently truncated a float32 model's K/V.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+
+
+class CacheOverflowError(ValueError):
+    """A write would run past the state's preallocated length."""
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class AttentionState:
+    """One attention layer's K/V by slot."""
+
+    k: jax.Array  # [B, S, KVH, D]
+    v: jax.Array  # [B, S, KVH, D]
+
+    @property
+    def max_len(self) -> int:
+        return self.k.shape[1]
+
+    def write(self, k: jax.Array, v: jax.Array, start: jax.Array) -> "AttentionState":
+        """k, v [B, T, KVH, D] written at slots start[b] .. start[b]+T-1."""
+        return AttentionState(write_positions(self.k, k, start), write_positions(self.v, v, start))
+
+    def gather_path(self, start: jax.Array, path: jax.Array, count: jax.Array) -> "AttentionState":
+        """Row b's slots start[b] + path[b, i] (i < count[b]) moved to start[b] + i."""
+        return AttentionState(_gather_rows(self.k, start, path, count),
+                              _gather_rows(self.v, start, path, count))
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class RecurrentState:
+    """One recurrent layer (e.g. Gated DeltaNet): short-convolution and matrix state, with the
+    per-token snapshots a T-token forward writes (snapshot t = the state after token t)."""
+
+    conv: jax.Array  # [B, W-1, C] the last W-1 inputs of the causal convolution
+    matrix: jax.Array  # [B, NH, DK, DV]
+    conv_snapshots: jax.Array  # [B, T, W-1, C]
+    matrix_snapshots: jax.Array  # [B, T, NH, DK, DV]
+
+    @property
+    def max_snapshots(self) -> int:
+        return self.conv_snapshots.shape[1]
+
+    def write_snapshots(self, conv: jax.Array, matrix: jax.Array) -> "RecurrentState":
+        """conv [B, T', W-1, C], matrix [B, T', NH, DK, DV] (T' <= max_snapshots) into snapshots 0..T'-1."""
+        if conv.shape[1] > self.max_snapshots or matrix.shape[1] != conv.shape[1]:
+            raise ValueError(f"{conv.shape[1]} conv / {matrix.shape[1]} matrix snapshots for a state "
+                             f"holding {self.max_snapshots}")
+        return dataclasses.replace(
+            self,
+            conv_snapshots=jax.lax.dynamic_update_slice_in_dim(
+                self.conv_snapshots, conv.astype(self.conv_snapshots.dtype), 0, axis=1),
+            matrix_snapshots=jax.lax.dynamic_update_slice_in_dim(
+                self.matrix_snapshots, matrix.astype(self.matrix_snapshots.dtype), 0, axis=1))
+
+    def select_snapshot(self, index: jax.Array | int) -> "RecurrentState":
+        """Row b's state becomes its snapshot index[b] (scalar or [B]); index[b] < 0 keeps the state
+        (a row that consumed no token)."""
+        b = self.conv.shape[0]
+        index = jnp.broadcast_to(jnp.asarray(index, jnp.int32), (b,))
+        keep = index < 0
+        safe = jnp.clip(index, 0, self.max_snapshots - 1)
+
+        def pick(current, snaps):
+            chosen = jnp.take_along_axis(snaps, safe.reshape((b, 1) + (1,) * (snaps.ndim - 2)), axis=1)[:, 0]
+            return jnp.where(keep.reshape((b,) + (1,) * (current.ndim - 1)), current, chosen)
+
+        return dataclasses.replace(self, conv=pick(self.conv, self.conv_snapshots),
+                                   matrix=pick(self.matrix, self.matrix_snapshots))
+
+
+LayerState = AttentionState | RecurrentState
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class TargetState:
+    """Per-layer states and the committed length of each sequence. The drafter's context cache uses
+    the same container (attention layers only)."""
+
+    layers: tuple  # L x (AttentionState | RecurrentState)
+    lengths: jax.Array  # [B] int32, committed tokens per sequence
+
+    @property
+    def batch_size(self) -> int:
+        return self.lengths.shape[0]
+
+    @property
+    def max_len(self) -> int:
+        """Slots per sequence (that of the attention layers)."""
+        for layer in self.layers:
+            if isinstance(layer, AttentionState):
+                return layer.max_len
+        raise ValueError("this state has no attention layer, so no slot capacity")
+
+    def commit(self, n: jax.Array | int) -> "TargetState":
+        """Commit the first n (scalar or [B]) tokens of the last forward: lengths advance by n and each
+        recurrent layer takes its snapshot n-1 (n = 0 keeps its state)."""
+        n = jnp.asarray(n, jnp.int32)
+        layers = tuple(layer.select_snapshot(n - 1) if isinstance(layer, RecurrentState) else layer
+                       for layer in self.layers)
+        return TargetState(layers, self.lengths + n)
+
+    def gather_path(self, path: jax.Array, count: jax.Array) -> "TargetState":
+        """Commit an accepted tree path. path [B, P] int32: the accepted nodes' slots relative to the
+        committed length, root first; count [B]: how many of them (0..P) row b accepted.
+
+        Attention layers move node path[b, i]'s K/V to slot lengths[b] + i; recurrent layers take the
+        snapshot of node path[b, count[b]-1]; lengths advance by count. A chain is the path 0..n-1.
+        """
+        path = jnp.asarray(path, jnp.int32)
+        count = jnp.asarray(count, jnp.int32)
+        last = jnp.take_along_axis(path, jnp.maximum(count - 1, 0)[:, None], axis=1)[:, 0]
+        last = jnp.where(count > 0, last, -1)
+        layers = tuple(
+            layer.select_snapshot(last) if isinstance(layer, RecurrentState)
+            else layer.gather_path(self.lengths, path, count) for layer in self.layers)
+        return TargetState(layers, self.lengths + count)
+
+    def with_lengths(self, lengths: jax.Array) -> "TargetState":
+        return dataclasses.replace(self, lengths=jnp.asarray(lengths, jnp.int32))
+
+
+def init_attention_state(batch_size: int, max_len: int, num_kv_heads: int, head_dim: int,
+                         dtype) -> AttentionState:
+    _check_sizes(batch_size, max_len)
+    shape = (batch_size, max_len, num_kv_heads, head_dim)
+    return AttentionState(jnp.zeros(shape, _required_dtype(dtype)), jnp.zeros(shape, _required_dtype(dtype)))
+
+
+def init_recurrent_state(batch_size: int, conv_width: int, conv_channels: int, num_heads: int,
+                         key_dim: int, value_dim: int, max_snapshots: int, dtype,
+                         matrix_dtype=jnp.float32) -> RecurrentState:
+    """Zero state; `max_snapshots` = the most tokens one forward feeds (a verification block)."""
+    _check_sizes(batch_size, max_snapshots)
+    if conv_width < 1:
+        raise ValueError(f"conv_width must be >= 1, got {conv_width}")
+    dtype = _required_dtype(dtype)
+    conv = (batch_size, conv_width - 1, conv_channels)
+    matrix = (batch_size, num_heads, key_dim, value_dim)
+    return RecurrentState(
+        conv=jnp.zeros(conv, dtype), matrix=jnp.zeros(matrix, matrix_dtype),
+        conv_snapshots=jnp.zeros((batch_size, max_snapshots) + conv[1:], dtype),
+        matrix_snapshots=jnp.zeros((batch_size, max_snapshots) + matrix[1:], matrix_dtype))
+
+
+def _check_sizes(batch_size: int, length: int) -> None:
+    if batch_size <= 0 or length <= 0:
+        raise ValueError(f"state needs positive batch_size and length, got {batch_size}, {length}")
+
+
+def _required_dtype(dtype):
+    if dtype is None:
+        raise ValueError("the state's dtype must be given (the params' activation dtype, e.g. "
+                         "params['embed'].dtype): a bf16 default silently truncated float32 models")
+    return jnp.dtype(dtype)
+
+
+def check_capacity(max_len: int, needed: int, what: str = "sequence") -> None:
+    """Raise a clear error on the host when `needed` slots exceed the state's length."""
+    if needed > max_len:
+        raise CacheOverflowError(
+            f"{what} needs {needed} cache positions but the cache holds {max_len}; "
+            f"use a larger cache (max_len) or a shorter prompt / fewer new tokens")
+
+
+def write_positions(buf: jax.Array, new: jax.Array, start: jax.Array) -> jax.Array:
+    """Write new[b] ([T, ...]) into buf[b] at positions start[b] .. start[b]+T-1."""
+    # buf: [B, S, KVH, D]; new: [B, T, KVH, D]; start: [B]
+    def one(b, n, s):
+        return jax.lax.dynamic_update_slice(b, n.astype(b.dtype), (s,) + (0,) * (b.ndim - 1))
+    return jax.vmap(one)(buf, new, start)
+
+
+def _gather_rows(buf: jax.Array, start: jax.Array, path: jax.Array, count: jax.Array) -> jax.Array:
+    # buf [B, S, ...]; path [B, P] relative slots; rows past count[b] are not written (dropped scatter)
+    b, p = path.shape
+    s = buf.shape[1]
+    src = jnp.clip(start[:, None] + path, 0, s - 1)  # [B, P]
+    rows = jnp.take_along_axis(buf, src.reshape((b, p) + (1,) * (buf.ndim - 2)), axis=1)  # [B, P, ...]
+    i = jnp.arange(p, dtype=jnp.int32)[None, :]
+    dst = jnp.where(i < count[:, None], start[:, None] + i, s)  # slot s is out of range: dropped
+    batch = jnp.broadcast_to(jnp.arange(b)[:, None], (b, p))
+    return buf.at[batch, dst].set(rows, mode="drop")
+
+
+# --------------------------------------------------------------------------------------------------
+# Positions and masks
+
+
+def chain_positions(state: TargetState, t: int) -> jax.Array:
+    """[B, T] positions (= slots) of T chained tokens after the committed prefix."""
+    return state.lengths[:, None] + jnp.arange(t, dtype=jnp.int32)[None, :]
+
+
+def causal_mask(state: TargetState, positions: jax.Array) -> jax.Array:
+    """[B, T, S] bool: query t sees every slot up to its own position (chains, slot = position)."""
+    slots = jnp.arange(state.max_len, dtype=jnp.int32)
+    return slots[None, None, :] <= positions[:, :, None]
+
+
+def tree_mask(state: TargetState, ancestors: jax.Array) -> jax.Array:
+    """[B, T, S] bool for T tree nodes at slots lengths[b] + j: node t sees the committed prefix and
+    the nodes j with ancestors[b, t, j] (itself included). ancestors: [B, T, T] bool."""
+    b, t, _ = ancestors.shape
+    rel = jnp.arange(state.max_len, dtype=jnp.int32)[None, :] - state.lengths[:, None]  # [B, S]
+    prefix = rel < 0
+    node = jnp.take_along_axis(ancestors, jnp.clip(rel, 0, t - 1)[:, None, :].repeat(t, axis=1), axis=2)
+    in_block = (rel >= 0) & (rel < t)
+    return prefix[:, None, :] | (in_block[:, None, :] & node)
+
+
+def chain_forward(target, params, tokens: jax.Array, state: TargetState):
+    """`target.forward` over T chained tokens after the committed prefix: -> (logits, taps, state)."""
+    positions = chain_positions(state, tokens.shape[1])
+    return target.forward(params, tokens, positions, state, causal_mask(state, positions))
