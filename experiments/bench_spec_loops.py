@@ -24,6 +24,7 @@ from specpilot.models.config import ModelConfig  # noqa: E402
 
 CFG = ModelConfig(vocab_size=128, hidden_size=64, intermediate_size=128, num_layers=2, num_heads=4,
                   num_kv_heads=2, head_dim=16, qk_norm=True, tap_layers=(0, 1))
+TARGET = dense.target(CFG, jnp.float32)
 
 
 def median_tpot(fn, repeats):
@@ -42,7 +43,7 @@ def main(argv=None):
     print(f"{'batch':>5} {'block':>5} {'drafter':>8} {'tau':>6} {'ar':>8} {'while':>8} {'host':>8}")
     for batch, block in ((1, 4), (1, 16), (4, 16)):
         prompts = [[1 + i, 2, 3, 4 + i] for i in range(batch)]
-        ar_tokens = ar.generate(params, CFG, prompts, n + block).tokens.tolist()
+        ar_tokens = ar.generate(TARGET, params, prompts, n + block).tokens.tolist()
         reference = dr.replay_reference(prompts, ar_tokens)
         dcfg = dr.DrafterConfig.for_target(CFG, num_layers=1, block_size=block)
         drafters = {
@@ -50,12 +51,12 @@ def main(argv=None):
             "mixed": (dr.ReplayDrafter(CFG.vocab_size, block, shift=1, wrong_every=3), reference),
             "random": (dr.BlockDrafter(dcfg, CFG), dr.init(jax.random.key(1), dcfg, jnp.float32)),
         }
-        t_ar = median_tpot(lambda: ar.generate(params, CFG, prompts, n), args.repeats)
+        t_ar = median_tpot(lambda: ar.generate(TARGET, params, prompts, n), args.repeats)
         for name, (drafter, dparams) in drafters.items():
             row = {}
             for loop in spec.LOOPS:
                 def run(loop=loop):
-                    return spec.generate(params, CFG, drafter, dparams, prompts, n, loop=loop)
+                    return spec.generate(TARGET, params, drafter, dparams, prompts, n, loop=loop)
                 row[loop] = median_tpot(run, args.repeats)
             tau = run().stats.tau
             print(f"{batch:>5} {block:>5} {name:>8} {tau:>6.2f} {1e3 * t_ar:>8.3f} "

@@ -20,6 +20,7 @@ import jax.numpy as jnp
 from specpilot.decoding.ar import generate
 from specpilot.decoding.sampling import SamplingConfig
 from specpilot.embedded import find_target
+from specpilot.models import dense
 from specpilot.training.checkpointing import load_target
 
 
@@ -67,7 +68,8 @@ def main(argv=None) -> list[int]:
         bad = [t for t in prompt if not 0 <= t < cfg.vocab_size]
         if bad:
             raise SystemExit(f"prompt ids {bad} are outside the vocabulary [0, {cfg.vocab_size})")
-    res = generate(params, cfg, [prompt], args.max_new_tokens, sampling, key=jax.random.key(args.seed))
+    res = generate(dense.target(cfg, params["embed"].dtype), params, [prompt], args.max_new_tokens, sampling,
+                   key=jax.random.key(args.seed))
     out = res.as_lists(cfg.eos_token_id)[0]
     if tokenizer is not None:
         print(tokenizer.decode(out))

@@ -13,7 +13,6 @@ import numpy as np
 import pytest
 from safetensors.numpy import save_file
 
-from specpilot.cache import init_cache
 from specpilot.decoding import ar, spec
 from specpilot.models import dense
 from specpilot.models import drafter as dr
@@ -37,8 +36,8 @@ def _layer_outputs(tp, tokens):
     outs = []
     for layer in range(TARGET.num_layers):
         cfg = TARGET.with_taps((layer,))
-        cache = init_cache(cfg, tokens.shape[0], tokens.shape[1], jnp.float32)
-        _, taps, _ = dense.forward(tp, cfg, tokens, cache)
+        state = dense.init_state(cfg, tokens.shape[0], tokens.shape[1], jnp.float32)
+        _, taps, _ = dense.chain_forward(tp, cfg, tokens, state)
         outs.append(np.asarray(taps, np.float64))
     return outs
 
@@ -67,7 +66,7 @@ def test_context_is_upstream_concatenation(target_params, layer_ids):
     dr.BlockDrafter(dcfg, target)  # pairs
     dp = random_params(dr.param_shapes(dcfg), 0.3, 1)
     tokens = jnp.asarray(np.random.default_rng(0).integers(0, TARGET.vocab_size, (2, 5)), jnp.int32)
-    _, taps, _ = dense.forward(target_params, target, tokens, init_cache(target, 2, 5, jnp.float32))
+    _, taps, _ = dense.chain_forward(target_params, target, tokens, dense.init_state(target, 2, 5, jnp.float32))
     got = dr.context_features(dp, dcfg, taps)
     want = _reference_context(dp, dcfg, _layer_outputs(target_params, tokens))
     np.testing.assert_allclose(np.asarray(got, np.float64), want, rtol=1e-5, atol=1e-5)
@@ -122,7 +121,7 @@ def test_repeated_ids_decode_losslessly(target_params):
     target = TARGET.with_taps(dcfg.tap_layers)
     dp = random_params(dr.param_shapes(dcfg), 0.3, 1)
     prompts = [[1, 2, 3], [5, 9, 11, 40, 7]]
-    want = ar.generate(target_params, target, prompts, 8).tokens
-    got = spec.generate(target_params, target, dr.BlockDrafter(dcfg, target), dp, prompts, 8,
-                        block_size=4)
+    t = dense.target(target, jnp.float32)
+    want = ar.generate(t, target_params, prompts, 8).tokens
+    got = spec.generate(t, target_params, dr.BlockDrafter(dcfg, target), dp, prompts, 8, block_size=4)
     np.testing.assert_array_equal(got.tokens, want)

@@ -14,7 +14,6 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from specpilot.cache import init_cache
 from specpilot.data.tokenizer import load_tokenizer, train_tokenizer
 from specpilot.decoding.ar import generate
 from specpilot.models import dense
@@ -62,8 +61,8 @@ def test_export_round_trips_the_target(pair, tmp_path):
         assert a.dtype == b.dtype
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
     tokens = jnp.asarray([[3, 1, 4, 1, 5, 9]], jnp.int32)
-    want, _, _ = dense.forward(params, cfg, tokens, init_cache(cfg, 1, 8, jnp.float32))
-    got, _, _ = dense.forward(loaded, loaded_cfg, tokens, init_cache(cfg, 1, 8, jnp.float32))
+    want, _, _ = dense.chain_forward(params, cfg, tokens, dense.init_state(cfg, 1, 8, jnp.float32))
+    got, _, _ = dense.chain_forward(loaded, loaded_cfg, tokens, dense.init_state(cfg, 1, 8, jnp.float32))
     np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
     tok = load_tokenizer(tmp_path / "hf")
     assert tok.encode(TEXT) == load_tokenizer(folder).encode(TEXT)
@@ -89,7 +88,8 @@ def test_generate_reads_the_cached_pair_or_its_export(pair, tmp_path, where):
                 "--dtype", "float32")
     assert proc.returncode == 0, proc.stderr[-2000:]
     tok = load_tokenizer(folder)
-    want = generate(params, cfg, [tok.encode(TEXT)], 6).as_lists(cfg.eos_token_id)[0]
+    want = generate(dense.target(cfg, params["embed"].dtype), params, [tok.encode(TEXT)], 6).as_lists(
+        cfg.eos_token_id)[0]
     assert proc.stdout.rstrip("\n") == tok.decode(want)
 
 

@@ -23,7 +23,7 @@ def test_cli_generates_what_the_api_generates(tmp_path, tiny_cfg):
                           capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-2000:]
     ids = [int(t) for t in proc.stdout.strip().split(",")]
-    want = generate(params, tiny_cfg, [[3, 1, 4, 1, 5]], 8).tokens[0].tolist()
+    want = generate(dense.target(tiny_cfg, jnp.float32), params, [[3, 1, 4, 1, 5]], 8).tokens[0].tolist()
     assert ids == want
 
 

@@ -12,7 +12,6 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from specpilot.cache import init_cache
 from specpilot.decoding.ar import generate
 from specpilot.models import dense
 from specpilot.models.config import ModelConfig
@@ -26,7 +25,7 @@ def _greedy_margins(params, cfg, prompts, n):
     """Greedy tokens [B][n] and every step's top-1/top-2 logit gap (prefill + jitted decode steps)."""
     width = max(map(len, prompts))
     tokens = jnp.asarray([p + [0] * (width - len(p)) for p in prompts], jnp.int32)
-    cache = init_cache(cfg, len(prompts), width + n, params["embed"].dtype)
+    cache = dense.init_state(cfg, len(prompts), width + n, params["embed"].dtype)
     logits, _, cache = dense.prefill(params, cfg, tokens, jnp.asarray([len(p) for p in prompts]), cache)
     out, gaps = [], []
     for _ in range(n):
@@ -49,7 +48,7 @@ def test_wide_margin_greedy_is_robust_to_precision(tied):
     # sqrt(H) - ~5 = 11 for the permuted head; H - 5 sqrt(H) = 176 for a tied one (docstring of the init)
     assert gaps.min() > (5.0 if not tied else 100.0)
     # the jitted AR loop (a different program) produces the same tokens
-    ar = generate(params, cfg, PROMPTS, 8).tokens
+    ar = generate(dense.target(cfg, params["embed"].dtype), params, PROMPTS, 8).tokens
     assert [list(map(int, r[:8])) for r in ar] == tokens_bf16
 
 

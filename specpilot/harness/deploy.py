@@ -75,6 +75,10 @@ class Deployment:
         """The target's static config for `plan`."""
         return self.cfg
 
+    def target_for(self, plan: Plan) -> dense.Target:
+        """The target (config, state and forward functions) as `plan` runs it."""
+        return dense.target(self.cfg_for(plan), self.params["embed"].dtype)
+
     def drafter_for(self, plan: Plan):
         """(drafter object, its params as `plan` multiplies them): the drafter's own weights (its layers and
         `fc`; embedding and head are the target's) in the plan's format. For an oracle drafter, the

@@ -39,10 +39,10 @@ class MethodRun:
 
 
 def run_ar(dep, plan: Plan) -> MethodRun:
-    params, cfg = dep.params_for(plan), dep.cfg_for(plan)
+    params, target = dep.params_for(plan), dep.target_for(plan)
     tokens, prefill_s, decode_s, decode_tokens = [], 0.0, 0.0, 0
     for batch in dep.batches():
-        res = ar.generate(params, cfg, batch, dep.new_tokens, dep.sampling, key=dep.key,
+        res = ar.generate(target, params, batch, dep.new_tokens, dep.sampling, key=dep.key,
                           cache_len=dep.cache_len)
         tokens.extend(res.tokens.tolist())
         prefill_s += res.prefill_s
@@ -70,12 +70,12 @@ def run_chain(dep, plan: Plan) -> MethodRun:
     weights and kernels for target and drafter."""
     from specpilot.decoding import spec
 
-    params, cfg = dep.params_for(plan), dep.cfg_for(plan)
+    params, target = dep.params_for(plan), dep.target_for(plan)
     drafter, base = dep.drafter_for(plan)
     tokens, prefill_s, decode_s, decode_tokens = [], 0.0, 0.0, 0
-    steps, emitted, hist = 0, 0, None
+    steps, emitted, accepted, hist = 0, 0, 0, None
     for i, batch in enumerate(dep.batches()):
-        res = spec.generate(params, cfg, drafter, _draft_params(dep, drafter, base, i, batch), batch,
+        res = spec.generate(target, params, drafter, _draft_params(dep, drafter, base, i, batch), batch,
                             dep.new_tokens, block_size=plan.block_size, sampling=dep.sampling, key=dep.key,
                             cache_len=dep.cache_len)
         tokens.extend(res.tokens.tolist())
@@ -85,16 +85,19 @@ def run_chain(dep, plan: Plan) -> MethodRun:
         st = res.stats
         steps += int(st.steps.sum())
         emitted += int(st.emitted.sum())
+        accepted += int(st.accepted.sum())
         hist = st.accept_hist if hist is None else hist + st.accept_hist
     # per-position acceptance: fraction of verification steps that accepted draft k (k = 1..Bs-1)
     at_least = hist[::-1].cumsum()[::-1] / max(1, hist.sum())
-    stats = {"tau": emitted / max(1, steps), "steps": steps,
+    # tau counts the tokens a step emitted within the budget; upstream DFlash's mean acceptance length also
+    # counts what the budget cut off in a sequence's last step (accepted drafts + 1, every step)
+    stats = {"tau": emitted / max(1, steps), "acceptance_length_upstream": accepted / max(1, steps), "steps": steps,
              "acceptance_per_position": [float(a) for a in at_least[1:]]}
     if dep.profile_split:
         # A separate, profiled pass over the first batch (phases jitted apart and synced): it gives the
         # draft / verify / bookkeeping split without touching the timed runs above.
         batch = dep.batches()[0]
-        prof = spec.generate(params, cfg, drafter, _draft_params(dep, drafter, base, 0, batch), batch,
+        prof = spec.generate(target, params, drafter, _draft_params(dep, drafter, base, 0, batch), batch,
                              dep.new_tokens, block_size=plan.block_size, sampling=dep.sampling, key=dep.key,
                              cache_len=dep.cache_len, profile=True).stats
         total = prof.draft_s + prof.verify_s + prof.bookkeeping_s
@@ -116,7 +119,7 @@ def scorer(dep, plan: Plan):
     """The forcing scorer reproducing `plan`'s target numerics (weights, kernels, verification width)."""
     from specpilot.forcing import chunked_scorer
 
-    return chunked_scorer(dep.params_for(plan), dep.cfg_for(plan), chunk=plan.block_size)
+    return chunked_scorer(dep.params_for(plan), dep.target_for(plan), chunk=plan.block_size)
 
 
 def median_run(run: Callable[[], MethodRun], repeats: int, name: str = "", progress=None) -> MethodRun:

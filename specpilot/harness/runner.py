@@ -35,7 +35,7 @@ log = logging.getLogger(__name__)
 
 CSV_FIELDS = ("target", "drafter", "gpu", "batch_size", "prompts", "new_tokens", "method", "verify", "weights",
               "matmul", "block_size", "decode_ms_per_token", "tokens_per_s", "prefill_ms", "speedup_vs_ar",
-              "baseline", "speedup_vs_stock", "tau", "ceiling_ms_per_token", "pct_of_ceiling", "mismatches", "notes")
+              "baseline", "speedup_vs_stock", "tau", "acceptance_length_upstream", "ceiling_ms_per_token", "pct_of_ceiling", "mismatches", "notes")
 
 
 def environment() -> dict:
@@ -105,10 +105,11 @@ def run(cfg: DictConfig, out_dir: str | Path) -> list[dict]:
             ceiling_ms_per_token=None if ceiling is None else 1e3 * ceiling,
             pct_of_ceiling=None if ceiling is None else 100 * ceiling / r.decode_time_per_token,
             tau=r.stats.get("tau"),
+            acceptance_length_upstream=r.stats.get("acceptance_length_upstream"),
             mismatches=forcing[plan.name]["mismatches"] if plan.name in forcing else None,
             forcing=forcing.get(plan.name),
             notes="; ".join(dep.notes + r.stats.get("notes", [])),
-            stats={k: v for k, v in r.stats.items() if k not in ("tau", "mismatches", "notes")},
+            stats={k: v for k, v in r.stats.items() if k not in ("tau", "acceptance_length_upstream", "mismatches", "notes")},
             config=OmegaConf.to_container(cfg, resolve=True),
             **env,
         )
@@ -203,6 +204,10 @@ def format_table(records: list[dict]) -> str:
         lines.append(f"speedup over AR = the fastest bf16 ar plan measured in this run: {r['baseline']}{stock}; "
                      "ceiling: the cost model's floor per output token")
     for r in records:
+        if r.get("acceptance_length_upstream") is not None:
+            lines.append(f"{r['method']}: tau {r['tau']:.2f} (tokens emitted per verification step within the budget); "
+                         f"upstream DFlash's mean acceptance length {r['acceptance_length_upstream']:.2f} (also counts "
+                         "the tokens the budget cut off)")
         if r.get("speedup_at_profile_tau") is not None:
             lines.append(f"{r['method']}: oracle acceptance, tau {r['tau']:.2f} measured vs {r['profile_tau']:.2f} "
                          f"in the profile; {r['ms_per_step']:.3f} ms per step ({r['step_vs_ar_step']:.2f}x an AR "
