@@ -93,11 +93,15 @@ def prepare_params(params: dict, cfg, v: Variant) -> dict:
 
 
 def _linear(x: jax.Array, w, v: Variant, role: str, out_dtype=None) -> jax.Array:
-    """x [B, T, K] @ W -> [B, T, N] in out_dtype (default x's), float32 accumulation."""
-    if v.layout == "nk":
-        if not isinstance(w, jax.Array):
-            raise ValueError("the [out, in] layout ('nk') is XLA's dot of bf16 weights; kernel layouts are [in, out]")
-        return jnp.einsum("btk,nk->btn", x, w, preferred_element_type=jnp.float32).astype(out_dtype or x.dtype)
+    """x [B, T, K] @ W -> [B, T, N] in out_dtype (default x's), float32 accumulation. A plain bf16 array is
+    XLA's dot of the rows (no implementation of `dispatch.matmul` takes it otherwise), in either layout."""
+    if isinstance(w, jax.Array):
+        b, t, k = x.shape
+        spec = "mk,kn->mn" if v.layout == "kn" else "mk,nk->mn"
+        y = jnp.einsum(spec, x.reshape(b * t, k), w, preferred_element_type=jnp.float32)
+        return y.astype(out_dtype or x.dtype).reshape(b, t, -1)
+    if v.layout != "kn":
+        raise ValueError("kernel layouts multiply [in, out] weights (layout 'kn')")
     return dispatch.matmul(x, w, choice=v.matmul, role=role, out_dtype=out_dtype)
 
 

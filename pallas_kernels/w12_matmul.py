@@ -47,6 +47,10 @@ from specpilot.formats.w12 import W12, decode_jnp
 MIN_DOT = 16  # Triton's tl.dot wants every dimension >= 16
 
 
+def _next_pow2(n: int) -> int:
+    return 1 << max(0, (n - 1).bit_length())
+
+
 @dataclasses.dataclass(frozen=True)
 class W12Blocks:
     block_n: int = 128  # output columns per program

@@ -26,7 +26,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from specpilot.formats.w12 import W12
+from specpilot.formats.w12 import Bf16Matrix, W12
 
 BN = 64  # W^T rows (W columns) per program: one warpgroup's wgmma M
 MAX_SLOTS = 256  # a step's slot row is one TMA box (<= 256 elements): 1 count + up to 255 exceptions
@@ -35,7 +35,7 @@ XOR_STEP = 64  # the step whose tiles are stored in `chunk_order` (copied plain:
 
 
 @dataclasses.dataclass(frozen=True)
-class W12NK:
+class W12NK(Bf16Matrix):
     """A W12 matrix in the Mosaic GPU kernel's layout (`to_nk`): its planes packed step by step in mma order,
     stored tile by tile (chunk-ordered at steps of 64), and each step's exceptions in a slot table."""
 
@@ -44,14 +44,6 @@ class W12NK:
     slots: Any  # int32 [steps * N / 64, P]: each step's exceptions (`exception_slots`)
     shape: tuple[int, int]  # static: (K, N)
     slot_k: int  # static: the step (half-rows of K) the planes and slots were built for
-
-    @property
-    def dtype(self):
-        return jnp.bfloat16
-
-    @property
-    def ndim(self) -> int:
-        return 2
 
     @property
     def xor_chunks(self) -> bool:
@@ -63,21 +55,13 @@ jax.tree_util.register_dataclass(W12NK, data_fields=["base7", "slots", "packed"]
 
 
 @dataclasses.dataclass(frozen=True)
-class TwinNK:
+class TwinNK(Bf16Matrix):
     """A bf16 matrix tiled once for the Mosaic kernel's bf16 twin (`tile_twin` of W^T at step block_k): the
     same products as the W12 kernel at that step, bit for bit. Not compressed (16 bits per weight)."""
 
     tiles: Any  # bf16 [N / 64 * (K / 2) / block_k * 64, 2 block_k]
     shape: tuple[int, int]  # static: (K, N)
     block_k: int  # static: the step it was tiled for
-
-    @property
-    def dtype(self):
-        return jnp.bfloat16
-
-    @property
-    def ndim(self) -> int:
-        return 2
 
 
 jax.tree_util.register_dataclass(TwinNK, data_fields=["tiles"], meta_fields=["shape", "block_k"])

@@ -53,8 +53,21 @@ FIELDS = ("sm", "nib", "base", "exc_ptr", "exc_row", "exc_col", "exc_val")
 LINEAR_NAMES = ("q", "k", "v", "o", "gate", "up", "down", "qkv", "gate_up")  # separate or fused layout
 
 
+class Bf16Matrix:
+    """What every stored form of a bf16 [K, N] matrix (W12 here, the kernels' layouts) shows the code that
+    multiplies by it: the dtype and rank of the matrix it holds (its `shape` is its own field)."""
+
+    @property
+    def dtype(self):
+        return jnp.bfloat16
+
+    @property
+    def ndim(self) -> int:
+        return 2
+
+
 @dataclasses.dataclass(frozen=True)
-class W12:
+class W12(Bf16Matrix):
     """A W12-encoded [K, N] matrix. Arrays are numpy (offline) or jax (device); a pytree either way."""
 
     sm: Any  # int8 [K, N]
@@ -75,14 +88,6 @@ class W12:
     @property
     def num_exceptions(self) -> int:
         return int(self.exc_row.shape[0])
-
-    @property
-    def dtype(self):
-        return jnp.bfloat16
-
-    @property
-    def ndim(self) -> int:
-        return 2
 
     @property
     def k_half(self) -> int:
