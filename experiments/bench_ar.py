@@ -25,13 +25,14 @@ Design choices:
   logits and generated tokens are compared to the first row's, so a fast variant that computes something
   else shows up in the record.
 - Weight formats (`--weights`): "bf16" (XLA's dot), "w12" (`formats.encode_params`, then
-  `dispatch.prepare_params` for the `--kernel` choice; timed cold and warm; bits/weight and exceptions
-  recorded) and "twin" (bf16 tiled once for the Mosaic kernel's twin: `--kernel mosaic`). Every product of
-  a non-stock variant runs `dispatch.matmul` with that choice (`--kernel-config`: its settings); stock runs
-  `dense.forward`, whose products take each prepared weight's own kernel at its defaults. A @w12 row records
-  `vs_twin` against the @twin row of its variant (bit-equal first logits and the same tokens: `exact`),
-  and, with `--kernel xla`, `vs_bf16` against the bf16 row (decode + XLA's dot is the bf16 dot). Bandwidth of
-  @w12 rows counts the W12 bytes a step reads instead of the bf16 weights.
+  `dispatch.prepare_params` for the `--kernel` choice, matrices the encoder kept bf16 left to XLA; timed
+  cold and warm; bits/weight and exceptions recorded) and "twin" (bf16 tiled once for the Mosaic kernel's
+  twin: `--kernel mosaic`). Every product of a non-stock variant runs `dispatch.matmul` with that choice
+  (`--kernel-config`: its settings); stock runs `dense.forward`, whose products take each prepared weight's
+  own kernel at its defaults. A @w12 row records `vs_twin` against the @twin row of its variant (bit-equal
+  first logits and the same tokens: `exact`), and, with `--kernel xla`, `vs_bf16` against the bf16 row
+  (decode + XLA's dot is the bf16 dot). Bandwidth of @w12 rows counts the W12 bytes a step reads instead
+  of the bf16 weights.
 """
 
 from __future__ import annotations
@@ -275,7 +276,8 @@ def encode_w12(params: dict, args) -> tuple[dict, dict]:
     matrices, the bytes the kernel reads, and the matrices left bf16 (too many exceptions)."""
     def encode():
         enc = jax.block_until_ready(formats.encode_params(params, "w12"))
-        return enc, jax.block_until_ready(dispatch.prepare_params(enc, args.choice, rows=args.batch))
+        laid = dispatch.prepare_params(enc, args.choice, rows=args.batch, layout_bf16=False)
+        return enc, jax.block_until_ready(laid)
 
     t0 = time.perf_counter()
     encode()  # cold: compiles included
@@ -323,7 +325,8 @@ def params_for(params: dict, cfg, name: str, fmt: str, args) -> dict:
         raise ValueError(f"variant {name}: kernel layouts take the [in, out] weights (layout 'kn')")
     if fmt == "twin":  # bf16, tiled once for the Mosaic kernel's twin
         return dispatch.prepare_params(laid, args.choice, rows=args.batch)
-    return dispatch.prepare_params(formats.encode_params(laid, "w12"), args.choice, rows=args.batch)
+    enc = formats.encode_params(laid, "w12")
+    return dispatch.prepare_params(enc, args.choice, rows=args.batch, layout_bf16=False)
 
 
 def compare_to_twin(generated: np.ndarray, logits, twin: dict) -> dict:

@@ -227,7 +227,8 @@ def profile_table(paths: list[str], kernel: str = "mosaic") -> list[str]:
     out = ["| shape | M | wall: XLA / twin / W12 (us) | busy: XLA / twin / W12 (us) | kernel: XLA / twin / W12 (us) "
            "| W12 vs best bf16, busy | kernel |", "| --- | ---: | --- | --- | --- | ---: | ---: |"]
     named = {key[0] for key in cells}  # Qwen3-8B's in their order, then other shapes in the records' order
-    shapes = [s for s in QWEN3_8B if s in named] + list(dict.fromkeys(key[0] for key in cells if key[0] not in QWEN3_8B))
+    shapes = [s for s in QWEN3_8B if s in named]
+    shapes += list(dict.fromkeys(key[0] for key in cells if key[0] not in QWEN3_8B))
     for name in shapes:
         for m in sorted({key[1] for key in cells if key[0] == name}):
             got = [cells.get((name, m, i)) for i in ("xla_bf16", f"twin_{kernel}", f"w12_{kernel}")]

@@ -227,9 +227,15 @@ def prepare_weight(w, c: OpChoice, rows: int = 1):
 
 
 def prepare_params(params: dict, choice: OpChoice, rows: int = 1, extra: tuple[str, ...] = (),
-                   names: tuple[str, ...] = w12_format.LINEAR_NAMES, lm_head: bool = True) -> dict:
+                   names: tuple[str, ...] = w12_format.LINEAR_NAMES, lm_head: bool = True,
+                   layout_bf16: bool = True) -> dict:
     """A dense model's params with each linear weight (the named per-layer matrices, `lm_head`, and the
     top-level matrices in `extra`, e.g. a drafter's `fc`) in the layout `choice` multiplies
     (`prepare_weight`): W12 -> W12NK and bf16 -> TwinNK tiles for "mosaic", unchanged for "xla" and
-    "triton" (whose bf16 weights go to XLA). Encode a format first (`specpilot.formats.encode_params`)."""
-    return w12_format.map_matrices(lambda w: prepare_weight(w, choice, rows), params, names, lm_head, extra)
+    "triton" (whose bf16 weights go to XLA). Encode a format first (`specpilot.formats.encode_params`).
+    `layout_bf16=False` leaves bf16 arrays as they are (in a W12 plan, the matrices the encoder kept bf16
+    then go to XLA's dot, as before choices existed)."""
+    def prepare(w):
+        return prepare_weight(w, choice, rows) if layout_bf16 or not isinstance(w, jax.Array) else w
+
+    return w12_format.map_matrices(prepare, params, names, lm_head, extra)

@@ -117,6 +117,8 @@ def test_prepare_params_puts_each_weight_in_its_layout():
     twin = dispatch.prepare_params(params, mosaic)
     assert all(isinstance(twin["layers"][0][n], mk.TwinNK) for n in ("qkv", "o", "gate_up", "down"))
     assert "fc" in twin and twin["fc"] is params["fc"]  # not named in extra
+    kept = dispatch.prepare_params(enc, mosaic, layout_bf16=False)  # the encoder's bf16 matrices to XLA
+    assert isinstance(kept["layers"][0]["qkv"], mk.W12NK) and kept["layers"][0]["down"] is enc["layers"][0]["down"]
     xla = dispatch.prepare_params(enc, dispatch.choice("matmul", "xla"))
     assert xla["layers"][0]["qkv"].kernel == "xla" and xla["layers"][0]["down"] is enc["layers"][0]["down"]
     # a W12 matrix whose step overflows the slot table: no W12NK; the next implementation's layout

@@ -37,10 +37,8 @@ def prepare(params: dict, kernel: str, rows: int, extra: tuple[str, ...]) -> dic
     """Encoded params with their W12 matrices in the layout of the implementation `kernel` names (the old
     `encode_params(kernel=)`); matrices the encoder kept bf16 stay as they are, multiplied by XLA."""
     from pallas_kernels import dispatch
-    from specpilot.formats.w12 import W12, map_matrices
 
     if kernel not in KERNEL_IMPLEMENTATIONS:
         raise ValueError(f"W12 kernel must be one of {tuple(KERNEL_IMPLEMENTATIONS)}, got {kernel!r}")
-    c = dispatch.choice("matmul", KERNEL_IMPLEMENTATIONS[kernel])
-    return map_matrices(lambda w: dispatch.prepare_weight(w, c, rows) if isinstance(w, W12) else w,
-                        params, extra=extra)
+    return dispatch.prepare_params(params, dispatch.choice("matmul", KERNEL_IMPLEMENTATIONS[kernel]), rows, extra,
+                                   layout_bf16=False)
