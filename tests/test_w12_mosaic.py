@@ -98,17 +98,24 @@ class TestMosaicInterpreter(_MosaicCases):
 class TestMosaicGPU(_MosaicCases):
     interpret = False
 
-    @pytest.mark.parametrize("k,n", [(4096, 1024), (4096, 4096), (12288, 4096), (4096, 12288), (4096, 151936)])
+    @pytest.mark.parametrize("k,n", [(4096, 1024), (4096, 4096), (12288, 4096), (4096, 12288), (4096, 32768)])
     def test_runs_products_equal_the_twin_at_qwen3_shapes(self, k, n):
-        """The runs' products at Qwen3-8B's matrix shapes, with 2% exceptions (thinned at the LM head's
-        steps of 128): many steps per program and many programs per SM, where a race between steps shows
-        (one did, in the benchmark, where the K = 512 cases passed); rows 1, 16 and 64 (the LM head's step
-        is 128 up to 16 rows, 64 beyond)."""
+        """The runs' products at Qwen3-8B's matrix shapes (and an LM-head-wide one, N = 32768, stepped 128
+        half-rows up to 16 rows and 64 beyond), with 2% exceptions (thinned at steps of 128): many steps per
+        program and many programs per SM, where a race between steps shows (one did, in the benchmark,
+        where the K = 512 cases passed); rows 1, 16 and 64."""
+        layouts = {}
         for m in (1, 16, 64):
             step = mk.default_block_k(k, n, m)
-            nk, tw = _layouts(_weights(k, n, step, seed=k + n, finite=False), step)
+            if step not in layouts:
+                w = _weights(k, n, step, seed=k + n, finite=False)
+                layouts[step] = (mk.to_nk(w12.encode_device(jnp.asarray(w)), step),
+                                 mk.prepare_twin(jnp.asarray(w), m))
+            nk, tw = layouts[step]
+            assert nk.slot_k == tw.block_k == step
             x = jnp.asarray(np.random.default_rng(m).standard_normal((m, k)), jnp.bfloat16)
             assert_same_bits(mk.mosaic_matmul(x, nk), mk.mosaic_matmul(x, tw))
+        assert set(layouts) == ({64, 128} if n >= mk.DEFAULT.large_n else {64})
 
     def test_every_finite_bf16_pattern(self):
         """Every finite bf16 bit pattern as a weight, each row read back alone by a one-hot x: the compiled
