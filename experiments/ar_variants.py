@@ -4,16 +4,15 @@ Design choices:
 - "stock" runs `specpilot.models.dense.forward` itself: the baseline is the library's model, not a copy.
 - Every other variant is one `Variant` (a frozen dataclass, so it can be a static jit argument) flipping
   one mechanism at a time against a re-implementation of the same layer: fused q/k/v and gate/up
-  matrices, weight layout [in, out] vs [out, in], XLA dot vs the Pallas split-K GEMV, attention or
-  not, norms/RoPE or not, one norm + RoPE over q and k heads together ("lean"), one jitted step per
-  token or the whole generation inside one jit.
-- W12 weights (`specpilot.formats.w12`) go through the fused decode-matmul kernel in every variant with
-  the [in, out] layout. `twin` routes bf16 weights through that kernel's bf16 twin (same tiling and
-  summation order), so a twin variant on bf16 params and any variant on the same params encoded to W12
-  compute bit-identical logits: the lossless check. XLA's dot sums in another order, so greedy tokens of
-  XLA bf16 and W12 may legitimately part at near-ties. "stock_twin" is dense.forward itself with its
-  linear layers and LM head routed to the twin while the step is traced (module attributes `dense.linear`
-  and `dense.lm_head`, restored after tracing).
+  matrices, weight layout [in, out] vs [out, in], attention or not, norms/RoPE or not, one norm + RoPE
+  over q and k heads together ("lean"), one jitted step per token or the whole generation inside one jit.
+- Every product goes through `pallas_kernels.dispatch.matmul` with the variant's `matmul` choice (None:
+  each weight's own implementation) and its role ("qkv", "o", "gate_up", "down", "lm_head"), so a W12 or
+  twin layout made by `dispatch.prepare_params` runs its kernel with that choice's settings, the fused qkv
+  product materialized as the runs do (the Mosaic config's `qkv_barrier`). Weights in the twin layout
+  (bf16 tiled once for the W12 kernel's bf16 twin) compute the same logits as W12 weights, bit for bit:
+  the lossless check. XLA's dot sums in another order, so greedy tokens of XLA bf16 and W12 may part at
+  near-ties.
 - Ablations (no attention, no norms) keep the K/V cache writes: without a consumer, XLA would delete
   the k and v matmuls and the ablation would read fewer weights than it claims.
 - Variant params are derived on the device from the stock params (concatenate / transpose), so every
@@ -22,17 +21,14 @@ Design choices:
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import functools
 
 import jax
 import jax.numpy as jnp
 
-from pallas_kernels.gemv import gemv
-from pallas_kernels.l2_prefetch import prefetch_l2
+from pallas_kernels import dispatch
 from specpilot.cache import KVCache, write_positions
-from specpilot.formats import w12
 from specpilot.models import dense
 from specpilot.models.layers import apply_rope, attention, rms_norm, rope_tables
 
@@ -41,13 +37,12 @@ from specpilot.models.layers import apply_rope, attention, rms_norm, rope_tables
 class Variant:
     stock: bool = False  # run dense.forward itself (other fields except `loop` ignored)
     fuse: bool = False  # q/k/v -> one [H, q+2kv] matrix; gate/up -> one [H, 2I]
-    layout: str = "kn"  # "kn": [in, out] (dense.py); "nk": [out, in]
-    gemv: str = "xla"  # "xla" dot or "pallas" split-K GEMV (falls back to XLA when M != 1)
+    layout: str = "kn"  # "kn": [in, out] (dense.py); "nk": [out, in] (XLA's dot of bf16 weights only)
     attention: bool = True  # False: the attention output is q itself (ablation)
     elementwise: bool = True  # False: no RMSNorms, qk-norm or RoPE (ablation)
     loop: str = "host"  # "host": one jitted step per token; "fori": all tokens in one jit
     lean: bool = False  # fused only: one RMSNorm + RoPE over q and k heads together, deferred softmax
-    twin: bool = False  # bf16 linear weights (and the LM head) through the W12 kernel's bf16 twin
+    matmul: dispatch.OpChoice | None = None  # every product's implementation (None: each weight's own)
 
     @property
     def param_key(self) -> tuple:
@@ -57,67 +52,20 @@ class Variant:
 VARIANTS: dict[str, Variant] = {
     "stock": Variant(stock=True),
     "stock_fori": Variant(stock=True, loop="fori"),
-    "stock_twin": Variant(stock=True, twin=True),
     "replica": Variant(),
     "fused": Variant(fuse=True),
-    "fused_twin": Variant(fuse=True, twin=True),
     "fused_nk": Variant(fuse=True, layout="nk"),
     "fused_fori": Variant(fuse=True, loop="fori"),
     "fused_lean": Variant(fuse=True, lean=True),
     "fused_nk_lean": Variant(fuse=True, layout="nk", lean=True),
     "fused_lean_fori": Variant(fuse=True, lean=True, loop="fori"),
     "fused_no_attention": Variant(fuse=True, attention=False),
-    "pallas": Variant(fuse=True, gemv="pallas"),
-    "pallas_nk": Variant(fuse=True, layout="nk", gemv="pallas"),
-    "pallas_fori": Variant(fuse=True, gemv="pallas", loop="fori"),
     "no_attention": Variant(attention=False),
     "matmul_only": Variant(attention=False, elementwise=False),
     "fused_matmul_only": Variant(fuse=True, attention=False, elementwise=False),
-    "pallas_matmul_only": Variant(fuse=True, gemv="pallas", attention=False, elementwise=False),
 }
 
 _MATRICES = ("q", "k", "v", "o", "gate", "up", "down")
-
-# Pallas interpret mode: None = on a CPU device only (the Triton kernel runs on GPUs). A GPU-free lowering
-# check sets it to False to lower the real kernel for CUDA on the CPU.
-INTERPRET: bool | None = None
-# what the twin variants' dense_kernel=True products run: None = the Triton W12 kernel's twin; "mosaic"
-# = the Mosaic GPU kernel's twin (bench_ar.py --w12-kernel mosaic)
-TWIN_IMPLEMENTATION: str | None = None
-# Whether the fused qkv product is materialized before its split and norms (`jax.lax.optimization_barrier`),
-# in every variant. With the Mosaic kernel, XLA otherwise fuses the sum of qkv's K-split partials into the
-# k-norm's multi-output reduce and recomputes it there (5.8 us per layer on the H200, docs/notes_w12.md).
-QKV_BARRIER = False
-# Products also materialized (`jax.lax.optimization_barrier`) right after they are computed, by name ("o",
-# "down"), in every variant (bench_ar.py --barrier-after): where XLA fuses a K-split sum into a later
-# reduce and recomputes it there.
-BARRIER_AFTER: tuple[str, ...] = ()
-
-
-# L2 prefetches of coming products' weights while the small kernels between products run
-# (`pallas_kernels.l2_prefetch`; bench_ar.py --l2-prefetch), in every non-stock variant: product name ->
-# (fraction, segments). "o" is issued after the qkv product (during the attention), "gate_up" after o's
-# residual add, "down" after the gate_up product, "qkv" after down's residual add (the next layer's; the LM
-# head's after the last layer, under "lm_head"). Values are never changed; GPUs only. Measured slower on the
-# H200 (docs/performance.md, seventeenth pass): off unless asked for.
-PREFETCH: dict[str, tuple[float, int]] = {}
-
-
-def _prefetch(name: str, weights, after: jax.Array) -> jax.Array:
-    if name not in PREFETCH or weights is None:
-        return after
-    fraction, segments = PREFETCH[name]
-    return prefetch_l2(weights, after, fraction=fraction, segments=segments)
-
-
-def _after(name: str, y: jax.Array) -> jax.Array:
-    return jax.lax.optimization_barrier(y) if name in BARRIER_AFTER else y
-
-
-def twin_of(name: str) -> str | None:
-    """The registered variant computing `name`'s function with bf16 weights through the twin kernel."""
-    want = dataclasses.replace(VARIANTS[name], twin=True)
-    return next((n for n, v in VARIANTS.items() if v == want), None)
 
 
 def prepare_params(params: dict, cfg, v: Variant) -> dict:
@@ -144,18 +92,17 @@ def prepare_params(params: dict, cfg, v: Variant) -> dict:
     return new
 
 
-def _linear(x: jax.Array, w, v: Variant, out_dtype=None) -> jax.Array:
-    """x [B, T, K] @ W -> [B, T, N] in out_dtype (default x's), float32 accumulation."""
-    b, t, k = x.shape
-    if v.twin or isinstance(w, w12.ENCODED):
-        if v.layout != "kn":
-            raise ValueError("the W12 kernel and its twin read [in, out] weights (layout 'kn')")
-        y = w12.linear(x.reshape(b * t, k), w, out_dtype=out_dtype, interpret=INTERPRET, dense_kernel=True,
-                       implementation=TWIN_IMPLEMENTATION)
-        return y.reshape(b, t, -1)
-    interpret = jax.devices()[0].platform == "cpu" if INTERPRET is None else INTERPRET
-    y = gemv(x.reshape(b * t, k), w, layout=v.layout, implementation=v.gemv, interpret=interpret)
-    return y.astype(out_dtype or x.dtype).reshape(b, t, -1)
+def _linear(x: jax.Array, w, v: Variant, role: str, out_dtype=None) -> jax.Array:
+    """x [B, T, K] @ W -> [B, T, N] in out_dtype (default x's), float32 accumulation. A plain bf16 array is
+    XLA's dot of the rows (no implementation of `dispatch.matmul` takes it otherwise), in either layout."""
+    if isinstance(w, jax.Array):
+        b, t, k = x.shape
+        spec = "mk,kn->mn" if v.layout == "kn" else "mk,nk->mn"
+        y = jnp.einsum(spec, x.reshape(b * t, k), w, preferred_element_type=jnp.float32)
+        return y.astype(out_dtype or x.dtype).reshape(b, t, -1)
+    if v.layout != "kn":
+        raise ValueError("kernel layouts multiply [in, out] weights (layout 'kn')")
+    return dispatch.matmul(x, w, choice=v.matmul, role=role, out_dtype=out_dtype)
 
 
 def _attention_deferred(q, k, v, mask):
@@ -173,20 +120,16 @@ def _attention_deferred(q, k, v, mask):
     return out.reshape(b, t, h, d).astype(q.dtype)
 
 
-def _layer(p: dict, cfg, v: Variant, x, cos, sin, k_cache, v_cache, start, mask, after_layer=("qkv", None)):
-    """One decoder layer; `after_layer`: the next product after it, (its `PREFETCH` name, its weights)."""
+def _layer(p: dict, cfg, v: Variant, x, cos, sin, k_cache, v_cache, start, mask):
+    """One decoder layer."""
     b, t, _ = x.shape
     nq, nkv = cfg.q_size, cfg.kv_size
     h = rms_norm(x, p["attn_norm"], cfg.rms_norm_eps) if v.elementwise else x
     if v.fuse:
-        qkv = _linear(h, p["qkv"], v)
-        if QKV_BARRIER:
-            qkv = jax.lax.optimization_barrier(qkv)
-        qkv = _prefetch("o", p["o"], qkv)
+        qkv = _linear(h, p["qkv"], v, "qkv")
         q, k, val = qkv[..., :nq], qkv[..., nq:nq + nkv], qkv[..., nq + nkv:]
     else:
-        q, k, val = (_linear(h, p[n], v) for n in ("q", "k", "v"))
-        q = _prefetch("o", p["o"], q)
+        q, k, val = (_linear(h, p[n], v, n) for n in ("q", "k", "v"))
     q = q.reshape(b, t, cfg.num_heads, cfg.head_dim)
     k = k.reshape(b, t, cfg.num_kv_heads, cfg.head_dim)
     val = val.reshape(b, t, cfg.num_kv_heads, cfg.head_dim)
@@ -212,43 +155,21 @@ def _layer(p: dict, cfg, v: Variant, x, cos, sin, k_cache, v_cache, start, mask,
         attn = _attention_deferred(q, k_cache, v_cache, mask)
     else:
         attn = attention(q, k_cache, v_cache, mask)
-    x = x + _after("o", _linear(attn.reshape(b, t, nq), p["o"], v))
-    x = _prefetch("gate_up", p.get("gate_up"), x)
+    x = x + _linear(attn.reshape(b, t, nq), p["o"], v, "o")
     h = rms_norm(x, p["mlp_norm"], cfg.rms_norm_eps) if v.elementwise else x
     if v.fuse:
-        gu = _prefetch("down", p["down"], _linear(h, p["gate_up"], v))
+        gu = _linear(h, p["gate_up"], v, "gate_up")
         g, u = gu[..., :cfg.intermediate_size], gu[..., cfg.intermediate_size:]
     else:
-        g, u = _linear(h, p["gate"], v), _linear(h, p["up"], v)
-    x = x + _after("down", _linear(jax.nn.silu(g) * u, p["down"], v))
-    x = _prefetch(*after_layer, x)
+        g, u = _linear(h, p["gate"], v, "gate"), _linear(h, p["up"], v, "up")
+    x = x + _linear(jax.nn.silu(g) * u, p["down"], v, "down")
     return x, k_cache, v_cache
-
-
-@contextlib.contextmanager
-def _twin_routing():
-    """While tracing dense.forward: bf16 linear layers and the untied LM head through the W12 kernel's bf16
-    twin (W12 weights take the W12 kernel as they do anyway)."""
-    lin = functools.partial(w12.linear, interpret=INTERPRET, dense_kernel=True, implementation=TWIN_IMPLEMENTATION)
-    saved_linear, saved_head = dense.linear, dense.lm_head
-
-    def head(params, cfg, x):
-        if cfg.tie_word_embeddings:  # the embedding read as the head: never encoded, XLA either way
-            return saved_head(params, cfg, x)
-        return lin(x, params["lm_head"], out_dtype=jnp.float32)
-
-    dense.linear, dense.lm_head = lin, head
-    try:
-        yield
-    finally:
-        dense.linear, dense.lm_head = saved_linear, saved_head
 
 
 def forward(params: dict, cfg, v: Variant, tokens: jax.Array, cache: KVCache):
     """tokens [B, T] -> (logits [B, T, V] float32, cache with K/V written, uncommitted)."""
     if v.stock:
-        with _twin_routing() if v.twin else contextlib.nullcontext():
-            logits, _, cache = dense.forward(params, cfg, tokens, cache)
+        logits, _, cache = dense.forward(params, cfg, tokens, cache)
         return logits, cache
     x = dense.embed(params, tokens)
     t = tokens.shape[1]
@@ -259,12 +180,11 @@ def forward(params: dict, cfg, v: Variant, tokens: jax.Array, cache: KVCache):
     ks, vs = [], []
     layers = params["layers"]
     for i, p in enumerate(layers):
-        nxt = ("qkv", layers[i + 1].get("qkv")) if i + 1 < len(layers) else ("lm_head", params["lm_head"])
-        x, kc, vc = _layer(p, cfg, v, x, cos, sin, cache.k[i], cache.v[i], start, mask, after_layer=nxt)
+        x, kc, vc = _layer(p, cfg, v, x, cos, sin, cache.k[i], cache.v[i], start, mask)
         ks.append(kc)
         vs.append(vc)
     x = rms_norm(x, params["final_norm"], cfg.rms_norm_eps) if v.elementwise else x
-    logits = _linear(x, params["lm_head"], v, out_dtype=jnp.float32)
+    logits = _linear(x, params["lm_head"], v, "lm_head", out_dtype=jnp.float32)
     return logits, KVCache(k=tuple(ks), v=tuple(vs), lengths=cache.lengths)
 
 

@@ -1,26 +1,23 @@
 """Host loop vs `lax.while_loop` for stock speculative decoding (and AR's fori loop as the baseline).
 
-    python experiments/bench_spec_loops.py [--new-tokens 128] [--repeats 7]
+    PYTHONPATH=. python experiments/bench_spec_loops.py [--new-tokens 128] [--trials 7]
 
 Tiny random target (2 layers) on whatever device jax picks; drafters: oracle replay (tau = B), a
 mixed replay (every third drafted position wrong) and a random DFlash-shaped block drafter.
 Prints median decode ms/token per (batch, block, drafter, loop).
 """
 
-import argparse
+import json
 import statistics
-import sys
-from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+import jax
+import jax.numpy as jnp
 
-import jax  # noqa: E402
-import jax.numpy as jnp  # noqa: E402
-
-from specpilot.decoding import ar, spec  # noqa: E402
-from specpilot.models import dense  # noqa: E402
-from specpilot.models import drafter as dr  # noqa: E402
-from specpilot.models.config import ModelConfig  # noqa: E402
+from specpilot import bench
+from specpilot.decoding import ar, spec
+from specpilot.models import dense
+from specpilot.models import drafter as dr
+from specpilot.models.config import ModelConfig
 
 CFG = ModelConfig(vocab_size=128, hidden_size=64, intermediate_size=128, num_layers=2, num_heads=4,
                   num_kv_heads=2, head_dim=16, qk_norm=True, tap_layers=(0, 1))
@@ -33,15 +30,20 @@ def median_tpot(fn, repeats):
 
 
 def main(argv=None):
-    ap = argparse.ArgumentParser(description=__doc__)
+    ap = bench.common_parser(__doc__.split("\n")[0], shape_default="tiny", shape_help="the target: 'tiny' only",
+                             m_default="1,1,4", m_help="comma list of batch sizes, paired with --blocks",
+                             trials_default=7, kernel_default="xla")
+    ap.add_argument("--blocks", default="4,16,16", help="comma list of block sizes, paired with --m")
     ap.add_argument("--new-tokens", type=int, default=128)
-    ap.add_argument("--repeats", type=int, default=7)
-    args = ap.parse_args(argv)
-    n = args.new_tokens
+    args = bench.parse_common(ap, argv)
+    blocks = bench.comma_list(args.blocks, int)
+    if args.shape != "tiny" or len(blocks) != len(args.m):
+        ap.error("--shape takes 'tiny'; --m and --blocks pair up one to one")
+    n, rows = args.new_tokens, []
     params = dense.init(jax.random.key(0), CFG, dtype=jnp.float32, std=0.5)
-    print(f"device {jax.devices()[0]}, jax {jax.__version__}, {n} new tokens, median of {args.repeats}")
+    print(f"device {jax.devices()[0]}, jax {jax.__version__}, {n} new tokens, median of {args.trials}")
     print(f"{'batch':>5} {'block':>5} {'drafter':>8} {'tau':>6} {'ar':>8} {'while':>8} {'host':>8}")
-    for batch, block in ((1, 4), (1, 16), (4, 16)):
+    for batch, block in zip(args.m, blocks):
         prompts = [[1 + i, 2, 3, 4 + i] for i in range(batch)]
         ar_tokens = ar.generate(TARGET, params, prompts, n + block).tokens.tolist()
         reference = dr.replay_reference(prompts, ar_tokens)
@@ -51,16 +53,22 @@ def main(argv=None):
             "mixed": (dr.ReplayDrafter(CFG.vocab_size, block, shift=1, wrong_every=3), reference),
             "random": (dr.BlockDrafter(dcfg, CFG), dr.init(jax.random.key(1), dcfg, jnp.float32)),
         }
-        t_ar = median_tpot(lambda: ar.generate(TARGET, params, prompts, n), args.repeats)
+        t_ar = median_tpot(lambda: ar.generate(TARGET, params, prompts, n), args.trials)
         for name, (drafter, dparams) in drafters.items():
             row = {}
             for loop in spec.LOOPS:
                 def run(loop=loop):
                     return spec.generate(TARGET, params, drafter, dparams, prompts, n, loop=loop)
-                row[loop] = median_tpot(run, args.repeats)
+                row[loop] = median_tpot(run, args.trials)
             tau = run().stats.tau
             print(f"{batch:>5} {block:>5} {name:>8} {tau:>6.2f} {1e3 * t_ar:>8.3f} "
                   f"{1e3 * row['while']:>8.3f} {1e3 * row['host']:>8.3f}")
+            rows.append({"batch": batch, "block": block, "drafter": name, "tau": tau, "ar_s_per_token": t_ar,
+                         **{f"{loop}_s_per_token": t for loop, t in row.items()}})
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump({"new_tokens": n, "trials": args.trials, "rows": rows}, f, indent=1)
+    return rows
 
 
 if __name__ == "__main__":

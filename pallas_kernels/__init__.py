@@ -1,0 +1,7 @@
+"""Pallas GPU kernels of specpilot, behind one dispatch.
+
+- `dispatch`: chooses an implementation per op (`matmul`, `prepare_params`, `choice`, `OpChoice`).
+- `w12_mosaic`: the W12 decode-matmul kernel and its bf16 twin on Mosaic GPU (Hopper), the runs' kernel.
+- `w12_matmul`: the same product on Pallas' Triton backend, any CUDA GPU.
+- `common`: what both share (the fixed-order split sum, exception-list operands).
+"""

@@ -24,12 +24,11 @@ Design choices:
   exception range (~0.5 exceptions per 8192 weights on trained weights); each listed exception is one
   `where` over the half tile that holds it. No gather (unsupported in Triton-backend kernels). Measured,
   this patch loop is now the kernel's largest cost.
-- Split-K as in `gemv.py`: each program writes its own partial [M, BN]; the XLA sum over splits is tiny.
-  Grid programs never accumulate into a shared output (they run in parallel on the GPU).
-- An M = 1 CUDA-core path (`path="gemv"`, FMA chains row by row, with its own twin) exists and is exact,
-  but measured slower than the tensor-core kernel on the H200 (docs/w12.md), so "auto" does not pick it.
+- Split-K: each program writes its own partial [M, BN]; the fixed-order sum over splits is tiny. Grid
+  programs never accumulate into a shared output (they run in parallel on the GPU).
 - Shapes the kernel cannot tile (odd K, N without a 16-wide power-of-two block, non-bf16 x) raise
-  NotImplementedError inside, and `implementation="pallas"` falls back to the XLA path (decode + dot).
+  NotImplementedError, so `dispatch.matmul` falls through to the next implementation (decode + XLA dot).
+- Settings: one frozen `W12TritonConfig` (its blocks, decoder, interpret), a static argument.
 """
 
 from __future__ import annotations
@@ -39,14 +38,17 @@ import functools
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plt
 
-from pallas_kernels.gemv import NUM_SMS_H200, _largest_pow2_divisor, _pow2
+from pallas_kernels.common import NUM_SMS_H200, exception_lists, largest_pow2_divisor, pow2, sum_splits
 from specpilot.formats.w12 import W12, decode_jnp
 
 MIN_DOT = 16  # Triton's tl.dot wants every dimension >= 16
+
+
+def _next_pow2(n: int) -> int:
+    return 1 << max(0, (n - 1).bit_length())
 
 
 @dataclasses.dataclass(frozen=True)
@@ -66,7 +68,7 @@ class W12Blocks:
     exceptions: str = "loop"
 
 
-def _next_pow2(n: int) -> int:
+def _nextpow2(n: int) -> int:
     return 1 << max(0, (n - 1).bit_length())
 
 
@@ -79,10 +81,10 @@ def default_blocks(k: int, n: int, target_programs: int = 2 * NUM_SMS_H200, m: i
     if k % 2:
         raise NotImplementedError(f"the W12 kernel needs an even K, got {k}")
     kh = k // 2
-    block_n = _largest_pow2_divisor(n, 128)
+    block_n = largest_pow2_divisor(n, 128)
     if block_n < MIN_DOT:
         raise NotImplementedError(f"N = {n} has no power-of-two block >= {MIN_DOT}")
-    splits = [s for s in range(1, kh + 1) if kh % s == 0 and _pow2(kh // s) and kh // s >= MIN_DOT]
+    splits = [s for s in range(1, kh + 1) if kh % s == 0 and pow2(kh // s) and kh // s >= MIN_DOT]
     if not splits:
         raise NotImplementedError(f"K / 2 = {kh} has no power-of-two split >= {MIN_DOT}")
     block_k = min(32, kh // splits[0])
@@ -92,38 +94,17 @@ def default_blocks(k: int, n: int, target_programs: int = 2 * NUM_SMS_H200, m: i
                      exceptions="branch" if m > 32 else "loop")
 
 
-def default_gemv_blocks(k: int, n: int, target_programs: int = 2 * NUM_SMS_H200) -> W12Blocks:
-    """Blocks of the M = 1 GEMV path: up to 1024 columns (one row of them per load), 8 half-rows per
-    loop step (16 rows of W), and the smallest split of K that gives `target_programs` programs."""
-    if k % 2:
-        raise NotImplementedError(f"the W12 kernel needs an even K, got {k}")
-    kh = k // 2
-    block_n = _largest_pow2_divisor(n, 1024)
-    splits = [s for s in range(1, kh + 1) if kh % s == 0 and _pow2(kh // s)]
-    if block_n < 16 or not splits:
-        raise NotImplementedError(f"the W12 GEMV cannot tile a [{k}, {n}] weight")
-    block_k = min(8, kh // splits[0])
-    splits = [s for s in splits if kh // s >= block_k]
-    split_k = next((s for s in splits if (n // block_n) * s >= target_programs), splits[-1])
-    return W12Blocks(block_n=block_n, block_k=block_k, split_k=split_k, num_stages=4)
-
-
 def _tiles(k: int, n: int, b: W12Blocks) -> bool:
     """Even K, block_n | N, (K/2)/split_k a power of two divisible by block_k, power-of-two blocks."""
     kh, s = k // 2, b.split_k
-    return (k % 2 == 0 and n % b.block_n == 0 and kh % s == 0 and _pow2(kh // s) and _pow2(b.block_n)
-            and _pow2(b.block_k) and (kh // s) % b.block_k == 0)
-
-
-def check_gemv_blocks(k: int, n: int, b: W12Blocks) -> None:
-    if not _tiles(k, n, b):
-        raise ValueError(f"GEMV blocks {b} do not tile a [{k}, {n}] weight")
+    return (k % 2 == 0 and n % b.block_n == 0 and kh % s == 0 and pow2(kh // s) and pow2(b.block_n)
+            and pow2(b.block_k) and (kh // s) % b.block_k == 0)
 
 
 def check_blocks(k: int, n: int, b: W12Blocks) -> None:
     if b.exceptions not in ("loop", "branch"):
         raise ValueError(f"exceptions must be 'loop' or 'branch', got {b.exceptions!r}")
-    ok = _tiles(k, n, b) and _pow2(b.block_m) and min(b.block_n, b.block_k, b.block_m) >= MIN_DOT
+    ok = _tiles(k, n, b) and pow2(b.block_m) and min(b.block_n, b.block_k, b.block_m) >= MIN_DOT
     if not ok:
         raise ValueError(f"blocks {b} do not tile a [{k}, {n}] weight: need even K, powers of two >= "
                          f"{MIN_DOT}, block_n | N, (K/2)/split_k a power of two divisible by block_k")
@@ -252,8 +233,7 @@ def _decode_asm(sm, nib, base, ptx: str):
 
 def _w12_loader(sm_lo_ref, sm_hi_ref, nib_ref, base_ref, ptr_ref, row_ref, col_ref, val_ref, *,
                 block_k: int, k_half: int, group_n: int, group_k: int, n_groups_k: int,
-                asm: bool = False, diagnostic_load_only: bool = False, patch_exceptions: bool = True,
-                patch_branch: bool = False):
+                asm: bool = False, patch_branch: bool = False):
     # sm_lo_ref, sm_hi_ref: [KS, BN] int8 sign|mantissa of the lower / upper K half
     # nib_ref: [KS, BN] uint8 codes (low nibble: lower half, high nibble: upper half); base_ref: [1, BN]
     # ptr_ref: [n_cb * n_g + 1] int32 CSR offsets; row_ref, col_ref: [E] int32; val_ref: [E] uint16
@@ -304,9 +284,6 @@ def _w12_loader(sm_lo_ref, sm_hi_ref, nib_ref, base_ref, ptr_ref, row_ref, col_r
 
     def decode(raw, k0):
         sm_lo, sm_hi, nib, bounds = raw
-        if diagnostic_load_only:  # benchmark only, wrong values: the planes' loads with one op per weight
-            nib = nib.astype(jnp.int32)
-            return _as_bf16(sm_lo.astype(jnp.int32) ^ nib), _as_bf16(sm_hi.astype(jnp.int32) ^ nib)
         if asm:
             lo = _decode_asm(sm_lo, nib, base, _DECODE_PTX_LO)
             hi = _decode_asm(sm_hi, nib, base, _DECODE_PTX_HI)
@@ -314,11 +291,11 @@ def _w12_loader(sm_lo_ref, sm_hi_ref, nib_ref, base_ref, ptr_ref, row_ref, col_r
             nib = nib.astype(jnp.int32)  # zero-extended; int8 -> int32 sign-extends: bit 15 is the sign
             lo = (sm_lo.astype(jnp.int32) & 0x807F) | (((nib & 0xF) << 7) + base7)
             hi = (sm_hi.astype(jnp.int32) & 0x807F) | (((nib >> 4) << 7) + base7)
-        if patch_exceptions and patch_branch:  # W12Blocks.exceptions == "branch"
+        if patch_branch:  # W12Blocks.exceptions == "branch"
             listed = sum(stop - start for start, stop in bounds)
             lo, hi = jax.lax.cond(listed > 0, lambda lo, hi: patch(s * ks + k0, lo, hi, bounds),
                                   lambda lo, hi: (lo, hi), lo, hi)
-        elif patch_exceptions:  # compiled in even for matrices without exceptions (see _w12_operands)
+        else:  # compiled in even for matrices without exceptions (see _w12_operands)
             lo, hi = patch(s * ks + k0, lo, hi, bounds)
         if asm:
             return jax.lax.bitcast_convert_type(lo, jnp.bfloat16), jax.lax.bitcast_convert_type(hi, jnp.bfloat16)
@@ -349,85 +326,6 @@ def _w12_decode_kernel(*refs, block_k: int, **fmt):
         return carry
 
     jax.lax.fori_loop(0, o_lo_ref.shape[0] // block_k, step, 0)
-
-
-# ---- M = 1: CUDA-core GEMV bodies (no tensor cores) ----------------------------------------------------
-# Rows of W are taken one at a time, each a [1, BN] vector, and every output column's sum is one chain of
-# FMAs in row order (lower-half row k, then upper-half row Kh + k, then k + 1, ...). No reduction across
-# threads, so the summation order is the same whatever layout the compiler gives each load: the W12 path
-# and its twin agree bit for bit by construction (a bf16 x bf16 product is exact in float32).
-
-_SIGN_MANT_F32 = np.uint32(0x807F0000).view(np.int32)  # sign bit and the 7 mantissa bits of a bf16 in f32
-
-
-def _gemv_body(x_lo_ref, x_hi_ref, o_ref, load_rows, *, block_k: int):
-    # x_lo_ref, x_hi_ref: [KS, 1] bf16, this split's rows of the lower / upper K half of x (transposed);
-    # o_ref: [1, BN] this split's partial row; load_rows(k0) -> block_k pairs of float32 [1, BN] rows.
-    ks = x_lo_ref.shape[0]
-
-    def step(i, acc):
-        k0 = pl.multiple_of(i * block_k, block_k)
-        for r, (w_lo, w_hi) in enumerate(load_rows(k0)):  # static: block_k rows per loop step
-            acc = acc + x_lo_ref[pl.ds(k0 + r, 1), :].astype(jnp.float32) * w_lo
-            acc = acc + x_hi_ref[pl.ds(k0 + r, 1), :].astype(jnp.float32) * w_hi
-        return acc
-
-    o_ref[...] = jax.lax.fori_loop(0, ks // block_k, step, jnp.zeros(o_ref.shape, jnp.float32))
-
-
-def _bf16_gemv_kernel(x_lo_ref, x_hi_ref, w_lo_ref, w_hi_ref, o_ref, *, block_k: int):
-    def load_rows(k0):  # bf16 -> float32 is exact
-        return [(w_lo_ref[pl.ds(k0 + r, 1), :].astype(jnp.float32),
-                 w_hi_ref[pl.ds(k0 + r, 1), :].astype(jnp.float32)) for r in range(block_k)]
-
-    _gemv_body(x_lo_ref, x_hi_ref, o_ref, load_rows, block_k=block_k)
-
-
-def _w12_gemv_kernel(x_lo_ref, x_hi_ref, sm_lo_ref, sm_hi_ref, nib_ref, base_ref, ptr_ref, row_ref, col_ref,
-                     val_ref, o_ref, *, block_k: int, k_half: int, group_n: int, group_k: int,
-                     n_groups_k: int):
-    # Decodes straight to float32 bits: sext(sm) << 16 puts the sign at bit 31 and the mantissa at bits
-    # 16..22; the exponent is (code + base) << 23. Exceptions patch the float32 bits (val << 16), in a
-    # branch taken only by steps whose CSR cells list any.
-    j, s = pl.program_id(0), pl.program_id(1)
-    ks, block_n = nib_ref.shape
-    base23 = base_ref[...].astype(jnp.int32) << 23  # [1, BN]
-    cols = j * block_n + jax.lax.broadcasted_iota(jnp.int32, (1, block_n), 1)
-    cells = [((j * block_n) // group_n + c) * n_groups_k for c in range(max(1, block_n // group_n))]
-
-    def decode(k0):
-        out = []
-        for r in range(block_k):
-            nib = nib_ref[pl.ds(k0 + r, 1), :].astype(jnp.int32)
-            lo = ((sm_lo_ref[pl.ds(k0 + r, 1), :].astype(jnp.int32) << 16) & _SIGN_MANT_F32) | (
-                ((nib & 0xF) << 23) + base23)
-            hi = ((sm_hi_ref[pl.ds(k0 + r, 1), :].astype(jnp.int32) << 16) & _SIGN_MANT_F32) | (
-                ((nib >> 4) << 23) + base23)
-            out += [lo, hi]
-        return out
-
-    def load_rows(k0):
-        row0 = s * ks + k0  # global half-row of this step's first row
-        g0, g1 = row0 // group_k, (row0 + block_k + group_k - 1) // group_k
-        count = sum(ptr_ref[c + g1] - ptr_ref[c + g0] for c in cells)
-        rows = decode(k0)
-
-        def patch(rows):
-            rows = list(rows)
-            for c in cells:
-                def one(e, rows):
-                    r, col, v = row_ref[e], col_ref[e], val_ref[e].astype(jnp.int32) << 16
-                    at_col = cols == col
-                    return tuple(jnp.where((r == row0 + i // 2 + (i % 2) * k_half) & at_col, v, x)
-                                 for i, x in enumerate(rows))
-                rows = list(jax.lax.fori_loop(ptr_ref[c + g0], ptr_ref[c + g1], one, tuple(rows)))
-            return tuple(rows)
-
-        rows = jax.lax.cond(count > 0, patch, lambda rows: tuple(rows), tuple(rows))
-        f32 = [jax.lax.bitcast_convert_type(x, jnp.float32) for x in rows]
-        return list(zip(f32[0::2], f32[1::2]))
-
-    _gemv_body(x_lo_ref, x_hi_ref, o_ref, load_rows, block_k=block_k)
 
 
 # ---- pallas_call wrappers ------------------------------------------------------------------------------
@@ -472,19 +370,6 @@ def _whole(a) -> pl.BlockSpec:
     return pl.BlockSpec(a.shape, lambda *_: (0,) * a.ndim)
 
 
-def no_exception_lists() -> tuple[jax.Array, jax.Array, jax.Array]:
-    """(rows, cols, bits) standing for no exceptions: one sentinel at row -1, which matches nothing."""
-    return jnp.full((1,), -1, jnp.int32), jnp.full((1,), -1, jnp.int32), jnp.zeros((1,), jnp.uint16)
-
-
-def exception_lists(w: W12) -> tuple[jax.Array, jax.Array, jax.Array]:
-    """(rows, cols, bits) of the exceptions as kernel operands: zero-size operands do not lower, so a
-    matrix without exceptions gets `no_exception_lists`."""
-    if w.num_exceptions == 0:
-        return no_exception_lists()
-    return w.exc_row, w.exc_col, w.exc_val
-
-
 def _w12_operands(w: W12, b: W12Blocks):
     """(in_specs, operands, format kwargs) for the 8 W12 refs of `_w12_loader`, on a grid (j, si, ...)."""
     k, n = w.shape
@@ -500,30 +385,19 @@ def _w12_operands(w: W12, b: W12Blocks):
     return specs, operands, fmt
 
 
-@functools.partial(jax.jit, static_argnames=("blocks", "interpret", "diagnostic_load_only", "swapped", "decode",
-                                             "diagnostic_no_patch"))
+@functools.partial(jax.jit, static_argnames=("blocks", "interpret", "swapped", "decode"))
 def w12_matmul_partials(x: jax.Array, w: W12, blocks: W12Blocks | None = None,
-                        interpret: bool = False, diagnostic_load_only: bool = False,
-                        swapped: bool = False, decode: str = "auto", diagnostic_no_patch: bool = False) -> jax.Array:
+                        interpret: bool = False, swapped: bool = False, decode: str = "auto") -> jax.Array:
     """x [M, K] bf16, W12 [K, N] -> per-split partial products [split_k, M, N] float32.
 
     `decode`: "asm" (PTX on packed registers, compiled kernels only), "jnp" (elementwise, any backend) or
-    "auto" (asm unless interpreting).
-
-    `diagnostic_load_only` (benchmarks only; the result is NOT the product) loads every plane as usual
-    but builds the tiles with one XOR per weight instead of decoding, and skips exceptions: its time
-    against the real kernel's separates the decode arithmetic from the loads and the matmul.
-    `diagnostic_no_patch` (benchmarks only) compiles the kernel without the exception patch loop: exact
-    only for matrices without exceptions; it measures what the nested loop costs the K loop."""
+    "auto" (asm unless interpreting). `swapped`: y^T = W^T x^T (the decoded tile as the MMA's first
+    operand); the same products."""
     k, n = w.shape
     m = x.shape[0]
     xp, b, x_specs, common = _setup(x, k, n, blocks, swapped)
     specs, operands, fmt = _w12_operands(w, b)
     fmt.update(asm=_use_asm(decode, interpret), patch_branch=b.exceptions == "branch")
-    if diagnostic_load_only:
-        fmt = {**fmt, "diagnostic_load_only": True}
-    if diagnostic_no_patch:  # benchmarks only: exact only for matrices without exceptions
-        fmt = {**fmt, "patch_exceptions": False}
     out = pl.pallas_call(
         functools.partial(_w12_kernel, block_k=b.block_k, m=m, swapped=swapped, prefetch=b.prefetch, **fmt),
         in_specs=[*x_specs, *specs], interpret=interpret, **common,
@@ -570,116 +444,55 @@ def bf16_matmul_partials(x: jax.Array, w: jax.Array, blocks: W12Blocks | None = 
     return out[:, :m]
 
 
-def _gemv_setup(x: jax.Array, k: int, n: int, blocks: W12Blocks | None):
-    if x.ndim != 2 or x.shape[1] != k:
-        raise ValueError(f"x {x.shape} does not match a [{k}, {n}] weight")
-    if x.shape[0] != 1:
-        raise NotImplementedError(f"the GEMV path takes M = 1, got {x.shape[0]}")
-    if x.dtype != jnp.bfloat16:
-        raise NotImplementedError(f"the kernel multiplies bf16 activations, got {x.dtype}")
-    b = blocks or default_gemv_blocks(k, n)
-    check_gemv_blocks(k, n, b)
-    s, ks = b.split_k, k // 2 // b.split_k
-    x_specs = [pl.BlockSpec((ks, 1), lambda j, si: (si, 0)),
-               pl.BlockSpec((ks, 1), lambda j, si: (s + si, 0))]
-    common = dict(
-        grid=(n // b.block_n, s),
-        out_shape=jax.ShapeDtypeStruct((s, 1, n), jnp.float32),
-        out_specs=pl.BlockSpec((None, 1, b.block_n), lambda j, si: (si, 0, j)),
-        compiler_params=plt.CompilerParams(num_warps=b.num_warps, num_stages=b.num_stages),
-    )
-    return x.T, b, x_specs, common
-
-
-@functools.partial(jax.jit, static_argnames=("blocks", "interpret"))
-def w12_gemv_partials(x: jax.Array, w: W12, blocks: W12Blocks | None = None,
-                      interpret: bool = False) -> jax.Array:
-    """M = 1 path: x [1, K] bf16, W12 [K, N] -> partial products [split_k, 1, N] float32 (CUDA cores)."""
-    k, n = w.shape
-    xt, b, x_specs, common = _gemv_setup(x, k, n, blocks)
-    specs, operands, fmt = _w12_operands(w, b)
-    return pl.pallas_call(
-        functools.partial(_w12_gemv_kernel, block_k=b.block_k, **fmt),
-        in_specs=[*x_specs, *specs], interpret=interpret, **common,
-    )(xt, xt, *operands)
-
-
-@functools.partial(jax.jit, static_argnames=("blocks", "interpret"))
-def bf16_gemv_partials(x: jax.Array, w: jax.Array, blocks: W12Blocks | None = None,
-                       interpret: bool = False) -> jax.Array:
-    """The GEMV path's twin over the original bf16 [K, N] weight: same tiling, same order."""
-    k, n = w.shape
-    if w.dtype != jnp.bfloat16:
-        raise NotImplementedError(f"the twin reads bf16 weights, got {w.dtype}")
-    xt, b, x_specs, common = _gemv_setup(x, k, n, blocks)
-    return pl.pallas_call(
-        functools.partial(_bf16_gemv_kernel, block_k=b.block_k),
-        in_specs=[*x_specs, *_half_specs(b, k // 2 // b.split_k)], interpret=interpret, **common,
-    )(xt, xt, w, w)
-
-
 # ---- public API ----------------------------------------------------------------------------------------
+
+@dataclasses.dataclass(frozen=True)
+class W12TritonConfig:
+    """The Triton-backend W12 kernel's settings: blocks (None: `default_blocks` by shape and rows), the
+    decoder ("auto": PTX when compiled for NVIDIA, jnp in the interpreter), the operand order
+    (`swapped`) and interpret (None: on CPU backends)."""
+
+    blocks: W12Blocks | None = None
+    decode: str = "auto"
+    swapped: bool = False
+    interpret: bool | None = None
+
+    def __post_init__(self):
+        if self.decode not in DECODES:
+            raise ValueError(f"decode must be one of {DECODES}, got {self.decode!r}")
+
+
+def _run(partials_fn, x: jax.Array, w, config: W12TritonConfig) -> jax.Array:
+    backend = jax.default_backend()
+    if backend not in ("cpu", "gpu"):
+        raise NotImplementedError(f"the Triton-backend W12 kernel runs on GPUs (or interpreted on CPUs), "
+                                  f"not {backend!r}")
+    interpret = backend == "cpu" if config.interpret is None else config.interpret
+    k, n = w.shape
+    y = sum_splits(partials_fn(x.reshape(-1, k), w, blocks=config.blocks, interpret=interpret,
+                               swapped=config.swapped))
+    return y.reshape(*x.shape[:-1], n)
+
+
+def w12_matmul(x: jax.Array, w: W12, config: W12TritonConfig = W12TritonConfig()) -> jax.Array:
+    """x [..., K] @ W12 [K, N] -> [..., N] float32 through the kernel. Raises NotImplementedError where the
+    kernel does not apply (shape, dtype or backend)."""
+    if not isinstance(w, W12):
+        raise NotImplementedError(f"the Triton W12 kernel multiplies W12 weights, got {type(w).__name__}")
+    return _run(functools.partial(w12_matmul_partials, decode=config.decode), x, w, config)
+
+
+def bf16_matmul(x: jax.Array, w: jax.Array, config: W12TritonConfig = W12TritonConfig()) -> jax.Array:
+    """The twin's public function: x [..., K] @ bf16 W [K, N] -> [..., N] float32, same tiling and order,
+    so it equals `w12_matmul` bit for bit."""
+    return _run(bf16_matmul_partials, x, w, config)
+
 
 def w12_matmul_reference(x: jax.Array, w: W12) -> jax.Array:
     """Pure jnp: decode the whole matrix, then XLA's dot. x [..., K] -> [..., N] float32."""
     return jnp.einsum("...k,kn->...n", x, decode_jnp(w), preferred_element_type=jnp.float32)
 
 
-def sum_splits(partials: jax.Array) -> jax.Array:
-    """[S, M, N] -> [M, N], adding the splits in index order as one chain of adds. An XLA reduce picks its
-    summation order by fusion context (eager vs inside a larger jit gave different bits on the H200), so
-    the order is written out: the W12 path and its twin then agree bit for bit wherever they are called."""
-    acc = partials[0]
-    for i in range(1, partials.shape[0]):
-        acc = acc + partials[i]
-    return acc
-
-
-M1_PATH = "mma"  # the path "auto" takes at M = 1: "mma" (tensor cores) or "gemv" (CUDA cores)
-PATHS = ("auto", "mma", "mma_t", "gemv")
-
-
-def _dispatch(partials_fn, gemv_fn, reference_fn, x, w, implementation, path, blocks, interpret):
-    if implementation not in ("pallas", "xla"):
-        raise ValueError(f"implementation must be 'pallas' or 'xla', got {implementation!r}")
-    if path not in PATHS:
-        raise ValueError(f"path must be one of {PATHS}, got {path!r}")
-    k, n = w.shape
-    backend = jax.default_backend()
-    if implementation == "pallas" and backend in ("cpu", "gpu"):
-        interpret = backend == "cpu" if interpret is None else interpret
-        x2 = x.reshape(-1, k)
-        if path == "auto":
-            path = "gemv" if x2.shape[0] == 1 and M1_PATH == "gemv" else "mma"
-        fn = {"gemv": gemv_fn, "mma": partials_fn,
-              "mma_t": functools.partial(partials_fn, swapped=True)}[path]
-        try:
-            y = sum_splits(fn(x2, w, blocks=blocks, interpret=interpret))
-            return y.reshape(*x.shape[:-1], n)
-        except NotImplementedError:
-            pass
-    return reference_fn(x, w)
-
-
-def w12_matmul(x: jax.Array, w: W12, *, implementation: str = "pallas", path: str = "auto",
-               blocks: W12Blocks | None = None, interpret: bool | None = None, decode: str = "auto") -> jax.Array:
-    """x [..., K] @ W12 [K, N] -> [..., N] float32. "pallas" falls back to "xla" (decode + XLA dot) where
-    the kernel does not apply; interpret=None runs the kernel in interpret mode on CPU backends. `path`
-    picks the tensor-core kernel ("mma"), the same with operands swapped (y^T = W^T x^T: "mma_t"), the
-    M = 1 CUDA-core GEMV ("gemv"), or by M ("auto"). `decode` picks the tensor-core paths' decoder
-    (`w12_matmul_partials`)."""
-    partials = functools.partial(w12_matmul_partials, decode=decode)
-    return _dispatch(partials, w12_gemv_partials, w12_matmul_reference, x, w, implementation,
-                     path, blocks, interpret)
-
-
-def bf16_matmul(x: jax.Array, w: jax.Array, *, implementation: str = "pallas", path: str = "auto",
-                blocks: W12Blocks | None = None, interpret: bool | None = None) -> jax.Array:
-    """The twin's public function: x [..., K] @ bf16 W [K, N] -> [..., N] float32 (same paths and
-    fallbacks, so it equals `w12_matmul` bit for bit)."""
-
-    def reference(x, w):
-        return jnp.einsum("...k,kn->...n", x, w, preferred_element_type=jnp.float32)
-
-    return _dispatch(bf16_matmul_partials, bf16_gemv_partials, reference, x, w, implementation, path, blocks,
-                     interpret)
+def bf16_matmul_reference(x: jax.Array, w: jax.Array) -> jax.Array:
+    """Pure jnp: XLA's dot of x [..., K] and the bf16 [K, N] weight, float32 accumulation."""
+    return jnp.einsum("...k,kn->...n", x, w, preferred_element_type=jnp.float32)

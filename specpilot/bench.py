@@ -16,10 +16,14 @@ Design choices:
 - `kernel_summary` reads the Perfetto trace that `jax.profiler.trace(..., create_perfetto_trace=True)`
   writes and sums kernel durations per name on the device's streams: busy time vs wall time per step
   is the launch-gap share, and the per-name table says which ops hold the rest.
+- The benchmark scripts (experiments/bench_*.py) share one argument schema (`common_parser`): --shape,
+  --m, --trials, --out, --profile, and the kernel choice (--kernel, --kernel-config), which
+  `matmul_choice` turns into a `pallas_kernels.dispatch.OpChoice` as a plan would.
 """
 
 from __future__ import annotations
 
+import argparse
 import collections
 import glob
 import gzip
@@ -243,3 +247,61 @@ def make_chain(k: int, mm):
         return x
 
     return chain
+
+
+# ---- the benchmark scripts' shared arguments --------------------------------------------------------
+
+def common_parser(description: str, *, shape_default: str, shape_help: str, m_default: str,
+                  m_help: str = "comma list of rows per product", trials_default: int = 5,
+                  kernel_default: str = "mosaic,xla") -> argparse.ArgumentParser:
+    """An argument parser holding the flags every benchmark script takes, the same way."""
+    p = argparse.ArgumentParser(description=description)
+    p.add_argument("--shape", default=shape_default, help=shape_help)
+    p.add_argument("--m", default=m_default, help=m_help)
+    p.add_argument("--trials", type=int, default=trials_default,
+                   help="timed passes per row; the row's time is their median")
+    p.add_argument("--out", default="", help="write the JSON record here")
+    p.add_argument("--profile", default="",
+                   help="comma list of rows (name prefixes) to trace with the JAX profiler (kernel times per call)")
+    p.add_argument("--kernel", default=kernel_default,
+                   help="matmul implementations in order of preference (pallas_kernels.dispatch.IMPLEMENTATIONS)")
+    p.add_argument("--kernel-config", default="",
+                   help="JSON object of the first implementation's settings, e.g. '{\"mp_choices\": [8, 16, 64]}'")
+    return p
+
+
+def comma_list(text: str, type_=str) -> list:
+    return [type_(s) for s in text.split(",") if s]
+
+
+def parse_common(p: argparse.ArgumentParser, argv=None) -> argparse.Namespace:
+    """Parse, then check and convert the shared flags: `m` a list of ints, `profile` a list, `trials` >= 1,
+    `choice` the matmul OpChoice (errors name the flag)."""
+    args = p.parse_args(argv)
+    try:
+        args.m = comma_list(args.m, int)
+    except ValueError:
+        p.error(f"--m takes a comma list of integers, got {args.m!r}")
+    if not args.m or min(args.m) < 1:
+        p.error(f"--m takes row counts >= 1, got {args.m}")
+    if args.trials < 1:
+        p.error(f"--trials must be >= 1, got {args.trials}")
+    args.profile = comma_list(args.profile)
+    try:
+        args.choice = matmul_choice(args.kernel, args.kernel_config)
+    except (ValueError, TypeError) as e:
+        p.error(f"--kernel / --kernel-config: {e}")
+    return args
+
+
+def matmul_choice(kernel: str, kernel_config: str = ""):
+    """"mosaic,xla" and '{"small_m_stages": 3}' -> the matmul OpChoice a plan with those values would hold."""
+    from pallas_kernels import dispatch
+
+    try:
+        config = json.loads(kernel_config) if kernel_config else None
+    except json.JSONDecodeError as e:
+        raise ValueError(f"the config is not JSON: {e}") from None
+    if config is not None and not isinstance(config, dict):
+        raise ValueError(f"the config must be a JSON object, got {kernel_config!r}")
+    return dispatch.choice("matmul", comma_list(kernel), config)

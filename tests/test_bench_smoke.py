@@ -1,19 +1,20 @@
-"""Smoke test of the AR benchmark on the tiny shape (CPU, seconds): the record has sane fields.
+"""Smoke tests of the benchmark scripts on tiny shapes (CPU, seconds): the records have sane fields, the W12
+rows equal the rows that must give their bits, and the shared arguments parse and refuse the same way.
 
 No timing thresholds: CPU timings say nothing about the GPU and would make the test flaky.
 """
 
-import csv
 import importlib.util
+import json
 import math
 import os
-import sys
 
-import numpy as np
 import pytest
 
+from pallas_kernels import dispatch
+from pallas_kernels import w12_mosaic as mk
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, ROOT)
 
 
 def _load(name):
@@ -28,26 +29,33 @@ def bench_ar():
     return _load("bench_ar")
 
 
+@pytest.fixture(scope="module")
+def bench_w12():
+    return _load("bench_w12")
+
+
+TINY_AR = ["--shape", "tiny", "--context", "8", "--new-tokens", "4", "--warmup", "1", "--copy-gib", "0.01"]
+
+
 def test_bench_ar_tiny_record(bench_ar, tmp_path):
     out = tmp_path / "r.json"
-    rec = bench_ar.main(["--shape", "tiny", "--context", "8", "--new-tokens", "4", "--warmup", "1",
-                         "--copy-gib", "0.01", "--variants", "stock", "--out", str(out)])
-    assert out.is_file()
-    assert rec["shape"] == "tiny" and rec["batch"] == 1 and rec["new_tokens"] == 4
+    rec = bench_ar.main(TINY_AR + ["--variants", "stock", "--out", str(out)])
+    assert out.is_file() and json.loads(out.read_text())["shape"] == "tiny"
+    assert rec["shape"] == "tiny" and rec["batch"] == 1 and rec["new_tokens"] == 4 and rec["trials"] == 5
     assert rec["copy"]["bw"] > 0 and rec["floor_ms"] > 0 and rec["prefill_ms"] > 0
     sb = rec["step_bytes"]
     assert sb["total"] == sb["weights"] + sb["embed_rows"] + sb["kv_read"] + sb["kv_write"] + sb["logits"]
     v = rec["variants"]["stock"]
     assert "error" not in v, v.get("error")
     assert v["n"] == 4 and 0 < v["p10_ms"] <= v["median_ms"] <= v["p90_ms"]
+    assert len(v["gen_ms_per_token_passes"]) == 5
     assert v["gen_ms_per_token"] > 0 and math.isclose(v["tokens_per_s"], 1e3 / v["gen_ms_per_token"])
     assert v["pct_copy_bw"] > 0 and v["first_logits_finite"] and v["token_match_frac"] == 1.0
 
 
 @pytest.mark.slow
 def test_bench_ar_tiny_variants_agree(bench_ar):
-    rec = bench_ar.main(["--shape", "tiny", "--context", "8", "--new-tokens", "4", "--warmup", "1",
-                         "--copy-gib", "0.01", "--variants", "stock,replica,fused,fused_nk,stock_fori"])
+    rec = bench_ar.main(TINY_AR + ["--variants", "stock,replica,fused,fused_nk,stock_fori"])
     for name, v in rec["variants"].items():
         assert "error" not in v, (name, v.get("error"))
         # Same function of the same weights: greedy tokens agree with stock's.
@@ -68,24 +76,62 @@ def test_step_bytes_qwen3_8b(bench_ar):
 
 
 def test_bench_ar_tiny_w12_rows(bench_ar, tmp_path):
-    """bf16 vs W12 at batch 1: XLA bf16, the kernel's bf16 twin and W12 (interpret mode on the CPU); the W12
-    run computes the twin's logits bit for bit, and its bandwidth counts the W12 bytes."""
-    rec = bench_ar.main(["--shape", "tiny", "--context", "8", "--new-tokens", "4", "--warmup", "1",
-                         "--copy-gib", "0.01", "--weights", "bf16,w12", "--out", str(tmp_path / "r.json")])
-    assert list(rec["variants"]) == ["stock", "stock_twin", "stock@w12"]
+    """bf16 vs W12 at batch 1 with `--kernel xla` (decode + XLA's dot): each @w12 row gives its bf16 row's
+    logits and tokens bit for bit, and its bandwidth counts the W12 bytes."""
+    rec = bench_ar.main(TINY_AR + ["--kernel", "xla", "--weights", "bf16,w12", "--variants", "stock,fused",
+                                   "--trials", "2", "--out", str(tmp_path / "r.json")])
+    assert list(rec["variants"]) == ["stock", "fused", "stock@w12", "fused@w12"]
     for name, v in rec["variants"].items():
         assert "error" not in v, (name, v.get("error"))
         assert v["gen_ms_per_token"] > 0 and v["median_ms"] > 0
-    assert rec["variants"]["stock@w12"]["weights"] == "w12"
-    assert rec["variants"]["stock_twin"]["first_logits_rel_err_vs_ref"] > 0  # really not XLA's dot
-    twin = rec["variants"]["stock@w12"]["vs_twin"]
-    assert twin["twin"] == "stock_twin" and twin["exact"] and twin["first_logits_bit_equal"]
+    for name in ("stock", "fused"):
+        row = rec["variants"][f"{name}@w12"]
+        assert row["weights"] == "w12" and row["vs_bf16"]["twin"] == name
+        assert row["vs_bf16"]["exact"] and row["vs_bf16"]["first_logits_bit_equal"]
     e = rec["w12"]
-    assert e["matrices"] == 2 * 7 + 1 and not e["kept_bf16"] and e["encode_s"] > 0
+    assert e["matrices"] == 2 * 7 + 1 and not e["kept_bf16"] and e["encode_s"] > 0 and e["layout"] == ["W12"]
     assert 12.0 < e["bits_per_weight"] < 12.5  # K = 64: the per-column base byte is 0.125 bits
     sb, sw = rec["step_bytes"], rec["step_bytes_w12"]
     assert sw["total"] - sb["total"] == e["bytes"] - e["bf16_bytes_replaced"] < 0
     assert rec["variants"]["stock@w12"]["step_bytes_total"] == sw["total"]
+    assert rec["kernel"] == ["xla"] and rec["kernel_config"] == {}
+
+
+@pytest.mark.slow  # about 90 s in the interpreter
+def test_bench_ar_tiled_twin_rows(bench_ar, tmp_path):
+    """--weights ...,twin with --kernel mosaic: the bf16 weights tiled once for the Mosaic kernel's twin give
+    a bf16 row with W12's kernel structure, and the @w12 row equals it bit for bit (interpreter on the CPU);
+    the settings of --kernel-config are recorded. The twin layout needs the Mosaic kernel."""
+    rec = bench_ar.main(["--shape", "tiny-mosaic", "--kernel", "mosaic,xla", "--kernel-config",
+                         '{"small_m_stages": 3}', "--weights", "bf16,w12,twin", "--trials", "1", "--variants",
+                         "stock,fused", "--context", "8", "--new-tokens", "3", "--warmup", "1", "--copy-gib",
+                         "0.01", "--out", str(tmp_path / "r.json")])
+    assert list(rec["variants"]) == ["stock", "fused", "stock@twin", "fused@twin", "stock@w12", "fused@w12"]
+    for name, v in rec["variants"].items():
+        assert "error" not in v, (name, v.get("error"))
+    assert rec["kernel_config"]["small_m_stages"] == 3 and rec["w12"]["layout"] == ["W12NK"]
+    assert rec["variants"]["fused@twin"]["step_bytes_total"] == rec["step_bytes"]["total"]  # bf16 bytes
+    for name in ("stock", "fused"):
+        row = rec["variants"][f"{name}@w12"]["vs_twin"]
+        assert row["twin"] == f"{name}@twin" and row["exact"] and row["first_logits_bit_equal"]
+    with pytest.raises(SystemExit):
+        bench_ar.parse_args(["--kernel", "xla", "--weights", "bf16,twin"])  # the twin's tiles are Mosaic's
+
+
+def test_shared_arguments_parse_and_refuse(bench_ar, bench_w12):
+    """The scripts' shared flags: the kernel choice is the OpChoice a plan with those values holds; bad
+    values are refused with the flag named (argparse exits)."""
+    args = bench_ar.parse_args(["--kernel", "mosaic,xla", "--kernel-config", '{"mp_choices": [8, 16, 64]}',
+                                "--m", "2", "--profile", "fused,stock"])
+    assert args.choice == dispatch.OpChoice(("mosaic", "xla"), mk.W12MosaicConfig(mp_choices=(8, 16, 64)))
+    assert args.batch == 2 and args.profile == ["fused", "stock"]
+    for bad in (["--kernel", "cuda"], ["--kernel-config", '{"block_k": 64}'], ["--kernel-config", "[1]"],
+                ["--kernel-config", "{bad"], ["--m", "1,2"], ["--m", "0"], ["--trials", "0"], ["--shape", "huge"],
+                ["--weights", "int4"]):
+        with pytest.raises(SystemExit):
+            bench_ar.parse_args(bad)
+    with pytest.raises(SystemExit):
+        bench_w12.main(["--shape", "128x"])
 
 
 def test_kernel_summary_reads_a_perfetto_trace(tmp_path):
@@ -154,191 +200,48 @@ def test_kernel_summary_times_each_call_of_a_step(tmp_path, bench_ar):
         "b": {"calls": 1, "us_median": 2.0, "us_per_step": 2.0}}
 
 
-@pytest.mark.slow  # about 90 s in the interpreter; twin_params' bits: test_w12_mosaic
-def test_bench_ar_tiled_twin_rows(bench_ar, tmp_path):
-    """--weights ...,twin: the bf16 weights tiled once for the Mosaic kernel's twin (`w12.TwinNK`) give a bf16
-    row with W12's kernel structure; the @w12 row equals it bit for bit, as it equals the per-call twin
-    (interpret mode on the CPU). The format needs --w12-kernel mosaic."""
-    rec = bench_ar.main(["--shape", "tiny-mosaic", "--w12-kernel", "mosaic", "--weights", "bf16,w12,twin",
-                         "--gen-repeats", "1", "--variants", "fused", "--context", "8", "--new-tokens", "3",
-                         "--warmup", "1", "--copy-gib", "0.01", "--out", str(tmp_path / "r.json")])
-    assert list(rec["variants"]) == ["fused", "fused_twin", "fused@twin", "fused@w12"]
-    for name, v in rec["variants"].items():
-        assert "error" not in v, (name, v.get("error"))
-    assert rec["variants"]["fused@twin"]["weights"] == "twin"
-    assert rec["variants"]["fused@twin"]["step_bytes_total"] == rec["step_bytes"]["total"]  # bf16 bytes
-    w12_row = rec["variants"]["fused@w12"]
-    for key, twin in (("vs_twin", "fused_twin"), ("vs_tiled_twin", "fused@twin")):
-        assert w12_row[key]["twin"] == twin and w12_row[key]["exact"] and w12_row[key]["first_logits_bit_equal"]
-    with pytest.raises(SystemExit):
-        bench_ar.parse_args(["--weights", "bf16,twin"])  # the twin's tiles are the Mosaic kernel's
+def test_bench_w12_tiny_smoke(bench_w12, tmp_path):
+    """`bench_w12.py --shape tiny`: XLA's dot, the Mosaic and Triton kernels' twins and W12 rows (interpreters
+    on the CPU), every W12 row equal to its twin bit for bit and every row close to XLA's product."""
+    out = tmp_path / "w12.json"
+    record = bench_w12.main(["--shape", "tiny", "--m", "1", "--kernel", "mosaic,triton", "--out", str(out)])
+    assert out.exists() and {r["impl"] for r in record["rows"]} == {
+        "xla_bf16", "twin_mosaic", "w12_mosaic", "twin_triton", "w12_triton"}
+    for r in record["rows"]:
+        assert "error" not in r, r
+        assert r["rel_err_vs_xla"] <= bench_w12.REL_ERR_VS_XLA_MAX and "wrong_vs_xla" not in r
+    assert all(r["bit_exact"] for r in record["rows"] if r["impl"].startswith("w12"))
+    assert next(r for r in record["rows"] if r["impl"] == "w12_mosaic")["layout"] == "W12NK"
 
 
-def test_bench_ar_l2_prefetch_rows(bench_ar):
-    """--l2-prefetch sets ar_variants.PREFETCH for a run; with --l2-prefetch-ab every non-stock row runs
-    without and then with it (NAME+l2), each +l2 row compared bit for bit with the row without; bad specs
-    are refused."""
-    assert bench_ar.parse_prefetch("o,gate_up=0.25/512,qkv=0.5") == {"o": (1.0, 1), "gate_up": (0.25, 512),
-                                                                      "qkv": (0.5, 1)}
-    for bad in ("attn", "o=2", "o=0.5/0", "o=x"):
-        with pytest.raises(ValueError, match="--l2-prefetch"):
-            bench_ar.parse_prefetch(bad)
-    with pytest.raises(SystemExit):
-        bench_ar.parse_args(["--l2-prefetch-ab"])
-    rec = bench_ar.main(["--shape", "tiny", "--context", "8", "--new-tokens", "3", "--warmup", "1",
-                         "--copy-gib", "0.01", "--variants", "stock,fused", "--l2-prefetch", "o,gate_up=0.5,qkv",
-                         "--l2-prefetch-ab"])
-    assert list(rec["variants"]) == ["stock", "fused", "fused+l2"]
-    for v in rec["variants"].values():  # generation: 5 passes by default, the row's figure their median
-        assert len(v["gen_ms_per_token_passes"]) == 5 == rec["gen_repeats"]
-        assert v["gen_ms_per_token"] == np.median(v["gen_ms_per_token_passes"])
-    row = rec["variants"]["fused+l2"]
-    assert row["l2_prefetch"] == {"o": [1.0, 1], "gate_up": [0.5, 1], "qkv": [1.0, 1]}
-    assert rec["variants"]["fused"]["l2_prefetch"] == {}
-    assert row["vs_no_prefetch"]["twin"] == "fused" and row["vs_no_prefetch"]["exact"]
-    bench_ar.parse_args(["--l2-prefetch", "down"])  # each run sets it
-    assert bench_ar.ar_variants.PREFETCH == {"down": (1.0, 1)}
-    bench_ar.parse_args([])
-    assert bench_ar.ar_variants.PREFETCH == {}
+def test_bench_w12_other_shapes(bench_w12):
+    """`--shape KxN,...` times those shapes instead of Qwen3-8B's; a shape the kernel does not tile leaves
+    its rows out and is reported."""
+    record = bench_w12.main(["--shape", "128x64,256x96", "--m", "1", "--reps", "1", "--trials", "1",
+                             "--min-bytes", "0", "--kernel", "xla"])
+    assert [(r["shape"], r["k"], r["n"], r["impl"]) for r in record["rows"]] == [
+        ("128x64", 128, 64, "xla_bf16"), ("256x96", 256, 96, "xla_bf16")]
 
 
-def test_bench_ar_qkv_barrier_keeps_the_tokens(bench_ar):
-    """--qkv-barrier materializes the fused qkv product (a scheduling change only): same greedy tokens."""
-    rec = bench_ar.main(["--shape", "tiny", "--context", "8", "--new-tokens", "4", "--warmup", "1",
-                         "--copy-gib", "0.01", "--variants", "stock,fused", "--qkv-barrier",
-                         "--barrier-after", "o,down"])
-    assert rec["qkv_barrier"] and bench_ar.ar_variants.QKV_BARRIER
-    assert rec["barrier_after"] == ["o", "down"] == list(bench_ar.ar_variants.BARRIER_AFTER)
-    assert rec["variants"]["fused"]["token_match_frac"] == 1.0
-    bench_ar.parse_args([])  # each run sets the flags: off again without them
-    assert not bench_ar.ar_variants.QKV_BARRIER and not bench_ar.ar_variants.BARRIER_AFTER
-    with pytest.raises(SystemExit):
-        bench_ar.parse_args(["--barrier-after", "qkv"])
+def test_bench_w12_profile_table(bench_w12, tmp_path):
+    """`--table`: rows from recorded profiles, the ratio taken against the faster bf16 path."""
+    def row(impl, wall, busy, kern, shape="q/o"):
+        return {"shape": shape, "m": 1, "impl": impl, "us_per_matrix": wall,
+                "profile": {"busy_ms_per_step": busy / 1e3, "top": [{"us_median": kern}]}}
+
+    rec = {"rows": [row("xla_bf16", 16.0, 15.0, 12.0), row("twin_mosaic", 15.0, 14.0, 10.0),
+                    row("w12_mosaic", 30.0, 14.0, 8.0),
+                    {"shape": "q/o", "m": 4, "impl": "xla_bf16", "us_per_matrix": 1.0}]}
+    path = tmp_path / "rec.json"
+    path.write_text(json.dumps(rec))
+    table = bench_w12.main(["--table", str(path)])["table"]
+    assert table[2:] == ["| q/o | 1 | 16.0 / 15.0 / 30.0 | 15.0 / 14.0 / 14.0 | 12.0 / 10.0 / 8.0 | 1.00x | 1.25x |"]
+    other = [row(r["impl"], r["us_per_matrix"], 1.0, 1.0, "4096x24576") for r in rec["rows"][:3]]
+    path.write_text(json.dumps({"rows": other + rec["rows"][:3]}))  # Qwen3-8B's shapes first, then others
+    assert [line.split(" | ")[0] for line in bench_w12.profile_table([str(path)])[2:]] == ["| q/o", "| 4096x24576"]
 
 
-def test_bench_ar_mosaic_x_flags(bench_ar, monkeypatch):
-    """--w12-pad-x, --w12-mp, --w12-sum-in-kernel, --w12-tiled, --w12-early-base, --w12-wide-swizzle and
-    --w12-plain-planes set
-    the Mosaic kernel's options for a run; bad values are refused."""
-    from pallas_kernels import w12_mosaic
-
-    monkeypatch.setattr(w12_mosaic, "PAD_X", True)
-    monkeypatch.setattr(w12_mosaic, "MP_CHOICES", w12_mosaic.MP_CHOICES)
-    for bad in (["--w12-pad-x", "off"], ["--w12-kernel", "mosaic", "--w12-mp", "8,16"],
-                ["--w12-kernel", "mosaic", "--w12-mp", "12,64"]):
-        with pytest.raises(SystemExit):
-            bench_ar.parse_args(bad)
-    monkeypatch.setattr(w12_mosaic, "SUM_SPLITS_IN_KERNEL", False)
-    with pytest.raises(SystemExit):
-        bench_ar.parse_args(["--w12-sum-in-kernel", "on"])
-    for attr in ("TILED", "EARLY_BASE", "WIDE_SWIZZLE", "PLAIN_PLANES"):
-        monkeypatch.setattr(w12_mosaic, attr, False)
-    args = bench_ar.parse_args(["--w12-kernel", "mosaic", "--w12-pad-x", "off", "--w12-mp", "64,8,16",
-                                "--w12-sum-in-kernel", "on", "--w12-tiled", "on", "--w12-early-base", "on",
-                                "--w12-wide-swizzle", "on", "--w12-plain-planes", "on"])
-    assert w12_mosaic.PAD_X is False and w12_mosaic.MP_CHOICES == (8, 16, 64) and w12_mosaic.SUM_SPLITS_IN_KERNEL
-    assert w12_mosaic.TILED and w12_mosaic.EARLY_BASE and w12_mosaic.WIDE_SWIZZLE and args.w12_wide_swizzle == "on"
-    assert w12_mosaic.PLAIN_PLANES and args.w12_plain_planes == "on"
-    # the numeric switches: refused without the Mosaic kernel or out of range, else set, and part of the trace key
-    for flag, attr, before, bad, good in (("--w12-small-m-stages", "SMALL_M_STAGES", 3, "5", 2),
-                                          ("--w12-prefetch-slots", "PREFETCH_SLOTS", 0, "32", 2),
-                                          ("--w12-copy-steps", "COPY_STEPS", 1, "9", 2)):
-        monkeypatch.setattr(w12_mosaic, attr, before)
-        for argv in ([flag, str(good)], ["--w12-kernel", "mosaic", flag, bad]):
-            with pytest.raises(SystemExit):
-                bench_ar.parse_args(argv)
-        assert getattr(w12_mosaic, attr) == before
-        key = w12_mosaic.knobs()
-        bench_ar.parse_args(["--w12-kernel", "mosaic", flag, str(good)])
-        assert getattr(w12_mosaic, attr) == good
-        assert w12_mosaic.knobs() != key  # a product traced before is not reused
-    assert w12_mosaic.default_stages(64, 16) == 2  # SMALL_M_STAGES = 2 from the loop above
-    assert w12_mosaic.default_stages(64, 32) == 2 and w12_mosaic.default_stages(128, 16) == 2
-
-
-def _ncu_csv(path, kernels):
-    """A minimal ncu `--csv --page details` export: kernels [(name, duration_us)], one metric row each."""
-    with open(path, "w", newline="") as f:
-        w = csv.writer(f, quoting=csv.QUOTE_ALL)
-        w.writerow(["ID", "Kernel Name", "Grid Size", "Section Name", "Metric Name", "Metric Unit", "Metric Value"])
-        for i, (name, us) in enumerate(kernels):
-            w.writerow([i, name, "(1, 1, 1)", "GPU Speed Of Light Throughput", "Duration", "us", f"{us:,}"])
-            w.writerow([i, name, "(1, 1, 1)", "GPU Speed Of Light Throughput", "DRAM Throughput", "%", "50"])
-
-
-def test_ncu_table_assigns_kernels_to_calls(tmp_path):
-    """`ncu_w12.py --table`: XLA's call is what precedes W12's x preparation, W12's call its prep, Mosaic
-    kernel and split sum, the twin's the rest up to its split sum; durations add up per call."""
-    ncu = _load("ncu_w12")
-    order = [dict(shape="o", m=1, call=c) for c in ("xla", "w12", "twin")]
-    order += [dict(shape="k/v", m=1, call=c) for c in ("xla", "w12", "twin")]
-    kernels = [("gemm_fusion_dot", 13.0), ("loop_reduce_fusion", 3.0),  # o: xla
-               ("loop_transpose_fusion", 2.5), ("kernel_mosaic_gpu_kernel", 10.0), ("loop_slice_fusion", 2.0),
-               ("loop_transpose_fusion", 2.0), ("input_transpose_fusion", 1000.5),  # twin: x prep, tiling
-               ("kernel_mosaic_gpu_kernel", 11.0), ("loop_slice_fusion", 2.0),
-               ("loop_multiply_fusion", 8.0), ("input_reduce_fusion", 12.0),  # k/v: xla
-               ("loop_transpose_fusion", 2.0), ("kernel_mosaic_gpu_kernel", 5.0), ("loop_slice_fusion", 3.0),
-               ("input_transpose_fusion", 6.0), ("kernel_mosaic_gpu_kernel", 4.0), ("loop_slice_fusion", 3.0)]
-    path = tmp_path / "details.csv"
-    _ncu_csv(path, kernels)
-    rows = ncu.table(ncu.read_details(str(path)), order)
-    got = [(r["shape"], r["call"], r["kernel"], r["us"], r["all_kernels_us"]) for r in rows]
-    assert got == [("o", "xla", "gemm_fusion_dot", 13.0, 16.0),
-                   ("o", "w12", "kernel_mosaic_gpu_kernel", 10.0, 14.5),
-                   ("o", "twin", "kernel_mosaic_gpu_kernel", 11.0, 1015.5),
-                   ("k/v", "xla", "input_reduce_fusion", 12.0, 20.0),
-                   ("k/v", "w12", "kernel_mosaic_gpu_kernel", 5.0, 10.0),
-                   ("k/v", "twin", "kernel_mosaic_gpu_kernel", 4.0, 13.0)]
-    assert all(r["dram_pct"] == 50.0 for r in rows)
-    _ncu_csv(path, kernels[:-1])  # the last call's split sum missing: the kernels no longer fit the calls
-    with pytest.raises(ValueError, match="no kernel after the twin"):
-        ncu.table(ncu.read_details(str(path)), order)
-    _ncu_csv(path, kernels[2:])  # the first case has no XLA kernel
-    with pytest.raises(ValueError, match="no kernel for XLA"):
-        ncu.table(ncu.read_details(str(path)), order)
-
-
-def _source_csv(path, kernels):
-    """ncu's `--page source --csv --print-source sass` layout: per kernel a name line, a header, then one row
-    per instruction (address, SASS, samples, executed count, stall columns)."""
-    cols = ["Address", "Source", "Warp Stall Sampling (All Samples)", "Instructions Executed", "stall_long_sb",
-            "stall_wait", "stall_long_sb (Not Issued)"]
-    with open(path, "w", newline="") as f:
-        w = csv.writer(f)
-        for instrs in kernels:
-            w.writerow(["Kernel Name", "kernel_mosaic_gpu_kernel", ""])
-            w.writerow(cols)
-            for q, (sass, executed, long_sb, wait) in enumerate(instrs):
-                w.writerow([f"0x{16 * q:x}", sass, long_sb + wait, executed, long_sb, wait, 0])
-
-
-def test_ncu_source_summary(tmp_path):
-    """`ncu_w12.py --source`: warps from the prologue's count, steps from the loop body's, the copies' wait
-    (the try-wait and its branch) apart from the body, the code run at some steps and once per warp."""
-    ncu = _load("ncu_w12")
-    warps, steps = 8, 4
-    body = warps * steps
-    instrs = [("MOV R1, R2", warps, 0, 1),  # prologue
-              ("SYNCS.PHASECHK.TRANS64.TRYWAIT P0, [UR9], R0", body, 0, 1), ("@!P0 BRA 0x10", body, 30, 0),
-              ("LDS R0, [R1]", body, 4, 2), ("PRMT R3, R0, 0x1010, RZ", body, 0, 3),
-              ("HGMMA.64x8x16.F32.BF16 R24, R28, gdesc[UR16], R24", body, 0, 5),
-              ("WARPGROUP.DEPBAR.LE gsb0, 0x0", body, 0, 2),
-              ("LOP3.LUT R4, R4, R5, R6, 0xd8, !PT", 6, 1, 1),  # a patch, at some steps
-              ("UTMALDG.2D [UR16], [UR26]", warps * (steps - 2), 0, 1),  # copies issued ahead
-              ("STG.E [R2], R24", warps, 2, 0)]  # epilogue
-    path = tmp_path / "source.csv"
-    _source_csv(path, [instrs, instrs[:3] + instrs[5:7] + instrs[-1:]])
-    kernels = ncu.read_source(str(path))
-    assert [len(k) for k in kernels] == [10, 6]
-    s = ncu.source_summary(kernels[0])
-    assert (s["warps"], s["steps"], s["body_per_step"]) == (warps, steps, 6)
-    assert s["per_step_loop"] == 6 and s["once"] == 2
-    assert abs(s["per_step_sometimes"] - (6 + warps * (steps - 2)) / body) < 1e-9
-    total = 1 + 1 + 30 + 6 + 3 + 5 + 2 + 2 + 1 + 2
-    assert s["share"]["copy_wait"] == round(31 / total, 4)
-    assert s["share"]["wgmma"] == round(7 / total, 4) and s["share"]["body"] == round(9 / total, 4)
-    assert s["share"]["once"] == round(3 / total, 4) and s["share"]["sometimes"] == round(3 / total, 4)
-    assert abs(s["stalls"]["long_sb"] - 37 / total) < 1e-9  # "Not Issued" columns are not counted twice
-    with pytest.raises(ValueError, match="not an ncu --page source export"):
-        (tmp_path / "other.csv").write_text("ID,Kernel Name\n1,x\n")
-        ncu.read_source(str(tmp_path / "other.csv"))
+def test_bench_spec_loops_smoke():
+    rows = _load("bench_spec_loops").main(["--m", "1", "--blocks", "4", "--new-tokens", "8", "--trials", "1"])
+    assert {r["drafter"] for r in rows} == {"oracle", "mixed", "random"}
+    assert all(r["ar_s_per_token"] > 0 and r["while_s_per_token"] > 0 for r in rows)

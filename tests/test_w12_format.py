@@ -268,20 +268,21 @@ def test_encode_params_replaces_linear_weights(tiny_cfg):
     assert len(leaves) == len(w12.FIELDS) and jax.tree.unflatten(treedef, leaves).shape == (64, 64)
 
 
-def test_kernel_choice_travels_with_the_weight():
-    """`kernel="xla"` weights decode then use XLA's dot: bit-identical to the bf16 weight's own dot, on any
-    backend; the choice is static pytree metadata, so jit keys on it."""
+def test_xla_choice_is_the_bf16_dot_and_travels_with_the_weight():
+    """W12 prepared for "xla" decodes then uses XLA's dot: bit-identical to the bf16 weight's own dot, on any
+    backend; the implementation it was prepared for is static pytree metadata, so jit keys on it."""
+    from pallas_kernels import dispatch
+
     rng = np.random.default_rng(1)
     w = jnp.asarray(rng.standard_normal((64, 96)) * 0.05, jnp.bfloat16)
     x = jnp.asarray(rng.standard_normal((3, 64)), jnp.bfloat16)
-    enc = w12.encode_params({"layers": ({"q": w},)}, kernel="xla")["layers"][0]["q"]
+    enc = dispatch.prepare_params(w12.encode_params({"layers": ({"q": w},)}),
+                                  dispatch.choice("matmul", "xla"))["layers"][0]["q"]
     assert enc.kernel == "xla" and jax.tree.structure(enc) != jax.tree.structure(
         dataclasses.replace(enc, kernel="pallas"))
-    got = jax.jit(w12.linear)(x, enc)
+    got = jax.jit(lambda x, w: dispatch.matmul(x, w))(x, enc)
     want = jnp.einsum("mk,kn->mn", x, w, preferred_element_type=jnp.float32).astype(x.dtype)
     np.testing.assert_array_equal(np.asarray(got).view(np.uint16), np.asarray(want).view(np.uint16))
-    with pytest.raises(ValueError, match="W12 kernel"):
-        w12.encode_params({"layers": ({"q": w},)}, kernel="cuda")
 
 
 def _minilm_path():
@@ -333,7 +334,10 @@ def test_drafter_weights_encode_and_draft_identically(tiny_cfg):
     rng = np.random.default_rng(3)
     tparams = bf16(random_params(dense.param_shapes(target_cfg), 0.3, 1))
     dparams = bf16(random_params(dr.param_shapes(dcfg), 0.3, 2))
-    enc = formats.encode_params(dparams, "w12", kernel="xla", extra=("fc",))
+    from pallas_kernels import dispatch
+
+    enc = dispatch.prepare_params(formats.encode_params(dparams, "w12", extra=("fc",)),
+                                  dispatch.choice("matmul", "xla"), extra=("fc",))
     assert isinstance(enc["fc"], w12.W12) and isinstance(enc["layers"][0]["q"], w12.W12)
     drafter = dr.BlockDrafter(dcfg, target_cfg)
     taps = jnp.asarray(rng.standard_normal((1, 5, dcfg.num_taps * tiny_cfg.hidden_size)), jnp.bfloat16)

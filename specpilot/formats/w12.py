@@ -30,6 +30,9 @@ verbatim; the exponent is either base + code or listed. Encoding runs once: `enc
 reference, `encode_device` gives the same fields bit for bit with jitted ops on the weight's device
 (`encode_params` uses it). Tensors are stored with safetensors (`save`/`load`), so loading is a memory
 map.
+
+This module is a leaf: it imports no kernel. The layouts kernels multiply (the Mosaic kernel's W12NK,
+its twin's TwinNK) are built from a W12 by `pallas_kernels.dispatch.prepare_params`.
 """
 
 from __future__ import annotations
@@ -50,12 +53,9 @@ FIELDS = ("sm", "nib", "base", "exc_ptr", "exc_row", "exc_col", "exc_val")
 LINEAR_NAMES = ("q", "k", "v", "o", "gate", "up", "down", "qkv", "gate_up")  # separate or fused layout
 
 
-class _EncodedMatrix:
-    """What W12 and W12NK share: a bf16 [K, N] matrix to the code that multiplies by it."""
-
-    @property
-    def num_exceptions(self) -> int:
-        return int(self.exc_row.shape[0])
+class Bf16Matrix:
+    """What every stored form of a bf16 [K, N] matrix (W12 here, the kernels' layouts) shows the code that
+    multiplies by it: the dtype and rank of the matrix it holds (its `shape` is its own field)."""
 
     @property
     def dtype(self):
@@ -67,7 +67,7 @@ class _EncodedMatrix:
 
 
 @dataclasses.dataclass(frozen=True)
-class W12(_EncodedMatrix):
+class W12(Bf16Matrix):
     """A W12-encoded [K, N] matrix. Arrays are numpy (offline) or jax (device); a pytree either way."""
 
     sm: Any  # int8 [K, N]
@@ -80,9 +80,14 @@ class W12(_EncodedMatrix):
     shape: tuple[int, int]  # static: (K, N)
     group_n: int = DEFAULT_GROUP_N
     group_k: int = DEFAULT_GROUP_K
-    # static: how `linear` multiplies by it: "pallas" (the fused decode-matmul kernel, Pallas' Triton
-    # backend on GPUs) or "xla" (decode to bf16, then XLA's dot: bit-identical to the bf16 model's dot)
+    # static, temporary: the implementation `pallas_kernels.dispatch.matmul` takes when model code passes no
+    # choice ("pallas": the Triton-backend kernel, else XLA); set by `dispatch.prepare_params`. Goes once
+    # model code passes its plan's choice.
     kernel: str = "pallas"
+
+    @property
+    def num_exceptions(self) -> int:
+        return int(self.exc_row.shape[0])
 
     @property
     def k_half(self) -> int:
@@ -98,66 +103,6 @@ class W12(_EncodedMatrix):
 
 
 jax.tree_util.register_dataclass(W12, data_fields=list(FIELDS), meta_fields=["shape", "group_n", "group_k", "kernel"])
-
-
-@dataclasses.dataclass(frozen=True)
-class W12NK(_EncodedMatrix):
-    """A W12 matrix in the Mosaic GPU kernel's layout (`pallas_kernels.w12_mosaic.to_nk`): planes in
-    N-major order, packed step by step by default, and each kernel step's exceptions in a slot table.
-    `linear` multiplies by it with that kernel (`kernel="mosaic"` in `encode_params`)."""
-
-    sm_t: Any  # int8 [N, K], or an empty placeholder when the planes are packed
-    nib_t: Any  # uint8 [N, K // 2], likewise
-    base7: Any  # int32 [N]: base << 7
-    exc_ptr: Any  # the W12's exception lists (CSR), read only when a step overflows its slot row
-    exc_row: Any
-    exc_col: Any
-    exc_val: Any
-    slots: Any  # int32 [N / 64 * (K / 2) / slot_k, P]: each step's exceptions
-    packed: Any  # int8 [N, 3 K / 2]: per step of slot_k rows, [sm lower | sm upper | nibbles] (or `tiled`)
-    shape: tuple[int, int]  # static: (K, N)
-    group_n: int  # static: the CSR cells
-    group_k: int
-    n_groups_k: int
-    slot_k: int  # static: the step the slots were built for; 0 = no slots (the kernel reads the CSR)
-    # static: the packed planes' columns are stored in the wgmma register order (`w12_mosaic.mma_order`)
-    mma_order: bool = False
-    # static: packed steps pair adjacent row blocks, not the K halves (`w12_mosaic.pack_planes`)
-    adjacent: bool = False
-    # static: the packed planes are stored tile by tile, each step's [64, 3 slot_k] tile contiguous
-    # (`w12_mosaic.tile_rows`): packed is then [N * K / 2 / slot_k, 3 slot_k]
-    tiled: bool = False
-    # static: each tiled step's rows have their 16-byte chunks XOR-permuted within each 64-byte plane
-    # (`w12_mosaic.chunk_order`), so that the kernel's own loads hit distinct shared-memory banks
-    xor_chunks: bool = False
-
-    @property
-    def has_packed_planes(self) -> bool:
-        """Whether the planes are packed (row by row or tile by tile); else `packed` is a 1-row placeholder
-        and the separate `sm_t` / `nib_t` hold them."""
-        return self.packed.shape[0] > 1
-
-
-jax.tree_util.register_dataclass(W12NK, data_fields=["sm_t", "nib_t", "base7", "exc_ptr", "exc_row", "exc_col",
-                                                     "exc_val", "slots", "packed"],
-                                 meta_fields=["shape", "group_n", "group_k", "n_groups_k", "slot_k", "mma_order",
-                                              "adjacent", "tiled", "xor_chunks"])
-@dataclasses.dataclass(frozen=True)
-class TwinNK:
-    """A bf16 matrix tiled once for the Mosaic kernel's bf16 twin (`w12_mosaic.tile_twin` of W^T at the
-    runs' twin step), so that the twin reads its tiles as W12NK's planes are read, without tiling them at
-    every call. Not a compressed format: 16 bits per weight, the same products as the twin of the bf16
-    matrix (`linear(..., dense_kernel=True, implementation="mosaic")`), bit for bit. Made by
-    `twin_params`; a bf16 baseline with the W12 kernel's structure."""
-
-    tiles: Any  # bf16 [N / 64 * (K / 2) / block_k * 64, 2 block_k]
-    shape: tuple[int, int]  # static: (K, N)
-    block_k: int  # static: the step it was tiled for
-    adjacent: bool = False  # static: steps pair adjacent row blocks (`w12_mosaic.ADJACENT`)
-
-
-jax.tree_util.register_dataclass(TwinNK, data_fields=["tiles"], meta_fields=["shape", "block_k", "adjacent"])
-ENCODED = (W12, W12NK, TwinNK)  # the weight types `linear` multiplies by a kernel of their own
 
 
 def bf16_bits(w) -> np.ndarray:
@@ -352,17 +297,9 @@ def _nbytes(a) -> int:
     return int(np.prod(a.shape)) * np.dtype(a.dtype).itemsize
 
 
-def storage_bytes(w: W12 | W12NK) -> dict[str, int]:
-    """Bytes per part: the dense planes, per-column bases, CSR offsets and exception lists. For W12NK,
-    what its kernel reads: the packed (or separate) planes, base << 7 as int32, and the slot table, or
-    the CSR lists when there is none."""
-    if isinstance(w, W12NK):
-        planes = _nbytes(w.packed) if w.has_packed_planes else _nbytes(w.sm_t) + _nbytes(w.nib_t)
-        ptr = 0 if w.slot_k else _nbytes(w.exc_ptr)
-        exc = _nbytes(w.slots) if w.slot_k else _nbytes(w.exc_row) + _nbytes(w.exc_col) + _nbytes(w.exc_val)
-        base = _nbytes(w.base7)
-        return {"planes": planes, "base": base, "exc_ptr": ptr, "exceptions": exc,
-                "total": planes + base + ptr + exc}
+def storage_bytes(w: W12) -> dict[str, int]:
+    """Bytes per part: the dense planes, per-column bases, CSR offsets and exception lists (a kernel
+    layout's own: `pallas_kernels.w12_mosaic.storage_bytes`)."""
     nb = {f: _nbytes(getattr(w, f)) for f in FIELDS}
     return {"planes": nb["sm"] + nb["nib"], "base": nb["base"], "exc_ptr": nb["exc_ptr"],
             "exceptions": nb["exc_row"] + nb["exc_col"] + nb["exc_val"], "total": sum(nb.values())}
@@ -412,44 +349,22 @@ def load(path: str) -> dict[str, Any]:
 
 # ---- model integration ----------------------------------------------------------------------------
 
-KERNELS = ("pallas", "xla", "mosaic")
-
-
 def encode_params(params: dict, names: tuple[str, ...] = LINEAR_NAMES, lm_head: bool = True,
-                  max_exception_rate: float = 0.01, kernel: str = "pallas", extra: tuple[str, ...] = (),
-                  rows: int = 1, **kw) -> dict:
+                  max_exception_rate: float = 0.01, extra: tuple[str, ...] = (), **kw) -> dict:
     """Dense-model params with the named per-layer linear weights (and `lm_head`, and the top-level
-    matrices named in `extra`, e.g. a drafter's `fc`) replaced by W12 on the device, multiplied by
-    `kernel` (see `W12.kernel`). A matrix whose exception rate exceeds
-    `max_exception_rate` stays bf16: its patch work would sit on the kernel's hot path and its storage
-    would approach 16 bits. `rows`: the most rows a decoding step multiplies per call (batch x
-    verification block); the Mosaic kernel's step is chosen for it (`w12_mosaic.default_block_k`)."""
-    if kernel not in KERNELS:
-        raise ValueError(f"W12 kernel must be one of {KERNELS}, got {kernel!r}")
+    matrices named in `extra`, e.g. a drafter's `fc`) replaced by W12 on the device (`encode_device`;
+    keyword arguments go to it). A matrix whose exception rate exceeds `max_exception_rate` stays bf16: its
+    patch work would sit on a kernel's hot path and its storage would approach 16 bits."""
 
     def enc(x):
         w = encode_device(x, **kw)
-        if w.num_exceptions > max_exception_rate * x.size:
-            return x
-        if kernel == "mosaic":  # the Mosaic GPU kernel's own layout (imported on use: it imports this module)
-            from pallas_kernels import w12_mosaic
+        return x if w.num_exceptions > max_exception_rate * x.size else w
 
-            step = w12_mosaic.run_block_k(*x.shape, rows)
-            w12_mosaic.check_shape(*x.shape, step)
-            nk = w12_mosaic.to_nk(w, step, mma=w12_mosaic.default_mma(*x.shape, rows),
-                                  adjacent=w12_mosaic.ADJACENT, tiled=w12_mosaic.TILED,
-                                  xor_chunks=w12_mosaic.run_xor_chunks(step))
-            if nk.adjacent != w12_mosaic.ADJACENT:  # a step overflows its slot row: keep bf16, so that every
-                return x  # matrix of a run pairs its rows as the runs' twin does (`_mosaic_rows`)
-            if w12_mosaic.WIDE_SWIZZLE and step == 128 and not w12_mosaic.run_w12_options(nk)["wide_swizzle"]:
-                return x  # likewise: unpacked planes (a step over 255 exceptions) cannot take the twin's pairing
-            return nk
-        return dataclasses.replace(w, kernel=kernel)
-
-    return _map_matrices(enc, params, names, lm_head, extra)
+    return map_matrices(enc, params, names, lm_head, extra)
 
 
-def _map_matrices(fn, params: dict, names: tuple[str, ...], lm_head: bool, extra: tuple[str, ...]) -> dict:
+def map_matrices(fn, params: dict, names: tuple[str, ...] = LINEAR_NAMES, lm_head: bool = True,
+                 extra: tuple[str, ...] = ()) -> dict:
     """Params with `fn` applied to the named per-layer matrices, `lm_head` (if asked) and the top-level
     matrices named in `extra`; everything else as it is."""
     out = dict(params)
@@ -462,130 +377,11 @@ def _map_matrices(fn, params: dict, names: tuple[str, ...], lm_head: bool, extra
     return out
 
 
-def twin_params(params: dict, names: tuple[str, ...] = LINEAR_NAMES, lm_head: bool = True,
-                extra: tuple[str, ...] = (), keep_untileable: bool = False) -> dict:
-    """Dense-model params with the matrices `encode_params(kernel="mosaic")` would encode (the named per-layer
-    linear weights, `lm_head`, `extra`) tiled once for the Mosaic kernel's bf16 twin (`TwinNK`): the twin
-    path of a run without the per-call tiling of its bf16 weights. Shapes the kernel does not take raise, as
-    they do for W12. Every matrix is tiled, so a run pairs bit for bit with the W12 run of the same weights
-    when that one kept none bf16."""
-    from pallas_kernels import w12_mosaic  # imported on use: it imports this module
+def __getattr__(name: str):
+    """Temporary: the names model code and the harness read here before kernel layouts left this module
+    (`W12NK`, `TwinNK`, `ENCODED`, `linear`, `twin_params`), served from the kernel package on use."""
+    if name not in ("W12NK", "TwinNK", "ENCODED", "linear", "twin_params"):
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    from specpilot.formats import legacy
 
-    def tile(x):
-        k, n = x.shape
-        steps = w12_mosaic.run_twin_steps(k, n)
-        try:
-            w12_mosaic.check_shape(k, n, steps["block_k"])
-        except NotImplementedError:
-            if keep_untileable:  # the caller falls through to XLA's dot for this matrix
-                return x
-            raise
-        if not w12_mosaic.TILED:
-            raise NotImplementedError("twin_params tiles the twin's weights: w12_mosaic.TILED must be on")
-        tiles = w12_mosaic.tile_twin(jnp.asarray(x, jnp.bfloat16).T, steps["block_k"], w12_mosaic.ADJACENT)
-        return TwinNK(tiles=tiles, shape=(k, n), block_k=steps["block_k"], adjacent=w12_mosaic.ADJACENT)
-
-    return _map_matrices(tile, params, names, lm_head, extra)
-
-
-def linear(x: jax.Array, w, b: jax.Array | None = None, *, out_dtype=None, implementation: str | None = None,
-           interpret: bool | None = None, dense_kernel: bool = False) -> jax.Array:
-    """Drop-in for `layers.linear`: x [..., K] @ w [K, N], float32 accumulation, result in `out_dtype`
-    (default x's dtype). W12 weights go through `implementation` (default: the weight's own `kernel`):
-    the fused decode-matmul kernel, or decode + XLA dot; bf16 arrays through
-    XLA's dot, or through the kernel's bf16 twin with `dense_kernel=True` (same tiling and order, so its
-    outputs equal the W12 path bit for bit)."""
-    # imported on use: the kernel module imports this one
-    from pallas_kernels import w12_matmul as kern
-
-    if isinstance(w, (W12NK, TwinNK)):
-        y = _mosaic_rows(x, w, interpret=interpret)
-    elif isinstance(w, W12):
-        y = kern.w12_matmul(x, w, implementation=implementation or w.kernel, interpret=interpret)
-    elif dense_kernel and implementation == "mosaic":
-        y = _mosaic_rows(x, w, interpret=interpret)
-    elif dense_kernel:
-        y = kern.bf16_matmul(x, w, implementation=implementation or "pallas", interpret=interpret)
-    else:
-        y = jnp.einsum("...k,kn->...n", x, w, preferred_element_type=jnp.float32)
-    if b is not None:
-        y = y + b.astype(jnp.float32)
-    return y.astype(out_dtype or x.dtype)
-
-
-def _mosaic_rows(x: jax.Array, w, interpret: bool | None = None) -> jax.Array:
-    """x [..., K] @ w through the Mosaic GPU kernel (W12NK) or its bf16 twin (a bf16 [K, N] array, read
-    transposed), 64 rows per call (the kernel's largest M; more rows loop over blocks of 64, or, with
-    `w12_mosaic.PREFILL_DECODE`, are multiplied by XLA's dot of the decoded matrix): float32 [..., N]. The W12
-    path and the twin take the same route, so they agree bit for bit at any number of rows."""
-    from pallas_kernels import w12_mosaic
-
-    if interpret is None:
-        interpret = jax.devices()[0].platform == "cpu"
-    k, n = w.shape
-    if x.shape[-1] != k:
-        raise ValueError(f"x {x.shape} does not match a [{k}, {n}] weight")
-    rows = x.reshape(-1, k).astype(jnp.bfloat16)
-    if rows.shape[0] > max(w12_mosaic.MP_CHOICES) and w12_mosaic.PREFILL_DECODE:
-        return _decoded_rows(rows, w).reshape(*x.shape[:-1], n)
-    if isinstance(w, W12NK):
-        w = w12_mosaic.run_operands(w)
-    y = _mosaic_rows_2d(rows, w, interpret=bool(interpret), knobs=w12_mosaic.knobs())
-    if w12_mosaic.SUM_BARRIER:  # the summed product materialized: XLA does not recompute the sum in consumers
-        y = jax.lax.optimization_barrier(y)
-    return y.reshape(*x.shape[:-1], n)
-
-
-def _decoded_rows(rows: jax.Array, w) -> jax.Array:
-    """rows [M, K] bf16 @ w by XLA's dot (`w12_mosaic.PREFILL_DECODE`): a W12NK decoded to its bf16 matrix
-    first (exact), materialized so that the dot is the same as the twin's, which multiplies its bf16 weight
-    as it is: the two agree bit for bit. float32 [M, N]."""
-    from pallas_kernels import w12_mosaic
-
-    if isinstance(w, TwinNK):
-        raise NotImplementedError("w12_mosaic.PREFILL_DECODE takes W12NK or bf16 weights, not a TwinNK")
-    if isinstance(w, W12NK):
-        w = jax.lax.optimization_barrier(decode_jnp(w12_mosaic.unpack_nk(w)))
-    return jnp.einsum("mk,kn->mn", rows, jnp.asarray(w), preferred_element_type=jnp.float32)
-
-
-@functools.partial(jax.jit, static_argnames=("interpret", "knobs"))
-def _mosaic_rows_2d(rows: jax.Array, w, *, interpret: bool, knobs: tuple) -> jax.Array:
-    """`_mosaic_rows` on rows [M, K] bf16. Jitted so that a model's products of one shape are traced and
-    lowered once, not once per layer (a Qwen3-8B step has 145 of them); `knobs` (the kernel module's
-    switches, which the trace reads) is part of the cache key, so a changed switch traces anew."""
-    from pallas_kernels import w12_mosaic
-
-    del knobs
-    k, n = w.shape
-    step = max(w12_mosaic.MP_CHOICES)
-    if isinstance(w, W12NK):
-        def call(r):  # the splits are added before the transpose (`w12_mosaic.sum_rows`)
-            return w12_mosaic.sum_rows(w12_mosaic.w12_mosaic_partials(
-                r, w, interpret=interpret, raw=True, **w12_mosaic.run_w12_options(w),
-                **w12_mosaic.run_options(w.adjacent)), len(r), w12_mosaic.OUT_ROWS)
-    else:
-        adjacent, tiled = w12_mosaic.ADJACENT, w12_mosaic.TILED
-        steps = w12_mosaic.run_twin_steps(k, n)
-        if isinstance(w, TwinNK):  # tiled once (`twin_params`), for the knobs of that time
-            if (w.block_k, w.adjacent, tiled) != (steps["block_k"], adjacent, True):
-                raise ValueError(f"a TwinNK tiled for step {w.block_k}, adjacent={w.adjacent} does not match the "
-                                 f"runs' twin now (step {steps['block_k']}, w12_mosaic.ADJACENT={adjacent}, "
-                                 f"TILED={tiled}): tile it again with twin_params")
-            w_t = w.tiles
-        else:
-            w_t = jnp.asarray(w).T
-            if tiled:  # the twin of tiled planes reads its tiles as they are stored
-                w_t = w12_mosaic.tile_twin(w_t, steps["block_k"], adjacent)
-
-        def call(r):
-            return w12_mosaic.sum_rows(w12_mosaic.bf16_mosaic_partials(
-                r, w_t, interpret=interpret, raw=True, adjacent=adjacent, tiled=tiled, **steps,
-                **w12_mosaic.run_options(adjacent)), len(r), w12_mosaic.OUT_ROWS)
-    m = rows.shape[0]
-    if m <= step:
-        return call(rows)
-    # one kernel call in a loop over blocks of `step` rows (the last one zero-padded): a prefill's program
-    # holds one call per matrix, not m / step of them (compile time grows with the calls)
-    blocks = jnp.pad(rows, ((0, -m % step), (0, 0))).reshape(-1, step, k)
-    return jax.lax.map(call, blocks).reshape(-1, n)[:m]
+    return legacy.attribute(name)

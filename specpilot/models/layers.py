@@ -10,7 +10,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from specpilot.formats import w12
+from pallas_kernels import dispatch
 
 
 def rms_norm(x: jax.Array, weight: jax.Array, eps: float) -> jax.Array:
@@ -20,17 +20,12 @@ def rms_norm(x: jax.Array, weight: jax.Array, eps: float) -> jax.Array:
     return weight * xf.astype(dtype)
 
 
-def linear(x: jax.Array, w: jax.Array, b: jax.Array | None = None) -> jax.Array:
-    """x [..., K] @ w [K, N] with float32 accumulation, result in x's dtype.
-
-    A 12-bit weight (`formats.w12.W12`) goes through the fused decode-matmul kernel.
-    """
-    if isinstance(w, w12.ENCODED):
-        return w12.linear(x, w, b)
-    y = jnp.einsum("...k,kn->...n", x, w, preferred_element_type=jnp.float32)
-    if b is not None:
-        y = y + b.astype(jnp.float32)
-    return y.astype(x.dtype)
+def linear(x: jax.Array, w, b: jax.Array | None = None, *, choice: dispatch.OpChoice | None = None,
+           role: str = "") -> jax.Array:
+    """x [..., K] @ w [K, N] with float32 accumulation, result in x's dtype, computed as `choice` says
+    (`pallas_kernels.dispatch.matmul`; None: XLA's dot for bf16 arrays, a prepared weight's own kernel).
+    `role` names the product ("qkv", "o", "gate_up", "down", "lm_head")."""
+    return dispatch.matmul(x, w, b, choice=choice, role=role)
 
 
 def rope_tables(positions: jax.Array, inv_freq: np.ndarray) -> tuple[jax.Array, jax.Array]:

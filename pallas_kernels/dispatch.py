@@ -1,0 +1,241 @@
+"""The one place that chooses how an op is computed: `matmul` (and `prepare_params`, which puts a model's
+weights into the layout the chosen implementation multiplies).
+
+Design choices (tokamax's op API):
+- A choice (`OpChoice`) names implementations in order of preference and carries the first one's
+  settings as a frozen, hashable config dataclass; the others run at their defaults. `matmul` tries
+  them in order and falls through on NotImplementedError (a weight layout, shape, dtype or backend an
+  implementation does not take), so ("mosaic", "xla") runs the Mosaic kernel where it applies and XLA
+  elsewhere. "xla" takes every weight: W12 layouts are decoded to bf16 exactly, then XLA's dot.
+- Settings ride as static arguments (the jit cache key); no module state is read while tracing.
+- `choice(op, implementation, config)` builds a choice from plain values (a plan's YAML), with errors
+  naming the unknown implementation or key.
+- With choice=None, `matmul` does what model code did before choices existed: bf16 arrays through XLA's
+  dot, W12NK / TwinNK through the Mosaic kernel, a W12 through the implementation it was prepared for.
+
+Implementations of "matmul":
+- "xla": x @ W in float32 accumulation by XLA; W12, W12NK and TwinNK decoded exactly first.
+- "triton": the fused W12 decode-matmul kernel on Pallas' Triton backend (`w12_matmul`), W12 weights.
+- "mosaic": the Mosaic GPU W12 kernel (`w12_mosaic`) on its W12NK layout, and its bf16 twin on TwinNK
+  tiles (plain bf16 arrays are refused, so unprepared weights fall through).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+
+from pallas_kernels import w12_matmul, w12_mosaic
+from pallas_kernels.w12_mosaic import TwinNK, W12MosaicConfig, W12NK
+from specpilot.formats import w12 as w12_format
+from specpilot.formats.w12 import W12
+
+
+@dataclasses.dataclass(frozen=True)
+class OpChoice:
+    """Implementations of an op in order of preference, and the first one's settings (None: defaults)."""
+
+    implementation: tuple[str, ...] = ("xla",)
+    config: Any = None
+
+
+@dataclasses.dataclass(frozen=True)
+class XlaConfig:
+    """XLA's dot has no settings of ours."""
+
+
+CONFIGS: dict[str, dict[str, type]] = {
+    "matmul": {"mosaic": W12MosaicConfig, "triton": w12_matmul.W12TritonConfig, "xla": XlaConfig},
+}
+IMPLEMENTATIONS: dict[str, tuple[str, ...]] = {op: tuple(impls) for op, impls in CONFIGS.items()}
+
+
+def _config_fields(cls: type) -> dict[str, dataclasses.Field]:
+    return {f.name: f for f in dataclasses.fields(cls)}
+
+
+def _coerce(cls: type, name: str, value):
+    """A plain value (from YAML) for field `name` of `cls`: lists become tuples, mappings become the
+    field's own config dataclass (`W12TritonConfig.blocks`)."""
+    if name == "blocks" and cls is w12_matmul.W12TritonConfig and isinstance(value, Mapping):
+        return _build(w12_matmul.W12Blocks, value, "triton.blocks")
+    if isinstance(value, list):
+        return tuple(value)
+    return value
+
+
+def _build(cls: type, values: Mapping, where: str):
+    known = _config_fields(cls)
+    unknown = sorted(set(values) - set(known))
+    if unknown:
+        raise ValueError(f"unknown key(s) {', '.join(map(repr, unknown))} in the {where} config; known: "
+                         f"{', '.join(known) or 'none'}")
+    return cls(**{k: _coerce(cls, k, v) for k, v in values.items()})
+
+
+def choice(op: str, implementation: str | tuple[str, ...] | list[str],
+           config: Mapping | None = None) -> OpChoice:
+    """An OpChoice for `op` from plain values: one implementation name or several in order, and the first
+    one's settings as a mapping (None or {}: its defaults)."""
+    if op not in CONFIGS:
+        raise ValueError(f"unknown op {op!r}; known: {', '.join(CONFIGS)}")
+    impls = (implementation,) if isinstance(implementation, str) else tuple(implementation)
+    if not impls:
+        raise ValueError(f"{op}: name at least one implementation ({', '.join(IMPLEMENTATIONS[op])})")
+    bad = [i for i in impls if i not in CONFIGS[op]]
+    if bad:
+        raise ValueError(f"unknown {op} implementation(s) {', '.join(map(repr, bad))}; known: "
+                         f"{', '.join(IMPLEMENTATIONS[op])}")
+    if isinstance(config, Mapping) and config:
+        cfg = _build(CONFIGS[op][impls[0]], config, f"{op} {impls[0]!r}")
+    elif config is None or isinstance(config, Mapping):
+        cfg = None
+    else:
+        raise TypeError(f"config must be a mapping of {impls[0]!r} settings or None, got {type(config).__name__}")
+    return OpChoice(implementation=impls, config=cfg)
+
+
+def _config(c: OpChoice, op: str, impl: str):
+    """The settings `impl` runs with under choice `c`: the choice's config for its first implementation."""
+    cls = CONFIGS[op][impl]
+    if impl == c.implementation[0] and c.config is not None:
+        if not isinstance(c.config, cls):
+            raise TypeError(f"{op} {impl!r} takes a {cls.__name__} config, got {type(c.config).__name__}")
+        return c.config
+    return cls()
+
+
+def _check_choice(c: OpChoice, op: str) -> None:
+    if not isinstance(c, OpChoice):
+        raise TypeError(f"choice must be an OpChoice (dispatch.choice builds one), got {type(c).__name__}")
+    if not c.implementation:
+        raise ValueError(f"{op}: the choice names no implementation")
+    bad = [i for i in c.implementation if i not in CONFIGS[op]]
+    if bad:
+        raise ValueError(f"unknown {op} implementation(s) {', '.join(map(repr, bad))}; known: "
+                         f"{', '.join(IMPLEMENTATIONS[op])}")
+
+
+# ---- matmul ----------------------------------------------------------------------------------------
+
+def _dense(w) -> jax.Array:
+    """The bf16 [K, N] matrix any weight layout holds (exact), or the array itself."""
+    if isinstance(w, W12):
+        return w12_format.decode_jnp(w)
+    if isinstance(w, W12NK):
+        return w12_mosaic.decode_nk(w)
+    if isinstance(w, TwinNK):
+        return w12_mosaic.untile_twin(w)
+    return w
+
+
+def _xla(x, w, config: XlaConfig):
+    del config
+    return jnp.einsum("...k,kn->...n", x, _dense(w), preferred_element_type=jnp.float32)
+
+
+def _triton(x, w, config):
+    return w12_matmul.w12_matmul(x, w, config)  # W12 only: other weights raise NotImplementedError
+
+
+def _mosaic(x, w, config: W12MosaicConfig):
+    return w12_mosaic.mosaic_matmul(x, w, config)
+
+
+_MATMULS = {"xla": _xla, "triton": _triton, "mosaic": _mosaic}
+
+
+def default_choice(w) -> OpChoice:
+    """What multiplies `w` when no choice is given (the behaviour before choices): bf16 arrays by XLA,
+    the Mosaic layouts by that kernel, a W12 by the implementation it was prepared for (`W12.kernel`)."""
+    if isinstance(w, (W12NK, TwinNK)):
+        return OpChoice(("mosaic",))
+    if isinstance(w, W12) and w.kernel == "pallas":
+        return OpChoice(("triton", "xla"))
+    return OpChoice(("xla",))
+
+
+def matmul(x: jax.Array, w, b: jax.Array | None = None, *, choice: OpChoice | None = None, role: str = "",
+           out_dtype=None) -> jax.Array:
+    """x [..., K] @ w [K, N] (+ b) with float32 accumulation, the result in `out_dtype` (default x's dtype).
+    `w`: a bf16 array or a layout `prepare_params` made. Tries `choice.implementation` in order, falling
+    through on NotImplementedError. `role` names the product in its model ("qkv": the fused q/k/v
+    projection, materialized after the Mosaic kernel when its config's `qkv_barrier` says so)."""
+    c = default_choice(w) if choice is None else choice
+    _check_choice(c, "matmul")
+    refused = []
+    for impl in c.implementation:
+        config = _config(c, "matmul", impl)
+        try:
+            y = _MATMULS[impl](x, w, config)
+        except NotImplementedError as e:
+            refused.append(f"{impl}: {e}")
+            continue
+        if b is not None:
+            y = y + b.astype(jnp.float32)
+        y = y.astype(out_dtype or x.dtype)
+        if impl == "mosaic" and role == "qkv" and config.qkv_barrier:
+            # the K-split sum materialized once: XLA would otherwise fuse it into the k-norm's reduce and
+            # recompute it there (5.8 us per layer on the H200)
+            y = jax.lax.optimization_barrier(y)
+        return y
+    raise NotImplementedError(f"no matmul implementation of {c.implementation} takes x {x.shape} {x.dtype} @ "
+                              f"{type(w).__name__} {tuple(w.shape)}: " + "; ".join(refused))
+
+
+# ---- weight layouts ----------------------------------------------------------------------------------
+
+def _prepare_xla(w, rows: int, config: XlaConfig):
+    del rows, config
+    return dataclasses.replace(w, kernel="xla") if isinstance(w, W12) else w
+
+
+def _prepare_triton(w, rows: int, config):
+    del rows, config
+    if not isinstance(w, W12):
+        raise NotImplementedError("the Triton W12 kernel multiplies W12 weights; bf16 ones go to XLA")
+    return dataclasses.replace(w, kernel="pallas")
+
+
+def _prepare_mosaic(w, rows: int, config: W12MosaicConfig):
+    if isinstance(w, W12):
+        return w12_mosaic.prepare_w12(w, rows, config)
+    if isinstance(w, (W12NK, TwinNK)):
+        return w
+    return w12_mosaic.prepare_twin(w, rows, config)
+
+
+_PREPARE = {"xla": _prepare_xla, "triton": _prepare_triton, "mosaic": _prepare_mosaic}
+
+
+def prepare_weight(w, c: OpChoice, rows: int = 1):
+    """One [K, N] weight in the layout of the first implementation of `c` that takes it (offline work).
+    `rows`: the most rows a decoding step multiplies per call (batch x verification block)."""
+    _check_choice(c, "matmul")
+    refused = []
+    for impl in c.implementation:
+        try:
+            return _PREPARE[impl](w, rows, _config(c, "matmul", impl))
+        except NotImplementedError as e:
+            refused.append(f"{impl}: {e}")
+    raise NotImplementedError(f"no matmul implementation of {c.implementation} takes a {type(w).__name__} "
+                              f"{tuple(w.shape)}: " + "; ".join(refused))
+
+
+def prepare_params(params: dict, choice: OpChoice, rows: int = 1, extra: tuple[str, ...] = (),
+                   names: tuple[str, ...] = w12_format.LINEAR_NAMES, lm_head: bool = True,
+                   layout_bf16: bool = True) -> dict:
+    """A dense model's params with each linear weight (the named per-layer matrices, `lm_head`, and the
+    top-level matrices in `extra`, e.g. a drafter's `fc`) in the layout `choice` multiplies
+    (`prepare_weight`): W12 -> W12NK and bf16 -> TwinNK tiles for "mosaic", unchanged for "xla" and
+    "triton" (whose bf16 weights go to XLA). Encode a format first (`specpilot.formats.encode_params`).
+    `layout_bf16=False` leaves bf16 arrays as they are (in a W12 plan, the matrices the encoder kept bf16
+    then go to XLA's dot, as before choices existed)."""
+    def prepare(w):
+        return prepare_weight(w, choice, rows) if layout_bf16 or not isinstance(w, jax.Array) else w
+
+    return w12_format.map_matrices(prepare, params, names, lm_head, extra)

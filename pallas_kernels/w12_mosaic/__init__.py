@@ -1,0 +1,27 @@
+"""W12 decode + matmul on the Mosaic GPU backend (Hopper: TMA, wgmma), and its bf16 twin: exact against the
+twin in the Mosaic GPU interpreter and compiled on the H200, the runs' fastest W12 and bf16 decode paths
+(docs/performance.md). `dispatch.matmul` calls it as implementation "mosaic".
+
+- `layout`: the weight layouts (`W12NK`, `TwinNK`), built once, and their exact decodes.
+- `ptx`: the compiled decode and patches (inline PTX on the plane registers).
+- `kernel`: the kernel body both share and its `plgpu.kernel` call.
+- `api`: the config, step / split rules, public functions and pure-jnp references.
+"""
+
+from pallas_kernels.w12_mosaic.api import (DEFAULT, W12MosaicConfig, bf16_mosaic_partials, default_block_k,
+                                           default_split, default_stages, fold_x, mosaic_matmul, prepare_twin,
+                                           prepare_w12, sum_rows, twin_mosaic_reference, w12_mosaic_partials,
+                                           w12_mosaic_reference)
+from pallas_kernels.w12_mosaic.layout import (BN, MAX_SLOTS, SLOT_ALIGN, TwinNK, W12NK, check_shape, chunk_order,
+                                              decode_nk, exception_slots, mma_order, storage_bytes, tile_twin,
+                                              to_nk, untile_twin, xor_tile_chunks)
+
+# Temporary, for `dense._projections` until it passes role="qkv" to `dispatch.matmul` (which applies
+# `W12MosaicConfig.qkv_barrier` itself): a constant, never switched.
+QKV_BARRIER = True
+
+__all__ = ["BN", "DEFAULT", "MAX_SLOTS", "QKV_BARRIER", "SLOT_ALIGN", "TwinNK", "W12MosaicConfig", "W12NK",
+           "bf16_mosaic_partials", "check_shape", "chunk_order", "decode_nk", "default_block_k", "default_split",
+           "default_stages", "exception_slots", "fold_x", "mma_order", "mosaic_matmul", "prepare_twin",
+           "prepare_w12", "storage_bytes", "sum_rows", "tile_twin", "to_nk", "twin_mosaic_reference",
+           "untile_twin", "w12_mosaic_partials", "w12_mosaic_reference", "xor_tile_chunks"]
