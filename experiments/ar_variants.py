@@ -28,7 +28,7 @@ import jax
 import jax.numpy as jnp
 
 from pallas_kernels import dispatch
-from specpilot.cache import KVCache, write_positions
+from specpilot.state import AttentionState, TargetState, write_positions
 from specpilot.models import dense
 from specpilot.models.layers import apply_rope, attention, rms_norm, rope_tables
 
@@ -166,10 +166,10 @@ def _layer(p: dict, cfg, v: Variant, x, cos, sin, k_cache, v_cache, start, mask)
     return x, k_cache, v_cache
 
 
-def forward(params: dict, cfg, v: Variant, tokens: jax.Array, cache: KVCache):
+def forward(params: dict, cfg, v: Variant, tokens: jax.Array, cache: TargetState):
     """tokens [B, T] -> (logits [B, T, V] float32, cache with K/V written, uncommitted)."""
     if v.stock:
-        logits, _, cache = dense.forward(params, cfg, tokens, cache)
+        logits, _, cache = dense.chain_forward(params, cfg, tokens, cache)
         return logits, cache
     x = dense.embed(params, tokens)
     t = tokens.shape[1]
@@ -180,12 +180,13 @@ def forward(params: dict, cfg, v: Variant, tokens: jax.Array, cache: KVCache):
     ks, vs = [], []
     layers = params["layers"]
     for i, p in enumerate(layers):
-        x, kc, vc = _layer(p, cfg, v, x, cos, sin, cache.k[i], cache.v[i], start, mask)
+        x, kc, vc = _layer(p, cfg, v, x, cos, sin, cache.layers[i].k, cache.layers[i].v, start, mask)
         ks.append(kc)
         vs.append(vc)
     x = rms_norm(x, params["final_norm"], cfg.rms_norm_eps) if v.elementwise else x
     logits = _linear(x, params["lm_head"], v, "lm_head", out_dtype=jnp.float32)
-    return logits, KVCache(k=tuple(ks), v=tuple(vs), lengths=cache.lengths)
+    layers = tuple(AttentionState(k, v_) for k, v_ in zip(ks, vs))
+    return logits, TargetState(layers=layers, lengths=cache.lengths)
 
 
 def linear_call_labels(params: dict) -> list[str]:

@@ -52,8 +52,8 @@ import numpy as np
 from experiments import ar_variants
 from pallas_kernels import dispatch
 from pallas_kernels import w12_mosaic
-from specpilot import bench, formats
-from specpilot.cache import init_cache
+from specpilot import formats
+from specpilot.harness import bench
 from specpilot.formats import w12
 from specpilot.models import dense
 from specpilot.models.config import ModelConfig
@@ -403,10 +403,12 @@ def main(argv=None) -> dict:
     record["init_s"] = time.perf_counter() - t0
     prompt = jax.random.randint(jax.random.PRNGKey(args.seed + 1), (b, ctx), 0, cfg.vocab_size, jnp.int32)
     lengths = jnp.full((b,), ctx, jnp.int32)
-    prefill, record["prefill_compile_s"] = bench.timed_compile(
-        dense.prefill, params, cfg, prompt, lengths, init_cache(cfg, b, max_len))
-    jax.block_until_ready(prefill(params, prompt, lengths, init_cache(cfg, b, max_len)))
-    cache = init_cache(cfg, b, max_len)
+    def fresh():
+        return dense.init_state(cfg, b, max_len, params["embed"].dtype)
+
+    prefill, record["prefill_compile_s"] = bench.timed_compile(dense.prefill, params, cfg, prompt, lengths, fresh())
+    jax.block_until_ready(prefill(params, prompt, lengths, fresh()))
+    cache = fresh()
     t0 = time.perf_counter()
     last_logits, _, snapshot = jax.block_until_ready(prefill(params, prompt, lengths, cache))
     record["prefill_ms"] = (time.perf_counter() - t0) * 1e3

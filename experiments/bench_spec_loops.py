@@ -13,7 +13,7 @@ import statistics
 import jax
 import jax.numpy as jnp
 
-from specpilot import bench
+from specpilot.harness import bench
 from specpilot.decoding import ar, spec
 from specpilot.models import dense
 from specpilot.models import drafter as dr

@@ -38,8 +38,8 @@ import numpy as np
 from pallas_kernels import dispatch
 from pallas_kernels import w12_matmul as km
 from pallas_kernels import w12_mosaic as mk
-from specpilot import bench
-from specpilot.bench import make_chain
+from specpilot.harness import bench
+from specpilot.harness.bench import make_chain
 from specpilot.formats import w12
 
 QWEN3_8B = {"q/o": (4096, 4096), "k/v": (4096, 1024), "gate/up": (4096, 12288), "down": (12288, 4096),

@@ -151,11 +151,10 @@ _MATMULS = {"xla": _xla, "triton": _triton, "mosaic": _mosaic}
 
 def default_choice(w) -> OpChoice:
     """What multiplies `w` when no choice is given (the behaviour before choices): bf16 arrays by XLA,
-    the Mosaic layouts by that kernel, a W12 by the implementation it was prepared for (`W12.kernel`)."""
+    the Mosaic layouts by that kernel (they exist only for it), a W12 by decoding it for XLA's dot (a plan's
+    choice names a kernel for it: `ModelConfig.matmul`)."""
     if isinstance(w, (W12NK, TwinNK)):
         return OpChoice(("mosaic",))
-    if isinstance(w, W12) and w.kernel == "pallas":
-        return OpChoice(("triton", "xla"))
     return OpChoice(("xla",))
 
 
@@ -191,14 +190,14 @@ def matmul(x: jax.Array, w, b: jax.Array | None = None, *, choice: OpChoice | No
 
 def _prepare_xla(w, rows: int, config: XlaConfig):
     del rows, config
-    return dataclasses.replace(w, kernel="xla") if isinstance(w, W12) else w
+    return w
 
 
 def _prepare_triton(w, rows: int, config):
     del rows, config
     if not isinstance(w, W12):
         raise NotImplementedError("the Triton W12 kernel multiplies W12 weights; bf16 ones go to XLA")
-    return dataclasses.replace(w, kernel="pallas")
+    return w
 
 
 def _prepare_mosaic(w, rows: int, config: W12MosaicConfig):

@@ -22,6 +22,9 @@ from __future__ import annotations
 import dataclasses
 from typing import Any, Mapping
 
+from pallas_kernels import dispatch
+from pallas_kernels.dispatch import OpChoice
+
 VERIFY_KINDS = ("ar", "chain")
 RESERVED_VERIFY_KINDS = ("tree", "two_level")
 WEIGHT_FORMATS = ("bf16", "w12")
@@ -37,17 +40,11 @@ def _fail(plan: str, field: str, msg: str):
 
 
 @dataclasses.dataclass(frozen=True)
-class KernelChoice:
-    """One op's implementation: names tried in order (falling through on NotImplementedError) and the
-    first one's config (a frozen dataclass of its block sizes and options; None = its defaults)."""
-
-    implementation: tuple[str, ...]
-    config: Any = None
-
-
-@dataclasses.dataclass(frozen=True)
 class Kernels:
-    matmul: KernelChoice = KernelChoice(("xla",))
+    """The implementation of each op (`pallas_kernels.dispatch.OpChoice`: names tried in order, falling
+    through on NotImplementedError, and the first one's frozen config of block sizes and options)."""
+
+    matmul: OpChoice = OpChoice(("xla",))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -111,12 +108,12 @@ def is_ar_baseline_candidate(plan: Plan) -> bool:
 
 
 def build(name: str, fields: Mapping[str, Any], *, drafter_block_size: int | None,
-          default_matmul: Mapping[str, Any], make_choice=None) -> Plan:
+          default_matmul: Mapping[str, Any]) -> Plan:
     """A Plan from a config mapping (the YAML's fields), with the deployment's defaults filled in.
 
-    `default_matmul`: weight format -> implementation list (the `gpu` group's defaults).
-    `make_choice(op, implementation, config)`: builds a KernelChoice with the implementation's typed
-    config (the kernel dispatch's); by default the config mapping is kept as sorted items.
+    `default_matmul`: weight format -> implementation list (the `gpu` group's defaults). The kernel config
+    mapping becomes the first implementation's typed config (`dispatch.choice`), so an unknown option
+    fails here, naming the field.
     """
     verify = str(fields.get("verify", "chain"))
     weights = str(fields.get("weights", "bf16"))
@@ -140,13 +137,10 @@ def build(name: str, fields: Mapping[str, Any], *, drafter_block_size: int | Non
         impl = default_matmul[weights]
     impl = tuple(str(i) for i in ([impl] if isinstance(impl, str) else impl))
     config = dict(matmul.get("config") or {})
-    if make_choice is None:
-        choice = KernelChoice(impl, tuple(sorted(config.items())) or None)
-    else:
-        try:
-            choice = make_choice("matmul", impl, config)
-        except (ValueError, TypeError, KeyError) as e:
-            _fail(name, "kernels.matmul", str(e))
+    try:
+        choice = dispatch.choice("matmul", impl, config or None)
+    except (ValueError, TypeError, KeyError) as e:
+        _fail(name, "kernels.matmul", str(e))
     tree = fields.get("tree")
     if tree is not None:
         tree = TreeShape(**dict(tree))

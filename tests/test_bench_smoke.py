@@ -65,7 +65,7 @@ def test_bench_ar_tiny_variants_agree(bench_ar):
 
 
 def test_step_bytes_qwen3_8b(bench_ar):
-    from specpilot import bench
+    from specpilot.harness import bench
 
     cfg = bench_ar.SHAPES["qwen3-8b"]
     sb = bench.step_bytes(cfg, batch=1, cache_len=768)
@@ -141,7 +141,7 @@ def test_kernel_summary_reads_a_perfetto_trace(tmp_path):
     import gzip
     import json as json_
 
-    from specpilot import bench as bench_
+    from specpilot.harness import bench as bench_
 
     meta = [{"ph": "M", "name": "process_name", "pid": 1, "args": {"name": "/device:GPU:0"}},
             {"ph": "M", "name": "process_name", "pid": 2, "args": {"name": "/host:CPU"}},
@@ -170,7 +170,7 @@ def test_kernel_summary_times_each_call_of_a_step(tmp_path, bench_ar):
     import gzip
     import json as json_
 
-    from specpilot import bench as bench_
+    from specpilot.harness import bench as bench_
 
     meta = [{"ph": "M", "name": "process_name", "pid": 1, "args": {"name": "/device:GPU:0"}},
             {"ph": "M", "name": "thread_name", "pid": 1, "tid": 7, "args": {"name": "Stream #13(Compute)"}}]

@@ -8,6 +8,7 @@ from hydra import compose, initialize_config_dir
 from hydra.errors import ConfigCompositionException
 from omegaconf.errors import ValidationError
 
+from pallas_kernels.w12_mosaic import W12MosaicConfig
 from specpilot.harness import config_schema
 from specpilot.harness.config_schema import ConfigValueError, build_plans, typed, validate
 
@@ -69,6 +70,7 @@ def test_every_option_composes(group):
     ("decoding.plans.stock.batching=continuous", "decoding.plans.stock.batching"),
     ("decoding.plans.stock.kernels.matmul.implementation=[cuda]", "decoding.plans.stock.kernels.matmul"),
     ("decoding.plans.stock.kernels.matmul.implementation=[]", "decoding.plans.stock.kernels.matmul"),
+    ("+decoding.plans.stock.kernels.matmul.config.block_k=64", "decoding.plans.stock.kernels.matmul: .*block_k"),
     ("decoding.plans.stock.weights=w12 target.dtype=float32", "the 12-bit weight format encodes bfloat16"),
     ("target.source=cloud", "target.source"),
     ("target.init=uniform", "target.init"),
@@ -113,7 +115,9 @@ PLAN_FLIPS = [  # (override, plan field, value as the Plan holds it)
     ("decoding.plans.stock.block_size=4", "block_size", 4),
     ("decoding.plans.stock.kernels.matmul.implementation=[triton,xla]", "kernels.matmul.implementation",
      ("triton", "xla")),
-    ("+decoding.plans.stock.kernels.matmul.config.block_k=64", "kernels.matmul.config", (("block_k", 64),)),
+    ("decoding.plans.stock.kernels.matmul.implementation=[mosaic,xla] "
+     "+decoding.plans.stock.kernels.matmul.config.large_n=16384", "kernels.matmul.config",
+     W12MosaicConfig(large_n=16384)),
     ("decoding.plans.stock.batching=static", "batching", "static"),
 ]
 
@@ -123,7 +127,7 @@ def test_each_plan_field_flips_from_the_command_line(override, field, value):
     """One override changes one field of one plan, and nothing else of the run's plans."""
     base = [*TINY, "drafter=random", "decoding=stock", "target.dtype=bfloat16"]
     before = {p.name: p for p in build_plans(_compose(base=base))}
-    cfg = _compose([override], base=base)
+    cfg = _compose(override.split(), base=base)
     validate(cfg)
     after = {p.name: p for p in build_plans(cfg)}
     # a stock plan flipped to verify=ar is itself XLA's bf16 ar plan: the baseline is not added twice

@@ -67,8 +67,8 @@ def test_xla_is_exact_for_every_layout():
 
 
 def test_without_a_choice_each_weight_goes_where_it_did():
-    """choice=None: a bf16 array through XLA's dot (bias in float32, the activation dtype out), a W12 through
-    the implementation it was prepared for, the Mosaic layouts through that kernel."""
+    """choice=None: a bf16 array and a W12 through XLA's dot (bias in float32, the activation dtype out),
+    the Mosaic layouts through that kernel; the Triton kernel when a choice names it."""
     k, n = 128, 64
     w = jnp.asarray(adversarial_weights(k, n, seed=2))
     x = jnp.asarray(np.random.default_rng(0).standard_normal((3, k)), jnp.bfloat16)
@@ -77,11 +77,11 @@ def test_without_a_choice_each_weight_goes_where_it_did():
     assert_same_bits(dispatch.matmul(x, w, b), want)
     enc = jax.device_put(w12.encode(w))
     as_xla = dispatch.prepare_weight(enc, dispatch.choice("matmul", "xla"))
-    assert as_xla.kernel == "xla" and dispatch.default_choice(as_xla).implementation == ("xla",)
+    assert dispatch.default_choice(as_xla).implementation == ("xla",)
     assert_same_bits(dispatch.matmul(x, as_xla, b), want)
-    as_triton = dispatch.prepare_weight(enc, dispatch.choice("matmul", "triton"))
-    assert dispatch.default_choice(as_triton).implementation == ("triton", "xla")
-    assert_same_bits(dispatch.matmul(x, as_triton, out_dtype=jnp.float32),
+    triton = dispatch.choice("matmul", ("triton", "xla"), {"interpret": True})
+    as_triton = dispatch.prepare_weight(enc, triton)
+    assert_same_bits(dispatch.matmul(x, as_triton, choice=triton, out_dtype=jnp.float32),
                      km.w12_matmul(x, enc, km.W12TritonConfig(interpret=True)))
     assert dispatch.default_choice(mk.to_nk(enc, 64)).implementation == ("mosaic",)
 
@@ -120,10 +120,10 @@ def test_prepare_params_puts_each_weight_in_its_layout():
     kept = dispatch.prepare_params(enc, mosaic, layout_bf16=False)  # the encoder's bf16 matrices to XLA
     assert isinstance(kept["layers"][0]["qkv"], mk.W12NK) and kept["layers"][0]["down"] is enc["layers"][0]["down"]
     xla = dispatch.prepare_params(enc, dispatch.choice("matmul", "xla"))
-    assert xla["layers"][0]["qkv"].kernel == "xla" and xla["layers"][0]["down"] is enc["layers"][0]["down"]
+    assert xla["layers"][0]["qkv"] is enc["layers"][0]["qkv"] and xla["layers"][0]["down"] is enc["layers"][0]["down"]
     # a W12 matrix whose step overflows the slot table: no W12NK; the next implementation's layout
     overflow = w12.encode_device(params["layers"][0]["down"])
-    assert dispatch.prepare_weight(overflow, mosaic).kernel == "xla"
+    assert isinstance(dispatch.prepare_weight(overflow, mosaic), w12.W12)  # XLA's layout: W12 as it is
     with pytest.raises(NotImplementedError, match="more than 255 exceptions"):
         dispatch.prepare_weight(overflow, dispatch.choice("matmul", "mosaic"))
     with pytest.raises(NotImplementedError, match="N % 64 == 0"):
@@ -149,41 +149,33 @@ def test_qkv_product_of_the_mosaic_kernel_is_materialized_by_role():
     assert _barriers(lambda x: dispatch.matmul(x, nk, choice=dispatch.choice("matmul", "xla"), role="qkv"), x) == 0
 
 
-def test_compatibility_names_keep_model_code_working():
-    """What dense.py and deploy.py still read from the format modules: `formats.encode_params(kernel=)`
-    (W12 matrices in the kernel's layout, matrices the encoder kept bf16 left as they were), `w12.linear`,
-    `w12.twin_params`, `w12.W12NK` / `TwinNK` / `ENCODED`; and dense's qkv barrier after a Mosaic qkv."""
+def test_dense_layer_passes_its_plan_choice_and_roles():
+    """dense's layer multiplies through `cfg.matmul` and names each product: the Mosaic kernel's qkv product
+    is materialized once (its config's qkv_barrier), a bf16 layer through XLA has no barrier."""
+    import dataclasses as dc
+
     from specpilot.models import dense
     from specpilot.models.config import ModelConfig
     from specpilot.models.layers import rope_tables
-
-    params = _model_params()
-    enc = formats.encode_params(params, "w12", kernel="mosaic", rows=1)
-    assert isinstance(enc["layers"][0]["qkv"], w12.W12NK) and enc["layers"][0]["down"] is params["layers"][0]["down"]
-    assert isinstance(w12.twin_params(params)["layers"][0]["down"], w12.TwinNK)
-    assert w12.ENCODED == (w12.W12, mk.W12NK, mk.TwinNK)
-    assert formats.encode_params(params, "w12", kernel="xla")["layers"][0]["qkv"].kernel == "xla"
-    with pytest.raises(ValueError, match="W12 kernel must be one of"):
-        formats.encode_params(params, "w12", kernel="cuda")
-    with pytest.raises(AttributeError):
-        w12.no_such_name  # noqa: B018
-    x = jnp.ones((2, 128), jnp.bfloat16)
-    assert_same_bits(w12.linear(x, enc["layers"][0]["qkv"], out_dtype=jnp.float32),
-                     dispatch.matmul(x, enc["layers"][0]["qkv"], out_dtype=jnp.float32))
+    from specpilot.state import AttentionState
 
     cfg = ModelConfig(vocab_size=64, hidden_size=256, intermediate_size=256, num_layers=1, num_heads=2,
                       num_kv_heads=1, head_dim=128, qk_norm=True)
     bf16 = dense.fuse_projections(dense.init(jax.random.PRNGKey(0), cfg))
-    menc = formats.encode_params(bf16, "w12", kernel="mosaic", max_exception_rate=1.0)
+    mosaic = dispatch.choice("matmul", ("mosaic", "xla"), {"interpret": True})
+    menc = dispatch.prepare_params(formats.encode_params(bf16, "w12", max_exception_rate=1.0), mosaic,
+                                   layout_bf16=False)
+    assert isinstance(menc["layers"][0]["qkv"], mk.W12NK)
     h = jnp.zeros((1, 1, cfg.hidden_size), jnp.bfloat16)
     cos, sin = rope_tables(jnp.zeros((1, 1), jnp.int32), cfg.inv_freq())
-    cache = jnp.zeros((1, 8, cfg.num_kv_heads, cfg.head_dim), jnp.bfloat16)
+    kv = jnp.zeros((1, 8, cfg.num_kv_heads, cfg.head_dim), jnp.bfloat16)
     mask = jnp.ones((1, 1, 8), bool)
 
-    def layer(p):
-        return dense.decoder_layer(p, cfg, h, cos, sin, cache, cache, jnp.zeros((1,), jnp.int32), mask)
+    def layer(p, c):
+        return dense.decoder_layer(p, c, h, cos, sin, AttentionState(kv, kv), jnp.zeros((1,), jnp.int32), mask)
 
-    assert _barriers(layer, menc["layers"][0]) == 1 and _barriers(layer, bf16["layers"][0]) == 0
+    assert _barriers(lambda p: layer(p, dc.replace(cfg, matmul=mosaic)), menc["layers"][0]) == 1
+    assert _barriers(lambda p: layer(p, cfg), bf16["layers"][0]) == 0
 
 
 MODULES = ["specpilot.formats", "specpilot.formats.w12", "pallas_kernels.common", "pallas_kernels.w12_matmul",

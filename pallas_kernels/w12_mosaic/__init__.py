@@ -16,11 +16,7 @@ from pallas_kernels.w12_mosaic.layout import (BN, MAX_SLOTS, SLOT_ALIGN, TwinNK,
                                               decode_nk, exception_slots, mma_order, storage_bytes, tile_twin,
                                               to_nk, untile_twin, xor_tile_chunks)
 
-# Temporary, for `dense._projections` until it passes role="qkv" to `dispatch.matmul` (which applies
-# `W12MosaicConfig.qkv_barrier` itself): a constant, never switched.
-QKV_BARRIER = True
-
-__all__ = ["BN", "DEFAULT", "MAX_SLOTS", "QKV_BARRIER", "SLOT_ALIGN", "TwinNK", "W12MosaicConfig", "W12NK",
+__all__ = ["BN", "DEFAULT", "MAX_SLOTS", "SLOT_ALIGN", "TwinNK", "W12MosaicConfig", "W12NK",
            "bf16_mosaic_partials", "check_shape", "chunk_order", "decode_nk", "default_block_k", "default_split",
            "default_stages", "exception_slots", "fold_x", "mma_order", "mosaic_matmul", "prepare_twin",
            "prepare_w12", "storage_bytes", "sum_rows", "tile_twin", "to_nk", "twin_mosaic_reference",

@@ -80,10 +80,6 @@ class W12(Bf16Matrix):
     shape: tuple[int, int]  # static: (K, N)
     group_n: int = DEFAULT_GROUP_N
     group_k: int = DEFAULT_GROUP_K
-    # static, temporary: the implementation `pallas_kernels.dispatch.matmul` takes when model code passes no
-    # choice ("pallas": the Triton-backend kernel, else XLA); set by `dispatch.prepare_params`. Goes once
-    # model code passes its plan's choice.
-    kernel: str = "pallas"
 
     @property
     def num_exceptions(self) -> int:
@@ -102,7 +98,7 @@ class W12(Bf16Matrix):
         return -(-self.shape[1] // self.group_n)
 
 
-jax.tree_util.register_dataclass(W12, data_fields=list(FIELDS), meta_fields=["shape", "group_n", "group_k", "kernel"])
+jax.tree_util.register_dataclass(W12, data_fields=list(FIELDS), meta_fields=["shape", "group_n", "group_k"])
 
 
 def bf16_bits(w) -> np.ndarray:
@@ -375,13 +371,3 @@ def map_matrices(fn, params: dict, names: tuple[str, ...] = LINEAR_NAMES, lm_hea
         if name in params:
             out[name] = fn(params[name])
     return out
-
-
-def __getattr__(name: str):
-    """Temporary: the names model code and the harness read here before kernel layouts left this module
-    (`W12NK`, `TwinNK`, `ENCODED`, `linear`, `twin_params`), served from the kernel package on use."""
-    if name not in ("W12NK", "TwinNK", "ENCODED", "linear", "twin_params"):
-        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    from specpilot.formats import legacy
-
-    return legacy.attribute(name)

@@ -22,6 +22,7 @@ from typing import Any, Dict, List, Optional
 
 from omegaconf import MISSING, DictConfig, OmegaConf
 
+from pallas_kernels import dispatch
 from specpilot import plan as plan_mod
 from specpilot.plan import Plan
 
@@ -241,16 +242,14 @@ def validate(cfg: DictConfig) -> None:
               f"= {needed}")
 
 
-IMPLEMENTATIONS = ("xla", "triton", "mosaic")
-
-
 def _check_implementations(key: str, impl) -> None:
     impl = list(impl or [])
     if not impl:
         _fail(key, "name at least one matmul implementation")
+    known = tuple(dispatch.IMPLEMENTATIONS["matmul"])
     for name in impl:
-        if name not in IMPLEMENTATIONS:
-            _fail(key, f"{name!r} is not one of {IMPLEMENTATIONS}")
+        if name not in known:
+            _fail(key, f"{name!r} is not one of {known}")
 
 
 def build_plans(cfg: DictConfig) -> list[Plan]:
@@ -278,7 +277,8 @@ def build_plans(cfg: DictConfig) -> list[Plan]:
         name = "ar" if impl[0] == "xla" else f"ar_{impl[0]}"
         if name in names:
             _fail(f"decoding.plans.{name}", f"the name is the AR baseline's on this gpu ({list(impl)}); rename it")
-        baselines.append(plan_mod.Plan(name=name, verify="ar", kernels=plan_mod.Kernels(plan_mod.KernelChoice(impl))))
+        kernels = plan_mod.Kernels(dispatch.choice("matmul", impl))
+        baselines.append(plan_mod.Plan(name=name, verify="ar", kernels=kernels))
         names.add(name)
     plans = baselines + given
     if not any(plan_mod.is_ar_baseline_candidate(p) for p in plans):

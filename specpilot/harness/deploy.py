@@ -48,23 +48,18 @@ class Deployment:
         return self.batch_size * plan.block_size  # the most rows one of the plan's steps multiplies per call
 
     def _prepare(self, role: str, params, plan: Plan, extra: tuple[str, ...] = ()):
-        """`params` in the plan's weight format, laid out for its matmul implementation: encoded once per
-        deployment and cached (offline work, outside every timing)."""
+        """`params` in the plan's weight format, laid out for its matmul implementation (W12 -> the Mosaic
+        kernel's layout, bf16 -> its twin's tiles, for "mosaic"; unchanged for XLA): encoded once per
+        deployment and cached (offline work, outside every timing). In a W12 plan, the matrices the encoder
+        kept bf16 (too many exceptions) stay plain arrays and go to XLA's dot."""
+        from pallas_kernels import dispatch
         from specpilot import formats
-        from specpilot.formats import w12
 
-        impl = plan.kernels.matmul.implementation[0]
         key = (role, plan.weights, plan.kernels, self._rows(plan))
         if key not in self.prepared:
-            if plan.weights == "w12":
-                kernel = {"triton": "pallas", "xla": "xla", "mosaic": "mosaic"}[impl]
-                self.prepared[key] = formats.encode_params(params, "w12", kernel=kernel, rows=self._rows(plan),
-                                                           extra=extra)
-            elif impl == "mosaic":  # bf16 weights through the Mosaic kernel's bf16 twin, tiled once
-                fallback = len(plan.kernels.matmul.implementation) > 1
-                self.prepared[key] = w12.twin_params(params, extra=extra, keep_untileable=fallback)
-            else:
-                self.prepared[key] = params
+            encoded = formats.encode_params(params, plan.weights, extra=extra)
+            self.prepared[key] = dispatch.prepare_params(encoded, plan.kernels.matmul, self._rows(plan), extra,
+                                                         layout_bf16=plan.weights == "bf16")
         return self.prepared[key]
 
     def params_for(self, plan: Plan):
@@ -72,8 +67,8 @@ class Deployment:
         return self._prepare("target", self.params, plan)
 
     def cfg_for(self, plan: Plan) -> ModelConfig:
-        """The target's static config for `plan`."""
-        return self.cfg
+        """The target's static config for `plan`: its matmul choice rides in the config (a jit static)."""
+        return dataclasses.replace(self.cfg, matmul=plan.kernels.matmul)
 
     def target_for(self, plan: Plan) -> dense.Target:
         """The target (config, state and forward functions) as `plan` runs it."""
@@ -86,7 +81,7 @@ class Deployment:
         if self.drafter is None:
             raise ValueError(f"plan {plan.name!r} needs a drafter; the deployment has none")
         drafter, params = self.drafter
-        return drafter, self._prepare("drafter", params, plan, extra=("fc",))
+        return drafter.with_matmul(plan.kernels.matmul), self._prepare("drafter", params, plan, extra=("fc",))
 
     def batches(self) -> list[list[list[int]]]:
         """Prompts grouped into batches of `batch_size` (a trailing partial batch is dropped)."""

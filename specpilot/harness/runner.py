@@ -35,7 +35,8 @@ log = logging.getLogger(__name__)
 
 CSV_FIELDS = ("target", "drafter", "gpu", "batch_size", "prompts", "new_tokens", "method", "verify", "weights",
               "matmul", "block_size", "decode_ms_per_token", "tokens_per_s", "prefill_ms", "speedup_vs_ar",
-              "baseline", "speedup_vs_stock", "tau", "acceptance_length_upstream", "ceiling_ms_per_token", "pct_of_ceiling", "mismatches", "notes")
+              "baseline", "speedup_vs_stock", "tau", "acceptance_length_upstream", "ceiling_ms_per_token",
+              "pct_of_ceiling", "mismatches", "notes")
 
 
 def environment() -> dict:
@@ -109,7 +110,8 @@ def run(cfg: DictConfig, out_dir: str | Path) -> list[dict]:
             mismatches=forcing[plan.name]["mismatches"] if plan.name in forcing else None,
             forcing=forcing.get(plan.name),
             notes="; ".join(dep.notes + r.stats.get("notes", [])),
-            stats={k: v for k, v in r.stats.items() if k not in ("tau", "acceptance_length_upstream", "mismatches", "notes")},
+            stats={k: v for k, v in r.stats.items()
+                   if k not in ("tau", "acceptance_length_upstream", "mismatches", "notes")},
             config=OmegaConf.to_container(cfg, resolve=True),
             **env,
         )

@@ -61,6 +61,10 @@ class ModelConfig:
     tap_layers: tuple[int, ...] = ()
     bos_token_id: int | None = None
     eos_token_id: int | None = None
+    # What multiplies the linear weights: a `pallas_kernels.dispatch.OpChoice` (a plan's kernels.matmul,
+    # set by the harness), or None: each weight by the implementation its layout belongs to (XLA's dot
+    # for plain arrays). Static, so it is part of every jit cache key; not a checkpoint field.
+    matmul: Any = None
 
     def __post_init__(self):
         positive = ("vocab_size", "hidden_size", "intermediate_size", "num_layers", "num_heads",

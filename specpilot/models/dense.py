@@ -32,8 +32,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from pallas_kernels import dispatch
 from specpilot import state as st
-from specpilot.formats import w12
 from specpilot.models.config import ModelConfig
 from specpilot.models.layers import apply_rope, attention, linear, rms_norm, rope_tables
 from specpilot.state import AttentionState, TargetState
@@ -156,17 +156,12 @@ def fuse_projections(params: Params) -> Params:
     return {**params, "layers": tuple(fuse(p) for p in params["layers"])}
 
 
-def _projections(p: dict, h: jax.Array, fused: str, sizes: tuple[int, ...]):
+def _projections(p: dict, cfg: ModelConfig, h: jax.Array, fused: str, sizes: tuple[int, ...]):
     """The outputs of _FUSED[fused]'s matrices for h, from the fused matrix when present."""
     if fused in p:
-        y = linear(h, p[fused], p.get(fused + "_bias"))
-        if fused == "qkv" and isinstance(p[fused], (w12.W12NK, w12.TwinNK)):
-            from pallas_kernels import w12_mosaic  # imported on use, as w12 does
-
-            if w12_mosaic.QKV_BARRIER:  # the K-split sum materialized once, not recomputed in the norms
-                y = jax.lax.optimization_barrier(y)
+        y = linear(h, p[fused], p.get(fused + "_bias"), choice=cfg.matmul, role=fused)
         return jnp.split(y, list(np.cumsum(sizes)[:-1]), axis=-1)
-    return [linear(h, p[n], p.get(n + "_bias")) for n in _FUSED[fused]]
+    return [linear(h, p[n], p.get(n + "_bias"), choice=cfg.matmul, role=n) for n in _FUSED[fused]]
 
 
 def embed(params: Params, tokens: jax.Array) -> jax.Array:
@@ -177,9 +172,7 @@ def lm_head(params: Params, cfg: ModelConfig, x: jax.Array) -> jax.Array:
     """Final-normed hidden states [..., H] -> float32 logits [..., V]."""
     if cfg.tie_word_embeddings:
         return jnp.einsum("...h,vh->...v", x, params["embed"], preferred_element_type=jnp.float32)
-    if isinstance(params["lm_head"], w12.ENCODED):
-        return w12.linear(x, params["lm_head"], out_dtype=jnp.float32)
-    return jnp.einsum("...h,hv->...v", x, params["lm_head"], preferred_element_type=jnp.float32)
+    return dispatch.matmul(x, params["lm_head"], choice=cfg.matmul, role="lm_head", out_dtype=jnp.float32)
 
 
 def decoder_layer(p: dict, cfg: ModelConfig, x: jax.Array, cos, sin, kv: AttentionState,
@@ -187,7 +180,7 @@ def decoder_layer(p: dict, cfg: ModelConfig, x: jax.Array, cos, sin, kv: Attenti
     """One pre-norm decoder layer. x: [B, T, H]; K/V written at slots start[b] + i; returns (x, kv)."""
     b, t, _ = x.shape
     h = rms_norm(x, p["attn_norm"], cfg.rms_norm_eps)
-    q, k, v = _projections(p, h, "qkv", (cfg.q_size, cfg.kv_size, cfg.kv_size))
+    q, k, v = _projections(p, cfg, h, "qkv", (cfg.q_size, cfg.kv_size, cfg.kv_size))
     q = q.reshape(b, t, cfg.num_heads, cfg.head_dim)
     k = k.reshape(b, t, cfg.num_kv_heads, cfg.head_dim)
     v = v.reshape(b, t, cfg.num_kv_heads, cfg.head_dim)
@@ -197,10 +190,10 @@ def decoder_layer(p: dict, cfg: ModelConfig, x: jax.Array, cos, sin, kv: Attenti
     q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
     kv = kv.write(k, v, start)
     attn = attention(q, kv.k.astype(q.dtype), kv.v.astype(q.dtype), mask)
-    x = x + linear(attn.reshape(b, t, cfg.q_size), p["o"], p.get("o_bias"))
+    x = x + linear(attn.reshape(b, t, cfg.q_size), p["o"], p.get("o_bias"), choice=cfg.matmul, role="o")
     h = rms_norm(x, p["mlp_norm"], cfg.rms_norm_eps)
-    g, u = _projections(p, h, "gate_up", (cfg.intermediate_size, cfg.intermediate_size))
-    x = x + linear(jax.nn.silu(g) * u, p["down"], p.get("down_bias"))
+    g, u = _projections(p, cfg, h, "gate_up", (cfg.intermediate_size, cfg.intermediate_size))
+    x = x + linear(jax.nn.silu(g) * u, p["down"], p.get("down_bias"), choice=cfg.matmul, role="down")
     return x, kv
 
 

@@ -72,6 +72,9 @@ class DrafterConfig:
     rope_scaling: RopeScaling | None = None
     attention_bias: bool = False
     max_position_embeddings: int = 40960
+    # what multiplies the draft layers' weights (a plan's kernels.matmul; None: by each weight's layout),
+    # as ModelConfig.matmul; not a checkpoint field
+    matmul: Any = None
 
     def __post_init__(self):
         for name in ("num_layers", "block_size", "hidden_size", "num_heads", "num_kv_heads", "head_dim",
@@ -243,8 +246,10 @@ def init_context_cache(cfg: DrafterConfig, batch_size: int, max_len: int, dtype=
 def _keys_values(lp: dict, cfg: DrafterConfig, x: jax.Array, cos, sin):
     """A draft layer's K/V for rows x [B, T, H] (context features or normed block states)."""
     b, t, _ = x.shape
-    k = linear(x, lp["k"], lp.get("k_bias")).reshape(b, t, cfg.num_kv_heads, cfg.head_dim)
-    v = linear(x, lp["v"], lp.get("v_bias")).reshape(b, t, cfg.num_kv_heads, cfg.head_dim)
+    k = linear(x, lp["k"], lp.get("k_bias"), choice=cfg.matmul, role="k")
+    v = linear(x, lp["v"], lp.get("v_bias"), choice=cfg.matmul, role="v")
+    k = k.reshape(b, t, cfg.num_kv_heads, cfg.head_dim)
+    v = v.reshape(b, t, cfg.num_kv_heads, cfg.head_dim)
     k = rms_norm(k, lp["k_norm"], cfg.rms_norm_eps)
     return apply_rope(k, cos, sin), v  # [B, T, KVH, D] each
 
@@ -266,8 +271,8 @@ def context_features(params: Params, cfg: DrafterConfig, taps: jax.Array) -> jax
     """Target taps [B, T, m*H] (one slice per layer of `cfg.target_tap_layers`) -> normalized context
     features [B, T, H]."""
     taps = arrange_taps(cfg, taps)
-    return rms_norm(linear(taps.astype(params["fc"].dtype), params["fc"]), params["hidden_norm"],
-                    cfg.rms_norm_eps)
+    ctx = linear(taps.astype(params["fc"].dtype), params["fc"], choice=cfg.matmul, role="fc")
+    return rms_norm(ctx, params["hidden_norm"], cfg.rms_norm_eps)
 
 
 def extend_context(params: Params, cfg: DrafterConfig, cache: TargetState, taps: jax.Array,
@@ -304,14 +309,16 @@ def draft_block(params: Params, cfg: DrafterConfig, target_params: Params, targe
     layers = []
     for i, lp in enumerate(params["layers"]):
         h = rms_norm(x, lp["attn_norm"], cfg.rms_norm_eps)
-        q = linear(h, lp["q"], lp.get("q_bias")).reshape(b, t, cfg.num_heads, cfg.head_dim)
+        q = linear(h, lp["q"], lp.get("q_bias"), choice=cfg.matmul, role="q")
+        q = q.reshape(b, t, cfg.num_heads, cfg.head_dim)
         q = apply_rope(rms_norm(q, lp["q_norm"], cfg.rms_norm_eps), cos, sin)
         kv = cache.layers[i].write(*_keys_values(lp, cfg, h, cos, sin), start)
         layers.append(kv)
         attn = attention(q, kv.k.astype(q.dtype), kv.v.astype(q.dtype), mask)
-        x = x + linear(attn.reshape(b, t, cfg.num_heads * cfg.head_dim), lp["o"], lp.get("o_bias"))
+        x = x + linear(attn.reshape(b, t, cfg.num_heads * cfg.head_dim), lp["o"], lp.get("o_bias"),
+                       choice=cfg.matmul, role="o")
         h = rms_norm(x, lp["mlp_norm"], cfg.rms_norm_eps)
-        x = x + swiglu(h, lp["gate"], lp["up"], lp["down"])
+        x = x + swiglu(h, lp["gate"], lp["up"], lp["down"], choice=cfg.matmul)
     x = rms_norm(x, params["norm"], cfg.rms_norm_eps)
     return x, TargetState(layers=tuple(layers), lengths=cache.lengths)
 
@@ -333,6 +340,11 @@ class BlockDrafter:
     @property
     def block_size(self) -> int:
         return self.cfg.block_size
+
+    def with_matmul(self, choice) -> "BlockDrafter":
+        """This drafter with its layers and the target's head multiplied by `choice` (a plan's kernels)."""
+        return BlockDrafter(dataclasses.replace(self.cfg, matmul=choice),
+                            dataclasses.replace(self.target_cfg, matmul=choice))
 
     def init_state(self, params: Params, batch_size: int, max_len: int, dtype=None) -> TargetState:
         """The context cache, in dtype or else the drafter's own dtype (that of a norm: never encoded)."""
@@ -471,6 +483,10 @@ class ReplayDrafter:
     shift: int = 0  # 0: the exact reference
     wrong_every: int = 0  # with shift != 0: 0 = every draft wrong, k = positions divisible by k wrong
     confidence: float = 30.0
+
+    def with_matmul(self, choice) -> "ReplayDrafter":
+        del choice  # no weights: nothing to multiply
+        return self
 
     def init_state(self, params, batch_size: int, max_len: int, dtype=None) -> jax.Array:
         return jnp.zeros((batch_size,), jnp.int32)

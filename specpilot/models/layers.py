@@ -60,8 +60,8 @@ def attention(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array) -> jax.
 
 
 def swiglu(x: jax.Array, gate: jax.Array, up: jax.Array, down: jax.Array,
-           biases: tuple | None = None) -> jax.Array:
+           biases: tuple | None = None, choice: dispatch.OpChoice | None = None) -> jax.Array:
     bg, bu, bd = biases if biases is not None else (None, None, None)
-    g = linear(x, gate, bg)
-    u = linear(x, up, bu)
-    return linear(jax.nn.silu(g) * u, down, bd)
+    g = linear(x, gate, bg, choice=choice, role="gate")
+    u = linear(x, up, bu, choice=choice, role="up")
+    return linear(jax.nn.silu(g) * u, down, bd, choice=choice, role="down")

@@ -110,6 +110,10 @@ class OracleDrafter:
     def block_size(self) -> int:
         return self.inner.block_size
 
+    def with_matmul(self, choice) -> "OracleDrafter":
+        """The same oracle over its inner drafter multiplied by `choice` (a plan's kernels)."""
+        return dataclasses.replace(self, inner=self.inner.with_matmul(choice))
+
     @property
     def vocab_size(self) -> int:
         return self.inner.cfg.vocab_size
