@@ -38,10 +38,12 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+from safetensors.numpy import save_file
 
 from specpilot.models import checkpoint
 from specpilot.models.config import ConfigError, ModelConfig
-from specpilot.models.gguf_tokenizer import TokenizerMetadataError, write_tokenizer_files
+from specpilot.models.gguf_tokenizer import (TOKENIZER_CONFIG_FILE, TOKENIZER_FILE, TokenizerMetadataError,
+                                             build_tokenizer, tokenizer_config)
 
 IMPORTER_VERSION = 1
 SOURCE_FILE = "gguf_source.json"
@@ -83,6 +85,8 @@ class _Plan:
     meta: dict[str, Any]
     tensors: dict[str, Any]  # HF name -> gguf ReaderTensor
     permuted: bool  # llama: q/k rows permuted by llama.cpp's converter
+    tokenizer: Any  # tokenizers.Tokenizer
+    tokenizer_config: dict[str, Any]
 
 
 def _gguf():
@@ -231,11 +235,17 @@ def _plan(path: Path) -> _Plan:
         tensors[name] = t
     missing = sorted(set(expected) - set(tensors))
     if missing:
-        problems.append("missing tensor(s) for " + ", ".join(missing[:8]) + (" ..." if len(missing) > 8 else ""))
+        more = " ..." if len(missing) > 8 else ""
+        problems.append("missing tensor(s) for " + ", ".join(missing[:8]) + more)
     if problems:
         raise GGUFImportError(f"{path} does not match its metadata ({cfg.architecture}, {cfg.num_layers} "
                               f"layers): " + "; ".join(problems))
-    return _Plan(cfg, meta, tensors, permuted=cfg.architecture == "LlamaForCausalLM")
+    tok_meta = {k: v for k, v in meta.items() if k.startswith("tokenizer.")}
+    try:
+        tokenizer, tok_config = build_tokenizer(tok_meta), tokenizer_config(tok_meta)
+    except TokenizerMetadataError as e:
+        raise GGUFImportError(f"{path}: {e}") from e
+    return _Plan(cfg, meta, tensors, cfg.architecture == "LlamaForCausalLM", tokenizer, tok_config)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -291,14 +301,12 @@ def _recorded_key(out: Path) -> dict[str, Any] | None:
 def is_converted(out: str | Path, key: dict[str, Any]) -> bool:
     """Whether `out` holds a finished import of the file with this `file_key`."""
     out = Path(out)
-    needed = (checkpoint.CONFIG_FILE, checkpoint.SINGLE_FILE, "tokenizer.json", "tokenizer_config.json")
+    needed = (checkpoint.CONFIG_FILE, checkpoint.SINGLE_FILE, TOKENIZER_FILE, TOKENIZER_CONFIG_FILE)
     return _recorded_key(out) == key and all((out / name).is_file() for name in needed)
 
 
 def _write(plan: _Plan, path: Path, key: dict[str, Any], tmp: Path) -> None:
     tensors = {name: _dequantized(plan, name, path) for name in plan.tensors}
-    from safetensors.numpy import save_file
-
     save_file(tensors, str(tmp / checkpoint.SINGLE_FILE), metadata={"format": "pt"})
     hf = plan.cfg.to_hf_dict()
     hf["torch_dtype"] = hf["dtype"] = "float32"
@@ -306,11 +314,9 @@ def _write(plan: _Plan, path: Path, key: dict[str, Any], tmp: Path) -> None:
     if pad is not None:
         hf["pad_token_id"] = int(pad)
     (tmp / checkpoint.CONFIG_FILE).write_text(json.dumps(hf, indent=2, sort_keys=True) + "\n")
-    tok_meta = {k: v for k, v in plan.meta.items() if k.startswith("tokenizer.")}
-    try:
-        write_tokenizer_files(tok_meta, tmp)
-    except TokenizerMetadataError as e:
-        raise GGUFImportError(f"{path}: {e}") from e
+    plan.tokenizer.save(str(tmp / TOKENIZER_FILE))
+    (tmp / TOKENIZER_CONFIG_FILE).write_text(json.dumps(plan.tokenizer_config, indent=2,
+                                                        ensure_ascii=False) + "\n")
     types: dict[str, int] = {}
     for t in plan.tensors.values():
         types[t.tensor_type.name] = types.get(t.tensor_type.name, 0) + 1

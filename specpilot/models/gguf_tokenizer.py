@@ -30,8 +30,6 @@ Design choices:
 
 from __future__ import annotations
 
-import json
-from pathlib import Path
 from typing import Any
 
 from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_tokenizers, processors
@@ -66,7 +64,8 @@ class TokenizerMetadataError(ValueError):
 
 def _byte_alphabet() -> dict[int, str]:
     """GPT-2's reversible byte -> printable character table."""
-    keep = {*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)}
+    keep = {*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1),
+            *range(ord("®"), ord("ÿ") + 1)}
     table, extra = {}, 0
     for b in range(256):
         if b in keep:
@@ -203,11 +202,3 @@ def tokenizer_config(meta: dict[str, Any]) -> dict[str, Any]:
     if template is not None:
         out["chat_template"] = str(template)
     return out
-
-
-def write_tokenizer_files(meta: dict[str, Any], directory: str | Path) -> None:
-    """Write tokenizer.json and tokenizer_config.json into `directory`."""
-    directory = Path(directory)
-    build_tokenizer(meta).save(str(directory / TOKENIZER_FILE))
-    (directory / TOKENIZER_CONFIG_FILE).write_text(
-        json.dumps(tokenizer_config(meta), indent=2, ensure_ascii=False) + "\n")
