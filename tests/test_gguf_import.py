@@ -10,6 +10,9 @@ Design choices:
 - The reference is transformers reading the same GGUF (`from_pretrained(dir, gguf_file=...)`), which
   dequantizes with the same gguf code, so weights must agree bit for bit; logits then differ by
   summation order only (the float32 tolerance of test_dense_vs_hf.py).
+- transformers' GGUF loader builds Llama without biases (it reads no `attention_bias` from a llama
+  file and drops the bias tensors), so the biased case is checked against the transformers model
+  itself with each weight passed through the same gguf quantize/dequantize instead.
 - transformers' GGUF loader ignores `qwen3.attention.key_length` and leaves Qwen3's head_dim at its
   config default (128), so the tiny Qwen3 has head_dim 128 (what real Qwen3 files have); smaller
   head dims are not readable by the reference.
@@ -73,6 +76,9 @@ CASES = {
                        add_bos=True, theta=100000.0),
     "qwen3": dict(arch="qwen3", pre="qwen2", heads=4, kv_heads=2, head_dim=128, tied=False,
                   add_bos=False, theta=1000000.0),
+    # one KV head, head_dim != hidden / heads, every bias (q/k biases are permuted too)
+    "llama_kv1_bias": dict(arch="llama", pre="llama-bpe", heads=4, kv_heads=1, head_dim=24, tied=False,
+                           add_bos=False, theta=500000.0, bias=True),
 }
 
 
@@ -105,7 +111,9 @@ def hf_model(case: str, vocab_size: int, seed: int = 0):
                   max_position_embeddings=512, rms_norm_eps=1e-5, tie_word_embeddings=c["tied"],
                   rope_theta=c["theta"], bos_token_id=None, eos_token_id=None, pad_token_id=None)
     if c["arch"] == "llama":
-        model = transformers.LlamaForCausalLM(transformers.LlamaConfig(**common))
+        bias = c.get("bias", False)
+        model = transformers.LlamaForCausalLM(transformers.LlamaConfig(**common, attention_bias=bias,
+                                                                       mlp_bias=bias))
     else:
         model = transformers.Qwen3ForCausalLM(transformers.Qwen3Config(**common))
     gen = torch.Generator().manual_seed(sum(map(ord, case)) + seed)
@@ -121,8 +129,8 @@ def llama_cpp_permute(w: np.ndarray, n_head: int) -> np.ndarray:
     return w.reshape(n_head, 2, w.shape[0] // n_head // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
 
-def tensor_type(name: str) -> Q:
-    if name.endswith("norm.weight"):
+def tensor_type(name: str, ndim: int) -> Q:
+    if ndim == 1:  # norms and biases stay F32, as llama.cpp keeps them
         return Q.F32
     if name in ("token_embd.weight", "output.weight"):
         return Q.Q8_0
@@ -166,14 +174,14 @@ def write_gguf(path: Path, case: str, model=None, *, arch: str | None = None, pr
             if name == drop_tensor:
                 continue
             arr = tensor.numpy().astype(np.float32)
-            if arch == "llama" and name.endswith("attn_q.weight"):
+            if arch == "llama" and name.endswith(("attn_q.weight", "attn_q.bias")):
                 arr = llama_cpp_permute(arr, c["heads"])
-            if arch == "llama" and name.endswith("attn_k.weight"):
+            if arch == "llama" and name.endswith(("attn_k.weight", "attn_k.bias")):
                 arr = llama_cpp_permute(arr, c["kv_heads"])
             if tensor_override and name in tensor_override:
                 w.add_tensor(name, tensor_override[name])
                 continue
-            qtype = tensor_type(name)
+            qtype = tensor_type(name, arr.ndim)
             if qtype in (Q.F32, Q.F16):
                 w.add_tensor(name, gguf.quants.quantize(arr, qtype))
             else:
@@ -185,15 +193,35 @@ def write_gguf(path: Path, case: str, model=None, *, arch: str | None = None, pr
     return path
 
 
+def quantized_copy(model, case: str):
+    """The transformers model with each weight replaced by what its GGUF tensor dequantizes to (gguf's
+    quantize then dequantize, no GGUF file or reader involved). The reference where transformers'
+    GGUF loader cannot read the file: it builds Llama without biases, whatever the tensors hold."""
+    arch = CASES[case]["arch"]
+    names = gguf.get_tensor_name_map({v: k for k, v in gguf.MODEL_ARCH_NAMES.items()}[arch], 2)
+    with torch.no_grad():
+        for hf, p in model.named_parameters():
+            base, suffix = hf.rsplit(".", 1)
+            qtype = tensor_type(f"{names.get_name(base)}.{suffix}", p.ndim)
+            # rows are quantized independently, so this commutes with llama.cpp's row permutation
+            p.copy_(torch.from_numpy(gguf.quants.dequantize(gguf.quants.quantize(p.numpy(), qtype), qtype)
+                                     .reshape(p.shape)))
+    return model
+
+
 @pytest.fixture(scope="module", params=list(CASES))
 def converted(request, tmp_path_factory):
     """(case, transformers model from the GGUF, our params f32, cfg, our folder, gguf path)."""
     case = request.param
     root = tmp_path_factory.mktemp(case)
-    path = write_gguf(root / f"{case}.gguf", case, hf_model(case, len(tiny_vocab()[0])))
+    model = hf_model(case, len(tiny_vocab()[0]))
+    path = write_gguf(root / f"{case}.gguf", case, model)
     out = import_gguf(path, root / "hf")
-    ref = transformers.AutoModelForCausalLM.from_pretrained(
-        str(root), gguf_file=path.name, dtype=torch.float32, attn_implementation="eager").eval()
+    if CASES[case].get("bias"):
+        ref = quantized_copy(model, case)
+    else:
+        ref = transformers.AutoModelForCausalLM.from_pretrained(
+            str(root), gguf_file=path.name, dtype=torch.float32, attn_implementation="eager").eval()
     params, cfg = checkpoint.load_hf(out, dtype=jnp.float32)
     return case, ref, params, cfg, out, path
 
