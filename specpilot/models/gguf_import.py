@@ -1,0 +1,369 @@
+"""Import a llama or qwen3 GGUF file (llama.cpp's format) as a Hugging Face directory `load_hf` reads.
+
+Design choices:
+- Read with the `gguf` package (llama.cpp's own reader) and dequantize with its
+  `gguf.quants.dequantize`, the code llama.cpp's Python tools and transformers' GGUF loader use, so the
+  float32 weights are those every other reader of the file sees.
+- Everything checkable from the header is checked before any tensor is dequantized or anything is
+  written: the file is GGUF (magic, readable to its last tensor), the architecture is supported,
+  every metadata key needed is there, the config it describes is valid (`ModelConfig`), every tensor
+  name is known, every tensor type is one we dequantize, every shape is the one the config implies,
+  and nothing expected is missing. Each failure is one `GGUFImportError` naming the file and problem.
+- llama.cpp's converter permutes the rows of Llama's q and k projections (weights and biases) so
+  that its RoPE rotates adjacent pairs instead of the two halves of each head; the import undoes it
+  per head (`unpermute_rope_rows`). Qwen3 files are stored unpermuted (llama.cpp's NEOX rope).
+- Config comes from metadata only, with llama.cpp's meaning of each key: head_dim is
+  `attention.key_length` if present, else hidden / heads; a rotary width other than head_dim,
+  RoPE scaling and per-layer head counts are refused rather than approximated. Biases and tied
+  embeddings follow the tensors present (`output.weight` absent = tied, as llama.cpp writes it).
+- Written through `ModelConfig.to_hf_dict` and safetensors (float32), so the folder is what
+  `checkpoint.save_hf` would write for the same model, plus the tokenizer files
+  (`gguf_tokenizer`) and `gguf_source.json`.
+- Cached by content: `gguf_source.json` (written last) records the file's size and SHA-256 and the
+  importer version; a folder whose record matches is returned as is. Writing goes to a temporary
+  sibling folder renamed into place, so a failed or interrupted import leaves no folder behind and
+  a half-written folder is never mistaken for a finished one. A folder that holds something other
+  than a conversion is never replaced.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import os
+import shutil
+import tempfile
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+from safetensors.numpy import save_file
+
+from specpilot.models import checkpoint
+from specpilot.models.config import ConfigError, ModelConfig
+from specpilot.models.gguf_tokenizer import (TOKENIZER_CONFIG_FILE, TOKENIZER_FILE, TokenizerMetadataError,
+                                             build_tokenizer, tokenizer_config)
+
+IMPORTER_VERSION = 1
+SOURCE_FILE = "gguf_source.json"
+GGUF_MAGIC = b"GGUF"
+ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen3": "Qwen3ForCausalLM"}
+# Tensor types dequantized (by gguf.quants.dequantize); anything else is refused by name.
+TENSOR_TYPES = ("F32", "F16", "BF16", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0",
+                "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K")
+
+# GGUF tensor name -> Hugging Face name (per layer: under blk.{i}. / model.layers.{i}.).
+_TOP_NAMES = {"token_embd.weight": "model.embed_tokens.weight", "output_norm.weight": "model.norm.weight",
+              "output.weight": "lm_head.weight"}
+_LAYER_NAMES = {
+    "attn_norm.weight": "input_layernorm.weight", "ffn_norm.weight": "post_attention_layernorm.weight",
+    "attn_q.weight": "self_attn.q_proj.weight", "attn_k.weight": "self_attn.k_proj.weight",
+    "attn_v.weight": "self_attn.v_proj.weight", "attn_output.weight": "self_attn.o_proj.weight",
+    "attn_q.bias": "self_attn.q_proj.bias", "attn_k.bias": "self_attn.k_proj.bias",
+    "attn_v.bias": "self_attn.v_proj.bias", "attn_output.bias": "self_attn.o_proj.bias",
+    "attn_q_norm.weight": "self_attn.q_norm.weight", "attn_k_norm.weight": "self_attn.k_norm.weight",
+    "ffn_gate.weight": "mlp.gate_proj.weight", "ffn_up.weight": "mlp.up_proj.weight",
+    "ffn_down.weight": "mlp.down_proj.weight", "ffn_gate.bias": "mlp.gate_proj.bias",
+    "ffn_up.bias": "mlp.up_proj.bias", "ffn_down.bias": "mlp.down_proj.bias",
+}
+_KNOWN_UNSUPPORTED = {
+    "rope_freqs.weight": "per-frequency RoPE scaling factors (llama.cpp's form of Llama 3.1 rope "
+                        "scaling) are not supported",
+}
+
+
+class GGUFImportError(ValueError):
+    """A GGUF file that cannot be imported, or an output folder that cannot take the import."""
+
+
+@dataclasses.dataclass
+class _Plan:
+    """What the header says: config, metadata, and HF name -> GGUF tensor (checked)."""
+
+    cfg: ModelConfig
+    meta: dict[str, Any]
+    tensors: dict[str, Any]  # HF name -> gguf ReaderTensor
+    permuted: bool  # llama: q/k rows permuted by llama.cpp's converter
+    tokenizer: Any  # tokenizers.Tokenizer
+    tokenizer_config: dict[str, Any]
+
+
+def _gguf():
+    try:
+        import gguf
+    except ImportError as e:  # a declared dependency; say so instead of a bare ImportError
+        raise ImportError("GGUF import needs the `gguf` package (pip install gguf==0.19.0)") from e
+    return gguf
+
+
+# --------------------------------------------------------------------------------------------------
+# Reading the header
+
+
+def _open(path: Path):
+    if not path.is_file():
+        raise GGUFImportError(f"GGUF file {path} does not exist" if not path.exists()
+                              else f"GGUF path {path} is not a file")
+    with open(path, "rb") as f:
+        magic = f.read(4)
+    if magic != GGUF_MAGIC:
+        raise GGUFImportError(f"{path} is not a GGUF file (starts with {magic!r}, expected {GGUF_MAGIC!r})")
+    gguf = _gguf()
+    try:
+        reader = gguf.GGUFReader(str(path))
+    except Exception as e:  # numpy's memmap/reshape errors on a short file say nothing useful alone
+        raise GGUFImportError(f"{path} is truncated or corrupt: the GGUF reader failed with "
+                              f"{type(e).__name__}: {e}") from e
+    size = path.stat().st_size
+    for t in reader.tensors:
+        if t.data_offset + t.n_bytes > size:
+            raise GGUFImportError(f"{path} is truncated: tensor {t.name} ends at byte "
+                                  f"{t.data_offset + t.n_bytes}, the file has {size}")
+    if reader.endianess != gguf.GGUFEndian.LITTLE:
+        raise GGUFImportError(f"{path} is a big-endian GGUF file; only little-endian files are supported")
+    return reader
+
+
+def _metadata(reader) -> dict[str, Any]:
+    out = {}
+    for key, field in reader.fields.items():
+        if not key.startswith("GGUF."):
+            out[key] = field.contents()
+    return out
+
+
+def _get(meta: dict[str, Any], key: str, path: Path, default: Any = ..., kind=int):
+    if key not in meta:
+        if default is ...:
+            raise GGUFImportError(f"{path}: missing metadata key {key!r}")
+        return default
+    value = meta[key]
+    if isinstance(value, list):
+        if len(set(value)) != 1:
+            raise GGUFImportError(f"{path}: metadata {key} differs across layers ({value[:8]}...); "
+                                  f"per-layer values are not supported")
+        value = value[0]
+    try:
+        return kind(value)
+    except (TypeError, ValueError) as e:
+        raise GGUFImportError(f"{path}: metadata {key}={value!r} is not a {kind.__name__}") from e
+
+
+def read_config(meta: dict[str, Any], tensor_names, path: Path) -> ModelConfig:
+    """The ModelConfig the metadata describes (llama.cpp's meaning of each key)."""
+    arch = meta.get("general.architecture")
+    if arch is None:
+        raise GGUFImportError(f"{path}: missing metadata key 'general.architecture'")
+    if arch not in ARCHITECTURES:
+        raise GGUFImportError(f"{path}: unsupported architecture {arch!r}; supported: "
+                              f"{', '.join(ARCHITECTURES)}")
+    key = lambda name, **kw: _get(meta, f"{arch}.{name}", path, **kw)  # noqa: E731
+    hidden, heads = key("embedding_length"), key("attention.head_count")
+    head_dim = key("attention.key_length", default=hidden // heads if heads else 0)
+    if key("attention.value_length", default=head_dim) != head_dim:
+        raise GGUFImportError(f"{path}: attention.value_length differs from key_length ({head_dim}); "
+                              f"unsupported")
+    rotary = key("rope.dimension_count", default=head_dim)
+    if rotary != head_dim:
+        raise GGUFImportError(f"{path}: partial rotary embedding (rope.dimension_count {rotary} < "
+                              f"head_dim {head_dim}) is not supported")
+    scaling = key("rope.scaling.type", default="none", kind=str)
+    if scaling != "none":
+        raise GGUFImportError(f"{path}: RoPE scaling {scaling!r} ({arch}.rope.scaling.type) is not supported")
+    tokens = meta.get("tokenizer.ggml.tokens")
+    if tokens is None:
+        raise GGUFImportError(f"{path}: missing metadata key 'tokenizer.ggml.tokens'")
+    names = set(tensor_names)
+    has = lambda suffix: any(n.startswith("blk.") and n.endswith(suffix) for n in names)  # noqa: E731
+    bos, eos = meta.get("tokenizer.ggml.bos_token_id"), meta.get("tokenizer.ggml.eos_token_id")
+    try:
+        return ModelConfig(
+            vocab_size=key("vocab_size", default=len(tokens)),
+            hidden_size=hidden,
+            intermediate_size=key("feed_forward_length"),
+            num_layers=key("block_count"),
+            num_heads=heads,
+            num_kv_heads=key("attention.head_count_kv", default=heads),
+            head_dim=head_dim,
+            rope_theta=key("rope.freq_base", default=10000.0, kind=float),
+            rms_norm_eps=key("attention.layer_norm_rms_epsilon", kind=float),
+            tie_word_embeddings="output.weight" not in names,
+            qk_norm=arch == "qwen3",
+            attention_bias=has(".attn_q.bias"),
+            mlp_bias=has(".ffn_up.bias"),
+            max_position_embeddings=key("context_length"),
+            architecture=ARCHITECTURES[arch],
+            bos_token_id=None if bos is None else int(bos),
+            eos_token_id=None if eos is None else int(eos),
+        )
+    except ConfigError as e:
+        raise GGUFImportError(f"{path}: the metadata describes no valid model: {e}") from e
+
+
+def hf_name(gguf_name: str) -> str | None:
+    """The Hugging Face name of a GGUF tensor name, or None for an unknown one."""
+    if gguf_name in _TOP_NAMES:
+        return _TOP_NAMES[gguf_name]
+    parts = gguf_name.split(".", 2)
+    if len(parts) == 3 and parts[0] == "blk" and parts[1].isdigit() and parts[2] in _LAYER_NAMES:
+        return f"model.layers.{int(parts[1])}.{_LAYER_NAMES[parts[2]]}"
+    return None
+
+
+def _plan(path: Path) -> _Plan:
+    reader = _open(path)
+    meta = _metadata(reader)
+    cfg = read_config(meta, [t.name for t in reader.tensors], path)
+    expected = checkpoint.hf_key_map(cfg)
+    problems, tensors = [], {}
+    for t in reader.tensors:
+        if t.name in _KNOWN_UNSUPPORTED:
+            raise GGUFImportError(f"{path}: tensor {t.name}: {_KNOWN_UNSUPPORTED[t.name]}")
+        name = hf_name(t.name)
+        if name is None or name not in expected:
+            problems.append(f"unexpected tensor {t.name}")
+            continue
+        if t.tensor_type.name not in TENSOR_TYPES:
+            raise GGUFImportError(f"{path}: tensor {t.name} has unsupported tensor type "
+                                  f"{t.tensor_type.name}; supported: {', '.join(TENSOR_TYPES)}")
+        _, shape, transpose = expected[name]
+        want = tuple(reversed(shape)) if transpose else tuple(shape)
+        got = tuple(int(n) for n in reversed(t.shape))  # GGUF lists dimensions innermost first
+        if got != want:
+            problems.append(f"tensor {t.name} has shape {got}, the metadata implies {want}")
+        tensors[name] = t
+    missing = sorted(set(expected) - set(tensors))
+    if missing:
+        more = " ..." if len(missing) > 8 else ""
+        problems.append("missing tensor(s) for " + ", ".join(missing[:8]) + more)
+    if problems:
+        raise GGUFImportError(f"{path} does not match its metadata ({cfg.architecture}, {cfg.num_layers} "
+                              f"layers): " + "; ".join(problems))
+    tok_meta = {k: v for k, v in meta.items() if k.startswith("tokenizer.")}
+    try:
+        tokenizer, tok_config = build_tokenizer(tok_meta), tokenizer_config(tok_meta)
+    except TokenizerMetadataError as e:
+        raise GGUFImportError(f"{path}: {e}") from e
+    return _Plan(cfg, meta, tensors, cfg.architecture == "LlamaForCausalLM", tokenizer, tok_config)
+
+
+# --------------------------------------------------------------------------------------------------
+# Tensors
+
+
+def unpermute_rope_rows(w: np.ndarray, num_heads: int) -> np.ndarray:
+    """Undo llama.cpp's q/k row permutation: within each of `num_heads` heads, llama.cpp stores row
+    pairs (j, j + d/2) interleaved as rows (2j, 2j + 1); this puts them back into two halves."""
+    rows = w.shape[0]
+    if rows % (2 * num_heads):
+        raise GGUFImportError(f"cannot unpermute {rows} rows into {num_heads} heads of even size")
+    half = rows // num_heads // 2
+    return w.reshape(num_heads, half, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+def _dequantized(plan: _Plan, name: str, path: Path) -> np.ndarray:
+    gguf = _gguf()
+    t = plan.tensors[name]
+    arr = np.asarray(gguf.quants.dequantize(t.data, t.tensor_type), dtype=np.float32)
+    arr = arr.reshape(tuple(int(n) for n in reversed(t.shape)))
+    if plan.permuted and (".q_proj." in name or ".k_proj." in name):
+        heads = plan.cfg.num_heads if ".q_proj." in name else plan.cfg.num_kv_heads
+        arr = unpermute_rope_rows(arr, heads)
+    bad = int(np.size(arr) - np.isfinite(arr).sum())
+    if bad:
+        raise GGUFImportError(f"{path}: tensor {t.name} dequantizes to {bad} non-finite values")
+    return np.ascontiguousarray(arr)
+
+
+# --------------------------------------------------------------------------------------------------
+# Cached, atomic import
+
+
+def file_key(path: str | Path) -> dict[str, Any]:
+    """What identifies a source file: size and SHA-256 of its bytes, and this importer's version."""
+    path = Path(path)
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 22), b""):
+            digest.update(chunk)
+    return {"size": path.stat().st_size, "sha256": digest.hexdigest(), "importer_version": IMPORTER_VERSION}
+
+
+def _recorded_key(out: Path) -> dict[str, Any] | None:
+    try:
+        record = json.loads((out / SOURCE_FILE).read_text())
+        return {k: record[k] for k in ("size", "sha256", "importer_version")}
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+
+
+def is_converted(out: str | Path, key: dict[str, Any]) -> bool:
+    """Whether `out` holds a finished import of the file with this `file_key`."""
+    out = Path(out)
+    needed = (checkpoint.CONFIG_FILE, checkpoint.SINGLE_FILE, TOKENIZER_FILE, TOKENIZER_CONFIG_FILE)
+    return _recorded_key(out) == key and all((out / name).is_file() for name in needed)
+
+
+def _write(plan: _Plan, path: Path, key: dict[str, Any], tmp: Path) -> None:
+    tensors = {name: _dequantized(plan, name, path) for name in plan.tensors}
+    save_file(tensors, str(tmp / checkpoint.SINGLE_FILE), metadata={"format": "pt"})
+    hf = plan.cfg.to_hf_dict()
+    hf["torch_dtype"] = hf["dtype"] = "float32"
+    pad = plan.meta.get("tokenizer.ggml.padding_token_id")
+    if pad is not None:
+        hf["pad_token_id"] = int(pad)
+    (tmp / checkpoint.CONFIG_FILE).write_text(json.dumps(hf, indent=2, sort_keys=True) + "\n")
+    plan.tokenizer.save(str(tmp / TOKENIZER_FILE))
+    (tmp / TOKENIZER_CONFIG_FILE).write_text(json.dumps(plan.tokenizer_config, indent=2,
+                                                        ensure_ascii=False) + "\n")
+    types: dict[str, int] = {}
+    for t in plan.tensors.values():
+        types[t.tensor_type.name] = types.get(t.tensor_type.name, 0) + 1
+    record = {**key, "source": path.name, "architecture": plan.meta["general.architecture"],
+              "tensor_types": dict(sorted(types.items())), "rope_rows_unpermuted": plan.permuted}
+    (tmp / SOURCE_FILE).write_text(json.dumps(record, indent=2, sort_keys=True) + "\n")
+
+
+def import_gguf(gguf_path: str | Path, out_dir: str | Path) -> Path:
+    """Convert a llama / qwen3 GGUF file into the Hugging Face directory `out_dir` and return it.
+
+    A finished import of the same file (same size and SHA-256) there is returned without redoing
+    it; an import of another file there is replaced. Raises GGUFImportError on a bad file, leaving
+    `out_dir` as it was.
+    """
+    path, out = Path(gguf_path).expanduser(), Path(out_dir).expanduser()
+    if out.exists() and not out.is_dir():
+        raise GGUFImportError(f"output path {out} exists and is not a directory")
+    if out.is_dir() and any(out.iterdir()) and _recorded_key(out) is None:
+        raise GGUFImportError(f"output folder {out} is not empty and holds no GGUF import "
+                              f"({SOURCE_FILE} missing); refusing to replace it")
+    key = file_key(path) if path.is_file() else None
+    if key is not None and is_converted(out, key):
+        return out
+    plan = _plan(path)  # every header check, before anything is dequantized or written
+    assert key is not None  # _plan refuses a path that is not a file
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.partial-", dir=out.parent))
+    try:
+        tmp.chmod(0o755)  # mkdtemp makes it owner-only; the import is an ordinary folder
+        _write(plan, path, key, tmp)
+        old = None
+        if out.exists():
+            old = out.parent / f".{out.name}.old-{os.getpid()}-{tmp.name[-8:]}"
+            out.rename(old)
+        try:
+            tmp.rename(out)
+        except OSError as e:
+            # Another import renamed its folder in first: keep it if it is this file's.
+            if old is not None and not out.exists():
+                old.rename(out)
+            if is_converted(out, key):
+                return out
+            raise GGUFImportError(f"could not move the import into {out}: {e}") from e
+        if old is not None:
+            shutil.rmtree(old, ignore_errors=True)
+    finally:
+        if tmp.exists():
+            shutil.rmtree(tmp, ignore_errors=True)
+    return out
