@@ -35,7 +35,7 @@ def load_records(folder: str | Path) -> list[dict]:
             if line.strip():
                 rec = json.loads(line)
                 rec.setdefault("block_size", (rec.get("config") or {}).get("drafter", {}).get("block_size"))
-                if rec["method"] == "ar":
+                if rec["method"] == "ar" or rec.get("verify") == "ar":  # one token per step: no block
                     rec["block_size"] = None
                 records.append(rec)
     if not records:
@@ -146,7 +146,8 @@ def plot_all(records: list[dict], out_dir: str | Path) -> list[Path]:
     _title(ax, "Decode time per output token", shared)
     save(fig, "tpot_per_method.png")
 
-    spec = [r for r in records if r.get("block_size") and r["method"] != "ar"]
+    # speculative plans only (load_records clears the block size of ar plans)
+    spec = [r for r in records if r.get("block_size")]
     if spec:
         names, shared = describe(spec, x_axis="block_size")
         series = defaultdict(list)
