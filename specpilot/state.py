@@ -243,6 +243,24 @@ def tree_mask(state: TargetState, ancestors: jax.Array) -> jax.Array:
     return prefix[:, None, :] | (in_block[:, None, :] & node)
 
 
+def prompt_mask(state: TargetState, positions: jax.Array, lengths: jax.Array) -> jax.Array:
+    """[B, T, S] bool for right-padded prompts: the causal mask, with every slot at or past the
+    committed length + lengths[b] hidden. A prompt token's row is its causal row; padding rows see the
+    prompt only, so recurrent layers know each row's own length (the last query sees it)."""
+    slots = jnp.arange(state.max_len, dtype=jnp.int32)
+    return causal_mask(state, positions) & (slots[None, None, :] < (state.lengths + lengths)[:, None, None])
+
+
+def prompt_forward(target, params, tokens: jax.Array, lengths: jax.Array, state: TargetState):
+    """Prefill: `target.forward` over right-padded prompts [B, T] (row b's first lengths[b] tokens are
+    its prompt) -> (logits [B, T, V], taps, state committed by lengths). Padding is written but never
+    committed; at prompt positions the logits are those of `chain_forward`."""
+    positions = chain_positions(state, tokens.shape[1])
+    logits, taps, state = target.forward(params, tokens, positions, state,
+                                         prompt_mask(state, positions, lengths))
+    return logits, taps, state.commit(lengths)
+
+
 def chain_forward(target, params, tokens: jax.Array, state: TargetState):
     """`target.forward` over T chained tokens after the committed prefix: -> (logits, taps, state)."""
     positions = chain_positions(state, tokens.shape[1])
