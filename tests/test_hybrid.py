@@ -26,13 +26,29 @@ LOGITS_ATOL = 3e-4
 FORMS_ATOL = 1e-4
 
 
-@pytest.fixture(scope="module", params=list(hth.CASES))
-def case(request, tmp_path_factory):
+_LOADED = {}
+FIRST, *OTHERS = hth.CASES
+
+
+def _load(name, tmp_path_factory):
     """(name, transformers model, our target, our params) loaded from the saved checkpoint."""
-    model = hth.build(request.param)
-    path = hth.save(model, tmp_path_factory.mktemp(request.param))
-    target, params = checkpoint.load_target(path, jnp.float32)
-    return request.param, model, target, params
+    if name not in _LOADED:
+        model = hth.build(name)
+        path = hth.save(model, tmp_path_factory.mktemp(name))
+        _LOADED[name] = (name, model, *checkpoint.load_target(path, jnp.float32))
+    return _LOADED[name]
+
+
+@pytest.fixture(scope="module", params=list(hth.CASES))
+def any_case(request, tmp_path_factory):
+    """Every case: the cheap checks run on all of them by default."""
+    return _load(request.param, tmp_path_factory)
+
+
+@pytest.fixture(scope="module", params=[FIRST] + [pytest.param(n, marks=pytest.mark.slow) for n in OTHERS])
+def case(request, tmp_path_factory):
+    """The first case by default, the others under -m slow (each costs ~10 s of compiles)."""
+    return _load(request.param, tmp_path_factory)
 
 
 @functools.partial(jax.jit, static_argnums=0)
@@ -54,8 +70,8 @@ def _tokens(shape, seed=0):
     return np.random.default_rng(seed).integers(0, hth.VOCAB, size=shape).astype(np.int32)
 
 
-def test_loaded_config_matches_transformers(case):
-    name, model, target, params = case
+def test_loaded_config_matches_transformers(any_case):
+    name, model, target, params = any_case
     cfg, hf = target.cfg, model.config
     assert isinstance(target, hybrid.Target) and target.dtype == "float32"
     assert cfg.layer_types == tuple(hf.layer_types)
@@ -64,8 +80,8 @@ def test_loaded_config_matches_transformers(case):
 
 
 @pytest.mark.parametrize("length", [1, 7, 150])  # 150: the chunked form over three chunks of 64
-def test_prefill_logits_match_transformers(case, length):
-    _, model, target, params = case
+def test_prefill_logits_match_transformers(any_case, length):
+    _, model, target, params = any_case
     tokens = _tokens((2, length))
     logits, _, _ = _chain(target, params, jnp.asarray(tokens), target.init_state(2, length + 8))
     ref = _hf_logits(model, tokens)
