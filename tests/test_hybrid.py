@@ -76,7 +76,8 @@ def test_loaded_config_matches_transformers(any_case):
     assert isinstance(target, hybrid.Target) and target.dtype == "float32"
     assert cfg.layer_types == tuple(hf.layer_types)
     assert cfg.rotary_dim == int(hf.head_dim * hf.rope_parameters["partial_rotary_factor"])
-    assert cfg.tie_word_embeddings == hf.tie_word_embeddings and ("lm_head" in params) != cfg.tie_word_embeddings
+    assert cfg.tie_word_embeddings == hf.tie_word_embeddings
+    assert ("lm_head" in params) != cfg.tie_word_embeddings
 
 
 @pytest.mark.parametrize("length", [1, 7, 150])  # 150: the chunked form over three chunks of 64

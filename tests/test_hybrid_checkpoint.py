@@ -99,7 +99,8 @@ def test_wrong_shape_is_named(good):
 def test_conv_weight_with_the_wrong_kernel_is_named(good):
     _edit_tensors(good, lambda t: t.update({"model.layers.1.linear_attn.conv1d.weight":
                                             np.zeros((80, 1, 3), np.float32)}))
-    assert "shape mismatch for model.layers.1.linear_attn.conv1d.weight: expected (80, 1, 4), got (80, 1, 3)" in _error(good)
+    want = "shape mismatch for model.layers.1.linear_attn.conv1d.weight: expected (80, 1, 4), got (80, 1, 3)"
+    assert want in _error(good)
 
 
 def test_non_finite_tensor_is_named(good):
