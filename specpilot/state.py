@@ -19,6 +19,10 @@ Design choices (gpt-fast style, generalised for trees and recurrent layers):
   K/V and takes the snapshot of the path's last node. Rejected slots are never cleared: masks hide
   every slot at or past the committed length except the forward's own, and the next forward
   overwrites them.
+- Prompts are right-padded. `prompt_forward` runs them with `prompt_mask` (the causal mask with
+  each row's padding slots hidden) and commits each row's length: attention layers never read the
+  padding anyway, and a recurrent layer learns from the mask how many tokens its row feeds (what
+  the last query sees), so its state ends on the prompt whatever the padding.
 - Capacity is checked on the host before a jitted call (`check_capacity`): `dynamic_update_slice`
   would otherwise clamp an out-of-range write silently.
 - The state's dtype is always given by the caller (a target carries its activation dtype): there is

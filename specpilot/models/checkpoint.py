@@ -1,4 +1,5 @@
 """Hugging Face checkpoint I/O for the dense decoder: safetensors directories <-> params pytrees.
+(Hybrid Qwen3.5 loading lives in `hybrid_checkpoint.py`; `load_hf` dispatches to it.)
 
 Design choices:
 - No torch: tensors are read with `safetensors` (numpy framework; bf16 arrives as an `ml_dtypes`
@@ -20,6 +21,10 @@ Design choices:
   value that overflows bfloat16) would load silently and make every logit NaN. The check runs on the
   device array (one reduction per tensor) and the error names the tensor and the count.
 - `rotary_emb.inv_freq` buffers (older Llama exports) are derived from the config and are skipped.
+- One entry point for every supported architecture: `load_hf` hands Qwen3.5 directories
+  (`HYBRID_ARCHITECTURES`) to `hybrid_checkpoint.load_hf`, which keeps these guarantees, and
+  `load_target` returns the matching target with the params. Any other architecture gets the
+  dense config's "unsupported architecture" error.
 - `save_hf` writes the stored dtype of the params and sharded files with an index when
   `max_shard_bytes` is set, using HF's file names, so transformers can read the result too. Stale
   checkpoint files of the other layout are removed first: a leftover index would otherwise win.
