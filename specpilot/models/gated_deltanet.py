@@ -21,7 +21,8 @@ Design choices:
   writes snapshot t = the state after token t; a longer one (prefill) uses the chunked form and
   writes its final state into every snapshot, so committing the tokens it fed (a prompt's length)
   selects it. Committing fewer tokens of such a forward is not meaningful (no per-token states).
-- Numerics follow transformers' Qwen3.5: the rule in float32, g = -exp(A_log) softplus(a + dt_bias)
+- Numerics follow transformers' Qwen3.5: the rule in float32 (products at HIGHEST precision, not
+  a GPU's TF32 default), g = -exp(A_log) softplus(a + dt_bias)
   in float32, the convolution accumulated in float32, the gated RMSNorm `w * norm(o) * silu(z)`
   (plain weight), results cast to the activation dtype.
 - Param names (`[in, out]` weights): `qkv` (in_proj_qkv, output [q | k | v]), `z`, `b`, `a`,
@@ -38,6 +39,11 @@ from specpilot.state import RecurrentState, init_recurrent_state
 
 L2_EPS = 1e-6  # transformers' and fla's l2norm epsilon
 CHUNK_SIZE = 64
+
+
+def _einsum(spec: str, *operands):
+    # Full float32 products: a GPU's default would round them to TF32, and the state accumulates.
+    return jnp.einsum(spec, *operands, precision=jax.lax.Precision.HIGHEST)
 
 
 def layer_shapes(cfg) -> dict[str, tuple[int, ...]]:
@@ -66,9 +72,9 @@ def recurrent_gated_delta_rule(q, k, v, g, beta, initial_state):
     def step(s, inputs):
         q_t, k_t, v_t, g_t, b_t = inputs  # [B, H, D*], [B, H]
         s = s * jnp.exp(g_t)[..., None, None]
-        predicted = jnp.einsum("bhkv,bhk->bhv", s, k_t)
-        s = s + jnp.einsum("bhk,bhv->bhkv", k_t, (v_t - predicted) * b_t[..., None])
-        return s, (jnp.einsum("bhkv,bhk->bhv", s, q_t), s)
+        predicted = _einsum("bhkv,bhk->bhv", s, k_t)
+        s = s + _einsum("bhk,bhv->bhkv", k_t, (v_t - predicted) * b_t[..., None])
+        return s, (_einsum("bhkv,bhk->bhv", s, q_t), s)
 
     time_major = [jnp.moveaxis(x, 1, 0) for x in (q, k, v, g, beta)]
     _, (o, states) = jax.lax.scan(step, initial_state, time_major)
@@ -95,21 +101,21 @@ def chunk_gated_delta_rule(q, k, v, g, beta, initial_state, chunk_size: int = CH
     decay = jnp.where(lower, jnp.exp(jnp.where(lower, cum[..., :, None] - cum[..., None, :], 0.0)), 0.0)
     k_beta, v_beta = kc * bc[..., None], vc * bc[..., None]
     # UT transform: (I + strictly_lower(beta k k^T * decay)) [u | w] = [beta v | beta k e^G]
-    system = jnp.einsum("...ik,...jk->...ij", k_beta, kc) * decay
+    system = _einsum("...ik,...jk->...ij", k_beta, kc) * decay
     system = jnp.where(jnp.tril(lower, -1), system, 0.0) + jnp.eye(chunk_size, dtype=system.dtype)
     rhs = jnp.concatenate([v_beta, k_beta * jnp.exp(cum)[..., None]], axis=-1)
     solved = jax.scipy.linalg.solve_triangular(system, rhs, lower=True, unit_diagonal=True)
     u, w = solved[..., :dv], solved[..., dv:]  # [N, B, H, C, DV], [N, B, H, C, DK]
-    intra = jnp.einsum("...ik,...jk->...ij", qc, kc) * decay  # [N, B, H, C, C]
+    intra = _einsum("...ik,...jk->...ij", qc, kc) * decay  # [N, B, H, C, C]
     q_decayed = qc * jnp.exp(cum)[..., None]
     k_to_end = kc * jnp.exp(cum[..., -1:] - cum)[..., None]
     chunk_decay = jnp.exp(cum[..., -1])[..., None, None]  # [N, B, H, 1, 1]
 
     def step(s, inputs):
         u_c, w_c, q_c, k_c, intra_c, decay_c = inputs
-        v_new = u_c - jnp.einsum("bhck,bhkv->bhcv", w_c, s)  # what the state does not predict yet
-        o = jnp.einsum("bhck,bhkv->bhcv", q_c, s) + jnp.einsum("bhij,bhjv->bhiv", intra_c, v_new)
-        s = s * decay_c + jnp.einsum("bhck,bhcv->bhkv", k_c, v_new)
+        v_new = u_c - _einsum("bhck,bhkv->bhcv", w_c, s)  # what the state does not predict yet
+        o = _einsum("bhck,bhkv->bhcv", q_c, s) + _einsum("bhij,bhjv->bhiv", intra_c, v_new)
+        s = s * decay_c + _einsum("bhck,bhcv->bhkv", k_c, v_new)
         return s, o
 
     final, o = jax.lax.scan(step, initial_state, (u, w, q_decayed, k_to_end, intra, chunk_decay))
