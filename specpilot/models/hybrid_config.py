@@ -59,6 +59,9 @@ class HybridConfig:
     tap_layers: tuple[int, ...] = ()
     bos_token_id: int | None = None
     eos_token_id: int | None = None
+    # What multiplies the linear weights, as ModelConfig.matmul (a plan's kernels.matmul, or None:
+    # each weight by its layout's implementation). Static; not a checkpoint field.
+    matmul: Any = None
 
     rope_scaling = None  # no rope scaling type is supported; read by drafter configs built from this
 
