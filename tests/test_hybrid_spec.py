@@ -179,3 +179,14 @@ def test_spec_sampling_matches_the_hybrid_distribution_end_to_end():
     assert res.stats.accept_hist[0] > 0 and res.stats.accept_hist[1:].sum() > 0
     ar_res = ar.generate(target, params, [prompt] * n, 3, sampling, key=jax.random.key(6), cache_len=6)
     assert_distributed_as(ar_res.tokens @ np.array([64, 8, 1]), want, "AR (t1, t2, t3)")
+
+
+def test_params_that_do_not_fit_the_target_are_refused(target, reference):
+    drafter = dr.ReplayDrafter(CFG.vocab_size, 4)
+    with pytest.raises(ValueError, match="for float32 activations but the params' embedding is bfloat16"):
+        ar.generate(TARGET, jax.tree_util.tree_map(lambda x: x.astype(jnp.bfloat16), target), PROMPTS, 2)
+    swapped = dict(target, layers=(target["layers"][1], target["layers"][0], target["layers"][2]))
+    with pytest.raises(ValueError, match=r"layer 0 \(linear_attention\) params"):
+        spec.generate(TARGET, swapped, drafter, reference, PROMPTS, 4)
+    with pytest.raises(ValueError, match="params have 2 layers, the config 3"):
+        ar.generate(TARGET, dict(target, layers=target["layers"][:2]), PROMPTS, 2)

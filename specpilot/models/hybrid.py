@@ -193,6 +193,8 @@ class Target:
             raise ValueError(f"the target was built for {self.dtype} activations but the params' "
                              f"embedding is {got}; build it with hybrid.target(cfg, {got!r})")
         want = param_shapes(self.cfg)
+        if len(params["layers"]) != self.cfg.num_layers:
+            raise ValueError(f"params have {len(params['layers'])} layers, the config {self.cfg.num_layers}")
         for i, (layer, shapes) in enumerate(zip(params["layers"], want["layers"])):
             if set(layer) != set(shapes):
                 raise ValueError(f"layer {i} ({self.cfg.layer_types[i]}) params {sorted(layer)} do not "
