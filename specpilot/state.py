@@ -19,6 +19,10 @@ Design choices (gpt-fast style, generalised for trees and recurrent layers):
   K/V and takes the snapshot of the path's last node. Rejected slots are never cleared: masks hide
   every slot at or past the committed length except the forward's own, and the next forward
   overwrites them.
+- Prompts are right-padded. `prompt_forward` runs them with `prompt_mask` (the causal mask with
+  each row's padding slots hidden) and commits each row's length: attention layers never read the
+  padding anyway, and a recurrent layer learns from the mask how many tokens its row feeds (what
+  the last query sees), so its state ends on the prompt whatever the padding.
 - Capacity is checked on the host before a jitted call (`check_capacity`): `dynamic_update_slice`
   would otherwise clamp an out-of-range write silently.
 - The state's dtype is always given by the caller (a target carries its activation dtype): there is
@@ -241,6 +245,24 @@ def tree_mask(state: TargetState, ancestors: jax.Array) -> jax.Array:
     node = jnp.take_along_axis(ancestors, jnp.clip(rel, 0, t - 1)[:, None, :].repeat(t, axis=1), axis=2)
     in_block = (rel >= 0) & (rel < t)
     return prefix[:, None, :] | (in_block[:, None, :] & node)
+
+
+def prompt_mask(state: TargetState, positions: jax.Array, lengths: jax.Array) -> jax.Array:
+    """[B, T, S] bool for right-padded prompts: the causal mask, with every slot at or past the
+    committed length + lengths[b] hidden. A prompt token's row is its causal row; padding rows see the
+    prompt only, so recurrent layers know each row's own length (the last query sees it)."""
+    slots = jnp.arange(state.max_len, dtype=jnp.int32)
+    return causal_mask(state, positions) & (slots[None, None, :] < (state.lengths + lengths)[:, None, None])
+
+
+def prompt_forward(target, params, tokens: jax.Array, lengths: jax.Array, state: TargetState):
+    """Prefill: `target.forward` over right-padded prompts [B, T] (row b's first lengths[b] tokens are
+    its prompt) -> (logits [B, T, V], taps, state committed by lengths). Padding is written but never
+    committed; at prompt positions the logits are those of `chain_forward`."""
+    positions = chain_positions(state, tokens.shape[1])
+    logits, taps, state = target.forward(params, tokens, positions, state,
+                                         prompt_mask(state, positions, lengths))
+    return logits, taps, state.commit(lengths)
 
 
 def chain_forward(target, params, tokens: jax.Array, state: TargetState):

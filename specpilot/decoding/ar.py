@@ -4,7 +4,8 @@ Design choices:
 - The target is an argument (`dense.target(cfg, dtype)` or any value with the target protocol:
   `init_state`, `forward`, `check_params`, `vocab_size`, `max_positions`), as the drafter is for
   speculative decoding; every forward goes through `target.forward` with chain positions and a causal
-  mask (`state.chain_forward`).
+  mask (`state.chain_forward`); prefill hides each prompt's right padding (`state.prompt_forward`),
+  which recurrent layers need to end on their own prompt.
 - The default decode loop is one jitted `lax.fori_loop` over decode steps (state donated): no
   per-token dispatch, which on a CPU or a small model would otherwise dominate the baseline and flatter
   every speculative method. `loop="host"` keeps the one-jitted-step-per-token loop (`ar_step`); it never
@@ -36,7 +37,7 @@ import numpy as np
 
 from specpilot.decoding.aot import CompileCache
 from specpilot.decoding.sampling import GREEDY, RequestSampling, SamplingConfig, resolve_key, sample
-from specpilot.state import TargetState, chain_forward, check_capacity
+from specpilot.state import TargetState, chain_forward, check_capacity, prompt_forward
 
 PREFILL_BUCKET = 64
 
@@ -145,9 +146,9 @@ def ar_step(target, params, sampling: RequestSampling, tokens: jax.Array, state:
 def ar_prefill(target, params, sampling: RequestSampling, tokens: jax.Array, lengths: jax.Array,
                state: TargetState, key: jax.Array):
     """Prompt pass + first token: -> (first tokens [B], taps [B, T, n*H], committed state)."""
-    logits, taps, state = chain_forward(target, params, tokens, state)
+    logits, taps, state = prompt_forward(target, params, tokens, lengths, state)
     last = jnp.take_along_axis(logits, (lengths - 1)[:, None, None], axis=1)[:, 0]  # [B, V]
-    return sample(key, last, sampling), taps, state.commit(lengths)
+    return sample(key, last, sampling), taps, state
 
 
 @functools.partial(jax.jit, static_argnums=0, donate_argnames=("state",))

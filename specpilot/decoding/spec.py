@@ -3,7 +3,8 @@
 Design choices:
 - The target and the drafter are arguments (values with their protocols, static and hashable), and
   `ChainSetup` bundles what is static about a run; the phase functions reach the target only through
-  `target.forward` (chain positions, causal mask: `state.chain_forward`).
+  `target.forward` (chain positions, causal mask: `state.chain_forward`; the prompt pass hides its
+  right padding, `state.prompt_forward`).
 - One loop-state pytree (`SpecState`) threads through pure phase functions: `draft_phase` (the drafter
   proposes Bs-1 tokens after the last accepted one), `verify_phase` (one target forward over
   `[last, d_1 .. d_{Bs-1}]`, T = Bs) and `accept_phase` (prefix matching or rejection sampling, output
@@ -55,7 +56,7 @@ from specpilot.decoding.ar import (GenerationResult, check_position_limit, defau
 from specpilot.decoding.rejection import choose_drafts, verify_chain
 from specpilot.decoding.sampling import GREEDY, RequestSampling, SamplingConfig, resolve_key, sample
 from specpilot.decoding.stats import SpecStats
-from specpilot.state import TargetState, chain_forward, check_capacity
+from specpilot.state import TargetState, chain_forward, check_capacity, prompt_forward
 
 LOOPS = ("while", "host")
 DEFAULT_LOOP = "while"
@@ -134,12 +135,12 @@ def _prefill_core(static, target_params, draft_params, tokens, lengths, target_s
                   sampling):
     target, drafter = static
     key, key_first = _split(key, sampling)
-    logits, taps, target_state = chain_forward(target, target_params, tokens, target_state)
+    logits, taps, target_state = prompt_forward(target, target_params, tokens, lengths, target_state)
     last_logits = jnp.take_along_axis(logits, (lengths - 1)[:, None, None], axis=1)[:, 0]  # [B, V]
     first = sample(key_first, last_logits, sampling)  # [B]
     if drafter is not None:
         draft_state = drafter.extend(draft_params, target_params, draft_state, taps, lengths)
-    return first, target_state.commit(lengths), draft_state, key
+    return first, target_state, draft_state, key
 
 
 def _initial_state(setup: ChainSetup, first, target_state, draft_state, key, budget,
@@ -317,6 +318,10 @@ def generate(target, target_params, drafter, draft_params, prompts: Sequence[Seq
         raise ValueError(f"loop must be one of {LOOPS}, got {loop!r}")
     b = len(prompts)
     bs = block_size or drafter.block_size
+    limit = getattr(target, "max_block_size", None)  # targets with recurrent state keep <= limit states
+    if limit is not None and bs > limit:
+        raise ValueError(f"block size {bs} exceeds the target's max_block_size {limit} (the per-token "
+                         f"recurrent states one verification keeps); build the target with a larger one")
     setup = ChainSetup(target, drafter if bs > 1 else None, bs, max_new_tokens)
     budgets = request_budgets(budgets, max_new_tokens, b)
     requests = sampling.for_requests(b, temperature, top_p)

@@ -1,4 +1,5 @@
 """Hugging Face checkpoint I/O for the dense decoder: safetensors directories <-> params pytrees.
+(Hybrid Qwen3.5 loading lives in `hybrid_checkpoint.py`; `load_hf` dispatches to it.)
 
 Design choices:
 - No torch: tensors are read with `safetensors` (numpy framework; bf16 arrives as an `ml_dtypes`
@@ -20,6 +21,10 @@ Design choices:
   value that overflows bfloat16) would load silently and make every logit NaN. The check runs on the
   device array (one reduction per tensor) and the error names the tensor and the count.
 - `rotary_emb.inv_freq` buffers (older Llama exports) are derived from the config and are skipped.
+- One entry point for every supported architecture: `load_hf` hands Qwen3.5 directories
+  (`HYBRID_ARCHITECTURES`) to `hybrid_checkpoint.load_hf`, which keeps these guarantees, and
+  `load_target` returns the matching target with the params. Any other architecture gets the
+  dense config's "unsupported architecture" error.
 - `save_hf` writes the stored dtype of the params and sharded files with an index when
   `max_shard_bytes` is set, using HF's file names, so transformers can read the result too. Stale
   checkpoint files of the other layout are removed first: a leftover index would otherwise win.
@@ -226,13 +231,32 @@ def non_finite(arr, stored=None) -> str:
     return msg
 
 
-def load_hf(path: str | Path, dtype=jnp.bfloat16, tap_layers=()) -> tuple[dense.Params, ModelConfig]:
-    """Load a HF Qwen3/Llama directory into (params, cfg). dtype=None keeps the stored dtype."""
+HYBRID_ARCHITECTURES = ("Qwen3_5ForCausalLM", "Qwen3_5ForConditionalGeneration")
+
+
+def _declared_architecture(root: Path) -> str | None:
+    """config.json's first architecture, or None where it cannot be read (`_read_config` then says why)."""
+    try:
+        archs = json.loads((root / CONFIG_FILE).read_text()).get("architectures") or [None]
+        return archs[0]
+    except (OSError, ValueError, AttributeError, TypeError):
+        return None
+
+
+def load_hf(path: str | Path, dtype=jnp.bfloat16, tap_layers=()):
+    """Load a HF directory into (params, cfg). dtype=None keeps the stored dtype.
+
+    Qwen3/Llama give a `ModelConfig`; Qwen3.5 (`HYBRID_ARCHITECTURES`) is loaded by
+    `hybrid_checkpoint.load_hf` and gives a `HybridConfig`. `load_target` picks the target too."""
     root = Path(path)
     if not root.exists():
         raise CheckpointError(f"checkpoint path {root} does not exist")
     if not root.is_dir():
         raise CheckpointError(f"checkpoint path {root} is not a directory")
+    if _declared_architecture(root) in HYBRID_ARCHITECTURES:
+        from specpilot.models import hybrid_checkpoint  # it imports this module's helpers
+
+        return hybrid_checkpoint.load_hf(root, dtype, tap_layers)
     cfg = _read_config(root, tap_layers)
     expected, found, extra_tied = _plan(root, cfg)
     if extra_tied:
@@ -255,6 +279,17 @@ def load_hf(path: str | Path, dtype=jnp.bfloat16, tap_layers=()) -> tuple[dense.
         else:
             params[where[0]] = arr
     return params, cfg
+
+
+def load_target(path: str | Path, dtype=jnp.bfloat16, tap_layers=()):
+    """(target, params) for any supported HF directory: `dense.target` or `hybrid.target` by the
+    architecture config.json names, at the params' dtype."""
+    params, cfg = load_hf(path, dtype, tap_layers)
+    if isinstance(cfg, ModelConfig):
+        return dense.target(cfg, params["embed"].dtype), params
+    from specpilot.models import hybrid
+
+    return hybrid.target(cfg, params["embed"].dtype), params
 
 
 # --------------------------------------------------------------------------------------------------

@@ -1,0 +1,211 @@
+"""Gated DeltaNet layer (Qwen3.5's linear attention) and its two forms of the gated delta rule.
+
+The rule, per value head, with state S [DK, DV]:
+  S_t = e^{g_t} S_{t-1} + beta_t k_t (v_t - (e^{g_t} S_{t-1})^T k_t)^T,   o_t = S_t^T q_t.
+
+Design choices:
+- Two forms with one signature each, the shape of fla-org/flash-linear-attention's ops, so a kernel
+  can replace either: `recurrent_gated_delta_rule(q, k, v, g, beta, initial_state)` -> (o, the
+  state after every token) and `chunk_gated_delta_rule(q, k, v, g, beta, initial_state,
+  chunk_size)` -> (o, final state). Inputs are float32 `[B, T, HV, D*]` with q/k already
+  L2-normalised, q scaled and key heads repeated to the value heads: the layer does that once.
+- The recurrent form (`lax.scan` over T) serves decode and verification and writes every
+  per-token state, so accepting n tokens takes snapshot n-1 with no re-run. The chunked form serves
+  prefill: within a chunk the cumulative log-decay G, the UT transform (a unit lower-triangular
+  solve turning C delta updates into matmuls), the intra-chunk attention; one state update per chunk.
+- Tokens a row does not feed (right padding of a prompt: those the mask hides from the forward's last
+  query, `fed_tokens`) are skipped exactly: beta = 0 and g = 0 leave S unchanged, and the
+  convolution state is read at the row's own end. So the state after the forward is the state after
+  the row's own tokens, whatever the padding.
+- Snapshots: a forward of T <= `RecurrentState.max_snapshots` tokens uses the recurrent form and
+  writes snapshot t = the state after token t; a longer one (prefill) uses the chunked form and
+  writes its final state into every snapshot, so committing the tokens it fed (a prompt's length)
+  selects it. Committing fewer tokens of such a forward is not meaningful (no per-token states).
+- Numerics follow transformers' Qwen3.5: the rule in float32 (products at HIGHEST precision, not
+  a GPU's TF32 default), g = -exp(A_log) softplus(a + dt_bias)
+  in float32, the convolution accumulated in float32, the gated RMSNorm `w * norm(o) * silu(z)`
+  (plain weight), results cast to the activation dtype.
+- Param names (`[in, out]` weights): `qkv` (in_proj_qkv, output [q | k | v]), `z`, `b`, `a`,
+  `conv` [W, C] (conv1d.weight [C, 1, W] transposed), `A_log`, `dt_bias`, `out_norm`, `out`.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from specpilot.models.layers import linear
+from specpilot.state import RecurrentState, init_recurrent_state
+
+L2_EPS = 1e-6  # transformers' and fla's l2norm epsilon
+CHUNK_SIZE = 64
+
+
+def _einsum(spec: str, *operands):
+    # Full float32 products: a GPU's default would round them to TF32, and the state accumulates.
+    return jnp.einsum(spec, *operands, precision=jax.lax.Precision.HIGHEST)
+
+
+def layer_shapes(cfg) -> dict[str, tuple[int, ...]]:
+    """The token mixer's params (a HybridConfig)."""
+    h, nv = cfg.hidden_size, cfg.linear_num_value_heads
+    return {"qkv": (h, cfg.conv_dim), "z": (h, cfg.value_dim), "b": (h, nv), "a": (h, nv),
+            "conv": (cfg.linear_conv_kernel_dim, cfg.conv_dim), "A_log": (nv,), "dt_bias": (nv,),
+            "out_norm": (cfg.linear_value_head_dim,), "out": (cfg.value_dim, h)}
+
+
+def init_state(cfg, batch_size: int, max_snapshots: int, dtype) -> RecurrentState:
+    """Zero conv state (dtype) and matrix state (float32), `max_snapshots` per-token snapshots."""
+    return init_recurrent_state(batch_size, cfg.linear_conv_kernel_dim, cfg.conv_dim,
+                                cfg.linear_num_value_heads, cfg.linear_key_head_dim,
+                                cfg.linear_value_head_dim, max_snapshots, dtype)
+
+
+# --------------------------------------------------------------------------------------------------
+# The gated delta rule
+
+
+def recurrent_gated_delta_rule(q, k, v, g, beta, initial_state):
+    """Token by token. q, k [B, T, H, DK], v [B, T, H, DV], g, beta [B, T, H], initial_state
+    [B, H, DK, DV], all float32 -> (o [B, T, H, DV], states [B, T, H, DK, DV]: after each token)."""
+
+    def step(s, inputs):
+        q_t, k_t, v_t, g_t, b_t = inputs  # [B, H, D*], [B, H]
+        s = s * jnp.exp(g_t)[..., None, None]
+        predicted = _einsum("bhkv,bhk->bhv", s, k_t)
+        s = s + _einsum("bhk,bhv->bhkv", k_t, (v_t - predicted) * b_t[..., None])
+        return s, (_einsum("bhkv,bhk->bhv", s, q_t), s)
+
+    time_major = [jnp.moveaxis(x, 1, 0) for x in (q, k, v, g, beta)]
+    _, (o, states) = jax.lax.scan(step, initial_state, time_major)
+    return jnp.moveaxis(o, 0, 1), jnp.moveaxis(states, 0, 1)
+
+
+def chunk_gated_delta_rule(q, k, v, g, beta, initial_state, chunk_size: int = CHUNK_SIZE):
+    """Chunk by chunk (same arguments as `recurrent_gated_delta_rule`) -> (o [B, T, H, DV], final
+    state [B, H, DK, DV]). T is zero-padded to a multiple of chunk_size (beta = g = 0: no update)."""
+    b, t, h, dk = k.shape
+    dv = v.shape[-1]
+    pad = -t % chunk_size
+    n = (t + pad) // chunk_size
+
+    def chunks(x):  # [B, T, H, ...] -> [N, B, H, C, ...]
+        x = jnp.pad(x, [(0, 0), (0, pad)] + [(0, 0)] * (x.ndim - 2))
+        x = x.reshape((b, n, chunk_size) + x.shape[2:])  # [B, N, C, H, ...]
+        return jnp.swapaxes(jnp.moveaxis(x, 1, 0), 2, 3)
+
+    qc, kc, vc, gc, bc = (chunks(x) for x in (q, k, v, g, beta))  # [N, B, H, C(, D)]
+    cum = jnp.cumsum(gc, axis=-1)  # [N, B, H, C] log decay from the chunk start to each token
+    lower = jnp.tril(jnp.ones((chunk_size, chunk_size), bool))
+    # decay[i, j] = exp(G_i - G_j) for j <= i (the decay between tokens j and i), else 0
+    decay = jnp.where(lower, jnp.exp(jnp.where(lower, cum[..., :, None] - cum[..., None, :], 0.0)), 0.0)
+    k_beta, v_beta = kc * bc[..., None], vc * bc[..., None]
+    # UT transform: (I + strictly_lower(beta k k^T * decay)) [u | w] = [beta v | beta k e^G]
+    system = _einsum("...ik,...jk->...ij", k_beta, kc) * decay
+    system = jnp.where(jnp.tril(lower, -1), system, 0.0) + jnp.eye(chunk_size, dtype=system.dtype)
+    rhs = jnp.concatenate([v_beta, k_beta * jnp.exp(cum)[..., None]], axis=-1)
+    solved = jax.scipy.linalg.solve_triangular(system, rhs, lower=True, unit_diagonal=True)
+    u, w = solved[..., :dv], solved[..., dv:]  # [N, B, H, C, DV], [N, B, H, C, DK]
+    intra = _einsum("...ik,...jk->...ij", qc, kc) * decay  # [N, B, H, C, C]
+    q_decayed = qc * jnp.exp(cum)[..., None]
+    k_to_end = kc * jnp.exp(cum[..., -1:] - cum)[..., None]
+    chunk_decay = jnp.exp(cum[..., -1])[..., None, None]  # [N, B, H, 1, 1]
+
+    def step(s, inputs):
+        u_c, w_c, q_c, k_c, intra_c, decay_c = inputs
+        v_new = u_c - _einsum("bhck,bhkv->bhcv", w_c, s)  # what the state does not predict yet
+        o = _einsum("bhck,bhkv->bhcv", q_c, s) + _einsum("bhij,bhjv->bhiv", intra_c, v_new)
+        s = s * decay_c + _einsum("bhck,bhcv->bhkv", k_c, v_new)
+        return s, o
+
+    final, o = jax.lax.scan(step, initial_state, (u, w, q_decayed, k_to_end, intra, chunk_decay))
+    o = jnp.moveaxis(o, 0, 1)  # [B, N, H, C, DV]
+    o = jnp.moveaxis(o, 2, 3).reshape(b, n * chunk_size, h, dv)[:, :t]
+    return o, final
+
+
+# --------------------------------------------------------------------------------------------------
+# The layer
+
+
+def l2_normalize(x: jax.Array) -> jax.Array:
+    return x * jax.lax.rsqrt(jnp.sum(x * x, axis=-1, keepdims=True) + L2_EPS)
+
+
+def gated_rms_norm(x: jax.Array, gate: jax.Array, weight: jax.Array, eps: float) -> jax.Array:
+    """w * RMSNorm(x) * silu(gate) over the last axis (plain weight, not 1 + w)."""
+    dtype = x.dtype
+    xf = x.astype(jnp.float32)
+    xf = xf * jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + eps)
+    y = weight * xf.astype(dtype)
+    return (y.astype(jnp.float32) * jax.nn.silu(gate.astype(jnp.float32))).astype(dtype)
+
+
+def fed_tokens(mask: jax.Array, start: jax.Array) -> jax.Array:
+    """[B] int32: how many of the forward's T tokens (at slots start[b] + i) its last query sees.
+
+    A chain's causal mask gives T; a prompt mask (`state.prompt_mask`) gives the prompt's length,
+    so right padding is skipped. Recurrent layers read chains only: a tree mask has no such prefix.
+    """
+    t = mask.shape[1]
+    slots = jnp.arange(mask.shape[2], dtype=jnp.int32)[None, :]
+    own = (slots >= start[:, None]) & (slots < start[:, None] + t)
+    return jnp.sum(mask[:, -1, :] & own, axis=-1).astype(jnp.int32)
+
+
+def _short_conv(x: jax.Array, weight: jax.Array, conv_state: jax.Array):
+    """Causal depthwise conv + SiLU. x [B, T, C], weight [W, C], conv_state [B, W-1, C] (the inputs
+    before x) -> (y [B, T, C] in x's dtype, window [B, W-1+T, C] the state followed by x)."""
+    width, t = weight.shape[0], x.shape[1]
+    window = jnp.concatenate([conv_state.astype(x.dtype), x], axis=1)  # [B, W-1+T, C]
+    wf = window.astype(jnp.float32)
+    y = sum(wf[:, j:j + t] * weight[j].astype(jnp.float32) for j in range(width))
+    return jax.nn.silu(y).astype(x.dtype), window
+
+
+def _conv_states_after(window: jax.Array, ends: jax.Array, width: int) -> jax.Array:
+    """window [B, W-1+T, C], ends [B, K] (tokens consumed) -> the conv state after each [B, K, W-1, C]."""
+    idx = ends[:, :, None] + jnp.arange(width - 1, dtype=jnp.int32)[None, None, :]  # [B, K, W-1]
+    return jax.vmap(lambda w, i: w[i])(window, idx)
+
+
+def gated_deltanet(p: dict, cfg, x: jax.Array, layer_state: RecurrentState, mask: jax.Array,
+                   start: jax.Array):
+    """The token mixer of a linear-attention layer. x [B, T, H] (input-normed), mask [B, T, S],
+    start [B] (committed length) -> (out [B, T, H], state with snapshots written, uncommitted)."""
+    b, t, _ = x.shape
+    nk, nv = cfg.linear_num_key_heads, cfg.linear_num_value_heads
+    dk, dv, width = cfg.linear_key_head_dim, cfg.linear_value_head_dim, cfg.linear_conv_kernel_dim
+    fed = fed_tokens(mask, start)  # [B]
+    live = jnp.arange(t, dtype=jnp.int32)[None, :] < fed[:, None]  # [B, T]
+
+    mixed, window = _short_conv(linear(x, p["qkv"]), p["conv"], layer_state.conv)
+    q, k, v = jnp.split(mixed, [cfg.key_dim, 2 * cfg.key_dim], axis=-1)
+    rep = nv // nk  # key head j serves value heads j*rep .. j*rep+rep-1
+    q = jnp.repeat(q.reshape(b, t, nk, dk), rep, axis=2).astype(jnp.float32)
+    k = jnp.repeat(k.reshape(b, t, nk, dk), rep, axis=2).astype(jnp.float32)
+    v = v.reshape(b, t, nv, dv).astype(jnp.float32)
+    q = l2_normalize(q) * (dk ** -0.5)
+    k = l2_normalize(k)
+    beta = jax.nn.sigmoid(linear(x, p["b"])).astype(jnp.float32)  # [B, T, HV]
+    a = linear(x, p["a"]).astype(jnp.float32)
+    g = -jnp.exp(p["A_log"].astype(jnp.float32)) * jax.nn.softplus(a + p["dt_bias"].astype(jnp.float32))
+    beta = jnp.where(live[..., None], beta, 0.0)
+    g = jnp.where(live[..., None], g, 0.0)
+
+    k_snap = layer_state.max_snapshots
+    if t <= k_snap:  # decode / verification: every per-token state
+        o, states = recurrent_gated_delta_rule(q, k, v, g, beta, layer_state.matrix)
+        ends = jnp.minimum(jnp.arange(1, t + 1, dtype=jnp.int32)[None, :], fed[:, None])  # [B, T]
+        layer_state = layer_state.write_snapshots(_conv_states_after(window, ends, width), states)
+    else:  # prefill: chunked, the final state in every snapshot
+        o, final = chunk_gated_delta_rule(q, k, v, g, beta, layer_state.matrix)
+        conv = _conv_states_after(window, fed[:, None], width)  # [B, 1, W-1, C]
+        layer_state = layer_state.write_snapshots(
+            jnp.broadcast_to(conv, (b, k_snap) + conv.shape[2:]),
+            jnp.broadcast_to(final[:, None], (b, k_snap) + final.shape[1:]))
+
+    o = o.astype(x.dtype)  # [B, T, HV, DV]
+    z = linear(x, p["z"]).reshape(b, t, nv, dv)
+    o = gated_rms_norm(o, z, p["out_norm"], cfg.rms_norm_eps)
+    return linear(o.reshape(b, t, cfg.value_dim), p["out"]), layer_state

@@ -1,0 +1,219 @@
+"""Hybrid recurrent target (Qwen3.5 text model) as pure functions over a parameter pytree.
+
+Design choices:
+- The dense model's layout and protocol (`dense.py`): params `{"embed", "layers": (per-layer dict,
+  ...), "final_norm", "lm_head"?}` with `[in, out]` weights, an unrolled layer loop, `init_state(cfg,
+  batch, max_len, dtype)` and `forward(params, cfg, tokens, positions, state, mask) -> (logits, taps,
+  state)`, nothing committed by a forward; `Target` is the hashable value decoding loops take.
+- `cfg.layer_types` picks each layer's token mixer: "linear_attention" is a Gated DeltaNet layer
+  (`gated_deltanet.py`, a `RecurrentState`), "full_attention" gated softmax attention (an
+  `AttentionState`). Every layer has the dense SwiGLU MLP. Layer l's param dict holds its mixer's
+  names plus `attn_norm`, `mlp_norm`, `gate`, `up`, `down`.
+- Gated attention: `q` [H, heads * 2 * head_dim] holds, per head, the query then the output gate
+  (transformers' q_proj layout); the attention output is multiplied by sigmoid(gate) before `o`.
+  q/k RMSNorms over head_dim; RoPE on the first `rotary_dim` channels of each head only.
+- Every main RMSNorm (input, post-attention, q/k, final) multiplies by (1 + w), in float32 before the
+  cast back (transformers' Qwen3_5RMSNorm); `init` therefore draws those weights around 0. The
+  Gated DeltaNet's output norm is the plain-weight gated norm.
+- Recurrent state per linear layer: conv state [B, W-1, C] (activation dtype), matrix state
+  [B, HV, DK, DV] float32, and `Target.max_block_size` per-token snapshots of each: a verification
+  of up to that many tokens keeps the state after every position (`TargetState.commit(n)` takes
+  snapshot n-1); longer forwards (prefill) keep only the state after the tokens they fed.
+  `spec.generate` refuses larger blocks. A row's fed tokens come from the mask
+  (`gated_deltanet.fed_tokens`): prefill through `state.prompt_forward` hides right padding.
+- Recurrent layers compute chains only: a tree mask is not a prefix of the block, so
+  `TargetState.gather_path` on a hybrid state is not meaningful until tree verification over
+  recurrent state exists.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from specpilot import state as st
+from specpilot.models import dense
+from specpilot.models import gated_deltanet as gdn
+from specpilot.models.hybrid_config import HybridConfig
+from specpilot.models.layers import apply_rope, attention, linear, rope_tables
+from specpilot.state import AttentionState, TargetState
+
+Params = dict
+DEFAULT_MAX_BLOCK = 16  # DFlash's block size
+OFFSET_NORMS = ("attn_norm", "mlp_norm", "q_norm", "k_norm", "final_norm")  # (1 + w) norms
+
+
+def rms_norm(x: jax.Array, weight: jax.Array, eps: float) -> jax.Array:
+    """Qwen3.5's RMSNorm: norm(x) * (1 + w) in float32, cast back to x's dtype."""
+    xf = x.astype(jnp.float32)
+    xf = xf * jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + eps)
+    return (xf * (1.0 + weight.astype(jnp.float32))).astype(x.dtype)
+
+
+def attention_shapes(cfg: HybridConfig) -> dict[str, tuple[int, ...]]:
+    h = cfg.hidden_size
+    shapes = {"q": (h, 2 * cfg.q_size), "k": (h, cfg.kv_size), "v": (h, cfg.kv_size),
+              "o": (cfg.q_size, h), "q_norm": (cfg.head_dim,), "k_norm": (cfg.head_dim,)}
+    if cfg.attention_bias:
+        shapes.update(q_bias=(2 * cfg.q_size,), k_bias=(cfg.kv_size,), v_bias=(cfg.kv_size,),
+                      o_bias=(h,))
+    return shapes
+
+
+def layer_shapes(cfg: HybridConfig, layer: int) -> dict[str, tuple[int, ...]]:
+    h, i = cfg.hidden_size, cfg.intermediate_size
+    mixer = gdn.layer_shapes(cfg) if cfg.is_linear(layer) else attention_shapes(cfg)
+    return {"attn_norm": (h,), "mlp_norm": (h,), **mixer, "gate": (h, i), "up": (h, i), "down": (i, h)}
+
+
+def param_shapes(cfg: HybridConfig) -> dict:
+    top = {"embed": (cfg.vocab_size, cfg.hidden_size), "final_norm": (cfg.hidden_size,),
+           "layers": tuple(layer_shapes(cfg, i) for i in range(cfg.num_layers))}
+    if not cfg.tie_word_embeddings:
+        top["lm_head"] = (cfg.hidden_size, cfg.vocab_size)
+    return top
+
+
+def init(key: jax.Array, cfg: HybridConfig, dtype=jnp.bfloat16, std: float = 0.02) -> Params:
+    """Random weights: N(0, std) matrices, (1 + w) norms at w = 0, the gated norm at 1, zero biases,
+    dt_bias 1 and A = exp(A_log) ~ U(1, 16) (transformers' initialisation of the decay)."""
+    shapes = param_shapes(cfg)
+    counter = iter(range(10**9))
+
+    def make(name, shape):
+        k = jax.random.fold_in(key, next(counter))
+        if name in OFFSET_NORMS or name.endswith("bias") and name != "dt_bias":
+            return jnp.zeros(shape, dtype)
+        if name in ("out_norm", "dt_bias"):
+            return jnp.ones(shape, dtype)
+        if name == "A_log":
+            return jnp.log(jax.random.uniform(k, shape, jnp.float32, 1.0, 16.0)).astype(dtype)
+        return (std * jax.random.normal(k, shape, jnp.float32)).astype(dtype)
+
+    params = {name: make(name, s) for name, s in shapes.items() if name != "layers"}
+    params["layers"] = tuple({n: make(n, s) for n, s in layer.items()} for layer in shapes["layers"])
+    return params
+
+
+def _partial_rope(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
+    """RoPE on the first cos.shape[-1] channels of each head; the rest pass through."""
+    r = cos.shape[-1]
+    return jnp.concatenate([apply_rope(x[..., :r], cos, sin), x[..., r:]], axis=-1)
+
+
+def gated_attention(p: dict, cfg: HybridConfig, x: jax.Array, cos, sin, kv: AttentionState,
+                    start: jax.Array, mask: jax.Array):
+    """x [B, T, H] (input-normed) -> (out [B, T, H], kv with K/V written at slots start[b] + i)."""
+    b, t, _ = x.shape
+    nh, nkv, d = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+    q_gate = linear(x, p["q"], p.get("q_bias")).reshape(b, t, nh, 2 * d)
+    q, gate = q_gate[..., :d], q_gate[..., d:].reshape(b, t, nh * d)
+    k = linear(x, p["k"], p.get("k_bias")).reshape(b, t, nkv, d)
+    v = linear(x, p["v"], p.get("v_bias")).reshape(b, t, nkv, d)
+    q = _partial_rope(rms_norm(q, p["q_norm"], cfg.rms_norm_eps), cos, sin)
+    k = _partial_rope(rms_norm(k, p["k_norm"], cfg.rms_norm_eps), cos, sin)
+    kv = kv.write(k, v, start)
+    out = attention(q, kv.k.astype(q.dtype), kv.v.astype(q.dtype), mask).reshape(b, t, nh * d)
+    return linear(out * jax.nn.sigmoid(gate), p["o"], p.get("o_bias")), kv
+
+
+def decoder_layer(p: dict, cfg: HybridConfig, layer: int, x: jax.Array, cos, sin, layer_state,
+                  start: jax.Array, mask: jax.Array):
+    h = rms_norm(x, p["attn_norm"], cfg.rms_norm_eps)
+    if cfg.is_linear(layer):
+        mixed, layer_state = gdn.gated_deltanet(p, cfg, h, layer_state, mask, start)
+    else:
+        mixed, layer_state = gated_attention(p, cfg, h, cos, sin, layer_state, start, mask)
+    x = x + mixed
+    h = rms_norm(x, p["mlp_norm"], cfg.rms_norm_eps)
+    x = x + linear(jax.nn.silu(linear(h, p["gate"])) * linear(h, p["up"]), p["down"])
+    return x, layer_state
+
+
+def init_state(cfg: HybridConfig, batch_size: int, max_len: int, dtype=None,
+               max_block_size: int = DEFAULT_MAX_BLOCK) -> TargetState:
+    """Empty state: an `AttentionState` per full-attention layer, a `RecurrentState` with
+    `max_block_size` snapshots per linear layer. dtype is required (the activation dtype)."""
+    layers = tuple(
+        gdn.init_state(cfg, batch_size, max_block_size, dtype) if cfg.is_linear(i)
+        else st.init_attention_state(batch_size, max_len, cfg.num_kv_heads, cfg.head_dim, dtype)
+        for i in range(cfg.num_layers))
+    return TargetState(layers=layers, lengths=jnp.zeros((batch_size,), jnp.int32))
+
+
+def forward(params: Params, cfg: HybridConfig, tokens: jax.Array, positions: jax.Array,
+            state: TargetState, mask: jax.Array):
+    """tokens [B, T], positions [B, T] int32, mask [B, T, S] bool -> (logits [B, T, V] float32,
+    taps [B, T, n_taps*H], state with K/V and recurrent snapshots written). Nothing is committed."""
+    b, t = tokens.shape
+    x = dense.embed(params, tokens)
+    cos, sin = rope_tables(positions, cfg.inv_freq())  # [B, T, rotary_dim]
+    layers, taps = [], []
+    for i, p in enumerate(params["layers"]):
+        x, layer_state = decoder_layer(p, cfg, i, x, cos, sin, state.layers[i], state.lengths, mask)
+        layers.append(layer_state)
+        if i in cfg.tap_layers:
+            taps.append(x)
+    taps_arr = jnp.concatenate(taps, axis=-1) if taps else jnp.zeros((b, t, 0), x.dtype)
+    x = rms_norm(x, params["final_norm"], cfg.rms_norm_eps)
+    return dense.lm_head(params, cfg, x), taps_arr, TargetState(tuple(layers), state.lengths)
+
+
+@dataclasses.dataclass(frozen=True)
+class Target:
+    """A hybrid target as one hashable value (a jit static argument; params travel apart).
+
+    `dtype` is the activation dtype; `max_block_size` the most tokens one forward keeps per-token
+    recurrent states for, i.e. the largest verification block."""
+
+    cfg: HybridConfig
+    dtype: str
+    max_block_size: int = DEFAULT_MAX_BLOCK
+
+    def __post_init__(self):
+        object.__setattr__(self, "dtype", jnp.dtype(self.dtype).name)
+        if self.max_block_size < 1:
+            raise ValueError(f"max_block_size must be >= 1, got {self.max_block_size}")
+
+    @property
+    def vocab_size(self) -> int:
+        return self.cfg.vocab_size
+
+    @property
+    def max_positions(self) -> int:
+        return self.cfg.max_position_embeddings
+
+    def check_params(self, params: Params) -> None:
+        """A clear error when params do not run at this target's dtype or do not fit its config."""
+        got = jnp.dtype(params["embed"].dtype).name
+        if got != self.dtype:
+            raise ValueError(f"the target was built for {self.dtype} activations but the params' "
+                             f"embedding is {got}; build it with hybrid.target(cfg, {got!r})")
+        want = param_shapes(self.cfg)
+        if len(params["layers"]) != self.cfg.num_layers:
+            raise ValueError(f"params have {len(params['layers'])} layers, the config {self.cfg.num_layers}")
+        for i, (layer, shapes) in enumerate(zip(params["layers"], want["layers"])):
+            if set(layer) != set(shapes):
+                raise ValueError(f"layer {i} ({self.cfg.layer_types[i]}) params {sorted(layer)} do not "
+                                 f"match the config's {sorted(shapes)}")
+
+    def init_state(self, batch_size: int, max_len: int, dtype=None) -> TargetState:
+        return init_state(self.cfg, batch_size, max_len, dtype or self.dtype, self.max_block_size)
+
+    def forward(self, params: Params, tokens: jax.Array, positions: jax.Array, state: TargetState,
+                mask: jax.Array):
+        return forward(params, self.cfg, tokens, positions, state, mask)
+
+
+def target(cfg: HybridConfig, dtype, max_block_size: int = DEFAULT_MAX_BLOCK) -> Target:
+    """The hybrid target for cfg with activations in dtype (e.g. params['embed'].dtype)."""
+    return Target(cfg, dtype, max_block_size)
+
+
+def num_params(cfg: HybridConfig) -> int:
+    leaves = jax.tree_util.tree_leaves(param_shapes(cfg), is_leaf=lambda x: isinstance(x, tuple)
+                                       and all(isinstance(i, int) for i in x))
+    return int(sum(np.prod(s) for s in leaves))

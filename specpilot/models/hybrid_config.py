@@ -1,0 +1,245 @@
+"""Configuration of hybrid recurrent targets (Qwen3.5 text model: Gated DeltaNet + gated attention).
+
+Design choices:
+- `HybridConfig` is a frozen, hashable dataclass like `ModelConfig` (a jit static argument). It keeps
+  the field names `ModelConfig` uses for what both have (`hidden_size`, `num_heads`, `head_dim`,
+  `tap_layers`, `tie_word_embeddings`, ...), so code that only reads those (the block drafter's
+  `DrafterConfig.for_target`, `check_compatible`, `dense.lm_head`) takes either config.
+- `layer_types[i]` is "linear_attention" (a Gated DeltaNet layer) or "full_attention" (gated softmax
+  attention). At least one full-attention layer is required: its K/V slots give the state its slot
+  capacity (`TargetState.max_len`), which the decoding loops check writes against.
+- Built from a Hugging Face config (`from_hf_dict`) of either layout: `Qwen3_5ForCausalLM` (text
+  fields at the top level) or `Qwen3_5ForConditionalGeneration` (text fields under `text_config`; the
+  vision tower's fields are ignored). Defaults are those of transformers' `Qwen3_5TextConfig`:
+  rope_theta 10000, partial_rotary_factor 0.25, every fourth layer full attention when
+  `layer_types` is absent.
+- Text-only multimodal RoPE (`mrope_section`) gives every section the same position, so it is plain
+  RoPE over the first `rotary_dim = int(head_dim * partial_rotary_factor)` channels of each head.
+- Every impossible value fails in `__post_init__` with a message naming the field.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from specpilot.models.config import ConfigError
+
+ARCHITECTURES = ("Qwen3_5ForCausalLM", "Qwen3_5ForConditionalGeneration")
+LAYER_TYPES = ("linear_attention", "full_attention")
+
+
+@dataclasses.dataclass(frozen=True)
+class HybridConfig:
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int  # full-attention query heads
+    num_kv_heads: int
+    head_dim: int
+    layer_types: tuple[str, ...]
+    linear_conv_kernel_dim: int = 4
+    linear_key_head_dim: int = 128
+    linear_value_head_dim: int = 128
+    linear_num_key_heads: int = 16
+    linear_num_value_heads: int = 32
+    partial_rotary_factor: float = 0.25
+    rope_theta: float = 10000.0
+    rms_norm_eps: float = 1e-6
+    tie_word_embeddings: bool = False
+    attention_bias: bool = False
+    max_position_embeddings: int = 32768
+    architecture: str = "Qwen3_5ForCausalLM"
+    # Layers whose outputs are returned as taps (as ModelConfig.tap_layers: layer order, each once).
+    tap_layers: tuple[int, ...] = ()
+    bos_token_id: int | None = None
+    eos_token_id: int | None = None
+    # What multiplies the linear weights, as ModelConfig.matmul (a plan's kernels.matmul, or None:
+    # each weight by its layout's implementation). Static; not a checkpoint field.
+    matmul: Any = None
+
+    rope_scaling = None  # no rope scaling type is supported; read by drafter configs built from this
+
+    def __post_init__(self):
+        positive = ("vocab_size", "hidden_size", "intermediate_size", "num_layers", "num_heads",
+                    "num_kv_heads", "head_dim", "linear_conv_kernel_dim", "linear_key_head_dim",
+                    "linear_value_head_dim", "linear_num_key_heads", "linear_num_value_heads",
+                    "max_position_embeddings")
+        for name in positive:
+            value = getattr(self, name)
+            if not isinstance(value, (int, np.integer)) or value <= 0:
+                raise ConfigError(f"HybridConfig.{name} must be a positive integer, got {value!r}")
+        object.__setattr__(self, "layer_types", tuple(self.layer_types))
+        object.__setattr__(self, "tap_layers", tuple(int(t) for t in self.tap_layers))
+        if len(self.layer_types) != self.num_layers:
+            raise ConfigError(f"layer_types lists {len(self.layer_types)} layers, num_layers is "
+                              f"{self.num_layers}")
+        bad = sorted({t for t in self.layer_types if t not in LAYER_TYPES})
+        if bad:
+            raise ConfigError(f"unsupported layer type(s) {bad}; supported: {', '.join(LAYER_TYPES)}")
+        if "full_attention" not in self.layer_types:
+            raise ConfigError("a hybrid target needs at least one full_attention layer (its K/V slots "
+                              "bound the sequence length the decoding loops check against)")
+        if self.num_heads % self.num_kv_heads:
+            raise ConfigError(f"num_heads ({self.num_heads}) must be a multiple of num_kv_heads "
+                              f"({self.num_kv_heads})")
+        if self.linear_num_value_heads % self.linear_num_key_heads:
+            raise ConfigError(f"linear_num_value_heads ({self.linear_num_value_heads}) must be a "
+                              f"multiple of linear_num_key_heads ({self.linear_num_key_heads})")
+        if not 0.0 < self.partial_rotary_factor <= 1.0:
+            raise ConfigError(f"partial_rotary_factor must be in (0, 1], got {self.partial_rotary_factor}")
+        if self.rotary_dim < 2 or self.rotary_dim % 2:
+            raise ConfigError(f"rotary_dim = int(head_dim {self.head_dim} * partial_rotary_factor "
+                              f"{self.partial_rotary_factor}) = {self.rotary_dim} must be even and >= 2")
+        if self.architecture not in ARCHITECTURES:
+            raise ConfigError(f"unsupported hybrid architecture {self.architecture!r}; supported: "
+                              f"{', '.join(ARCHITECTURES)}")
+        for layer in self.tap_layers:
+            if not 0 <= layer < self.num_layers:
+                raise ConfigError(f"tap layer {layer} outside [0, {self.num_layers})")
+        if list(self.tap_layers) != sorted(set(self.tap_layers)):
+            raise ConfigError(f"tap_layers must be strictly increasing (each layer once, in layer "
+                              f"order), got {self.tap_layers}")
+        if self.rope_theta <= 0 or self.rms_norm_eps <= 0:
+            raise ConfigError("rope_theta and rms_norm_eps must be positive")
+
+    # ----------------------------------------------------------------------------------------------
+    # Derived sizes
+
+    @property
+    def rotary_dim(self) -> int:
+        return int(self.head_dim * self.partial_rotary_factor)
+
+    @property
+    def q_size(self) -> int:
+        return self.num_heads * self.head_dim
+
+    @property
+    def kv_size(self) -> int:
+        return self.num_kv_heads * self.head_dim
+
+    @property
+    def key_dim(self) -> int:
+        """Gated DeltaNet q (and k) channels: key heads x key head dim."""
+        return self.linear_num_key_heads * self.linear_key_head_dim
+
+    @property
+    def value_dim(self) -> int:
+        return self.linear_num_value_heads * self.linear_value_head_dim
+
+    @property
+    def conv_dim(self) -> int:
+        """Channels of the short convolution: q, k and v together."""
+        return 2 * self.key_dim + self.value_dim
+
+    def is_linear(self, layer: int) -> bool:
+        return self.layer_types[layer] == "linear_attention"
+
+    def inv_freq(self) -> np.ndarray:
+        """RoPE inverse frequencies [rotary_dim // 2] (float64 numpy, static)."""
+        d = self.rotary_dim
+        return 1.0 / (self.rope_theta ** (np.arange(0, d, 2, dtype=np.float64) / d))
+
+    def with_taps(self, tap_layers) -> "HybridConfig":
+        """This config tapping each listed layer once, in layer order (as ModelConfig.with_taps)."""
+        return dataclasses.replace(self, tap_layers=tuple(sorted({int(t) for t in tap_layers})))
+
+    # ----------------------------------------------------------------------------------------------
+    # Hugging Face config.json
+
+    @classmethod
+    def from_hf_dict(cls, hf: dict[str, Any], tap_layers=()) -> "HybridConfig":
+        archs = hf.get("architectures") or []
+        arch = archs[0] if archs else {"qwen3_5": "Qwen3_5ForConditionalGeneration",
+                                       "qwen3_5_text": "Qwen3_5ForCausalLM"}.get(hf.get("model_type", ""))
+        if arch not in ARCHITECTURES:
+            raise ConfigError(f"unsupported hybrid architecture {arch!r} (model_type="
+                              f"{hf.get('model_type')!r}); supported: {', '.join(ARCHITECTURES)}")
+        text = hf
+        if arch == "Qwen3_5ForConditionalGeneration":
+            text = hf.get("text_config")
+            if not isinstance(text, dict):
+                raise ConfigError("a Qwen3_5ForConditionalGeneration config.json needs a text_config "
+                                  "object holding the language model's fields")
+        required = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
+                    "num_attention_heads")
+        missing = [k for k in required if k not in text]
+        if missing:
+            raise ConfigError(f"config.json lacks required text-model keys: {', '.join(missing)}")
+        rope = text.get("rope_parameters") or text.get("rope_scaling") or {}
+        rope_type = rope.get("rope_type", rope.get("type", "default"))
+        if rope_type not in ("default", None):
+            raise ConfigError(f"unsupported rope type {rope_type!r} for a hybrid target; supported: default")
+        rope_theta = rope.get("rope_theta", text.get("rope_theta", 10000.0))
+        partial = rope.get("partial_rotary_factor", text.get("partial_rotary_factor", 0.25))
+        n_layers = text["num_hidden_layers"]
+        layer_types = text.get("layer_types")
+        if layer_types is None:
+            interval = int(text.get("full_attention_interval", 4))
+            layer_types = ["linear_attention" if (i + 1) % interval else "full_attention"
+                           for i in range(n_layers)]
+        if text.get("hidden_act", "silu") != "silu":
+            raise ConfigError(f"hidden_act {text['hidden_act']!r} is not supported; only silu")
+        num_heads = text["num_attention_heads"]
+        eos = text.get("eos_token_id", hf.get("eos_token_id"))
+        if isinstance(eos, list):
+            eos = eos[0] if eos else None
+        tie = hf.get("tie_word_embeddings", text.get("tie_word_embeddings", False))
+        return cls(
+            vocab_size=text["vocab_size"], hidden_size=text["hidden_size"],
+            intermediate_size=text["intermediate_size"], num_layers=n_layers, num_heads=num_heads,
+            num_kv_heads=text.get("num_key_value_heads") or num_heads,
+            head_dim=text.get("head_dim") or text["hidden_size"] // num_heads,
+            layer_types=tuple(layer_types),
+            linear_conv_kernel_dim=int(text.get("linear_conv_kernel_dim", 4)),
+            linear_key_head_dim=int(text.get("linear_key_head_dim", 128)),
+            linear_value_head_dim=int(text.get("linear_value_head_dim", 128)),
+            linear_num_key_heads=int(text.get("linear_num_key_heads", 16)),
+            linear_num_value_heads=int(text.get("linear_num_value_heads", 32)),
+            partial_rotary_factor=float(partial), rope_theta=float(rope_theta),
+            rms_norm_eps=float(text.get("rms_norm_eps", 1e-6)), tie_word_embeddings=bool(tie),
+            attention_bias=bool(text.get("attention_bias", False)),
+            max_position_embeddings=int(text.get("max_position_embeddings", 32768)),
+            architecture=arch, tap_layers=tuple(tap_layers),
+            bos_token_id=text.get("bos_token_id", hf.get("bos_token_id")), eos_token_id=eos)
+
+    @classmethod
+    def from_json(cls, path: str | Path, tap_layers=()) -> "HybridConfig":
+        path = Path(path)
+        if not path.is_file():
+            raise FileNotFoundError(f"no config.json at {path}")
+        try:
+            hf = json.loads(path.read_text())
+        except json.JSONDecodeError as e:
+            raise ConfigError(f"{path} is not valid JSON: {e}") from e
+        return cls.from_hf_dict(hf, tap_layers)
+
+    def to_hf_dict(self) -> dict[str, Any]:
+        """A `Qwen3_5ForCausalLM` config.json (the text model's layout)."""
+        hf: dict[str, Any] = {
+            "architectures": ["Qwen3_5ForCausalLM"], "model_type": "qwen3_5_text",
+            "vocab_size": self.vocab_size, "hidden_size": self.hidden_size,
+            "intermediate_size": self.intermediate_size, "num_hidden_layers": self.num_layers,
+            "num_attention_heads": self.num_heads, "num_key_value_heads": self.num_kv_heads,
+            "head_dim": self.head_dim, "layer_types": list(self.layer_types),
+            "linear_conv_kernel_dim": self.linear_conv_kernel_dim,
+            "linear_key_head_dim": self.linear_key_head_dim,
+            "linear_value_head_dim": self.linear_value_head_dim,
+            "linear_num_key_heads": self.linear_num_key_heads,
+            "linear_num_value_heads": self.linear_num_value_heads,
+            "rope_parameters": {"rope_type": "default", "rope_theta": self.rope_theta,
+                                "partial_rotary_factor": self.partial_rotary_factor},
+            "rms_norm_eps": self.rms_norm_eps, "tie_word_embeddings": self.tie_word_embeddings,
+            "attention_bias": self.attention_bias,
+            "max_position_embeddings": self.max_position_embeddings, "hidden_act": "silu",
+        }
+        if self.bos_token_id is not None:
+            hf["bos_token_id"] = self.bos_token_id
+        if self.eos_token_id is not None:
+            hf["eos_token_id"] = self.eos_token_id
+        return hf
