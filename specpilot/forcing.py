@@ -33,7 +33,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from specpilot.decoding.ar import pack_prompts
-from specpilot.state import chain_forward
+from specpilot.state import chain_forward, prompt_forward
 
 Scorer = Callable[[np.ndarray, np.ndarray, np.ndarray], np.ndarray]
 DEFAULT_TIE_MARGIN = 1e-3  # float32 logits; state the margin used in every report
@@ -41,9 +41,10 @@ DEFAULT_TIE_MARGIN = 1e-3  # float32 logits; state the margin used in every repo
 
 @functools.partial(jax.jit, static_argnames=("target",), donate_argnames=("state",))
 def _prefill(params, target, tokens, lengths, state):
-    logits, _, state = chain_forward(target, params, tokens, state)
+    # prompt_forward hides each row's padding (a recurrent layer would otherwise feed it to its state)
+    logits, _, state = prompt_forward(target, params, tokens, lengths, state)
     last = jnp.take_along_axis(logits, (lengths - 1)[:, None, None], axis=1)[:, 0]  # [B, V]
-    return last, state.commit(lengths)
+    return last, state
 
 
 @functools.partial(jax.jit, static_argnames=("target",), donate_argnames=("state",))

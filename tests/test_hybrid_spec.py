@@ -133,9 +133,6 @@ def test_forcing_at_block_size_agrees_with_ar_steps(target, ar_tokens):
         assert report.num_positions == 2 * N
 
 
-@pytest.mark.xfail(strict=True, reason="forcing._prefill runs prompts through state.chain_forward, "
-                   "so a prompt padded past max_block_size feeds its padding to the recurrent layers; "
-                   "state.prompt_forward hides it (as ar and spec do)")
 def test_forcing_long_prompts_of_unequal_length(target, ar_tokens):
     report = forcing.force(forcing.chunked_scorer(target, TARGET, chunk=1),
                            forcing.chunked_scorer(target, TARGET, chunk=4), PROMPTS, ar_tokens[:, :N])

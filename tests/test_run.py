@@ -215,3 +215,19 @@ def test_median_run_keeps_the_middle_run_and_the_faster_of_two():
     for times, kept in (([3.0, 1.0, 2.0], 2.0), ([5.0, 4.0], 4.0), ([4.0, 1.0, 3.0, 2.0], 2.0), ([7.0], 7.0)):
         it = iter(times)
         assert median_run(lambda: MethodRun([], 0.0, next(it), 1, {}), len(times)).decode_s == kept, times
+
+
+def test_hybrid_target_runs_ar_and_stock_with_forcing_clean(tmp_path):
+    """target=tiny_hybrid (Gated DeltaNet + full attention): AR and stock through the harness, the chain
+    committing per-position recurrent states, every stock token checked by forcing."""
+    out = tmp_path / "out"
+    proc = _run(f"output_dir={out}", "drafter=oracle", "drafter.num_layers=1", "drafter.num_taps=2",
+                "drafter.block_size=4", "drafter.tau=2.5", "decoding=stock", "bench.num_prompts=2",
+                "bench.new_tokens=12", f"hydra.run.dir={tmp_path / 'hydra'}", cwd=tmp_path,
+                base=("target=tiny_hybrid", "bench=default"))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    records = {r["method"]: r for r in map(json.loads, (out / "results.jsonl").read_text().splitlines())}
+    assert set(records) == {"ar", "stock"} and "tiny_hybrid shape" in records["ar"]["notes"]
+    stock = records["stock"]
+    assert stock["mismatches"] == 0 and stock["forcing"]["positions"] == 24
+    assert stock["forcing"]["outputs_differ"] == 0 and stock["tau"] > 1.0

@@ -20,6 +20,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from specpilot.decoding.sampling import SamplingConfig
 from specpilot.models import dense
+from specpilot.models.checkpoint import HYBRID_ARCHITECTURES
 from specpilot.models.config import ModelConfig, default_tap_layers
 from specpilot.plan import Plan
 
@@ -70,9 +71,15 @@ class Deployment:
         """The target's static config for `plan`: its matmul choice rides in the config (a jit static)."""
         return dataclasses.replace(self.cfg, matmul=plan.kernels.matmul)
 
-    def target_for(self, plan: Plan) -> dense.Target:
-        """The target (config, state and forward functions) as `plan` runs it."""
-        return dense.target(self.cfg_for(plan), self.params["embed"].dtype)
+    def target_for(self, plan: Plan):
+        """The target (config, state and forward functions) as `plan` runs it: dense, or a hybrid's."""
+        from specpilot.models import hybrid
+        from specpilot.models.hybrid_config import HybridConfig
+
+        cfg, dtype = self.cfg_for(plan), self.params["embed"].dtype
+        if isinstance(cfg, HybridConfig):
+            return hybrid.target(cfg, dtype, max_block_size=max(16, plan.block_size))
+        return dense.target(cfg, dtype)
 
     def drafter_for(self, plan: Plan):
         """(drafter object, its params as `plan` multiplies them): the drafter's own weights (its layers and
@@ -102,6 +109,17 @@ def build_target(tconf: DictConfig, dconf: DictConfig, seed: int):
     dtype = DTYPES[tconf.dtype]
     if tconf.source == "random":
         hf = OmegaConf.to_container(tconf.model, resolve=True)
+        if hf.get("architectures", [None])[0] in HYBRID_ARCHITECTURES or hf.get("model_type") == "qwen3_5_text":
+            from specpilot.models import hybrid
+            from specpilot.models.hybrid_config import HybridConfig
+
+            if tconf.init != "normal":
+                raise ValueError(f"target.init={tconf.init}: hybrid targets have the normal init only "
+                                 "(set target.init=normal)")
+            cfg = HybridConfig.from_hf_dict(hf)
+            cfg = cfg.with_taps(target_tap_layers(tconf, dconf, cfg.num_layers))
+            params = hybrid.init(jax.random.key(seed), cfg, dtype=dtype, std=float(tconf.init_std))
+            return params, cfg, [f"random weights ({tconf.name} shape, normal init)"]
         cfg = ModelConfig.from_hf_dict(hf)
         cfg = cfg.with_taps(target_tap_layers(tconf, dconf, cfg.num_layers))
         params = dense.INITS[tconf.init](jax.random.key(seed), cfg, dtype=dtype, std=float(tconf.init_std))
@@ -183,7 +201,7 @@ def build(cfg: DictConfig, plans: list[Plan]) -> Deployment:
         drafter_obj, draft_params, mcfg, dnotes = build_drafter(cfg.drafter, mcfg, params, int(cfg.seed))
         drafter = (drafter_obj, draft_params)
         notes = notes + dnotes
-    if cfg.target.layout == "fused":
+    if cfg.target.layout == "fused" and isinstance(mcfg, ModelConfig):  # hybrids keep their own layout
         params = dense.fuse_projections(params)
     if b.prompts == "random":
         prompts = random_prompts(b.num_prompts, b.prompt_len, mcfg.vocab_size, int(cfg.seed) + 1)

@@ -179,7 +179,7 @@ def gated_deltanet(p: dict, cfg, x: jax.Array, layer_state: RecurrentState, mask
     fed = fed_tokens(mask, start)  # [B]
     live = jnp.arange(t, dtype=jnp.int32)[None, :] < fed[:, None]  # [B, T]
 
-    mixed, window = _short_conv(linear(x, p["qkv"]), p["conv"], layer_state.conv)
+    mixed, window = _short_conv(linear(x, p["qkv"], choice=cfg.matmul, role="in_proj_qkv"), p["conv"], layer_state.conv)
     q, k, v = jnp.split(mixed, [cfg.key_dim, 2 * cfg.key_dim], axis=-1)
     rep = nv // nk  # key head j serves value heads j*rep .. j*rep+rep-1
     q = jnp.repeat(q.reshape(b, t, nk, dk), rep, axis=2).astype(jnp.float32)
@@ -187,8 +187,8 @@ def gated_deltanet(p: dict, cfg, x: jax.Array, layer_state: RecurrentState, mask
     v = v.reshape(b, t, nv, dv).astype(jnp.float32)
     q = l2_normalize(q) * (dk ** -0.5)
     k = l2_normalize(k)
-    beta = jax.nn.sigmoid(linear(x, p["b"])).astype(jnp.float32)  # [B, T, HV]
-    a = linear(x, p["a"]).astype(jnp.float32)
+    beta = jax.nn.sigmoid(linear(x, p["b"], choice=cfg.matmul, role="b")).astype(jnp.float32)  # [B, T, HV]
+    a = linear(x, p["a"], choice=cfg.matmul, role="a").astype(jnp.float32)
     g = -jnp.exp(p["A_log"].astype(jnp.float32)) * jax.nn.softplus(a + p["dt_bias"].astype(jnp.float32))
     beta = jnp.where(live[..., None], beta, 0.0)
     g = jnp.where(live[..., None], g, 0.0)
@@ -206,6 +206,6 @@ def gated_deltanet(p: dict, cfg, x: jax.Array, layer_state: RecurrentState, mask
             jnp.broadcast_to(final[:, None], (b, k_snap) + final.shape[1:]))
 
     o = o.astype(x.dtype)  # [B, T, HV, DV]
-    z = linear(x, p["z"]).reshape(b, t, nv, dv)
+    z = linear(x, p["z"], choice=cfg.matmul, role="z").reshape(b, t, nv, dv)
     o = gated_rms_norm(o, z, p["out_norm"], cfg.rms_norm_eps)
-    return linear(o.reshape(b, t, cfg.value_dim), p["out"]), layer_state
+    return linear(o.reshape(b, t, cfg.value_dim), p["out"], choice=cfg.matmul, role="out"), layer_state

@@ -109,15 +109,15 @@ def gated_attention(p: dict, cfg: HybridConfig, x: jax.Array, cos, sin, kv: Atte
     """x [B, T, H] (input-normed) -> (out [B, T, H], kv with K/V written at slots start[b] + i)."""
     b, t, _ = x.shape
     nh, nkv, d = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
-    q_gate = linear(x, p["q"], p.get("q_bias")).reshape(b, t, nh, 2 * d)
+    q_gate = linear(x, p["q"], p.get("q_bias"), choice=cfg.matmul, role="q").reshape(b, t, nh, 2 * d)
     q, gate = q_gate[..., :d], q_gate[..., d:].reshape(b, t, nh * d)
-    k = linear(x, p["k"], p.get("k_bias")).reshape(b, t, nkv, d)
-    v = linear(x, p["v"], p.get("v_bias")).reshape(b, t, nkv, d)
+    k = linear(x, p["k"], p.get("k_bias"), choice=cfg.matmul, role="k").reshape(b, t, nkv, d)
+    v = linear(x, p["v"], p.get("v_bias"), choice=cfg.matmul, role="v").reshape(b, t, nkv, d)
     q = _partial_rope(rms_norm(q, p["q_norm"], cfg.rms_norm_eps), cos, sin)
     k = _partial_rope(rms_norm(k, p["k_norm"], cfg.rms_norm_eps), cos, sin)
     kv = kv.write(k, v, start)
     out = attention(q, kv.k.astype(q.dtype), kv.v.astype(q.dtype), mask).reshape(b, t, nh * d)
-    return linear(out * jax.nn.sigmoid(gate), p["o"], p.get("o_bias")), kv
+    return linear(out * jax.nn.sigmoid(gate), p["o"], p.get("o_bias"), choice=cfg.matmul, role="o"), kv
 
 
 def decoder_layer(p: dict, cfg: HybridConfig, layer: int, x: jax.Array, cos, sin, layer_state,
@@ -129,7 +129,9 @@ def decoder_layer(p: dict, cfg: HybridConfig, layer: int, x: jax.Array, cos, sin
         mixed, layer_state = gated_attention(p, cfg, h, cos, sin, layer_state, start, mask)
     x = x + mixed
     h = rms_norm(x, p["mlp_norm"], cfg.rms_norm_eps)
-    x = x + linear(jax.nn.silu(linear(h, p["gate"])) * linear(h, p["up"]), p["down"])
+    g = linear(h, p["gate"], choice=cfg.matmul, role="gate")
+    u = linear(h, p["up"], choice=cfg.matmul, role="up")
+    x = x + linear(jax.nn.silu(g) * u, p["down"], choice=cfg.matmul, role="down")
     return x, layer_state
 
 
