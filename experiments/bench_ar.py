@@ -64,7 +64,7 @@ SHAPES = {
                             tie_word_embeddings=False, max_position_embeddings=40960),
     "tiny": ModelConfig(vocab_size=512, hidden_size=64, intermediate_size=128, num_layers=2, num_heads=4,
                         num_kv_heads=2, head_dim=16, rope_theta=1e6, qk_norm=True),
-    # the smallest shape the Mosaic W12 kernel tiles (K/2 and N multiples of 64): --w12-kernel mosaic on the CPU
+    # the smallest shape the Mosaic W12 kernel tiles (K/2 and N multiples of 64): --kernel mosaic on the CPU
     "tiny-mosaic": ModelConfig(vocab_size=512, hidden_size=128, intermediate_size=256, num_layers=1, num_heads=4,
                                num_kv_heads=2, head_dim=32, rope_theta=1e6, qk_norm=True,
                                tie_word_embeddings=False),
