@@ -178,19 +178,7 @@ def _plan(root: Path, cfg: ModelConfig):
     present = {k for k in found if not k.endswith(IGNORED_SUFFIXES)}
     if extra_tied:
         present.discard(_TOP_KEYS["lm_head"])
-    missing, unexpected = set(expected) - present, present - set(expected)
-    problems = []
-    if missing:
-        problems.append(f"missing key(s): {_listing(missing)}")
-    if unexpected:
-        problems.append(f"unexpected key(s): {_listing(unexpected)}")
-    for key in sorted(set(expected) & present):
-        _, shape, transpose = expected[key]
-        want, got = _hf_shape(shape, transpose), found[key][1]
-        if want != got:
-            problems.append(f"shape mismatch for {key}: expected {want}, got {got}")
-        if found[key][2] not in FLOAT_DTYPES:
-            problems.append(f"{key} has dtype {found[key][2]}; expected one of {', '.join(FLOAT_DTYPES)}")
+    problems = key_problems(found, expected, present)
     if extra_tied:
         got = found[_TOP_KEYS["lm_head"]][1]
         if got != (cfg.vocab_size, cfg.hidden_size):
@@ -232,6 +220,27 @@ def non_finite(arr, stored=None) -> str:
 
 
 HYBRID_ARCHITECTURES = ("Qwen3_5ForCausalLM", "Qwen3_5ForConditionalGeneration")
+
+
+def key_problems(found: dict, expected: dict, present: set, hf_shape=None) -> list[str]:
+    """What is wrong with a checkpoint's tensors against `expected` (HF key -> (our name, shape, layout)):
+    missing and unexpected keys, shapes, dtypes. `found`: key -> (file, shape, dtype) from the headers;
+    `hf_shape(shape, layout)`: the stored shape of one of ours (default: the dense layouts')."""
+    hf_shape = hf_shape or _hf_shape
+    missing, unexpected = set(expected) - present, present - set(expected)
+    problems = []
+    if missing:
+        problems.append(f"missing key(s): {_listing(missing)}")
+    if unexpected:
+        problems.append(f"unexpected key(s): {_listing(unexpected)}")
+    for key in sorted(set(expected) & present):
+        _, shape, layout = expected[key]
+        want, got = hf_shape(shape, layout), found[key][1]
+        if want != got:
+            problems.append(f"shape mismatch for {key}: expected {want}, got {got}")
+        if found[key][2] not in FLOAT_DTYPES:
+            problems.append(f"{key} has dtype {found[key][2]}; expected one of {', '.join(FLOAT_DTYPES)}")
+    return problems
 
 
 def _declared_architecture(root: Path) -> str | None:

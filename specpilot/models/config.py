@@ -187,14 +187,7 @@ class ModelConfig:
 
     @classmethod
     def from_json(cls, path: str | Path, tap_layers=()) -> "ModelConfig":
-        path = Path(path)
-        if not path.is_file():
-            raise FileNotFoundError(f"no config.json at {path}")
-        try:
-            hf = json.loads(path.read_text())
-        except json.JSONDecodeError as e:
-            raise ConfigError(f"{path} is not valid JSON: {e}") from e
-        return cls.from_hf_dict(hf, tap_layers)
+        return cls.from_hf_dict(read_config_json(path), tap_layers)
 
     def to_hf_dict(self) -> dict[str, Any]:
         hf: dict[str, Any] = {
@@ -257,3 +250,14 @@ def default_tap_layers(num_layers: int, num_taps: int) -> tuple[int, ...]:
     if num_taps == 1:
         return (lo,)
     return tuple(int(round(lo + i * (hi - lo) / (num_taps - 1))) for i in range(num_taps))
+
+
+def read_config_json(path: str | Path) -> dict[str, Any]:
+    """A config.json as a dict, with clear errors for a missing file or invalid JSON."""
+    path = Path(path)
+    if not path.is_file():
+        raise FileNotFoundError(f"no config.json at {path}")
+    try:
+        return json.loads(path.read_text())
+    except json.JSONDecodeError as e:
+        raise ConfigError(f"{path} is not valid JSON: {e}") from e

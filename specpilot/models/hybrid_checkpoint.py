@@ -28,8 +28,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from specpilot.models import hybrid
-from specpilot.models.checkpoint import (CONFIG_FILE, FLOAT_DTYPES, IGNORED_SUFFIXES, CheckpointError,
-                                         _listing, _read_headers, _read_tensors, _shard_files,
+from specpilot.models.checkpoint import (CONFIG_FILE, IGNORED_SUFFIXES, CheckpointError,
+                                         _read_headers, _read_tensors, _shard_files, key_problems,
                                          non_finite)
 from specpilot.models.config import ConfigError
 from specpilot.models.hybrid_config import HybridConfig
@@ -98,19 +98,7 @@ def _plan(root: Path, cfg: HybridConfig):
     extra_tied = cfg.tie_word_embeddings and "lm_head.weight" in found
     present = {k for k in found if not k.endswith(IGNORED_SUFFIXES) and not k.startswith(IGNORED_PREFIXES)}
     present.discard("lm_head.weight") if extra_tied else None
-    missing, unexpected = set(expected) - present, present - set(expected)
-    problems = []
-    if missing:
-        problems.append(f"missing key(s): {_listing(missing)}")
-    if unexpected:
-        problems.append(f"unexpected key(s): {_listing(unexpected)}")
-    for key in sorted(set(expected) & present):
-        _, shape, layout = expected[key]
-        want, got = _hf_shape(shape, layout), found[key][1]
-        if want != got:
-            problems.append(f"shape mismatch for {key}: expected {want}, got {got}")
-        if found[key][2] not in FLOAT_DTYPES:
-            problems.append(f"{key} has dtype {found[key][2]}; expected one of {', '.join(FLOAT_DTYPES)}")
+    problems = key_problems(found, expected, present, _hf_shape)
     if extra_tied and found["lm_head.weight"][1] != (cfg.vocab_size, cfg.hidden_size):
         problems.append(f"shape mismatch for lm_head.weight (tied): expected "
                         f"{(cfg.vocab_size, cfg.hidden_size)}, got {found['lm_head.weight'][1]}")

@@ -21,13 +21,12 @@ Design choices:
 from __future__ import annotations
 
 import dataclasses
-import json
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
-from specpilot.models.config import ConfigError
+from specpilot.models.config import ConfigError, read_config_json
 
 ARCHITECTURES = ("Qwen3_5ForCausalLM", "Qwen3_5ForConditionalGeneration")
 LAYER_TYPES = ("linear_attention", "full_attention")
@@ -210,14 +209,7 @@ class HybridConfig:
 
     @classmethod
     def from_json(cls, path: str | Path, tap_layers=()) -> "HybridConfig":
-        path = Path(path)
-        if not path.is_file():
-            raise FileNotFoundError(f"no config.json at {path}")
-        try:
-            hf = json.loads(path.read_text())
-        except json.JSONDecodeError as e:
-            raise ConfigError(f"{path} is not valid JSON: {e}") from e
-        return cls.from_hf_dict(hf, tap_layers)
+        return cls.from_hf_dict(read_config_json(path), tap_layers)
 
     def to_hf_dict(self) -> dict[str, Any]:
         """A `Qwen3_5ForCausalLM` config.json (the text model's layout)."""
