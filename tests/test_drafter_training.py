@@ -39,6 +39,24 @@ def setup(tmp_path_factory):
 def test_walk_tau_follows_decoding_jumps():
     # Anchors visited: 1 (3 accepted -> 4 tokens), 5 (1 -> 2), 7 (0 -> 1), 8 (2 -> 3): 10 tokens / 4 steps.
     assert drafter_training.walk_tau(np.array([[0, 3, 0, 0, 0, 1, 0, 0, 2, 0]]), first=1) == 2.5
+    # Per-row starts and ends: row 2 starts at anchor 2 and stops before anchor 6 (2 -> 3 tokens, 5 -> 1).
+    rows = np.array([[0, 3, 0, 0, 0, 1, 0, 0, 2, 0], [9, 9, 2, 9, 9, 0, 9, 9, 9, 9]])
+    assert drafter_training.walk_tau(rows, first=[1, 2], last=[10, 6]) == 14 / 6
+
+
+def test_draw_anchors_stay_in_each_rows_range():
+    lo, hi = jnp.array([0, 5, 7]), jnp.array([3, 5, 20])
+    a = np.asarray(drafter_training.draw_anchors(jax.random.key(0), 4000, lo, hi))
+    for row, l, h in zip(a, np.asarray(lo), np.asarray(hi)):
+        assert row.min() == l and row.max() == h  # every value of the range is drawn, none outside
+        assert set(np.unique(row)) == set(range(l, h + 1))
+
+
+def test_labels_past_a_sequences_end_are_invalid():
+    tokens = jnp.arange(20, dtype=jnp.int32).reshape(2, 10)
+    labels, valid = block_labels(tokens, jnp.array([[2], [7]]), 4, ends=jnp.array([10, 9]))
+    np.testing.assert_array_equal(labels[:, 0], [[3, 4, 5], [18, 19, 19]])
+    np.testing.assert_array_equal(valid[:, 0], [[True, True, True], [True, False, False]])
 
 
 def test_spaced_taps():
@@ -69,8 +87,9 @@ def test_training_blocks_equal_inference_drafts(setup):
 
     for k in range(anchors.shape[1]):
         np.testing.assert_allclose(logits[:, k], inference_drafts(anchors[:, k]), rtol=1e-5, atol=1e-5)
-    labels = block_labels(tokens, anchors, dcfg.block_size)
+    labels, valid = block_labels(tokens, anchors, dcfg.block_size)
     np.testing.assert_array_equal(labels[1, 1], tokens[1, 12:15])
+    assert bool(valid.all())
 
 
 def test_drafter_training_end_to_end(setup, tmp_path):

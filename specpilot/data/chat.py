@@ -181,3 +181,22 @@ def chat_prompt_ids(tokenizer, template: str, requests: Sequence[ChatRequest], m
             prompts.append(ids)
             kept.append(req)
     return prompts, kept
+
+
+def training_prompts(corpus: Corpus, tokenizer, template: str, max_tokens: int,
+                     num_train: int | None = None, num_heldout: int = 64,
+                     system: str | None = None) -> tuple[list[list[int]], list[list[int]]]:
+    """(train, held-out) chat prompts of at most `max_tokens` tokens from the corpus's two splits
+    (`num_train` None: every train request that fits)."""
+    train, _ = chat_prompt_ids(tokenizer, template, stdlib_requests(corpus, "train"), max_tokens, system)
+    held, _ = chat_prompt_ids(tokenizer, template, stdlib_requests(corpus, "heldout"), max_tokens, system)
+    if num_train is not None:
+        if len(train) < num_train:
+            raise ValueError(f"only {len(train)} train chat prompts fit {max_tokens} tokens, "
+                             f"{num_train} requested")
+        train = [train[i] for i in np.linspace(0, len(train) - 1, num_train).round().astype(int)]
+    if len(held) < num_heldout:
+        raise ValueError(f"only {len(held)} held-out chat prompts fit {max_tokens} tokens, "
+                         f"{num_heldout} requested")
+    held = [held[i] for i in np.linspace(0, len(held) - 1, num_heldout).round().astype(int)]
+    return train, held

@@ -367,3 +367,13 @@ def import_gguf(gguf_path: str | Path, out_dir: str | Path) -> Path:
         if tmp.exists():
             shutil.rmtree(tmp, ignore_errors=True)
     return out
+
+
+def import_cached(gguf_path: str | Path, cache_dir: str | Path) -> Path:
+    """`import_gguf` into `cache_dir/gguf/<file stem>-<first 12 hex of its SHA-256>`: one folder per
+    distinct file, so two files of one name never share an import."""
+    path = Path(gguf_path).expanduser()
+    if not path.is_file():
+        raise GGUFImportError(f"GGUF file {path} does not exist")
+    key = file_key(path)
+    return import_gguf(path, Path(cache_dir).expanduser() / "gguf" / f"{path.stem}-{key['sha256'][:12]}")

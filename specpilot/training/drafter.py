@@ -1,9 +1,12 @@
 """Training the DFlash-style block drafter against a frozen target (the DFlash recipe).
 
 Design choices:
-- Targets regenerate their own training data: each sequence is a corpus prefix followed by the target's
-  greedy continuation (`ar.generate`), and anchors fall only where every label is a greedy token. So the
-  labels are exactly what greedy verification accepts, including the target's repetitions.
+- Targets regenerate their own training data: each sequence is a prompt followed by the target's greedy
+  continuation (`ar.generate`), so the labels are exactly what greedy verification accepts, including
+  the target's repetitions. Prompts are corpus windows of one length (the default) or any token-id
+  lists (chat requests rendered with the model's template); a continuation may end at a stop token
+  (the chat EOS). `Sequences` keeps, per row, where the continuation starts and where it ends: anchors
+  fall only inside it, and labels past its end weigh nothing and never count as accepted.
 - Random anchors per sequence, drawn inside the jitted step from (seed, step): a resumed run draws the
   same ones. A block anchored at a is [x_a, MASK x (Bs-1)] at positions a..a+Bs-1, sees the target taps
   of positions < a, and is trained on x_{a+1..a+Bs-1} with weights exp(-(k-1)/gamma) for draft k.
@@ -25,9 +28,11 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import hashlib
 import json
 import time
 from pathlib import Path
+from typing import Sequence
 
 import jax
 import jax.numpy as jnp
@@ -104,21 +109,50 @@ def drafter_config(cfg: DrafterTrainConfig, target_cfg: ModelConfig,
         tap_layers=taps, mask_token_id=tokenizer.mask_id)
 
 
-def regenerate(target_params: dict, target_cfg: ModelConfig, prompts: np.ndarray, gen_len: int,
-               batch: int, progress=None) -> np.ndarray:
-    """prompts [N, P] -> [N, P + gen_len]: each prompt followed by the target's greedy continuation."""
-    out = []
+@dataclasses.dataclass(frozen=True)
+class Sequences:
+    """Regenerated sequences: row i is a prompt (positions < starts[i]) and the target's greedy
+    continuation (positions starts[i] .. ends[i]-1, a stop token included); the rest is padding."""
+
+    tokens: np.ndarray  # [N, T] int32
+    starts: np.ndarray  # [N] int32
+    ends: np.ndarray  # [N] int32
+
+    def __len__(self) -> int:
+        return self.tokens.shape[0]
+
+    def rows(self, idx) -> "Sequences":
+        return Sequences(self.tokens[idx], self.starts[idx], self.ends[idx])
+
+
+def regenerate(target_params: dict, target_cfg: ModelConfig, prompts: Sequence[Sequence[int]],
+               gen_len: int, batch: int, stop_token: int | None = None, progress=None) -> Sequences:
+    """Each prompt followed by the target's greedy continuation of up to gen_len tokens (cut after the
+    first `stop_token`), right-padded to the longest prompt + gen_len."""
+    if len(prompts) == 0:
+        raise ValueError("no prompts to regenerate from")
+    width = max(len(p) for p in prompts) + gen_len
+    tokens = np.zeros((len(prompts), width), np.int32)
+    starts = np.array([len(p) for p in prompts], np.int32)
+    ends = starts + gen_len
     batch = min(batch, len(prompts))
+    target = dense.target(target_cfg, target_params["embed"].dtype)
     for i in range(0, len(prompts), batch):
-        chunk = prompts[i:i + batch]
-        if len(chunk) < batch:  # pad the last chunk so every call has one shape (one compile)
-            chunk = np.concatenate([chunk, np.repeat(chunk[-1:], batch - len(chunk), 0)])
-        result = generate(dense.target(target_cfg, target_params["embed"].dtype), target_params,
-                          chunk.tolist(), gen_len)
-        out.append(np.concatenate([chunk, result.tokens.astype(np.int32)], axis=1))
+        chunk = [list(p) for p in prompts[i:i + batch]]
+        chunk += [chunk[-1]] * (batch - len(chunk))  # one shape for every call (one compile)
+        result = generate(target, target_params, chunk, gen_len,
+                          cache_len=-(-width // 128) * 128)
+        for j, row in enumerate(result.tokens[:min(batch, len(prompts) - i)]):
+            n = gen_len
+            if stop_token is not None and stop_token in row.tolist():
+                n = row.tolist().index(stop_token) + 1
+            k = i + j
+            tokens[k, :starts[k]] = prompts[k]
+            tokens[k, starts[k]:starts[k] + n] = row[:n]
+            ends[k] = starts[k] + n
         if progress is not None:
             progress(min(i + batch, len(prompts)))
-    return np.concatenate(out)[:len(prompts)]
+    return Sequences(tokens, starts, ends)
 
 
 def target_taps(target_params: dict, target_cfg: ModelConfig, tokens: jax.Array) -> jax.Array:
@@ -152,40 +186,52 @@ def block_logits(params: dict, dcfg: drafter_model.DrafterConfig, target_params:
     return dense.lm_head(target_params, target_cfg, hidden)
 
 
-def block_labels(tokens: jax.Array, anchors: jax.Array, block_size: int) -> jax.Array:
-    """[B, K, Bs-1]: tokens at anchor + 1 .. anchor + Bs-1."""
+def block_labels(tokens: jax.Array, anchors: jax.Array, block_size: int,
+                 ends: jax.Array | None = None) -> tuple[jax.Array, jax.Array]:
+    """([B, K, Bs-1] tokens at anchor + 1 .. anchor + Bs-1, [B, K, Bs-1] whether each lies before its
+    sequence's end, `ends` [B]; None: the row's length)."""
     idx = anchors[..., None] + jnp.arange(1, block_size, dtype=jnp.int32)  # [B, K, Bs-1]
-    return jax.vmap(lambda row, i: row[i])(tokens, idx)
+    ends = jnp.full((tokens.shape[0],), tokens.shape[1], jnp.int32) if ends is None else ends
+    valid = idx < ends[:, None, None]
+    labels = jax.vmap(lambda row, i: row[i])(tokens, jnp.minimum(idx, tokens.shape[1] - 1))
+    return labels, valid
 
 
-def draw_anchors(key: jax.Array, batch: int, k: int, lo: int, hi: int) -> jax.Array:
-    """[B, K] anchors uniform in [lo, hi] (inclusive)."""
-    return jax.random.randint(key, (batch, k), lo, hi + 1, dtype=jnp.int32)
+def draw_anchors(key: jax.Array, k: int, lo: jax.Array, hi: jax.Array) -> jax.Array:
+    """[B, K] anchors uniform in [lo[b], hi[b]] (inclusive) for each row b."""
+    u = jax.random.uniform(key, (lo.shape[0], k))
+    span = (hi - lo + 1).astype(jnp.float32)[:, None]
+    return jnp.minimum(lo[:, None] + jnp.floor(u * span).astype(jnp.int32), hi[:, None])
 
 
 def position_weights(block_size: int, gamma: float) -> jax.Array:
     return jnp.exp(-jnp.arange(block_size - 1, dtype=jnp.float32) / gamma)  # draft k: exp(-(k-1)/gamma)
 
 
+def accepted_drafts(logits: jax.Array, labels: jax.Array, valid: jax.Array) -> jax.Array:
+    """[B, K]: drafts greedy verification accepts (a label past the sequence's end is never accepted)."""
+    return jnp.cumprod((jnp.argmax(logits, -1) == labels) & valid, axis=-1).sum(-1)
+
+
 def make_train_step(cfg: DrafterTrainConfig, dcfg, target_cfg: ModelConfig, optimizer):
-    lo, hi = cfg.prompt_len - 1, cfg.seq_len - cfg.block_size
     weights = position_weights(cfg.block_size, cfg.gamma)
 
-    def loss_fn(params, target_params, tokens, anchors):
+    def loss_fn(params, target_params, tokens, anchors, ends):
         taps = target_taps(target_params, target_cfg, tokens)
         logits = block_logits(params, dcfg, target_params, target_cfg, taps, tokens, anchors)
-        labels = block_labels(tokens, anchors, cfg.block_size)
-        loss = cross_entropy(logits, labels, weights)
-        accepted = jnp.cumprod(jnp.argmax(logits, -1) == labels, axis=-1).sum(-1)  # [B, K]
-        return loss, accepted.mean()
+        labels, valid = block_labels(tokens, anchors, cfg.block_size, ends)
+        loss = cross_entropy(logits, labels, weights * valid)
+        return loss, accepted_drafts(logits, labels, valid).mean()
 
     @functools.partial(jax.jit, donate_argnums=0)
     def train_step(state: dict, batch: tuple):
-        target_params, tokens = batch
+        target_params, tokens, starts, ends = batch
         key = jax.random.fold_in(jax.random.key(cfg.seed), state["step"])
-        anchors = draw_anchors(key, tokens.shape[0], cfg.anchors_per_seq, lo, hi)
+        # The anchor at starts-1 (the prompt's last token) drafts the continuation's first tokens; the
+        # last anchor keeps one label inside the sequence.
+        anchors = draw_anchors(key, cfg.anchors_per_seq, starts - 1, jnp.maximum(ends - 2, starts - 1))
         (loss, accepted), grads = jax.value_and_grad(loss_fn, has_aux=True)(
-            state["params"], target_params, tokens, anchors)
+            state["params"], target_params, tokens, anchors, ends)
         updates, opt_state = optimizer.update(grads, state["opt_state"], state["params"])
         params = jax.tree.map(lambda p, u: p + u, state["params"], updates)
         return ({"params": params, "opt_state": opt_state, "step": state["step"] + 1},
@@ -193,12 +239,16 @@ def make_train_step(cfg: DrafterTrainConfig, dcfg, target_cfg: ModelConfig, opti
     return train_step
 
 
-def walk_tau(accepted: np.ndarray, first: int) -> float:
-    """Greedy tau from accepted drafts per anchor [N, A]: start at anchor index `first`, jump n + 1."""
+def walk_tau(accepted: np.ndarray, first, last=None) -> float:
+    """Greedy tau from accepted drafts per anchor [N, A]: row i starts at anchor index first[i] and jumps
+    n + 1, while the anchor index is below last[i] (None: the row's end); ints apply to every row."""
+    accepted = np.asarray(accepted)
+    first = np.broadcast_to(np.asarray(first), (len(accepted),))
+    last = np.broadcast_to(np.asarray(accepted.shape[1] if last is None else last), (len(accepted),))
     emitted = steps = 0
-    for row in np.asarray(accepted):
-        i = first
-        while i < len(row):
+    for row, i, end in zip(accepted, first, last):
+        i = int(i)
+        while i < min(int(end), len(row)):
             emitted += int(row[i]) + 1
             steps += 1
             i += int(row[i]) + 1
@@ -206,68 +256,88 @@ def walk_tau(accepted: np.ndarray, first: int) -> float:
 
 
 def make_eval_fn(cfg: DrafterTrainConfig, dcfg, target_cfg: ModelConfig, target_params: dict,
-                 sequences: np.ndarray):
-    """Held-out loss over every anchor of the held-out regenerated sequences, and their greedy tau."""
+                 sequences: Sequences):
+    """Held-out loss over every anchor inside the held-out regenerated continuations, and their tau."""
     weights = position_weights(cfg.block_size, cfg.gamma)
-    # Anchor P-1 (last prompt token) trains but decoding never drafts there: prefill emits token P.
-    anchors = np.arange(cfg.prompt_len - 1, cfg.seq_len - cfg.block_size + 1, dtype=np.int32)
+    # Anchor start-1 (the prompt's last token) trains but decoding never drafts there: prefill emits
+    # the token at `start`, and decoding's first block is anchored there.
+    lo = int(sequences.starts.min()) - 1
+    anchors = np.arange(lo, sequences.tokens.shape[1] - 1, dtype=np.int32)
 
     @jax.jit
-    def one_batch(params, target_params, tokens):
+    def one_batch(params, target_params, tokens, starts, ends):
         taps = target_taps(target_params, target_cfg, tokens)
         a = jnp.broadcast_to(jnp.asarray(anchors), (tokens.shape[0], len(anchors)))
         logits = block_logits(params, dcfg, target_params, target_cfg, taps, tokens, a)
-        labels = block_labels(tokens, a, cfg.block_size)
-        accepted = jnp.cumprod(jnp.argmax(logits, -1) == labels, axis=-1).sum(-1)  # [B, A]
-        return cross_entropy(logits, labels, weights), accepted
+        labels, valid = block_labels(tokens, a, cfg.block_size, ends)
+        inside = (a >= starts[:, None] - 1)[..., None] & valid
+        return cross_entropy(logits, labels, weights * inside), accepted_drafts(logits, labels, valid)
 
     def eval_fn(state: dict) -> dict:
         losses, accepted = [], []
         for i in range(0, len(sequences), cfg.eval_batch):
-            loss, acc = one_batch(state["params"], target_params,
-                                  jnp.asarray(sequences[i:i + cfg.eval_batch]))
+            rows = sequences.rows(slice(i, i + cfg.eval_batch))
+            loss, acc = one_batch(state["params"], target_params, jnp.asarray(rows.tokens),
+                                  jnp.asarray(rows.starts), jnp.asarray(rows.ends))
             losses.append(float(loss))
             accepted.append(np.asarray(acc))
+        # decoding's first anchor is each row's start; the last one sits before its final token
         return {"heldout_loss": float(np.mean(losses)),
-                "heldout_tau": walk_tau(np.concatenate(accepted), first=1)}
+                "heldout_tau": walk_tau(np.concatenate(accepted), first=sequences.starts - lo,
+                                        last=sequences.ends - 1 - lo)}
+
     return eval_fn
 
 
-def regenerated_data(cfg: DrafterTrainConfig, corpus: Corpus, tokenizer: TextTokenizer,
-                     target_params: dict, target_cfg: ModelConfig, out_dir: Path,
-                     progress: bool = True) -> tuple[np.ndarray, np.ndarray]:
-    """(train [N, T], held-out [M, T]) regenerated sequences, cached in out_dir (deterministic)."""
-    path = out_dir / "regenerated.npz"
-    # What the sequences depend on; a checksum of the target's weights catches a retrained target.
-    key = json.dumps([cfg.num_sequences, cfg.prompt_len, cfg.gen_len, cfg.heldout_sequences, cfg.seed,
-                      float(sum(jnp.sum(x.astype(jnp.float32)) for x in jax.tree.leaves(target_params)))])
-    if path.exists():
-        data = np.load(path)
-        if str(data["key"]) == key:
-            return data["train"], data["heldout"]
+def window_prompts(cfg: DrafterTrainConfig, corpus: Corpus,
+                   tokenizer: TextTokenizer) -> tuple[np.ndarray, np.ndarray]:
+    """(train [N, P], held-out [M, P]) prompts: windows of the corpus's train / held-out splits."""
     windows = packed_split(corpus, tokenizer, "train", cfg.prompt_len)
     held = packed_split(corpus, tokenizer, "heldout", cfg.prompt_len)
     rng = np.random.default_rng([cfg.seed, 7])
     prompts = windows[rng.choice(len(windows), size=min(cfg.num_sequences, len(windows)), replace=False)]
     held_prompts = held[np.linspace(0, len(held) - 1, min(cfg.heldout_sequences, len(held))).astype(int)]
+    return prompts, held_prompts
+
+
+def regenerated_data(cfg: DrafterTrainConfig, prompts: tuple, target_params: dict,
+                     target_cfg: ModelConfig, out_dir: Path, stop_token: int | None = None,
+                     progress: bool = True) -> tuple[Sequences, Sequences]:
+    """(train, held-out) regenerated sequences from (train, held-out) prompts, cached in out_dir."""
+    path = out_dir / "regenerated.npz"
+    train_prompts, held_prompts = ([list(map(int, p)) for p in part] for part in prompts)
+    # What the sequences depend on; a checksum of the target's weights catches a retrained target.
+    digest = hashlib.sha256(json.dumps([train_prompts, held_prompts]).encode()).hexdigest()[:16]
+    key = json.dumps([digest, cfg.gen_len, stop_token,
+                      float(sum(jnp.sum(x.astype(jnp.float32)) for x in jax.tree.leaves(target_params)))])
+    if path.exists():
+        data = np.load(path)
+        if str(data["key"]) == key:
+            return (Sequences(data["train"], data["train_starts"], data["train_ends"]),
+                    Sequences(data["heldout"], data["heldout_starts"], data["heldout_ends"]))
     from tqdm.auto import tqdm
-    bar = tqdm(total=len(prompts) + len(held_prompts), desc="regenerate", disable=not progress)
+    bar = tqdm(total=len(train_prompts) + len(held_prompts), desc="regenerate", disable=not progress)
     t0 = time.perf_counter()
-    train = regenerate(target_params, target_cfg, prompts, cfg.gen_len, cfg.gen_batch,
+    train = regenerate(target_params, target_cfg, train_prompts, cfg.gen_len, cfg.gen_batch, stop_token,
                        lambda n: bar.update(n - bar.n))
-    heldout = regenerate(target_params, target_cfg, held_prompts, cfg.gen_len, cfg.gen_batch,
-                         lambda n: bar.update(len(prompts) + n - bar.n))
+    heldout = regenerate(target_params, target_cfg, held_prompts, cfg.gen_len, cfg.gen_batch, stop_token,
+                         lambda n: bar.update(len(train_prompts) + n - bar.n))
     bar.close()
     out_dir.mkdir(parents=True, exist_ok=True)
-    np.savez(path, train=train, heldout=heldout, key=key, seconds=time.perf_counter() - t0)
+    np.savez(path, train=train.tokens, train_starts=train.starts, train_ends=train.ends,
+             heldout=heldout.tokens, heldout_starts=heldout.starts, heldout_ends=heldout.ends, key=key,
+             seconds=time.perf_counter() - t0)
     return train, heldout
 
 
 def train_drafter(cfg: DrafterTrainConfig, corpus: Corpus, tokenizer: TextTokenizer, target_params: dict,
-                  target_cfg: ModelConfig, out_dir: str | Path, *, stop_at: int | None = None,
+                  target_cfg: ModelConfig, out_dir: str | Path, *, prompts: tuple | None = None,
+                  stop_token: int | None = None, stop_at: int | None = None,
                   progress: bool = True) -> tuple[dict, drafter_model.DrafterConfig]:
     """Train (or resume training) the block drafter against the frozen target.
 
+    `prompts`: (train, held-out) token-id prompts the target continues (default: corpus windows of
+    `cfg.prompt_len` tokens, `window_prompts`); continuations end after `stop_token` if given.
     Writes `out_dir/regenerated.npz`, `log.jsonl`, `checkpoints/` and, once done, `out_dir/model/`
     (DFlash layout, `drafter.load_drafter`). Returns (float32 drafter params, drafter config).
     """
@@ -275,19 +345,24 @@ def train_drafter(cfg: DrafterTrainConfig, corpus: Corpus, tokenizer: TextTokeni
     dcfg = drafter_config(cfg, target_cfg, tokenizer)
     tcfg = target_cfg.with_taps(dcfg.tap_layers)
     target_params = jax.tree.map(jnp.asarray, target_params)
-    train, heldout = regenerated_data(cfg, corpus, tokenizer, target_params, tcfg, out_dir, progress)
+    prompts = window_prompts(cfg, corpus, tokenizer) if prompts is None else prompts
+    train, heldout = regenerated_data(cfg, prompts, target_params, tcfg, out_dir, stop_token, progress)
     optimizer = make_optimizer(cfg.learning_rate, cfg.steps, cfg.warmup_steps, cfg.weight_decay,
                                cfg.grad_clip, cfg.min_lr_ratio)
     params = drafter_model.init(jax.random.key(cfg.seed), dcfg, jnp.float32)
     state = {"params": params, "opt_state": optimizer.init(params), "step": jnp.zeros((), jnp.int32)}
-    meta = {"kind": "drafter", "seed": cfg.seed, "sequences": int(train.shape[0]), "seq_len": cfg.seq_len,
-            "batch_size": cfg.batch_size, "steps": cfg.steps, "block_size": cfg.block_size,
-            "tap_layers": list(dcfg.tap_layers)}
+    meta = {"kind": "drafter", "seed": cfg.seed, "sequences": len(train),
+            "seq_len": int(train.tokens.shape[1]), "batch_size": cfg.batch_size, "steps": cfg.steps,
+            "block_size": cfg.block_size, "tap_layers": list(dcfg.tap_layers)}
     step_fn = make_train_step(cfg, dcfg, tcfg, optimizer)
+    order = np.arange(len(train), dtype=np.int32)[:, None]  # batches of row indices
+
+    def batch(step):
+        rows = train.rows(batch_at(order, step, cfg.batch_size, cfg.seed)[:, 0])
+        return target_params, jnp.asarray(rows.tokens), jnp.asarray(rows.starts), jnp.asarray(rows.ends)
+
     state, done = run_training(
-        state, step_fn,
-        lambda step: (target_params, jnp.asarray(batch_at(train, step, cfg.batch_size, cfg.seed))),
-        steps=cfg.steps, out_dir=out_dir, meta=meta, log_every=cfg.log_every,
+        state, step_fn, batch, steps=cfg.steps, out_dir=out_dir, meta=meta, log_every=cfg.log_every,
         checkpoint_every=cfg.checkpoint_every, eval_every=cfg.eval_every,
         eval_fn=make_eval_fn(cfg, dcfg, tcfg, target_params, heldout), stop_at=stop_at,
         tokens_per_step=cfg.batch_size * cfg.anchors_per_seq * (cfg.block_size - 1),
