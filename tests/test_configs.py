@@ -28,6 +28,8 @@ def _fixups(group, option):
     """Companion choices an option needs to form a valid deployment."""
     if (group, option) in (("target", "embedded"), ("drafter", "embedded"), ("bench", "heldout")):
         return ["target=embedded", "drafter=embedded", "decoding=stock", "bench=heldout"]
+    if group == "bench" and option in ("chat", "humaneval", "humaneval_chat"):
+        return ["target=smollm2"]  # text prompts need a target with a tokenizer (nothing is fetched here)
     if group == "decoding" and option != "ar":
         extra = ["drafter=random"]  # speculative methods need a drafter
         if "w12" in option:

