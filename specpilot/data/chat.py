@@ -164,15 +164,20 @@ class ChatRequest:
 
 
 def stdlib_requests(corpus: Corpus, split: str, num: int | None = None,
-                    kinds: Sequence[str] = REQUEST_KINDS) -> list[ChatRequest]:
-    """Requests about the public documented functions of one corpus split, kinds cycled in order;
-    `num`: that many, evenly spaced over all candidates (None: all)."""
+                    kinds: Sequence[str] = REQUEST_KINDS, every_kind: bool = False) -> list[ChatRequest]:
+    """Requests about the public documented functions of one corpus split, kinds cycled in order
+    (`every_kind`: one request of each kind that fits every function); `num`: that many, evenly
+    spaced over all candidates (None: all)."""
     for kind in kinds:
         if kind not in REQUEST_KINDS:
             raise ValueError(f"request kind must be one of {REQUEST_KINDS}, got {kind!r}")
     out = []
     for rel in corpus.files(split):
         for fn in _functions(read_text(corpus.root / rel), rel):
+            if every_kind:
+                out += [ChatRequest(text=t, kind=k, where=fn.where)
+                        for k in kinds if (t := request_text(fn, k)) is not None]
+                continue
             kind = kinds[len(out) % len(kinds)]
             text = request_text(fn, kind)
             if text is None:  # too long to quote whole: ask for an explanation instead
@@ -208,7 +213,8 @@ def training_prompts(corpus: Corpus, tokenizer, template: str, max_tokens: int,
                      system: str | None = None) -> tuple[list[list[int]], list[list[int]]]:
     """(train, held-out) chat prompts of at most `max_tokens` tokens from the corpus's two splits
     (`num_train` None: every train request that fits)."""
-    train, _ = chat_prompt_ids(tokenizer, template, stdlib_requests(corpus, "train"), max_tokens, system)
+    train, _ = chat_prompt_ids(tokenizer, template, stdlib_requests(corpus, "train", every_kind=True),
+                               max_tokens, system)
     held, _ = chat_prompt_ids(tokenizer, template, stdlib_requests(corpus, "heldout"), max_tokens, system)
     if num_train is not None:
         if len(train) < num_train:
