@@ -14,6 +14,13 @@ Design choices:
   at most the static capacity `max_new_tokens`; the loop runs until the largest budget and row b keeps
   its first budget[b] tokens, the rest read -1) and the temperature / top-p `[B]`
   (`sampling.RequestSampling`). Shapes, the target and the greedy/sampled switch stay static.
+- Stop token (`stop_token=`, one id per deployment, e.g. a chat model's end-of-turn): a row is done
+  right after it emits it (kept as its last token; `num_generated` counts it, later positions read -1).
+  It is a static argument, so it compiles once per deployment; without one the loops are exactly the
+  budget-only ones. With one, the fori loop becomes a `lax.while_loop` that ends when every row is done
+  (finished rows ride along, their tokens discarded), so no step runs for finished rows only; the host
+  loop reads each token back one step behind the dispatch front and stops there (at most one extra,
+  discarded step, as the speculative host loop).
 - Every jitted piece is compiled ahead of time for the call's shapes, so timings exclude compiles.
 - Prompts are right-padded to a bucketed length (`pack_prompts`) so a new prompt length does not
   recompile prefill; padding positions are written but never committed.
@@ -21,7 +28,8 @@ Design choices:
   (`CacheOverflowError`) and the model's `max_position_embeddings` (`PositionLimitError`): past it a
   model decodes garbage silently.
 - Timings: prefill (until its first token is ready) and decode (the remaining steps) separately; decode
-  time per output token = decode time / (largest budget - 1), since the first token comes from prefill.
+  time per output token = decode time / (largest budget - 1), since the first token comes from prefill;
+  with a stop token, / (largest `num_generated` - 1), the steps the loop ran.
 """
 
 from __future__ import annotations
@@ -50,16 +58,26 @@ class GenerationResult:
     decode_s: float
     budgets: np.ndarray | None = None  # [B] new-token budget per request (None: N for every row)
     num_generated: np.ndarray | None = None  # [B] tokens generated per row (the rest read -1)
+    stop_token: int | None = None  # the id that ended rows early, if the call had one
 
     @property
     def num_new_tokens(self) -> int:
         return self.tokens.shape[1]
 
     @property
+    def decode_steps(self) -> int:
+        """Output tokens of the longest row after prefill's first: its budget - 1, or with a stop token
+        its num_generated - 1 (the longest row may stop before its budget)."""
+        if self.stop_token is not None and self.num_generated is not None:
+            longest = int(np.max(self.num_generated))
+        else:
+            longest = self.num_new_tokens if self.budgets is None else int(np.max(self.budgets))
+        return longest - 1
+
+    @property
     def decode_time_per_token(self) -> float:
-        """Decode time / decode steps of the longest request (its budget - 1: prefill gives one)."""
-        longest = self.num_new_tokens if self.budgets is None else int(np.max(self.budgets))
-        steps = longest - 1
+        """Decode time / decode steps of the longest request (`decode_steps`)."""
+        steps = self.decode_steps
         return self.decode_s / steps if steps > 0 else float("nan")
 
     def as_lists(self, eos_token_id: int | None = None) -> list[list[int]]:
@@ -168,6 +186,53 @@ def ar_decode_loop(target, params, sampling: RequestSampling, first: jax.Array, 
     return out, state
 
 
+@functools.partial(jax.jit, static_argnums=0, donate_argnames=("state",))
+def ar_decode_until_stop(static, params, sampling: RequestSampling, first: jax.Array, state: TargetState,
+                         keys: jax.Array, budgets: jax.Array):
+    """Decode steps in one `lax.while_loop` until every row has emitted the stop token or reached its
+    budget: static (target, stop_token), first [B], keys [N-1], budgets [B] -> (tokens [B, N-1], state).
+    A finished row keeps stepping with the batch; its later tokens are the caller's to discard
+    (`stop_lengths`); columns past the last step stay -1."""
+    target, stop_token = static
+
+    def cond(carry):
+        i, _, _, _, done = carry
+        return (i < keys.shape[0]) & ~jnp.all(done)
+
+    def body(carry):
+        i, tok, state, out, done = carry
+        logits, _, state = chain_forward(target, params, tok[:, None], state)
+        tok = sample(keys[i], logits[:, 0], sampling)
+        done = done | (tok == stop_token) | (i + 2 >= budgets)  # i + 2 tokens generated after this step
+        return i + 1, tok, state.commit(1), out.at[:, i].set(tok), done
+
+    out = jnp.full((first.shape[0], keys.shape[0]), -1, jnp.int32)
+    done = (first == stop_token) | (budgets <= 1)
+    _, _, state, out, _ = jax.lax.while_loop(cond, body, (jnp.int32(0), first, state, out, done))
+    return out, state
+
+
+def stop_lengths(tokens: np.ndarray, budgets: np.ndarray, stop_token: int | None) -> np.ndarray:
+    """[B] tokens each row keeps: its budget, or up to and including its first `stop_token` within it."""
+    budgets = np.asarray(budgets)
+    if stop_token is None:
+        return budgets.copy()
+    hit = (np.asarray(tokens) == stop_token) & (np.arange(tokens.shape[1])[None, :] < budgets[:, None])
+    return np.where(hit.any(axis=1), hit.argmax(axis=1) + 1, budgets).astype(budgets.dtype)
+
+
+def check_stop_token(stop_token, vocab_size: int) -> int | None:
+    """The stop token as an int in [0, vocab_size), or None; anything else is refused."""
+    if stop_token is None:
+        return None
+    if isinstance(stop_token, bool) or not isinstance(stop_token, (int, np.integer)):
+        raise ValueError(f"stop_token must be one token id (an int) or None, got {stop_token!r}")
+    if not 0 <= int(stop_token) < vocab_size:
+        raise ValueError(f"stop_token {int(stop_token)} is not a token id of this target "
+                         f"(vocabulary of {vocab_size})")
+    return int(stop_token)
+
+
 LOOPS = ("fori", "host")
 _CACHE = CompileCache()
 
@@ -180,14 +245,16 @@ def _compiled(fn, static, *args):
 def generate(target, params, prompts: Sequence[Sequence[int]], max_new_tokens: int,
              sampling: SamplingConfig = GREEDY, key: jax.Array | None = None,
              cache_len: int | None = None, cache_dtype=None, loop: str = "fori", *,
-             budgets=None, temperature=None, top_p=None) -> GenerationResult:
+             budgets=None, temperature=None, top_p=None, stop_token: int | None = None
+             ) -> GenerationResult:
     """Generate up to `max_new_tokens` tokens after each prompt (a list of token-id lists).
 
     `budgets` [B]: new tokens per request (default max_new_tokens each); `temperature` / `top_p` [B]:
     per-request values in place of `sampling`'s (its top_k applies to all). Changing any of them
     reuses the compiled steps. loop="fori" runs every decode step inside one jitted `lax.fori_loop`
     (no per-token dispatch); loop="host" dispatches one jitted step per token from Python (never
-    syncing until the end).
+    syncing until the end). `stop_token`: a row ends right after emitting this id (kept as its last
+    token); the decode ends when every row has (a while loop, or read-backs one step behind).
     """
     if loop not in LOOPS:
         raise ValueError(f"loop must be one of {LOOPS}, got {loop!r}")
@@ -196,6 +263,7 @@ def generate(target, params, prompts: Sequence[Sequence[int]], max_new_tokens: i
     requests = sampling.for_requests(b, temperature, top_p)
     key = resolve_key(key, requests)
     target.check_params(params)
+    stop_token = check_stop_token(stop_token, target.vocab_size)
     check_position_limit(prompts, budgets, target.max_positions)
     cache_len = cache_len or default_cache_len(prompts, max_new_tokens)
     tokens, lengths = pack_prompts(prompts, cache_len, needed_after=max_new_tokens,
@@ -208,7 +276,10 @@ def generate(target, params, prompts: Sequence[Sequence[int]], max_new_tokens: i
     prefill = _compiled(ar_prefill, target, params, requests, tokens, lengths, state_shape, keys[0])
     tok_shape = jax.ShapeDtypeStruct((b,), jnp.int32)
     steps_arg = jnp.int32(num_steps)
-    if loop == "fori":
+    if loop == "fori" and stop_token is not None:
+        decode = _compiled(ar_decode_until_stop, (target, stop_token), params, requests, tok_shape,
+                           state_shape, keys[1:], jnp.asarray(budgets))
+    elif loop == "fori":
         decode = _compiled(ar_decode_loop, target, params, requests, tok_shape, state_shape, keys[1:],
                            steps_arg)
     else:
@@ -220,16 +291,24 @@ def generate(target, params, prompts: Sequence[Sequence[int]], max_new_tokens: i
     tok.block_until_ready()
     t1 = time.perf_counter()
     if loop == "fori":
-        rest, state = decode(params, requests, tok, state, keys[1:], steps_arg)
+        bound = steps_arg if stop_token is None else jnp.asarray(budgets)
+        rest, state = decode(params, requests, tok, state, keys[1:], bound)
         generated = np.concatenate([np.asarray(tok)[:, None], np.asarray(rest)], axis=1)
     else:
         out = [tok]
+        done = None if stop_token is None else (np.asarray(tok) == stop_token) | (budgets <= 1)
         for i in range(1, num_steps + 1):
+            if done is not None and done.all():
+                break  # every row was done after token i - 2 or earlier: step i - 1 was the extra one
             tok, state = step(params, requests, tok, state, keys[i])
             out.append(tok)
-        out += [jnp.zeros_like(tok)] * (max_new_tokens - 1 - num_steps)
-        generated = np.array(jnp.stack(out, axis=1))  # the loop's only device -> host transfer
+            if done is not None and i >= 2:  # read token i - 1 back while step i runs
+                done |= (np.asarray(out[i - 1]) == stop_token) | (i >= budgets)
+        out += [jnp.full_like(tok, -1)] * (max_new_tokens - len(out))
+        generated = np.array(jnp.stack(out, axis=1))  # without a stop token, the only device -> host copy
     t2 = time.perf_counter()
-    generated[np.arange(max_new_tokens)[None, :] >= budgets[:, None]] = -1
+    num_generated = stop_lengths(generated, budgets, stop_token)
+    generated[np.arange(max_new_tokens)[None, :] >= num_generated[:, None]] = -1
     return GenerationResult(tokens=generated, prompt_lengths=np.asarray(lengths), prefill_s=t1 - t0,
-                            decode_s=t2 - t1, budgets=budgets, num_generated=budgets.copy())
+                            decode_s=t2 - t1, budgets=budgets, num_generated=num_generated,
+                            stop_token=stop_token)

@@ -32,9 +32,16 @@ Design choices:
   sequence whose next verification would not fit, so no write can ever pass the cache's end for a
   sequence that still generates. A sequence stopped there still rides along in the batch: its no-op
   writes are clamped by `dynamic_update_slice` into its own finished rows, which no output reads again.
-- Statistics: tau counts the tokens a step emits after truncation at the budget; the step's
-  untruncated accepted + 1 are counted apart, for the acceptance length upstream DFlash reports
-  (`stats.SpecStats`).
+- Stop token (`stop_token=`, static in `ChainSetup`: one id per deployment, compiled once): a sequence
+  is done right after emitting it, kept as its last token. A step's accepted prefix may hold it
+  anywhere: the tokens after it are not emitted (not written as output, not counted in `n_out` or
+  tau's `emitted`); what the step committed past it does not matter, since the sequence is then
+  inactive (`stopped`, see `_active`) and the loop ends once every sequence is done. The host driver
+  then dispatches no blind steps beyond the first (any sequence may stop at any step).
+- Statistics: tau counts the tokens a step emits after truncation at the budget or the stop token;
+  the step's untruncated accepted + 1 (and its acceptance histogram entry) are counted apart, for the
+  acceptance length upstream DFlash reports (`stats.SpecStats`); upstream counts them so at its stop
+  tokens too.
 - Compilation is kept out of timings by compiling ahead of time (`jit(...).lower(...).compile()`).
 """
 
@@ -51,8 +58,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from specpilot.decoding.aot import CompileCache
-from specpilot.decoding.ar import (GenerationResult, check_position_limit, default_cache_len, pack_prompts,
-                                   request_budgets)
+from specpilot.decoding.ar import (GenerationResult, check_position_limit, check_stop_token, default_cache_len,
+                                   pack_prompts, request_budgets)
 from specpilot.decoding.rejection import choose_drafts, verify_chain
 from specpilot.decoding.sampling import GREEDY, RequestSampling, SamplingConfig, resolve_key, sample
 from specpilot.decoding.stats import SpecStats
@@ -70,6 +77,7 @@ class ChainSetup:
     drafter: Any  # BlockDrafter, ReplayDrafter, ... (None only for block_size == 1)
     block_size: int
     max_new_tokens: int  # capacity: the most tokens any request may generate
+    stop_token: int | None = None  # a sequence ends right after emitting it (None: budgets only)
 
     def __post_init__(self):
         if self.block_size < 1:
@@ -99,12 +107,14 @@ class SpecState:
     accept_hist: jax.Array  # [Bs] int32 (sequence, step) pairs with k accepted drafts
     budget: jax.Array  # [B] int32 new tokens per request (<= max_new_tokens)
     sampling: RequestSampling  # per-request temperature / top-p [B]
+    stopped: jax.Array  # [B] bool: emitted the stop token (always False without one)
 
 
 def _active(setup: ChainSetup, state: SpecState) -> jax.Array:
-    """[B] bool: still generating, and the next verification's Bs writes fit the state."""
+    """[B] bool: still generating (within the budget, no stop token yet), and the next verification's
+    Bs writes fit the state."""
     fits = state.target_state.lengths + setup.block_size <= state.target_state.max_len
-    return (state.n_out < state.budget) & fits
+    return (state.n_out < state.budget) & fits & ~state.stopped
 
 
 def all_done(setup: ChainSetup, state: SpecState) -> jax.Array:
@@ -148,10 +158,12 @@ def _initial_state(setup: ChainSetup, first, target_state, draft_state, key, bud
     b = first.shape[0]
     out = jnp.zeros((b, setup.max_new_tokens + setup.block_size), jnp.int32).at[:, 0].set(first)
     zeros = jnp.zeros((b,), jnp.int32)
+    stopped = (jnp.zeros((b,), bool) if setup.stop_token is None
+               else first == setup.stop_token)  # prefill's token may already be the stop token
     return SpecState(target_state=target_state, draft_state=draft_state, last=first, out=out,
                      n_out=jnp.ones((b,), jnp.int32), key=key, steps=zeros, emitted=zeros,
                      accepted=zeros, accept_hist=jnp.zeros((setup.block_size,), jnp.int32),
-                     budget=budget, sampling=sampling)
+                     budget=budget, sampling=sampling, stopped=stopped)
 
 
 def draft_phase(setup: ChainSetup, target_params, draft_params, state: SpecState):
@@ -191,6 +203,11 @@ def accept_phase(setup: ChainSetup, target_params, draft_params, state: SpecStat
     out = jax.vmap(lambda row, e, s: jax.lax.dynamic_update_slice(row, e, (s,)))(
         state.out, emit, state.n_out)
     take = jnp.minimum(n_new, state.budget - state.n_out)  # the last step may overshoot the budget
+    stopped = state.stopped
+    if setup.stop_token is not None:  # emitted slots past the first stop token within take are cut
+        hit = (emit == setup.stop_token) & (idx < take[:, None])
+        take = jnp.where(hit.any(axis=1), jnp.argmax(hit, axis=1).astype(jnp.int32) + 1, take)
+        stopped = stopped | hit.any(axis=1)
     draft_state = state.draft_state
     if setup.uses_drafter:
         draft_state = setup.drafter.extend(draft_params, target_params, draft_state, taps, n_new)
@@ -199,7 +216,7 @@ def accept_phase(setup: ChainSetup, target_params, draft_params, state: SpecStat
         state, target_state=state.target_state.commit(n_new), draft_state=draft_state,
         last=jnp.where(active, next_token, state.last), out=out, n_out=state.n_out + take, key=key,
         steps=state.steps + active.astype(jnp.int32), emitted=state.emitted + take,
-        accepted=state.accepted + n_new, accept_hist=hist)
+        accepted=state.accepted + n_new, accept_hist=hist, stopped=stopped)
 
 
 def spec_step(setup: ChainSetup, target_params, draft_params, state: SpecState):
@@ -246,7 +263,10 @@ def _while_driver(setup, tp, dp, state_shape, budgets):
 def _host_driver(setup, tp, dp, state_shape, budgets):
     step = _compiled(_step_jit, setup, tp, dp, state_shape)
     # Every sequence needs at least this many steps (each emits <= Bs tokens): dispatch them blind.
+    # With a stop token any sequence may end at any step: one blind step only.
     n_blind = max(1, math.ceil((int(budgets.min()) - 1) / setup.block_size))
+    if setup.stop_token is not None:
+        n_blind = 1
 
     def run(state):
         done = None
@@ -296,8 +316,8 @@ def _profiled_driver(setup, tp, dp, state_shape, budgets):
 
 @dataclasses.dataclass
 class SpecResult(GenerationResult):
-    """AR's result (num_generated < budget only where stop_at_capacity cut a sequence short) plus the
-    speculative statistics."""
+    """AR's result (num_generated < budget only where stop_at_capacity or the stop token cut a sequence
+    short) plus the speculative statistics."""
 
     stats: SpecStats = None
 
@@ -306,13 +326,14 @@ def generate(target, target_params, drafter, draft_params, prompts: Sequence[Seq
              max_new_tokens: int, *, block_size: int | None = None, sampling: SamplingConfig = GREEDY,
              key: jax.Array | None = None, cache_len: int | None = None, cache_dtype=None,
              loop: str = DEFAULT_LOOP, profile: bool = False, stop_at_capacity: bool = False,
-             budgets=None, temperature=None, top_p=None) -> SpecResult:
+             budgets=None, temperature=None, top_p=None, stop_token: int | None = None) -> SpecResult:
     """Speculatively generate up to `max_new_tokens` tokens after each prompt (token-id lists).
 
     `budgets` [B]: new tokens per request (default max_new_tokens each); `temperature` / `top_p` [B]:
     per-request values in place of `sampling`'s; changing them reuses the compiled steps. Tokens past
     `num_generated[b]` are -1. `profile=True` uses the host loop with separately synced phases and
-    fills the draft/verify/bookkeeping times.
+    fills the draft/verify/bookkeeping times. `stop_token`: a sequence ends right after emitting this
+    id (kept as its last token), the decode when every sequence has.
     """
     if loop not in LOOPS:
         raise ValueError(f"loop must be one of {LOOPS}, got {loop!r}")
@@ -322,7 +343,8 @@ def generate(target, target_params, drafter, draft_params, prompts: Sequence[Seq
     if limit is not None and bs > limit:
         raise ValueError(f"block size {bs} exceeds the target's max_block_size {limit} (the per-token "
                          f"recurrent states one verification keeps); build the target with a larger one")
-    setup = ChainSetup(target, drafter if bs > 1 else None, bs, max_new_tokens)
+    stop_token = check_stop_token(stop_token, target.vocab_size)
+    setup = ChainSetup(target, drafter if bs > 1 else None, bs, max_new_tokens, stop_token)
     budgets = request_budgets(budgets, max_new_tokens, b)
     requests = sampling.for_requests(b, temperature, top_p)
     key = resolve_key(key, requests)
@@ -368,9 +390,10 @@ def generate(target, target_params, drafter, draft_params, prompts: Sequence[Seq
     generated[np.arange(max_new_tokens)[None, :] >= n_out[:, None]] = -1
     stats = SpecStats(block_size=bs, steps=np.asarray(state.steps), emitted=np.asarray(state.emitted),
                       accept_hist=np.asarray(state.accept_hist), prefill_s=t1 - t0, decode_s=t2 - t1,
-                      new_tokens=int(budgets.max()), accepted=np.asarray(state.accepted))
+                      new_tokens=int(budgets.max() if stop_token is None else n_out.max()),
+                      accepted=np.asarray(state.accepted))
     if times is not None:
         stats.draft_s, stats.verify_s, stats.bookkeeping_s = (
             times["draft"], times["verify"], times["bookkeeping"])
     return SpecResult(tokens=generated, prompt_lengths=lengths, prefill_s=t1 - t0, decode_s=t2 - t1,
-                      budgets=budgets, num_generated=n_out, stats=stats)
+                      budgets=budgets, num_generated=n_out, stop_token=stop_token, stats=stats)

@@ -8,7 +8,7 @@ Design choices:
   collecting statistics costs no host sync inside the loop.
 - tau = tokens emitted by verification steps / verification steps, bonus included; the first token,
   which prefill produces, is not a verification step's and is excluded (as in DFlash's own counts).
-  Tokens cut off at the budget (max_new_tokens) are not counted as emitted.
+  Tokens cut off at the budget (max_new_tokens), or after a stop token, are not counted as emitted.
 - `acceptance_length_upstream` is upstream DFlash's mean acceptance length: every verification
   step's accepted drafts + 1, untruncated, over the steps. It differs from tau only in the last step
   of a sequence whose accepted tokens run past the budget (upstream's benchmark counts them, then cuts
@@ -16,7 +16,8 @@ Design choices:
 - Per-position acceptance: `acceptance_rate[k-1]` = fraction of steps whose draft k was accepted
   (needs drafts 1..k all accepted); `conditional_acceptance[k-1]` = the same given draft k-1 was.
 - Decode time per output token = decode time / (new tokens - 1): the first token comes from prefill,
-  exactly as the AR baseline counts it (`ar.GenerationResult.decode_time_per_token`).
+  exactly as the AR baseline counts it (`ar.GenerationResult.decode_time_per_token`). With a stop
+  token, new tokens are the longest sequence's (its stop may come before its budget).
 - Speedup over AR = AR's decode time per token / the method's, same prompts and token counts.
 - The draft / verify / bookkeeping split exists only for profiled runs (separately jitted phases with a
   sync after each); fused runs leave those fields None rather than guess.
@@ -37,7 +38,7 @@ class SpecStats:
     accept_hist: np.ndarray  # [Bs] (sequence, step) pairs that accepted exactly k drafts, k = 0..Bs-1
     prefill_s: float = float("nan")
     decode_s: float = float("nan")
-    new_tokens: int = 0  # tokens generated per sequence (prefill's first token included)
+    new_tokens: int = 0  # tokens of the longest sequence (prefill's first token included)
     draft_s: float | None = None
     verify_s: float | None = None
     bookkeeping_s: float | None = None

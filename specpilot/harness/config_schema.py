@@ -136,6 +136,8 @@ class BenchConf:
     batch_size: int = 1
     cache_len: Optional[int] = None  # default: enough for prompt + new tokens + one block
     repeats: int = 1  # timed repetitions per method (median reported)
+    # each row stops right after the target's end-of-sequence token (its tokenizer's; SmolLM2: <|im_end|>)
+    stop_at_eos: bool = False
 
 
 @dataclasses.dataclass
@@ -238,6 +240,15 @@ def validate(cfg: DictConfig) -> None:
     for key in ("num_prompts", "prompt_len", "new_tokens", "batch_size", "repeats"):
         if b[key] < 1:
             _fail(f"bench.{key}", f"must be >= 1, got {b[key]}")
+    if b.stop_at_eos and t.source == "random":
+        _fail("bench.stop_at_eos", "a random-weight target has no tokenizer, so no end-of-sequence token; "
+              "use a target with one (hf, gguf, smollm2, embedded) or bench.stop_at_eos=false")
+    if b.stop_at_eos and t.source == "hf":
+        from specpilot.harness.deploy import eos_token_id
+
+        if eos_token_id(Path(str(t.path)).expanduser()) is None:
+            _fail("bench.stop_at_eos", f"the checkpoint at {t.path} names no end-of-sequence token (no "
+                  "tokenizer.json / tokenizer_config.json eos_token, no config.json eos_token_id)")
     if b.batch_size > b.num_prompts:
         _fail("bench.batch_size", f"{b.batch_size} is larger than the prompt set ({b.num_prompts})")
     if b.prompts not in PROMPT_SETS:

@@ -8,11 +8,16 @@ Design choices:
 - A target with text (a checkpoint or GGUF folder's tokenizer and chat template, the embedded pair's
   tokenizer) carries it in the deployment: the text prompt sets (`bench.prompts=chat | humaneval |
   humaneval_chat`, `specpilot.data.prompt_sets`) are tokenized with it, and outputs decode with it.
+- `bench.stop_at_eos`: the deployment's `stop_token` is the end-of-sequence id of the folder the
+  target came from (its tokenizer_config.json's eos_token, else config.json's eos_token_id, else a
+  usual eos name in tokenizer.json: `eos_token_id`); for a GGUF that is the eos its metadata names
+  (SmolLM2's `<|im_end|>`). A target without a tokenizer (random weights) is refused at validation.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import json
 from pathlib import Path
 from typing import Any
 
@@ -50,6 +55,7 @@ class Deployment:
     # the AR baseline's output tokens per prompt, filled by the runner (an oracle drafter replays them)
     reference_tokens: list[list[int]] | None = None
     labels: dict = dataclasses.field(default_factory=dict)
+    stop_token: int | None = None  # bench.stop_at_eos: the target's end-of-sequence id, where rows stop
     prepared: dict = dataclasses.field(default_factory=dict, repr=False)  # (role, weights, kernels) -> params
 
     def _rows(self, plan: Plan) -> int:
@@ -109,6 +115,53 @@ def target_tap_layers(tconf: DictConfig, dconf: DictConfig, num_layers: int) -> 
     if dconf.source == "none":
         return ()
     return default_tap_layers(num_layers, int(dconf.num_taps))
+
+
+def eos_token_id(folder) -> int | None:
+    """The end-of-sequence id of a Hugging Face model folder, or None if it names none: tokenizer_config.json's
+    `eos_token` looked up in tokenizer.json, else config.json's `eos_token_id` (the first of a list), else
+    the first usual eos name (`data.tokenizer.EOS_ALIASES`) tokenizer.json has."""
+    from tokenizers import Tokenizer
+
+    from specpilot.data.tokenizer import EOS_ALIASES
+
+    folder = Path(folder)
+
+    def read(name):
+        path = folder / name
+        return json.loads(path.read_text()) if path.is_file() else {}
+
+    tok_path = folder / "tokenizer.json"
+    tok = Tokenizer.from_file(str(tok_path)) if tok_path.is_file() else None
+    eos = read("tokenizer_config.json").get("eos_token")
+    if isinstance(eos, dict):
+        eos = eos.get("content")
+    if tok is not None and isinstance(eos, str) and tok.token_to_id(eos) is not None:
+        return tok.token_to_id(eos)
+    ids = read("config.json").get("eos_token_id")
+    ids = ids[0] if isinstance(ids, list) and ids else ids
+    if isinstance(ids, int) and not isinstance(ids, bool):
+        return ids
+    if tok is not None:
+        return next((tok.token_to_id(n) for n in EOS_ALIASES if tok.token_to_id(n) is not None), None)
+    return None
+
+
+def stop_token(cfg: DictConfig, folder, vocab_size: int, tokenizer_eos: int | None = None) -> int | None:
+    """The deployment's stop token: None unless bench.stop_at_eos, then the target folder's eos id (a
+    target without a folder, the embedded pair: its tokenizer's)."""
+    from specpilot.harness.config_schema import ConfigValueError
+
+    if not cfg.bench.stop_at_eos:
+        return None
+    eos = tokenizer_eos if folder is None else eos_token_id(folder)
+    if eos is None:
+        raise ConfigValueError(f"bench.stop_at_eos: target {cfg.target.name!r} has no tokenizer naming an "
+                               f"end-of-sequence token{'' if folder is None else f' in {folder}'}")
+    if not 0 <= eos < vocab_size:
+        raise ConfigValueError(f"bench.stop_at_eos: the end-of-sequence id {eos} of {folder} is outside the "
+                               f"target's vocabulary ({vocab_size})")
+    return eos
 
 
 def gguf_target(tconf: DictConfig, cache_dir: str, dtype):
@@ -239,11 +292,14 @@ def build(cfg: DictConfig, plans: list[Plan]) -> Deployment:
     drafter, heldout, text = None, None, None
     if cfg.target.source == "embedded":
         params, mcfg, drafter, heldout, notes, tokenizer = build_embedded(cfg)
-        text = prompt_sets.ModelText(tokenizer)
+        text, folder = prompt_sets.ModelText(tokenizer), None
     else:
         params, mcfg, notes, folder = build_target(cfg.target, cfg.drafter, int(cfg.seed), str(cfg.cache_dir))
         if folder is not None and prompt_sets.has_tokenizer(folder):
             text = prompt_sets.load_model_text(folder)
+    stop = stop_token(cfg, folder, mcfg.vocab_size, None if text is None else text.tokenizer.eos_id)
+    if stop is not None:
+        notes = notes + [f"generation stops at the target's end-of-sequence token (id {stop})"]
     if cfg.drafter.source not in ("none", "embedded"):
         drafter_obj, draft_params, mcfg, dnotes = build_drafter(cfg.drafter, mcfg, params, int(cfg.seed))
         drafter = (drafter_obj, draft_params)
@@ -272,4 +328,4 @@ def build(cfg: DictConfig, plans: list[Plan]) -> Deployment:
         cache_len=int(cache_len), key=jax.random.key(int(cfg.seed)), drafter=drafter,
         tokenizer=None if text is None else text.tokenizer,
         chat_template=None if text is None else text.chat_template,
-        profile_split=bool(dec.profile_split), notes=notes, labels=labels)
+        profile_split=bool(dec.profile_split), notes=notes, labels=labels, stop_token=stop)

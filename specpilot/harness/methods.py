@@ -9,6 +9,9 @@ Design choices:
   time per output token, so compile time never enters a number.
 - A plan's scorer reproduces its target numerics under token forcing: its weights and kernels, and its
   verification width as the chunk size (1 for AR, the block for a chain).
+- With the deployment's stop token (bench.stop_at_eos) both generate calls stop each row after it;
+  tokens past a row's end read -1 (forcing checks each row up to there), and the decode tokens of a
+  batch are its longest row's after the first (`GenerationResult.decode_steps`).
 """
 
 from __future__ import annotations
@@ -35,7 +38,8 @@ class MethodRun:
 
     @property
     def decode_time_per_token(self) -> float:
-        return self.decode_s / self.decode_tokens
+        # every row may stop at prefill's token (stop_at_eos): no decode step, no time per token
+        return self.decode_s / self.decode_tokens if self.decode_tokens else float("nan")
 
 
 def run_ar(dep, plan: Plan) -> MethodRun:
@@ -43,11 +47,11 @@ def run_ar(dep, plan: Plan) -> MethodRun:
     tokens, prefill_s, decode_s, decode_tokens = [], 0.0, 0.0, 0
     for batch in dep.batches():
         res = ar.generate(target, params, batch, dep.new_tokens, dep.sampling, key=dep.key,
-                          cache_len=dep.cache_len)
+                          cache_len=dep.cache_len, stop_token=dep.stop_token)
         tokens.extend(res.tokens.tolist())
         prefill_s += res.prefill_s
         decode_s += res.decode_s
-        decode_tokens += res.num_new_tokens - 1
+        decode_tokens += res.decode_steps
     return MethodRun(tokens, prefill_s, decode_s, decode_tokens)
 
 
@@ -77,11 +81,11 @@ def run_chain(dep, plan: Plan) -> MethodRun:
     for i, batch in enumerate(dep.batches()):
         res = spec.generate(target, params, drafter, _draft_params(dep, drafter, base, i, batch), batch,
                             dep.new_tokens, block_size=plan.block_size, sampling=dep.sampling, key=dep.key,
-                            cache_len=dep.cache_len)
+                            cache_len=dep.cache_len, stop_token=dep.stop_token)
         tokens.extend(res.tokens.tolist())
         prefill_s += res.prefill_s
         decode_s += res.decode_s
-        decode_tokens += res.num_new_tokens - 1
+        decode_tokens += res.decode_steps
         st = res.stats
         steps += int(st.steps.sum())
         emitted += int(st.emitted.sum())
@@ -99,10 +103,11 @@ def run_chain(dep, plan: Plan) -> MethodRun:
         batch = dep.batches()[0]
         prof = spec.generate(target, params, drafter, _draft_params(dep, drafter, base, 0, batch), batch,
                              dep.new_tokens, block_size=plan.block_size, sampling=dep.sampling, key=dep.key,
-                             cache_len=dep.cache_len, profile=True).stats
+                             cache_len=dep.cache_len, profile=True, stop_token=dep.stop_token).stats
         total = prof.draft_s + prof.verify_s + prof.bookkeeping_s
-        stats["time_split"] = {"draft": prof.draft_s / total, "verify": prof.verify_s / total,
-                               "bookkeeping": prof.bookkeeping_s / total}
+        if total > 0:  # zero only if every row stopped at prefill's token: no step to split
+            stats["time_split"] = {"draft": prof.draft_s / total, "verify": prof.verify_s / total,
+                                   "bookkeeping": prof.bookkeeping_s / total}
     return MethodRun(tokens, prefill_s, decode_s, decode_tokens, stats)
 
 
