@@ -47,6 +47,9 @@ def main(cfg: DictConfig) -> None:
         print("(set HYDRA_FULL_ERROR=1 for the traceback)", file=sys.stderr)
         sys.exit(1)
     print(runner.format_table(records))
+    shown = runner.format_responses(records)
+    if shown:
+        print(shown)
     print(f"results: {out_dir}/results.jsonl")
 
 

@@ -28,7 +28,9 @@ def _fixups(group, option):
     """Companion choices an option needs to form a valid deployment."""
     if (group, option) in (("target", "embedded"), ("drafter", "embedded"), ("bench", "heldout")):
         return ["target=embedded", "drafter=embedded", "decoding=stock", "bench=heldout"]
-    if group == "bench" and option in ("chat", "humaneval", "humaneval_chat"):
+    if (group, option) == ("drafter", "smollm2"):
+        return ["target=smollm2", "bench=chat"]  # the drafter shipped for SmolLM2 (nothing is fetched here)
+    if group == "bench" and option in ("chat", "chat_default", "humaneval", "humaneval_chat"):
         return ["target=smollm2"]  # text prompts need a target with a tokenizer (nothing is fetched here)
     if group == "decoding" and option != "ar":
         extra = ["drafter=random"]  # speculative methods need a drafter
@@ -43,7 +45,8 @@ def _fixups(group, option):
 def test_default_config_composes_and_validates():
     cfg = _compose(base=())
     validate(cfg)
-    assert (cfg.target.source, cfg.drafter.source, cfg.bench.prompts) == ("embedded", "embedded", "heldout")
+    assert (cfg.target.source, cfg.drafter.source, cfg.bench.prompts) == ("smollm2", "packaged", "chat")
+    assert cfg.bench.stop_at_eos
 
 
 def _options(group):

@@ -28,7 +28,7 @@ from specpilot.data import prompt_sets
 from specpilot.plan import Plan
 
 TARGET_SOURCES = ("random", "hf", "embedded", "gguf", "smollm2")
-DRAFTER_SOURCES = ("none", "random", "dflash", "embedded", "oracle")
+DRAFTER_SOURCES = ("none", "random", "dflash", "packaged", "embedded", "oracle")
 # random token ids | heldout (embedded corpus) | text sets tokenized with the target's own tokenizer:
 # chat (held-out stdlib requests) | humaneval (plain completion) | humaneval_chat (specpilot.data.prompt_sets)
 PROMPT_SETS = ("random", "heldout", "chat", "humaneval", "humaneval_chat")
@@ -136,6 +136,7 @@ class BenchConf:
     batch_size: int = 1
     cache_len: Optional[int] = None  # default: enough for prompt + new tokens + one block
     repeats: int = 1  # timed repetitions per method (median reported)
+    show_responses: int = 2  # replies printed as text after the table (targets with a tokenizer)
     # each row stops right after the target's end-of-sequence token (its tokenizer's; SmolLM2: <|im_end|>)
     stop_at_eos: bool = False
 
@@ -207,6 +208,12 @@ def validate(cfg: DictConfig) -> None:
               "target=embedded or bench.prompts=random")
     if d.source == "dflash" and not d.path:
         _fail("drafter.path", "a dflash drafter needs the path of a local checkpoint directory")
+    if d.source == "packaged":
+        from specpilot.models.drafter import PACKAGED, packaged_drafters
+
+        if str(d.path) not in packaged_drafters():
+            _fail("drafter.path", f"{d.path!r} is not a drafter shipped in {PACKAGED} (there: "
+                  f"{', '.join(packaged_drafters()) or 'none'})")
     if d.source == "oracle" and d.acceptance is None and d.tau is None and not d.acceptance_trace:
         _fail("drafter.acceptance", "an oracle drafter needs an acceptance profile, a tau or a trace")
     if d.acceptance_trace and d.acceptance is not None:

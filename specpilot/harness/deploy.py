@@ -241,10 +241,12 @@ def build_drafter(dconf: DictConfig, target_cfg: ModelConfig, target_params, see
                                            num_taps=int(dconf.num_taps))
         params = dr.init(jax.random.key(seed + 7), dcfg, dtype=dtype)
         notes = ["random drafter weights"]
-    elif dconf.source == "dflash":
-        params, dcfg = dr.load_drafter(Path(str(dconf.path)).expanduser(), dtype=dtype)
+    elif dconf.source in ("dflash", "packaged"):
+        path = (dr.PACKAGED / str(dconf.path) if dconf.source == "packaged"
+                else Path(str(dconf.path)).expanduser())
+        params, dcfg = dr.load_drafter(path, dtype=dtype)
+        notes = [f"drafter {path.name} (trained at block {dcfg.block_size})"]
         dcfg = dataclasses.replace(dcfg, block_size=int(dconf.block_size))
-        notes = []
     else:
         raise NotImplementedError(f"drafter source {dconf.source!r} is not available yet")
     target_cfg = target_cfg.with_taps(dcfg.tap_layers)

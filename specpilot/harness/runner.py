@@ -77,6 +77,7 @@ def run(cfg: DictConfig, out_dir: str | Path) -> list[dict]:
                                                   float(cfg.decoding.forcing_margin))
             log.info("%s: token forcing in %.1f s", plan.name, time.perf_counter() - t0)
     baselines = choose_baselines(plans, runs)
+    responses = decoded_responses(dep, runs[reference.name], int(cfg.bench.show_responses))
     ar_tpot = runs[baselines["ar"]].decode_time_per_token
     stock_tpot = runs[baselines["stock"]].decode_time_per_token if baselines["stock"] else None
     hw = costmodel.Hardware.from_conf(cfg.gpu)
@@ -115,9 +116,38 @@ def run(cfg: DictConfig, out_dir: str | Path) -> list[dict]:
             config=OmegaConf.to_container(cfg, resolve=True),
             **env,
         )
+        if plan is reference and responses:
+            rec["responses"] = responses
         records.append(rec)
     write(records, out_dir)
     return records
+
+
+def decoded_responses(dep, run, n: int) -> list[dict]:
+    """The first n prompts and the reference's replies as text (targets with a tokenizer); every plan
+    that passed token forcing produced the same tokens."""
+    if dep.tokenizer is None or n <= 0:
+        return []
+    out = []
+    for prompt, tokens in zip(dep.prompts[:n], run.tokens[:n]):
+        reply = [int(t) for t in tokens if t >= 0]
+        out.append({"prompt": dep.tokenizer.decode(prompt),
+                    "response": dep.tokenizer.decode(reply, skip_special_tokens=True),
+                    "tokens": len(reply)})
+    return out
+
+
+def format_responses(records: list[dict], width: int = 600) -> str:
+    """The decoded replies a run recorded, for the console: each prompt's last line(s), then its reply."""
+    lines = []
+    for rec in records:
+        for i, r in enumerate(rec.get("responses", ())):
+            prompt = r["prompt"].replace("<|im_start|>", "").replace("<|im_end|>", "").strip()
+            prompt = prompt[-300:] if len(prompt) > 300 else prompt
+            reply = r["response"] if len(r["response"]) <= width else r["response"][:width] + " ..."
+            lines += [f"--- prompt {i} (...{len(r['prompt'])} chars) ---", prompt,
+                      f"--- reply ({r['tokens']} tokens) ---", reply.strip(), ""]
+    return "\n".join(lines)
 
 
 def oracle_fields(dep, r, ar_tpot: float) -> dict:

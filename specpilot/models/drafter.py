@@ -48,6 +48,7 @@ from specpilot.models.layers import apply_rope, attention, linear, rms_norm, rop
 
 Params = dict
 ARCHITECTURE = "DFlashDraftModel"
+PACKAGED = Path(__file__).resolve().parent.parent / "assets"  # drafters shipped with the package
 
 
 class DrafterCheckpointError(ValueError):
@@ -390,6 +391,14 @@ def _flat_names(cfg: DrafterConfig) -> dict[str, tuple[tuple, bool, tuple[int, .
             hf, tr = _LAYER_KEYS[name]
             out[f"layers.{i}.{hf}"] = (("layers", i, name), tr, shape)
     return out
+
+
+def packaged_drafters() -> tuple[str, ...]:
+    """Names of the drafter checkpoints shipped in the package (`PACKAGED/<name>/`)."""
+    if not PACKAGED.is_dir():
+        return ()
+    return tuple(sorted(p.name for p in PACKAGED.iterdir() if (p / "config.json").is_file()
+                        and (p / "model.safetensors").is_file()))
 
 
 def save_drafter(path: str | Path, params: Params, cfg: DrafterConfig) -> None:
