@@ -76,6 +76,7 @@ class TrainConf:
     data: str = "stdlib"  # stdlib: corpus windows; chat: chat requests (needs a chat template)
     chat: ChatConf = dataclasses.field(default_factory=ChatConf)
     cache_dir: str = "~/.cache/specpilot"  # where GGUF files are fetched and converted
+    drafter_stop_at: Optional[int] = None  # stop the drafter at this step and export its params
     target: TargetSizes = dataclasses.field(default_factory=TargetSizes)
     drafter: DrafterSizes = dataclasses.field(default_factory=DrafterSizes)
     progress: bool = True
@@ -122,7 +123,8 @@ def main(cfg: DictConfig) -> None:
         if cfg.data == "chat":
             prompts, stop = chat_prompts(cfg, corpus, tok, target_path, sizes.drafter), tok.eos_id
         _, dcfg = train_drafter(sizes.drafter, corpus, tok, params, tcfg, out / "drafter", prompts=prompts,
-                                stop_token=stop, progress=bool(cfg.progress))
+                                stop_token=stop, stop_at=cfg.drafter_stop_at,
+                                export_at_stop=cfg.drafter_stop_at is not None, progress=bool(cfg.progress))
         print(f"drafter (block {dcfg.block_size}, taps {dcfg.tap_layers}) -> {out / 'drafter' / 'model'}")
 
 

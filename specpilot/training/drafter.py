@@ -332,12 +332,14 @@ def regenerated_data(cfg: DrafterTrainConfig, prompts: tuple, target_params: dic
 
 def train_drafter(cfg: DrafterTrainConfig, corpus: Corpus, tokenizer: TextTokenizer, target_params: dict,
                   target_cfg: ModelConfig, out_dir: str | Path, *, prompts: tuple | None = None,
-                  stop_token: int | None = None, stop_at: int | None = None,
+                  stop_token: int | None = None, stop_at: int | None = None, export_at_stop: bool = False,
                   progress: bool = True) -> tuple[dict, drafter_model.DrafterConfig]:
     """Train (or resume training) the block drafter against the frozen target.
 
     `prompts`: (train, held-out) token-id prompts the target continues (default: corpus windows of
     `cfg.prompt_len` tokens, `window_prompts`); continuations end after `stop_token` if given.
+    `stop_at` ends the run after that step; `export_at_stop` then writes that step's params as the model
+    (a checkpoint taken before the learning-rate schedule's end).
     Writes `out_dir/regenerated.npz`, `log.jsonl`, `checkpoints/` and, once done, `out_dir/model/`
     (DFlash layout, `drafter.load_drafter`). Returns (float32 drafter params, drafter config).
     """
@@ -367,6 +369,6 @@ def train_drafter(cfg: DrafterTrainConfig, corpus: Corpus, tokenizer: TextTokeni
         eval_fn=make_eval_fn(cfg, dcfg, tcfg, target_params, heldout), stop_at=stop_at,
         tokens_per_step=cfg.batch_size * cfg.anchors_per_seq * (cfg.block_size - 1),
         desc="drafter", progress=progress)
-    if done >= cfg.steps:
+    if done >= cfg.steps or (export_at_stop and stop_at is not None and done >= stop_at):
         drafter_model.save_drafter(out_dir / "model", state["params"], dcfg)
     return state["params"], dcfg
