@@ -153,6 +153,7 @@ class Config:
     # overrides of specpilot.embedded.EmbeddedConfig (training sizes, prompts), e.g. embedded.target.steps
     embedded: Dict[str, Any] = dataclasses.field(default_factory=dict)
     output_dir: Optional[str] = None  # default: Hydra's run directory
+    compile_cache: bool = True  # jax's persistent compilation cache under cache_dir/xla
 
 
 def register() -> None:
