@@ -20,6 +20,10 @@ Design choices:
   to token 0 and agree. Each such position is reported (`NonFinite`: position, which side) and no
   report with one passes.
 - Forced tokens < 0 (unfilled output, e.g. a sequence stopped at capacity) end that prompt's check.
+- `force_paired` keeps per-position numbers of both sides (choices, top-1/top-2 margins, the largest
+  logit difference over the vocabulary), reduced row by row so [B, N, V] logits are never held in
+  float64: what a study of near-ties between two numerics (e.g. float32 and bfloat16) needs beyond the
+  mismatch list.
 """
 
 from __future__ import annotations
@@ -80,8 +84,8 @@ def chunked_scorer(params, target, chunk: int | None = 1, cache_dtype=None) -> S
 
 
 def top2_margin(logits: np.ndarray) -> np.ndarray:
-    """Top-1 minus top-2 logit over the last axis."""
-    top2 = np.sort(np.asarray(logits, np.float64), axis=-1)[..., -2:]
+    """Top-1 minus top-2 logit over the last axis (NaN where a row holds a NaN)."""
+    top2 = np.partition(np.asarray(logits, np.float64), -2, axis=-1)[..., -2:]  # NaN sorts last
     return top2[..., 1] - top2[..., 0]
 
 
@@ -223,12 +227,67 @@ def compare(reference_out: np.ndarray, candidate_out: np.ndarray, forced: np.nda
     return ForcingReport(prompts, tie_margin)
 
 
+def _packed(prompts: Sequence[Sequence[int]], forced) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    tokens, lengths = pack_prompts(prompts, cache_len=max(len(p) for p in prompts))
+    forced = np.asarray(forced)
+    if forced.ndim != 2 or forced.shape[0] != len(prompts):
+        raise ValueError(f"forced tokens must be [prompts, N] = [{len(prompts)}, N], got shape {forced.shape}")
+    return tokens, lengths, forced
+
+
 def force(reference: Scorer, candidate: Scorer, prompts: Sequence[Sequence[int]], forced,
           tie_margin: float = DEFAULT_TIE_MARGIN) -> ForcingReport:
     """Run both scorers with the reference's output tokens `forced` ([B, N]) forced, and compare."""
-    tokens, lengths = pack_prompts(prompts, cache_len=max(len(p) for p in prompts))
-    forced = np.asarray(forced)
-    if forced.shape[0] != len(prompts):
-        raise ValueError(f"{forced.shape[0]} forced rows for {len(prompts)} prompts")
+    tokens, lengths, forced = _packed(prompts, forced)
     return compare(reference(tokens, lengths, forced), candidate(tokens, lengths, forced), forced,
                    tie_margin)
+
+
+@dataclasses.dataclass
+class PairedForcing:
+    """A forcing report with both sides' per-position numbers, each [B, N]; positions past a row's end
+    (`checked` False) hold -1 (choices) or NaN (the rest)."""
+
+    report: ForcingReport
+    checked: np.ndarray  # bool: the position was compared
+    reference_choice: np.ndarray  # int64: argmax of the reference's logits
+    candidate_choice: np.ndarray
+    reference_margin: np.ndarray  # float64: top-1 minus top-2 logit
+    candidate_margin: np.ndarray
+    reference_top: np.ndarray  # float64: the reference's top-1 logit
+    max_abs_diff: np.ndarray  # float64: max over the vocabulary of |candidate - reference| logits
+
+    def mismatch_rows(self) -> list[dict]:
+        """One dict per mismatch: prompt, position, both tokens, both sides' margins, near-tie or not."""
+        return [dict(prompt=b, position=m.position, reference_token=m.reference_token,
+                     candidate_token=m.candidate_token, reference_margin=m.reference_margin,
+                     candidate_margin=float(self.candidate_margin[b, m.position]),
+                     max_abs_logit_diff=float(self.max_abs_diff[b, m.position]), near_tie=m.near_tie)
+                for b, p in enumerate(self.report.prompts) for m in p.mismatches]
+
+
+def force_paired(reference: Scorer, candidate: Scorer, prompts: Sequence[Sequence[int]], forced,
+                 tie_margin: float = DEFAULT_TIE_MARGIN) -> PairedForcing:
+    """`force`, keeping both sides' choices, margins and logit differences at every position.
+
+    Both scorers must return logits ([B, N, V]): margins need them."""
+    tokens, lengths, forced = _packed(prompts, forced)
+    ref, cand = np.asarray(reference(tokens, lengths, forced)), np.asarray(candidate(tokens, lengths, forced))
+    if ref.ndim != 3 or cand.shape != ref.shape:
+        raise ValueError(f"force_paired needs logits of one shape [B, N, V] from both scorers, got {ref.shape} "
+                         f"and {cand.shape}")
+    report = compare(ref, cand, forced, tie_margin)
+    shape = forced.shape
+    checked = np.zeros(shape, bool)
+    choice = {k: np.full(shape, -1, np.int64) for k in ("ref", "cand")}
+    num = {k: np.full(shape, np.nan) for k in ("ref_margin", "cand_margin", "top", "diff")}
+    for b, p in enumerate(report.prompts):
+        n = p.num_positions
+        checked[b, :n] = True
+        r, c = ref[b, :n], cand[b, :n]  # [n, V], the scorers' own dtype
+        choice["ref"][b, :n], choice["cand"][b, :n] = r.argmax(-1), c.argmax(-1)
+        num["ref_margin"][b, :n], num["cand_margin"][b, :n] = top2_margin(r), top2_margin(c)
+        num["top"][b, :n] = r.max(-1)
+        num["diff"][b, :n] = np.abs(c.astype(np.float64) - r).max(-1)
+    return PairedForcing(report, checked, choice["ref"], choice["cand"], num["ref_margin"],
+                         num["cand_margin"], num["top"], num["diff"])
