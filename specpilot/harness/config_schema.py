@@ -248,20 +248,12 @@ def validate(cfg: DictConfig) -> None:
     for key in ("num_prompts", "prompt_len", "new_tokens", "batch_size", "repeats"):
         if b[key] < 1:
             _fail(f"bench.{key}", f"must be >= 1, got {b[key]}")
-    if b.stop_at_eos and t.source == "random":
-        _fail("bench.stop_at_eos", "a random-weight target has no tokenizer, so no end-of-sequence token; "
-              "use a target with one (hf, gguf, smollm2, embedded) or bench.stop_at_eos=false")
-    if b.stop_at_eos and t.source == "hf":
-        from specpilot.harness.deploy import eos_token_id
-
-        if eos_token_id(Path(str(t.path)).expanduser()) is None:
-            _fail("bench.stop_at_eos", f"the checkpoint at {t.path} names no end-of-sequence token (no "
-                  "tokenizer.json / tokenizer_config.json eos_token, no config.json eos_token_id)")
     if b.batch_size > b.num_prompts:
         _fail("bench.batch_size", f"{b.batch_size} is larger than the prompt set ({b.num_prompts})")
     if b.prompts not in PROMPT_SETS:
         _fail("bench.prompts", f"{b.prompts!r} is not one of {PROMPT_SETS}")
     _check_text_prompts(t, b)
+    _check_stop(t, b)
     block = max(p.block_size for p in plans)
     needed = b.prompt_len + b.new_tokens + block
     if b.cache_len is not None and b.cache_len < needed:
@@ -287,6 +279,19 @@ def _check_text_prompts(t: DictConfig, b: DictConfig) -> None:
             _fail("bench.prompts", f"{b.prompts!r} prompts need the target's tokenizer; no tokenizer.json in {path}")
         if chat and not prompt_sets.chat_template(path):
             _fail("bench.prompts", f"{b.prompts!r} prompts are chats; {path} has no chat template")
+
+
+def _check_stop(t: DictConfig, b: DictConfig) -> None:
+    """bench.stop_at_eos needs a target with a tokenizer naming its end-of-sequence token."""
+    if b.stop_at_eos and t.source == "random":
+        _fail("bench.stop_at_eos", "a random-weight target has no tokenizer, so no end-of-sequence token; "
+              "use a target with one (hf, gguf, smollm2, embedded) or bench.stop_at_eos=false")
+    if b.stop_at_eos and t.source == "hf":
+        from specpilot.harness.deploy import eos_token_id
+
+        if eos_token_id(Path(str(t.path)).expanduser()) is None:
+            _fail("bench.stop_at_eos", f"the checkpoint at {t.path} names no end-of-sequence token (no "
+                  "tokenizer.json / tokenizer_config.json eos_token, no config.json eos_token_id)")
 
 
 def _check_implementations(key: str, impl) -> None:
