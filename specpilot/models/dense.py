@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+from typing import ClassVar
 
 import jax
 import jax.numpy as jnp
@@ -248,6 +249,7 @@ class Target:
 
     cfg: ModelConfig
     dtype: str
+    builder: ClassVar[str] = "dense.target"  # what error messages tell a user to build it with
 
     def __post_init__(self):
         object.__setattr__(self, "dtype", jnp.dtype(self.dtype).name)
@@ -265,7 +267,7 @@ class Target:
         got = jnp.dtype(params["embed"].dtype).name
         if got != self.dtype:
             raise ValueError(f"the target was built for {self.dtype} activations but the params' "
-                             f"embedding is {got}; build it with dense.target(cfg, {got!r})")
+                             f"embedding is {got}; build it with {self.builder}(cfg, {got!r})")
 
     def init_state(self, batch_size: int, max_len: int, dtype=None) -> TargetState:
         return init_state(self.cfg, batch_size, max_len, dtype or self.dtype)

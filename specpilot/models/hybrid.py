@@ -29,6 +29,7 @@ Design choices:
 from __future__ import annotations
 
 import dataclasses
+from typing import ClassVar
 
 import jax
 import jax.numpy as jnp
@@ -165,7 +166,7 @@ def forward(params: Params, cfg: HybridConfig, tokens: jax.Array, positions: jax
 
 
 @dataclasses.dataclass(frozen=True)
-class Target:
+class Target(dense.Target):
     """A hybrid target as one hashable value (a jit static argument; params travel apart).
 
     `dtype` is the activation dtype; `max_block_size` the most tokens one forward keeps per-token
@@ -174,26 +175,16 @@ class Target:
     cfg: HybridConfig
     dtype: str
     max_block_size: int = DEFAULT_MAX_BLOCK
+    builder: ClassVar[str] = "hybrid.target"
 
     def __post_init__(self):
-        object.__setattr__(self, "dtype", jnp.dtype(self.dtype).name)
+        super().__post_init__()
         if self.max_block_size < 1:
             raise ValueError(f"max_block_size must be >= 1, got {self.max_block_size}")
 
-    @property
-    def vocab_size(self) -> int:
-        return self.cfg.vocab_size
-
-    @property
-    def max_positions(self) -> int:
-        return self.cfg.max_position_embeddings
-
     def check_params(self, params: Params) -> None:
         """A clear error when params do not run at this target's dtype or do not fit its config."""
-        got = jnp.dtype(params["embed"].dtype).name
-        if got != self.dtype:
-            raise ValueError(f"the target was built for {self.dtype} activations but the params' "
-                             f"embedding is {got}; build it with hybrid.target(cfg, {got!r})")
+        super().check_params(params)
         want = param_shapes(self.cfg)
         if len(params["layers"]) != self.cfg.num_layers:
             raise ValueError(f"params have {len(params['layers'])} layers, the config {self.cfg.num_layers}")
