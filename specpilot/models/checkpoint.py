@@ -274,10 +274,18 @@ def load_hf(path: str | Path, dtype=jnp.bfloat16, tap_layers=()):
         if lm.dtype != emb.dtype or not np.array_equal(lm.view(np.uint8), emb.view(np.uint8)):
             raise CheckpointError("config ties word embeddings but lm_head.weight differs from "
                                   "model.embed_tokens.weight")
-    params: dict[str, Any] = {"layers": tuple({} for _ in range(cfg.num_layers))}
+    return assemble_params(found, expected, cfg.num_layers, dtype,
+                           lambda host, transpose: host.T if transpose else host), cfg
+
+
+def assemble_params(found, expected, num_layers: int, dtype, to_ours) -> dict[str, Any]:
+    """Read every expected tensor into our params tree: `expected[key] = (where, _, layout)`, where
+    `where` is ("layers", i, name) or (name,); `to_ours(host, layout)` turns a stored array into our
+    layout. A tensor with a NaN or Inf (before or after the cast to dtype) raises, naming it."""
+    params: dict[str, Any] = {"layers": tuple({} for _ in range(num_layers))}
     for key, host in _read_tensors(found, expected):
-        where, _, transpose = expected[key]
-        raw = jnp.asarray(host.T if transpose else host)
+        where, _, layout = expected[key]
+        raw = jnp.asarray(np.ascontiguousarray(to_ours(host, layout)))
         arr = raw if dtype is None else raw.astype(dtype)
         problem = non_finite(arr, raw if arr.dtype != raw.dtype else None)
         if problem:
@@ -287,7 +295,7 @@ def load_hf(path: str | Path, dtype=jnp.bfloat16, tap_layers=()):
             params["layers"][where[1]][where[2]] = arr
         else:
             params[where[0]] = arr
-    return params, cfg
+    return params
 
 
 def load_target(path: str | Path, dtype=jnp.bfloat16, tap_layers=()):

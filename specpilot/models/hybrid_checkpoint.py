@@ -22,15 +22,14 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Any
 
 import jax.numpy as jnp
 import numpy as np
 
 from specpilot.models import hybrid
 from specpilot.models.checkpoint import (CONFIG_FILE, IGNORED_SUFFIXES, CheckpointError,
-                                         _read_headers, _read_tensors, _shard_files, key_problems,
-                                         non_finite)
+                                         _read_headers, _read_tensors, _shard_files, assemble_params,
+                                         key_problems)
 from specpilot.models.config import ConfigError
 from specpilot.models.hybrid_config import HybridConfig
 
@@ -121,17 +120,4 @@ def load_hf(path: str | Path, dtype=jnp.bfloat16, tap_layers=()) -> tuple[dict, 
         lm, emb = pair["lm_head.weight"], pair[embed_key]
         if lm.dtype != emb.dtype or not np.array_equal(lm.view(np.uint8), emb.view(np.uint8)):
             raise CheckpointError(f"config ties word embeddings but lm_head.weight differs from {embed_key}")
-    params: dict[str, Any] = {"layers": tuple({} for _ in range(cfg.num_layers))}
-    for key, host in _read_tensors(found, expected):
-        where, _, layout = expected[key]
-        raw = jnp.asarray(np.ascontiguousarray(_to_ours(host, layout)))
-        arr = raw if dtype is None else raw.astype(dtype)
-        problem = non_finite(arr, raw if arr.dtype != raw.dtype else None)
-        if problem:
-            raise CheckpointError(f"{found[key][0].name}: tensor {key} holds {problem}; a model with "
-                                  f"it would give NaN logits")
-        if where[0] == "layers":
-            params["layers"][where[1]][where[2]] = arr
-        else:
-            params[where[0]] = arr
-    return params, cfg
+    return assemble_params(found, expected, cfg.num_layers, dtype, _to_ours), cfg
