@@ -177,8 +177,7 @@ def gguf_target(tconf: DictConfig, cache_dir: str, dtype):
         gguf = smollm2_gguf(cache_dir)
     else:
         gguf = Path(str(tconf.path)).expanduser()
-    key = gguf_import.file_key(gguf)
-    out = gguf_import.import_gguf(gguf, Path(cache_dir).expanduser() / "gguf" / f"{gguf.stem}-{key['sha256'][:12]}")
+    out = gguf_import.import_cached(gguf, cache_dir)
     params, cfg = load_hf(out, dtype=dtype)
     return params, cfg, [f"converted from {gguf.name} (dequantized to {tconf.dtype})"], out
 

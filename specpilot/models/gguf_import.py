@@ -101,10 +101,14 @@ def _gguf():
 # Reading the header
 
 
-def _open(path: Path):
+def _require_file(path: Path) -> None:
     if not path.is_file():
         raise GGUFImportError(f"GGUF file {path} does not exist" if not path.exists()
                               else f"GGUF path {path} is not a file")
+
+
+def _open(path: Path):
+    _require_file(path)
     with open(path, "rb") as f:
         magic = f.read(4)
     if magic != GGUF_MAGIC:
@@ -325,12 +329,12 @@ def _write(plan: _Plan, path: Path, key: dict[str, Any], tmp: Path) -> None:
     (tmp / SOURCE_FILE).write_text(json.dumps(record, indent=2, sort_keys=True) + "\n")
 
 
-def import_gguf(gguf_path: str | Path, out_dir: str | Path) -> Path:
+def import_gguf(gguf_path: str | Path, out_dir: str | Path, key: dict[str, Any] | None = None) -> Path:
     """Convert a llama / qwen3 GGUF file into the Hugging Face directory `out_dir` and return it.
 
     A finished import of the same file (same size and SHA-256) there is returned without redoing
     it; an import of another file there is replaced. Raises GGUFImportError on a bad file, leaving
-    `out_dir` as it was.
+    `out_dir` as it was. `key`: the file's `file_key` if the caller has it (hashing a file is not free).
     """
     path, out = Path(gguf_path).expanduser(), Path(out_dir).expanduser()
     if out.exists() and not out.is_dir():
@@ -338,7 +342,8 @@ def import_gguf(gguf_path: str | Path, out_dir: str | Path) -> Path:
     if out.is_dir() and any(out.iterdir()) and _recorded_key(out) is None:
         raise GGUFImportError(f"output folder {out} is not empty and holds no GGUF import "
                               f"({SOURCE_FILE} missing); refusing to replace it")
-    key = file_key(path) if path.is_file() else None
+    if key is None:
+        key = file_key(path) if path.is_file() else None
     if key is not None and is_converted(out, key):
         return out
     plan = _plan(path)  # every header check, before anything is dequantized or written
@@ -373,7 +378,6 @@ def import_cached(gguf_path: str | Path, cache_dir: str | Path) -> Path:
     """`import_gguf` into `cache_dir/gguf/<file stem>-<first 12 hex of its SHA-256>`: one folder per
     distinct file, so two files of one name never share an import."""
     path = Path(gguf_path).expanduser()
-    if not path.is_file():
-        raise GGUFImportError(f"GGUF file {path} does not exist")
+    _require_file(path)
     key = file_key(path)
-    return import_gguf(path, Path(cache_dir).expanduser() / "gguf" / f"{path.stem}-{key['sha256'][:12]}")
+    return import_gguf(path, Path(cache_dir).expanduser() / "gguf" / f"{path.stem}-{key['sha256'][:12]}", key)

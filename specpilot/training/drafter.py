@@ -143,9 +143,8 @@ def regenerate(target_params: dict, target_cfg: ModelConfig, prompts: Sequence[S
         result = generate(target, target_params, chunk, gen_len,
                           cache_len=-(-width // 128) * 128)
         for j, row in enumerate(result.tokens[:min(batch, len(prompts) - i)]):
-            n = gen_len
-            if stop_token is not None and stop_token in row.tolist():
-                n = row.tolist().index(stop_token) + 1
+            hits = np.flatnonzero(row == stop_token) if stop_token is not None else ()
+            n = int(hits[0]) + 1 if len(hits) else gen_len
             k = i + j
             tokens[k, :starts[k]] = prompts[k]
             tokens[k, starts[k]:starts[k] + n] = row[:n]
