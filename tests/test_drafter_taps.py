@@ -6,18 +6,17 @@ target with 2 draft layers gives [1, 1]. The reference here is that concatenatio
 single-layer taps of the target, then fc and the hidden norm in float64.
 """
 
-import json
 
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from safetensors.numpy import save_file
 
 from specpilot.decoding import ar, spec
 from specpilot.models import dense
 from specpilot.models import drafter as dr
 from specpilot.models.config import ConfigError, ModelConfig
 from helpers import random_params
+from tests.test_drafter import _dflash_tensors, _write_dflash_checkpoint
 
 TARGET = ModelConfig(vocab_size=64, hidden_size=32, intermediate_size=48, num_layers=4, num_heads=4,
                      num_kv_heads=2, head_dim=8, qk_norm=True)
@@ -74,29 +73,13 @@ def test_context_is_upstream_concatenation(target_params, layer_ids):
 
 def test_dflash_checkpoint_with_repeated_ids_loads_and_pairs(tmp_path):
     h, heads, kvh, d, inter = 32, 4, 2, 8, 48
-    rng = np.random.default_rng(0)
-    tensors = {"fc.weight": rng.normal(size=(h, 2 * h)), "hidden_norm.weight": rng.normal(size=h),
-               "norm.weight": rng.normal(size=h)}
-    for i in range(2):
-        p = f"layers.{i}."
-        tensors.update({
-            p + "input_layernorm.weight": rng.normal(size=h),
-            p + "post_attention_layernorm.weight": rng.normal(size=h),
-            p + "self_attn.q_proj.weight": rng.normal(size=(heads * d, h)),
-            p + "self_attn.k_proj.weight": rng.normal(size=(kvh * d, h)),
-            p + "self_attn.v_proj.weight": rng.normal(size=(kvh * d, h)),
-            p + "self_attn.o_proj.weight": rng.normal(size=(h, heads * d)),
-            p + "self_attn.q_norm.weight": rng.normal(size=d),
-            p + "self_attn.k_norm.weight": rng.normal(size=d),
-            p + "mlp.gate_proj.weight": rng.normal(size=(inter, h)),
-            p + "mlp.up_proj.weight": rng.normal(size=(inter, h)),
-            p + "mlp.down_proj.weight": rng.normal(size=(h, inter))})
-    save_file({k: v.astype(np.float32) for k, v in tensors.items()}, str(tmp_path / "model.safetensors"))
+    tensors = _dflash_tensors(np.random.default_rng(0), h=h, n_taps=2, layers=2, heads=heads, kv_heads=kvh,
+                              d=d, inter=inter)
     hf = {"architectures": ["DFlashDraftModel"], "model_type": "qwen3", "block_size": 4,
           "dflash_config": {"mask_token_id": 63, "target_layer_ids": upstream_default_layer_ids(4, 2)},
           "head_dim": d, "hidden_size": h, "intermediate_size": inter, "num_attention_heads": heads,
           "num_hidden_layers": 2, "num_key_value_heads": kvh, "num_target_layers": 4, "vocab_size": 64}
-    (tmp_path / "config.json").write_text(json.dumps(hf))
+    _write_dflash_checkpoint(tmp_path, hf, tensors)
     _, dcfg = dr.load_drafter(tmp_path)
     assert dcfg.tap_layers == (1, 1)
     assert dcfg.to_hf_dict()["dflash_config"]["target_layer_ids"] == [1, 1]
