@@ -1,6 +1,7 @@
 """The default deployment's pieces that need no download: the shipped drafter, chat training data."""
 
 import dataclasses
+from pathlib import Path
 
 import jax
 import jax.numpy as jnp
@@ -63,3 +64,18 @@ def test_ragged_regeneration_with_a_stop_token_equals_one_prompt_at_a_time():
         assert seqs.tokens[i, :len(p)].tolist() == p
         assert seqs.tokens[i, len(p):len(p) + n].tolist() == cont[:n]
     assert (seqs.ends - seqs.starts < 10).any()
+
+
+def test_an_unknown_packaged_drafter_is_refused_naming_the_key():
+    from hydra import compose, initialize_config_dir
+
+    from specpilot.harness import config_schema
+    from specpilot.harness.config_schema import ConfigValueError, typed, validate
+
+    config_schema.register()
+    conf = Path(__file__).resolve().parents[1] / "conf"
+    with initialize_config_dir(config_dir=str(conf), version_base=None):
+        cfg = typed(compose(config_name="config", overrides=["drafter.path=no-such-drafter"]))
+    with pytest.raises(ConfigValueError, match=r"drafter.path: 'no-such-drafter' is not a drafter shipped in .*"
+                                               r"smollm2-135m-instruct-dflash-b8"):
+        validate(cfg)
