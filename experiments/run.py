@@ -16,7 +16,7 @@ import hydra
 from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig
 
-from specpilot.harness import config_schema, runner
+from specpilot.harness import config_schema, devices, runner
 
 config_schema.register()
 for noisy in ("jax._src.xla_bridge", "absl", "orbax"):  # "no TPU" and per-checkpoint INFO lines
@@ -46,6 +46,7 @@ def main(cfg: DictConfig) -> None:
     out_dir = None
     try:
         cfg = config_schema.typed(cfg)
+        devices.setup(cfg)  # simulated CPU devices, jax.distributed: before anything touches a device
         out_dir = cfg.output_dir or str(hydra_dir)
         if cfg.compile_cache:
             enable_compile_cache(Path(cfg.cache_dir).expanduser() / "xla")

@@ -24,6 +24,7 @@ from typing import Any, Mapping
 
 from pallas_kernels import dispatch
 from pallas_kernels.dispatch import OpChoice
+from specpilot.sharding import MeshError, MeshShape
 
 VERIFY_KINDS = ("ar", "chain")
 RESERVED_VERIFY_KINDS = ("tree", "two_level")
@@ -65,6 +66,7 @@ class Plan:
     kernels: Kernels = Kernels()
     tree: TreeShape | None = None  # reserved
     batching: str = "static"  # reserved: requests decoded in lockstep, as today
+    mesh: MeshShape = MeshShape()  # devices over batch rows (data) x heads and features (tensor)
 
     def __post_init__(self):
         if self.verify in RESERVED_VERIFY_KINDS:
@@ -84,6 +86,14 @@ class Plan:
             _fail(self.name, "batching", f"{self.batching!r} is not available; available: {BATCHING_POLICIES}")
         if not self.kernels.matmul.implementation:
             _fail(self.name, "kernels.matmul.implementation", "name at least one implementation")
+        if not isinstance(self.mesh, MeshShape):
+            _fail(self.name, "mesh", f"must be a MeshShape, got {type(self.mesh).__name__}")
+        if not self.mesh.is_single and self.weights != "bf16":
+            _fail(self.name, "mesh", f"tensor/data-parallel plans take bf16 weights (W12 layouts are not "
+                  f"sharded), got weights={self.weights!r}")
+        if not self.mesh.is_single and any(i != "xla" for i in self.kernels.matmul.implementation):
+            _fail(self.name, "mesh", "tensor/data-parallel plans multiply through XLA's dot (kernels.matmul."
+                  f"implementation=[xla]), got {list(self.kernels.matmul.implementation)}")
 
     @property
     def uses_drafter(self) -> bool:
@@ -131,6 +141,8 @@ def build(name: str, fields: Mapping[str, Any], *, drafter_block_size: int | Non
     kernels = fields.get("kernels") or {}
     matmul = (kernels.get("matmul") or {}) if isinstance(kernels, Mapping) else {}
     impl = matmul.get("implementation")
+    if impl is None and not _mesh(name, fields.get("mesh")).is_single:
+        impl = ["xla"]  # sharded plans multiply through XLA's dot
     if impl is None:
         if weights not in default_matmul:
             _fail(name, "kernels.matmul.implementation", f"the gpu config gives no default for {weights!r} weights")
@@ -145,4 +157,19 @@ def build(name: str, fields: Mapping[str, Any], *, drafter_block_size: int | Non
     if tree is not None:
         tree = TreeShape(**dict(tree))
     return Plan(name=name, verify=verify, weights=weights, block_size=int(block), kernels=Kernels(choice),
-                tree=tree, batching=str(fields.get("batching", "static")))
+                tree=tree, batching=str(fields.get("batching", "static")), mesh=_mesh(name, fields.get("mesh")))
+
+
+def _mesh(name: str, fields) -> MeshShape:
+    """A plan's mesh from its config mapping ({data, tensor}; absent or null: one device)."""
+    if fields is None:
+        return MeshShape()
+    if not isinstance(fields, Mapping):
+        _fail(name, "mesh", f"expected a mapping with data and tensor, got {fields!r}")
+    unknown = sorted(set(fields) - {"data", "tensor"})
+    if unknown:
+        _fail(name, "mesh", f"unknown key(s) {', '.join(map(repr, unknown))}; known: data, tensor")
+    try:
+        return MeshShape(**dict(fields))
+    except MeshError as e:
+        _fail(name, "mesh", str(e))

@@ -66,3 +66,48 @@ def test_wide_margin_has_init_shapes_and_dtypes():
     sb = jax.tree.map(lambda x: (x.shape, x.dtype), b)
     assert sa == sb
     assert all(bool(jnp.isfinite(x.astype(jnp.float32)).all()) for x in jax.tree.leaves(b))
+
+
+HYBRID = dict(architectures=["Qwen3_5ForCausalLM"], model_type="qwen3_5_text", vocab_size=2048, hidden_size=256, intermediate_size=512, num_hidden_layers=4,
+              num_attention_heads=4, num_key_value_heads=2, head_dim=64, full_attention_interval=2,
+              linear_conv_kernel_dim=4, linear_key_head_dim=32, linear_value_head_dim=32,
+              linear_num_key_heads=2, linear_num_value_heads=4, tie_word_embeddings=False,
+              rope_parameters={"rope_type": "default", "rope_theta": 1e6, "partial_rotary_factor": 0.25})
+
+
+def _hybrid_greedy(params, cfg, n):
+    """Greedy tokens [B][n] by the AR loop, and the top-1/top-2 logit gap at every generated position
+    (one prompt forward over prompt + generated tokens)."""
+    from specpilot import state as st
+    from specpilot.models import hybrid
+
+    target = hybrid.target(cfg, params["embed"].dtype)
+    out = [list(map(int, r[:n])) for r in generate(target, params, PROMPTS, n).tokens]
+    seqs = [p + o for p, o in zip(PROMPTS, out)]
+    width = max(map(len, seqs))
+    tokens = jnp.asarray([s + [0] * (width - len(s)) for s in seqs], jnp.int32)
+    state = target.init_state(len(seqs), width + 1, params["embed"].dtype)
+    logits, _, _ = st.prompt_forward(target, params, tokens, jnp.asarray([len(s) for s in seqs]), state)
+    gaps = []
+    for row, p in enumerate(PROMPTS):  # positions len(p)-1 .. len(p)+n-2 chose the n generated tokens
+        top = jax.lax.top_k(logits[row, len(p) - 1:len(p) - 1 + n], 2)[0]
+        gaps.append(np.asarray(top[:, 0] - top[:, 1]))
+    return out, np.concatenate(gaps)
+
+
+def test_hybrid_wide_margin_greedy_is_robust_to_precision():
+    """The hybrid init's recipe is the dense one: same check, same thresholds."""
+    from specpilot.models import hybrid
+    from specpilot.models.hybrid_config import HybridConfig
+
+    cfg = HybridConfig.from_hf_dict(HYBRID)
+    params = hybrid.init_wide_margin(jax.random.key(0), cfg, dtype=jnp.bfloat16)
+    tokens_bf16, gaps = _hybrid_greedy(params, cfg, 8)
+    f32 = jax.tree.map(lambda x: x.astype(jnp.float32), params)
+    tokens_f32, _ = _hybrid_greedy(f32, cfg, 8)
+    assert tokens_bf16 == tokens_f32
+    assert gaps.min() > 5.0
+    normal = hybrid.init(jax.random.key(0), cfg, dtype=jnp.bfloat16)
+    assert jax.tree.map(lambda x: (x.shape, x.dtype), normal) == jax.tree.map(lambda x: (x.shape, x.dtype), params)
+    _, normal_gaps = _hybrid_greedy(normal, cfg, 8)
+    assert np.median(normal_gaps) < 1.0  # what the init exists for

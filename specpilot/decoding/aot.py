@@ -5,6 +5,11 @@ Design choices:
   shape and dtype (values never matter), which is exactly what `jit(...).lower(...)` specializes on.
 - Least recently used executables are dropped past `max_size`: a sweep over many deployments in one
   process must not grow memory without bound.
+- Sharded runs (a static argument whose target carries a mesh, `specpilot.sharding`): every
+  ShapeDtypeStruct leaf is given its sharding before lowering (a TargetState's by `state_specs`, other
+  leaves replicated), leaf shardings join the signature, and a call reshards any argument whose
+  sharding differs from what the executable takes (small arrays such as logits or tokens the compiler
+  chose to split; states keep their specs, so they are never moved). Unsharded runs are unchanged.
 """
 
 from __future__ import annotations
@@ -13,6 +18,8 @@ import collections
 from typing import Any, Callable
 
 import jax
+
+from specpilot import sharding
 
 
 class CompileCache:
@@ -24,14 +31,55 @@ class CompileCache:
         """Executables held (each one compile): a call that adds none did not compile."""
         return len(self._exes)
 
-    def get(self, fn, static: Any, args: tuple, lower: Callable[[], Any]):
-        """The executable of `fn` for `static` and `args` (arrays or ShapeDtypeStructs); `lower()` builds
-        the lowering on a miss."""
-        sig = (fn, static, jax.tree.structure(args), tuple((x.shape, str(x.dtype)) for x in jax.tree.leaves(args)))
+    def get(self, fn, static: Any, args: tuple, lower: Callable[..., Any]):
+        """The executable of `fn` for `static` and `args` (arrays or ShapeDtypeStructs); `lower(*args)`
+        builds the lowering on a miss."""
+        mesh = mesh_of(static)
+        if mesh is not None:
+            args = sharding.attach_shardings(args, mesh)
+        leaves = jax.tree.leaves(args)
+        sig = (fn, static, jax.tree.structure(args), tuple((x.shape, str(x.dtype)) for x in leaves),
+               None if mesh is None else tuple(str(getattr(x, "sharding", None)) for x in leaves))
         if sig in self._exes:
             self._exes.move_to_end(sig)
         else:
-            self._exes[sig] = lower().compile()
+            exe = lower(*args).compile()
+            self._exes[sig] = exe if mesh is None else _Resharding(exe)
             if len(self._exes) > self.max_size:
                 self._exes.popitem(last=False)
         return self._exes[sig]
+
+
+def mesh_of(static: Any):
+    """The mesh of the target a static argument holds (itself, a tuple's first item, or `.target`)."""
+    for candidate in (static, getattr(static, "target", None),
+                      static[0] if isinstance(static, tuple) and static else None):
+        mesh = getattr(candidate, "mesh", None)
+        if mesh is not None:
+            return mesh
+    return None
+
+
+def _none(x) -> bool:
+    return x is None
+
+
+class _Resharding:
+    """A compiled executable that first moves each argument to the sharding the executable takes."""
+
+    def __init__(self, exe):
+        self.exe = exe
+        # None: an argument the executable does not read (pruned), or a None argument
+        self.shardings = jax.tree.leaves(exe.input_shardings[0], is_leaf=_none)
+
+    def __call__(self, *args):
+        leaves, tree = jax.tree.flatten(args, is_leaf=_none)
+        if len(leaves) != len(self.shardings):
+            raise ValueError(f"{len(leaves)} argument leaves for an executable taking {len(self.shardings)}")
+        moved = [x if s is None or x is None or getattr(x, "sharding", None) == s else jax.device_put(x, s)
+                 for x, s in zip(leaves, self.shardings)]
+        return self.exe(*jax.tree.unflatten(tree, moved))
+
+    @property
+    def output_shardings(self):
+        return self.exe.output_shardings

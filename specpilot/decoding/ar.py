@@ -239,7 +239,7 @@ _CACHE = CompileCache()
 
 def _compiled(fn, static, *args):
     """Ahead-of-time compiled `fn` for these shapes (the static argument comes first)."""
-    return _CACHE.get(fn, static, args, lambda: fn.lower(static, *args))
+    return _CACHE.get(fn, static, args, lambda *a: fn.lower(static, *a))
 
 
 def generate(target, params, prompts: Sequence[Sequence[int]], max_new_tokens: int,

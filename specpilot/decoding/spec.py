@@ -247,7 +247,7 @@ _CACHE = CompileCache()
 
 def _compiled(fn, static, *args):
     """Ahead-of-time compiled `fn` for these argument shapes, so no timed call ever compiles."""
-    return _CACHE.get(fn, static, args, lambda: fn.lower(static, *args))
+    return _CACHE.get(fn, static, args, lambda *a: fn.lower(static, *a))
 
 
 # --------------------------------------------------------------------------------------------------

@@ -101,6 +101,14 @@ class TreeConf:
 
 
 @dataclasses.dataclass
+class MeshConf:
+    """A plan's devices (`specpilot.sharding.MeshShape`): batch rows over data, heads over tensor."""
+
+    data: int = 1
+    tensor: int = 1
+
+
+@dataclasses.dataclass
 class PlanConf:
     """One decoding plan (`specpilot.plan.Plan`); unset fields take the deployment's defaults."""
 
@@ -110,6 +118,7 @@ class PlanConf:
     kernels: KernelsConf = dataclasses.field(default_factory=KernelsConf)
     tree: Optional[TreeConf] = None  # reserved for tree verification
     batching: str = "static"  # reserved for the batching engine
+    mesh: Optional[MeshConf] = None  # null: one device
 
 
 @dataclasses.dataclass
@@ -142,6 +151,19 @@ class BenchConf:
 
 
 @dataclasses.dataclass
+class DistributedConf:
+    """Multi-host runs: `jax.distributed.initialize` before anything touches a device
+    (`specpilot.harness.devices`). auto: let jax read the cluster's environment (SLURM, Open MPI, ...)."""
+
+    enabled: bool = False
+    auto: bool = False
+    coordinator_address: Optional[str] = None  # host:port of process 0
+    num_processes: Optional[int] = None
+    process_id: Optional[int] = None
+    local_device_ids: Optional[List[int]] = None
+
+
+@dataclasses.dataclass
 class Config:
     target: TargetConf = MISSING
     drafter: DrafterConf = MISSING
@@ -154,6 +176,9 @@ class Config:
     embedded: Dict[str, Any] = dataclasses.field(default_factory=dict)
     output_dir: Optional[str] = None  # default: Hydra's run directory
     compile_cache: bool = True  # jax's persistent compilation cache under cache_dir/xla
+    # CPU only: run on this many simulated host devices (sharded plans on a machine without accelerators)
+    simulated_cpu_devices: Optional[int] = None
+    distributed: DistributedConf = dataclasses.field(default_factory=lambda: DistributedConf())
 
 
 def register() -> None:
@@ -178,6 +203,8 @@ def validate(cfg: DictConfig) -> None:
     t, d, b, dec = cfg.target, cfg.drafter, cfg.bench, cfg.decoding
     if t.source not in TARGET_SOURCES:
         _fail("target.source", f"{t.source!r} is not one of {TARGET_SOURCES}")
+    if cfg.get("simulated_cpu_devices") is not None and cfg.simulated_cpu_devices < 1:
+        _fail("simulated_cpu_devices", f"must be >= 1, got {cfg.simulated_cpu_devices}")
     if t.source == "hf" and not t.path:
         _fail("target.path", "an hf target needs the path of a local checkpoint directory")
     if t.source == "hf" and not Path(str(t.path)).expanduser().is_dir():
@@ -324,7 +351,8 @@ def build_plans(cfg: DictConfig) -> list[Plan]:
         impl = tuple(str(i) for i in impl)
         if impl[0] == "mosaic" and cfg.target.dtype != "bfloat16":
             continue  # the Mosaic kernel multiplies bf16 weights: no candidate for another dtype
-        if any(plan_mod.is_ar_baseline_candidate(p) and p.kernels.matmul.implementation == impl for p in given):
+        if any(plan_mod.is_ar_baseline_candidate(p) and p.mesh.is_single and p.kernels.matmul.implementation == impl
+               for p in given):  # the reference runs on one device, so sharded plans are checked against it
             continue
         name = "ar" if impl[0] == "xla" else f"ar_{impl[0]}"
         if name in names:

@@ -26,6 +26,7 @@ import jax.numpy as jnp
 import numpy as np
 from omegaconf import DictConfig, OmegaConf
 
+from specpilot import sharding
 from specpilot.data import prompt_sets
 from specpilot.decoding.sampling import SamplingConfig
 from specpilot.harness.config_schema import ConfigValueError
@@ -57,6 +58,7 @@ class Deployment:
     labels: dict = dataclasses.field(default_factory=dict)
     stop_token: int | None = None  # bench.stop_at_eos: the target's end-of-sequence id, where rows stop
     prepared: dict = dataclasses.field(default_factory=dict, repr=False)  # (role, weights, kernels) -> params
+    meshes: dict = dataclasses.field(default_factory=dict, repr=False)  # MeshShape -> jax Mesh
 
     def _rows(self, plan: Plan) -> int:
         return self.batch_size * plan.block_size  # the most rows one of the plan's steps multiplies per call
@@ -76,8 +78,27 @@ class Deployment:
                                                          layout_bf16=plan.weights == "bf16")
         return self.prepared[key]
 
+    def mesh_for(self, plan: Plan):
+        """The jax Mesh of `plan`'s mesh shape (None for one device), built once per shape."""
+        if plan.mesh.is_single:
+            return None
+        if plan.mesh not in self.meshes:
+            self.meshes[plan.mesh] = sharding.make_mesh(plan.mesh)
+        return self.meshes[plan.mesh]
+
+    def _sharded(self, role: str, params, plan: Plan, unfuse: bool):
+        """`params` placed on the plan's mesh (fused projections split back first), cached."""
+        key = (role, "sharded", plan.mesh)
+        if key not in self.prepared:
+            if unfuse and not hasattr(self.cfg, "layer_types"):  # dense layouts only: hybrids are unfused
+                params = sharding.unfuse_projections(params, self.cfg)
+            self.prepared[key] = sharding.shard_params(params, self.mesh_for(plan))
+        return self.prepared[key]
+
     def params_for(self, plan: Plan):
-        """The target's params as `plan` multiplies them (weight format, kernel layout)."""
+        """The target's params as `plan` multiplies them (weight format, kernel layout, mesh)."""
+        if not plan.mesh.is_single:
+            return self._sharded("target", self.params, plan, unfuse=True)
         return self._prepare("target", self.params, plan)
 
     def cfg_for(self, plan: Plan) -> ModelConfig:
@@ -89,10 +110,10 @@ class Deployment:
         from specpilot.models import hybrid
         from specpilot.models.hybrid_config import HybridConfig
 
-        cfg, dtype = self.cfg_for(plan), self.params["embed"].dtype
+        cfg, dtype, mesh = self.cfg_for(plan), self.params["embed"].dtype, self.mesh_for(plan)
         if isinstance(cfg, HybridConfig):
-            return hybrid.target(cfg, dtype, max_block_size=max(16, plan.block_size))
-        return dense.target(cfg, dtype)
+            return hybrid.target(cfg, dtype, max_block_size=max(16, plan.block_size), mesh=mesh)
+        return dense.target(cfg, dtype, mesh)
 
     def drafter_for(self, plan: Plan):
         """(drafter object, its params as `plan` multiplies them): the drafter's own weights (its layers and
@@ -101,7 +122,10 @@ class Deployment:
         if self.drafter is None:
             raise ValueError(f"plan {plan.name!r} needs a drafter; the deployment has none")
         drafter, params = self.drafter
-        return drafter.with_matmul(plan.kernels.matmul), self._prepare("drafter", params, plan, extra=("fc",))
+        drafter = drafter.with_matmul(plan.kernels.matmul)
+        if not plan.mesh.is_single:
+            return drafter.with_mesh(self.mesh_for(plan)), self._sharded("drafter", params, plan, unfuse=False)
+        return drafter, self._prepare("drafter", params, plan, extra=("fc",))
 
     def batches(self) -> list[list[list[int]]]:
         """Prompts grouped into batches of `batch_size` (a trailing partial batch is dropped)."""
@@ -194,13 +218,10 @@ def build_target(tconf: DictConfig, dconf: DictConfig, seed: int, cache_dir: str
             from specpilot.models import hybrid
             from specpilot.models.hybrid_config import HybridConfig
 
-            if tconf.init != "normal":
-                raise ValueError(f"target.init={tconf.init}: hybrid targets have the normal init only "
-                                 "(set target.init=normal)")
             cfg = HybridConfig.from_hf_dict(hf)
             cfg = cfg.with_taps(target_tap_layers(tconf, dconf, cfg.num_layers))
-            params = hybrid.init(jax.random.key(seed), cfg, dtype=dtype, std=float(tconf.init_std))
-            return params, cfg, [f"random weights ({tconf.name} shape, normal init)"], None
+            params = hybrid.INITS[tconf.init](jax.random.key(seed), cfg, dtype=dtype, std=float(tconf.init_std))
+            return params, cfg, [f"random weights ({tconf.name} shape, {tconf.init} init)"], None
         cfg = ModelConfig.from_hf_dict(hf)
         cfg = cfg.with_taps(target_tap_layers(tconf, dconf, cfg.num_layers))
         params = dense.INITS[tconf.init](jax.random.key(seed), cfg, dtype=dtype, std=float(tconf.init_std))
@@ -288,6 +309,21 @@ def build_embedded(cfg: DictConfig):
     return pair.target_params, pair.target_cfg, drafter, pair.prompts.as_lists(), notes, pair.tokenizer
 
 
+def check_meshes(plans: list[Plan], cfg, batch_size: int, drafter) -> None:
+    """Every sharded plan's mesh fits the devices jax sees and divides what it splits (MeshError naming
+    the plan's field)."""
+    inner = None if drafter is None else getattr(drafter[0], "inner", drafter[0])
+    dcfg = getattr(getattr(inner, "cfg", None), "layer_config", None)
+    for plan in plans:
+        if not plan.mesh.is_single:
+            where = f"decoding.plans.{plan.name}.mesh"
+            sharding.check_mesh(plan.mesh, cfg, batch_size, dcfg if plan.uses_drafter else None, where)
+            try:
+                sharding.make_mesh(plan.mesh)
+            except sharding.MeshError as e:
+                raise sharding.MeshError(f"{where}: {e}") from None
+
+
 def build(cfg: DictConfig, plans: list[Plan]) -> Deployment:
     b, dec = cfg.bench, cfg.decoding
     drafter, heldout, text = None, None, None
@@ -320,6 +356,7 @@ def build(cfg: DictConfig, plans: list[Plan]) -> Deployment:
     longest = max(len(p) for p in prompts)
     block = max(p.block_size for p in plans)
     cache_len = b.cache_len or -(-(longest + b.new_tokens + block) // 128) * 128
+    check_meshes(plans, mcfg, int(b.batch_size), drafter)
     labels = {"target": cfg.target.name, "drafter": cfg.drafter.name, "gpu": cfg.gpu.name,
               "batch_size": int(b.batch_size), "prompts": b.prompts, "new_tokens": int(b.new_tokens)}
     return Deployment(

@@ -93,6 +93,7 @@ def run(cfg: DictConfig, out_dir: str | Path) -> list[dict]:
             verify=plan.verify,
             weights=plan.weights,
             matmul="+".join(plan.kernels.matmul.implementation),
+            mesh=plan.mesh.describe(),
             block_size=plan.block_size,
             plan=plan.describe(),
             baseline=baselines["ar"],
@@ -244,6 +245,8 @@ def format_table(records: list[dict]) -> str:
             lines.append(f"{r['method']}: oracle acceptance, tau {r['tau']:.2f} measured vs {r['profile_tau']:.2f} "
                          f"in the profile; {r['ms_per_step']:.3f} ms per step ({r['step_vs_ar_step']:.2f}x an AR "
                          f"step) -> {r['speedup_at_profile_tau']:.2f}x at the profile's tau")
+        if r.get("mesh", "1x1") != "1x1":
+            lines.append(f"{r['method']}: sharded over a {r['mesh']} mesh (data x tensor devices)")
         split = (r.get("stats") or {}).get("time_split")
         if split:
             lines.append(f"{r['method']}: time split (profiled pass) " + ", ".join(

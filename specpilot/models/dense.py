@@ -27,13 +27,14 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-from typing import ClassVar
+from typing import Any, ClassVar
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
 from pallas_kernels import dispatch
+from specpilot import sharding
 from specpilot import state as st
 from specpilot.models.config import ModelConfig
 from specpilot.models.layers import apply_rope, attention, linear, rms_norm, rope_tables
@@ -93,6 +94,24 @@ def init(key: jax.Array, cfg: ModelConfig, dtype=jnp.bfloat16, std: float = 0.02
     return params
 
 
+def wide_margin_out_std(std: float, num_layers: int) -> float:
+    """The std of a wide-margin init's residual writes: the layers together move the stream by a
+    fraction of its norm."""
+    return std / (3.0 * (2.0 * num_layers) ** 0.5)
+
+
+def wide_margin_embeddings(k_embed: jax.Array, k_perm: jax.Array, vocab_size: int, hidden: int, tied: bool,
+                           dtype) -> dict:
+    """`embed` ~ N(0, 1) and (untied) `lm_head[:, v] = embed[pi(v)] / sqrt(H)` for a random permutation pi
+    (`init_wide_margin`)."""
+    embed = jax.random.normal(k_embed, (vocab_size, hidden), jnp.float32)
+    out = {"embed": embed.astype(dtype)}
+    if not tied:
+        perm = jax.random.permutation(k_perm, vocab_size)
+        out["lm_head"] = (embed[perm].T / np.sqrt(hidden)).astype(dtype)
+    return out
+
+
 def init_wide_margin(key: jax.Array, cfg: ModelConfig, dtype=jnp.bfloat16, std: float = 0.02) -> Params:
     """Random weights whose greedy choices have wide logit margins (random-weight speed work).
 
@@ -109,15 +128,11 @@ def init_wide_margin(key: jax.Array, cfg: ModelConfig, dtype=jnp.bfloat16, std: 
       itself, so its top choice is the input token, by a margin of ~H - 5 sqrt(H).
     Shapes, dtypes and therefore every timing are those of `init`; only the values differ.
     """
-    h, n_layers = cfg.hidden_size, cfg.num_layers
+    h = cfg.hidden_size
     k_embed, k_perm, k_layers = jax.random.split(key, 3)
-    out_std = std / (3.0 * (2.0 * n_layers) ** 0.5)
-    embed = jax.random.normal(k_embed, (cfg.vocab_size, h), jnp.float32)
-    params = {"embed": embed.astype(dtype), "final_norm": jnp.ones((h,), dtype)}
-    if not cfg.tie_word_embeddings:
-        perm = jax.random.permutation(k_perm, cfg.vocab_size)
-        params["lm_head"] = (embed[perm].T / np.sqrt(h)).astype(dtype)
-    del embed
+    out_std = wide_margin_out_std(std, cfg.num_layers)
+    params = {**wide_margin_embeddings(k_embed, k_perm, cfg.vocab_size, h, cfg.tie_word_embeddings, dtype),
+              "final_norm": jnp.ones((h,), dtype)}
     layers = []
     for i, shapes in enumerate(param_shapes(cfg)["layers"]):
         keys = iter(jax.random.split(jax.random.fold_in(k_layers, i), len(shapes)))
@@ -249,6 +264,7 @@ class Target:
 
     cfg: ModelConfig
     dtype: str
+    mesh: Any = None  # a jax.sharding.Mesh: the state it creates is sharded over it (specpilot.sharding)
     builder: ClassVar[str] = "dense.target"  # what error messages tell a user to build it with
 
     def __post_init__(self):
@@ -270,16 +286,22 @@ class Target:
                              f"embedding is {got}; build it with {self.builder}(cfg, {got!r})")
 
     def init_state(self, batch_size: int, max_len: int, dtype=None) -> TargetState:
-        return init_state(self.cfg, batch_size, max_len, dtype or self.dtype)
+        return sharding.constrain_state(init_state(self.cfg, batch_size, max_len, dtype or self.dtype), self.mesh)
+
+    def with_mesh(self, mesh) -> "Target":
+        """This target with its state sharded over `mesh` (None: one device)."""
+        return dataclasses.replace(self, mesh=mesh)
 
     def forward(self, params: Params, tokens: jax.Array, positions: jax.Array, state: TargetState,
                 mask: jax.Array):
-        return forward(params, self.cfg, tokens, positions, state, mask)
+        logits, taps, state = forward(params, self.cfg, tokens, positions, state, mask)
+        return logits, taps, sharding.constrain_state(state, self.mesh)
 
 
-def target(cfg: ModelConfig, dtype) -> Target:
-    """The dense target for cfg with state and activations in dtype (e.g. params['embed'].dtype)."""
-    return Target(cfg, dtype)
+def target(cfg: ModelConfig, dtype, mesh=None) -> Target:
+    """The dense target for cfg with state and activations in dtype (e.g. params['embed'].dtype), its
+    state sharded over `mesh` if given (params are placed apart: `sharding.shard_params`)."""
+    return Target(cfg, dtype, mesh)
 
 
 @functools.partial(jax.jit, static_argnames=("cfg",), donate_argnames=("state",))

@@ -40,6 +40,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from specpilot import sharding
 from specpilot.state import TargetState
 from specpilot.models import dense
 from specpilot.models.checkpoint import non_finite
@@ -334,6 +335,7 @@ class BlockDrafter:
 
     cfg: DrafterConfig
     target_cfg: ModelConfig
+    mesh: Any = None  # a jax.sharding.Mesh: the context cache is sharded over it (specpilot.sharding)
 
     def __post_init__(self):
         check_compatible(self.cfg, self.target_cfg)
@@ -344,16 +346,21 @@ class BlockDrafter:
 
     def with_matmul(self, choice) -> "BlockDrafter":
         """This drafter with its layers and the target's head multiplied by `choice` (a plan's kernels)."""
-        return BlockDrafter(dataclasses.replace(self.cfg, matmul=choice),
-                            dataclasses.replace(self.target_cfg, matmul=choice))
+        return dataclasses.replace(self, cfg=dataclasses.replace(self.cfg, matmul=choice),
+                                   target_cfg=dataclasses.replace(self.target_cfg, matmul=choice))
+
+    def with_mesh(self, mesh) -> "BlockDrafter":
+        """This drafter with its context cache sharded over `mesh` (None: one device)."""
+        return dataclasses.replace(self, mesh=mesh)
 
     def init_state(self, params: Params, batch_size: int, max_len: int, dtype=None) -> TargetState:
         """The context cache, in dtype or else the drafter's own dtype (that of a norm: never encoded)."""
-        return init_context_cache(self.cfg, batch_size, max_len, dtype or params["hidden_norm"].dtype)
+        cache = init_context_cache(self.cfg, batch_size, max_len, dtype or params["hidden_norm"].dtype)
+        return sharding.constrain_state(cache, self.mesh)
 
     def extend(self, params: Params, target_params: Params, state: TargetState, taps: jax.Array,
                n_new: jax.Array) -> TargetState:
-        return extend_context(params, self.cfg, state, taps, n_new)
+        return sharding.constrain_state(extend_context(params, self.cfg, state, taps, n_new), self.mesh)
 
     def propose(self, params: Params, target_params: Params, state: TargetState, last_tokens: jax.Array,
                 block_size: int):
@@ -362,7 +369,7 @@ class BlockDrafter:
         masks = jnp.full((b, block_size - 1), self.cfg.mask_token_id, jnp.int32)
         block = jnp.concatenate([last_tokens[:, None].astype(jnp.int32), masks], axis=1)  # [B, Bs]
         hidden, state = draft_block(params, self.cfg, target_params, self.target_cfg, state, block)
-        return dense.lm_head(target_params, self.target_cfg, hidden[:, 1:]), state
+        return dense.lm_head(target_params, self.target_cfg, hidden[:, 1:]), sharding.constrain_state(state, self.mesh)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -492,6 +499,11 @@ class ReplayDrafter:
     shift: int = 0  # 0: the exact reference
     wrong_every: int = 0  # with shift != 0: 0 = every draft wrong, k = positions divisible by k wrong
     confidence: float = 30.0
+
+    def with_mesh(self, mesh) -> "ReplayDrafter":
+        """The replayed reference is one small array: nothing to shard."""
+        del mesh
+        return self
 
     def with_matmul(self, choice) -> "ReplayDrafter":
         del choice  # no weights: nothing to multiply

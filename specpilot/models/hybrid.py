@@ -35,6 +35,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from specpilot import sharding as mesh_sharding
 from specpilot import state as st
 from specpilot.models import dense
 from specpilot.models import gated_deltanet as gdn
@@ -97,6 +98,28 @@ def init(key: jax.Array, cfg: HybridConfig, dtype=jnp.bfloat16, std: float = 0.0
     params = {name: make(name, s) for name, s in shapes.items() if name != "layers"}
     params["layers"] = tuple({n: make(n, s) for n, s in layer.items()} for layer in shapes["layers"])
     return params
+
+
+RESIDUAL_WRITES = ("o", "out", "down")  # the matrices whose outputs are added to the residual stream
+
+
+def init_wide_margin(key: jax.Array, cfg: HybridConfig, dtype=jnp.bfloat16, std: float = 0.02) -> Params:
+    """Random weights whose greedy choices have wide logit margins (`dense.init_wide_margin`'s recipe):
+    `init`'s values, except the residual writes (`o`, `out`, `down`) at std / (3 sqrt(2 L)), `embed`
+    ~ N(0, 1) and the head reading the stream back through a fixed permutation. The final (1 + w)
+    norm at w = 0 keeps the embedding's scale, so the top logit is ~sqrt(H) and the others ~N(0, 1).
+    Shapes and dtypes are `init`'s."""
+    k_body, k_embed, k_perm = jax.random.split(key, 3)
+    params = init(k_body, cfg, dtype, std)
+    scale = dense.wide_margin_out_std(std, cfg.num_layers) / std
+    params["layers"] = tuple({n: (w.astype(jnp.float32) * scale).astype(dtype) if n in RESIDUAL_WRITES else w
+                              for n, w in layer.items()} for layer in params["layers"])
+    params.update(dense.wide_margin_embeddings(k_embed, k_perm, cfg.vocab_size, cfg.hidden_size,
+                                               cfg.tie_word_embeddings, dtype))
+    return params
+
+
+INITS = {"normal": init, "wide_margin": init_wide_margin}
 
 
 def _partial_rope(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
@@ -194,16 +217,19 @@ class Target(dense.Target):
                                  f"match the config's {sorted(shapes)}")
 
     def init_state(self, batch_size: int, max_len: int, dtype=None) -> TargetState:
-        return init_state(self.cfg, batch_size, max_len, dtype or self.dtype, self.max_block_size)
+        state = init_state(self.cfg, batch_size, max_len, dtype or self.dtype, self.max_block_size)
+        return mesh_sharding.constrain_state(state, self.mesh)
 
     def forward(self, params: Params, tokens: jax.Array, positions: jax.Array, state: TargetState,
                 mask: jax.Array):
-        return forward(params, self.cfg, tokens, positions, state, mask)
+        logits, taps, state = forward(params, self.cfg, tokens, positions, state, mask)
+        return logits, taps, mesh_sharding.constrain_state(state, self.mesh)
 
 
-def target(cfg: HybridConfig, dtype, max_block_size: int = DEFAULT_MAX_BLOCK) -> Target:
-    """The hybrid target for cfg with activations in dtype (e.g. params['embed'].dtype)."""
-    return Target(cfg, dtype, max_block_size)
+def target(cfg: HybridConfig, dtype, max_block_size: int = DEFAULT_MAX_BLOCK, mesh=None) -> Target:
+    """The hybrid target for cfg with activations in dtype (e.g. params['embed'].dtype), its state
+    sharded over `mesh` if given."""
+    return Target(cfg, dtype, mesh=mesh, max_block_size=max_block_size)
 
 
 def num_params(cfg: HybridConfig) -> int:

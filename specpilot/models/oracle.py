@@ -114,6 +114,10 @@ class OracleDrafter:
         """The same oracle over its inner drafter multiplied by `choice` (a plan's kernels)."""
         return dataclasses.replace(self, inner=self.inner.with_matmul(choice))
 
+    def with_mesh(self, mesh) -> "OracleDrafter":
+        """The same oracle over its inner drafter sharded over `mesh`."""
+        return dataclasses.replace(self, inner=self.inner.with_mesh(mesh))
+
     @property
     def vocab_size(self) -> int:
         return self.inner.cfg.vocab_size

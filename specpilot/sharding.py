@@ -1,0 +1,221 @@
+"""Tensor and data parallelism with jax.sharding: a plan's mesh, and where every array of a step lives.
+
+Design choices (GSPMD, Megatron-style splits):
+- A plan's `MeshShape(data, tensor)` is plain data; `make_mesh` turns it into a `jax.sharding.Mesh` with
+  axes ("data", "tensor") over the first data * tensor devices. Batch rows go over "data", heads and
+  hidden features over "tensor"; the compiler inserts the collectives (`jit` propagates the shardings of
+  the params and the state it is given, and of the constraints below).
+- Params by name (`param_spec`): matrices whose outputs are per head or per feature (q, k, v, gate, up,
+  and the Gated DeltaNet's z, b, a) are split by columns; those that sum over heads or features (o,
+  down, out) by rows, so each layer needs one all-reduce after its mixer and one after its MLP. The
+  embedding and the LM head are split over the vocabulary. Everything else is replicated: norms, the
+  drafter's fc, the Gated DeltaNet's conv, A_log and dt_bias, and its in_proj_qkv, whose [q | k | v]
+  columns are not grouped by head (a column split would cut across heads and make the compiler
+  reshard q, k and v; replicating it costs that one matrix's memory on every device).
+- Fused projections (`qkv`, `gate_up` of `dense.fuse_projections`) are not head-aligned either:
+  `unfuse_projections` splits them back before a tensor-parallel plan shards them.
+- State (`state_specs`): K/V split over KV heads, recurrent matrix states (and their per-token
+  snapshots) over value heads, convolution states replicated over "tensor"; every batch axis over
+  "data". Targets and drafters built with a mesh constrain the state they create
+  (`constrain_state`), inside or outside jit, so a decoding loop's carried state keeps these shardings.
+- A mesh that does not divide what it splits fails before anything runs (`check_mesh`), naming the
+  quantity: GSPMD would pad uneven splits silently.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import jax
+import numpy as np
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+
+from specpilot.state import AttentionState, RecurrentState, TargetState
+
+AXES = ("data", "tensor")
+COLUMN = frozenset({"q", "k", "v", "gate", "up", "z", "b", "a", "lm_head"})  # [in, out]: split out
+COLUMN_BIASES = frozenset({"q_bias", "k_bias", "v_bias", "gate_bias", "up_bias"})
+ROW = frozenset({"o", "down", "out"})  # [in, out]: split in
+VOCAB_ROWS = frozenset({"embed"})  # [V, H]: split V
+
+
+class MeshError(ValueError):
+    """A mesh the devices or the model cannot take; the message names what does not divide."""
+
+
+@dataclasses.dataclass(frozen=True)
+class MeshShape:
+    """Devices along each parallel axis: `data` (batch rows) x `tensor` (heads, features)."""
+
+    data: int = 1
+    tensor: int = 1
+
+    def __post_init__(self):
+        for name in AXES:
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise MeshError(f"mesh.{name} must be a positive integer, got {value!r}")
+
+    @property
+    def size(self) -> int:
+        return self.data * self.tensor
+
+    @property
+    def is_single(self) -> bool:
+        return self.size == 1
+
+    def describe(self) -> str:
+        return f"{self.data}x{self.tensor}"
+
+
+def make_mesh(shape: MeshShape, devices=None) -> Mesh:
+    """A ("data", "tensor") mesh over the first shape.size devices (default: all of jax's)."""
+    devices = list(jax.devices() if devices is None else devices)
+    if shape.size > len(devices):
+        raise MeshError(f"mesh {shape.describe()} (data x tensor) needs {shape.size} devices; jax sees "
+                        f"{len(devices)} ({devices[0].platform}). On a CPU, simulate more with "
+                        f"simulated_cpu_devices={shape.size} (or XLA_FLAGS="
+                        f"--xla_force_host_platform_device_count={shape.size})")
+    return Mesh(np.array(devices[:shape.size]).reshape(shape.data, shape.tensor), AXES)
+
+
+def mesh_shape(mesh: Mesh) -> MeshShape:
+    return MeshShape(data=int(mesh.shape["data"]), tensor=int(mesh.shape["tensor"]))
+
+
+# --------------------------------------------------------------------------------------------------
+# Checks
+
+
+def _model_splits(cfg) -> dict[str, int]:
+    """What a tensor split divides in one model config (dense, hybrid or a drafter's layers)."""
+    out = {"num_heads": cfg.num_heads, "num_kv_heads": cfg.num_kv_heads,
+           "intermediate_size": cfg.intermediate_size, "vocab_size": cfg.vocab_size}
+    if hasattr(cfg, "linear_num_value_heads") and any(cfg.is_linear(i) for i in range(cfg.num_layers)):
+        out["linear_num_value_heads"] = cfg.linear_num_value_heads
+    return out
+
+
+def check_mesh(shape: MeshShape, cfg, batch_size: int | None = None, drafter_cfg=None,
+               where: str = "mesh") -> None:
+    """Raise a MeshError naming the first quantity `shape` does not divide: the target's (and drafter's)
+    heads, KV heads, MLP width, vocabulary, a hybrid's value heads; the batch over "data"."""
+    configs = [("target", cfg)] + ([("drafter", drafter_cfg)] if drafter_cfg is not None else [])
+    for who, c in configs:
+        for name, value in _model_splits(c).items():
+            if value % shape.tensor:
+                raise MeshError(f"{where}.tensor={shape.tensor} does not divide the {who}'s {name} ({value})")
+    if batch_size is not None and batch_size % shape.data:
+        raise MeshError(f"{where}.data={shape.data} does not divide the batch size ({batch_size})")
+
+
+# --------------------------------------------------------------------------------------------------
+# Params
+
+
+def param_spec(name: str, ndim: int) -> P:
+    """The PartitionSpec of the param leaf `name` (its dict key) with `ndim` axes."""
+    if name in COLUMN and ndim == 2:
+        return P(None, "tensor")
+    if name in ROW and ndim == 2:
+        return P("tensor", None)
+    if name in VOCAB_ROWS and ndim == 2:
+        return P("tensor", None)
+    if name in COLUMN_BIASES and ndim == 1:
+        return P("tensor")
+    return P()
+
+
+def _leaf_name(path) -> str:
+    for entry in reversed(path):
+        if isinstance(entry, jax.tree_util.DictKey):
+            return str(entry.key)
+    return ""
+
+
+def param_shardings(params, mesh: Mesh):
+    """A pytree of NamedShardings matching params (plain arrays only: W12 and kernel layouts are not
+    sharded)."""
+    def one(path, leaf):
+        if not isinstance(leaf, (jax.Array, np.ndarray)):
+            raise MeshError(f"param {jax.tree_util.keystr(path)} is a {type(leaf).__name__}; tensor-parallel "
+                            "plans take plain bf16/float32 arrays (W12 and kernel layouts are not sharded)")
+        return NamedSharding(mesh, param_spec(_leaf_name(path), leaf.ndim))
+
+    return jax.tree_util.tree_map_with_path(one, params)
+
+
+def shard_params(params, mesh: Mesh):
+    """params placed on the mesh by `param_spec` (each device receives its own slice)."""
+    return jax.device_put(params, param_shardings(params, mesh))
+
+
+_FUSED = {"qkv": ("q", "k", "v"), "gate_up": ("gate", "up")}
+
+
+def unfuse_projections(params, cfg) -> dict:
+    """A dense model's params with fused `qkv` / `gate_up` (and their biases) split back into q, k, v,
+    gate, up: the inverse of `dense.fuse_projections`, for head-aligned column splits."""
+    sizes = {"qkv": (cfg.q_size, cfg.kv_size, cfg.kv_size),
+             "gate_up": (cfg.intermediate_size, cfg.intermediate_size)}
+
+    def layer(p):
+        out = dict(p)
+        for fused, parts in _FUSED.items():
+            for suffix in ("", "_bias"):
+                if fused + suffix in out:
+                    w = out.pop(fused + suffix)
+                    offsets = np.cumsum((0,) + sizes[fused])
+                    for i, n in enumerate(parts):
+                        out[n + suffix] = w[..., int(offsets[i]):int(offsets[i + 1])]
+        return out
+
+    return {**params, "layers": tuple(layer(p) for p in params["layers"])}
+
+
+# --------------------------------------------------------------------------------------------------
+# State
+
+
+def _attention_specs(layer: AttentionState) -> AttentionState:
+    spec = P("data", None, "tensor", None)  # [B, S, KVH, D]
+    return AttentionState(spec, spec)
+
+
+def _recurrent_specs(layer: RecurrentState) -> RecurrentState:
+    return RecurrentState(conv=P("data", None, None), matrix=P("data", "tensor", None, None),
+                          conv_snapshots=P("data", None, None, None),
+                          matrix_snapshots=P("data", None, "tensor", None, None))
+
+
+def state_specs(state: TargetState) -> TargetState:
+    """PartitionSpecs for every array of a TargetState (attention and recurrent layers)."""
+    layers = tuple(_attention_specs(layer) if isinstance(layer, AttentionState) else _recurrent_specs(layer)
+                   for layer in state.layers)
+    return TargetState(layers=layers, lengths=P("data"))
+
+
+def constrain_state(state: Any, mesh: Mesh | None) -> Any:
+    """`state` with the mesh's shardings (`state_specs`) imposed; other states (a replay drafter's
+    reference array) and mesh=None pass through."""
+    if mesh is None or not isinstance(state, TargetState):
+        return state
+    specs = state_specs(state)
+    return jax.tree.map(lambda x, s: jax.lax.with_sharding_constraint(x, NamedSharding(mesh, s)), state, specs)
+
+
+def attach_shardings(tree: Any, mesh: Mesh) -> Any:
+    """ShapeDtypeStruct leaves of `tree` given shardings on `mesh`: a TargetState's by `state_specs`, any
+    other struct replicated; arrays and structs that have a sharding are kept."""
+    def struct(x, spec):
+        if isinstance(x, jax.ShapeDtypeStruct) and x.sharding is None:
+            return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=NamedSharding(mesh, spec))
+        return x
+
+    def node(x):
+        if isinstance(x, TargetState):
+            return jax.tree.map(struct, x, state_specs(x))
+        return struct(x, P())
+
+    return jax.tree.map(node, tree, is_leaf=lambda x: isinstance(x, (TargetState, jax.ShapeDtypeStruct)))
