@@ -1,13 +1,21 @@
 """Shared fixtures: tiny model configs built with dataclasses.replace, as the style guide suggests."""
 
 import dataclasses
+import os
 
 import jax
-import jax.numpy as jnp
-import pytest
 
-from specpilot.models import dense
-from specpilot.models.config import ModelConfig
+# Sharded plans are tested on simulated CPU devices (tests/test_sharding.py); jax's device count must be
+# set before its backends start. Unsharded work runs on the first device, as it would with one.
+SIMULATED_CPU_DEVICES = 4
+if "xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", ""):
+    jax.config.update("jax_num_cpu_devices", SIMULATED_CPU_DEVICES)
+
+import jax.numpy as jnp  # noqa: E402
+import pytest  # noqa: E402
+
+from specpilot.models import dense  # noqa: E402
+from specpilot.models.config import ModelConfig  # noqa: E402
 
 TINY = ModelConfig(vocab_size=128, hidden_size=64, intermediate_size=128, num_layers=2, num_heads=4,
                    num_kv_heads=2, head_dim=16, qk_norm=True, tap_layers=(0, 1))

@@ -231,3 +231,27 @@ def test_hybrid_target_runs_ar_and_stock_with_forcing_clean(tmp_path):
     stock = records["stock"]
     assert stock["mismatches"] == 0 and stock["forcing"]["positions"] == 24
     assert stock["forcing"]["outputs_differ"] == 0 and stock["tau"] > 1.0
+
+
+def test_sharded_plans_run_on_simulated_devices_and_pass_forcing(tmp_path):
+    """README's sharded deployment on a CPU: every sharded plan is checked against the one-device AR."""
+    out = tmp_path / "out"
+    proc = _run(f"output_dir={out}", "decoding=sharded", "drafter=oracle", "drafter.num_layers=1",
+                "drafter.block_size=4", "drafter.tau=2.5", "simulated_cpu_devices=2", "bench.num_prompts=2",
+                "bench.new_tokens=12", "decoding.profile_split=false", f"hydra.run.dir={tmp_path / 'hydra'}",
+                cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    records = {r["method"]: r for r in map(json.loads, (out / "results.jsonl").read_text().splitlines())}
+    assert list(records) == ["ar", "ar_tp2", "stock", "stock_tp2"]
+    assert records["ar"]["mesh"] == "1x1" and records["stock_tp2"]["mesh"] == "1x2"
+    for name in ("ar_tp2", "stock", "stock_tp2"):
+        assert records[name]["mismatches"] == 0 and records[name]["forcing"]["outputs_differ"] == 0
+    assert "stock_tp2: sharded over a 1x2 mesh" in proc.stdout
+
+
+def test_a_mesh_larger_than_the_devices_fails_naming_the_plan(tmp_path):
+    proc = _run("decoding=sharded", "drafter=oracle", "drafter.num_layers=1", "drafter.block_size=4",
+                "drafter.tau=2.5", "decoding.plans.stock_tp2.mesh.tensor=4", "simulated_cpu_devices=2",
+                f"hydra.run.dir={tmp_path / 'hydra'}", cwd=tmp_path)
+    assert proc.returncode == 1
+    assert "decoding.plans.stock_tp2.mesh: mesh 1x4 (data x tensor) needs 4 devices; jax sees 2" in proc.stderr

@@ -317,11 +317,11 @@ def check_meshes(plans: list[Plan], cfg, batch_size: int, drafter) -> None:
     for plan in plans:
         if not plan.mesh.is_single:
             where = f"decoding.plans.{plan.name}.mesh"
-            sharding.check_mesh(plan.mesh, cfg, batch_size, dcfg if plan.uses_drafter else None, where)
             try:
                 sharding.make_mesh(plan.mesh)
             except sharding.MeshError as e:
                 raise sharding.MeshError(f"{where}: {e}") from None
+            sharding.check_mesh(plan.mesh, cfg, batch_size, dcfg if plan.uses_drafter else None, where)
 
 
 def build(cfg: DictConfig, plans: list[Plan]) -> Deployment:

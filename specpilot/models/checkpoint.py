@@ -36,6 +36,7 @@ import json
 from pathlib import Path
 from typing import Any
 
+import jax
 import jax.numpy as jnp
 import ml_dtypes  # noqa: F401  registers 'bfloat16' with numpy; safetensors' numpy reader needs it
 import numpy as np
@@ -252,8 +253,9 @@ def _declared_architecture(root: Path) -> str | None:
         return None
 
 
-def load_hf(path: str | Path, dtype=jnp.bfloat16, tap_layers=()):
-    """Load a HF directory into (params, cfg). dtype=None keeps the stored dtype.
+def load_hf(path: str | Path, dtype=jnp.bfloat16, tap_layers=(), mesh=None):
+    """Load a HF directory into (params, cfg). dtype=None keeps the stored dtype. With a `mesh`, every
+    tensor loads straight into its tensor-parallel sharding (`assemble_params`).
 
     Qwen3/Llama give a `ModelConfig`; Qwen3.5 (`HYBRID_ARCHITECTURES`) is loaded by
     `hybrid_checkpoint.load_hf` and gives a `HybridConfig`. `load_target` picks the target too."""
@@ -265,7 +267,7 @@ def load_hf(path: str | Path, dtype=jnp.bfloat16, tap_layers=()):
     if _declared_architecture(root) in HYBRID_ARCHITECTURES:
         from specpilot.models import hybrid_checkpoint  # it imports this module's helpers
 
-        return hybrid_checkpoint.load_hf(root, dtype, tap_layers)
+        return hybrid_checkpoint.load_hf(root, dtype, tap_layers, mesh)
     cfg = _read_config(root, tap_layers)
     expected, found, extra_tied = _plan(root, cfg)
     if extra_tied:
@@ -275,22 +277,78 @@ def load_hf(path: str | Path, dtype=jnp.bfloat16, tap_layers=()):
             raise CheckpointError("config ties word embeddings but lm_head.weight differs from "
                                   "model.embed_tokens.weight")
     return assemble_params(found, expected, cfg.num_layers, dtype,
-                           lambda host, transpose: host.T if transpose else host), cfg
+                           lambda host, transpose: host.T if transpose else host, mesh), cfg
 
 
-def assemble_params(found, expected, num_layers: int, dtype, to_ours) -> dict[str, Any]:
-    """Read every expected tensor into our params tree: `expected[key] = (where, _, layout)`, where
-    `where` is ("layers", i, name) or (name,); `to_ours(host, layout)` turns a stored array into our
-    layout. A tensor with a NaN or Inf (before or after the cast to dtype) raises, naming it."""
-    params: dict[str, Any] = {"layers": tuple({} for _ in range(num_layers))}
-    for key, host in _read_tensors(found, expected):
-        where, _, layout = expected[key]
-        raw = jnp.asarray(np.ascontiguousarray(to_ours(host, layout)))
+def _finite(found, key, raw, arr) -> None:
+    problem = non_finite(arr, raw if arr.dtype != raw.dtype else None)
+    if problem:
+        raise CheckpointError(f"{found[key][0].name}: tensor {key} holds {problem}; a model with "
+                              f"it would give NaN logits")
+
+
+def _stored_index(index: tuple, layout, ndim: int):
+    """The stored tensor's index for our slice `index` when our layout is the stored one (False, None,
+    "plain") or its transpose (True, "transpose"); None for other layouts (read whole, then sliced)."""
+    index = tuple(index) + (slice(None),) * (ndim - len(index))
+    if layout in (False, None, "plain"):
+        return index
+    if layout in (True, "transpose") and ndim == 2:
+        return index[::-1]
+    return None
+
+
+def _read_sharded(found, key, reader, shape, layout, to_ours, dtype, sharding):
+    """One tensor placed on `sharding`: each device's slice read from the file (safetensors' slices), so
+    no device and no host holds more than its part of a split tensor."""
+    pieces = []
+    for device, index in sharding.addressable_devices_indices_map(shape).items():
+        stored = _stored_index(index, layout, len(shape))
+        if stored is None:
+            part = np.ascontiguousarray(to_ours(reader[:], layout))[tuple(index)]
+        else:
+            part = np.ascontiguousarray(to_ours(reader[stored], layout))
+        raw = jnp.asarray(part)
         arr = raw if dtype is None else raw.astype(dtype)
-        problem = non_finite(arr, raw if arr.dtype != raw.dtype else None)
-        if problem:
-            raise CheckpointError(f"{found[key][0].name}: tensor {key} holds {problem}; a model with "
-                                  f"it would give NaN logits")
+        _finite(found, key, raw, arr)
+        pieces.append(jax.device_put(arr, device))
+    return jax.make_array_from_single_device_arrays(shape, sharding, pieces)
+
+
+def _slice_readers(found, keys):
+    """Yield (key, safetensors slice reader) for `keys`, opening each file once."""
+    by_file: dict[Path, list[str]] = {}
+    for key in keys:
+        by_file.setdefault(found[key][0], []).append(key)
+    for path, file_keys in by_file.items():
+        try:
+            with safe_open(str(path), framework="numpy") as f:
+                for key in file_keys:
+                    yield key, f.get_slice(key)
+        except SafetensorError as e:
+            raise CheckpointError(f"cannot read tensors from {path}: {e}") from e
+
+
+def assemble_params(found, expected, num_layers: int, dtype, to_ours, mesh=None) -> dict[str, Any]:
+    """Read every expected tensor into our params tree: `expected[key] = (where, shape, layout)`, where
+    `where` is ("layers", i, name) or (name,); `to_ours(host, layout)` turns a stored array into our
+    layout. A tensor with a NaN or Inf (before or after the cast to dtype) raises, naming it. With a
+    `mesh` (a jax.sharding.Mesh), each tensor goes straight into its `sharding.param_spec` sharding,
+    each device reading only its slice from the file."""
+    params: dict[str, Any] = {"layers": tuple({} for _ in range(num_layers))}
+    if mesh is not None:
+        from jax.sharding import NamedSharding
+
+        from specpilot import sharding as mesh_sharding
+
+        tensors = ((key, _read_sharded(found, key, reader, tuple(expected[key][1]), expected[key][2], to_ours,
+                                       dtype, NamedSharding(mesh, mesh_sharding.param_spec(
+                                           expected[key][0][-1], len(expected[key][1])))))
+                   for key, reader in _slice_readers(found, expected))
+    else:
+        tensors = _host_tensors(found, expected, dtype, to_ours)
+    for key, arr in tensors:
+        where = expected[key][0]
         if where[0] == "layers":
             params["layers"][where[1]][where[2]] = arr
         else:
@@ -298,15 +356,24 @@ def assemble_params(found, expected, num_layers: int, dtype, to_ours) -> dict[st
     return params
 
 
-def load_target(path: str | Path, dtype=jnp.bfloat16, tap_layers=()):
+def _host_tensors(found, expected, dtype, to_ours):
+    for key, host in _read_tensors(found, expected):
+        layout = expected[key][2]
+        raw = jnp.asarray(np.ascontiguousarray(to_ours(host, layout)))
+        arr = raw if dtype is None else raw.astype(dtype)
+        _finite(found, key, raw, arr)
+        yield key, arr
+
+
+def load_target(path: str | Path, dtype=jnp.bfloat16, tap_layers=(), mesh=None):
     """(target, params) for any supported HF directory: `dense.target` or `hybrid.target` by the
-    architecture config.json names, at the params' dtype."""
-    params, cfg = load_hf(path, dtype, tap_layers)
+    architecture config.json names, at the params' dtype; with a `mesh`, params and state sharded over it."""
+    params, cfg = load_hf(path, dtype, tap_layers, mesh)
     if isinstance(cfg, ModelConfig):
-        return dense.target(cfg, params["embed"].dtype), params
+        return dense.target(cfg, params["embed"].dtype, mesh), params
     from specpilot.models import hybrid
 
-    return hybrid.target(cfg, params["embed"].dtype), params
+    return hybrid.target(cfg, params["embed"].dtype, mesh=mesh), params
 
 
 # --------------------------------------------------------------------------------------------------

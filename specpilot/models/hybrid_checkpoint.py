@@ -107,9 +107,10 @@ def _plan(root: Path, cfg: HybridConfig):
     return expected, found, extra_tied, embed_key
 
 
-def load_hf(path: str | Path, dtype=jnp.bfloat16, tap_layers=()) -> tuple[dict, HybridConfig]:
+def load_hf(path: str | Path, dtype=jnp.bfloat16, tap_layers=(), mesh=None) -> tuple[dict, HybridConfig]:
     """Load a HF Qwen3.5 directory (either layout) into (params, cfg). dtype=None keeps the stored
-    dtype. Vision-tower and MTP tensors are skipped (see the module docstring)."""
+    dtype. Vision-tower and MTP tensors are skipped (see the module docstring). With a `mesh`, tensors
+    load straight into their shardings (`checkpoint.assemble_params`)."""
     root = Path(path)
     if not root.is_dir():
         raise CheckpointError(f"checkpoint path {root} is not a directory")
@@ -120,4 +121,4 @@ def load_hf(path: str | Path, dtype=jnp.bfloat16, tap_layers=()) -> tuple[dict, 
         lm, emb = pair["lm_head.weight"], pair[embed_key]
         if lm.dtype != emb.dtype or not np.array_equal(lm.view(np.uint8), emb.view(np.uint8)):
             raise CheckpointError(f"config ties word embeddings but lm_head.weight differs from {embed_key}")
-    return assemble_params(found, expected, cfg.num_layers, dtype, _to_ours), cfg
+    return assemble_params(found, expected, cfg.num_layers, dtype, _to_ours, mesh), cfg
