@@ -219,3 +219,24 @@ def attach_shardings(tree: Any, mesh: Mesh) -> Any:
         return struct(x, P())
 
     return jax.tree.map(node, tree, is_leaf=lambda x: isinstance(x, (TargetState, jax.ShapeDtypeStruct)))
+
+
+def host_array(x) -> np.ndarray:
+    """x on the host, also when it spans processes (multi-host meshes: every process gets the whole
+    array, gathered from the processes that hold its parts)."""
+    if not isinstance(x, jax.Array) or x.is_fully_addressable:
+        return np.asarray(x)
+    from jax.experimental import multihost_utils
+
+    return np.asarray(multihost_utils.process_allgather(x, tiled=True))
+
+
+def place(x, target_sharding):
+    """x moved to `target_sharding`; a process-local array bound for a mesh spanning processes goes
+    through the host (each process supplies the parts its devices hold)."""
+    if isinstance(x, jax.Array) and x.is_fully_addressable and not target_sharding.is_fully_addressable:
+        if jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key):
+            impl = jax.random.key_impl(x)
+            return jax.random.wrap_key_data(place(jax.random.key_data(x), target_sharding), impl=impl)
+        x = np.asarray(x)
+    return jax.device_put(x, target_sharding)

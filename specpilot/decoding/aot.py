@@ -76,7 +76,7 @@ class _Resharding:
         leaves, tree = jax.tree.flatten(args, is_leaf=_none)
         if len(leaves) != len(self.shardings):
             raise ValueError(f"{len(leaves)} argument leaves for an executable taking {len(self.shardings)}")
-        moved = [x if s is None or x is None or getattr(x, "sharding", None) == s else jax.device_put(x, s)
+        moved = [x if s is None or x is None or getattr(x, "sharding", None) == s else sharding.place(x, s)
                  for x, s in zip(leaves, self.shardings)]
         return self.exe(*jax.tree.unflatten(tree, moved))
 

@@ -44,6 +44,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from specpilot.decoding.aot import CompileCache
+from specpilot.sharding import host_array
 from specpilot.decoding.sampling import GREEDY, RequestSampling, SamplingConfig, resolve_key, sample
 from specpilot.state import TargetState, chain_forward, check_capacity, prompt_forward
 
@@ -293,19 +294,19 @@ def generate(target, params, prompts: Sequence[Sequence[int]], max_new_tokens: i
     if loop == "fori":
         bound = steps_arg if stop_token is None else jnp.asarray(budgets)
         rest, state = decode(params, requests, tok, state, keys[1:], bound)
-        generated = np.concatenate([np.asarray(tok)[:, None], np.asarray(rest)], axis=1)
+        generated = np.concatenate([host_array(tok)[:, None], host_array(rest)], axis=1)
     else:
         out = [tok]
-        done = None if stop_token is None else (np.asarray(tok) == stop_token) | (budgets <= 1)
+        done = None if stop_token is None else (host_array(tok) == stop_token) | (budgets <= 1)
         for i in range(1, num_steps + 1):
             if done is not None and done.all():
                 break  # every row was done after token i - 2 or earlier: step i - 1 was the extra one
             tok, state = step(params, requests, tok, state, keys[i])
             out.append(tok)
             if done is not None and i >= 2:  # read token i - 1 back while step i runs
-                done |= (np.asarray(out[i - 1]) == stop_token) | (i >= budgets)
+                done |= (host_array(out[i - 1]) == stop_token) | (i >= budgets)
         out += [jnp.full_like(tok, -1)] * (max_new_tokens - len(out))
-        generated = np.array(jnp.stack(out, axis=1))  # without a stop token, the only device -> host copy
+        generated = host_array(jnp.stack(out, axis=1)).copy()  # without a stop token, the only device -> host copy
     t2 = time.perf_counter()
     num_generated = stop_lengths(generated, budgets, stop_token)
     generated[np.arange(max_new_tokens)[None, :] >= num_generated[:, None]] = -1

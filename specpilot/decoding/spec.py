@@ -58,6 +58,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from specpilot.decoding.aot import CompileCache
+from specpilot.sharding import host_array
 from specpilot.decoding.ar import (GenerationResult, check_position_limit, check_stop_token, default_cache_len,
                                    pack_prompts, request_budgets)
 from specpilot.decoding.rejection import choose_drafts, verify_chain
@@ -383,15 +384,15 @@ def generate(target, target_params, drafter, draft_params, prompts: Sequence[Seq
     state.last.block_until_ready()
     t1 = time.perf_counter()
     state, times = run(state)
-    out, n_out = np.asarray(state.out), np.asarray(state.n_out)  # the decode's only read-back
+    out, n_out = host_array(state.out), host_array(state.n_out)  # the decode's only read-back
     t2 = time.perf_counter()
 
     generated = out[:, :max_new_tokens].copy()
     generated[np.arange(max_new_tokens)[None, :] >= n_out[:, None]] = -1
-    stats = SpecStats(block_size=bs, steps=np.asarray(state.steps), emitted=np.asarray(state.emitted),
-                      accept_hist=np.asarray(state.accept_hist), prefill_s=t1 - t0, decode_s=t2 - t1,
+    stats = SpecStats(block_size=bs, steps=host_array(state.steps), emitted=host_array(state.emitted),
+                      accept_hist=host_array(state.accept_hist), prefill_s=t1 - t0, decode_s=t2 - t1,
                       new_tokens=int(budgets.max() if stop_token is None else n_out.max()),
-                      accepted=np.asarray(state.accepted))
+                      accepted=host_array(state.accepted))
     if times is not None:
         stats.draft_s, stats.verify_s, stats.bookkeeping_s = (
             times["draft"], times["verify"], times["bookkeeping"])

@@ -46,15 +46,20 @@ def setup(cfg) -> None:
 
 
 def initialize_distributed(dist) -> None:
-    """`jax.distributed.initialize` from a `distributed` config block (see `DistributedConf`)."""
+    """`jax.distributed.initialize` from a `distributed` config block (see `DistributedConf`). CPU
+    devices of different processes exchange data through gloo (GPUs use NCCL; the setting is CPU-only)."""
+    if not dist.auto:
+        missing = [k for k in ("coordinator_address", "num_processes", "process_id") if dist.get(k) is None]
+        if missing:
+            raise DeviceSetupError("distributed.enabled without auto needs "
+                                   + ", ".join("distributed." + k for k in missing))
+        if not 0 <= int(dist.process_id) < int(dist.num_processes):
+            raise DeviceSetupError(f"distributed.process_id={dist.process_id} is not in "
+                                   f"0..{int(dist.num_processes) - 1}")
+    jax.config.update("jax_cpu_collectives_implementation", "gloo")
     if dist.auto:
         jax.distributed.initialize()
         return
-    missing = [k for k in ("coordinator_address", "num_processes", "process_id") if dist.get(k) is None]
-    if missing:
-        raise DeviceSetupError(f"distributed.enabled without auto needs {', '.join('distributed.' + k for k in missing)}")
-    if not 0 <= int(dist.process_id) < int(dist.num_processes):
-        raise DeviceSetupError(f"distributed.process_id={dist.process_id} is not in 0..{int(dist.num_processes) - 1}")
     ids = dist.get("local_device_ids")
     jax.distributed.initialize(coordinator_address=str(dist.coordinator_address),
                                num_processes=int(dist.num_processes), process_id=int(dist.process_id),
