@@ -93,6 +93,7 @@ def run(cfg: DictConfig, out_dir: str | Path) -> list[dict]:
             verify=plan.verify,
             weights=plan.weights,
             matmul="+".join(plan.kernels.matmul.implementation),
+            gated_delta_rule="+".join(plan.kernels.gated_delta_rule.implementation),
             block_size=plan.block_size,
             plan=plan.describe(),
             baseline=baselines["ar"],
