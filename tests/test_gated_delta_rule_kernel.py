@@ -9,7 +9,9 @@ the delta update (I - beta k k^T, a contraction for |k| = 1) shrink it. A wrong 
 missing token, a swapped axis) is off by O(1).
 """
 
+import csv
 import dataclasses
+import importlib.util
 from pathlib import Path
 
 import jax
@@ -225,3 +227,23 @@ def test_the_plans_kernel_runs_in_the_hybrid_forward():
     linear = [i for i, kind in enumerate(dep.cfg.layer_types) if kind == "linear_attention"]
     for i in linear:
         _close(state.layers[i].matrix_snapshots[:, :5], want_state.layers[i].matrix_snapshots[:, :5])
+
+
+def test_bench_smoke_writes_checked_rows(tmp_path):
+    """experiments/bench_gated_delta_rule.py --smoke: a reference row and a row per config, each kernel row
+    checked against the reference on the device, the bytes counted as the docstring says."""
+    spec = importlib.util.spec_from_file_location(
+        "bench_gated_delta_rule", Path(__file__).resolve().parents[1] / "experiments" / "bench_gated_delta_rule.py")
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    out = tmp_path / "gdr.csv"
+    bench.main(["--smoke", "--batch", "2", "--tokens", "3", "--out", str(out)])
+    rows = list(csv.DictReader(out.open()))
+    assert [(r["impl"], r["block_v"]) for r in rows] == [("xla", ""), ("triton", "16"), ("triton", "32")]
+    b, t, h, dk, dv = 2, 3, 2, 16, 32
+    state_floats = b * h * dk * dv * (1 + t)  # S0 read, T states written
+    small_floats = b * t * h * (dk + dk + dv + 1 + 1) + b * t * h * dv  # q k v g beta read, o written
+    assert {int(r["bytes"]) for r in rows} == {4 * (state_floats + small_floats)}
+    for r in rows[1:]:
+        assert float(r["max_abs_err_o"]) < KERNEL_ATOL and float(r["max_abs_err_states"]) < KERNEL_ATOL
+        assert float(r["us_per_call"]) > 0
