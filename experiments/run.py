@@ -64,7 +64,10 @@ def main(cfg: DictConfig) -> None:
     shown = runner.format_responses(records)
     if shown:
         print(shown)
-    print(f"results: {out_dir}/results.jsonl")
+    import jax
+
+    if jax.process_index() == 0:  # multi-host runs: process 0 writes the results
+        print(f"results: {out_dir}/results.jsonl")
 
 
 if __name__ == "__main__":

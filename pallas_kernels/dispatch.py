@@ -1,5 +1,6 @@
 """The one place that chooses how an op is computed: `matmul` (and `prepare_params`, which puts a model's
-weights into the layout the chosen implementation multiplies).
+weights into the layout the chosen implementation multiplies) and `gated_delta_rule` (linear attention's
+recurrence, token by token).
 
 Design choices (tokamax's op API):
 - A choice (`OpChoice`) names implementations in order of preference and carries the first one's
@@ -18,6 +19,11 @@ Implementations of "matmul":
 - "triton": the fused W12 decode-matmul kernel on Pallas' Triton backend (`w12_matmul`), W12 weights.
 - "mosaic": the Mosaic GPU W12 kernel (`w12_mosaic`) on its W12NK layout, and its bf16 twin on TwinNK
   tiles (plain bf16 arrays are refused, so unprepared weights fall through).
+
+Implementations of "gated_delta_rule" (o and every per-token state; choice=None: "xla"):
+- "xla": the jnp reference (`gated_delta_rule.gated_delta_rule_reference`, a `lax.scan` over tokens).
+- "triton": the Pallas Triton-backend kernel (`gated_delta_rule.gated_delta_rule`): power-of-two head
+  dims, float32, a GPU (or interpret mode); anything else falls through.
 """
 
 from __future__ import annotations
@@ -29,6 +35,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
+from pallas_kernels import gated_delta_rule as gdr
 from pallas_kernels import w12_matmul, w12_mosaic
 from pallas_kernels.w12_mosaic import TwinNK, W12MosaicConfig, W12NK
 from specpilot.formats import w12 as w12_format
@@ -45,11 +52,12 @@ class OpChoice:
 
 @dataclasses.dataclass(frozen=True)
 class XlaConfig:
-    """XLA's dot has no settings of ours."""
+    """XLA (its dot, the jnp reference of an op) has no settings of ours."""
 
 
 CONFIGS: dict[str, dict[str, type]] = {
     "matmul": {"mosaic": W12MosaicConfig, "triton": w12_matmul.W12TritonConfig, "xla": XlaConfig},
+    "gated_delta_rule": {"triton": gdr.GatedDeltaRuleTritonConfig, "xla": XlaConfig},
 }
 IMPLEMENTATIONS: dict[str, tuple[str, ...]] = {op: tuple(impls) for op, impls in CONFIGS.items()}
 
@@ -184,6 +192,32 @@ def matmul(x: jax.Array, w, b: jax.Array | None = None, *, choice: OpChoice | No
         return y
     raise NotImplementedError(f"no matmul implementation of {c.implementation} takes x {x.shape} {x.dtype} @ "
                               f"{type(w).__name__} {tuple(w.shape)}: " + "; ".join(refused))
+
+
+# ---- gated_delta_rule --------------------------------------------------------------------------------
+
+def _gdr_xla(q, k, v, g, beta, s0, config: XlaConfig):
+    del config
+    return gdr.gated_delta_rule_reference(q, k, v, g, beta, s0)
+
+
+_GATED_DELTA_RULES = {"xla": _gdr_xla, "triton": gdr.gated_delta_rule}
+
+
+def gated_delta_rule(q, k, v, g, beta, s0, *, choice: OpChoice | None = None):
+    """The gated delta rule token by token: q, k [B, T, H, DK], v [B, T, H, DV], g, beta [B, T, H], s0
+    [B, H, DK, DV] -> (o [B, T, H, DV], states [B, T, H, DK, DV]: after each token). Tries
+    `choice.implementation` in order (None: the reference), falling through on NotImplementedError."""
+    c = OpChoice(("xla",)) if choice is None else choice
+    _check_choice(c, "gated_delta_rule")
+    refused = []
+    for impl in c.implementation:
+        try:
+            return _GATED_DELTA_RULES[impl](q, k, v, g, beta, s0, _config(c, "gated_delta_rule", impl))
+        except NotImplementedError as e:
+            refused.append(f"{impl}: {e}")
+    raise NotImplementedError(f"no gated_delta_rule implementation of {c.implementation} takes k {k.shape} "
+                              f"v {v.shape} {v.dtype}: " + "; ".join(refused))
 
 
 # ---- weight layouts ----------------------------------------------------------------------------------

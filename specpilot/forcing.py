@@ -37,6 +37,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from specpilot.decoding.ar import pack_prompts
+from specpilot.sharding import host_array
 from specpilot.state import chain_forward, prompt_forward
 
 Scorer = Callable[[np.ndarray, np.ndarray, np.ndarray], np.ndarray]
@@ -78,7 +79,7 @@ def chunked_scorer(params, target, chunk: int | None = 1, cache_dtype=None) -> S
         for c in range(n_chunks):
             logits, state = _chunk(params, target, jnp.asarray(inputs[:, c * k:(c + 1) * k]), state)
             out.append(logits)
-        return np.asarray(jnp.concatenate(out, axis=1)[:, :n])
+        return host_array(jnp.concatenate(out, axis=1)[:, :n])
 
     return score
 

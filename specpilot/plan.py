@@ -10,7 +10,7 @@ Design choices:
 - A run's `decoding.plans` is a mapping name -> plan fields (Hydra: `decoding.plans.stock.weights=w12`,
   multirun `-m decoding.plans.stock.block_size=4,8,16`). Fields a plan leaves unset take the deployment's
   defaults: the block size is the drafter's, a kernel implementation left `null` is the `gpu` group's
-  default for the plan's weight format.
+  default (`gpu.matmul` per weight format, `gpu.gated_delta_rule`).
 - The baselines are plans too: "AR" is the fastest bf16 `ar` plan the run measured for the device (the
   `gpu` group lists the candidates), "stock" is `chain` with bf16 weights and the default kernels.
 - Reserved kinds and fields fail when a plan is built, with an error naming the field, rather than
@@ -30,6 +30,7 @@ VERIFY_KINDS = ("ar", "chain")
 RESERVED_VERIFY_KINDS = ("tree", "two_level")
 WEIGHT_FORMATS = ("bf16", "w12")
 BATCHING_POLICIES = ("static",)
+KERNEL_OPS = ("matmul", "gated_delta_rule")  # the fields of `Kernels`, each a `dispatch` op
 
 
 class PlanError(ValueError):
@@ -43,9 +44,12 @@ def _fail(plan: str, field: str, msg: str):
 @dataclasses.dataclass(frozen=True)
 class Kernels:
     """The implementation of each op (`pallas_kernels.dispatch.OpChoice`: names tried in order, falling
-    through on NotImplementedError, and the first one's frozen config of block sizes and options)."""
+    through on NotImplementedError, and the first one's frozen config of block sizes and options):
+    `matmul` for the linear layers, `gated_delta_rule` for a hybrid target's linear-attention recurrence
+    in decode and verification (dense targets have none)."""
 
     matmul: OpChoice = OpChoice(("xla",))
+    gated_delta_rule: OpChoice = OpChoice(("xla",))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -84,16 +88,19 @@ class Plan:
             _fail(self.name, "tree", "tree shapes belong to tree verification, which is not implemented yet")
         if self.batching not in BATCHING_POLICIES:
             _fail(self.name, "batching", f"{self.batching!r} is not available; available: {BATCHING_POLICIES}")
-        if not self.kernels.matmul.implementation:
-            _fail(self.name, "kernels.matmul.implementation", "name at least one implementation")
+        for op in KERNEL_OPS:
+            if not getattr(self.kernels, op).implementation:
+                _fail(self.name, f"kernels.{op}.implementation", "name at least one implementation")
         if not isinstance(self.mesh, MeshShape):
             _fail(self.name, "mesh", f"must be a MeshShape, got {type(self.mesh).__name__}")
         if not self.mesh.is_single and self.weights != "bf16":
             _fail(self.name, "mesh", f"tensor/data-parallel plans take bf16 weights (W12 layouts are not "
                   f"sharded), got weights={self.weights!r}")
-        if not self.mesh.is_single and any(i != "xla" for i in self.kernels.matmul.implementation):
-            _fail(self.name, "mesh", "tensor/data-parallel plans multiply through XLA's dot (kernels.matmul."
-                  f"implementation=[xla]), got {list(self.kernels.matmul.implementation)}")
+        for op in KERNEL_OPS:  # Pallas kernels are not partitioned by the compiler
+            impl = getattr(self.kernels, op).implementation
+            if not self.mesh.is_single and any(i != "xla" for i in impl):
+                _fail(self.name, "mesh", f"tensor/data-parallel plans compute through XLA (kernels.{op}."
+                      f"implementation=[xla]), got {list(impl)}")
 
     @property
     def uses_drafter(self) -> bool:
@@ -106,9 +113,10 @@ class Plan:
     def describe(self) -> dict:
         """The plan as plain data (results records carry it)."""
         out = dataclasses.asdict(self)
-        cfg = self.kernels.matmul.config
-        out["kernels"]["matmul"]["config"] = dataclasses.asdict(cfg) if dataclasses.is_dataclass(cfg) else cfg
-        out["kernels"]["matmul"]["implementation"] = list(self.kernels.matmul.implementation)
+        for op in KERNEL_OPS:
+            c = getattr(self.kernels, op)
+            config = dataclasses.asdict(c.config) if dataclasses.is_dataclass(c.config) else c.config
+            out["kernels"][op] = {"implementation": list(c.implementation), "config": config}
         return out
 
 
@@ -117,13 +125,27 @@ def is_ar_baseline_candidate(plan: Plan) -> bool:
     return plan.verify == "ar" and plan.weights == "bf16"
 
 
+def _op_choice(name: str, kernels, op: str, default) -> OpChoice:
+    """kernels.<op> of a plan's fields as an OpChoice: its implementation list (None: `default`, the gpu
+    group's) and the first implementation's config mapping, typed by `dispatch.choice` (an unknown
+    implementation or option fails naming the field)."""
+    fields = (kernels.get(op) or {}) if isinstance(kernels, Mapping) else {}
+    impl = fields.get("implementation")
+    impl = default if impl is None else impl
+    impl = tuple(str(i) for i in ([impl] if isinstance(impl, str) else impl))
+    try:
+        return dispatch.choice(op, impl, dict(fields.get("config") or {}) or None)
+    except (ValueError, TypeError, KeyError) as e:
+        _fail(name, f"kernels.{op}", str(e))
+
+
 def build(name: str, fields: Mapping[str, Any], *, drafter_block_size: int | None,
-          default_matmul: Mapping[str, Any]) -> Plan:
+          default_matmul: Mapping[str, Any], default_gated_delta_rule=("xla",)) -> Plan:
     """A Plan from a config mapping (the YAML's fields), with the deployment's defaults filled in.
 
-    `default_matmul`: weight format -> implementation list (the `gpu` group's defaults). The kernel config
-    mapping becomes the first implementation's typed config (`dispatch.choice`), so an unknown option
-    fails here, naming the field.
+    `default_matmul`: weight format -> implementation list; `default_gated_delta_rule`: an implementation
+    list (the `gpu` group's defaults, `gpu.<op>`). Each kernel config mapping becomes its first
+    implementation's typed config (`dispatch.choice`), so an unknown option fails here, naming the field.
     """
     verify = str(fields.get("verify", "chain"))
     weights = str(fields.get("weights", "bf16"))
@@ -139,25 +161,20 @@ def build(name: str, fields: Mapping[str, Any], *, drafter_block_size: int | Non
             _fail(name, "block_size", f"a {verify} plan needs a drafter (its block size is the default)")
         block = drafter_block_size
     kernels = fields.get("kernels") or {}
-    matmul = (kernels.get("matmul") or {}) if isinstance(kernels, Mapping) else {}
-    impl = matmul.get("implementation")
-    if impl is None and not _mesh(name, fields.get("mesh")).is_single:
-        impl = ["xla"]  # sharded plans multiply through XLA's dot
-    if impl is None:
-        if weights not in default_matmul:
-            _fail(name, "kernels.matmul.implementation", f"the gpu config gives no default for {weights!r} weights")
-        impl = default_matmul[weights]
-    impl = tuple(str(i) for i in ([impl] if isinstance(impl, str) else impl))
-    config = dict(matmul.get("config") or {})
-    try:
-        choice = dispatch.choice("matmul", impl, config or None)
-    except (ValueError, TypeError, KeyError) as e:
-        _fail(name, "kernels.matmul", str(e))
+    mesh = _mesh(name, fields.get("mesh"))
+    if not mesh.is_single:  # sharded plans compute through XLA unless a plan says otherwise
+        default_matmul = {weights: ["xla"]}
+        default_gated_delta_rule = ["xla"]
+    matmul_fields = (kernels.get("matmul") or {}) if isinstance(kernels, Mapping) else {}
+    if matmul_fields.get("implementation") is None and weights not in default_matmul:
+        _fail(name, "kernels.matmul.implementation", f"the gpu config gives no default for {weights!r} weights")
+    chosen = Kernels(matmul=_op_choice(name, kernels, "matmul", default_matmul.get(weights)),
+                     gated_delta_rule=_op_choice(name, kernels, "gated_delta_rule", default_gated_delta_rule))
     tree = fields.get("tree")
     if tree is not None:
         tree = TreeShape(**dict(tree))
-    return Plan(name=name, verify=verify, weights=weights, block_size=int(block), kernels=Kernels(choice),
-                tree=tree, batching=str(fields.get("batching", "static")), mesh=_mesh(name, fields.get("mesh")))
+    return Plan(name=name, verify=verify, weights=weights, block_size=int(block), kernels=chosen,
+                tree=tree, batching=str(fields.get("batching", "static")), mesh=mesh)
 
 
 def _mesh(name: str, fields) -> MeshShape:

@@ -180,7 +180,8 @@ def test_dense_layer_passes_its_plan_choice_and_roles():
 
 MODULES = ["specpilot.formats", "specpilot.formats.w12", "pallas_kernels.common", "pallas_kernels.w12_matmul",
            "pallas_kernels.w12_mosaic.layout", "pallas_kernels.w12_mosaic.ptx", "pallas_kernels.w12_mosaic.kernel",
-           "pallas_kernels.w12_mosaic.api", "pallas_kernels.w12_mosaic", "pallas_kernels.dispatch",
+           "pallas_kernels.w12_mosaic.api", "pallas_kernels.w12_mosaic", "pallas_kernels.gated_delta_rule",
+           "pallas_kernels.dispatch",
            "specpilot.models.layers"]
 
 

@@ -47,3 +47,24 @@ def test_incomplete_distributed_config_fails_naming_the_keys():
     bad = OmegaConf.merge(dist, {"num_processes": 2, "process_id": 2})
     with pytest.raises(devices.DeviceSetupError, match=r"process_id=2 is not in 0..1"):
         devices.initialize_distributed(bad)
+
+
+@pytest.mark.slow
+def test_run_entry_point_over_two_processes(tmp_path):
+    """`experiments/run.py` with the `distributed` block on two processes: sharded plans span both,
+    token forcing is clean, and only process 0 writes results (~2 min on 2 cores)."""
+    port = _free_port()
+    env = {**os.environ, "XLA_FLAGS": "", "JAX_PLATFORMS": "cpu"}
+    common = ["target=tiny_random", "drafter=oracle", "drafter.num_layers=1", "drafter.block_size=4",
+              "drafter.tau=2.5", "decoding=sharded", "bench=default", "bench.num_prompts=2", "bench.new_tokens=12",
+              "decoding.profile_split=false", "distributed.enabled=true",
+              f"distributed.coordinator_address=localhost:{port}", "distributed.num_processes=2"]
+    procs = [subprocess.Popen([sys.executable, str(ROOT / "experiments" / "run.py"), *common,
+                               f"distributed.process_id={i}", f"output_dir={tmp_path / f'out{i}'}",
+                               f"hydra.run.dir={tmp_path / f'hydra{i}'}"], cwd=tmp_path, env=env,
+                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for i in range(2)]
+    logs = [p.communicate(timeout=600)[0] for p in procs]
+    assert all(p.returncode == 0 for p in procs), "\n".join(log[-2000:] for log in logs)
+    records = {r["method"]: r for r in map(json.loads, (tmp_path / "out0" / "results.jsonl").read_text().splitlines())}
+    assert records["stock_tp2"]["mismatches"] == 0 and records["ar_tp2"]["mismatches"] == 0
+    assert not (tmp_path / "out1" / "results.jsonl").exists()

@@ -78,19 +78,25 @@ class GpuConf:
     # Triton backend); mosaic = the Mosaic GPU W12 kernel (Hopper), and for bf16 weights its bf16 twin
     matmul: Dict[str, List[str]] = dataclasses.field(
         default_factory=lambda: {"bf16": ["xla"], "w12": ["xla"]})
+    # defaults only: the gated delta rule's implementations (a hybrid target's linear attention in decode
+    # and verification) of a plan that names none. xla = the jnp recurrence; triton = the Pallas kernel
+    gated_delta_rule: List[str] = dataclasses.field(default_factory=lambda: ["xla"])
     # the bf16 AR implementations the runner measures on this device; the fastest is the AR baseline
     ar_baselines: List[List[str]] = dataclasses.field(default_factory=lambda: [["xla"]])
 
 
 @dataclasses.dataclass
-class MatmulConf:
-    implementation: Optional[List[str]] = None  # null: the gpu group's default for the plan's weights
-    config: Dict[str, Any] = dataclasses.field(default_factory=dict)  # the implementation's options
+class OpConf:
+    """One op's kernels in a plan (`dispatch.OpChoice`)."""
+
+    implementation: Optional[List[str]] = None  # null: the gpu group's default (gpu.<op>)
+    config: Dict[str, Any] = dataclasses.field(default_factory=dict)  # the first implementation's options
 
 
 @dataclasses.dataclass
 class KernelsConf:
-    matmul: MatmulConf = dataclasses.field(default_factory=MatmulConf)
+    matmul: OpConf = dataclasses.field(default_factory=OpConf)  # default: gpu.matmul.<plan's weights>
+    gated_delta_rule: OpConf = dataclasses.field(default_factory=OpConf)  # default: gpu.gated_delta_rule
 
 
 @dataclasses.dataclass
@@ -257,7 +263,9 @@ def validate(cfg: DictConfig) -> None:
     plans = build_plans(cfg)
     for plan in plans:
         key = f"decoding.plans.{plan.name}"
-        _check_implementations(f"{key}.kernels.matmul.implementation", plan.kernels.matmul.implementation)
+        for op in plan_mod.KERNEL_OPS:
+            _check_implementations(f"{key}.kernels.{op}.implementation", getattr(plan.kernels, op).implementation,
+                                   op=op)
         if plan.uses_drafter and d.source == "none":
             _fail("drafter", f"plan {plan.name!r} ({plan.verify} verification) needs a drafter; choose one, "
                   "e.g. drafter=embedded")
@@ -321,11 +329,11 @@ def _check_stop(t: DictConfig, b: DictConfig) -> None:
                   "tokenizer.json / tokenizer_config.json eos_token, no config.json eos_token_id)")
 
 
-def _check_implementations(key: str, impl) -> None:
+def _check_implementations(key: str, impl, op: str = "matmul") -> None:
     impl = list(impl or [])
     if not impl:
-        _fail(key, "name at least one matmul implementation")
-    known = tuple(dispatch.IMPLEMENTATIONS["matmul"])
+        _fail(key, f"name at least one {op} implementation")
+    known = tuple(dispatch.IMPLEMENTATIONS[op])
     for name in impl:
         if name not in known:
             _fail(key, f"{name!r} is not one of {known}")
@@ -339,9 +347,12 @@ def build_plans(cfg: DictConfig) -> list[Plan]:
     d = cfg.drafter
     drafter_block = int(d.block_size) if d.source != "none" else None
     defaults = {k: list(v) for k, v in cfg.gpu.matmul.items()}
+    _check_implementations("gpu.gated_delta_rule", cfg.gpu.gated_delta_rule, op="gated_delta_rule")
+    gdr = tuple(str(i) for i in cfg.gpu.gated_delta_rule)
     try:
         given = [plan_mod.build(str(name), OmegaConf.to_container(fields, resolve=True),
-                                drafter_block_size=drafter_block, default_matmul=defaults)
+                                drafter_block_size=drafter_block, default_matmul=defaults,
+                                default_gated_delta_rule=gdr)
                  for name, fields in cfg.decoding.plans.items()]
     except plan_mod.PlanError as e:
         raise ConfigValueError(str(e)) from None
@@ -357,7 +368,7 @@ def build_plans(cfg: DictConfig) -> list[Plan]:
         name = "ar" if impl[0] == "xla" else f"ar_{impl[0]}"
         if name in names:
             _fail(f"decoding.plans.{name}", f"the name is the AR baseline's on this gpu ({list(impl)}); rename it")
-        kernels = plan_mod.Kernels(dispatch.choice("matmul", impl))
+        kernels = plan_mod.Kernels(dispatch.choice("matmul", impl), dispatch.choice("gated_delta_rule", gdr))
         baselines.append(plan_mod.Plan(name=name, verify="ar", kernels=kernels))
         names.add(name)
     plans = baselines + given

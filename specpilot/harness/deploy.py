@@ -102,7 +102,13 @@ class Deployment:
         return self._prepare("target", self.params, plan)
 
     def cfg_for(self, plan: Plan) -> ModelConfig:
-        """The target's static config for `plan`: its matmul choice rides in the config (a jit static)."""
+        """The target's static config for `plan`: its kernel choices ride in the config (a jit static): the
+        matmul's, and for a hybrid target the gated delta rule's."""
+        from specpilot.models.hybrid_config import HybridConfig
+
+        if isinstance(self.cfg, HybridConfig):
+            return dataclasses.replace(self.cfg, matmul=plan.kernels.matmul,
+                                       gated_delta_rule=plan.kernels.gated_delta_rule)
         return dataclasses.replace(self.cfg, matmul=plan.kernels.matmul)
 
     def target_for(self, plan: Plan):

@@ -93,6 +93,7 @@ def run(cfg: DictConfig, out_dir: str | Path) -> list[dict]:
             verify=plan.verify,
             weights=plan.weights,
             matmul="+".join(plan.kernels.matmul.implementation),
+            gated_delta_rule="+".join(plan.kernels.gated_delta_rule.implementation),
             mesh=plan.mesh.describe(),
             block_size=plan.block_size,
             plan=plan.describe(),
@@ -120,7 +121,8 @@ def run(cfg: DictConfig, out_dir: str | Path) -> list[dict]:
         if plan is reference and responses:
             rec["responses"] = responses
         records.append(rec)
-    write(records, out_dir)
+    if jax.process_index() == 0:  # multi-host runs: every process has the same records; one writes them
+        write(records, out_dir)
     return records
 
 

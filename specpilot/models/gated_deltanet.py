@@ -10,9 +10,12 @@ Design choices:
   chunk_size)` -> (o, final state). Inputs are float32 `[B, T, HV, D*]` with q/k already
   L2-normalised, q scaled and key heads repeated to the value heads: the layer does that once.
 - The recurrent form (`lax.scan` over T) serves decode and verification and writes every
-  per-token state, so accepting n tokens takes snapshot n-1 with no re-run. The chunked form serves
-  prefill: within a chunk the cumulative log-decay G, the UT transform (a unit lower-triangular
-  solve turning C delta updates into matmuls), the intra-chunk attention; one state update per chunk.
+  per-token state, so accepting n tokens takes snapshot n-1 with no re-run. It lives in
+  `pallas_kernels.gated_delta_rule` as its Pallas kernel's reference; the layer calls
+  `dispatch.gated_delta_rule` with the config's choice (`HybridConfig.gated_delta_rule`).
+- The chunked form serves prefill: within a chunk the cumulative log-decay G, the UT transform (a
+  unit lower-triangular solve turning C delta updates into matmuls), the intra-chunk attention; one
+  state update per chunk.
 - Tokens a row does not feed (right padding of a prompt: those the mask hides from the forward's last
   query, `fed_tokens`) are skipped exactly: beta = 0 and g = 0 leave S unchanged, and the
   convolution state is read at the row's own end. So the state after the forward is the state after
@@ -34,6 +37,8 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+from pallas_kernels import dispatch
+from pallas_kernels.gated_delta_rule import gated_delta_rule_reference
 from specpilot.models.layers import linear
 from specpilot.state import RecurrentState, init_recurrent_state
 
@@ -65,20 +70,9 @@ def init_state(cfg, batch_size: int, max_snapshots: int, dtype) -> RecurrentStat
 # The gated delta rule
 
 
-def recurrent_gated_delta_rule(q, k, v, g, beta, initial_state):
-    """Token by token. q, k [B, T, H, DK], v [B, T, H, DV], g, beta [B, T, H], initial_state
-    [B, H, DK, DV], all float32 -> (o [B, T, H, DV], states [B, T, H, DK, DV]: after each token)."""
-
-    def step(s, inputs):
-        q_t, k_t, v_t, g_t, b_t = inputs  # [B, H, D*], [B, H]
-        s = s * jnp.exp(g_t)[..., None, None]
-        predicted = _einsum("bhkv,bhk->bhv", s, k_t)
-        s = s + _einsum("bhk,bhv->bhkv", k_t, (v_t - predicted) * b_t[..., None])
-        return s, (_einsum("bhkv,bhk->bhv", s, q_t), s)
-
-    time_major = [jnp.moveaxis(x, 1, 0) for x in (q, k, v, g, beta)]
-    _, (o, states) = jax.lax.scan(step, initial_state, time_major)
-    return jnp.moveaxis(o, 0, 1), jnp.moveaxis(states, 0, 1)
+# The recurrent form is the kernels' reference; the layer computes it through `dispatch.gated_delta_rule`
+# (a plan's kernels.gated_delta_rule: this reference or the Pallas kernel).
+recurrent_gated_delta_rule = gated_delta_rule_reference
 
 
 def chunk_gated_delta_rule(q, k, v, g, beta, initial_state, chunk_size: int = CHUNK_SIZE):
@@ -195,7 +189,7 @@ def gated_deltanet(p: dict, cfg, x: jax.Array, layer_state: RecurrentState, mask
 
     k_snap = layer_state.max_snapshots
     if t <= k_snap:  # decode / verification: every per-token state
-        o, states = recurrent_gated_delta_rule(q, k, v, g, beta, layer_state.matrix)
+        o, states = dispatch.gated_delta_rule(q, k, v, g, beta, layer_state.matrix, choice=cfg.gated_delta_rule)
         ends = jnp.minimum(jnp.arange(1, t + 1, dtype=jnp.int32)[None, :], fed[:, None])  # [B, T]
         layer_state = layer_state.write_snapshots(_conv_states_after(window, ends, width), states)
     else:  # prefill: chunked, the final state in every snapshot

@@ -61,6 +61,9 @@ class HybridConfig:
     # What multiplies the linear weights, as ModelConfig.matmul (a plan's kernels.matmul, or None:
     # each weight by its layout's implementation). Static; not a checkpoint field.
     matmul: Any = None
+    # What computes the linear layers' gated delta rule token by token (decode, verification): a plan's
+    # kernels.gated_delta_rule (`pallas_kernels.dispatch.OpChoice`), or None: the jnp reference. Static.
+    gated_delta_rule: Any = None
 
     rope_scaling = None  # no rope scaling type is supported; read by drafter configs built from this
 
