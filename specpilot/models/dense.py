@@ -294,7 +294,8 @@ class Target:
 
     def forward(self, params: Params, tokens: jax.Array, positions: jax.Array, state: TargetState,
                 mask: jax.Array):
-        logits, taps, state = forward(params, self.cfg, tokens, positions, state, mask)
+        with sharding.active(self.mesh):
+            logits, taps, state = forward(params, self.cfg, tokens, positions, state, mask)
         return logits, taps, sharding.constrain_state(state, self.mesh)
 
 

@@ -39,6 +39,9 @@ import jax.numpy as jnp
 
 from pallas_kernels import dispatch
 from pallas_kernels.gated_delta_rule import gated_delta_rule_reference
+from jax.sharding import PartitionSpec as P
+
+from specpilot import sharding
 from specpilot.models.layers import linear
 from specpilot.state import RecurrentState, init_recurrent_state
 
@@ -175,10 +178,14 @@ def gated_deltanet(p: dict, cfg, x: jax.Array, layer_state: RecurrentState, mask
 
     mixed, window = _short_conv(linear(x, p["qkv"], choice=cfg.matmul, role="in_proj_qkv"), p["conv"], layer_state.conv)
     q, k, v = jnp.split(mixed, [cfg.key_dim, 2 * cfg.key_dim], axis=-1)
+    # [q | k | v] is not grouped by head: replicated until the heads are split below
+    q, k, v = (sharding.hint(x, P("data", None, None)) for x in (q, k, v))
     rep = nv // nk  # key head j serves value heads j*rep .. j*rep+rep-1
     q = jnp.repeat(q.reshape(b, t, nk, dk), rep, axis=2).astype(jnp.float32)
     k = jnp.repeat(k.reshape(b, t, nk, dk), rep, axis=2).astype(jnp.float32)
     v = v.reshape(b, t, nv, dv).astype(jnp.float32)
+    heads = P("data", None, "tensor", None)  # the recurrence splits over value heads (a local slice)
+    q, k, v = (sharding.hint(x, heads) for x in (q, k, v))
     q = l2_normalize(q) * (dk ** -0.5)
     k = l2_normalize(k)
     beta = jax.nn.sigmoid(linear(x, p["b"], choice=cfg.matmul, role="b")).astype(jnp.float32)  # [B, T, HV]

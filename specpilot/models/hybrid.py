@@ -222,7 +222,8 @@ class Target(dense.Target):
 
     def forward(self, params: Params, tokens: jax.Array, positions: jax.Array, state: TargetState,
                 mask: jax.Array):
-        logits, taps, state = forward(params, self.cfg, tokens, positions, state, mask)
+        with mesh_sharding.active(self.mesh):
+            logits, taps, state = forward(params, self.cfg, tokens, positions, state, mask)
         return logits, taps, mesh_sharding.constrain_state(state, self.mesh)
 
 
