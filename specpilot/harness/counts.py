@@ -157,7 +157,7 @@ class _Step:
 
     def _impl(self, storage: str, tied: bool) -> str:
         if tied:
-            return f"xla/{storage}"  # the tied head is an einsum against the embedding
+            return f"xla-tied/{storage}"  # the tied head: an einsum against the embedding [V, H]
         for impl in self.impls:  # the first implementation that takes this weight (dispatch.matmul)
             if impl == "triton" and storage != "w12":
                 continue
