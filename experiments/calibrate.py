@@ -114,13 +114,18 @@ def plan_matmuls(plans, shape: counts.Shape) -> dict[str, tuple[set, set]]:
 
 def _weight(impl: str, k: int, n: int, m: int, key):
     """A random weight stored and laid out as `impl` multiplies it; -> (weight, activation dtype, matmul)."""
+    dtype = jnp.float32 if storage == "f32" else jnp.bfloat16
+    tied = name == "xla-tied"
+    w = (0.02 * jax.random.normal(key, (n, k) if tied else (k, n), jnp.float32)).astype(dtype)
+    return _layout(impl, w, dtype, m)
+
+
+def _layout(impl: str, w, dtype, m: int):
     from pallas_kernels import dispatch
     from specpilot.formats import w12
 
     name, storage = impl.split("/")
-    dtype = jnp.float32 if storage == "f32" else jnp.bfloat16
     tied = name == "xla-tied"
-    w = (0.02 * jax.random.normal(key, (n, k) if tied else (k, n), jnp.float32)).astype(dtype)
     if tied:  # the tied head: an einsum against the embedding [V, H]
         return w, dtype, lambda x, w: jnp.einsum("...h,vh->...v", x, w, preferred_element_type=jnp.float32)
     choice = dispatch.OpChoice((name,))
@@ -149,9 +154,16 @@ def matmul_table(impl: str, shapes, ms, min_bytes: int, repeats: int) -> MatmulT
     for k, n in sorted(shapes):
         copies = int(min(512, max(2, math.ceil(min_bytes / (k * n * wbytes)))))
         row = []
+        base = _weight(impl, k, n, 1, jax.random.key(k * n))[0] if impl.endswith(("f32", "bf16")) and \
+            impl.startswith("xla") else None
         try:
             for m in grid:
-                ws = [_weight(impl, k, n, m, jax.random.key(i)) for i in range(copies)]
+                if base is not None:  # plain arrays: cheap distinct copies of one random matrix
+                    scale = jax.jit(lambda w, i: w * (1 + 1e-3 * i).astype(w.dtype))
+                    ws = [(scale(base, jnp.float32(i)), base.dtype, _layout(impl, base, base.dtype, m)[2])
+                          for i in range(copies)]
+                else:
+                    ws = [_weight(impl, k, n, m, jax.random.key(i)) for i in range(copies)]
                 fn = ws[0][2]
                 weights = [w for w, _, _ in ws]
                 x = jnp.ones((m, k), ws[0][1])
