@@ -114,6 +114,7 @@ def plan_matmuls(plans, shape: counts.Shape) -> dict[str, tuple[set, set]]:
 
 def _weight(impl: str, k: int, n: int, m: int, key):
     """A random weight stored and laid out as `impl` multiplies it; -> (weight, activation dtype, matmul)."""
+    name, storage = impl.split("/")
     dtype = jnp.float32 if storage == "f32" else jnp.bfloat16
     tied = name == "xla-tied"
     w = (0.02 * jax.random.normal(key, (n, k) if tied else (k, n), jnp.float32)).astype(dtype)
@@ -152,7 +153,7 @@ def matmul_table(impl: str, shapes, ms, min_bytes: int, repeats: int) -> MatmulT
     grid = [m for m in grid if m <= max(2 * max(ms), 8)]
     kept, rows = [], []
     for k, n in sorted(shapes):
-        copies = int(min(512, max(2, math.ceil(min_bytes / (k * n * wbytes)))))
+        copies = int(min(128, max(2, math.ceil(min_bytes / (k * n * wbytes)))))
         row = []
         base = _weight(impl, k, n, 1, jax.random.key(k * n))[0] if impl.endswith(("f32", "bf16")) and \
             impl.startswith("xla") else None
