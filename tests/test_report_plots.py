@@ -100,3 +100,17 @@ def test_cli_on_a_missing_folder_prints_the_message_alone(tmp_path):
                           text=True, timeout=120)
     assert proc.returncode != 0
     assert proc.stderr.strip() == f"error: no such results folder: {tmp_path / 'nope'}"
+
+
+def test_stage_plot_draws_measured_predicted_and_floor_per_stage(drawn):
+    stages = [{"stage": "draft", "measured_ms": 2.0, "predicted_ms": 1.5, "floor_ms": 1.0},
+              {"stage": "verify", "measured_ms": 6.0, "predicted_ms": 5.0, "floor_ms": 3.0}]
+    records = [_record("ar", 1), _record("stock", 4)]
+    records[1]["attribution"] = {"stages": stages}
+    fig = drawn(records)["stages_vs_prediction.png"]
+    ax, patches, labels = _bars(fig)
+    assert len(patches) == 3 * 2
+    assert len(labels) == 2 and all("stock" in t for t in labels)
+    assert labels[0].endswith("draft") and labels[1].endswith("verify")
+    assert sorted(p.get_width() for p in patches) == [1.0, 1.5, 2.0, 3.0, 5.0, 6.0]
+    assert [t.get_text() for t in ax.get_legend().get_texts()] == ["measured", "predicted", "floor"]

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import dataclasses
 
+from specpilot.harness import counts
 from specpilot.models.config import ModelConfig
 
 
@@ -52,14 +53,25 @@ def matmul_params(cfg: ModelConfig) -> int:
     return cfg.num_layers * per_layer + cfg.vocab_size * h
 
 
-def target_step(cfg: ModelConfig, batch: int, tokens: int, context: int,
+def _weights(bits_per_weight: float) -> str:
+    if bits_per_weight not in (12.0, 16.0):
+        raise ValueError(f"bits_per_weight must be 16 (bf16) or 12 (w12), got {bits_per_weight}")
+    return "w12" if bits_per_weight == 12.0 else "bf16"
+
+
+def _floor(c: counts.StepCounts) -> StepCost:
+    """The floor of a step's kernels: matrices and gathered rows, committed K/V, all floor FLOPs."""
+    weights = c.select(cls=("matmul", "lm_head", "embedding")).total("floor_bytes")
+    kv = c.select(cls="attention").total("floor_bytes")
+    return StepCost(weights, kv, c.total("floor_flops"))
+
+
+def target_step(cfg, batch: int, tokens: int, context: int,
                 bits_per_weight: float = 16.0, kv_bytes_per_value: int = 2) -> StepCost:
     """One target forward of `tokens` new positions per sequence over `context` committed ones."""
-    n = batch * tokens
-    weight_bytes = matmul_params(cfg) * bits_per_weight / 8 + n * cfg.hidden_size * 2
-    kv_bytes = cfg.num_layers * 2 * batch * context * cfg.kv_size * kv_bytes_per_value
-    attn_flops = cfg.num_layers * 4 * n * (context + tokens) * cfg.q_size
-    return StepCost(weight_bytes, kv_bytes, 2 * n * matmul_params(cfg) + attn_flops)
+    shape = counts.Shape(cfg, batch=batch, context=context, cache_len=context + tokens,
+                         dtype_bytes=kv_bytes_per_value)
+    return _floor(counts.forward_counts(shape, tokens, _weights(bits_per_weight)))
 
 
 def drafter_step(target: ModelConfig, num_layers: int, num_taps: int, batch: int, block: int,

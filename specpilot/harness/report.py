@@ -22,7 +22,7 @@ from pathlib import Path
 
 COLUMNS = ("target", "drafter", "gpu", "batch_size", "prompts", "method", "block_size",
            "decode_ms_per_token", "speedup_vs_ar", "tau", "ceiling_ms_per_token", "pct_of_ceiling",
-           "mismatches", "notes")
+           "predicted_ms_per_token", "mismatches", "notes")
 
 
 def load_records(folder: str | Path) -> list[dict]:
@@ -188,7 +188,29 @@ def plot_all(records: list[dict], out_dir: str | Path) -> list[Path]:
         ax.legend(fontsize=7)
         _title(ax, "Where decode time goes", shared)
         save(fig, "time_split.png")
+
+    attributed = [r for r in records if r.get("attribution")]
+    if attributed:
+        save(_stage_plot(plt, attributed), "stages_vs_prediction.png")
     return written
+
+
+def _stage_plot(plt, records: list[dict]):  # -> Figure
+    """Per record and stage, three bars: measured, the cost model's prediction, its floor (ms per step)."""
+    labels, shared = describe(records)
+    rows = [(f"{label}: {st['stage']}", st) for label, r in zip(labels, records)
+            for st in sorted(r["attribution"]["stages"], key=lambda s: s["stage"])]
+    fig, ax = plt.subplots(figsize=(7, 1.6 + 0.45 * len(rows)))
+    pos = list(range(len(rows)))
+    for j, (key, name) in enumerate((("measured_ms", "measured"), ("predicted_ms", "predicted"),
+                                     ("floor_ms", "floor"))):
+        ax.barh([p + (j - 1) * 0.27 for p in pos], [st[key] for _, st in rows], height=0.27, label=name)
+    ax.set_yticks(pos, [name for name, _ in rows], fontsize=7)
+    ax.set_ylim(len(rows) - 0.5, -0.5)
+    ax.set_xlabel("ms per step")
+    ax.legend(fontsize=7)
+    _title(ax, "Measured vs predicted vs floor per stage", shared)
+    return fig
 
 
 def report(folder: str | Path, out_dir: str | Path | None = None) -> tuple[str, list[Path]]:

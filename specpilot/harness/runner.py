@@ -26,9 +26,10 @@ import jax
 import numpy as np
 from omegaconf import DictConfig, OmegaConf
 
-from specpilot.harness import costmodel, deploy
+from specpilot.harness import costmodel, counts, deploy, prediction
 from specpilot.harness.config_schema import build_plans, validate
 from specpilot.harness.methods import median_run, run_plan, scorer
+from specpilot.harness.rates import Rates
 from specpilot.plan import Plan, is_ar_baseline_candidate
 
 log = logging.getLogger(__name__)
@@ -36,7 +37,7 @@ log = logging.getLogger(__name__)
 CSV_FIELDS = ("target", "drafter", "gpu", "batch_size", "prompts", "new_tokens", "method", "verify", "weights",
               "matmul", "block_size", "decode_ms_per_token", "tokens_per_s", "prefill_ms", "speedup_vs_ar",
               "baseline", "speedup_vs_stock", "tau", "acceptance_length_upstream", "ceiling_ms_per_token",
-              "pct_of_ceiling", "mismatches", "notes")
+              "pct_of_ceiling", "predicted_ms_per_token", "mismatches", "notes")
 
 
 def environment() -> dict:
@@ -83,10 +84,12 @@ def run(cfg: DictConfig, out_dir: str | Path) -> list[dict]:
     hw = costmodel.Hardware.from_conf(cfg.gpu)
     mean_context = sum(len(p) for p in dep.prompts) / len(dep.prompts) + dep.new_tokens / 2
     ar_floor = costmodel.ar_ceiling_s(hw, dep.cfg, dep.batch_size, int(mean_context))
+    setting = prediction.Setting(counts.Shape.from_deployment(dep, int(mean_context)), Rates.for_gpu(cfg.gpu), hw)
     records = []
     for plan in plans:
         r = runs[plan.name]
         ceiling = plan_ceiling_s(plan, r, dep, hw, int(mean_context))
+        att = attribution(plan, setting, r)
         rec = dict(dep.labels)
         rec.update(
             method=plan.name,
@@ -108,6 +111,9 @@ def run(cfg: DictConfig, out_dir: str | Path) -> list[dict]:
             **oracle_fields(dep, r, ar_tpot),
             ceiling_ms_per_token=None if ceiling is None else 1e3 * ceiling,
             pct_of_ceiling=None if ceiling is None else 100 * ceiling / r.decode_time_per_token,
+            predicted_ms_per_token=None if att is None else att["prediction"]["ms_per_token"],
+            prediction=None if att is None else att["prediction"],
+            attribution=att,
             tau=r.stats.get("tau"),
             acceptance_length_upstream=r.stats.get("acceptance_length_upstream"),
             mismatches=forcing[plan.name]["mismatches"] if plan.name in forcing else None,
@@ -169,6 +175,18 @@ def oracle_fields(dep, r, ar_tpot: float) -> dict:
             "profile_tau": profile_tau, "speedup_at_profile_tau": profile_tau * ar_tpot / step_s}
 
 
+def attribution(plan: Plan, setting, r) -> dict | None:
+    """The cost model's prediction for this plan at the run's tau and the measured run's gaps (None for a
+    plan the cost model cannot count, or a run with no decode step)."""
+    if not r.decode_tokens:
+        return None
+    try:
+        return prediction.attribute(plan, setting, prediction.Measurement.from_run(r))
+    except NotImplementedError as e:
+        log.warning("%s: no prediction: %s", plan.name, e)
+        return None
+
+
 def plan_ceiling_s(plan: Plan, r, dep, hw, context: int) -> float | None:
     """The cost model's floor per output token for this plan: AR's step floor, or for speculative plans
     (draft + verify floors) / measured tau, at the plan's bits per weight."""
@@ -223,21 +241,23 @@ def write(records: list[dict], out_dir: str | Path) -> None:
 def format_table(records: list[dict]) -> str:
     width = max([4] + [len(r["method"]) for r in records]) + 2
     head = (f"{'plan':<{width}}{'verify':<7}{'weights':<8}{'matmul':<13}{'block':>5}{'ms/token':>10}{'tok/s':>10}"
-            f"{'speedup':>9}{'tau':>7}{'ceiling ms':>11}{'% ceil':>8}{'mismatch':>10}")
+            f"{'speedup':>9}{'tau':>7}{'ceiling ms':>11}{'% ceil':>8}{'pred ms':>9}{'mismatch':>10}")
     lines = [head, "-" * len(head)]
     for r in records:
         tau = f"{r['tau']:.2f}" if r.get("tau") is not None else "-"
         mm = str(r["mismatches"]) if r.get("mismatches") is not None else "-"
         ceil = f"{r['ceiling_ms_per_token']:.3f}" if r.get("ceiling_ms_per_token") is not None else "-"
         pct = f"{r['pct_of_ceiling']:.0f}%" if r.get("pct_of_ceiling") is not None else "-"
+        pred = f"{r['predicted_ms_per_token']:.3f}" if r.get("predicted_ms_per_token") is not None else "-"
         lines.append(f"{r['method']:<{width}}{r['verify']:<7}{r['weights']:<8}{r['matmul']:<13}{r['block_size']:>5}"
                      f"{r['decode_ms_per_token']:>10.3f}{r['tokens_per_s']:>10.1f}"
-                     f"{r['speedup_vs_ar']:>8.2f}x{tau:>7}{ceil:>11}{pct:>8}{mm:>10}")
+                     f"{r['speedup_vs_ar']:>8.2f}x{tau:>7}{ceil:>11}{pct:>8}{pred:>9}{mm:>10}")
     if records:
         r = records[0]
         stock = f"; stock: {r['stock_baseline']}" if r.get("stock_baseline") else ""
         lines.append(f"speedup over AR = the fastest bf16 ar plan measured in this run: {r['baseline']}{stock}; "
-                     "ceiling: the cost model's floor per output token")
+                     "ceiling: the cost model's floor per output token; pred: its prediction from the "
+                     "device's measured rates (conf/gpu/rates/)")
     for r in records:
         if r.get("acceptance_length_upstream") is not None:
             lines.append(f"{r['method']}: tau {r['tau']:.2f} (tokens emitted per verification step within the budget); "
@@ -253,6 +273,8 @@ def format_table(records: list[dict]) -> str:
         if split:
             lines.append(f"{r['method']}: time split (profiled pass) " + ", ".join(
                 f"{k} {100 * v:.0f}%" for k, v in split.items()))
+        if r.get("attribution"):
+            lines += prediction.format_attribution(r["method"], r["attribution"])
         if r.get("forcing"):
             lines.append(f"{r['method']}: {r['forcing']['summary']}")
     notes = {r["notes"] for r in records if r.get("notes")}

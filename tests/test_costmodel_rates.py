@@ -1,0 +1,46 @@
+"""Rates: the stored record round-trips, matmul lookups interpolate in M, bad records are refused."""
+
+import pytest
+from omegaconf import OmegaConf
+
+from specpilot.harness.rates import RATES_DIR, MatmulTable, Rates
+
+TABLE = MatmulTable("xla/bf16", (1, 4, 16), ((64, 128), (128, 128)), ((1e-6, 2e-6, 8e-6), (2e-6, 3e-6, 9e-6)))
+
+
+def test_lookup_interpolates_in_m_and_falls_back_to_the_tables_bandwidth():
+    assert TABLE.time_s(4, 64, 128) == (2e-6, True)
+    assert TABLE.time_s(2, 64, 128)[0] == pytest.approx(1e-6 + (2e-6 - 1e-6) / 3)
+    assert TABLE.time_s(32, 128, 128)[0] == pytest.approx(9e-6 + (9e-6 - 3e-6) / 12 * 16)
+    t, exact = TABLE.time_s(1, 256, 256)
+    assert not exact
+    bw = sorted([(64 * 128 * 2 + (64 + 128) * 2) / 1e-6, (128 * 128 * 2 + 256 * 2) / 2e-6])
+    assert t == pytest.approx((256 * 256 * 2 + 512 * 2) / (sum(bw) / 2))
+
+
+def test_rates_round_trip(tmp_path):
+    r = Rates("cpu", 7.0, 0.4, 0.01, 6.0, 0.2, {"xla/bf16": TABLE}, "test")
+    r.save(tmp_path / "x.yaml")
+    back = Rates.load(tmp_path / "x.yaml")
+    assert back.matmul["xla/bf16"].time_s(4, 128, 128) == (3e-6, True)
+    assert back.copy_gbs == 7.0 and back.calibrated
+
+
+def test_missing_file_and_fields_are_named(tmp_path):
+    with pytest.raises(FileNotFoundError, match="calibrate.py"):
+        Rates.load(tmp_path / "none.yaml")
+    with pytest.raises(ValueError, match="copy_gbs"):
+        Rates.from_dict({"device": "x", "launch_us": 1, "host_step_us": 1, "dispatch_us": 1, "matmul_tflops": 1})
+    with pytest.raises(ValueError, match="increasing"):
+        MatmulTable("xla/bf16", (4, 1), ((8, 8),), ((1.0, 1.0),))
+
+
+def test_gpu_without_a_rates_file_falls_back_to_its_datasheet(tmp_path):
+    gpu = OmegaConf.create({"name": "b200", "memory_bandwidth_gbs": 8000.0, "matmul_tflops_bf16": 2250.0})
+    r = Rates.for_gpu(gpu, tmp_path)
+    assert not r.calibrated and r.copy_gbs == 8000.0 and r.launch_us == 0.0
+
+
+def test_the_stored_cpu_rates_load():
+    r = Rates.load(RATES_DIR / "cpu.yaml")
+    assert r.copy_gbs > 0 and "xla/f32" in r.matmul
