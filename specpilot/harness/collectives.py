@@ -8,6 +8,12 @@ Design choices:
   collectives out of the HLO, so this count is checked against what XLA actually emits.
 - The greedy choice over vocabulary-split logits reduces one (value, index) pair per row and device:
   counted, though tiny.
+- `per_device` turns a step's counts (`counts.step_counts`) into one device's share: split matmuls,
+  attention, K/V writes and the delta rule over tensor (a dense plan's fused q/k/v and gate/up are
+  unfused before they are split, so their total is what divides); every row-proportional byte and FLOP
+  over data; replicated work (norms, residuals, the Gated DeltaNet's in_proj_qkv and convolution)
+  stays whole. First-order: it assumes the compiler inserts nothing beyond the counted collectives,
+  which the HLO test checks for these layouts.
 - Bytes over the interconnect per device use the ring algorithm's volume: an all-reduce of S bytes over
   n devices moves 2 (n - 1) / n x S into and out of each device; time is that over the link bandwidth
   plus a latency per collective (`gpu` config: `interconnect_gbs`, `collective_latency_us`).
@@ -17,7 +23,14 @@ from __future__ import annotations
 
 import dataclasses
 
+from specpilot.harness.counts import StepCounts
 from specpilot.sharding import MeshShape
+
+# matmul roles split over the tensor axis (`sharding.param_spec`): by output columns, by input rows
+COLUMN_ROLES = frozenset({"q", "k", "v", "qkv", "gate", "up", "gate_up", "z", "b", "a", "lm_head"})
+ROW_ROLES = frozenset({"o", "down", "out"})
+SPLIT_BY_HEADS = frozenset({"attention", "cache_write"})  # K/V and their products split by KV heads
+REPLICATED_RECURRENCE = ("conv",)  # the convolution and its snapshots are replicated over tensor
 
 
 @dataclasses.dataclass(frozen=True)
@@ -56,3 +69,49 @@ def interconnect_s(collectives: list[Collective], interconnect_gbs: float, laten
     """Time on the links: ring bytes per device over the bandwidth, plus each collective's latency."""
     volume = sum(c.ring_bytes_per_device for c in collectives)
     return volume / (interconnect_gbs * 1e9) + sum(c.count for c in collectives) * latency_us * 1e-6
+
+
+def _role(kernel) -> str:
+    return kernel.name.rsplit(".", 1)[-1]
+
+
+def per_device(counts: StepCounts, mesh: MeshShape, hybrid: bool = False) -> StepCounts:
+    """One device's share of every kernel of a step sharded over `mesh`."""
+    if mesh.is_single:
+        return counts
+    out = []
+    for k in counts.kernels:
+        t, n_out, k_in = 1, k.n, k.k
+        if k.cls in ("matmul", "lm_head"):
+            role = _role(k)
+            if role in COLUMN_ROLES and not (hybrid and role == "qkv"):
+                t, n_out = mesh.tensor, max(1, k.n // mesh.tensor)
+            elif role in ROW_ROLES:
+                t, k_in = mesh.tensor, max(1, k.k // mesh.tensor)
+        elif k.cls in SPLIT_BY_HEADS or (k.cls == "recurrence" and not any(r in k.name for r in REPLICATED_RECURRENCE)):
+            t = mesh.tensor
+        d = mesh.data
+        weights = k.weight_bytes / t
+        rest = (k.bytes - k.weight_bytes) / (t * d)
+        out.append(dataclasses.replace(
+            k, flops=k.flops / (t * d), bytes=weights + rest, weight_bytes=weights,
+            floor_flops=k.floor_flops / (t * d), floor_bytes=k.floor_bytes / (t * d) if not k.weight_bytes
+            else k.weight_bytes / t + max(0.0, k.floor_bytes - k.weight_bytes) / (t * d),
+            m=max(1, k.m // d) if k.m else k.m, k=k_in, n=n_out))
+    return StepCounts(tuple(out))
+
+
+def step_collectives(plan, shape) -> dict[str, list[Collective]]:
+    """Per stage, the collectives of one step of `plan` at a `counts.Shape` (draft: the drafter's forward
+    and the target's head it reads; verify: the target forward; none for one device)."""
+    mesh = plan.mesh
+    if mesh.tensor <= 1:
+        return {}
+    e = shape.dtype_bytes
+    tokens = plan.block_size
+    out = {"verify": forward_collectives(shape.target, mesh, shape.batch, tokens, e)}
+    if plan.verify != "ar" and shape.drafter is not None:
+        draft = forward_collectives(shape.drafter.layer_config, mesh, shape.batch, tokens, e)
+        out["draft"] = [c for c in draft if c.name != "embed"] + [
+            Collective("drafter lm_head argmax", "all-reduce", 1, shape.batch // mesh.data * tokens * 8, mesh.tensor)]
+    return out

@@ -73,6 +73,9 @@ class GpuConf:
     name: str = "cpu"
     memory_bandwidth_gbs: float = 50.0  # peak, feeds the cost model
     matmul_tflops_bf16: float = 1.0
+    # sharded plans (cost model): bandwidth per direction between two devices, and a latency per collective
+    interconnect_gbs: float = 0.0
+    collective_latency_us: float = 0.0
     # defaults only: the matmul implementations (tried in order) of a plan that names none, per weight
     # format. xla = XLA's dot (12-bit weights decoded first); triton = the fused Pallas kernels (Pallas'
     # Triton backend); mosaic = the Mosaic GPU W12 kernel (Hopper), and for bf16 weights its bf16 twin

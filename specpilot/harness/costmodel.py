@@ -22,10 +22,13 @@ from specpilot.models.config import ModelConfig
 class Hardware:
     memory_bandwidth_gbs: float
     matmul_tflops: float
+    interconnect_gbs: float = 0.0  # per direction between two devices (0: not known)
+    collective_latency_us: float = 0.0
 
     @classmethod
     def from_conf(cls, gpu) -> "Hardware":
-        return cls(float(gpu.memory_bandwidth_gbs), float(gpu.matmul_tflops_bf16))
+        return cls(float(gpu.memory_bandwidth_gbs), float(gpu.matmul_tflops_bf16),
+                   float(gpu.get("interconnect_gbs") or 0.0), float(gpu.get("collective_latency_us") or 0.0))
 
     def floor_s(self, nbytes: float, flops: float) -> float:
         return max(nbytes / (self.memory_bandwidth_gbs * 1e9), flops / (self.matmul_tflops * 1e12))

@@ -14,6 +14,9 @@ Design choices:
   stages by the profiled pass's fractions (`stats.time_split`: draft / verify / bookkeeping = accept),
   each stage against its floor and its prediction, then each kernel class's predicted time against its
   floor, sorted by lost time. A class has no measured time of its own: the profiled split stops at stages.
+- Sharded plans (`plan.mesh`): one device's share of every kernel (`collectives.per_device`) plus a class
+  `interconnect` per stage, the ring volume of the step's collectives over the gpu config's
+  `interconnect_gbs` plus `collective_latency_us` each (`collectives.step_collectives`).
 - `Setting` is the value the engine builds without a harness deployment: a `counts.Shape`, the device's
   `Rates` and its datasheet `Hardware`.
 """
@@ -99,6 +102,14 @@ def predict(plan, deployment, tau: float | None = None, gpu=None) -> Prediction:
     elif tau is None or not 1.0 <= float(tau) <= plan.block_size:
         raise ValueError(f"plan {plan.name!r}: tau must be in [1, block size {plan.block_size}], got {tau}")
     c = step_counts(plan, s.shape)
+    sharded = not plan.mesh.is_single
+    if sharded:  # one device's share, and the links between them (`collectives`)
+        from specpilot.harness import collectives
+
+        c = collectives.per_device(c, plan.mesh, s.shape.hybrid)
+        links = collectives.step_collectives(plan, s.shape)
+        if links and s.hardware.interconnect_gbs <= 0:
+            raise ValueError(f"plan {plan.name!r} is sharded but the gpu config gives no interconnect_gbs")
     stages, floors, classes, class_floors = {}, {}, {}, {}
     lookups: dict[str, int] = {}
     for stage in STAGES:
@@ -113,12 +124,15 @@ def predict(plan, deployment, tau: float | None = None, gpu=None) -> Prediction:
                 lookups[how] = lookups.get(how, 0) + 1
         if stage == "accept":
             per_class["host"] = 1e-6 * s.rates.host_step_us
+        if sharded and links.get(stage):
+            per_class["interconnect"] = collectives.interconnect_s(links[stage], s.hardware.interconnect_gbs,
+                                                                   s.hardware.collective_latency_us)
         classes[stage] = per_class
         stages[stage] = sum(per_class.values())
         floors[stage] = s.hardware.floor_s(part.total("floor_bytes"), part.total("floor_flops"))
         class_floors[stage] = {cls: s.hardware.floor_s(part.select(cls=cls).total("floor_bytes"),
                                                        part.select(cls=cls).total("floor_flops"))
-                               for cls in per_class if cls != "host"}
+                               for cls in per_class if cls not in ("host", "interconnect")}
     return Prediction(plan.name, float(tau), stages, floors, classes, class_floors, lookups, s.rates.calibrated)
 
 
