@@ -366,7 +366,8 @@ def build_plans(cfg: DictConfig) -> list[Plan]:
         if impl[0] == "mosaic" and cfg.target.dtype != "bfloat16":
             continue  # the Mosaic kernel multiplies bf16 weights: no candidate for another dtype
         if any(plan_mod.is_ar_baseline_candidate(p) and p.mesh.is_single and p.kernels.matmul.implementation == impl
-               for p in given):  # the reference runs on one device, so sharded plans are checked against it
+               and p.kernels.gated_delta_rule.implementation == gdr
+               for p in given):  # the reference: one device, the default kernels (others are checked against it)
             continue
         name = "ar" if impl[0] == "xla" else f"ar_{impl[0]}"
         if name in names:
