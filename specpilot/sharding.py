@@ -89,6 +89,16 @@ def make_mesh(shape: MeshShape, devices=None) -> Mesh:
     return Mesh(np.array(devices[:shape.size]).reshape(shape.data, shape.tensor), AXES)
 
 
+def device_groups(shape: MeshShape, devices=None) -> list[list]:
+    """The devices split into disjoint groups of shape.size, in order (a whole group per evaluated
+    candidate, so candidates never share a device); devices left over are not used."""
+    devices = list(jax.devices() if devices is None else devices)
+    if shape.size > len(devices):
+        raise MeshError(f"a {shape.describe()} mesh needs {shape.size} devices; there are {len(devices)}")
+    n = len(devices) // shape.size
+    return [devices[i * shape.size:(i + 1) * shape.size] for i in range(n)]
+
+
 def mesh_shape(mesh: Mesh) -> MeshShape:
     return MeshShape(data=int(mesh.shape["data"]), tensor=int(mesh.shape["tensor"]))
 

@@ -169,3 +169,14 @@ def test_state_specs_cover_every_state_array():
         for array, p in zip(jax.tree.leaves(layer), jax.tree.leaves(spec, is_leaf=lambda x: isinstance(x, P))):
             assert len(p) == array.ndim  # every axis named (None or a mesh axis)
         assert isinstance(spec, type(layer)) and isinstance(layer, (AttentionState, RecurrentState))
+
+
+def test_device_groups_are_disjoint_and_make_meshes():
+    groups = sharding.device_groups(sharding.MeshShape(tensor=2))
+    assert [len(g) for g in groups] == [2, 2]
+    assert not set(map(id, groups[0])) & set(map(id, groups[1]))
+    mesh = sharding.make_mesh(sharding.MeshShape(tensor=2), devices=groups[1])
+    assert list(mesh.devices.flat) == groups[1]
+    assert len(sharding.device_groups(sharding.MeshShape(data=3))) == 1  # the fourth device is left over
+    with pytest.raises(sharding.MeshError, match="needs 8 devices"):
+        sharding.device_groups(sharding.MeshShape(tensor=8))
