@@ -23,7 +23,7 @@ from pathlib import Path
 
 import numpy as np
 
-from specpilot.data.tokenizer import TextTokenizer, load_tokenizer
+from specpilot.data.tokenizer import EOS_ALIASES, TextTokenizer, load_tokenizer
 
 CHAT_SETS = ("chat", "humaneval_chat")  # need a chat template
 TEXT_SETS = ("chat", "humaneval", "humaneval_chat")  # need a tokenizer
@@ -82,11 +82,48 @@ def has_tokenizer(directory: str | Path) -> bool:
     return (Path(directory) / "tokenizer.json").is_file()
 
 
+def eos_token_id(folder) -> int | None:
+    """The end-of-sequence id of a Hugging Face model folder, or None if it names none: tokenizer_config.json's
+    `eos_token` looked up in tokenizer.json, else config.json's `eos_token_id` (the first of a list), else
+    the first usual eos name (`data.tokenizer.EOS_ALIASES`) tokenizer.json has."""
+    from tokenizers import Tokenizer
+
+    folder = Path(folder)
+
+    def read(name):
+        path = folder / name
+        return json.loads(path.read_text()) if path.is_file() else {}
+
+    tok_path = folder / "tokenizer.json"
+    tok = Tokenizer.from_file(str(tok_path)) if tok_path.is_file() else None
+    eos = read("tokenizer_config.json").get("eos_token")
+    if isinstance(eos, dict):
+        eos = eos.get("content")
+    if tok is not None and isinstance(eos, str) and tok.token_to_id(eos) is not None:
+        return tok.token_to_id(eos)
+    ids = read("config.json").get("eos_token_id")
+    ids = ids[0] if isinstance(ids, list) and ids else ids
+    if isinstance(ids, int) and not isinstance(ids, bool):
+        return ids
+    if tok is not None:
+        return next((tok.token_to_id(n) for n in EOS_ALIASES if tok.token_to_id(n) is not None), None)
+    return None
+
+
 def load_model_text(directory: str | Path) -> ModelText:
-    """The tokenizer, chat template and special tokens of a Hugging Face model folder."""
+    """The tokenizer, chat template and special tokens of a Hugging Face model folder. Its end-of-sequence
+    token is `eos_token_id`'s (the one generation stops at), whichever file names it."""
     directory = Path(directory)
     config = read_tokenizer_config(directory)
     special = {role: tok for role in SPECIAL_ROLES if (tok := _token_string(config.get(role))) is not None}
+    if "eos_token" not in special:
+        eos = eos_token_id(directory)
+        if eos is not None:
+            from tokenizers import Tokenizer
+
+            name = Tokenizer.from_file(str(directory / "tokenizer.json")).id_to_token(eos)
+            if name is not None:
+                special["eos_token"] = name
     tokenizer = load_tokenizer(directory / "tokenizer.json", eos_token=special.get("eos_token"),
                                pad_token=special.get("pad_token"))
     return ModelText(tokenizer, chat_template(directory), special)

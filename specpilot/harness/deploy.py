@@ -17,7 +17,6 @@ Design choices:
 from __future__ import annotations
 
 import dataclasses
-import json
 from pathlib import Path
 from typing import Any
 
@@ -28,6 +27,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from specpilot import sharding
 from specpilot.data import prompt_sets
+from specpilot.data.prompt_sets import eos_token_id  # noqa: F401  (the stop token's reader)
 from specpilot.decoding.sampling import SamplingConfig
 from specpilot.harness.config_schema import ConfigValueError
 from specpilot.models import dense
@@ -145,36 +145,6 @@ def target_tap_layers(tconf: DictConfig, dconf: DictConfig, num_layers: int) -> 
     if dconf.source == "none":
         return ()
     return default_tap_layers(num_layers, int(dconf.num_taps))
-
-
-def eos_token_id(folder) -> int | None:
-    """The end-of-sequence id of a Hugging Face model folder, or None if it names none: tokenizer_config.json's
-    `eos_token` looked up in tokenizer.json, else config.json's `eos_token_id` (the first of a list), else
-    the first usual eos name (`data.tokenizer.EOS_ALIASES`) tokenizer.json has."""
-    from tokenizers import Tokenizer
-
-    from specpilot.data.tokenizer import EOS_ALIASES
-
-    folder = Path(folder)
-
-    def read(name):
-        path = folder / name
-        return json.loads(path.read_text()) if path.is_file() else {}
-
-    tok_path = folder / "tokenizer.json"
-    tok = Tokenizer.from_file(str(tok_path)) if tok_path.is_file() else None
-    eos = read("tokenizer_config.json").get("eos_token")
-    if isinstance(eos, dict):
-        eos = eos.get("content")
-    if tok is not None and isinstance(eos, str) and tok.token_to_id(eos) is not None:
-        return tok.token_to_id(eos)
-    ids = read("config.json").get("eos_token_id")
-    ids = ids[0] if isinstance(ids, list) and ids else ids
-    if isinstance(ids, int) and not isinstance(ids, bool):
-        return ids
-    if tok is not None:
-        return next((tok.token_to_id(n) for n in EOS_ALIASES if tok.token_to_id(n) is not None), None)
-    return None
 
 
 def stop_token(cfg: DictConfig, folder, vocab_size: int, tokenizer_eos: int | None = None) -> int | None:
