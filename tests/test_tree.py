@@ -109,6 +109,17 @@ def test_builder_with_ties_still_builds_a_tree():
     _check_structure(t, 5)
 
 
+def test_top_k_by_argmax_is_lax_top_k():
+    rng = np.random.default_rng(3)
+    x = rng.integers(0, 4, size=(50, 9)).astype(np.float32)  # many ties
+    x[::5, 3:] = -np.inf  # rows with fewer finite entries than k
+    for k in (1, 3, 7):
+        vals, idx = tt.top_k_by_argmax(jnp.asarray(x), k)
+        want_vals, want_idx = jax.lax.top_k(jnp.asarray(x), k)
+        np.testing.assert_array_equal(vals, want_vals)
+        np.testing.assert_array_equal(idx, want_idx)
+
+
 def test_bad_shapes_are_refused():
     lp = jnp.zeros((1, 3, 5))
     with pytest.raises(ValueError, match="exceed the 7 nodes"):
