@@ -8,7 +8,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from specpilot.decoding import ar, tree
+from specpilot.decoding import tree
 from specpilot.decoding import token_tree as tt
 from specpilot.decoding.sampling import SamplingConfig
 from specpilot.models import dense
