@@ -10,7 +10,10 @@ Design choices:
   forward with another weight format or kernel, a verification step of another block size, tree
   verification. `chunked_scorer` builds one from any target (the target protocol: `init_state`,
   `forward`), feeding the forced tokens `chunk` at a time as chains: chunk=1 reproduces AR decode
-  numerics, chunk=Bs a block verification's.
+  numerics, chunk=Bs a block verification's. `tree_scorer` reproduces a tree verification's: each
+  forward is an N-node tree (`token_tree.build_tree`, the plan's shape) whose first root path carries
+  the next depth + 1 forced tokens, the other nodes being the builder's other candidates; its logits
+  along that path are the predictions, and the path is committed by `gather_path`, as a tree step does.
 - Mismatches are never dropped. Each carries the reference's top-1/top-2 logit margin at that
   position; those with margin < `tie_margin` are counted as near-ties, separately from the hard ones.
   Whether near-ties are acceptable is the caller's decision (`passed` vs `passed_up_to_ties`).
@@ -37,8 +40,9 @@ import jax.numpy as jnp
 import numpy as np
 
 from specpilot.decoding.ar import pack_prompts
+from specpilot.decoding.token_tree import build_tree, root_path
 from specpilot.sharding import host_array
-from specpilot.state import chain_forward, prompt_forward
+from specpilot.state import chain_forward, prompt_forward, tree_mask
 
 Scorer = Callable[[np.ndarray, np.ndarray, np.ndarray], np.ndarray]
 DEFAULT_TIE_MARGIN = 1e-3  # float32 logits; state the margin used in every report
@@ -56,6 +60,51 @@ def _prefill(params, target, tokens, lengths, state):
 def _chunk(params, target, tokens, state):
     logits, _, state = chain_forward(target, params, tokens, state)  # [B, k, V]
     return logits, state.commit(tokens.shape[1])
+
+
+@functools.partial(jax.jit, static_argnames=("target", "shape"), donate_argnames=("state",))
+def _tree_chunk(params, target, shape, tokens, state):
+    # tokens [B, D+1]: the root and the forced path. Drafted scores put the path first at every depth
+    # (log-probability ~0) and spread the other candidates below it, so the path is the tree's first
+    # root path of depth D and every other node is a real sibling in the same forward.
+    nodes, depth, branching = shape
+    b, k = tokens.shape
+    v = target.vocab_size
+    spread = jnp.arange(v, dtype=jnp.float32)[None, None, :] * (1.0 / v)  # distinct off-path scores
+    logits = 30.0 * jax.nn.one_hot(tokens[:, 1:], v, dtype=jnp.float32) + spread
+    t = build_tree(jax.nn.log_softmax(logits, axis=-1), tokens[:, 0], nodes, depth, branching)
+    last = jnp.argmax(t.depths == depth, axis=1).astype(jnp.int32)  # the path's node at depth D
+    path = root_path(t, last, k)
+    positions = state.lengths[:, None] + t.depths
+    out, _, state = target.forward(params, t.tokens, positions, state, tree_mask(state, t.ancestors),
+                                   parents=t.parents)
+    return jnp.take_along_axis(out, path[:, :, None], axis=1), state.gather_path(path, jnp.full((b,), k, jnp.int32))
+
+
+def tree_scorer(params, target, nodes: int, depth: int, branching: int, cache_dtype=None) -> Scorer:
+    """Scorer running the prompt, then the forced tokens depth + 1 at a time, each chunk the first root
+    path of an `nodes`-node tree forward (module docstring). Needs nodes >= depth + 1."""
+    if nodes < depth + 1:
+        raise ValueError(f"a {nodes}-node tree cannot hold a root path of depth {depth}")
+    k = depth + 1
+
+    def score(prompt_tokens, prompt_lengths, forced):
+        b, n = forced.shape
+        n_chunks = -(-max(n - 1, 0) // k)
+        cache_len = prompt_tokens.shape[1] + n_chunks * k + nodes
+        state = target.init_state(b, cache_len, cache_dtype)
+        first, state = _prefill(params, target, jnp.asarray(prompt_tokens), jnp.asarray(prompt_lengths),
+                                state)
+        inputs = np.zeros((b, n_chunks * k), np.int32)
+        inputs[:, : n - 1] = np.maximum(forced[:, : n - 1], 0)
+        out = [first[:, None]]
+        for c in range(n_chunks):
+            logits, state = _tree_chunk(params, target, (nodes, depth, branching),
+                                        jnp.asarray(inputs[:, c * k:(c + 1) * k]), state)
+            out.append(logits)
+        return host_array(jnp.concatenate(out, axis=1)[:, :n])
+
+    return score
 
 
 def chunked_scorer(params, target, chunk: int | None = 1, cache_dtype=None) -> Scorer:

@@ -2,9 +2,10 @@
 
 Design choices:
 - A `Plan` is a frozen, hashable dataclass. It names what verifies (`ar`: one token per target step;
-  `chain`: a drafted block checked in one target forward; `tree` and `two_level` are reserved), the weight
-  format (`bf16`, `w12`), the kernel implementation per op with a frozen config of its block sizes and
-  options (`Kernels`), the block size, and reserved fields for a tree shape and a batching policy. The
+  `chain`: a drafted block checked in one target forward; `tree`: a token tree of `tree.nodes` nodes
+  drafted from one block-drafter forward and checked in one target forward; `two_level` is reserved),
+  the weight format (`bf16`, `w12`), the kernel implementation per op with a frozen config of its block
+  sizes and options (`Kernels`), the block size, the tree shape, and a reserved batching policy. The
   runner and the results read everything from the plan, never from its name, so a loop that rewrites a
   deployment flips one field at a time.
 - A run's `decoding.plans` is a mapping name -> plan fields (Hydra: `decoding.plans.stock.weights=w12`,
@@ -13,6 +14,10 @@ Design choices:
   default (`gpu.matmul` per weight format, `gpu.gated_delta_rule`).
 - The baselines are plans too: "AR" is the fastest bf16 `ar` plan the run measured for the device (the
   `gpu` group lists the candidates), "stock" is `chain` with bf16 weights and the default kernels.
+- A tree plan's `block_size` is its verification width, max(nodes, depth + 1): the tokens one step
+  writes past the committed length and multiplies per call, which is what the deployment sizes caches,
+  kernel layouts and a hybrid target's per-token states by; a given block_size must equal it. Its
+  drafter runs at block depth + 1.
 - Reserved kinds and fields fail when a plan is built, with an error naming the field, rather than
   running something else.
 """
@@ -26,8 +31,8 @@ from pallas_kernels import dispatch
 from pallas_kernels.dispatch import OpChoice
 from specpilot.sharding import MeshError, MeshShape
 
-VERIFY_KINDS = ("ar", "chain")
-RESERVED_VERIFY_KINDS = ("tree", "two_level")
+VERIFY_KINDS = ("ar", "chain", "tree")
+RESERVED_VERIFY_KINDS = ("two_level",)
 WEIGHT_FORMATS = ("bf16", "w12")
 BATCHING_POLICIES = ("static",)
 KERNEL_OPS = ("matmul", "gated_delta_rule")  # the fields of `Kernels`, each a `dispatch` op
@@ -54,11 +59,16 @@ class Kernels:
 
 @dataclasses.dataclass(frozen=True)
 class TreeShape:
-    """Reserved for tree verification: node budget, depth and branching of the drafted tree."""
+    """A tree plan's drafted tree: node budget (the root included), depth and branching (top-k)."""
 
     nodes: int
     depth: int
     branching: int
+
+    @property
+    def width(self) -> int:
+        """Tokens one tree step writes past the committed length: the nodes, or the drafter's block."""
+        return max(self.nodes, self.depth + 1)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -68,7 +78,7 @@ class Plan:
     weights: str = "bf16"
     block_size: int = 1  # tokens one verification checks (last token + drafts); 1 for `ar`
     kernels: Kernels = Kernels()
-    tree: TreeShape | None = None  # reserved
+    tree: TreeShape | None = None  # tree plans: the drafted tree's shape
     batching: str = "static"  # reserved: requests decoded in lockstep, as today
     mesh: MeshShape = MeshShape()  # devices over batch rows (data) x heads and features (tensor)
 
@@ -84,8 +94,10 @@ class Plan:
             _fail(self.name, "block_size", f"an ar plan verifies one token per step, got {self.block_size}")
         if self.verify == "chain" and self.block_size < 2:
             _fail(self.name, "block_size", f"a chain verifies the last token and >= 1 draft, got {self.block_size}")
-        if self.tree is not None:
-            _fail(self.name, "tree", "tree shapes belong to tree verification, which is not implemented yet")
+        if self.verify == "tree":
+            self._check_tree()
+        elif self.tree is not None:
+            _fail(self.name, "tree", f"tree shapes belong to tree verification (verify: tree), not {self.verify!r}")
         if self.batching not in BATCHING_POLICIES:
             _fail(self.name, "batching", f"{self.batching!r} is not available; available: {BATCHING_POLICIES}")
         for op in KERNEL_OPS:
@@ -101,6 +113,25 @@ class Plan:
             if not self.mesh.is_single and any(i != "xla" for i in impl):
                 _fail(self.name, "mesh", f"tensor/data-parallel plans compute through XLA (kernels.{op}."
                       f"implementation=[xla]), got {list(impl)}")
+
+    def _check_tree(self):
+        from specpilot.decoding.token_tree import max_nodes
+
+        if not isinstance(self.tree, TreeShape):
+            _fail(self.name, "tree", "a tree plan needs tree: {nodes, depth, branching}")
+        for field in ("nodes", "depth", "branching"):
+            value = getattr(self.tree, field)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                _fail(self.name, f"tree.{field}", f"must be a positive integer, got {value!r}")
+        if self.tree.nodes < 2:
+            _fail(self.name, "tree.nodes", f"a tree verifies the last token and >= 1 drafted node, got {self.tree.nodes}")
+        full = max_nodes(self.tree.depth, self.tree.branching)
+        if self.tree.nodes > full:
+            _fail(self.name, "tree.nodes", f"{self.tree.nodes} exceeds the {full} nodes of a full tree of depth "
+                  f"{self.tree.depth} and branching {self.tree.branching}")
+        if self.block_size != self.tree.width:
+            _fail(self.name, "block_size", f"a tree plan's block size is its width max(nodes, depth + 1) = "
+                  f"{self.tree.width}, got {self.block_size}")
 
     @property
     def uses_drafter(self) -> bool:
@@ -152,6 +183,12 @@ def build(name: str, fields: Mapping[str, Any], *, drafter_block_size: int | Non
     if weights not in WEIGHT_FORMATS:
         _fail(name, "weights", f"{weights!r} is not one of {WEIGHT_FORMATS}")
     block = fields.get("block_size")
+    tree = _tree(name, fields.get("tree"))
+    if verify == "tree" and tree is not None:
+        if block is not None and block != tree.width:
+            _fail(name, "block_size", f"a tree plan's block size is its width max(nodes, depth + 1) = "
+                  f"{tree.width}, got {block} (leave it unset)")
+        block = tree.width
     if verify == "ar":
         if block not in (None, 1):
             _fail(name, "block_size", f"an ar plan verifies one token per step, got {block}")
@@ -170,11 +207,23 @@ def build(name: str, fields: Mapping[str, Any], *, drafter_block_size: int | Non
         _fail(name, "kernels.matmul.implementation", f"the gpu config gives no default for {weights!r} weights")
     chosen = Kernels(matmul=_op_choice(name, kernels, "matmul", default_matmul.get(weights)),
                      gated_delta_rule=_op_choice(name, kernels, "gated_delta_rule", default_gated_delta_rule))
-    tree = fields.get("tree")
-    if tree is not None:
-        tree = TreeShape(**dict(tree))
     return Plan(name=name, verify=verify, weights=weights, block_size=int(block), kernels=chosen,
                 tree=tree, batching=str(fields.get("batching", "static")), mesh=mesh)
+
+
+def _tree(name: str, fields) -> TreeShape | None:
+    """A plan's tree shape from its config mapping ({nodes, depth, branching}; absent or null: none)."""
+    if fields is None:
+        return None
+    if not isinstance(fields, Mapping):
+        _fail(name, "tree", f"expected a mapping with nodes, depth and branching, got {fields!r}")
+    unknown = sorted(set(fields) - {"nodes", "depth", "branching"})
+    if unknown:
+        _fail(name, "tree", f"unknown key(s) {', '.join(map(repr, unknown))}; known: nodes, depth, branching")
+    missing = [k for k in ("nodes", "depth", "branching") if fields.get(k) is None]
+    if missing:
+        _fail(name, f"tree.{missing[0]}", "missing (a tree plan gives nodes, depth and branching)")
+    return TreeShape(**{k: fields[k] for k in ("nodes", "depth", "branching")})
 
 
 def _mesh(name: str, fields) -> MeshShape:

@@ -69,7 +69,16 @@ def test_every_option_composes(group):
     ("bench.batch_size=8", "bench.batch_size"),
     ("bench.cache_len=16", "bench.cache_len"),
     ("decoding.plans.stock.verify=warp", "decoding.plans.stock.verify: 'warp' is not one of"),
-    ("decoding.plans.stock.verify=tree", "decoding.plans.stock.verify: 'tree' verification is not implemented yet"),
+    ("decoding.plans.stock.verify=tree", "decoding.plans.stock.tree: a tree plan needs tree"),
+    ("decoding.plans.stock.verify=two_level", "decoding.plans.stock.verify: 'two_level' verification is not"),
+    ("decoding=tree decoding.plans.tree_n16.tree.nodes=1", "decoding.plans.tree_n16.tree.nodes: a tree verifies"),
+    ("decoding=tree decoding.plans.tree_n16.tree.nodes=40 decoding.plans.tree_n16.tree.depth=4",
+     "decoding.plans.tree_n16.tree.nodes: 40 exceeds the 31 nodes"),
+    ("decoding=tree decoding.plans.tree_n16.tree.depth=4 decoding.plans.tree_n16.tree.branching=1",
+     "decoding.plans.tree_n16.tree.nodes: 16 exceeds the 5 nodes"),
+    ("decoding=tree decoding.plans.tree_n16.tree.branching=0", "decoding.plans.tree_n16.tree.branching: must be"),
+    ("decoding=tree decoding.plans.tree_n16.block_size=8", "decoding.plans.tree_n16.block_size: a tree plan's block size"),
+    ("decoding=tree drafter=random drafter.block_size=8", "decoding.plans.tree_n16.tree.depth: a depth-15 tree needs a drafter block of 16"),
     ("decoding.plans.stock.weights=w11", "decoding.plans.stock.weights"),
     ("decoding.plans.stock.block_size=1", "decoding.plans.stock.block_size"),
     ("decoding.plans.stock.batching=continuous", "decoding.plans.stock.batching"),
@@ -93,7 +102,7 @@ def test_every_option_composes(group):
     ("drafter=oracle decoding=stock decoding.plans.stock.block_size=4", "an oracle drafter replays a profile"),
 ])
 def test_impossible_values_fail_clearly(override, match):
-    base = [*TINY, "drafter=random"] if "decoding.plans.stock" in override and "drafter=" not in override else TINY
+    base = [*TINY, "drafter=random"] if "decoding.plans." in override and "drafter=" not in override else TINY
     if "decoding.plans.stock" in override and "decoding=" not in override:
         base = [*base, "decoding=stock"]
     with pytest.raises(ConfigValueError, match=match):
@@ -171,6 +180,13 @@ def test_reserved_plan_fields_fail_naming_the_field():
     kw = dict(drafter_block_size=4, default_matmul={"bf16": ["xla"], "w12": ["xla"]})
     with pytest.raises(plan_mod.PlanError, match="decoding.plans.t.tree: tree shapes belong to tree verification"):
         plan_mod.build("t", {"verify": "chain", "tree": {"nodes": 8, "depth": 3, "branching": 2}}, **kw)
+    with pytest.raises(plan_mod.PlanError, match="decoding.plans.t.tree.depth: missing"):
+        plan_mod.build("t", {"verify": "tree", "tree": {"nodes": 8, "branching": 2}}, **kw)
+    with pytest.raises(plan_mod.PlanError, match="decoding.plans.t.tree: unknown key.*'width'"):
+        plan_mod.build("t", {"verify": "tree", "tree": {"nodes": 8, "depth": 3, "branching": 2, "width": 4}}, **kw)
+    tree = plan_mod.build("t", {"verify": "tree", "tree": {"nodes": 8, "depth": 3, "branching": 2}}, **kw)
+    assert (tree.block_size, tree.tree) == (8, plan_mod.TreeShape(8, 3, 2))
+    assert plan_mod.build("t", {"verify": "tree", "tree": {"nodes": 3, "depth": 3, "branching": 1}}, **kw).block_size == 4
     with pytest.raises(plan_mod.PlanError, match="decoding.plans.t.verify: 'two_level' verification is not"):
         plan_mod.build("t", {"verify": "two_level"}, **kw)
     with pytest.raises(plan_mod.PlanError, match="decoding.plans.t.block_size: a chain plan needs a drafter"):

@@ -121,11 +121,11 @@ class MeshConf:
 class PlanConf:
     """One decoding plan (`specpilot.plan.Plan`); unset fields take the deployment's defaults."""
 
-    verify: str = "chain"  # ar | chain (tree, two_level: reserved)
+    verify: str = "chain"  # ar | chain | tree (two_level: reserved)
     weights: str = "bf16"  # bf16 | w12
-    block_size: Optional[int] = None  # chain: the drafter's block size when null
+    block_size: Optional[int] = None  # chain: the drafter's block size when null; tree: its width
     kernels: KernelsConf = dataclasses.field(default_factory=KernelsConf)
-    tree: Optional[TreeConf] = None  # reserved for tree verification
+    tree: Optional[TreeConf] = None  # tree plans: nodes (root included), depth, branching
     batching: str = "static"  # reserved for the batching engine
     mesh: Optional[MeshConf] = None  # null: one device
 
@@ -278,7 +278,14 @@ def validate(cfg: DictConfig) -> None:
         if plan.kernels.matmul.implementation[0] == "mosaic" and t.dtype != "bfloat16":
             _fail("target.dtype", f"plan {plan.name!r}: the Mosaic GPU kernel multiplies bfloat16 weights; "
                   "set target.dtype=bfloat16")
-        if plan.uses_drafter and d.source == "oracle" and plan.block_size != d.block_size:
+        if plan.verify == "tree" and d.source != "none":
+            if plan.tree.depth + 1 > d.block_size:
+                _fail(f"{key}.tree.depth", f"a depth-{plan.tree.depth} tree needs a drafter block of "
+                      f"{plan.tree.depth + 1}; drafter.block_size is {d.block_size}")
+            if d.source == "oracle" and plan.tree.depth + 1 != d.block_size:
+                _fail(f"{key}.tree.depth", f"an oracle drafter replays a profile for block size {d.block_size}; "
+                      f"a tree over it takes depth {d.block_size - 1}, got {plan.tree.depth}")
+        elif plan.uses_drafter and d.source == "oracle" and plan.block_size != d.block_size:
             _fail(f"{key}.block_size", f"an oracle drafter replays a profile for block size {d.block_size}; "
                   f"got {plan.block_size} (set drafter.block_size instead)")
     if dec.temperature < 0 or not 0 < dec.top_p <= 1 or dec.top_k < 0:

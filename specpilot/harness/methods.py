@@ -1,14 +1,17 @@
 """Running a plan on a deployment: one runner per verification kind, and its token-forcing scorer.
 
 Design choices:
-- What runs is decided by the plan's fields alone: `plan.verify` picks the runner (`ar`, `chain`),
+- What runs is decided by the plan's fields alone: `plan.verify` picks the runner (`ar`, `chain`, `tree`),
   `plan.weights` and `plan.kernels` the weights and kernels it runs with (the deployment prepares and
   caches them per plan), `plan.block_size` the verification width. No runner reads the config or a
   plan's name.
 - Each run repeats the whole prompt set `repeats` times after a warm-up and reports the median decode
   time per output token, so compile time never enters a number.
 - A plan's scorer reproduces its target numerics under token forcing: its weights and kernels, and its
-  verification width as the chunk size (1 for AR, the block for a chain).
+  verification width as the chunk size (1 for AR, the block for a chain). A tree plan's scorer runs a
+  tree forward at the plan's shape whose first root path carries the forced tokens (`forcing.tree_scorer`:
+  the tree mask, depth positions, per-node recurrent states and the path commit all take part), checked
+  against the AR plan's scorer (chunk 1) like every plan.
 - With the deployment's stop token (bench.stop_at_eos) both generate calls stop each row after it;
   tokens past a row's end read -1 (forcing checks each row up to there), and the decode tokens of a
   batch are its longest row's after the first (`GenerationResult.decode_steps`).
@@ -69,19 +72,15 @@ def _draft_params(dep, drafter, base, batch_index: int, batch):
     return OracleDrafter.make_params(base, replay_reference(batch, continuation), seed=batch_index)
 
 
-def run_chain(dep, plan: Plan) -> MethodRun:
-    """Block drafter + chain verification (greedy prefix match, or rejection sampling) with the plan's
-    weights and kernels for target and drafter."""
-    from specpilot.decoding import spec
-
+def _run_speculative(dep, plan: Plan, generate) -> MethodRun:
+    """Every batch through `generate(target, params, drafter, draft_params, batch)` (a speculative
+    loop's), with the tau / acceptance statistics summed over batches."""
     params, target = dep.params_for(plan), dep.target_for(plan)
     drafter, base = dep.drafter_for(plan)
     tokens, prefill_s, decode_s, decode_tokens = [], 0.0, 0.0, 0
     steps, emitted, accepted, hist = 0, 0, 0, None
     for i, batch in enumerate(dep.batches()):
-        res = spec.generate(target, params, drafter, _draft_params(dep, drafter, base, i, batch), batch,
-                            dep.new_tokens, block_size=plan.block_size, sampling=dep.sampling, key=dep.key,
-                            cache_len=dep.cache_len, stop_token=dep.stop_token)
+        res = generate(target, params, drafter, _draft_params(dep, drafter, base, i, batch), batch)
         tokens.extend(res.tokens.tolist())
         prefill_s += res.prefill_s
         decode_s += res.decode_s
@@ -97,21 +96,51 @@ def run_chain(dep, plan: Plan) -> MethodRun:
     # counts what the budget cut off in a sequence's last step (accepted drafts + 1, every step)
     stats = {"tau": emitted / max(1, steps), "acceptance_length_upstream": accepted / max(1, steps), "steps": steps,
              "acceptance_per_position": [float(a) for a in at_least[1:]]}
+    return MethodRun(tokens, prefill_s, decode_s, decode_tokens, stats)
+
+
+def run_chain(dep, plan: Plan) -> MethodRun:
+    """Block drafter + chain verification (greedy prefix match, or rejection sampling) with the plan's
+    weights and kernels for target and drafter."""
+    from specpilot.decoding import spec
+
+    def generate(target, params, drafter, draft_params, batch, **kw):
+        return spec.generate(target, params, drafter, draft_params, batch, dep.new_tokens,
+                             block_size=plan.block_size, sampling=dep.sampling, key=dep.key,
+                             cache_len=dep.cache_len, stop_token=dep.stop_token, **kw)
+
+    run = _run_speculative(dep, plan, generate)
     if dep.profile_split:
         # A separate, profiled pass over the first batch (phases jitted apart and synced): it gives the
         # draft / verify / bookkeeping split without touching the timed runs above.
         batch = dep.batches()[0]
-        prof = spec.generate(target, params, drafter, _draft_params(dep, drafter, base, 0, batch), batch,
-                             dep.new_tokens, block_size=plan.block_size, sampling=dep.sampling, key=dep.key,
-                             cache_len=dep.cache_len, profile=True, stop_token=dep.stop_token).stats
+        drafter, base = dep.drafter_for(plan)
+        prof = generate(dep.target_for(plan), dep.params_for(plan), drafter,
+                        _draft_params(dep, drafter, base, 0, batch), batch, profile=True).stats
         total = prof.draft_s + prof.verify_s + prof.bookkeeping_s
         if total > 0:  # zero only if every row stopped at prefill's token: no step to split
-            stats["time_split"] = {"draft": prof.draft_s / total, "verify": prof.verify_s / total,
-                                   "bookkeeping": prof.bookkeeping_s / total}
-    return MethodRun(tokens, prefill_s, decode_s, decode_tokens, stats)
+            run.stats["time_split"] = {"draft": prof.draft_s / total, "verify": prof.verify_s / total,
+                                       "bookkeeping": prof.bookkeeping_s / total}
+    return run
 
 
-RUNNERS: dict[str, Callable] = {"ar": run_ar, "chain": run_chain}
+def run_tree(dep, plan: Plan) -> MethodRun:
+    """Block drafter + tree verification (`decoding.tree`) at the plan's tree shape; acceptance per
+    position counts accepted depth (k = 1..depth). No profiled split: the tree loop runs as one
+    while loop."""
+    from specpilot.decoding import tree
+
+    shape = plan.tree
+
+    def generate(target, params, drafter, draft_params, batch):
+        return tree.generate(target, params, drafter, draft_params, batch, dep.new_tokens, nodes=shape.nodes,
+                             depth=shape.depth, branching=shape.branching, sampling=dep.sampling, key=dep.key,
+                             cache_len=dep.cache_len, stop_token=dep.stop_token)
+
+    return _run_speculative(dep, plan, generate)
+
+
+RUNNERS: dict[str, Callable] = {"ar": run_ar, "chain": run_chain, "tree": run_tree}
 
 
 def run_plan(dep, plan: Plan) -> MethodRun:
@@ -121,10 +150,15 @@ def run_plan(dep, plan: Plan) -> MethodRun:
 
 
 def scorer(dep, plan: Plan):
-    """The forcing scorer reproducing `plan`'s target numerics (weights, kernels, verification width)."""
-    from specpilot.forcing import chunked_scorer
+    """The forcing scorer reproducing `plan`'s target numerics (weights, kernels, verification width; for a
+    tree plan a tree forward at its shape, `forcing.tree_scorer`)."""
+    from specpilot.forcing import chunked_scorer, tree_scorer
 
-    return chunked_scorer(dep.params_for(plan), dep.target_for(plan), chunk=plan.block_size)
+    params, target = dep.params_for(plan), dep.target_for(plan)
+    if plan.verify == "tree":
+        t = plan.tree
+        return tree_scorer(params, target, t.nodes, min(t.depth, t.nodes - 1), t.branching)  # N-node forwards
+    return chunked_scorer(params, target, chunk=plan.block_size)
 
 
 def median_run(run: Callable[[], MethodRun], repeats: int, name: str = "", progress=None) -> MethodRun:

@@ -293,7 +293,10 @@ class Target:
         return dataclasses.replace(self, mesh=mesh)
 
     def forward(self, params: Params, tokens: jax.Array, positions: jax.Array, state: TargetState,
-                mask: jax.Array):
+                mask: jax.Array, parents: jax.Array | None = None):
+        """`forward` with the state's mesh constraints. parents [B, T] (a tree's, `decoding.tree`):
+        attention layers read the tree from the mask alone, so a dense target ignores them."""
+        del parents
         with sharding.active(self.mesh):
             logits, taps, state = forward(params, self.cfg, tokens, positions, state, mask)
         return logits, taps, sharding.constrain_state(state, self.mesh)

@@ -489,7 +489,8 @@ class ReplayDrafter:
     Its params are the reference `[B, R]` int32: each row's prompt followed by its continuation, indexed
     by absolute position. Its state is the committed context length `[B]`. A block starting at position
     L proposes reference[L+1 .. L+Bs-1] as one-hot logits of height `confidence`; the token at absolute
-    position p is shifted by `shift` (mod V), i.e. made wrong, when `wrong_every` is 0 or divides p.
+    position p is shifted by `shift` (mod V), i.e. made wrong, when `wrong_every` is 0 or divides p;
+    with `runner_up` the right token stays second there (a tree's second sibling finds it).
     Useful wherever a drafter's acceptance must be controlled, e.g. targets with random weights; such
     results are labelled oracle-acceptance results.
     """
@@ -499,6 +500,7 @@ class ReplayDrafter:
     shift: int = 0  # 0: the exact reference
     wrong_every: int = 0  # with shift != 0: 0 = every draft wrong, k = positions divisible by k wrong
     confidence: float = 30.0
+    runner_up: float = 0.0  # > 0: a wrong draft keeps the right token second, this far below (trees)
 
     def with_mesh(self, mesh) -> "ReplayDrafter":
         """The replayed reference is one small array: nothing to shard."""
@@ -520,8 +522,13 @@ class ReplayDrafter:
         positions = jnp.minimum(positions, params.shape[1] - 1)  # past the reference: repeat its end
         wrong = (positions % self.wrong_every == 0) if self.wrong_every else True
         shift = jnp.where(wrong, self.shift, 0)
-        tokens = (jnp.take_along_axis(params, positions, axis=1) + shift) % self.vocab_size
-        return self.confidence * jax.nn.one_hot(tokens, self.vocab_size, dtype=jnp.float32), state
+        right = jnp.take_along_axis(params, positions, axis=1)
+        tokens = (right + shift) % self.vocab_size
+        logits = self.confidence * jax.nn.one_hot(tokens, self.vocab_size, dtype=jnp.float32)
+        if self.runner_up:
+            second = jnp.where(tokens != right, self.confidence - self.runner_up, 0.0)
+            logits = logits + second[..., None] * jax.nn.one_hot(right, self.vocab_size, dtype=jnp.float32)
+        return logits, state
 
 
 def replay_reference(prompts, continuations, length: int | None = None) -> np.ndarray:

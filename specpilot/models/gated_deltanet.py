@@ -24,6 +24,13 @@ Design choices:
   writes snapshot t = the state after token t; a longer one (prefill) uses the chunked form and
   writes its final state into every snapshot, so committing the tokens it fed (a prompt's length)
   selects it. Committing fewer tokens of such a forward is not meaningful (no per-token states).
+- Trees (`parents` given, `decoding.tree`): every node's state comes from its parent's, by a per-node
+  recurrence in topological order (`tree_gated_delta_rule`: node i's state = the rule applied to
+  state[parent[i]] and token i, the committed state for the root) and a convolution over each node's
+  ancestor chain (`_tree_conv`: the window is the node, its W-1 nearest ancestors, and before the root
+  the committed conv state). Snapshot i is node i's state, so committing a path takes the snapshot of
+  its last node (`TargetState.gather_path`). Every node is fed (a tree has no padding). Pure jnp: on
+  a chain (parent i-1) it computes what the recurrent form does.
 - Numerics follow transformers' Qwen3.5: the rule in float32 (products at HIGHEST precision, not
   a GPU's TF32 default), g = -exp(A_log) softplus(a + dt_bias)
   in float32, the convolution accumulated in float32, the gated RMSNorm `w * norm(o) * silu(z)`
@@ -121,6 +128,49 @@ def chunk_gated_delta_rule(q, k, v, g, beta, initial_state, chunk_size: int = CH
     return o, final
 
 
+def tree_gated_delta_rule(q, k, v, g, beta, initial_state, parents):
+    """The rule over a token tree (same arguments as `recurrent_gated_delta_rule`, plus parents [B, T]
+    int32: -1 for a node fed from `initial_state`, else an earlier node) -> (o [B, T, H, DV], every
+    node's state [B, T, H, DK, DV]). Nodes are visited in index order (topological)."""
+    b, t, h, dk = k.shape
+    dv = v.shape[-1]
+    rows = jnp.arange(b)
+
+    def step(states, inputs):
+        i, q_t, k_t, v_t, g_t, b_t, par = inputs  # par [B]
+        s = jnp.where((par < 0)[:, None, None, None], initial_state, states[rows, jnp.maximum(par, 0)])
+        s = s * jnp.exp(g_t)[..., None, None]
+        predicted = _einsum("bhkv,bhk->bhv", s, k_t)
+        s = s + _einsum("bhk,bhv->bhkv", k_t, (v_t - predicted) * b_t[..., None])
+        return states.at[:, i].set(s), _einsum("bhkv,bhk->bhv", s, q_t)
+
+    time_major = [jnp.moveaxis(x, 1, 0) for x in (q, k, v, g, beta, parents)]
+    states0 = jnp.zeros((b, t, h, dk, dv), initial_state.dtype)
+    states, o = jax.lax.scan(step, states0, (jnp.arange(t), *time_major))
+    return jnp.moveaxis(o, 0, 1), states
+
+
+def _tree_conv(x: jax.Array, weight: jax.Array, conv_state: jax.Array, parents: jax.Array):
+    """The causal depthwise conv + SiLU along each node's ancestor chain. x [B, T, C], weight [W, C],
+    conv_state [B, W-1, C] (the inputs before the root), parents [B, T] -> (y [B, T, C], every node's
+    conv state [B, T, W-1, C])."""
+    width, t = weight.shape[0], x.shape[1]
+    ext = jnp.concatenate([conv_state.astype(x.dtype), x], axis=1)  # [B, W-1+T, C]
+    # the input before each entry of ext: the previous conv-state row, a node's parent, the state's end
+    before_state = jnp.broadcast_to(jnp.maximum(jnp.arange(width - 1, dtype=jnp.int32) - 1, 0),
+                                    (x.shape[0], width - 1))
+    before_node = jnp.where(parents < 0, width - 2, width - 1 + parents)
+    before = jnp.concatenate([before_state, before_node], axis=1)  # [B, W-1+T]
+    idx = [jnp.broadcast_to(width - 1 + jnp.arange(t, dtype=jnp.int32), parents.shape)]  # the nodes
+    for _ in range(width - 1):
+        idx.append(jnp.take_along_axis(before, jnp.maximum(idx[-1], 0), axis=1))
+    idx = jnp.stack(idx[::-1], axis=2)  # [B, T, W]: oldest input first, the node last
+    window = jax.vmap(lambda e, i: e[i])(ext, idx)  # [B, T, W, C]
+    wf = window.astype(jnp.float32)
+    y = sum(wf[:, :, j] * weight[j].astype(jnp.float32) for j in range(width))
+    return jax.nn.silu(y).astype(x.dtype), window[:, :, 1:]
+
+
 # --------------------------------------------------------------------------------------------------
 # The layer
 
@@ -167,16 +217,24 @@ def _conv_states_after(window: jax.Array, ends: jax.Array, width: int) -> jax.Ar
 
 
 def gated_deltanet(p: dict, cfg, x: jax.Array, layer_state: RecurrentState, mask: jax.Array,
-                   start: jax.Array):
+                   start: jax.Array, parents: jax.Array | None = None):
     """The token mixer of a linear-attention layer. x [B, T, H] (input-normed), mask [B, T, S],
-    start [B] (committed length) -> (out [B, T, H], state with snapshots written, uncommitted)."""
+    start [B] (committed length), parents [B, T] for a tree's nodes (None: a chain or a prompt)
+    -> (out [B, T, H], state with snapshots written, uncommitted)."""
     b, t, _ = x.shape
     nk, nv = cfg.linear_num_key_heads, cfg.linear_num_value_heads
     dk, dv, width = cfg.linear_key_head_dim, cfg.linear_value_head_dim, cfg.linear_conv_kernel_dim
-    fed = fed_tokens(mask, start)  # [B]
+    if parents is not None and t > layer_state.max_snapshots:
+        raise ValueError(f"a tree of {t} nodes needs {t} recurrent snapshots, the state holds "
+                         f"{layer_state.max_snapshots} (the target's max_block_size)")
+    fed = jnp.full((b,), t, jnp.int32) if parents is not None else fed_tokens(mask, start)  # [B]
     live = jnp.arange(t, dtype=jnp.int32)[None, :] < fed[:, None]  # [B, T]
 
-    mixed, window = _short_conv(linear(x, p["qkv"], choice=cfg.matmul, role="in_proj_qkv"), p["conv"], layer_state.conv)
+    projected = linear(x, p["qkv"], choice=cfg.matmul, role="in_proj_qkv")
+    if parents is not None:
+        mixed, node_conv = _tree_conv(projected, p["conv"], layer_state.conv, parents)
+    else:
+        mixed, window = _short_conv(projected, p["conv"], layer_state.conv)
     q, k, v = jnp.split(mixed, [cfg.key_dim, 2 * cfg.key_dim], axis=-1)
     # [q | k | v] is not grouped by head: replicated until the heads are split below
     q, k, v = (sharding.hint(x, P("data", None, None)) for x in (q, k, v))
@@ -195,7 +253,10 @@ def gated_deltanet(p: dict, cfg, x: jax.Array, layer_state: RecurrentState, mask
     g = jnp.where(live[..., None], g, 0.0)
 
     k_snap = layer_state.max_snapshots
-    if t <= k_snap:  # decode / verification: every per-token state
+    if parents is not None:  # tree verification: every node's state from its parent's
+        o, states = tree_gated_delta_rule(q, k, v, g, beta, layer_state.matrix, parents)
+        layer_state = layer_state.write_snapshots(node_conv, states)
+    elif t <= k_snap:  # decode / verification: every per-token state
         o, states = dispatch.gated_delta_rule(q, k, v, g, beta, layer_state.matrix, choice=cfg.gated_delta_rule)
         ends = jnp.minimum(jnp.arange(1, t + 1, dtype=jnp.int32)[None, :], fed[:, None])  # [B, T]
         layer_state = layer_state.write_snapshots(_conv_states_after(window, ends, width), states)

@@ -21,9 +21,11 @@ Design choices:
   snapshot n-1); longer forwards (prefill) keep only the state after the tokens they fed.
   `spec.generate` refuses larger blocks. A row's fed tokens come from the mask
   (`gated_deltanet.fed_tokens`): prefill through `state.prompt_forward` hides right padding.
-- Recurrent layers compute chains only: a tree mask is not a prefix of the block, so
-  `TargetState.gather_path` on a hybrid state is not meaningful until tree verification over
-  recurrent state exists.
+- Trees: `forward(..., parents=)` gives the linear layers a tree's parent indices, and each node's
+  conv and recurrent state is computed from its parent's (`gated_deltanet.tree_gated_delta_rule`);
+  attention layers read the tree from the mask. Snapshot i is node i's state, so
+  `TargetState.gather_path` commits the accepted path's last node. Without parents, recurrent layers
+  read the mask as a chain (or a right-padded prompt).
 """
 
 from __future__ import annotations
@@ -145,10 +147,10 @@ def gated_attention(p: dict, cfg: HybridConfig, x: jax.Array, cos, sin, kv: Atte
 
 
 def decoder_layer(p: dict, cfg: HybridConfig, layer: int, x: jax.Array, cos, sin, layer_state,
-                  start: jax.Array, mask: jax.Array):
+                  start: jax.Array, mask: jax.Array, parents: jax.Array | None = None):
     h = rms_norm(x, p["attn_norm"], cfg.rms_norm_eps)
     if cfg.is_linear(layer):
-        mixed, layer_state = gdn.gated_deltanet(p, cfg, h, layer_state, mask, start)
+        mixed, layer_state = gdn.gated_deltanet(p, cfg, h, layer_state, mask, start, parents)
     else:
         mixed, layer_state = gated_attention(p, cfg, h, cos, sin, layer_state, start, mask)
     x = x + mixed
@@ -171,15 +173,16 @@ def init_state(cfg: HybridConfig, batch_size: int, max_len: int, dtype=None,
 
 
 def forward(params: Params, cfg: HybridConfig, tokens: jax.Array, positions: jax.Array,
-            state: TargetState, mask: jax.Array):
-    """tokens [B, T], positions [B, T] int32, mask [B, T, S] bool -> (logits [B, T, V] float32,
-    taps [B, T, n_taps*H], state with K/V and recurrent snapshots written). Nothing is committed."""
+            state: TargetState, mask: jax.Array, parents: jax.Array | None = None):
+    """tokens [B, T], positions [B, T] int32, mask [B, T, S] bool, parents [B, T] for a tree's nodes
+    (None: a chain or prompt) -> (logits [B, T, V] float32, taps [B, T, n_taps*H], state with K/V and
+    recurrent snapshots written). Nothing is committed."""
     b, t = tokens.shape
     x = dense.embed(params, tokens)
     cos, sin = rope_tables(positions, cfg.inv_freq())  # [B, T, rotary_dim]
     layers, taps = [], []
     for i, p in enumerate(params["layers"]):
-        x, layer_state = decoder_layer(p, cfg, i, x, cos, sin, state.layers[i], state.lengths, mask)
+        x, layer_state = decoder_layer(p, cfg, i, x, cos, sin, state.layers[i], state.lengths, mask, parents)
         layers.append(layer_state)
         if i in cfg.tap_layers:
             taps.append(x)
@@ -221,9 +224,9 @@ class Target(dense.Target):
         return mesh_sharding.constrain_state(state, self.mesh)
 
     def forward(self, params: Params, tokens: jax.Array, positions: jax.Array, state: TargetState,
-                mask: jax.Array):
+                mask: jax.Array, parents: jax.Array | None = None):
         with mesh_sharding.active(self.mesh):
-            logits, taps, state = forward(params, self.cfg, tokens, positions, state, mask)
+            logits, taps, state = forward(params, self.cfg, tokens, positions, state, mask, parents)
         return logits, taps, mesh_sharding.constrain_state(state, self.mesh)
 
 

@@ -1,0 +1,213 @@
+"""Tree speculative decoding: draft a token tree from one block-drafter forward, verify it in one target
+forward, accept a root path, commit it, repeat.
+
+Design choices:
+- The chain loop's shape (`decoding/spec.py`): one loop-state pytree (`spec.SpecState`, the same
+  fields) through pure phases `draft_phase` (the drafter's one forward at block size depth + 1, then
+  `token_tree.build_tree` on the device), `verify_phase` (one target forward over the N nodes) and
+  `accept_phase` (greedy path matching or recursive rejection sampling, output write, commits), fused
+  into one jitted step and run as one `lax.while_loop`, compiled ahead of time; prefill is the chain's.
+- Verification: node i sits at slot lengths + i and rotary position lengths + depth_i and sees the
+  committed prefix and its ancestors (`state.tree_mask`). The tree's parents go to `target.forward`
+  too (`parents=`): attention layers need only the mask, recurrent layers compute each node's state
+  from its parent's (`gated_deltanet`). A target that carries a mesh keeps its state constraints,
+  since every state change goes through `target.forward` / `init_state`.
+- Commit: the accepted path (root first, count = accepted + 1 nodes) moves to consecutive slots
+  (`TargetState.gather_path`, which also takes the recurrent snapshot of the path's last node), and the
+  drafter's context is extended with the target's taps gathered along the same path, so both stay at
+  equal lengths, as in the chain loop.
+- `TreeSetup.block_size` is depth + 1: the drafter's block and the most tokens one step emits (the
+  output slack and the acceptance histogram take it); `width` = max(nodes, depth + 1) is what a step
+  writes past the committed length, which capacity checks use. A chain of block Bs is the tree with
+  nodes = Bs, depth = Bs - 1, branching = 1, at the same verification width.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import time
+from typing import Any, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from specpilot.decoding import spec
+from specpilot.decoding.ar import (check_position_limit, check_stop_token, default_cache_len, pack_prompts,
+                                   request_budgets)
+from specpilot.decoding.sampling import GREEDY, SamplingConfig, resolve_key
+from specpilot.decoding.stats import SpecStats
+from specpilot.decoding.token_tree import build_tree, check_shape, root_path, verify_tree
+from specpilot.sharding import host_array
+from specpilot.state import check_capacity, tree_mask
+
+
+@dataclasses.dataclass(frozen=True)
+class TreeSetup:
+    """Everything static about a tree run (hashable: a jit static argument)."""
+
+    target: Any
+    drafter: Any
+    nodes: int  # tokens one verification checks: the root (last token) + nodes - 1 drafted nodes
+    depth: int  # deepest drafted node (<= the drafter's block size - 1)
+    branching: int  # candidates per block position (top-k)
+    max_new_tokens: int
+    stop_token: int | None = None
+
+    def __post_init__(self):
+        check_shape(self.nodes, self.depth, self.branching)
+        if self.max_new_tokens < 1:
+            raise ValueError(f"max_new_tokens must be >= 1, got {self.max_new_tokens}")
+        if self.drafter is None:
+            raise ValueError("tree decoding needs a drafter")
+
+    @property
+    def block_size(self) -> int:
+        return self.depth + 1
+
+    @property
+    def width(self) -> int:
+        return max(self.nodes, self.depth + 1)
+
+    uses_drafter = True
+
+
+def _active(setup: TreeSetup, state: spec.SpecState) -> jax.Array:
+    fits = state.target_state.lengths + setup.width <= state.target_state.max_len
+    return (state.n_out < state.budget) & fits & ~state.stopped
+
+
+def all_done(setup: TreeSetup, state: spec.SpecState) -> jax.Array:
+    return ~jnp.any(_active(setup, state))
+
+
+def draft_phase(setup: TreeSetup, target_params, draft_params, state: spec.SpecState):
+    """-> (state with the draft context advanced, tree). The tree is built from the drafter's own
+    log-probabilities whatever the sampling: which tree is verified never changes the output
+    distribution (`token_tree`)."""
+    draft_logits, draft_state = setup.drafter.propose(draft_params, target_params, state.draft_state,
+                                                      state.last, setup.block_size)
+    tree = build_tree(jax.nn.log_softmax(draft_logits.astype(jnp.float32), axis=-1), state.last,
+                      setup.nodes, setup.depth, setup.branching)
+    return dataclasses.replace(state, draft_state=draft_state), tree
+
+
+def verify_phase(setup: TreeSetup, target_params, state: spec.SpecState, tree):
+    """One target forward over the tree's nodes -> (state with K/V written, logits [B, N, V], taps)."""
+    ts = state.target_state
+    positions = ts.lengths[:, None] + tree.depths
+    logits, taps, ts = setup.target.forward(target_params, tree.tokens, positions, ts,
+                                            tree_mask(ts, tree.ancestors), parents=tree.parents)
+    return dataclasses.replace(state, target_state=ts), logits, taps
+
+
+def accept_phase(setup: TreeSetup, target_params, draft_params, state: spec.SpecState, tree,
+                 target_logits, taps) -> spec.SpecState:
+    """Accept a root path + one token per sequence, write outputs, commit the path in both states."""
+    length = setup.block_size
+    active = _active(setup, state)
+    key, key_verify = spec._split(state.key, state.sampling)
+    last, n_acc, next_token = verify_tree(key_verify, tree, target_logits, state.sampling, setup.depth,
+                                          setup.branching)
+    n_acc = jnp.where(active, n_acc, 0)
+    n_new = jnp.where(active, n_acc + 1, 0)
+    path = root_path(tree, last, length)  # [B, D+1]
+    idx = jnp.arange(length, dtype=jnp.int32)[None, :]
+    path_tokens = jnp.take_along_axis(tree.tokens, path, axis=1)  # [B, D+1], the root first
+    shifted = jnp.concatenate([path_tokens[:, 1:], path_tokens[:, :1]], axis=1)
+    emit = jnp.where(idx < n_acc[:, None], shifted, next_token[:, None])
+    out = jax.vmap(lambda row, e, s: jax.lax.dynamic_update_slice(row, e, (s,)))(state.out, emit, state.n_out)
+    take = jnp.minimum(n_new, state.budget - state.n_out)
+    stopped = state.stopped
+    if setup.stop_token is not None:
+        hit = (emit == setup.stop_token) & (idx < take[:, None])
+        take = jnp.where(hit.any(axis=1), jnp.argmax(hit, axis=1).astype(jnp.int32) + 1, take)
+        stopped = stopped | hit.any(axis=1)
+    path_taps = jnp.take_along_axis(taps, path[:, :, None], axis=1)  # [B, D+1, F]
+    draft_state = setup.drafter.extend(draft_params, target_params, state.draft_state, path_taps, n_new)
+    hist = state.accept_hist.at[n_acc].add(active.astype(jnp.int32))
+    return dataclasses.replace(
+        state, target_state=state.target_state.gather_path(path, n_new), draft_state=draft_state,
+        last=jnp.where(active, next_token, state.last), out=out, n_out=state.n_out + take, key=key,
+        steps=state.steps + active.astype(jnp.int32), emitted=state.emitted + take,
+        accepted=state.accepted + n_new, accept_hist=hist, stopped=stopped)
+
+
+def tree_step(setup: TreeSetup, target_params, draft_params, state: spec.SpecState):
+    state, tree = draft_phase(setup, target_params, draft_params, state)
+    state, logits, taps = verify_phase(setup, target_params, state, tree)
+    return accept_phase(setup, target_params, draft_params, state, tree, logits, taps)
+
+
+def decode_while(setup: TreeSetup, target_params, draft_params, state: spec.SpecState) -> spec.SpecState:
+    return jax.lax.while_loop(lambda s: ~all_done(setup, s),
+                              lambda s: tree_step(setup, target_params, draft_params, s), state)
+
+
+_while_jit = jax.jit(decode_while, static_argnums=0, donate_argnames=("state",))
+
+
+def generate(target, target_params, drafter, draft_params, prompts: Sequence[Sequence[int]],
+             max_new_tokens: int, *, nodes: int, depth: int, branching: int,
+             sampling: SamplingConfig = GREEDY, key: jax.Array | None = None, cache_len: int | None = None,
+             cache_dtype=None, budgets=None, temperature=None, top_p=None,
+             stop_token: int | None = None) -> spec.SpecResult:
+    """Tree-speculatively generate up to `max_new_tokens` tokens after each prompt (as `spec.generate`:
+    tokens past `num_generated[b]` are -1; `stats` gives tau and steps, block_size = depth + 1)."""
+    b = len(prompts)
+    if depth + 1 > drafter.block_size:
+        raise ValueError(f"tree depth {depth} needs a drafter block of {depth + 1}; the drafter's is "
+                         f"{drafter.block_size}")
+    stop_token = check_stop_token(stop_token, target.vocab_size)
+    setup = TreeSetup(target, drafter, nodes, depth, branching, max_new_tokens, stop_token)
+    limit = getattr(target, "max_block_size", None)
+    if limit is not None and setup.width > limit:
+        raise ValueError(f"a tree of {nodes} nodes exceeds the target's max_block_size {limit} (the per-node "
+                         f"recurrent states one verification keeps); build the target with a larger one")
+    budgets = request_budgets(budgets, max_new_tokens, b)
+    requests = sampling.for_requests(b, temperature, top_p)
+    key = resolve_key(key, requests)
+    target.check_params(target_params)
+    check_position_limit(prompts, budgets, target.max_positions)
+    cache_len = cache_len or default_cache_len(prompts, max_new_tokens, extra=setup.width)
+    longest = max(len(p) for p in prompts)
+    check_capacity(cache_len, longest + max_new_tokens + setup.width - 2,
+                   f"the longest prompt ({longest} tokens) plus {max_new_tokens} new tokens with a "
+                   f"{nodes}-node tree (a verification writes {setup.width} positions)")
+    tokens, lengths = pack_prompts(prompts, cache_len, max_positions=target.max_positions)
+    dtype = cache_dtype or target.dtype
+
+    def fresh():
+        return target.init_state(b, cache_len, dtype), drafter.init_state(draft_params, b, cache_len, dtype)
+
+    args = (jnp.asarray(tokens), jnp.asarray(lengths))
+    budget = jnp.asarray(budgets)
+    static = (target, drafter)
+    prefill_args = (target_params, draft_params, *args, *jax.eval_shape(fresh), key, requests)
+    prefill = spec._compiled(spec._prefill_jit, static, *prefill_args)
+    first, tstate, dstate, key_shape = jax.eval_shape(functools.partial(spec._prefill_core, static),
+                                                      *prefill_args)
+    initial = spec._compiled(spec._initial_jit, setup, first, tstate, dstate, key_shape, budget, requests)
+    state_shape = jax.eval_shape(functools.partial(spec._initial_state, setup), first, tstate, dstate,
+                                 key_shape, budget, requests)
+    run = spec._compiled(_while_jit, setup, target_params, draft_params, state_shape)
+    states = fresh()
+
+    t0 = time.perf_counter()
+    state = initial(*prefill(target_params, draft_params, *args, *states, key, requests), budget, requests)
+    state.last.block_until_ready()
+    t1 = time.perf_counter()
+    state = run(target_params, draft_params, state)
+    out, n_out = host_array(state.out), host_array(state.n_out)
+    t2 = time.perf_counter()
+
+    generated = out[:, :max_new_tokens].copy()
+    generated[np.arange(max_new_tokens)[None, :] >= n_out[:, None]] = -1
+    stats = SpecStats(block_size=setup.block_size, steps=host_array(state.steps),
+                      emitted=host_array(state.emitted), accept_hist=host_array(state.accept_hist),
+                      prefill_s=t1 - t0, decode_s=t2 - t1,
+                      new_tokens=int(budgets.max() if stop_token is None else n_out.max()),
+                      accepted=host_array(state.accepted))
+    return spec.SpecResult(tokens=generated, prompt_lengths=lengths, prefill_s=t1 - t0, decode_s=t2 - t1,
+                           budgets=budgets, num_generated=n_out, stop_token=stop_token, stats=stats)
