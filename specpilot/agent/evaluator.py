@@ -168,8 +168,12 @@ class Evaluator:
 
     def __init__(self, workers: int = 2, *, timeout_s: float = 300.0, memory_mb: int | None = 4096,
                  workdir: str | Path, timing_slots: int = 1, address: str | None = None):
+        import logging
+
         from dask.distributed import Client, LocalCluster
 
+        for name in [n for n in logging.root.manager.loggerDict if n.startswith("distributed")] + ["distributed"]:
+            logging.getLogger(name).setLevel(logging.WARNING)  # per-connection INFO lines drown the progress
         self.timeout_s, self.memory_mb = float(timeout_s), memory_mb
         self.workdir = Path(workdir)
         self.workdir.mkdir(parents=True, exist_ok=True)

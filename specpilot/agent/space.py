@@ -128,6 +128,21 @@ class Space:
         except (ConfigValueError, plan_mod.PlanError, ValueError, TypeError, KeyError) as e:
             return f"{type(e).__name__}: {e}"
 
+    def feasible(self, incumbent: Mapping) -> tuple["Space", list[Dropped]]:
+        """The space without the values that fail on their own at this deployment (each one-field rewrite of
+        `incumbent` the harness refuses, e.g. w12 weights on a float32 target), and those values with why."""
+        removed, kept = [], []
+        for c in self.choices:
+            bad = []
+            for rw in single_field_rewrites(self, incumbent, c):
+                res = self.rewrite("probe", incumbent, rw)
+                if isinstance(res, Dropped) and not res.reason.startswith("changes nothing"):
+                    bad.append(rw[c.field])
+                    removed.append(res)
+            values = tuple(v for v in c.values if (list(v) if isinstance(v, tuple) else v) not in bad)
+            kept.append(dataclasses.replace(c, values=values) if values else c)
+        return dataclasses.replace(self, choices=tuple(kept)), removed
+
     def rewrite(self, name: str, incumbent: Mapping, rewrite: Mapping[str, Any]) -> tuple[dict, plan_mod.Plan] | Dropped:
         """(fields, plan) of `rewrite` applied to `incumbent`, or Dropped with the reason."""
         unknown = [k for k in rewrite if self.choice(k) is None and not _is_config_field(k)]
