@@ -162,6 +162,9 @@ class OptunaProposer(Proposer):
             trial = self.study.ask()
             rw = {}
             for c in ctx.space.choices:
+                if c.when is not None and (rw.get(c.when[0]) or sp.get_field(ctx.incumbent, c.when[0]) or [""])[0] \
+                        != c.when[1]:
+                    continue  # a config field of an implementation this trial does not run
                 value = json.loads(trial.suggest_categorical(c.field, [self._encode(v) for v in c.values]))
                 current = sp.get_field(ctx.incumbent, c.field)
                 if c.field == "mesh" and current is None:

@@ -39,6 +39,15 @@ class Choice:
     values: tuple
     kind: str  # "categorical" | "int"
     targets: tuple[str, ...] = ()  # stages / kernel classes of the cost model this field acts on
+    # a kernel config field applies only under one implementation: (its implementation field, the name)
+    when: tuple[str, str] | None = None
+
+    def applies(self, fields: Mapping) -> bool:
+        """Whether this choice means anything for plan `fields` (a config field: its implementation first)."""
+        if self.when is None:
+            return True
+        impl = get_field(fields, self.when[0]) or []
+        return bool(impl) and impl[0] == self.when[1]
 
     def __post_init__(self):
         if not self.values:
@@ -188,7 +197,8 @@ def kernel_config_choices(op: str, implementation: str) -> list[Choice]:
     """`kernels.<op>.config.<field>` choices of one implementation (its config dataclass's fields)."""
     cls = dispatch.CONFIGS[op][implementation]
     targets = ("matmul", "lm_head") if op == "matmul" else ("recurrence",)
-    return [dataclasses.replace(c, field=f"kernels.{op}.config.{c.field}", targets=targets)
+    return [dataclasses.replace(c, field=f"kernels.{op}.config.{c.field}", targets=targets,
+                                when=(f"kernels.{op}.implementation", implementation))
             for c in _config_values(cls)]
 
 
@@ -232,6 +242,8 @@ def _dedupe(choices: list[Choice]) -> list[Choice]:
 
 def single_field_rewrites(space: Space, incumbent: Mapping, choice: Choice) -> list[dict]:
     """Every value of `choice` other than the incumbent's, as one-field rewrites."""
+    if not choice.applies(incumbent):
+        return []
     current = get_field(incumbent, choice.field)
     out = []
     for v in choice.values:
