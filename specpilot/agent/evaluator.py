@@ -4,8 +4,9 @@ Design choices:
 - A Dask `LocalCluster` (worker processes, one thread each) runs `evaluate_candidate` tasks; each task
   starts `python -m specpilot.agent.candidate <spec.json> <out.json>` (or a spec's own `program`, which
   tests use for adversarial candidates) in a new session, with `resource.setrlimit` on its address space
-  in the child, and a deadline. A crash, a hang, an out-of-memory or a `kill -9` ends that process only:
-  the task returns a result with the status and the reason (the tail of its stderr), never raises.
+  in the child (before it execs the candidate), and a deadline. A crash, a hang, an out-of-memory or a
+  `kill -9` ends that process only: the task returns a result with the status and the reason (the tail
+  of its stderr), never raises.
 - Each timing task takes the worker resource `timing` (one per worker: `timing_slots`), so a cluster
   whose workers name one GPU each runs one timing job per GPU at a time.
 - The evaluator holds the clock: after the candidate reports ready (warmed up), it writes "go" per
@@ -19,7 +20,6 @@ from __future__ import annotations
 
 import json
 import os
-import resource
 import selectors
 import signal
 import subprocess
@@ -34,13 +34,12 @@ OOM_MARKERS = ("MemoryError", "RESOURCE_EXHAUSTED", "std::bad_alloc", "Cannot al
                "out of memory")
 
 
-def _limits(memory_mb: int | None):
-    def apply():  # runs in the child, before exec
-        os.setsid()
-        if memory_mb:
-            limit = int(memory_mb) * 2**20
-            resource.setrlimit(resource.RLIMIT_AS, (limit, limit))
-    return apply
+# Runs first in the child: the address-space limit, then exec of the candidate (a preexec_fn would make
+# Popen fork a multithreaded parent, e.g. a driver that has started jax).
+_LIMITED = ("import os, resource, sys\n"
+            "limit = int(sys.argv[1]) * 2**20\n"
+            "if limit > 0: resource.setrlimit(resource.RLIMIT_AS, (limit, limit))\n"
+            "os.execv(sys.argv[2], sys.argv[2:])\n")
 
 
 class _Channel:
@@ -103,9 +102,9 @@ def evaluate_candidate(spec: dict, *, timeout_s: float, memory_mb: int | None, w
     base = {"name": spec["name"], "stage": spec.get("stage", "full"), "folder": str(folder), "wall_s": []}
     t_start = time.monotonic()
     with open(err_path, "wb") as err:
-        proc = subprocess.Popen(argv + [str(spec_path), str(out_path)], stdin=subprocess.PIPE,
-                                stdout=subprocess.PIPE, stderr=err, preexec_fn=_limits(memory_mb),
-                                env={**os.environ, "PYTHONUNBUFFERED": "1"})
+        proc = subprocess.Popen([python, "-c", _LIMITED, str(int(memory_mb or 0)), *argv, str(spec_path),
+                                 str(out_path)], stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=err,
+                                start_new_session=True, env={**os.environ, "PYTHONUNBUFFERED": "1"})
     chan = _Channel(proc, t_start + timeout_s)
     walls = []
     try:
