@@ -131,6 +131,10 @@ class Memory:
             s.add(Run(key=key, features=features, versions=versions))
             return False
 
+    def run_keys(self) -> list[str]:
+        with Session(self.engine) as s:
+            return list(s.scalars(select(Run.key).order_by(Run.created)))
+
     def last_round(self, key: str) -> Round | None:
         with Session(self.engine, expire_on_commit=False) as s:
             return s.scalars(select(Round).where(Round.run_key == key, Round.done.is_(True))
