@@ -97,3 +97,24 @@ def test_registry_names_and_errors():
         assert [type(p).__name__ for p in props.make(["fixed"])] == ["Fixed"]
     finally:
         del props.REGISTRY["fixed"]
+
+
+def test_integrate_combines_compatible_survivors(gpu_space):
+    _, space = gpu_space
+    ctx = props.Context(space, INCUMBENT, None, set(), survivors=[{"block_size": 8}, {"weights": "w12"}])
+    got = props.IntegrateProposer().propose(ctx, 3)
+    assert [p.rewrite for p in got] == [{"block_size": 8, "weights": "w12"}, {"block_size": 8}, {"weights": "w12"}]
+    clash = props.Context(space, INCUMBENT, None, set(), survivors=[{"block_size": 8}, {"block_size": 2}])
+    assert [p.rewrite for p in props.IntegrateProposer().propose(clash, 3)] == [{"block_size": 8}, {"block_size": 2}]
+
+
+def test_agent_block_errors_name_the_key():
+    from specpilot.agent.loop import agent_conf
+
+    assert agent_conf({"rounds": 3}).rounds == 3
+    with pytest.raises(ValueError, match="agent.roundz"):
+        agent_conf({"roundz": 3})
+    with pytest.raises(ValueError, match="agent.workers: must be >= 1"):
+        agent_conf({"workers": 0})
+    with pytest.raises(ValueError, match="agent.proposers: unknown 'llm'"):
+        agent_conf({"proposers": ["guided", "llm"]})

@@ -42,7 +42,7 @@ class AgentConf:
     workers: int = 2
     timeout_s: float = 300.0  # per candidate process
     memory_mb: int = 8192  # address-space limit per candidate process
-    proposers: list = dataclasses.field(default_factory=lambda: ["memory", "guided", "optuna"])
+    proposers: list = dataclasses.field(default_factory=lambda: ["memory", "integrate", "guided", "optuna"])
     per_proposer: int = 2  # proposals per proposer per round
     memory_url: str | None = None  # default: sqlite:///<cache_dir>/agent_memory.db
     heldout: int = 16  # the gate's held-out prompt pool
@@ -137,7 +137,7 @@ class Loop:
                     noise_margin=a.noise_margin)
         proposers = props.make(list(a.proposers), seed=a.seed + start)
         seeds = [m.rewrite for m in memory.retrieve(self.features)]
-        inc_result, att = None, None
+        inc_result, att, survivors = None, None, []
         with ev.Evaluator(a.workers, timeout_s=a.timeout_s, memory_mb=a.memory_mb,
                           workdir=str(self.out / "candidates")) as evaluator:
             for r in range(start, a.rounds):
@@ -148,11 +148,12 @@ class Loop:
                     if inc_result["status"] != "ok":
                         raise RuntimeError(f"the incumbent failed: {inc_result['reason']}")
                     att = self._attribution(gate, self.incumbent, inc_result)
-                rows = self._round(r, gate, evaluator, proposers, prompts, att, seeds)
+                rows = self._round(r, gate, evaluator, proposers, prompts, att, seeds, survivors)
                 inc_now = rows["incumbent"]
                 accepted = [row for row in rows["candidates"] if row["status"] == "accepted"]
                 best = min(accepted, key=lambda row: row["s_per_token"]) if accepted else None
                 old = self.incumbent
+                survivors = [row["rewrite"] for row in accepted if row is not best and row["proposer"] != "given"]
                 if best is not None:
                     self.incumbent = best["fields"]
                     att = self._attribution(gate, self.incumbent, best["result"])
@@ -195,9 +196,10 @@ class Loop:
             log.warning("no attribution for %s: %s", fields, e)
             return None
 
-    def _round(self, r: int, gate: Gate, evaluator: ev.Evaluator, proposers, prompts, att, seeds) -> dict:
+    def _round(self, r: int, gate: Gate, evaluator: ev.Evaluator, proposers, prompts, att, seeds,
+               survivors) -> dict:
         a, memory = self.agent, self.memory
-        ctx = props.Context(self.space, self.incumbent, att, memory.tried(self.key), seeds)
+        ctx = props.Context(self.space, self.incumbent, att, memory.tried(self.key), seeds, survivors)
         proposals: list[props.Proposal] = []
         for p in proposers:
             got = p.propose(ctx, a.per_proposer)
@@ -275,8 +277,18 @@ class Loop:
 
 def agent_conf(node: Any) -> AgentConf:
     """The `agent` block of a composed config, typed (an unknown key or a wrong type fails naming it)."""
-    merged = OmegaConf.merge(OmegaConf.structured(AgentConf), OmegaConf.to_container(node or {}, resolve=True))
+    from omegaconf.errors import OmegaConfBaseException
+
+    try:
+        given = node if isinstance(node, dict) else OmegaConf.to_container(node or OmegaConf.create({}), resolve=True)
+        merged = OmegaConf.merge(OmegaConf.structured(AgentConf), given)
+    except OmegaConfBaseException as e:
+        key = getattr(e, "full_key", None)
+        raise ValueError(f"agent{'.' + key if key else ''}: {str(e).splitlines()[0]}") from None
     a = AgentConf(**OmegaConf.to_container(merged, resolve=True))
+    unknown = [n for n in a.proposers if n not in props.REGISTRY]
+    if unknown:
+        raise ValueError(f"agent.proposers: unknown {', '.join(map(repr, unknown))}; known: {', '.join(props.REGISTRY)}")
     for key in ("rounds", "workers", "repeats", "heldout", "prompts_per_round", "per_proposer"):
         if getattr(a, key) < 1:
             raise ValueError(f"agent.{key}: must be >= 1, got {getattr(a, key)}")

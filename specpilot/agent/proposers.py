@@ -13,6 +13,8 @@ Design choices:
   one only if the pruner keeps it). Categorical values travel as JSON strings (Optuna's choices are
   scalars).
 - `memory`: the mechanisms memory validated at the nearest deployments, nearest first.
+- `integrate`: the other candidates the gate accepted last round, applied to the new incumbent (all of
+  them combined when they set different fields, then each alone), so compatible gains add up.
 - `REGISTRY` maps names (the `agent.proposers` list) to factories; `register` adds one.
 """
 
@@ -44,6 +46,8 @@ class Context:
     attribution: dict | None  # `prediction.attribute` of the incumbent's measured run
     tried: set[str]  # `space.rewrite_key` of every rewrite already evaluated or dropped here
     seeds: list[dict] = dataclasses.field(default_factory=list)  # memory's rewrites, nearest first
+    # rewrites the gate accepted last round that did not become the incumbent (integration)
+    survivors: list[dict] = dataclasses.field(default_factory=list)
 
 
 class Proposer:
@@ -131,6 +135,30 @@ class MemoryProposer(Proposer):
             if len(out) < n and _fresh(ctx, rw, taken):
                 taken.add(sp.rewrite_key(rw))
                 out.append(Proposal(dict(rw), self.name, "validated at a similar deployment (memory)"))
+        return out
+
+
+@register("integrate")
+class IntegrateProposer(Proposer):
+    """Last round's other survivors on top of the new incumbent: all of them combined first (a plan per
+    field, compatible when they set different fields), then each alone."""
+
+    name = "integrate"
+
+    def __init__(self, seed: int = 0):
+        self.seed = seed
+
+    def propose(self, ctx: Context, n: int) -> list[Proposal]:
+        out, taken, combined = [], set(), {}
+        fields = [set(rw) for rw in ctx.survivors]
+        compatible = all(not (a & b) for i, a in enumerate(fields) for b in fields[i + 1:])
+        if len(ctx.survivors) > 1 and compatible:
+            for rw in ctx.survivors:
+                combined.update(rw)
+        for rw in ([combined] if combined else []) + list(ctx.survivors):
+            if len(out) < n and _fresh(ctx, rw, taken):
+                taken.add(sp.rewrite_key(rw))
+                out.append(Proposal(dict(rw), self.name, "accepted last round next to the incumbent's rewrite"))
         return out
 
 
