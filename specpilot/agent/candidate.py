@@ -44,7 +44,8 @@ def build(spec: dict):
         import jax
 
         jax.config.update("jax_compilation_cache_dir", str(spec["compile_cache"]))
-        jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.5)
+        jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
+        jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
     config_schema.validate(cfg)
     plans = config_schema.build_plans(cfg)
     dep = deploy.build(cfg, plans)
