@@ -37,6 +37,11 @@ def main(cfg: DictConfig) -> None:
         devices.setup(run_cfg)
         config_schema.validate(run_cfg)
         out_dir = run_cfg.output_dir or str(hydra_dir)
+        if run_cfg.compile_cache:  # the gate's references compile once per deployment too
+            import jax
+
+            jax.config.update("jax_compilation_cache_dir", str(Path(run_cfg.cache_dir).expanduser() / "xla"))
+            jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
         summary = loop.Loop(run_cfg, agent, out_dir, progress=lambda m: print(m, flush=True)).run()
     except Exception as e:
         if os.environ.get("HYDRA_FULL_ERROR") == "1":

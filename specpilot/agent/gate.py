@@ -53,6 +53,9 @@ class Gate:
 
     def __init__(self, cfg: DictConfig, *, heldout: int, prompts_per_round: int, noise_margin: float = 0.05,
                  tie_margin: float | None = None, secret: int | None = None):
+        if prompts_per_round % int(cfg.bench.batch_size):
+            raise ValueError(f"agent.prompts_per_round ({prompts_per_round}) must be a multiple of "
+                             f"bench.batch_size ({cfg.bench.batch_size}): every prompt is decoded in a full batch")
         if prompts_per_round > heldout:
             raise ValueError(f"agent.prompts_per_round ({prompts_per_round}) is larger than the held-out set "
                              f"(agent.heldout = {heldout})")
@@ -93,7 +96,8 @@ class Gate:
         self.dep.prompts = prompts
         self.dep.reference_tokens = None
         longest = max(len(p) for p in prompts)
-        self.dep.cache_len = -(-(longest + self.dep.new_tokens + 32) // 128) * 128
+        block = max(self.reference.block_size, self.stock.block_size)
+        self.dep.cache_len = -(-(longest + self.dep.new_tokens + block) // 128) * 128
 
     def forcing_report(self, tokens) -> forcing.ForcingReport:
         """Stock's choices with `tokens` (the candidate's) forced: a mismatch is a position where stock

@@ -53,6 +53,8 @@ class AgentConf:
     name: str = ""  # part of the run key: another name starts another run at the same deployment
     plan_name: str = "found"  # the winning plan's name in its decoding file
     seed: int = 0
+    scheduler: str | None = None  # an existing Dask scheduler (dask-scheduler; dask-worker --resources timing=1)
+    timing_slots: int = 1  # timing jobs a local worker runs at once
     # candidates given by hand, evaluated in the first round: {name, fields, program (a script run in
     # place of the candidate module, e.g. for tests)}
     candidates: list = dataclasses.field(default_factory=list)
@@ -138,8 +140,8 @@ class Loop:
         proposers = props.make(list(a.proposers), seed=a.seed + start)
         seeds = [m.rewrite for m in memory.retrieve(self.features)]
         inc_result, att, survivors = None, None, []
-        with ev.Evaluator(a.workers, timeout_s=a.timeout_s, memory_mb=a.memory_mb,
-                          workdir=str(self.out / "candidates")) as evaluator:
+        with ev.Evaluator(a.workers, timeout_s=a.timeout_s, memory_mb=a.memory_mb, workdir=str(self.out / "candidates"),
+                          timing_slots=a.timing_slots, address=a.scheduler) as evaluator:
             for r in range(start, a.rounds):
                 prompts = gate.draw(r)
                 self.progress(f"round {r}: {len(prompts)} fresh prompts; incumbent {json.dumps(self.incumbent)}")
