@@ -1,6 +1,8 @@
 """The evaluator on Dask: a crash, a hang, an out-of-memory, a kill -9 or a lie lose that candidate only."""
 
+import json
 import textwrap
+from pathlib import Path
 
 from specpilot.agent import evaluator as ev
 
@@ -53,3 +55,34 @@ def test_failures_are_isolated_and_named(tmp_path):
         # the cluster still evaluates after all that
         again = e.evaluate([_spec("honest2", programs["honest"])])
         assert again[0]["status"] == ev.OK
+
+
+SLOW = """
+import json, sys, time
+spec = json.load(open(sys.argv[1]))
+print("ready", flush=True)
+spans = []
+for line in sys.stdin:
+    if line.strip() == "end":
+        break
+    t0 = time.time()
+    time.sleep(0.4)
+    spans.append((t0, time.time()))
+    print("done", flush=True)
+tokens = [[[0] * spec["new_tokens"] for _ in spec["prompts"]] for _ in spans]
+json.dump({"tokens": tokens, "spans": spans}, open(sys.argv[2], "w"))
+"""
+
+
+def test_candidates_sharing_a_device_are_timed_one_at_a_time(tmp_path):
+    program = tmp_path / "slow.py"
+    program.write_text(SLOW)
+    with ev.Evaluator(2, timeout_s=30, memory_mb=1024, workdir=tmp_path / "work") as e:
+        results = e.evaluate([_spec(f"slow{i}", program) for i in range(2)])
+    assert all(r["status"] == ev.OK for r in results)
+    spans = []
+    for r in results:
+        out = json.loads((Path(r["folder"]) / "out.json").read_text())
+        spans.append((out["spans"][0][0], out["spans"][-1][1]))  # first go .. last done
+    (a0, a1), (b0, b1) = sorted(spans)
+    assert a1 <= b0  # the second candidate's timed runs start after the first's end

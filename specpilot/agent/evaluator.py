@@ -8,7 +8,9 @@ Design choices:
   `kill -9` ends that process only: the task returns a result with the status and the reason (the tail
   of its stderr), never raises.
 - Each timing task takes the worker resource `timing` (one per worker: `timing_slots`), so a cluster
-  whose workers name one GPU each runs one timing job per GPU at a time.
+  whose workers name one GPU each runs one timing job per GPU at a time. Workers that share one device
+  (the CPU) build and warm up candidates in parallel and take a cluster-wide lock (`timing_lock`) for
+  the timed runs, so no two candidates are timed at once.
 - The evaluator holds the clock: after the candidate reports ready (warmed up), it writes "go" per
   repeat and times each go/done pair itself. Time per token is that wall time over the output tokens
   the spec asked for (batches x new tokens), whatever the process reports about itself.
@@ -90,9 +92,34 @@ def _failure(proc: subprocess.Popen, err_path: Path, default: str) -> tuple[str,
     return default, f"exit {rc}: {last}"
 
 
+class _NoLock:
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        return False
+
+
+def _timing_lock(name: str | None):
+    """A cluster-wide lock around the timed runs (None, or outside a Dask worker: none)."""
+    if not name:
+        return _NoLock()
+    try:
+        from dask.distributed import Lock, get_worker
+
+        get_worker()
+    except (ImportError, ValueError):
+        return _NoLock()
+    return Lock(name)
+
+
 def evaluate_candidate(spec: dict, *, timeout_s: float, memory_mb: int | None, workdir: str,
-                       python: str = sys.executable) -> dict:
-    """Run one candidate process and time it (a Dask task; also callable directly). Never raises."""
+                       python: str = sys.executable, timing_lock: str | None = None) -> dict:
+    """Run one candidate process and time it (a Dask task; also callable directly). Never raises.
+
+    `timing_lock`: the name of a cluster-wide lock held around the timed runs, so candidates sharing one
+    device build and compile in parallel but are timed one at a time (waiting for it does not count
+    against the timeout)."""
     Path(workdir).mkdir(parents=True, exist_ok=True)
     folder = Path(tempfile.mkdtemp(prefix=f"{spec['name']}-", dir=workdir))
     spec_path, out_path, err_path = folder / "spec.json", folder / "out.json", folder / "stderr.txt"
@@ -113,15 +140,18 @@ def evaluate_candidate(spec: dict, *, timeout_s: float, memory_mb: int | None, w
             proc.wait(timeout=max(1.0, chan.deadline - time.monotonic()))
             status, reason = _failure(proc, err_path, CRASHED)
             return {**base, "status": status, "reason": f"before ready: {reason}"}
-        for _ in range(int(spec.get("repeats", 1))):
-            t0 = time.perf_counter()
-            chan.send("go")
-            line = chan.readline()
-            walls.append(time.perf_counter() - t0)
-            if line != "done":
-                proc.wait(timeout=max(1.0, chan.deadline - time.monotonic()))
-                status, reason = _failure(proc, err_path, CRASHED)
-                return {**base, "status": status, "reason": f"during timed run {len(walls)}: {reason}"}
+        waited = time.monotonic()
+        with _timing_lock(timing_lock):
+            chan.deadline += time.monotonic() - waited
+            for _ in range(int(spec.get("repeats", 1))):
+                t0 = time.perf_counter()
+                chan.send("go")
+                line = chan.readline()
+                walls.append(time.perf_counter() - t0)
+                if line != "done":
+                    proc.wait(timeout=max(1.0, chan.deadline - time.monotonic()))
+                    status, reason = _failure(proc, err_path, CRASHED)
+                    return {**base, "status": status, "reason": f"during timed run {len(walls)}: {reason}"}
         chan.send("end")
         proc.wait(timeout=max(1.0, chan.deadline - time.monotonic()))
     except (TimeoutError, subprocess.TimeoutExpired):
@@ -166,14 +196,15 @@ class Evaluator:
     """A Dask LocalCluster of `workers` processes, each with `timing_slots` timing resources."""
 
     def __init__(self, workers: int = 2, *, timeout_s: float = 300.0, memory_mb: int | None = 4096,
-                 workdir: str | Path, timing_slots: int = 1, address: str | None = None):
+                 workdir: str | Path, timing_slots: int = 1, address: str | None = None,
+                 timing_lock: str | None = "specpilot-timing"):
         import logging
 
         from dask.distributed import Client, LocalCluster
 
         for name in [n for n in logging.root.manager.loggerDict if n.startswith("distributed")] + ["distributed"]:
             logging.getLogger(name).setLevel(logging.WARNING)  # per-connection INFO lines drown the progress
-        self.timeout_s, self.memory_mb = float(timeout_s), memory_mb
+        self.timeout_s, self.memory_mb, self.timing_lock = float(timeout_s), memory_mb, timing_lock
         self.workdir = Path(workdir)
         self.workdir.mkdir(parents=True, exist_ok=True)
         if address:  # an existing scheduler (dask-scheduler / dask-worker --resources timing=1)
@@ -190,7 +221,8 @@ class Evaluator:
 
         specs = list(specs)
         futures = [self.client.submit(evaluate_candidate, s, timeout_s=self.timeout_s, memory_mb=self.memory_mb,
-                                      workdir=str(self.workdir), resources={"timing": 1}, pure=False,
+                                      workdir=str(self.workdir), timing_lock=self.timing_lock,
+                                      resources={"timing": 1}, pure=False,
                                       key=f"candidate-{i}-{s['name']}-{time.monotonic_ns()}")
                    for i, s in enumerate(specs)]
         index = {f.key: i for i, f in enumerate(futures)}

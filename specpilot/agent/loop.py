@@ -221,7 +221,7 @@ class Loop:
             for i, given in enumerate(a.candidates):
                 fields = dict(given.get("fields") or {})
                 name = f"r{r}-given{i}-{given.get('name', 'candidate')}"
-                prop = props.Proposal({"given": given.get("name", str(i))}, "given", "given by hand")
+                prop = props.Proposal(fields, "given", f"given by hand ({given.get('name', i)})")
                 plan = self.space.check(name, sp.apply(self.incumbent, fields))
                 if isinstance(plan, str):
                     rows.append(self._record(r, name, prop, None, "dropped", plan))
