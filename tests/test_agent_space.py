@@ -71,3 +71,11 @@ def test_plan_fields_round_trip(toy):
     for plan in build_plans(cfg):
         again = space.check(plan.name, sp.plan_fields(plan))
         assert again == plan
+
+
+def test_hybrid_target_space_has_the_recurrence_kernel():
+    space = sp.build_space(toy_cfg("target=tiny_hybrid", "drafter=none", "decoding=ar"), platform="gpu")
+    assert space.choice("kernels.gated_delta_rule.implementation").values == (("xla",), ("triton", "xla"))
+    assert space.choice("kernels.gated_delta_rule.config.block_v").when == ("kernels.gated_delta_rule.implementation",
+                                                                           "triton")
+    assert space.choice("verify").values == ("ar",) and space.choice("block_size") is None  # no drafter

@@ -290,7 +290,8 @@ def agent_conf(node: Any) -> AgentConf:
     a = AgentConf(**OmegaConf.to_container(merged, resolve=True))
     unknown = [n for n in a.proposers if n not in props.REGISTRY]
     if unknown:
-        raise ValueError(f"agent.proposers: unknown {', '.join(map(repr, unknown))}; known: {', '.join(props.REGISTRY)}")
+        raise ValueError(f"agent.proposers: unknown {', '.join(map(repr, unknown))}; "
+                         f"known: {', '.join(props.REGISTRY)}")
     for key in ("rounds", "workers", "repeats", "heldout", "prompts_per_round", "per_proposer"):
         if getattr(a, key) < 1:
             raise ValueError(f"agent.{key}: must be >= 1, got {getattr(a, key)}")

@@ -68,5 +68,6 @@ def write_plan(out: Path, plan_name: str, fields: dict, run_key: str) -> Path:
     clean = {k: v for k, v in fields.items() if v is not None}
     body = {"defaults": ["decoding_schema", "_self_"], "name": name, "plans": {plan_name: clean}}
     path = folder / f"{name}.yaml"
-    path.write_text(f"# The plan found by the optimization loop (run {run_key}).\n" + yaml.safe_dump(body, sort_keys=False))
+    header = f"# The plan found by the optimization loop (run {run_key}).\n"
+    path.write_text(header + yaml.safe_dump(body, sort_keys=False))
     return path

@@ -10,9 +10,11 @@ Design choices:
   device can run (Pallas backends only on a GPU), each implementation's config fields read from its
   frozen config dataclass (`dispatch.CONFIGS`: powers of two halved and doubled, booleans both ways),
   the gated delta rule only for hybrid targets, meshes only where more than one device is visible.
+  A config field applies only under its own implementation (`Choice.when`).
 - `check` composes the config with the rewritten plan and runs the harness's own validation
   (`config_schema.validate`, which builds the plan): an impossible rewrite (w12 weights on a float32
-  target, a block size an oracle drafter has no profile for) is dropped with the error as its reason.
+  target, a block size an oracle drafter has no profile for) is dropped with the error as its reason;
+  `feasible` leaves out the values that fail on their own at the deployment, before any proposer runs.
 """
 
 from __future__ import annotations
@@ -152,7 +154,8 @@ class Space:
             kept.append(dataclasses.replace(c, values=values) if values else c)
         return dataclasses.replace(self, choices=tuple(kept)), removed
 
-    def rewrite(self, name: str, incumbent: Mapping, rewrite: Mapping[str, Any]) -> tuple[dict, plan_mod.Plan] | Dropped:
+    def rewrite(self, name: str, incumbent: Mapping,
+                rewrite: Mapping[str, Any]) -> tuple[dict, plan_mod.Plan] | Dropped:
         """(fields, plan) of `rewrite` applied to `incumbent`, or Dropped with the reason."""
         unknown = [k for k in rewrite if self.choice(k) is None and not _is_config_field(k)]
         if unknown:
@@ -212,7 +215,7 @@ def build_space(cfg: DictConfig, *, platform: str = "cpu", devices: int = 1) -> 
         sizes = tuple(b for b in BLOCK_SIZES if b <= top) or (top,)
         choices.append(Choice("block_size", sizes, "int", targets=("verify", "draft", "attention")))
     choices.append(Choice("weights", plan_mod.WEIGHT_FORMATS, "categorical", targets=("matmul", "lm_head")))
-    hybrid = "layer_types" in (cfg.target.get("model") or {}) or cfg.target.name.startswith("tiny_hybrid")
+    hybrid = _is_hybrid(cfg.target)
     for op in plan_mod.KERNEL_OPS:
         if op == "gated_delta_rule" and not hybrid:
             continue
@@ -229,6 +232,18 @@ def build_space(cfg: DictConfig, *, platform: str = "cpu", devices: int = 1) -> 
         choices.append(Choice("mesh", tuple({"data": a, "tensor": b} for a, b in meshes), "categorical",
                               targets=("matmul", "attention", "interconnect")))
     return Space(tuple(_dedupe(choices)), cfg)
+
+
+def _is_hybrid(tconf) -> bool:
+    """Whether the target has linear-attention layers (a random target's shape, or a checkpoint's config.json)."""
+    from pathlib import Path
+
+    from specpilot.models.checkpoint import HYBRID_ARCHITECTURES
+
+    hf = OmegaConf.to_container(tconf.model, resolve=True) if tconf.get("model") else {}
+    if tconf.source == "hf" and tconf.path and (Path(str(tconf.path)).expanduser() / "config.json").is_file():
+        hf = json.loads((Path(str(tconf.path)).expanduser() / "config.json").read_text())
+    return (hf.get("architectures") or [None])[0] in HYBRID_ARCHITECTURES or hf.get("model_type") == "qwen3_5_text"
 
 
 def _dedupe(choices: list[Choice]) -> list[Choice]:
