@@ -1,0 +1,1 @@
+"""The optimization loop: rewrite space, proposers, isolated evaluation, the gate, memory, rounds."""

@@ -1,0 +1,100 @@
+"""One candidate plan in its own process: `python -m specpilot.agent.candidate <spec.json> <out.json>`.
+
+Design choices:
+- The process builds the deployment from the composed config in the spec (`decoding.plans` = the one
+  plan under test; the device's AR reference is built too when an oracle drafter replays its tokens),
+  on the prompts the spec gives (the gate's fresh draw), warms the plan up, and then runs it once per
+  "go" line the evaluator writes on its stdin, answering "done" on its stdout: the evaluator holds the
+  clock, around each go/done pair, so nothing this process reports about time is used to accept it.
+- The protocol owns the original stdout; everything else the process prints goes to stderr.
+- `out.json` gets the tokens of every timed run (the gate checks those very tokens), the times the
+  process measured itself (reported, never trusted) and the plan's stats (tau, and the draft / verify /
+  accept split of one profiled pass after the timed runs).
+- Memory and time limits are set from outside (the evaluator's `setrlimit` in the child, its deadline).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+from pathlib import Path
+
+PROTOCOL_READY, PROTOCOL_GO, PROTOCOL_DONE, PROTOCOL_END = "ready", "go", "done", "end"
+
+
+def build(spec: dict):
+    """(deployment, plan) of a spec: the composed config with the spec's plan and prompts."""
+    from omegaconf import OmegaConf
+
+    from specpilot.harness import config_schema, deploy, devices
+
+    cfg = OmegaConf.create(spec["config"])
+    prompts = [list(map(int, p)) for p in spec["prompts"]]
+    cfg.decoding.plans = {spec["name"]: spec["fields"]}
+    cfg.bench.num_prompts = len(prompts)
+    cfg.bench.prompt_len = max(int(cfg.bench.prompt_len), max(len(p) for p in prompts))
+    if spec.get("new_tokens"):
+        cfg.bench.new_tokens = int(spec["new_tokens"])
+    cfg.decoding.profile_split = False
+    cfg = config_schema.typed(cfg)
+    devices.setup(cfg)
+    if spec.get("compile_cache"):
+        import jax
+
+        jax.config.update("jax_compilation_cache_dir", str(spec["compile_cache"]))
+        jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
+        jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
+    config_schema.validate(cfg)
+    plans = config_schema.build_plans(cfg)
+    dep = deploy.build(cfg, plans)
+    dep.prompts = prompts  # the gate's draw, whatever prompt set the config names
+    longest, block = max(len(p) for p in prompts), max(p.block_size for p in plans)
+    dep.cache_len = -(-(longest + dep.new_tokens + block) // 128) * 128
+    plan = next(p for p in plans if p.name == spec["name"])
+    return dep, plan, plans
+
+
+def main(spec_path: str, out_path: str) -> int:
+    proto = os.fdopen(os.dup(1), "w", buffering=1)
+    os.dup2(2, 1)  # anything else printed goes to stderr
+    sys.stdout = sys.stderr
+    spec = json.loads(Path(spec_path).read_text())
+    from specpilot.harness.methods import run_plan
+    from specpilot.models.oracle import OracleDrafter
+
+    dep, plan, plans = build(spec)
+    if plan.uses_drafter and isinstance(dep.drafter[0], OracleDrafter):
+        dep.reference_tokens = run_plan(dep, plans[0]).tokens  # the oracle replays the AR reference
+    warm = run_plan(dep, plan)  # compiles every step
+    proto.write(f"{PROTOCOL_READY} {len(warm.tokens)}\n")
+    runs, self_times = [], []
+    for line in sys.stdin:
+        command = line.strip()
+        if command == PROTOCOL_END:
+            break
+        if command != PROTOCOL_GO:
+            raise ValueError(f"unknown evaluator command {command!r}")
+        t0 = time.perf_counter()
+        r = run_plan(dep, plan)
+        self_times.append(time.perf_counter() - t0)
+        runs.append(r)
+        proto.write(f"{PROTOCOL_DONE}\n")
+    stats = dict(runs[-1].stats) if runs else {}
+    if runs and plan.uses_drafter:
+        dep.profile_split = True  # one profiled pass, outside the timed runs, for the stage split
+        stats = dict(run_plan(dep, plan).stats)
+    out = {"name": plan.name, "plan": plan.describe(), "tokens": [r.tokens for r in runs],
+           "self_reported_s": self_times, "decode_s": [r.decode_s for r in runs],
+           "decode_tokens": [r.decode_tokens for r in runs], "stats": stats,
+           "batches": len(dep.batches()), "new_tokens": dep.new_tokens}
+    Path(out_path).write_text(json.dumps(out, default=str))
+    return 0
+
+
+if __name__ == "__main__":
+    if len(sys.argv) != 3:
+        print("usage: python -m specpilot.agent.candidate <spec.json> <out.json>", file=sys.stderr)
+        sys.exit(2)
+    sys.exit(main(sys.argv[1], sys.argv[2]))

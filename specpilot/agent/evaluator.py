@@ -1,0 +1,250 @@
+"""Candidates evaluated in parallel on Dask distributed, each in its own limited process, timed from outside.
+
+Design choices:
+- A Dask `LocalCluster` (worker processes, one thread each) runs `evaluate_candidate` tasks; each task
+  starts `python -m specpilot.agent.candidate <spec.json> <out.json>` (or a spec's own `program`, which
+  tests use for adversarial candidates) in a new session, with `resource.setrlimit` on its address space
+  in the child (before it execs the candidate), and a deadline. A crash, a hang, an out-of-memory or a
+  `kill -9` ends that process only: the task returns a result with the status and the reason (the tail
+  of its stderr), never raises.
+- Each timing task takes the worker resource `timing` (one per worker: `timing_slots`), so a cluster
+  whose workers name one GPU each runs one timing job per GPU at a time. Workers that share one device
+  (the CPU) build and warm up candidates in parallel and take a cluster-wide lock (`timing_lock`) for
+  the timed runs, so no two candidates are timed at once.
+- The evaluator holds the clock: after the candidate reports ready (warmed up), it writes "go" per
+  repeat and times each go/done pair itself. Time per token is that wall time over the output tokens
+  the spec asked for (batches x new tokens), whatever the process reports about itself.
+- Results are plain dicts (they cross process boundaries): status, reason, the evaluator's times, the
+  median, the candidate's tokens per timed run and its stats.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import selectors
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Callable, Iterable
+
+OK, CRASHED, TIMEOUT, OOM, KILLED, BAD_OUTPUT = "ok", "crashed", "timeout", "oom", "killed", "bad_output"
+OOM_MARKERS = ("MemoryError", "RESOURCE_EXHAUSTED", "std::bad_alloc", "Cannot allocate memory",
+               "out of memory")
+
+
+# Runs first in the child: the address-space limit, then exec of the candidate (a preexec_fn would make
+# Popen fork a multithreaded parent, e.g. a driver that has started jax).
+_LIMITED = ("import os, resource, sys\n"
+            "limit = int(sys.argv[1]) * 2**20\n"
+            "if limit > 0: resource.setrlimit(resource.RLIMIT_AS, (limit, limit))\n"
+            "os.execv(sys.argv[2], sys.argv[2:])\n")
+
+
+class _Channel:
+    """Line protocol with a child over its stdin/stdout, every read bounded by a deadline."""
+
+    def __init__(self, proc: subprocess.Popen, deadline: float):
+        self.proc, self.deadline, self.buf = proc, deadline, b""
+        self.sel = selectors.DefaultSelector()
+        self.sel.register(proc.stdout, selectors.EVENT_READ)
+
+    def readline(self) -> str | None:
+        """The next line, or None if the child closed its stdout; raises TimeoutError at the deadline."""
+        while b"\n" not in self.buf:
+            left = self.deadline - time.monotonic()
+            if left <= 0:
+                raise TimeoutError
+            if not self.sel.select(timeout=left):
+                continue
+            chunk = os.read(self.proc.stdout.fileno(), 65536)
+            if not chunk:
+                return None
+            self.buf += chunk
+        line, self.buf = self.buf.split(b"\n", 1)
+        return line.decode(errors="replace")
+
+    def send(self, line: str) -> None:
+        self.proc.stdin.write((line + "\n").encode())
+        self.proc.stdin.flush()
+
+
+def _kill(proc: subprocess.Popen) -> None:
+    if proc.poll() is None:
+        try:
+            os.killpg(proc.pid, signal.SIGKILL)  # the child's own session: it and whatever it started
+        except ProcessLookupError:
+            pass
+    proc.wait()
+
+
+def _failure(proc: subprocess.Popen, err_path: Path, default: str) -> tuple[str, str]:
+    tail = err_path.read_text(errors="replace")[-2000:] if err_path.exists() else ""
+    rc = proc.returncode
+    if rc is not None and rc < 0 and -rc == signal.SIGKILL:
+        return KILLED, f"killed by signal 9{': ' + tail.splitlines()[-1] if tail.strip() else ''}"
+    if any(m in tail for m in OOM_MARKERS):
+        return OOM, f"out of memory (exit {rc}): {tail.strip().splitlines()[-1] if tail.strip() else ''}"
+    last = tail.strip().splitlines()[-1] if tail.strip() else "no stderr"
+    return default, f"exit {rc}: {last}"
+
+
+class _NoLock:
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        return False
+
+
+def _timing_lock(name: str | None):
+    """A cluster-wide lock around the timed runs (None, or outside a Dask worker: none)."""
+    if not name:
+        return _NoLock()
+    try:
+        from dask.distributed import Lock, get_worker
+
+        get_worker()
+    except (ImportError, ValueError):
+        return _NoLock()
+    return Lock(name)
+
+
+def evaluate_candidate(spec: dict, *, timeout_s: float, memory_mb: int | None, workdir: str,
+                       python: str = sys.executable, timing_lock: str | None = None) -> dict:
+    """Run one candidate process and time it (a Dask task; also callable directly). Never raises.
+
+    `timing_lock`: the name of a cluster-wide lock held around the timed runs, so candidates sharing one
+    device build and compile in parallel but are timed one at a time (waiting for it does not count
+    against the timeout)."""
+    Path(workdir).mkdir(parents=True, exist_ok=True)
+    folder = Path(tempfile.mkdtemp(prefix=f"{spec['name']}-", dir=workdir))
+    spec_path, out_path, err_path = folder / "spec.json", folder / "out.json", folder / "stderr.txt"
+    spec_path.write_text(json.dumps(spec, default=list))
+    program = spec.get("program")
+    argv = [python, program] if program else [python, "-m", "specpilot.agent.candidate"]
+    base = {"name": spec["name"], "stage": spec.get("stage", "full"), "folder": str(folder), "wall_s": []}
+    t_start = time.monotonic()
+    with open(err_path, "wb") as err:
+        proc = subprocess.Popen([python, "-c", _LIMITED, str(int(memory_mb or 0)), *argv, str(spec_path),
+                                 str(out_path)], stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=err,
+                                start_new_session=True, env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    chan = _Channel(proc, t_start + timeout_s)
+    walls = []
+    try:
+        line = chan.readline()
+        if line is None or not line.startswith("ready"):
+            proc.wait(timeout=max(1.0, chan.deadline - time.monotonic()))
+            status, reason = _failure(proc, err_path, CRASHED)
+            return {**base, "status": status, "reason": f"before ready: {reason}"}
+        waited = time.monotonic()
+        with _timing_lock(timing_lock):
+            chan.deadline += time.monotonic() - waited
+            for _ in range(int(spec.get("repeats", 1))):
+                t0 = time.perf_counter()
+                chan.send("go")
+                line = chan.readline()
+                walls.append(time.perf_counter() - t0)
+                if line != "done":
+                    proc.wait(timeout=max(1.0, chan.deadline - time.monotonic()))
+                    status, reason = _failure(proc, err_path, CRASHED)
+                    return {**base, "status": status, "reason": f"during timed run {len(walls)}: {reason}"}
+        chan.send("end")
+        proc.wait(timeout=max(1.0, chan.deadline - time.monotonic()))
+    except (TimeoutError, subprocess.TimeoutExpired):
+        _kill(proc)
+        return {**base, "status": TIMEOUT, "reason": f"no answer within {timeout_s:.0f} s", "wall_s": walls}
+    except (BrokenPipeError, OSError):
+        _kill(proc)
+        status, reason = _failure(proc, err_path, CRASHED)
+        return {**base, "status": status, "reason": reason, "wall_s": walls}
+    finally:
+        if proc.poll() is None:
+            _kill(proc)
+    if proc.returncode != 0 or not out_path.exists():
+        status, reason = _failure(proc, err_path, CRASHED)
+        return {**base, "status": status, "reason": f"after the timed runs: {reason}", "wall_s": walls}
+    try:
+        out = json.loads(out_path.read_text())
+    except json.JSONDecodeError as e:
+        return {**base, "status": BAD_OUTPUT, "reason": f"out.json is not JSON: {e}", "wall_s": walls}
+    return {**base, **timing(walls, spec, out)}
+
+
+def timing(walls: list[float], spec: dict, out: dict) -> dict:
+    """The evaluator's numbers for a finished candidate: its median wall time per output token (the
+    output tokens the spec asked for), and its tokens and stats, checked for shape."""
+    tokens = out.get("tokens") or []
+    n_prompts, new = len(spec["prompts"]), int(spec["new_tokens"])
+    if len(tokens) != len(walls) or any(len(t) != n_prompts or any(len(row) != new for row in t) for t in tokens):
+        return {"status": BAD_OUTPUT, "reason": f"expected {len(walls)} timed runs of {n_prompts} x {new} tokens",
+                "wall_s": walls}
+    batch = int(spec["config"]["bench"]["batch_size"])
+    output_tokens = (n_prompts // batch) * new  # per sequence, over the batches
+    ordered = sorted(walls)
+    median = ordered[(len(ordered) - 1) // 2]
+    return {"status": OK, "reason": "", "wall_s": walls, "s_per_token": median / output_tokens,
+            "spread": (ordered[-1] - ordered[0]) / median if median > 0 else 0.0,
+            "tokens": tokens, "stats": out.get("stats") or {}, "self_reported_s": out.get("self_reported_s"),
+            "plan": out.get("plan")}
+
+
+class Evaluator:
+    """A Dask LocalCluster of `workers` processes, each with `timing_slots` timing resources."""
+
+    def __init__(self, workers: int = 2, *, timeout_s: float = 300.0, memory_mb: int | None = 4096,
+                 workdir: str | Path, timing_slots: int = 1, address: str | None = None,
+                 timing_lock: str | None = "specpilot-timing"):
+        import logging
+
+        from dask.distributed import Client, LocalCluster
+
+        for name in [n for n in logging.root.manager.loggerDict if n.startswith("distributed")] + ["distributed"]:
+            logging.getLogger(name).setLevel(logging.WARNING)  # per-connection INFO lines drown the progress
+        self.timeout_s, self.memory_mb, self.timing_lock = float(timeout_s), memory_mb, timing_lock
+        self.workdir = Path(workdir)
+        self.workdir.mkdir(parents=True, exist_ok=True)
+        if address:  # an existing scheduler (dask-scheduler / dask-worker --resources timing=1)
+            self.cluster, self.client = None, Client(address)
+        else:
+            self.cluster = LocalCluster(n_workers=int(workers), threads_per_worker=1, processes=True,
+                                        resources={"timing": int(timing_slots)}, memory_limit=0,
+                                        dashboard_address=None)
+            self.client = Client(self.cluster)
+
+    def evaluate(self, specs: Iterable[dict], progress: Callable[[dict], None] | None = None) -> list[dict]:
+        """Every spec's result, in the order given; `progress(result)` hears each as it finishes."""
+        from dask.distributed import as_completed
+
+        specs = list(specs)
+        futures = [self.client.submit(evaluate_candidate, s, timeout_s=self.timeout_s, memory_mb=self.memory_mb,
+                                      workdir=str(self.workdir), timing_lock=self.timing_lock,
+                                      resources={"timing": 1}, pure=False,
+                                      key=f"candidate-{i}-{s['name']}-{time.monotonic_ns()}")
+                   for i, s in enumerate(specs)]
+        index = {f.key: i for i, f in enumerate(futures)}
+        results: list[dict | None] = [None] * len(specs)
+        for fut in as_completed(futures):
+            try:
+                res = fut.result()
+            except Exception as e:  # the worker itself died: this candidate only
+                res = {"name": specs[index[fut.key]]["name"], "status": CRASHED,
+                       "reason": f"worker lost: {type(e).__name__}: {e}", "wall_s": []}
+            results[index[fut.key]] = res
+            if progress:
+                progress(res)
+        return results  # type: ignore[return-value]
+
+    def close(self) -> None:
+        self.client.close()
+        if self.cluster is not None:
+            self.cluster.close()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()

@@ -1,0 +1,300 @@
+"""The optimization loop: rounds of propose -> evaluate in isolation -> gate -> remember, for one deployment.
+
+Design choices:
+- A round: the gate draws fresh prompts; the proposers see the cost model's attribution of the
+  incumbent's last measured run (measured first when there is none: the first round, a resume) and
+  memory's mechanisms; impossible rewrites are dropped with their reason; proposals that ask for it
+  run a short cheap stage first (the Optuna proposer's pruner decides); the rest run in full, in
+  parallel, next to the incumbent re-measured in the same session; the gate judges each against that
+  measurement; the fastest accepted candidate becomes the incumbent.
+- Everything is recorded as it happens (`memory`): candidates one transaction each, the round at its
+  end. A run is keyed by the deployment's features and its starting plan, so the same command after
+  an interrupt resumes after the last finished round.
+- Outputs in the output directory: `round_<i>.md` per round, `best_by_round.png` (the best time per
+  token by round), `summary.json`, and the winning plan as `decoding/<name>.yaml`, a decoding config
+  any run takes (`decoding=<name>` once copied into conf/decoding/).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+import platform as platform_mod
+from pathlib import Path
+from typing import Any, Callable
+
+from omegaconf import DictConfig, OmegaConf
+
+from specpilot.agent import evaluator as ev
+from specpilot.agent import memory as mem
+from specpilot.agent import proposers as props
+from specpilot.agent import report
+from specpilot.agent import space as sp
+from specpilot.agent.gate import Gate
+
+log = logging.getLogger(__name__)
+
+
+@dataclasses.dataclass
+class AgentConf:
+    rounds: int = 2
+    workers: int = 2
+    timeout_s: float = 300.0  # per candidate process
+    memory_mb: int = 8192  # address-space limit per candidate process
+    proposers: list = dataclasses.field(default_factory=lambda: ["memory", "integrate", "guided", "optuna"])
+    per_proposer: int = 2  # proposals per proposer per round
+    memory_url: str | None = None  # default: sqlite:///<cache_dir>/agent_memory.db
+    heldout: int = 16  # the gate's held-out prompt pool
+    prompts_per_round: int = 2
+    repeats: int = 3  # timed runs per candidate (median)
+    noise_margin: float = 0.05  # a candidate must be this much faster than the incumbent
+    cheap_fraction: float = 0.25  # the cheap stage's share of bench.new_tokens
+    name: str = ""  # part of the run key: another name starts another run at the same deployment
+    plan_name: str = "found"  # the winning plan's name in its decoding file
+    seed: int = 0
+    scheduler: str | None = None  # an existing Dask scheduler (dask-scheduler; dask-worker --resources timing=1)
+    timing_slots: int = 1  # timing jobs a local worker runs at once
+    # candidates given by hand, evaluated in the first round: {name, fields, program (a script run in
+    # place of the candidate module, e.g. for tests)}
+    candidates: list = dataclasses.field(default_factory=list)
+
+
+def features(cfg: DictConfig, plan_fields: dict) -> dict:
+    """The deployment features memory keys mechanisms by."""
+    model = OmegaConf.to_container(cfg.target.model, resolve=True) if cfg.target.get("model") else {}
+    return {"target": {"name": cfg.target.name, "source": cfg.target.source, "dtype": cfg.target.dtype,
+                       "hidden_size": model.get("hidden_size"), "num_layers": model.get("num_hidden_layers"),
+                       "intermediate_size": model.get("intermediate_size"), "vocab_size": model.get("vocab_size")},
+            "drafter": {"name": cfg.drafter.name, "source": cfg.drafter.source,
+                        "block_size": int(cfg.drafter.block_size), "num_layers": int(cfg.drafter.num_layers)},
+            "gpu": cfg.gpu.name, "batch": int(cfg.bench.batch_size), "plan": plan_fields}
+
+
+def versions() -> dict:
+    import importlib.metadata as md
+
+    out = {"python": platform_mod.python_version()}
+    for pkg in ("jax", "jaxlib", "optuna", "dask", "sqlalchemy"):
+        try:
+            out[pkg] = md.version(pkg)
+        except md.PackageNotFoundError:
+            pass
+    return out
+
+
+def initial_plan(cfg: DictConfig, space: sp.Space) -> dict:
+    """The incumbent to start from: the run's first chain plan (stock), else its first plan, else AR."""
+    plans = OmegaConf.to_container(cfg.decoding.plans, resolve=True) or {}
+    chain = [f for f in plans.values() if (f or {}).get("verify", "chain") == "chain"]
+    fields = chain[0] if chain else (next(iter(plans.values())) if plans else {"verify": "ar"})
+    plan = space.check("incumbent", fields)
+    if isinstance(plan, str):
+        raise ValueError(f"the starting plan is impossible: {plan}")
+    return sp.plan_fields(plan)
+
+
+class Loop:
+    def __init__(self, cfg: DictConfig, agent: AgentConf, out_dir: str | Path,
+                 progress: Callable[[str], None] = log.info):
+        import jax
+
+        self.cfg, self.agent, self.progress = cfg, agent, progress
+        self.out = Path(out_dir)
+        self.out.mkdir(parents=True, exist_ok=True)
+        dev = jax.devices()
+        self.space = sp.build_space(cfg, platform=dev[0].platform, devices=len(dev))
+        self.incumbent = initial_plan(cfg, self.space)
+        self.space, removed = self.space.feasible(self.incumbent)
+        for d in removed:
+            progress(f"rewrite space: {json.dumps(d.rewrite)} left out ({d.reason})")
+        self.features = features(cfg, self.incumbent)
+        self.memory = mem.Memory(agent.memory_url or mem.default_url(str(cfg.cache_dir)))
+        self.key = mem.run_key({k: v for k, v in self.features.items() if k != "plan"}, self.incumbent, agent.name)
+        self.versions = versions()
+        self.compile_cache = str(Path(cfg.cache_dir).expanduser() / "xla")
+
+    def spec(self, name: str, fields: dict, prompts, stage: str = "full", program: str | None = None) -> dict:
+        new = int(self.cfg.bench.new_tokens)
+        if stage == "cheap":
+            new = max(2, int(round(new * self.agent.cheap_fraction)))
+        out = {"name": name, "fields": fields, "config": OmegaConf.to_container(self.cfg, resolve=True),
+               "prompts": prompts, "new_tokens": new, "repeats": int(self.agent.repeats), "stage": stage,
+               "compile_cache": self.compile_cache}
+        if program:
+            out["program"] = str(program)
+        return out
+
+    def run(self) -> dict:
+        a, memory = self.agent, self.memory
+        resumed = memory.start_run(self.key, self.features, self.versions)
+        last = memory.last_round(self.key)
+        start = 0 if last is None else last.index + 1
+        if last is not None:
+            self.incumbent = last.incumbent
+            self.progress(f"resuming run {self.key} at round {start} (memory: {memory.url})")
+        elif resumed:
+            self.progress(f"run {self.key}: no round finished before; starting at round 0")
+        gate = Gate(self.cfg, heldout=a.heldout, prompts_per_round=a.prompts_per_round,
+                    noise_margin=a.noise_margin)
+        proposers = props.make(list(a.proposers), seed=a.seed + start)
+        seeds = [m.rewrite for m in memory.retrieve(self.features)]
+        inc_result, att, survivors = None, None, []
+        with ev.Evaluator(a.workers, timeout_s=a.timeout_s, memory_mb=a.memory_mb, workdir=str(self.out / "candidates"),
+                          timing_slots=a.timing_slots, address=a.scheduler) as evaluator:
+            for r in range(start, a.rounds):
+                prompts = gate.draw(r)
+                self.progress(f"round {r}: {len(prompts)} fresh prompts; incumbent {json.dumps(self.incumbent)}")
+                if att is None:
+                    inc_result = evaluator.evaluate([self.spec(f"r{r}-incumbent", self.incumbent, prompts)])[0]
+                    if inc_result["status"] != "ok":
+                        raise RuntimeError(f"the incumbent failed: {inc_result['reason']}")
+                    att = self._attribution(gate, self.incumbent, inc_result)
+                rows = self._round(r, gate, evaluator, proposers, prompts, att, seeds, survivors)
+                inc_now = rows["incumbent"]
+                accepted = [row for row in rows["candidates"] if row["status"] == "accepted"]
+                best = min(accepted, key=lambda row: row["s_per_token"]) if accepted else None
+                old = self.incumbent
+                survivors = [row["rewrite"] for row in accepted if row is not best and row["proposer"] != "given"]
+                if best is not None:
+                    self.incumbent = best["fields"]
+                    att = self._attribution(gate, self.incumbent, best["result"])
+                    memory.record_mechanism(features(self.cfg, old), best["rewrite"], best["fields"],
+                                            best["gain"], [self.key, best["folder"]], self.versions)
+                    self.progress(f"round {r}: accepted {best['name']} ({best['gain']:.3f}x): "
+                                  f"{json.dumps(best['rewrite'])}")
+                else:
+                    att = self._attribution(gate, self.incumbent, inc_now) if inc_now["status"] == "ok" else att
+                    self.progress(f"round {r}: no candidate passed the gate; the incumbent stays")
+                inc_s = inc_now.get("s_per_token")
+                best_s = best["s_per_token"] if best else inc_s
+                report.write_round(self.out, r, old, self.incumbent, inc_now, rows["candidates"])
+                memory.finish_round(self.key, r, self.incumbent, inc_s, best_s)
+                report.plot_best(self.out, memory.rounds(self.key))
+                self.progress(f"round {r} done: best {1e3 * best_s:.3f} ms/token" if best_s else f"round {r} done")
+        path = report.write_plan(self.out, a.plan_name, self.incumbent, self.key)
+        summary = {"run": self.key, "memory": memory.url, "incumbent": self.incumbent, "plan_file": str(path),
+                   "rounds": [{"index": x.index, "incumbent_s_per_token": x.incumbent_s_per_token,
+                               "best_s_per_token": x.best_s_per_token} for x in memory.rounds(self.key)]}
+        (self.out / "summary.json").write_text(json.dumps(summary, indent=2))
+        return summary
+
+    def _attribution(self, gate: Gate, fields: dict, result: dict) -> dict | None:
+        from specpilot.harness import costmodel, counts, prediction
+        from specpilot.harness.rates import Rates
+
+        plan = self.space.check("incumbent", fields)
+        if isinstance(plan, str):
+            return None
+        context = int(sum(map(len, gate.round_prompts)) / len(gate.round_prompts) + gate.dep.new_tokens / 2)
+        setting = prediction.Setting(counts.Shape.from_deployment(gate.dep, context), Rates.for_gpu(self.cfg.gpu),
+                                     costmodel.Hardware.from_conf(self.cfg.gpu))
+        stats = result.get("stats") or {}
+        tau = min(float(stats.get("tau") or 1.0), float(plan.block_size))
+        try:
+            return prediction.attribute(plan, setting, prediction.Measurement(result["s_per_token"], max(1.0, tau),
+                                                                              stats.get("time_split")))
+        except (NotImplementedError, ValueError) as e:
+            log.warning("no attribution for %s: %s", fields, e)
+            return None
+
+    def _round(self, r: int, gate: Gate, evaluator: ev.Evaluator, proposers, prompts, att, seeds,
+               survivors) -> dict:
+        a, memory = self.agent, self.memory
+        ctx = props.Context(self.space, self.incumbent, att, memory.tried(self.key), seeds, survivors)
+        proposals: list[props.Proposal] = []
+        for p in proposers:
+            got = p.propose(ctx, a.per_proposer)
+            ctx.tried |= {sp.rewrite_key(x.rewrite) for x in got}
+            proposals += [(p, x) for x in got]
+        rows, runnable = [], []
+        for i, (proposer, prop) in enumerate(proposals):
+            name = f"r{r}-c{i}-{prop.proposer}"
+            out = self.space.rewrite(name, self.incumbent, prop.rewrite)
+            if isinstance(out, sp.Dropped):
+                rows.append(self._record(r, name, prop, None, "dropped", out.reason))
+                self.progress(f"  {name}: dropped {json.dumps(prop.rewrite)} ({out.reason})")
+                proposer.observe(prop, None, "dropped")
+                continue
+            runnable.append((proposer, prop, name, out[0], out[1], None))
+        if r == 0 and not memory.candidates(self.key, 0):
+            for i, given in enumerate(a.candidates):
+                fields = dict(given.get("fields") or {})
+                name = f"r{r}-given{i}-{given.get('name', 'candidate')}"
+                prop = props.Proposal(fields, "given", f"given by hand ({given.get('name', i)})")
+                plan = self.space.check(name, sp.apply(self.incumbent, fields))
+                if isinstance(plan, str):
+                    rows.append(self._record(r, name, prop, None, "dropped", plan))
+                    continue
+                runnable.append((None, prop, name, sp.plan_fields(plan), plan, given.get("program")))
+        cheap = [x for x in runnable if x[1].cheap]
+        if cheap:
+            self.progress(f"round {r}: cheap stage for {len(cheap)} candidate(s)")
+            results = evaluator.evaluate([self.spec(x[2], x[3], prompts, "cheap", x[5]) for x in cheap])
+            for x, res in zip(cheap, results):
+                if res["status"] == "ok" and x[0].should_prune(x[1], res["s_per_token"]):
+                    rows.append(self._record(r, x[2], x[1], x[3], "pruned", "pruned after the cheap stage",
+                                             s=res["s_per_token"], folder=res.get("folder")))
+                    self.progress(f"  {x[2]}: pruned after the cheap stage")
+                    x[0].observe(x[1], None, "pruned")
+                    runnable.remove(x)
+        self.progress(f"round {r}: evaluating {len(runnable)} candidate(s) and the incumbent on "
+                      f"{a.workers} worker(s)")
+        specs = [self.spec(f"r{r}-incumbent", self.incumbent, prompts)]
+        specs += [self.spec(x[2], x[3], prompts, "full", x[5]) for x in runnable]
+        results = evaluator.evaluate(specs, progress=lambda res: self.progress(
+            f"  {res['name']}: {res['status']}" + (f" {1e3 * res['s_per_token']:.3f} ms/token"
+                                                   if res.get("s_per_token") else f" ({res.get('reason')})")))
+        inc_res = results[0]
+        inc_plan = self.space.check("incumbent", self.incumbent)
+        inc_verdict = gate.check(inc_res, inc_plan, None)
+        self._record(r, specs[0]["name"], props.Proposal({}, "incumbent", ""), self.incumbent, "incumbent",
+                     "; ".join(inc_verdict.reasons), s=inc_res.get("s_per_token"), verdict=inc_verdict.to_dict(),
+                     folder=inc_res.get("folder"))
+        if not inc_verdict.accepted and inc_res["status"] == "ok":
+            self.progress(f"round {r}: warning: the incumbent itself fails the gate: {inc_verdict.reasons}")
+        for x, res in zip(runnable, results[1:]):
+            proposer, prop, name, fields, plan, _ = x
+            verdict = gate.check(res, plan, inc_res)
+            status = "accepted" if verdict.accepted else ("failed" if res["status"] != "ok" else "rejected")
+            row = self._record(r, name, prop, fields, status, "; ".join(verdict.reasons), s=res.get("s_per_token"),
+                               gain=verdict.speedup, verdict=verdict.to_dict(), folder=res.get("folder"))
+            row["result"] = res
+            rows.append(row)
+            if proposer is not None:
+                proposer.observe(prop, res.get("s_per_token") if res["status"] == "ok" else None, status)
+            self.progress(f"  {name}: {status}" + (f" ({row['reason']})" if row["reason"] else ""))
+        return {"incumbent": inc_res, "candidates": rows}
+
+    def _record(self, r, name, prop, fields, status, reason, s=None, gain=None, verdict=None, folder=None) -> dict:
+        row = {"name": name, "proposer": prop.proposer, "rewrite": prop.rewrite, "why": prop.why, "fields": fields,
+               "status": status, "reason": reason[:3900], "s_per_token": s, "gain": gain, "verdict": verdict,
+               "folder": folder}
+        self.memory.record_candidate(self.key, r, name=name, proposer=prop.proposer,
+                                     rewrite_key=sp.rewrite_key(prop.rewrite), rewrite=prop.rewrite, fields=fields,
+                                     status=status, reason=row["reason"], s_per_token=s, gain=gain,
+                                     verdict=verdict, folder=folder, versions=self.versions)
+        return row
+
+
+def agent_conf(node: Any) -> AgentConf:
+    """The `agent` block of a composed config, typed (an unknown key or a wrong type fails naming it)."""
+    from omegaconf.errors import OmegaConfBaseException
+
+    try:
+        given = node if isinstance(node, dict) else OmegaConf.to_container(node or OmegaConf.create({}), resolve=True)
+        merged = OmegaConf.merge(OmegaConf.structured(AgentConf), given)
+    except OmegaConfBaseException as e:
+        key = getattr(e, "full_key", None)
+        raise ValueError(f"agent{'.' + key if key else ''}: {str(e).splitlines()[0]}") from None
+    a = AgentConf(**OmegaConf.to_container(merged, resolve=True))
+    unknown = [n for n in a.proposers if n not in props.REGISTRY]
+    if unknown:
+        raise ValueError(f"agent.proposers: unknown {', '.join(map(repr, unknown))}; "
+                         f"known: {', '.join(props.REGISTRY)}")
+    for key in ("rounds", "workers", "repeats", "heldout", "prompts_per_round", "per_proposer"):
+        if getattr(a, key) < 1:
+            raise ValueError(f"agent.{key}: must be >= 1, got {getattr(a, key)}")
+    if not 0 <= a.noise_margin < 1:
+        raise ValueError(f"agent.noise_margin: must be in [0, 1), got {a.noise_margin}")
+    return a

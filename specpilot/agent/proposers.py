@@ -1,0 +1,223 @@
+"""Proposers: where a round's rewrites come from. Cost-model-guided, Optuna search, memory; a registry for more.
+
+Design choices:
+- A proposer sees a `Context` (the rewrite space, the incumbent's plan fields, the cost model's
+  attribution of the incumbent's measured run, the rewrites already tried at this deployment, the
+  rewrites memory retrieved) and returns `Proposal`s; it never sees the gate's prompts. `observe` hears
+  each outcome (the gate's time per token, or a failure).
+- `guided`: the stages and kernel classes of the attribution, largest lost time first; for each, the
+  space's choices that act on it (`Choice.targets`: verify-bound -> block size and verification kind,
+  matmul-bound -> weight format and kernels), one-field rewrites of the incumbent not yet tried.
+- `optuna`: ask/tell over the whole space with a TPE sampler, and successive-halving pruning on a cheap
+  stage (`Proposal.cheap`: the loop first runs a short run, reports it to the trial, and runs the full
+  one only if the pruner keeps it). Categorical values travel as JSON strings (Optuna's choices are
+  scalars).
+- `memory`: the mechanisms memory validated at the nearest deployments, nearest first.
+- `integrate`: the other candidates the gate accepted last round, applied to the new incumbent (all of
+  them combined when they set different fields, then each alone), so compatible gains add up.
+- `REGISTRY` maps names (the `agent.proposers` list) to factories; `register` adds one.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+from typing import Any, Callable
+
+from specpilot.agent import space as sp
+
+log = logging.getLogger(__name__)
+
+
+@dataclasses.dataclass
+class Proposal:
+    rewrite: dict
+    proposer: str
+    why: str
+    cheap: bool = False  # run a short stage first, for the proposer's pruner
+    handle: Any = None  # the proposer's own bookkeeping (an Optuna trial)
+
+
+@dataclasses.dataclass
+class Context:
+    space: sp.Space
+    incumbent: dict  # the incumbent plan's fields
+    attribution: dict | None  # `prediction.attribute` of the incumbent's measured run
+    tried: set[str]  # `space.rewrite_key` of every rewrite already evaluated or dropped here
+    seeds: list[dict] = dataclasses.field(default_factory=list)  # memory's rewrites, nearest first
+    # rewrites the gate accepted last round that did not become the incumbent (integration)
+    survivors: list[dict] = dataclasses.field(default_factory=list)
+
+
+class Proposer:
+    name = "base"
+
+    def propose(self, ctx: Context, n: int) -> list[Proposal]:
+        raise NotImplementedError
+
+    def observe(self, proposal: Proposal, s_per_token: float | None, status: str) -> None:
+        """The outcome of one proposal: the full run's time per token (None if it failed or was pruned)."""
+
+    def should_prune(self, proposal: Proposal, cheap_s_per_token: float) -> bool:
+        return False
+
+
+REGISTRY: dict[str, Callable[..., Proposer]] = {}
+
+
+def register(name: str):
+    def deco(factory):
+        REGISTRY[name] = factory
+        return factory
+    return deco
+
+
+def make(names, seed: int = 0) -> list[Proposer]:
+    unknown = [n for n in names if n not in REGISTRY]
+    if unknown:
+        raise ValueError(f"agent.proposers: unknown {', '.join(map(repr, unknown))}; known: {', '.join(REGISTRY)}")
+    return [REGISTRY[n](seed=seed) for n in names]
+
+
+def _fresh(ctx: Context, rewrite: dict, taken: set[str]) -> bool:
+    key = sp.rewrite_key(rewrite)
+    return key not in ctx.tried and key not in taken
+
+
+@register("guided")
+class GuidedProposer(Proposer):
+    """The largest gap of the incumbent's attribution first, the rewrites that target it."""
+
+    name = "guided"
+
+    def __init__(self, seed: int = 0):
+        self.seed = seed
+
+    @staticmethod
+    def targets(attribution: dict | None) -> list[tuple[str, float]]:
+        """(stage or kernel class, lost ms) by lost time, largest first (no attribution: every stage)."""
+        if not attribution:
+            return [("verify", 0.0), ("matmul", 0.0), ("draft", 0.0), ("accept", 0.0)]
+        rows = [(r["stage"], r["lost_ms"]) for r in attribution.get("stages", [])]
+        rows += [(r["class"], r["lost_ms"]) for r in attribution.get("classes", [])]
+        seen, out = set(), []
+        for name, lost in sorted(rows, key=lambda r: -r[1]):
+            if name not in seen:
+                seen.add(name)
+                out.append((name, lost))
+        return out
+
+    def propose(self, ctx: Context, n: int) -> list[Proposal]:
+        out, taken = [], set()
+        for target, lost in self.targets(ctx.attribution):
+            for choice in ctx.space.targeting(target):
+                for rw in sp.single_field_rewrites(ctx.space, ctx.incumbent, choice):
+                    if len(out) < n and _fresh(ctx, rw, taken):
+                        taken.add(sp.rewrite_key(rw))
+                        out.append(Proposal(rw, self.name, f"{target} loses {lost:.3f} ms per step to its floor; "
+                                                           f"{choice.field} acts on it"))
+        return out
+
+
+@register("memory")
+class MemoryProposer(Proposer):
+    """Mechanisms memory validated at the nearest deployments first."""
+
+    name = "memory"
+
+    def __init__(self, seed: int = 0):
+        self.seed = seed
+
+    def propose(self, ctx: Context, n: int) -> list[Proposal]:
+        out, taken = [], set()
+        for rw in ctx.seeds:
+            if len(out) < n and _fresh(ctx, rw, taken):
+                taken.add(sp.rewrite_key(rw))
+                out.append(Proposal(dict(rw), self.name, "validated at a similar deployment (memory)"))
+        return out
+
+
+@register("integrate")
+class IntegrateProposer(Proposer):
+    """Last round's other survivors on top of the new incumbent: all of them combined first (a plan per
+    field, compatible when they set different fields), then each alone."""
+
+    name = "integrate"
+
+    def __init__(self, seed: int = 0):
+        self.seed = seed
+
+    def propose(self, ctx: Context, n: int) -> list[Proposal]:
+        out, taken, combined = [], set(), {}
+        fields = [set(rw) for rw in ctx.survivors]
+        compatible = all(not (a & b) for i, a in enumerate(fields) for b in fields[i + 1:])
+        if len(ctx.survivors) > 1 and compatible:
+            for rw in ctx.survivors:
+                combined.update(rw)
+        for rw in ([combined] if combined else []) + list(ctx.survivors):
+            if len(out) < n and _fresh(ctx, rw, taken):
+                taken.add(sp.rewrite_key(rw))
+                out.append(Proposal(dict(rw), self.name, "accepted last round next to the incumbent's rewrite"))
+        return out
+
+
+@register("optuna")
+class OptunaProposer(Proposer):
+    """Ask/tell over the space: TPE sampler, successive-halving pruning on the cheap stage."""
+
+    name = "optuna"
+
+    def __init__(self, seed: int = 0, min_resource: int = 1, reduction_factor: int = 2):
+        import optuna
+
+        optuna.logging.set_verbosity(optuna.logging.WARNING)
+        self.optuna = optuna
+        self.study = optuna.create_study(
+            direction="minimize", sampler=optuna.samplers.TPESampler(seed=seed, n_startup_trials=4),
+            pruner=optuna.pruners.SuccessiveHalvingPruner(min_resource=min_resource,
+                                                          reduction_factor=reduction_factor))
+
+    @staticmethod
+    def _encode(v):
+        return json.dumps(list(v) if isinstance(v, tuple) else v, sort_keys=True)
+
+    def propose(self, ctx: Context, n: int) -> list[Proposal]:
+        out, taken = [], set()
+        for _ in range(4 * n):
+            if len(out) >= n:
+                break
+            trial = self.study.ask()
+            rw = {}
+            for c in ctx.space.choices:
+                if c.when is not None and (rw.get(c.when[0]) or sp.get_field(ctx.incumbent, c.when[0]) or [""])[0] \
+                        != c.when[1]:
+                    continue  # a config field of an implementation this trial does not run
+                value = json.loads(trial.suggest_categorical(c.field, [self._encode(v) for v in c.values]))
+                current = sp.get_field(ctx.incumbent, c.field)
+                if c.field == "mesh" and current is None:
+                    current = {"data": 1, "tensor": 1}
+                if value != current:
+                    rw[c.field] = value
+            if not rw or not _fresh(ctx, rw, taken):
+                self.study.tell(trial, state=self.optuna.trial.TrialState.PRUNED)
+                continue
+            taken.add(sp.rewrite_key(rw))
+            out.append(Proposal(rw, self.name, f"TPE trial {trial.number}", cheap=True, handle=trial))
+        return out
+
+    def should_prune(self, proposal: Proposal, cheap_s_per_token: float) -> bool:
+        proposal.handle.report(cheap_s_per_token, step=1)
+        return proposal.handle.should_prune()
+
+    def observe(self, proposal: Proposal, s_per_token: float | None, status: str) -> None:
+        trial = proposal.handle
+        if trial is None:
+            return
+        states = self.optuna.trial.TrialState
+        if status == "pruned":
+            self.study.tell(trial, state=states.PRUNED)
+        elif s_per_token is None:
+            self.study.tell(trial, state=states.FAIL)
+        else:
+            self.study.tell(trial, s_per_token)

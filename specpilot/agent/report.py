@@ -1,0 +1,73 @@
+"""What the loop writes for people: a markdown report per round, a plot of the best time by round, the plan.
+
+Design choices:
+- The round report lists every candidate with its proposer, rewrite, status and the gate's reasons,
+  the incumbent's re-measurement and the cost model's ceiling, so a rejected candidate says why.
+- The plot is the best time per token after each round (matplotlib, Agg backend).
+- The winning plan is a decoding config file (`decoding_schema` defaults, one plan), ready to copy into
+  conf/decoding/ and run with `decoding=<name>`.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import yaml
+
+
+def _ms(s) -> str:
+    return "-" if s is None else f"{1e3 * s:.3f}"
+
+
+def write_round(out: Path, index: int, old: dict, new: dict, incumbent: dict, rows: list[dict]) -> Path:
+    lines = [f"# Round {index}", "", f"Incumbent at the start: `{json.dumps(old)}`",
+             f"re-measured this session: {_ms(incumbent.get('s_per_token'))} ms/token "
+             f"(status {incumbent.get('status')}; runs {[round(w, 4) for w in incumbent.get('wall_s', [])]} s)", "",
+             "| candidate | proposer | rewrite | status | ms/token | gain | ceiling ms | reasons |",
+             "|---|---|---|---|---|---|---|---|"]
+    for row in rows:
+        v = row.get("verdict") or {}
+        gain = "-" if row.get("gain") is None else f"{row['gain']:.3f}x"
+        reason = (row.get("reason") or "").replace("|", "/").replace("\n", " ")
+        lines.append(f"| {row['name']} | {row['proposer']} | `{json.dumps(row['rewrite'])}` | {row['status']} | "
+                     f"{_ms(row.get('s_per_token'))} | {gain} | {_ms(v.get('ceiling_s_per_token'))} | {reason} |")
+    lines += ["", f"Incumbent after the round: `{json.dumps(new)}`", ""]
+    path = out / f"round_{index}.md"
+    path.write_text("\n".join(lines))
+    return path
+
+
+def plot_best(out: Path, rounds) -> Path | None:
+    points = [(r.index, r.best_s_per_token) for r in rounds if r.best_s_per_token is not None]
+    if not points:
+        return None
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(5, 3.2))
+    ax.plot([p[0] for p in points], [1e3 * p[1] for p in points], marker="o")
+    ax.set_xlabel("round")
+    ax.set_ylabel("best ms per token")
+    ax.set_title("best time per token by round")
+    ax.grid(alpha=0.3)
+    fig.tight_layout()
+    path = out / "best_by_round.png"
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+    return path
+
+
+def write_plan(out: Path, plan_name: str, fields: dict, run_key: str) -> Path:
+    """The plan as conf/decoding/<name>.yaml: `decoding=<name>` runs it next to the AR baseline."""
+    name = f"agent_{run_key}"
+    folder = out / "decoding"
+    folder.mkdir(parents=True, exist_ok=True)
+    clean = {k: v for k, v in fields.items() if v is not None}
+    body = {"defaults": ["decoding_schema", "_self_"], "name": name, "plans": {plan_name: clean}}
+    path = folder / f"{name}.yaml"
+    header = f"# The plan found by the optimization loop (run {run_key}).\n"
+    path.write_text(header + yaml.safe_dump(body, sort_keys=False))
+    return path

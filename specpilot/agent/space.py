@@ -1,0 +1,268 @@
+"""The rewrite space: typed choices over a plan's fields, and rewrites applied to an incumbent plan.
+
+Design choices:
+- A plan is handled as its config mapping (`decoding.plans.<name>`: verify, weights, block_size,
+  kernels.<op>.implementation / config, mesh), the form `experiments/run.py` reads, so a found plan is a
+  YAML file any run can use. A `Choice` is one dotted field (`block_size`, `kernels.matmul.implementation`,
+  `kernels.matmul.config.num_warps`) with its typed values; a rewrite is a dict of such fields applied to
+  the incumbent's mapping.
+- The space derives from the deployment: block sizes up to the drafter's, kernel implementations the
+  device can run (Pallas backends only on a GPU), each implementation's config fields read from its
+  frozen config dataclass (`dispatch.CONFIGS`: powers of two halved and doubled, booleans both ways),
+  the gated delta rule only for hybrid targets, meshes only where more than one device is visible.
+  A config field applies only under its own implementation (`Choice.when`).
+- `check` composes the config with the rewritten plan and runs the harness's own validation
+  (`config_schema.validate`, which builds the plan): an impossible rewrite (w12 weights on a float32
+  target, a block size an oracle drafter has no profile for) is dropped with the error as its reason;
+  `feasible` leaves out the values that fail on their own at the deployment, before any proposer runs.
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import json
+from typing import Any, Mapping
+
+from omegaconf import DictConfig, OmegaConf
+
+from pallas_kernels import dispatch
+from specpilot import plan as plan_mod
+
+BLOCK_SIZES = (2, 3, 4, 6, 8, 12, 16, 24, 32)
+PALLAS_ON_GPU = {"matmul": ("triton", "mosaic"), "gated_delta_rule": ("triton",)}
+
+
+@dataclasses.dataclass(frozen=True)
+class Choice:
+    """One plan field and the values it may take (`kind`: the field's type, for the search proposer)."""
+
+    field: str  # dotted: "block_size", "kernels.matmul.implementation", "kernels.matmul.config.num_warps"
+    values: tuple
+    kind: str  # "categorical" | "int"
+    targets: tuple[str, ...] = ()  # stages / kernel classes of the cost model this field acts on
+    # a kernel config field applies only under one implementation: (its implementation field, the name)
+    when: tuple[str, str] | None = None
+
+    def applies(self, fields: Mapping) -> bool:
+        """Whether this choice means anything for plan `fields` (a config field: its implementation first)."""
+        if self.when is None:
+            return True
+        impl = get_field(fields, self.when[0]) or []
+        return bool(impl) and impl[0] == self.when[1]
+
+    def __post_init__(self):
+        if not self.values:
+            raise ValueError(f"choice {self.field!r} has no values")
+
+
+@dataclasses.dataclass(frozen=True)
+class Dropped:
+    rewrite: dict
+    reason: str
+
+
+def rewrite_key(rewrite: Mapping[str, Any]) -> str:
+    """A canonical string of a rewrite (memory and de-duplication key)."""
+    return json.dumps({k: rewrite[k] for k in sorted(rewrite)}, sort_keys=True, default=list)
+
+
+def get_field(fields: Mapping, dotted: str, default=None):
+    node: Any = fields
+    for part in dotted.split("."):
+        if not isinstance(node, Mapping) or part not in node or node[part] is None:
+            return default
+        node = node[part]
+    return node
+
+
+def apply(fields: Mapping, rewrite: Mapping[str, Any]) -> dict:
+    """The plan mapping `fields` with each dotted field of `rewrite` set. Changing an op's implementation
+    resets its config (a config belongs to the first implementation); `verify=ar` drops the block size."""
+    out = copy.deepcopy(dict(fields))
+    for dotted, value in rewrite.items():
+        parts = dotted.split(".")
+        node = out
+        for part in parts[:-1]:
+            if not isinstance(node.get(part), dict):
+                node[part] = {}
+            node = node[part]
+        node[parts[-1]] = list(value) if isinstance(value, tuple) else value
+        sets_config = any(k.startswith(f"kernels.{parts[1]}.config.") for k in rewrite) if len(parts) > 1 else False
+        if len(parts) == 3 and parts[0] == "kernels" and parts[2] == "implementation" and not sets_config:
+            node["config"] = {}
+    if out.get("verify") == "ar":
+        out["block_size"] = None
+    elif out.get("verify") == "chain" and rewrite.get("verify") == "chain" and "block_size" not in rewrite:
+        out.setdefault("block_size", None)
+    return out
+
+
+def _config_values(cls: type) -> list[Choice]:
+    """Typed choices over an implementation config's scalar fields: ints that are powers of two halved
+    and doubled, booleans both ways (tuples, nested configs and strings are left at their defaults)."""
+    out = []
+    for f in dataclasses.fields(cls):
+        default = f.default
+        if isinstance(default, bool):
+            out.append(Choice(f.name, (default, not default), "categorical"))
+        elif isinstance(default, int) and default >= 1 and default & (default - 1) == 0 and f.name != "large_n":
+            values = tuple(v for v in (default // 2, default, default * 2) if v >= 1)
+            out.append(Choice(f.name, values, "int"))
+    return [c for c in out if c.field != "interpret"]
+
+
+@dataclasses.dataclass(frozen=True)
+class Space:
+    """The choices of one deployment, and the checks that turn a rewrite into a plan or a reason."""
+
+    choices: tuple[Choice, ...]
+    base_cfg: Any = dataclasses.field(compare=False, repr=False)  # the composed config (DictConfig)
+
+    def choice(self, dotted: str) -> Choice | None:
+        return next((c for c in self.choices if c.field == dotted), None)
+
+    def targeting(self, target: str) -> list[Choice]:
+        """The choices aimed at a cost-model stage or kernel class ("verify", "matmul", ...)."""
+        return [c for c in self.choices if target in c.targets]
+
+    def check(self, name: str, fields: Mapping) -> plan_mod.Plan | str:
+        """The plan of `fields` if the deployment can run it, else the reason it cannot."""
+        from specpilot.harness.config_schema import ConfigValueError, build_plans, validate
+
+        cfg = OmegaConf.create(OmegaConf.to_container(self.base_cfg, resolve=True))
+        cfg.decoding.plans = {name: dict(fields)}
+        try:
+            cfg = _typed(cfg)
+            validate(cfg)
+            return next(p for p in build_plans(cfg) if p.name == name)
+        except (ConfigValueError, plan_mod.PlanError, ValueError, TypeError, KeyError) as e:
+            return f"{type(e).__name__}: {e}"
+
+    def feasible(self, incumbent: Mapping) -> tuple["Space", list[Dropped]]:
+        """The space without the values that fail on their own at this deployment (each one-field rewrite of
+        `incumbent` the harness refuses, e.g. w12 weights on a float32 target), and those values with why."""
+        removed, kept = [], []
+        for c in self.choices:
+            bad = []
+            for rw in single_field_rewrites(self, incumbent, c):
+                res = self.rewrite("probe", incumbent, rw)
+                if isinstance(res, Dropped) and not res.reason.startswith("changes nothing"):
+                    bad.append(rw[c.field])
+                    removed.append(res)
+            values = tuple(v for v in c.values if (list(v) if isinstance(v, tuple) else v) not in bad)
+            kept.append(dataclasses.replace(c, values=values) if values else c)
+        return dataclasses.replace(self, choices=tuple(kept)), removed
+
+    def rewrite(self, name: str, incumbent: Mapping,
+                rewrite: Mapping[str, Any]) -> tuple[dict, plan_mod.Plan] | Dropped:
+        """(fields, plan) of `rewrite` applied to `incumbent`, or Dropped with the reason."""
+        unknown = [k for k in rewrite if self.choice(k) is None and not _is_config_field(k)]
+        if unknown:
+            return Dropped(dict(rewrite), f"not in the rewrite space: {', '.join(unknown)}")
+        fields = apply(incumbent, rewrite)
+        result = self.check(name, fields)
+        if isinstance(result, str):
+            return Dropped(dict(rewrite), result)
+        base = self.check(name, incumbent)
+        if not isinstance(base, str) and base == result:
+            return Dropped(dict(rewrite), "changes nothing (the incumbent's plan)")
+        fields = plan_fields(result)
+        return fields, result
+
+
+def plan_fields(plan: plan_mod.Plan) -> dict:
+    """A built plan as the full config mapping of its fields (defaults resolved), YAML-ready."""
+    d = plan.describe()
+    out = {"verify": plan.verify, "weights": plan.weights,
+           "block_size": None if plan.verify == "ar" else plan.block_size,
+           "kernels": {op: {"implementation": list(d["kernels"][op]["implementation"]),
+                            "config": {k: list(v) if isinstance(v, tuple) else v
+                                       for k, v in (d["kernels"][op]["config"] or {}).items()}}
+                       for op in plan_mod.KERNEL_OPS}}
+    if not plan.mesh.is_single:
+        out["mesh"] = {"data": plan.mesh.data, "tensor": plan.mesh.tensor}
+    return out
+
+
+def _is_config_field(dotted: str) -> bool:
+    parts = dotted.split(".")
+    return len(parts) == 4 and parts[0] == "kernels" and parts[1] in plan_mod.KERNEL_OPS and parts[2] == "config"
+
+
+def _typed(cfg: DictConfig) -> DictConfig:
+    from specpilot.harness.config_schema import typed
+
+    return typed(cfg)
+
+
+def kernel_config_choices(op: str, implementation: str) -> list[Choice]:
+    """`kernels.<op>.config.<field>` choices of one implementation (its config dataclass's fields)."""
+    cls = dispatch.CONFIGS[op][implementation]
+    targets = ("matmul", "lm_head") if op == "matmul" else ("recurrence",)
+    return [dataclasses.replace(c, field=f"kernels.{op}.config.{c.field}", targets=targets,
+                                when=(f"kernels.{op}.implementation", implementation))
+            for c in _config_values(cls)]
+
+
+def build_space(cfg: DictConfig, *, platform: str = "cpu", devices: int = 1) -> Space:
+    """The rewrite space of a composed run config on a device `platform` ("cpu", "gpu") with `devices`."""
+    d = cfg.drafter
+    choices = [Choice("verify", ("ar", "chain") if d.source != "none" else ("ar",), "categorical",
+                      targets=("draft", "verify", "accept"))]
+    if d.source != "none":
+        top = int(d.block_size)
+        sizes = tuple(b for b in BLOCK_SIZES if b <= top) or (top,)
+        choices.append(Choice("block_size", sizes, "int", targets=("verify", "draft", "attention")))
+    choices.append(Choice("weights", plan_mod.WEIGHT_FORMATS, "categorical", targets=("matmul", "lm_head")))
+    hybrid = _is_hybrid(cfg.target)
+    for op in plan_mod.KERNEL_OPS:
+        if op == "gated_delta_rule" and not hybrid:
+            continue
+        lists = [("xla",)]
+        if platform == "gpu":
+            lists += [(impl, "xla") for impl in PALLAS_ON_GPU[op]]
+        targets = ("matmul", "lm_head") if op == "matmul" else ("recurrence",)
+        choices.append(Choice(f"kernels.{op}.implementation", tuple(lists), "categorical", targets=targets))
+        if platform == "gpu":
+            for impl in PALLAS_ON_GPU[op]:
+                choices.extend(kernel_config_choices(op, impl))
+    if devices > 1:
+        meshes = tuple((dd, devices // dd) for dd in range(1, devices + 1) if devices % dd == 0)
+        choices.append(Choice("mesh", tuple({"data": a, "tensor": b} for a, b in meshes), "categorical",
+                              targets=("matmul", "attention", "interconnect")))
+    return Space(tuple(_dedupe(choices)), cfg)
+
+
+def _is_hybrid(tconf) -> bool:
+    """Whether the target has linear-attention layers (a random target's shape, or a checkpoint's config.json)."""
+    from pathlib import Path
+
+    from specpilot.models.checkpoint import HYBRID_ARCHITECTURES
+
+    hf = OmegaConf.to_container(tconf.model, resolve=True) if tconf.get("model") else {}
+    if tconf.source == "hf" and tconf.path and (Path(str(tconf.path)).expanduser() / "config.json").is_file():
+        hf = json.loads((Path(str(tconf.path)).expanduser() / "config.json").read_text())
+    return (hf.get("architectures") or [None])[0] in HYBRID_ARCHITECTURES or hf.get("model_type") == "qwen3_5_text"
+
+
+def _dedupe(choices: list[Choice]) -> list[Choice]:
+    seen, out = set(), []
+    for c in choices:
+        if c.field not in seen:
+            seen.add(c.field)
+            out.append(c)
+    return out
+
+
+def single_field_rewrites(space: Space, incumbent: Mapping, choice: Choice) -> list[dict]:
+    """Every value of `choice` other than the incumbent's, as one-field rewrites."""
+    if not choice.applies(incumbent):
+        return []
+    current = get_field(incumbent, choice.field)
+    out = []
+    for v in choice.values:
+        value = list(v) if isinstance(v, tuple) else v
+        if value != current and not (isinstance(current, list) and list(current) == value):
+            out.append({choice.field: value})
+    return out

@@ -1,0 +1,88 @@
+"""The evaluator on Dask: a crash, a hang, an out-of-memory, a kill -9 or a lie lose that candidate only."""
+
+import json
+import textwrap
+from pathlib import Path
+
+from specpilot.agent import evaluator as ev
+
+# candidate programs speaking the evaluator's protocol without building a deployment (fast)
+HONEST = """
+import json, sys
+spec = json.load(open(sys.argv[1]))
+print("ready", flush=True)
+runs = 0
+for line in sys.stdin:
+    if line.strip() == "end":
+        break
+    runs += 1
+    print("done", flush=True)
+tokens = [[[0] * spec["new_tokens"] for _ in spec["prompts"]] for _ in range(runs)]
+json.dump({"tokens": tokens, "stats": {}, "self_reported_s": [0.0] * runs}, open(sys.argv[2], "w"))
+"""
+BAD = {
+    "crash": "raise RuntimeError('injected crash')",
+    "hang": "import time\nprint('ready', flush=True)\ntime.sleep(1000)",
+    "oom": "x = bytearray(3 * 2**30)",
+    "kill9": "import os, signal\nprint('ready', flush=True)\nos.kill(os.getpid(), signal.SIGKILL)",
+    "short": HONEST.replace('spec["new_tokens"]', '(spec["new_tokens"] - 1)'),
+}
+
+
+def _spec(name, program):
+    return {"name": name, "program": str(program), "fields": {}, "config": {"bench": {"batch_size": 1}},
+            "prompts": [[1, 2, 3], [4, 5, 6]], "new_tokens": 4, "repeats": 2}
+
+
+def test_failures_are_isolated_and_named(tmp_path):
+    programs = {}
+    for name, body in {"honest": HONEST, **BAD}.items():
+        programs[name] = tmp_path / f"{name}.py"
+        programs[name].write_text(textwrap.dedent(body))
+    with ev.Evaluator(2, timeout_s=8, memory_mb=1024, workdir=tmp_path / "work") as e:
+        seen = []
+        results = e.evaluate([_spec(n, p) for n, p in programs.items()], progress=seen.append)
+        by = {r["name"]: r for r in results}
+        assert [r["name"] for r in results] == list(programs)  # in the order given
+        assert sorted(r["name"] for r in seen) == sorted(programs)  # each heard as it finished
+        assert by["honest"]["status"] == ev.OK and len(by["honest"]["wall_s"]) == 2
+        assert by["honest"]["s_per_token"] == sorted(by["honest"]["wall_s"])[0] / (2 * 4)
+        assert by["crash"]["status"] == ev.CRASHED and "injected crash" in by["crash"]["reason"]
+        assert by["hang"]["status"] == ev.TIMEOUT and "within 8 s" in by["hang"]["reason"]
+        assert by["oom"]["status"] == ev.OOM and "MemoryError" in by["oom"]["reason"]
+        assert by["kill9"]["status"] == ev.KILLED and "signal 9" in by["kill9"]["reason"]
+        assert by["short"]["status"] == ev.BAD_OUTPUT and "2 x 4 tokens" in by["short"]["reason"]
+        # the cluster still evaluates after all that
+        again = e.evaluate([_spec("honest2", programs["honest"])])
+        assert again[0]["status"] == ev.OK
+
+
+SLOW = """
+import json, sys, time
+spec = json.load(open(sys.argv[1]))
+print("ready", flush=True)
+spans = []
+for line in sys.stdin:
+    if line.strip() == "end":
+        break
+    t0 = time.time()
+    time.sleep(0.4)
+    spans.append((t0, time.time()))
+    print("done", flush=True)
+tokens = [[[0] * spec["new_tokens"] for _ in spec["prompts"]] for _ in spans]
+json.dump({"tokens": tokens, "spans": spans}, open(sys.argv[2], "w"))
+"""
+
+
+def test_candidates_sharing_a_device_are_timed_one_at_a_time(tmp_path):
+    program = tmp_path / "slow.py"
+    program.write_text(SLOW)
+    with ev.Evaluator(2, timeout_s=30, memory_mb=1024, workdir=tmp_path / "work") as e:
+        results = e.evaluate([_spec(f"slow{i}", program) for i in range(2)])
+    assert all(r["status"] == ev.OK for r in results)
+    spans = []
+    for r in results:
+        out = json.loads((Path(r["folder"]) / "out.json").read_text())
+        spans.append((out["spans"][0][0], out["spans"][-1][1]))  # first go .. last done
+    (a0, a1), (b0, b1) = sorted(spans)
+    assert a1 <= b0  # the second candidate's timed runs start after the first's end

@@ -1,0 +1,128 @@
+"""The gate against adversarial candidates (subprocess programs patching the candidate module), and an honest one.
+
+Each candidate runs as the evaluator runs it (its own process, timed from outside); the gate judges it in
+this process against stock's scorer and the AR reference on prompts it drew itself.
+"""
+
+import json
+import textwrap
+
+import numpy as np
+import pytest
+from agent_helpers import spec, toy_cfg
+
+from specpilot.agent import evaluator as ev
+from specpilot.agent import space as sp
+from specpilot.agent.gate import Gate
+
+STOCK = {"verify": "chain", "block_size": 4}
+PATCH = """
+import sys, time
+from specpilot.agent import candidate
+from specpilot.harness import methods
+real_run = methods.run_plan
+{body}
+methods.run_plan = patched
+sys.exit(candidate.main(sys.argv[1], sys.argv[2]))
+"""
+PROGRAMS = {
+    # the last token of the first prompt is changed
+    "late_token": """
+def patched(dep, plan):
+    r = real_run(dep, plan)
+    r.tokens[0][-1] = (r.tokens[0][-1] + 1) % dep.cfg.vocab_size
+    return r
+""",
+    # replays the reference's outputs of an earlier round (leaked to a file) without computing anything
+    "reads_reference": """
+import json
+from specpilot.harness.methods import MethodRun
+LEAKED = json.load(open({leak!r}))
+def patched(dep, plan):
+    return MethodRun([list(t) for t in LEAKED], 0.0, 1e-9, len(LEAKED) * dep.new_tokens)
+""",
+    # reports a clock that never moves, while each run really takes longer
+    "fake_clock": """
+candidate.time = type("FakeTime", (), {{"perf_counter": staticmethod(lambda: 0.0)}})
+def patched(dep, plan):
+    time.sleep(0.3)
+    return real_run(dep, plan)
+""",
+    # computes the right tokens once (warm-up), then returns them at once: skips the work
+    "skips_work": """
+cache = {{}}
+def patched(dep, plan):
+    if "run" not in cache:
+        cache["run"] = real_run(dep, plan)
+    return cache["run"]
+""",
+}
+
+
+@pytest.fixture(scope="module")
+def setting(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("gate")
+    cfg = toy_cfg(cache_dir=str(tmp / "cache"))
+    gate = Gate(cfg, heldout=12, prompts_per_round=2, noise_margin=0.05, secret=1234)
+    leaked_prompts = gate.draw(0)
+    leak = tmp / "leaked.json"
+    leak.write_text(json.dumps(gate.reference_tokens))  # round 0's reference outputs
+    prompts = gate.draw(1)
+    assert prompts != leaked_prompts  # fresh each round
+    incumbent = ev.evaluate_candidate(spec(cfg, "incumbent", STOCK, prompts), timeout_s=240, memory_mb=None,
+                                      workdir=str(tmp / "work"))
+    assert incumbent["status"] == ev.OK, incumbent["reason"]
+    return cfg, gate, prompts, incumbent, tmp, leak
+
+
+def _judge(setting, name, fields=STOCK, repeats=2):
+    cfg, gate, prompts, incumbent, tmp, leak = setting
+    program = None
+    if name in PROGRAMS:
+        program = tmp / f"{name}.py"
+        program.write_text(PATCH.format(body=textwrap.dedent(PROGRAMS[name]).format(leak=str(leak))))
+    res = ev.evaluate_candidate(spec(cfg, name, fields, prompts, repeats=repeats, program=program), timeout_s=240,
+                                memory_mb=None, workdir=str(tmp / "work"))
+    assert res["status"] == ev.OK, res["reason"]
+    plan = sp.build_space(cfg).check(name, fields)
+    return res, gate.check(res, plan, incumbent)
+
+
+def test_honest_candidate_is_clean(setting):
+    cfg, gate, prompts, incumbent, *_ = setting
+    v = gate.check(incumbent, gate.stock, None)
+    assert v.accepted and v.mismatches == 0 and v.reference_equal and not v.flagged
+    assert incumbent["s_per_token"] > v.ceiling_s_per_token
+    assert np.asarray(incumbent["tokens"][0]).tolist() == gate.reference_tokens
+
+
+def test_ar_rewrite_is_clean_and_can_win(setting):
+    res, v = _judge(setting, "ar", fields={"verify": "ar"}, repeats=3)
+    assert v.mismatches == 0 and v.reference_equal and not v.flagged
+    # random drafts are never accepted, so a chain of 4 is slower than AR on every machine
+    assert v.speedup > 1 and v.accepted, v.reasons
+
+
+def test_late_token_change_is_rejected(setting):
+    _, v = _judge(setting, "late_token")
+    assert not v.accepted and v.mismatches == 1 and not v.reference_equal
+    assert any("not forcing-clean" in r for r in v.reasons)
+
+
+def test_replaying_the_reference_of_another_round_is_rejected(setting):
+    _, v = _judge(setting, "reads_reference")
+    assert not v.accepted and v.mismatches > 0 and not v.reference_equal
+
+
+def test_a_faked_clock_is_not_believed(setting):
+    res, v = _judge(setting, "fake_clock")
+    assert res["self_reported_s"] == [0.0, 0.0]  # what it claims
+    assert min(res["wall_s"]) > 0.3  # what the evaluator measured
+    assert not v.accepted and any("not faster than the incumbent" in r for r in v.reasons)
+
+
+def test_beating_the_ceiling_is_rejected_and_flagged(setting):
+    res, v = _judge(setting, "skips_work")
+    assert v.mismatches == 0 and v.reference_equal  # its tokens are right...
+    assert res["s_per_token"] < v.ceiling_s_per_token  # ...and it is faster than physics allows
+    assert not v.accepted and v.flagged and any("ceiling" in r for r in v.reasons)

@@ -1,0 +1,120 @@
+"""Proposers: the cost-model-guided order, Optuna's ask/tell with pruning, the registry."""
+
+import pytest
+from agent_helpers import toy_cfg
+
+from specpilot.agent import proposers as props
+from specpilot.agent import space as sp
+from specpilot.harness import costmodel, counts, prediction
+from specpilot.harness.rates import Rates
+
+INCUMBENT = {"verify": "chain", "weights": "bf16", "block_size": 4}
+
+
+@pytest.fixture(scope="module")
+def gpu_space():
+    cfg = toy_cfg("target.dtype=bfloat16")
+    return cfg, sp.build_space(cfg, platform="gpu")
+
+
+def _attribution(stages, classes):
+    return {"stages": [{"stage": s, "lost_ms": v} for s, v in stages],
+            "classes": [{"stage": "verify", "class": c, "lost_ms": v} for c, v in classes]}
+
+
+def test_guided_targets_the_largest_gap_first(gpu_space):
+    _, space = gpu_space
+    verify_bound = _attribution([("verify", 5.0), ("draft", 1.0)], [("attention", 0.5), ("matmul", 0.2)])
+    got = props.GuidedProposer().propose(props.Context(space, INCUMBENT, verify_bound, set()), 3)
+    assert [list(p.rewrite) for p in got] == [["verify"], ["block_size"], ["block_size"]]
+    assert "verify loses 5.000 ms" in got[0].why
+    matmul_bound = _attribution([("verify", 0.1)], [("matmul", 9.0), ("attention", 0.1)])
+    got = props.GuidedProposer().propose(props.Context(space, INCUMBENT, matmul_bound, set()), 3)
+    assert [list(p.rewrite)[0] for p in got] == ["weights", "kernels.matmul.implementation",
+                                                "kernels.matmul.implementation"]
+    tried = {sp.rewrite_key({"weights": "w12"})}
+    got = props.GuidedProposer().propose(props.Context(space, INCUMBENT, matmul_bound, tried), 1)
+    assert got[0].rewrite != {"weights": "w12"}
+
+
+def test_guided_reads_a_real_attribution():
+    cfg = toy_cfg()
+    space = sp.build_space(cfg)
+    from specpilot.harness.config_schema import build_plans
+
+    plan = build_plans(cfg)[-1]
+    from specpilot.harness import deploy
+
+    dep = deploy.build(cfg, build_plans(cfg))
+    setting = prediction.Setting(counts.Shape.from_deployment(dep, 40), Rates.for_gpu(cfg.gpu),
+                                 costmodel.Hardware.from_conf(cfg.gpu))
+    att = prediction.attribute(plan, setting, prediction.Measurement(5e-3, 1.0, {"draft": 0.2, "verify": 0.7,
+                                                                               "bookkeeping": 0.1}))
+    first = props.GuidedProposer.targets(att)[0][0]
+    assert first == att["stages"][0]["stage"] or first == att["classes"][0]["class"]
+    got = props.GuidedProposer().propose(props.Context(space, sp.plan_fields(plan), att, set()), 2)
+    assert got and all(space.choice(f) is not None for p in got for f in p.rewrite)
+
+
+def test_optuna_asks_distinct_rewrites_and_prunes(gpu_space):
+    _, space = gpu_space
+    opt = props.OptunaProposer(seed=0)
+    ctx = props.Context(space, INCUMBENT, None, set())
+    got = opt.propose(ctx, 4)
+    assert len(got) == 4 and len({sp.rewrite_key(p.rewrite) for p in got}) == 4 and all(p.cheap for p in got)
+    # successive halving at rung 1 (reduction factor 2): a trial is kept if it is in the best half so far
+    for p, t in zip(got[:3], (1.0, 0.9, 0.8)):
+        assert not opt.should_prune(p, t)
+        opt.observe(p, t, "accepted")
+    assert opt.should_prune(got[3], 50.0)
+    opt.observe(got[3], None, "pruned")
+    states = [t.state.name for t in opt.study.trials if t.number in {p.handle.number for p in got}]
+    assert states == ["COMPLETE", "COMPLETE", "COMPLETE", "PRUNED"]
+    # config fields only ride with their own implementation
+    for p in got:
+        impl = p.rewrite.get("kernels.matmul.implementation", ["xla"])[0]
+        for f in p.rewrite:
+            if ".config." in f:
+                assert space.choice(f).when[1] == impl
+
+
+def test_registry_names_and_errors():
+    assert {"guided", "optuna", "memory"} <= set(props.REGISTRY)
+    with pytest.raises(ValueError, match="unknown 'llm'"):
+        props.make(["guided", "llm"])
+
+    @props.register("fixed")
+    class Fixed(props.Proposer):
+        name = "fixed"
+
+        def __init__(self, seed=0):
+            pass
+
+        def propose(self, ctx, n):
+            return [props.Proposal({"block_size": 2}, self.name, "always")]
+
+    try:
+        assert [type(p).__name__ for p in props.make(["fixed"])] == ["Fixed"]
+    finally:
+        del props.REGISTRY["fixed"]
+
+
+def test_integrate_combines_compatible_survivors(gpu_space):
+    _, space = gpu_space
+    ctx = props.Context(space, INCUMBENT, None, set(), survivors=[{"block_size": 8}, {"weights": "w12"}])
+    got = props.IntegrateProposer().propose(ctx, 3)
+    assert [p.rewrite for p in got] == [{"block_size": 8, "weights": "w12"}, {"block_size": 8}, {"weights": "w12"}]
+    clash = props.Context(space, INCUMBENT, None, set(), survivors=[{"block_size": 8}, {"block_size": 2}])
+    assert [p.rewrite for p in props.IntegrateProposer().propose(clash, 3)] == [{"block_size": 8}, {"block_size": 2}]
+
+
+def test_agent_block_errors_name_the_key():
+    from specpilot.agent.loop import agent_conf
+
+    assert agent_conf({"rounds": 3}).rounds == 3
+    with pytest.raises(ValueError, match="agent.roundz"):
+        agent_conf({"roundz": 3})
+    with pytest.raises(ValueError, match="agent.workers: must be >= 1"):
+        agent_conf({"workers": 0})
+    with pytest.raises(ValueError, match="agent.proposers: unknown 'llm'"):
+        agent_conf({"proposers": ["guided", "llm"]})

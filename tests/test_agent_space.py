@@ -1,0 +1,81 @@
+"""The rewrite space: typed choices of a deployment, rewrites applied and checked by the harness's validation."""
+
+import pytest
+from agent_helpers import toy_cfg
+
+from specpilot import plan as plan_mod
+from specpilot.agent import space as sp
+from specpilot.harness.config_schema import build_plans
+
+
+@pytest.fixture(scope="module")
+def toy():
+    cfg = toy_cfg()
+    return cfg, sp.build_space(cfg)
+
+
+def test_space_of_a_cpu_deployment(toy):
+    cfg, space = toy
+    fields = [c.field for c in space.choices]
+    assert fields == ["verify", "block_size", "weights", "kernels.matmul.implementation"]
+    assert space.choice("block_size").values == (2, 3, 4, 6, 8)  # up to the drafter's block size
+    assert space.choice("kernels.matmul.implementation").values == (("xla",),)  # no Pallas backend on a CPU
+    assert {c.field for c in space.targeting("verify")} == {"verify", "block_size"}
+    assert {c.field for c in space.targeting("matmul")} == {"weights", "kernels.matmul.implementation"}
+
+
+def test_gpu_space_lists_kernels_and_their_config_fields(toy):
+    cfg, _ = toy
+    space = sp.build_space(cfg, platform="gpu", devices=4)
+    impls = space.choice("kernels.matmul.implementation").values
+    assert ("triton", "xla") in impls and ("mosaic", "xla") in impls
+    # the Mosaic kernel's pipeline depth, from its config dataclass: 2 halved and doubled
+    assert space.choice("kernels.matmul.config.small_m_stages").values == (1, 2, 4)
+    assert {"data": 2, "tensor": 2} in space.choice("mesh").values
+    assert space.choice("kernels.gated_delta_rule.implementation") is None  # a dense target has none
+
+
+def test_rewrite_builds_the_plan_the_harness_builds(toy):
+    cfg, space = toy
+    incumbent = {"verify": "chain", "block_size": 4}
+    fields, plan = space.rewrite("cand", incumbent, {"block_size": 6})
+    assert fields["block_size"] == 6 and plan.block_size == 6
+    # the same fields through the harness's own plan construction
+    expected = plan_mod.build("cand", fields, drafter_block_size=8, default_matmul={"bf16": ["xla"], "w12": ["xla"]})
+    assert plan == expected
+    ar_fields, ar = space.rewrite("cand", incumbent, {"verify": "ar"})
+    assert ar.verify == "ar" and ar.block_size == 1 and ar_fields["block_size"] is None
+
+
+def test_impossible_rewrites_are_dropped_with_the_reason(toy):
+    cfg, space = toy
+    incumbent = {"verify": "chain", "block_size": 4}
+    dropped = space.rewrite("cand", incumbent, {"weights": "w12"})
+    assert isinstance(dropped, sp.Dropped) and "target.dtype" in dropped.reason  # float32 target
+    assert "changes nothing" in space.rewrite("cand", incumbent, {"block_size": 4}).reason
+    assert "not in the rewrite space" in space.rewrite("cand", incumbent, {"tree": {"nodes": 8}}).reason
+    oracle = toy_cfg("drafter=oracle", "drafter.num_layers=1", "drafter.block_size=4", "drafter.tau=2.0")
+    reason = sp.build_space(oracle).rewrite("cand", {"verify": "chain"}, {"block_size": 2}).reason
+    assert "replays a profile for block size 4" in reason
+
+
+def test_feasible_space_leaves_out_what_fails_alone(toy):
+    _, space = toy
+    narrowed, removed = space.feasible({"verify": "chain", "block_size": 4})
+    assert narrowed.choice("weights").values == ("bf16",)
+    assert [d.rewrite for d in removed] == [{"weights": "w12"}]
+
+
+def test_plan_fields_round_trip(toy):
+    cfg, space = toy
+    for plan in build_plans(cfg):
+        again = space.check(plan.name, sp.plan_fields(plan))
+        assert again == plan
+
+
+def test_hybrid_target_space_has_the_recurrence_kernel():
+    space = sp.build_space(toy_cfg("target=tiny_hybrid", "drafter=none", "decoding=ar"), platform="gpu")
+    assert space.choice("kernels.gated_delta_rule.implementation").values == (("xla",), ("triton", "xla"))
+    assert space.choice("kernels.gated_delta_rule.config.block_v").when == ("kernels.gated_delta_rule.implementation",
+                                                                           "triton")
+    assert space.choice("verify").values == ("ar",) and space.choice("block_size") is None  # no drafter
