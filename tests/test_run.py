@@ -233,6 +233,7 @@ def test_hybrid_target_runs_ar_and_stock_with_forcing_clean(tmp_path):
     assert stock["forcing"]["outputs_differ"] == 0 and stock["tau"] > 1.0
 
 
+@pytest.mark.slow
 def test_sharded_plans_run_on_simulated_devices_and_pass_forcing(tmp_path):
     """README's sharded deployment on a CPU: every sharded plan is checked against the one-device AR."""
     out = tmp_path / "out"

@@ -144,7 +144,7 @@ def test_greedy_acceptance_on_a_chain_is_prefix_matching():
 
 # ---- decoding -------------------------------------------------------------------------------------
 
-@pytest.mark.parametrize("nodes,depth,branching", [(8, 4, 2), (12, 7, 3), (2, 1, 1)])
+@pytest.mark.parametrize("nodes,depth,branching", [(8, 4, 2), pytest.param(12, 7, 3, marks=pytest.mark.slow), (2, 1, 1)])
 def test_block_drafter_tree_greedy_equals_ar(target, ar_tokens, nodes, depth, branching):
     dcfg = dr.DrafterConfig.for_target(CFG, num_layers=1, block_size=8)
     drafter, dparams = dr.BlockDrafter(dcfg, CFG), random_params(dr.param_shapes(dcfg), 0.5, 1)

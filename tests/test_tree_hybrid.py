@@ -84,7 +84,7 @@ def test_every_node_state_equals_a_chain_along_its_root_path(target):
     np.testing.assert_array_equal(committed.lengths, base.lengths + count)
 
 
-@pytest.mark.parametrize("nodes,depth,branching", [(8, 4, 2), (12, 7, 3)])
+@pytest.mark.parametrize("nodes,depth,branching", [(8, 4, 2), pytest.param(12, 7, 3, marks=pytest.mark.slow)])
 def test_block_drafter_hybrid_tree_greedy_equals_ar(target, ar_tokens, nodes, depth, branching):
     dcfg = dr.DrafterConfig.for_target(CFG, num_layers=1, block_size=8)
     drafter, dparams = dr.BlockDrafter(dcfg, CFG), dr.init(jax.random.key(1), dcfg, jnp.float32, 0.5)

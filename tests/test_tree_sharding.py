@@ -4,6 +4,7 @@ one-device AR output with the target's state sharded over data x tensor meshes."
 import jax
 import jax.numpy as jnp
 import numpy as np
+import pytest
 
 from specpilot import sharding
 from specpilot.decoding import ar, tree
@@ -26,6 +27,7 @@ def test_sharded_dense_tree_equals_ar():
     assert res.stats.tau > 2.0  # second siblings accepted: the path commit ran sharded
 
 
+@pytest.mark.slow
 def test_sharded_hybrid_tree_equals_one_device():
     params = hybrid.init_wide_margin(jax.random.key(0), HYBRID, dtype=jnp.float32)
     want = ar.generate(hybrid.target(HYBRID, jnp.float32), params, PROMPTS, N + 10).tokens
