@@ -81,6 +81,24 @@ def _tree_chunk(params, target, shape, tokens, state):
     return jnp.take_along_axis(out, path[:, :, None], axis=1), state.gather_path(path, jnp.full((b,), k, jnp.int32))
 
 
+def _score_in_chunks(params, target, prompt_tokens, prompt_lengths, forced, k: int, extra_slots: int,
+                     cache_dtype, run_chunk):
+    """Logits [B, n, V]: the prompt's prediction, then `run_chunk(tokens [B, k], state)` over the forced
+    tokens k at a time (forced token i-1 is the input whose output predicts forced token i; the tail
+    chunk is padded). `extra_slots`: cache slots a chunk's forward writes beyond its k tokens."""
+    b, n = forced.shape
+    n_chunks = -(-max(n - 1, 0) // k)
+    state = target.init_state(b, prompt_tokens.shape[1] + n_chunks * k + extra_slots, cache_dtype)
+    first, state = _prefill(params, target, jnp.asarray(prompt_tokens), jnp.asarray(prompt_lengths), state)
+    inputs = np.zeros((b, n_chunks * k), np.int32)
+    inputs[:, : n - 1] = np.maximum(forced[:, : n - 1], 0)
+    out = [first[:, None]]
+    for c in range(n_chunks):
+        logits, state = run_chunk(jnp.asarray(inputs[:, c * k:(c + 1) * k]), state)
+        out.append(logits)
+    return host_array(jnp.concatenate(out, axis=1)[:, :n])
+
+
 def tree_scorer(params, target, nodes: int, depth: int, branching: int, cache_dtype=None) -> Scorer:
     """Scorer running the prompt, then the forced tokens depth + 1 at a time, each chunk the first root
     path of an `nodes`-node tree forward (module docstring). Needs nodes >= depth + 1."""
@@ -89,20 +107,9 @@ def tree_scorer(params, target, nodes: int, depth: int, branching: int, cache_dt
     k = depth + 1
 
     def score(prompt_tokens, prompt_lengths, forced):
-        b, n = forced.shape
-        n_chunks = -(-max(n - 1, 0) // k)
-        cache_len = prompt_tokens.shape[1] + n_chunks * k + nodes
-        state = target.init_state(b, cache_len, cache_dtype)
-        first, state = _prefill(params, target, jnp.asarray(prompt_tokens), jnp.asarray(prompt_lengths),
-                                state)
-        inputs = np.zeros((b, n_chunks * k), np.int32)
-        inputs[:, : n - 1] = np.maximum(forced[:, : n - 1], 0)
-        out = [first[:, None]]
-        for c in range(n_chunks):
-            logits, state = _tree_chunk(params, target, (nodes, depth, branching),
-                                        jnp.asarray(inputs[:, c * k:(c + 1) * k]), state)
-            out.append(logits)
-        return host_array(jnp.concatenate(out, axis=1)[:, :n])
+        return _score_in_chunks(params, target, prompt_tokens, prompt_lengths, forced, k, nodes, cache_dtype,
+                                lambda tokens, state: _tree_chunk(params, target, (nodes, depth, branching),
+                                                                  tokens, state))
 
     return score
 
@@ -114,21 +121,9 @@ def chunked_scorer(params, target, chunk: int | None = 1, cache_dtype=None) -> S
     """
 
     def score(prompt_tokens, prompt_lengths, forced):
-        b, n = forced.shape
-        k = n if chunk is None else chunk
-        n_chunks = -(-max(n - 1, 0) // k)
-        cache_len = prompt_tokens.shape[1] + n_chunks * k
-        state = target.init_state(b, cache_len, cache_dtype)
-        first, state = _prefill(params, target, jnp.asarray(prompt_tokens), jnp.asarray(prompt_lengths),
-                                state)
-        # Forced token i-1 is the input whose output predicts forced token i; the tail chunk is padded.
-        inputs = np.zeros((b, n_chunks * k), np.int32)
-        inputs[:, : n - 1] = np.maximum(forced[:, : n - 1], 0)
-        out = [first[:, None]]
-        for c in range(n_chunks):
-            logits, state = _chunk(params, target, jnp.asarray(inputs[:, c * k:(c + 1) * k]), state)
-            out.append(logits)
-        return host_array(jnp.concatenate(out, axis=1)[:, :n])
+        k = forced.shape[1] if chunk is None else chunk
+        return _score_in_chunks(params, target, prompt_tokens, prompt_lengths, forced, k, 0, cache_dtype,
+                                lambda tokens, state: _chunk(params, target, tokens, state))
 
     return score
 

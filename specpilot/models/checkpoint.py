@@ -193,16 +193,12 @@ def _plan(root: Path, cfg: ModelConfig):
 
 def _read_tensors(found, keys):
     """Yield (key, numpy array) for `keys`, opening each file once."""
-    by_file: dict[Path, list[str]] = {}
-    for key in keys:
-        by_file.setdefault(found[key][0], []).append(key)
-    for path, file_keys in by_file.items():
+    for key, reader in _slice_readers(found, keys):
         try:
-            with safe_open(str(path), framework="numpy") as f:
-                for key in file_keys:
-                    yield key, f.get_tensor(key)
+            host = reader[:]
         except SafetensorError as e:
-            raise CheckpointError(f"cannot read tensors from {path}: {e}") from e
+            raise CheckpointError(f"cannot read tensors from {found[key][0]}: {e}") from e
+        yield key, host
 
 
 def non_finite(arr, stored=None) -> str:
