@@ -81,6 +81,32 @@ def _tree_chunk(params, target, shape, tokens, state):
     return jnp.take_along_axis(out, path[:, :, None], axis=1), state.gather_path(path, jnp.full((b,), k, jnp.int32))
 
 
+@functools.partial(jax.jit, static_argnames=("target", "shape", "level"), donate_argnames=("state",))
+def _two_level_chunk(params, target, shape, level, tokens, state):
+    # The forced path inside an N-node tree as in _tree_chunk; the first level scores every node (the
+    # early-exit forward runs), the path's scores are raised to the top so it survives, and the target
+    # verifies the `keep` kept nodes, compacted and remapped as a two-level step does.
+    from specpilot.decoding.two_level import first_level_scores, select_subtree
+
+    nodes, depth, branching = shape
+    first, keep, exit_layer = level
+    b, k = tokens.shape
+    v = target.vocab_size
+    spread = jnp.arange(v, dtype=jnp.float32)[None, None, :] * (1.0 / v)
+    logprobs = jax.nn.log_softmax(30.0 * jax.nn.one_hot(tokens[:, 1:], v, dtype=jnp.float32) + spread, axis=-1)
+    full = build_tree(logprobs, tokens[:, 0], nodes, depth, branching)
+    end = jnp.argmax(full.depths == depth, axis=1).astype(jnp.int32)
+    on_path = jnp.take_along_axis(full.ancestors, end[:, None, None], axis=1)[:, 0]  # [B, N]
+    scores = first_level_scores(first, exit_layer, depth, target, params, state, full, logprobs)
+    t, kept = select_subtree(full, jnp.where(on_path, jnp.inf, scores), keep)
+    last = jnp.argmax(kept == end[:, None], axis=1).astype(jnp.int32)
+    path = root_path(t, last, k)
+    positions = state.lengths[:, None] + t.depths
+    out, _, state = target.forward(params, t.tokens, positions, state, tree_mask(state, t.ancestors),
+                                   parents=t.parents)
+    return jnp.take_along_axis(out, path[:, :, None], axis=1), state.gather_path(path, jnp.full((b,), k, jnp.int32))
+
+
 def _score_in_chunks(params, target, prompt_tokens, prompt_lengths, forced, k: int, extra_slots: int,
                      cache_dtype, run_chunk):
     """Logits [B, n, V]: the prompt's prediction, then `run_chunk(tokens [B, k], state)` over the forced
@@ -110,6 +136,22 @@ def tree_scorer(params, target, nodes: int, depth: int, branching: int, cache_dt
         return _score_in_chunks(params, target, prompt_tokens, prompt_lengths, forced, k, nodes, cache_dtype,
                                 lambda tokens, state: _tree_chunk(params, target, (nodes, depth, branching),
                                                                   tokens, state))
+
+    return score
+
+
+def two_level_scorer(params, target, nodes: int, depth: int, branching: int, first: str, keep: int,
+                     exit_layer=None, cache_dtype=None) -> Scorer:
+    """Scorer as `tree_scorer` through a two-level step: an `nodes`-node tree carrying the forced path,
+    scored by the first level, cut to `keep` nodes (the path kept) and verified. Needs keep >= depth + 1."""
+    if keep < depth + 1:
+        raise ValueError(f"{keep} kept nodes cannot hold a root path of depth {depth}")
+    k = depth + 1
+
+    def score(prompt_tokens, prompt_lengths, forced):
+        return _score_in_chunks(params, target, prompt_tokens, prompt_lengths, forced, k, nodes, cache_dtype,
+                                lambda tokens, state: _two_level_chunk(params, target, (nodes, depth, branching),
+                                                                       (first, keep, exit_layer), tokens, state))
 
     return score
 

@@ -3,7 +3,9 @@
 Design choices:
 - A `Plan` is a frozen, hashable dataclass. It names what verifies (`ar`: one token per target step;
   `chain`: a drafted block checked in one target forward; `tree`: a token tree of `tree.nodes` nodes
-  drafted from one block-drafter forward and checked in one target forward; `two_level` is reserved),
+  drafted from one block-drafter forward and checked in one target forward; `two_level`: such a tree cut
+  to `two_level.keep` nodes by a cheap first level, `drafter_confidence` or `early_exit` at
+  `two_level.exit_layer`, before the target checks the kept nodes),
   the weight format (`bf16`, `w12`), the kernel implementation per op with a frozen config of its block
   sizes and options (`Kernels`), the block size, the tree shape, and a reserved batching policy. The
   runner and the results read everything from the plan, never from its name, so a loop that rewrites a
@@ -31,8 +33,9 @@ from pallas_kernels import dispatch
 from pallas_kernels.dispatch import OpChoice
 from specpilot.sharding import MeshError, MeshShape
 
-VERIFY_KINDS = ("ar", "chain", "tree")
-RESERVED_VERIFY_KINDS = ("two_level",)
+VERIFY_KINDS = ("ar", "chain", "tree", "two_level")
+RESERVED_VERIFY_KINDS = ()
+TREE_KINDS = ("tree", "two_level")  # verification kinds that draft a tree (`tree:` shape)
 WEIGHT_FORMATS = ("bf16", "w12")
 BATCHING_POLICIES = ("static",)
 KERNEL_OPS = ("matmul", "gated_delta_rule")  # the fields of `Kernels`, each a `dispatch` op
@@ -72,13 +75,25 @@ class TreeShape:
 
 
 @dataclasses.dataclass(frozen=True)
+class TwoLevel:
+    """A two_level plan's first level (`decoding.two_level`): what scores the drafted tree's nodes
+    (`drafter_confidence` or `early_exit`), how many nodes the target verifies, and for `early_exit` how
+    many target layers score them."""
+
+    first: str
+    keep: int
+    exit_layer: int | None = None
+
+
+@dataclasses.dataclass(frozen=True)
 class Plan:
     name: str
     verify: str = "chain"
     weights: str = "bf16"
     block_size: int = 1  # tokens one verification checks (last token + drafts); 1 for `ar`
     kernels: Kernels = Kernels()
-    tree: TreeShape | None = None  # tree plans: the drafted tree's shape
+    tree: TreeShape | None = None  # tree and two_level plans: the drafted tree's shape
+    two_level: TwoLevel | None = None  # two_level plans: the first level
     batching: str = "static"  # reserved: requests decoded in lockstep, as today
     mesh: MeshShape = MeshShape()  # devices over batch rows (data) x heads and features (tensor)
 
@@ -94,10 +109,14 @@ class Plan:
             _fail(self.name, "block_size", f"an ar plan verifies one token per step, got {self.block_size}")
         if self.verify == "chain" and self.block_size < 2:
             _fail(self.name, "block_size", f"a chain verifies the last token and >= 1 draft, got {self.block_size}")
-        if self.verify == "tree":
+        if self.verify in TREE_KINDS:
             self._check_tree()
         elif self.tree is not None:
             _fail(self.name, "tree", f"tree shapes belong to tree verification (verify: tree), not {self.verify!r}")
+        if self.verify == "two_level":
+            self._check_two_level()
+        elif self.two_level is not None:
+            _fail(self.name, "two_level", f"a first level belongs to verify: two_level, not {self.verify!r}")
         if self.batching not in BATCHING_POLICIES:
             _fail(self.name, "batching", f"{self.batching!r} is not available; available: {BATCHING_POLICIES}")
         for op in KERNEL_OPS:
@@ -132,6 +151,18 @@ class Plan:
         if self.block_size != self.tree.width:
             _fail(self.name, "block_size", f"a tree plan's block size is its width max(nodes, depth + 1) = "
                   f"{self.tree.width}, got {self.block_size}")
+
+    def _check_two_level(self):
+        from specpilot.decoding.two_level import check_first_level
+
+        if not isinstance(self.two_level, TwoLevel):
+            _fail(self.name, "two_level", "a two_level plan needs two_level: {first, keep[, exit_layer]}")
+        t = self.two_level
+        try:
+            check_first_level(t.first, t.keep, t.exit_layer, self.tree.nodes, None)
+        except ValueError as e:
+            field = next((f for f in ("first", "keep", "exit_layer") if f"two_level.{f}" in str(e)), "first")
+            _fail(self.name, f"two_level.{field}", str(e))
 
     @property
     def uses_drafter(self) -> bool:
@@ -184,7 +215,7 @@ def build(name: str, fields: Mapping[str, Any], *, drafter_block_size: int | Non
         _fail(name, "weights", f"{weights!r} is not one of {WEIGHT_FORMATS}")
     block = fields.get("block_size")
     tree = _tree(name, fields.get("tree"))
-    if verify == "tree" and tree is not None:
+    if verify in TREE_KINDS and tree is not None:
         if block is not None and block != tree.width:
             _fail(name, "block_size", f"a tree plan's block size is its width max(nodes, depth + 1) = "
                   f"{tree.width}, got {block} (leave it unset)")
@@ -208,7 +239,8 @@ def build(name: str, fields: Mapping[str, Any], *, drafter_block_size: int | Non
     chosen = Kernels(matmul=_op_choice(name, kernels, "matmul", default_matmul.get(weights)),
                      gated_delta_rule=_op_choice(name, kernels, "gated_delta_rule", default_gated_delta_rule))
     return Plan(name=name, verify=verify, weights=weights, block_size=int(block), kernels=chosen,
-                tree=tree, batching=str(fields.get("batching", "static")), mesh=mesh)
+                tree=tree, two_level=_two_level(name, fields.get("two_level")),
+                batching=str(fields.get("batching", "static")), mesh=mesh)
 
 
 def _tree(name: str, fields) -> TreeShape | None:
@@ -224,6 +256,22 @@ def _tree(name: str, fields) -> TreeShape | None:
     if missing:
         _fail(name, f"tree.{missing[0]}", "missing (a tree plan gives nodes, depth and branching)")
     return TreeShape(**{k: fields[k] for k in ("nodes", "depth", "branching")})
+
+
+def _two_level(name: str, fields) -> TwoLevel | None:
+    """A plan's first level from its config mapping ({first, keep, exit_layer}; absent or null: none)."""
+    if fields is None:
+        return None
+    known = ("first", "keep", "exit_layer")
+    if not isinstance(fields, Mapping):
+        _fail(name, "two_level", f"expected a mapping with first, keep and exit_layer, got {fields!r}")
+    unknown = sorted(set(fields) - set(known))
+    if unknown:
+        _fail(name, "two_level", f"unknown key(s) {', '.join(map(repr, unknown))}; known: {', '.join(known)}")
+    for k in ("first", "keep"):
+        if fields.get(k) is None:
+            _fail(name, f"two_level.{k}", "missing (a two_level plan gives first and keep)")
+    return TwoLevel(str(fields["first"]), fields["keep"], fields.get("exit_layer"))
 
 
 def _mesh(name: str, fields) -> MeshShape:

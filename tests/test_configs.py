@@ -70,7 +70,7 @@ def test_every_option_composes(group):
     ("bench.cache_len=16", "bench.cache_len"),
     ("decoding.plans.stock.verify=warp", "decoding.plans.stock.verify: 'warp' is not one of"),
     ("decoding.plans.stock.verify=tree", "decoding.plans.stock.tree: a tree plan needs tree"),
-    ("decoding.plans.stock.verify=two_level", "decoding.plans.stock.verify: 'two_level' verification is not"),
+    ("decoding.plans.stock.verify=two_level", "decoding.plans.stock.tree: a tree plan needs tree"),
     ("decoding=tree decoding.plans.tree_n16.tree.nodes=1", "decoding.plans.tree_n16.tree.nodes: a tree verifies"),
     ("decoding=tree decoding.plans.tree_n16.tree.nodes=40 decoding.plans.tree_n16.tree.depth=4",
      "decoding.plans.tree_n16.tree.nodes: 40 exceeds the 31 nodes"),
@@ -187,8 +187,8 @@ def test_reserved_plan_fields_fail_naming_the_field():
     tree = plan_mod.build("t", {"verify": "tree", "tree": {"nodes": 8, "depth": 3, "branching": 2}}, **kw)
     assert (tree.block_size, tree.tree) == (8, plan_mod.TreeShape(8, 3, 2))
     assert plan_mod.build("t", {"verify": "tree", "tree": {"nodes": 3, "depth": 3, "branching": 1}}, **kw).block_size == 4
-    with pytest.raises(plan_mod.PlanError, match="decoding.plans.t.verify: 'two_level' verification is not"):
-        plan_mod.build("t", {"verify": "two_level"}, **kw)
+    with pytest.raises(plan_mod.PlanError, match="decoding.plans.t.two_level: a two_level plan needs"):
+        plan_mod.build("t", {"verify": "two_level", "tree": {"nodes": 8, "depth": 3, "branching": 2}}, **kw)
     with pytest.raises(plan_mod.PlanError, match="decoding.plans.t.block_size: a chain plan needs a drafter"):
         plan_mod.build("t", {"verify": "chain"}, drafter_block_size=None, default_matmul=kw["default_matmul"])
     p = plan_mod.build("t", {"verify": "chain", "weights": "w12"}, **kw)

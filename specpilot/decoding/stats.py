@@ -43,6 +43,7 @@ class SpecStats:
     verify_s: float | None = None
     bookkeeping_s: float | None = None
     accepted: np.ndarray | None = None  # [B] accepted drafts + 1 summed over steps, untruncated
+    accepted_per_step: np.ndarray | None = None  # [steps, B] accepted drafts (-1: no step), if recorded
 
     @property
     def num_steps(self) -> int:

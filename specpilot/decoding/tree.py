@@ -72,6 +72,10 @@ class TreeSetup:
 
     uses_drafter = True
 
+    def step(self, target_params, draft_params, state: spec.SpecState) -> spec.SpecState:
+        """One draft-verify-accept step (`decoding.two_level` overrides it with a first level)."""
+        return tree_step(self, target_params, draft_params, state)
+
 
 def _active(setup: TreeSetup, state: spec.SpecState) -> jax.Array:
     fits = state.target_state.lengths + setup.width <= state.target_state.max_len
@@ -142,10 +146,12 @@ def tree_step(setup: TreeSetup, target_params, draft_params, state: spec.SpecSta
 
 def decode_while(setup: TreeSetup, target_params, draft_params, state: spec.SpecState) -> spec.SpecState:
     return jax.lax.while_loop(lambda s: ~all_done(setup, s),
-                              lambda s: tree_step(setup, target_params, draft_params, s), state)
+                              lambda s: setup.step(target_params, draft_params, s), state)
 
 
 _while_jit = jax.jit(decode_while, static_argnums=0, donate_argnames=("state",))
+_step_jit = jax.jit(lambda setup, tp, dp, state: setup.step(tp, dp, state), static_argnums=0)
+_done_jit = jax.jit(all_done, static_argnums=0)
 
 
 def generate(target, target_params, drafter, draft_params, prompts: Sequence[Sequence[int]],
@@ -155,12 +161,29 @@ def generate(target, target_params, drafter, draft_params, prompts: Sequence[Seq
              stop_token: int | None = None) -> spec.SpecResult:
     """Tree-speculatively generate up to `max_new_tokens` tokens after each prompt (as `spec.generate`:
     tokens past `num_generated[b]` are -1; `stats` gives tau and steps, block_size = depth + 1)."""
-    b = len(prompts)
+    check_depth(drafter, depth)
+    setup = TreeSetup(target, drafter, nodes, depth, branching, max_new_tokens,
+                      check_stop_token(stop_token, target.vocab_size))
+    return run(setup, target_params, draft_params, prompts, sampling=sampling, key=key, cache_len=cache_len,
+               cache_dtype=cache_dtype, budgets=budgets, temperature=temperature, top_p=top_p)
+
+
+def check_depth(drafter, depth: int) -> None:
     if depth + 1 > drafter.block_size:
         raise ValueError(f"tree depth {depth} needs a drafter block of {depth + 1}; the drafter's is "
                          f"{drafter.block_size}")
-    stop_token = check_stop_token(stop_token, target.vocab_size)
-    setup = TreeSetup(target, drafter, nodes, depth, branching, max_new_tokens, stop_token)
+
+
+def run(setup: TreeSetup, target_params, draft_params, prompts: Sequence[Sequence[int]], *,
+        sampling: SamplingConfig = GREEDY, key: jax.Array | None = None, cache_len: int | None = None,
+        cache_dtype=None, budgets=None, temperature=None, top_p=None,
+        record_steps: bool = False) -> spec.SpecResult:
+    """Prefill, then `setup.step` in one compiled while loop (`generate`; `decoding.two_level` too).
+    record_steps: run the steps one call each from the host instead and keep every step's accepted
+    drafts per row (`stats.accepted_per_step`, -1 where a row did not step): an acceptance trace."""
+    target, drafter, nodes = setup.target, setup.drafter, setup.nodes
+    max_new_tokens, stop_token = setup.max_new_tokens, setup.stop_token
+    b = len(prompts)
     limit = getattr(target, "max_block_size", None)
     if limit is not None and setup.width > limit:
         raise ValueError(f"a tree of {nodes} nodes exceeds the target's max_block_size {limit} (the per-node "
@@ -198,7 +221,17 @@ def generate(target, target_params, drafter, draft_params, prompts: Sequence[Seq
     state = initial(*prefill(target_params, draft_params, *args, *states, key, requests), budget, requests)
     state.last.block_until_ready()
     t1 = time.perf_counter()
-    state = run(target_params, draft_params, state)
+    per_step = None
+    if record_steps:
+        per_step = []
+        while not bool(_done_jit(setup, state)):
+            accepted, steps = state.accepted, state.steps
+            state = _step_jit(setup, target_params, draft_params, state)
+            stepped = host_array(state.steps - steps) > 0
+            per_step.append(np.where(stepped, host_array(state.accepted - accepted) - 1, -1))
+        per_step = np.asarray(per_step, np.int32).reshape(-1, b)
+    else:
+        state = run(target_params, draft_params, state)
     out, n_out = host_array(state.out), host_array(state.n_out)
     t2 = time.perf_counter()
 
@@ -208,6 +241,6 @@ def generate(target, target_params, drafter, draft_params, prompts: Sequence[Seq
                       emitted=host_array(state.emitted), accept_hist=host_array(state.accept_hist),
                       prefill_s=t1 - t0, decode_s=t2 - t1,
                       new_tokens=int(budgets.max() if stop_token is None else n_out.max()),
-                      accepted=host_array(state.accepted))
+                      accepted=host_array(state.accepted), accepted_per_step=per_step)
     return spec.SpecResult(tokens=generated, prompt_lengths=lengths, prefill_s=t1 - t0, decode_s=t2 - t1,
                            budgets=budgets, num_generated=n_out, stop_token=stop_token, stats=stats)

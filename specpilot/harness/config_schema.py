@@ -110,6 +110,13 @@ class TreeConf:
 
 
 @dataclasses.dataclass
+class TwoLevelConf:
+    first: str = "drafter_confidence"  # drafter_confidence | early_exit
+    keep: int = 0  # nodes the target verifies (root included)
+    exit_layer: Optional[int] = None  # early_exit: target layers that score the drafted tree
+
+
+@dataclasses.dataclass
 class MeshConf:
     """A plan's devices (`specpilot.sharding.MeshShape`): batch rows over data, heads over tensor."""
 
@@ -121,11 +128,12 @@ class MeshConf:
 class PlanConf:
     """One decoding plan (`specpilot.plan.Plan`); unset fields take the deployment's defaults."""
 
-    verify: str = "chain"  # ar | chain | tree (two_level: reserved)
+    verify: str = "chain"  # ar | chain | tree | two_level
     weights: str = "bf16"  # bf16 | w12
     block_size: Optional[int] = None  # chain: the drafter's block size when null; tree: its width
     kernels: KernelsConf = dataclasses.field(default_factory=KernelsConf)
-    tree: Optional[TreeConf] = None  # tree plans: nodes (root included), depth, branching
+    tree: Optional[TreeConf] = None  # tree and two_level plans: nodes (root included), depth, branching
+    two_level: Optional[TwoLevelConf] = None  # two_level plans: the first level
     batching: str = "static"  # reserved for the batching engine
     mesh: Optional[MeshConf] = None  # null: one device
 
@@ -278,7 +286,7 @@ def validate(cfg: DictConfig) -> None:
         if plan.kernels.matmul.implementation[0] == "mosaic" and t.dtype != "bfloat16":
             _fail("target.dtype", f"plan {plan.name!r}: the Mosaic GPU kernel multiplies bfloat16 weights; "
                   "set target.dtype=bfloat16")
-        if plan.verify == "tree" and d.source != "none":
+        if plan.verify in plan_mod.TREE_KINDS and d.source != "none":
             if plan.tree.depth + 1 > d.block_size:
                 _fail(f"{key}.tree.depth", f"a depth-{plan.tree.depth} tree needs a drafter block of "
                       f"{plan.tree.depth + 1}; drafter.block_size is {d.block_size}")

@@ -1,7 +1,8 @@
 """Running a plan on a deployment: one runner per verification kind, and its token-forcing scorer.
 
 Design choices:
-- What runs is decided by the plan's fields alone: `plan.verify` picks the runner (`ar`, `chain`, `tree`),
+- What runs is decided by the plan's fields alone: `plan.verify` picks the runner (`ar`, `chain`, `tree`,
+  `two_level`),
   `plan.weights` and `plan.kernels` the weights and kernels it runs with (the deployment prepares and
   caches them per plan), `plan.block_size` the verification width. No runner reads the config or a
   plan's name.
@@ -11,7 +12,8 @@ Design choices:
   verification width as the chunk size (1 for AR, the block for a chain). A tree plan's scorer runs a
   tree forward at the plan's shape whose first root path carries the forced tokens (`forcing.tree_scorer`:
   the tree mask, depth positions, per-node recurrent states and the path commit all take part), checked
-  against the AR plan's scorer (chunk 1) like every plan.
+  against the AR plan's scorer (chunk 1) like every plan. A two_level plan's (`forcing.two_level_scorer`)
+  runs its first level over that tree and verifies the kept nodes, the forced path among them.
 - With the deployment's stop token (bench.stop_at_eos) both generate calls stop each row after it;
   tokens past a row's end read -1 (forcing checks each row up to there), and the decode tokens of a
   batch are its longest row's after the first (`GenerationResult.decode_steps`).
@@ -140,7 +142,30 @@ def run_tree(dep, plan: Plan) -> MethodRun:
     return _run_speculative(dep, plan, generate)
 
 
-RUNNERS: dict[str, Callable] = {"ar": run_ar, "chain": run_chain, "tree": run_tree}
+def run_two_level(dep, plan: Plan) -> MethodRun:
+    """Block drafter + two-level tree verification (`decoding.two_level`): the plan's tree cut to
+    `two_level.keep` nodes by its first level, then verified; stats add the nodes each step verifies
+    (and, for early exit, the nodes the first level's layers see)."""
+    from specpilot.decoding import two_level
+
+    shape, level = plan.tree, plan.two_level
+
+    def generate(target, params, drafter, draft_params, batch):
+        return two_level.generate(target, params, drafter, draft_params, batch, dep.new_tokens,
+                                  nodes=shape.nodes, depth=shape.depth, branching=shape.branching,
+                                  first=level.first, keep=level.keep, exit_layer=level.exit_layer,
+                                  sampling=dep.sampling, key=dep.key, cache_len=dep.cache_len,
+                                  stop_token=dep.stop_token)
+
+    run = _run_speculative(dep, plan, generate)
+    run.stats["nodes_verified"] = level.keep
+    if level.first == "early_exit":
+        run.stats["first_level"] = {"nodes": shape.nodes, "layers": level.exit_layer,
+                                    "target_layers": dep.cfg.num_layers}
+    return run
+
+
+RUNNERS: dict[str, Callable] = {"ar": run_ar, "chain": run_chain, "tree": run_tree, "two_level": run_two_level}
 
 
 def run_plan(dep, plan: Plan) -> MethodRun:
@@ -152,9 +177,13 @@ def run_plan(dep, plan: Plan) -> MethodRun:
 def scorer(dep, plan: Plan):
     """The forcing scorer reproducing `plan`'s target numerics (weights, kernels, verification width; for a
     tree plan a tree forward at its shape, `forcing.tree_scorer`)."""
-    from specpilot.forcing import chunked_scorer, tree_scorer
+    from specpilot.forcing import chunked_scorer, tree_scorer, two_level_scorer
 
     params, target = dep.params_for(plan), dep.target_for(plan)
+    if plan.verify == "two_level":
+        t, lv = plan.tree, plan.two_level
+        depth = min(t.depth, lv.keep - 1)
+        return two_level_scorer(params, target, t.nodes, depth, t.branching, lv.first, lv.keep, lv.exit_layer)
     if plan.verify == "tree":
         t = plan.tree
         return tree_scorer(params, target, t.nodes, min(t.depth, t.nodes - 1), t.branching)  # N-node forwards

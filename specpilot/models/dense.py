@@ -222,31 +222,34 @@ def init_state(cfg: ModelConfig, batch_size: int, max_len: int, dtype=None) -> T
 
 
 def hidden_forward(params: Params, cfg: ModelConfig, x: jax.Array, positions: jax.Array,
-                   state: TargetState, mask: jax.Array):
+                   state: TargetState, mask: jax.Array, exit_layer: int | None = None):
     """Decoder stack over input embeddings x [B, T, H] at rotary positions [B, T], K/V written at
-    slots state.lengths[b] + i, attention over the slots mask [B, T, S] allows.
+    slots state.lengths[b] + i, attention over the slots mask [B, T, S] allows. exit_layer: run only
+    the first that many layers (an early exit; the later layers' state is returned unchanged).
 
     Returns (final-normed hidden [B, T, H], taps [B, T, n_taps*H], state with K/V written, uncommitted).
     """
     b, t, _ = x.shape
     cos, sin = rope_tables(positions, cfg.inv_freq())
     layers, taps = [], []
-    for i, p in enumerate(params["layers"]):
+    for i, p in enumerate(params["layers"][:exit_layer]):
         x, kv = decoder_layer(p, cfg, x, cos, sin, state.layers[i], state.lengths, mask)
         layers.append(kv)
         if i in cfg.tap_layers:
             taps.append(x)
     taps_arr = jnp.concatenate(taps, axis=-1) if taps else jnp.zeros((b, t, 0), x.dtype)
     x = rms_norm(x, params["final_norm"], cfg.rms_norm_eps)
-    return x, taps_arr, TargetState(layers=tuple(layers), lengths=state.lengths)
+    layers = tuple(layers) + tuple(state.layers[len(layers):])
+    return x, taps_arr, TargetState(layers=layers, lengths=state.lengths)
 
 
 def forward(params: Params, cfg: ModelConfig, tokens: jax.Array, positions: jax.Array,
-            state: TargetState, mask: jax.Array):
+            state: TargetState, mask: jax.Array, exit_layer: int | None = None):
     """tokens [B, T], positions [B, T] int32, mask [B, T, S] bool (True: query t sees slot s)
     -> (logits [B, T, V] float32, taps [B, T, n_taps*H], state with K/V written at slots
-    lengths[b] .. lengths[b]+T-1). Nothing is committed (see `TargetState.commit`)."""
-    x, taps, state = hidden_forward(params, cfg, embed(params, tokens), positions, state, mask)
+    lengths[b] .. lengths[b]+T-1). Nothing is committed (see `TargetState.commit`). exit_layer: the
+    final norm and head read the output of that many layers (`hidden_forward`)."""
+    x, taps, state = hidden_forward(params, cfg, embed(params, tokens), positions, state, mask, exit_layer)
     return lm_head(params, cfg, x), taps, state
 
 
@@ -293,12 +296,13 @@ class Target:
         return dataclasses.replace(self, mesh=mesh)
 
     def forward(self, params: Params, tokens: jax.Array, positions: jax.Array, state: TargetState,
-                mask: jax.Array, parents: jax.Array | None = None):
+                mask: jax.Array, parents: jax.Array | None = None, exit_layer: int | None = None):
         """`forward` with the state's mesh constraints. parents [B, T] (a tree's, `decoding.tree`):
-        attention layers read the tree from the mask alone, so a dense target ignores them."""
+        attention layers read the tree from the mask alone, so a dense target ignores them.
+        exit_layer: logits from the first that many layers (an early exit, `decoding.two_level`)."""
         del parents
         with sharding.active(self.mesh):
-            logits, taps, state = forward(params, self.cfg, tokens, positions, state, mask)
+            logits, taps, state = forward(params, self.cfg, tokens, positions, state, mask, exit_layer)
         return logits, taps, sharding.constrain_state(state, self.mesh)
 
 

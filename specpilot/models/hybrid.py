@@ -173,22 +173,25 @@ def init_state(cfg: HybridConfig, batch_size: int, max_len: int, dtype=None,
 
 
 def forward(params: Params, cfg: HybridConfig, tokens: jax.Array, positions: jax.Array,
-            state: TargetState, mask: jax.Array, parents: jax.Array | None = None):
+            state: TargetState, mask: jax.Array, parents: jax.Array | None = None,
+            exit_layer: int | None = None):
     """tokens [B, T], positions [B, T] int32, mask [B, T, S] bool, parents [B, T] for a tree's nodes
     (None: a chain or prompt) -> (logits [B, T, V] float32, taps [B, T, n_taps*H], state with K/V and
-    recurrent snapshots written). Nothing is committed."""
+    recurrent snapshots written). Nothing is committed. exit_layer: logits from the first that many
+    layers (an early exit; the later layers' state is returned unchanged)."""
     b, t = tokens.shape
     x = dense.embed(params, tokens)
     cos, sin = rope_tables(positions, cfg.inv_freq())  # [B, T, rotary_dim]
     layers, taps = [], []
-    for i, p in enumerate(params["layers"]):
+    for i, p in enumerate(params["layers"][:exit_layer]):
         x, layer_state = decoder_layer(p, cfg, i, x, cos, sin, state.layers[i], state.lengths, mask, parents)
         layers.append(layer_state)
         if i in cfg.tap_layers:
             taps.append(x)
     taps_arr = jnp.concatenate(taps, axis=-1) if taps else jnp.zeros((b, t, 0), x.dtype)
     x = rms_norm(x, params["final_norm"], cfg.rms_norm_eps)
-    return dense.lm_head(params, cfg, x), taps_arr, TargetState(tuple(layers), state.lengths)
+    layers = tuple(layers) + tuple(state.layers[len(layers):])
+    return dense.lm_head(params, cfg, x), taps_arr, TargetState(layers, state.lengths)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -224,9 +227,9 @@ class Target(dense.Target):
         return mesh_sharding.constrain_state(state, self.mesh)
 
     def forward(self, params: Params, tokens: jax.Array, positions: jax.Array, state: TargetState,
-                mask: jax.Array, parents: jax.Array | None = None):
+                mask: jax.Array, parents: jax.Array | None = None, exit_layer: int | None = None):
         with mesh_sharding.active(self.mesh):
-            logits, taps, state = forward(params, self.cfg, tokens, positions, state, mask, parents)
+            logits, taps, state = forward(params, self.cfg, tokens, positions, state, mask, parents, exit_layer)
         return logits, taps, mesh_sharding.constrain_state(state, self.mesh)
 
 
