@@ -158,14 +158,16 @@ def generate(target, target_params, drafter, draft_params, prompts: Sequence[Seq
              max_new_tokens: int, *, nodes: int, depth: int, branching: int,
              sampling: SamplingConfig = GREEDY, key: jax.Array | None = None, cache_len: int | None = None,
              cache_dtype=None, budgets=None, temperature=None, top_p=None,
-             stop_token: int | None = None) -> spec.SpecResult:
+             stop_token: int | None = None, record_steps: bool = False) -> spec.SpecResult:
     """Tree-speculatively generate up to `max_new_tokens` tokens after each prompt (as `spec.generate`:
-    tokens past `num_generated[b]` are -1; `stats` gives tau and steps, block_size = depth + 1)."""
+    tokens past `num_generated[b]` are -1; `stats` gives tau and steps, block_size = depth + 1;
+    record_steps: `run`'s)."""
     check_depth(drafter, depth)
     setup = TreeSetup(target, drafter, nodes, depth, branching, max_new_tokens,
                       check_stop_token(stop_token, target.vocab_size))
     return run(setup, target_params, draft_params, prompts, sampling=sampling, key=key, cache_len=cache_len,
-               cache_dtype=cache_dtype, budgets=budgets, temperature=temperature, top_p=top_p)
+               cache_dtype=cache_dtype, budgets=budgets, temperature=temperature, top_p=top_p,
+               record_steps=record_steps)
 
 
 def check_depth(drafter, depth: int) -> None:

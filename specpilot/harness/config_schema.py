@@ -28,7 +28,7 @@ from specpilot.data import prompt_sets
 from specpilot.plan import Plan
 
 TARGET_SOURCES = ("random", "hf", "embedded", "gguf", "smollm2")
-DRAFTER_SOURCES = ("none", "random", "dflash", "packaged", "embedded", "oracle")
+DRAFTER_SOURCES = ("none", "random", "dflash", "packaged", "embedded", "oracle", "oracle_trace")
 # random token ids | heldout (embedded corpus) | text sets tokenized with the target's own tokenizer:
 # chat (held-out stdlib requests) | humaneval (plain completion) | humaneval_chat (specpilot.data.prompt_sets)
 PROMPT_SETS = ("random", "heldout", "chat", "humaneval", "humaneval_chat")
@@ -66,6 +66,8 @@ class DrafterConf:
     acceptance: Optional[List[float]] = None
     tau: Optional[float] = None
     acceptance_trace: Optional[str] = None
+    # oracle_trace: a per-step accepted-drafts file (experiments/record_trace.py), one trace per plan name
+    step_trace: Optional[str] = None
 
 
 @dataclasses.dataclass
@@ -269,7 +271,12 @@ def validate(cfg: DictConfig) -> None:
             _fail("drafter.acceptance_trace", f"no results.jsonl at {trace}")
     if d.source == "oracle" and d.tau is not None and not d.acceptance_trace and not 1 <= d.tau <= d.block_size:
         _fail("drafter.tau", f"{d.tau} is impossible with block size {d.block_size}")
-    if d.source == "oracle" and dec.temperature != 0:
+    if d.source == "oracle_trace":
+        from specpilot.models.oracle_trace import trace_path
+
+        if not d.step_trace or not trace_path(d.step_trace).is_file():
+            _fail("drafter.step_trace", f"an oracle_trace drafter needs a step trace file, got {d.step_trace!r}")
+    if d.source in ("oracle", "oracle_trace") and dec.temperature != 0:
         _fail("drafter.source", "oracle acceptance replays greedy continuations; use temperature 0")
     plans = build_plans(cfg)
     for plan in plans:
@@ -277,6 +284,12 @@ def validate(cfg: DictConfig) -> None:
         for op in plan_mod.KERNEL_OPS:
             _check_implementations(f"{key}.kernels.{op}.implementation", getattr(plan.kernels, op).implementation,
                                    op=op)
+        if plan.uses_drafter and d.source == "oracle_trace":
+            from specpilot.models.oracle_trace import load_traces, trace_method
+
+            if trace_method(plan.name) not in load_traces(d.step_trace):
+                _fail("drafter.step_trace", f"plan {plan.name!r} has no trace in {d.step_trace} (traces are "
+                      f"per plan name: {', '.join(sorted(load_traces(d.step_trace)))})")
         if plan.uses_drafter and d.source == "none":
             _fail("drafter", f"plan {plan.name!r} ({plan.verify} verification) needs a drafter; choose one, "
                   "e.g. drafter=embedded")

@@ -129,6 +129,8 @@ class Deployment:
             raise ValueError(f"plan {plan.name!r} needs a drafter; the deployment has none")
         drafter, params = self.drafter
         drafter = drafter.with_matmul(plan.kernels.matmul)
+        if hasattr(drafter, "for_plan"):  # an oracle trace drafter replays the plan's own trace
+            drafter = drafter.for_plan(plan)
         if not plan.mesh.is_single:
             return drafter.with_mesh(self.mesh_for(plan)), self._sharded("drafter", params, plan, unfuse=False)
         return drafter, self._prepare("drafter", params, plan, extra=("fc",))
@@ -231,6 +233,17 @@ def build_drafter(dconf: DictConfig, target_cfg: ModelConfig, target_params, see
         note = (f"oracle acceptance ({source} with expected tau {expected_tau(profile):.2f}; real "
                 f"drafter forward at its shape, drafts replay the target's greedy continuation)")
         return OracleDrafter(inner, tuple(float(c) for c in profile)), params, target_cfg, [note]
+    if dconf.source == "oracle_trace":
+        from specpilot.models.oracle_trace import OracleTraceDrafter, load_traces
+
+        inner, params, target_cfg, _ = build_drafter(
+            OmegaConf.merge(dconf, {"source": "random"}), target_cfg, target_params, seed)
+        methods = load_traces(dconf.step_trace)
+        taus = ", ".join(f"{k} {np.mean(m['accepted']) + 1:.2f}" for k, m in methods.items())
+        note = (f"oracle acceptance (step trace {dconf.step_trace}, tau by plan: {taus}; real drafter "
+                f"forward, tree builder and verifier at their shape, the target's greedy continuation placed "
+                f"in the draft to each step's recorded depth)")
+        return OracleTraceDrafter.from_traces(inner, methods, str(dconf.step_trace)), params, target_cfg, [note]
     if dconf.source == "random":
         dcfg = dr.DrafterConfig.for_target(target_cfg, num_layers=int(dconf.num_layers),
                                            block_size=int(dconf.block_size),

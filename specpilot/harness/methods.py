@@ -64,14 +64,15 @@ def _draft_params(dep, drafter, base, batch_index: int, batch):
     """The drafter's params for one batch: an oracle drafter replays the AR baseline's tokens."""
     from specpilot.models.drafter import replay_reference
     from specpilot.models.oracle import OracleDrafter
+    from specpilot.models.oracle_trace import OracleTraceDrafter
 
-    if not isinstance(drafter, OracleDrafter):
+    if not isinstance(drafter, (OracleDrafter, OracleTraceDrafter)):
         return base
     if dep.reference_tokens is None:
         raise RuntimeError("an oracle drafter needs the AR baseline's tokens; run AR first")
     n = len(batch)
     continuation = dep.reference_tokens[batch_index * dep.batch_size:batch_index * dep.batch_size + n]
-    return OracleDrafter.make_params(base, replay_reference(batch, continuation), seed=batch_index)
+    return type(drafter).make_params(base, replay_reference(batch, continuation), seed=batch_index)
 
 
 def _run_speculative(dep, plan: Plan, generate) -> MethodRun:
@@ -98,6 +99,8 @@ def _run_speculative(dep, plan: Plan, generate) -> MethodRun:
     # counts what the budget cut off in a sequence's last step (accepted drafts + 1, every step)
     stats = {"tau": emitted / max(1, steps), "acceptance_length_upstream": accepted / max(1, steps), "steps": steps,
              "acceptance_per_position": [float(a) for a in at_least[1:]]}
+    if hasattr(drafter, "trace_tau"):
+        stats["trace_tau"] = drafter.trace_tau  # oracle acceptance: the tau its recorded trace gives
     return MethodRun(tokens, prefill_s, decode_s, decode_tokens, stats)
 
 

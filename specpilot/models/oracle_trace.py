@@ -1,0 +1,162 @@
+"""Oracle acceptance from a recorded per-step trace, for chain and tree verification at real shapes.
+
+A trained pair's tree run (`experiments/record_trace.py`) records how many drafts every verification step
+accepted. At a shape whose trained weights cannot be had here, this drafter replays that trace against the
+target's own greedy continuation, while the real drafter forward, tree builder and verifier run at the
+real shape, so step times are real and tau is the trained pair's (DESIGN.md, "oracle acceptance").
+
+Design choices:
+- Wraps any drafter with the loop's interface; the wrapped drafter's real logits are the draft: at a step
+  whose trace entry is a, the reference continuation's tokens are raised to the top of draft positions
+  1..a (their log-probability ~0, so the builder's best path holds them, for a chain its argmax), the
+  reference token at position a + 1 is pushed to the bottom (no candidate holds it), and every other
+  candidate is the real drafter's. The target's argmax follows the reference, so exactly a drafts are
+  accepted (a tree's other nodes differ from the path at some depth, or sit past a + 1): tau is
+  mean(trace) + 1, the bonus token included, whenever the steps use whole passes over the trace.
+- The trace is a plan's: a run file holds one per recorded method (`load_traces`), and `for_plan` picks the
+  plan's by name (a plan `oracle_<method>` replays `<method>`, so the label is in the method's name),
+  checking that its shape can hold the longest accepted path.
+- Each row walks the trace from its own start (spread over the trace by row and batch) with a step count
+  kept in the drafter state; no randomness.
+- Greedy decoding only; results produced with it are labelled "oracle acceptance" by the deployment.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from pathlib import Path
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+STRIDE = 7919  # spreads the rows' start points over the trace
+
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def trace_path(path) -> Path:
+    """A step trace's file: a relative path is read from the working directory, else the repository."""
+    p = Path(path).expanduser()
+    return p if p.is_absolute() or p.is_file() else ROOT / p
+
+
+def load_traces(path) -> dict:
+    """A trace file's methods: name -> {"verify", "shape", "accepted": [per-step accepted drafts]}."""
+    p = trace_path(path)
+    if not p.is_file():
+        raise FileNotFoundError(f"no step trace at {p} (write one with experiments/record_trace.py)")
+    data = json.loads(p.read_text())
+    methods = data.get("methods") if isinstance(data, dict) else None
+    if not isinstance(methods, dict) or not methods:
+        raise ValueError(f"{p}: a step trace holds {{'methods': {{name: {{'accepted': [...]}}}}}}")
+    for name, m in methods.items():
+        acc = m.get("accepted") if isinstance(m, dict) else None
+        if not acc or not all(isinstance(a, int) and a >= 0 for a in acc):
+            raise ValueError(f"{p}: method {name!r} needs a non-empty list of accepted drafts (integers >= 0)")
+    return methods
+
+
+def trace_method(plan_name: str) -> str:
+    """The recorded method a plan replays: its own name, less an `oracle_` prefix (which labels it)."""
+    return plan_name[len("oracle_"):] if plan_name.startswith("oracle_") else plan_name
+
+
+def trace_tau(accepted) -> float:
+    """Tokens per step a trace gives: its mean accepted drafts plus the bonus token."""
+    return float(np.mean(accepted)) + 1.0
+
+
+@dataclasses.dataclass(frozen=True)
+class OracleTraceDrafter:
+    inner: Any  # the real drafter whose forward is timed and whose candidates fill the tree
+    traces: tuple[tuple[str, tuple[int, ...]], ...]  # (method name, per-step accepted drafts)
+    trace: tuple[int, ...] = ()  # the active plan's (`for_plan`)
+    source: str = ""
+    confidence: float = 30.0
+
+    @classmethod
+    def from_traces(cls, inner, methods: dict, source: str = "") -> "OracleTraceDrafter":
+        return cls(inner, tuple((k, tuple(int(a) for a in m["accepted"])) for k, m in methods.items()),
+                   source=source)
+
+    @property
+    def block_size(self) -> int:
+        return self.inner.block_size
+
+    @property
+    def vocab_size(self) -> int:
+        return self.inner.cfg.vocab_size
+
+    @property
+    def trace_tau(self) -> float:
+        return trace_tau(self.trace)
+
+    def with_trace(self, accepted) -> "OracleTraceDrafter":
+        return dataclasses.replace(self, trace=tuple(int(a) for a in accepted))
+
+    def for_plan(self, plan) -> "OracleTraceDrafter":
+        """This drafter replaying `plan`'s recorded trace (by name), checked against the plan's shape."""
+        traces = dict(self.traces)
+        name = trace_method(plan.name)
+        if name not in traces:
+            raise ValueError(f"plan {plan.name!r}: the step trace {self.source} has no method {name!r}; "
+                             f"it has {sorted(traces)}")
+        trace = traces[name]
+        longest = max(trace)
+        if plan.tree is not None:
+            room = min(plan.tree.depth, plan.tree.nodes - 1)
+            if plan.two_level is not None:
+                room = min(room, plan.two_level.keep - 1)
+        else:
+            room = plan.block_size - 1
+        if longest > room:
+            raise ValueError(f"plan {plan.name!r}: its trace accepts {longest} drafts in a step; the plan's "
+                             f"shape holds paths of at most {room}")
+        return self.with_trace(trace)
+
+    def with_matmul(self, choice) -> "OracleTraceDrafter":
+        return dataclasses.replace(self, inner=self.inner.with_matmul(choice))
+
+    def with_mesh(self, mesh) -> "OracleTraceDrafter":
+        return dataclasses.replace(self, inner=self.inner.with_mesh(mesh))
+
+    @staticmethod
+    def make_params(inner_params, reference: np.ndarray, seed: int = 0) -> dict:
+        """reference [B, R]: each row's prompt then the target's greedy continuation, by position;
+        seed: the batch's index (its rows start elsewhere in the trace)."""
+        b = reference.shape[0]
+        return {"inner": inner_params, "reference": jnp.asarray(reference, jnp.int32),
+                "start": jnp.asarray((np.arange(b) + seed * b) * STRIDE, jnp.int32)}
+
+    def init_state(self, params, batch_size: int, max_len: int, dtype=None):
+        return {"inner": self.inner.init_state(params["inner"], batch_size, max_len, dtype),
+                "extends": jnp.zeros((batch_size,), jnp.int32)}
+
+    def extend(self, params, target_params, state, taps, n_new):
+        inner = self.inner.extend(params["inner"], target_params, state["inner"], taps, n_new)
+        return {"inner": inner, "extends": state["extends"] + (n_new > 0).astype(jnp.int32)}
+
+    def propose(self, params, target_params, state, last_tokens, block_size: int):
+        if not self.trace:
+            raise ValueError("an oracle trace drafter needs a trace: for_plan(plan) or with_trace(...)")
+        real, inner = self.inner.propose(params["inner"], target_params, state["inner"], last_tokens, block_size)
+        real = jnp.nan_to_num(real.astype(jnp.float32), nan=0.0, posinf=0.0, neginf=0.0)  # [B, P, V]
+        trace = jnp.asarray(self.trace, jnp.int32)
+        step = jnp.maximum(state["extends"] - 1, 0)  # the prompt's extend comes first
+        a = trace[(params["start"] + step) % trace.shape[0]]  # [B] drafts this step accepts
+        ref = params["reference"]
+        length = inner.lengths  # [B] committed; draft position k sits at length + k
+        p = real.shape[1]
+        pos = length[:, None] + 1 + jnp.arange(p, dtype=jnp.int32)[None, :]
+        right = jnp.take_along_axis(ref, jnp.minimum(pos, ref.shape[1] - 1), axis=1)  # [B, P]
+        is_right = jax.nn.one_hot(right, real.shape[-1], dtype=bool)
+        k = jnp.arange(p, dtype=jnp.int32)[None, :]
+        top = real.max(axis=-1, keepdims=True) + self.confidence
+        bottom = real.min(axis=-1, keepdims=True) - self.confidence
+        logits = jnp.where(is_right & (k < a[:, None])[..., None], top,
+                           jnp.where(is_right & (k == a[:, None])[..., None], bottom, real))
+        return logits, {"inner": inner, "extends": state["extends"]}
