@@ -20,6 +20,9 @@ Design choices:
   output slack and the acceptance histogram take it); `width` = max(nodes, depth + 1) is what a step
   writes past the committed length, which capacity checks use. A chain of block Bs is the tree with
   nodes = Bs, depth = Bs - 1, branching = 1, at the same verification width.
+- The loop calls `setup.step`, so a setup subclass changes the step and keeps prefill, loop, checks and
+  statistics (`decoding.two_level`); `run(setup, ...)` is that shared driver. `record_steps` runs the
+  steps one call each and keeps every step's accepted drafts (an acceptance trace, `models.oracle_trace`).
 """
 
 from __future__ import annotations

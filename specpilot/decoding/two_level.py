@@ -12,7 +12,8 @@ Design choices:
   mask, depth positions, per-node recurrent states on a hybrid target, the parents passed as in
   verification), applies the final norm and head to that hidden state and scores a node by the
   early-exit path log-probability sum_j log p_exit(token_j | parent_j). The early forward's state is
-  dropped: the full forward rewrites the same slots.
+  dropped: the full forward rewrites the same slots (the first L layers' K/V writes may cost XLA a copy of
+  those caches; the kept nodes' first-L-layer work is not reused by the full forward).
 - Static shapes: `select_subtree` keeps exactly `keep` nodes. Path scores never rise down a path
   (each term is clamped to <= 0, and any score is first replaced by its ancestors' minimum), and
   nodes rank by (score desc, depth asc, index asc), so a kept node's parent ranks ahead of it: the
