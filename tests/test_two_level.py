@@ -1,6 +1,7 @@
 """Two-level verification: the rooted-subtree selection against brute force, the early exit against a
 truncated target, greedy two-level output equals AR token for token on dense and hybrid targets, token
-forcing through a two-level step is clean, and every bad plan field fails naming it."""
+forcing through a two-level step is clean, sampled output follows the target's exact distribution, and
+every bad plan field fails naming it."""
 
 import dataclasses
 import itertools
@@ -237,3 +238,25 @@ def test_first_level_fields_belong_to_two_level_plans():
                                                                            "keep": 8}}, **KW)
     with pytest.raises(plan_mod.PlanError, match=r"t\.tree: a tree plan needs tree"):
         plan_mod.build("t", {"verify": "two_level", "two_level": {"first": "drafter_confidence", "keep": 8}}, **KW)
+
+
+@pytest.mark.parametrize("first,exit_layer", [pytest.param("early_exit", 1, marks=pytest.mark.slow),
+                                              ("drafter_confidence", None)])
+def test_two_level_sampling_matches_target_distribution_end_to_end(first, exit_layer):
+    """Sampled two-level output's joint distribution of 3 tokens equals the target's exact one (the
+    first level chooses which siblings the recursive rejection sees, never what it accepts)."""
+    from specpilot.decoding.sampling import SamplingConfig
+    from test_rejection import SMALL, _exact_joint, assert_distributed_as
+
+    params = random_params(dense.param_shapes(SMALL), 0.3, 3)
+    dcfg = dr.DrafterConfig.for_target(SMALL, num_layers=1, block_size=3)
+    drafter, dparams = dr.BlockDrafter(dcfg, SMALL), random_params(dr.param_shapes(dcfg), 0.3, 4)
+    sampling = SamplingConfig(temperature=1.0, top_p=0.95)
+    prompt, n = [1, 2, 3], 4000
+    small = dense.target(SMALL, jnp.float32)
+    res = two_level.generate(small, params, drafter, dparams, [prompt] * n, 3, nodes=6, depth=2, branching=2,
+                             first=first, keep=3, exit_layer=exit_layer, sampling=sampling,
+                             key=jax.random.key(5), cache_len=10)
+    assert_distributed_as(res.tokens @ np.array([64, 8, 1]), _exact_joint(params, prompt, sampling),
+                          f"two-level {first} (t1, t2, t3)")
+    assert res.stats.accept_hist[0] > 0 and res.stats.accept_hist[1:].sum() > 0
