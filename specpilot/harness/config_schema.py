@@ -140,6 +140,9 @@ class DecodingConf:
     top_k: int = 0
     top_p: float = 1.0
     forcing_margin: float = 1e-3  # top-1/top-2 logit gap below which a mismatch is a near-tie
+    # false: timing only (calibration sweeps); records then say the plans were not checked, and the
+    # speedups of such a run are not lossless results
+    forcing: bool = True
     # one extra profiled (phase-synced) pass per speculative plan for the draft/verify/bookkeeping split
     profile_split: bool = True
 
