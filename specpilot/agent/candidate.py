@@ -10,7 +10,9 @@ Design choices:
 - `out.json` gets the tokens of every timed run (the gate checks those very tokens), the times the
   process measured itself (reported, never trusted) and the plan's stats (tau, and the draft / verify /
   accept split of one profiled pass after the timed runs).
-- Memory and time limits are set from outside (the evaluator's `setrlimit` in the child, its deadline).
+- Memory and time limits are set from outside (the evaluator's `setrlimit` in the child, its deadline),
+  and so are the devices it sees (its device group: `CUDA_VISIBLE_DEVICES`, or on the CPU the group's
+  count of simulated devices, which replaces the driver's `simulated_cpu_devices`).
 """
 
 from __future__ import annotations
@@ -31,6 +33,9 @@ def build(spec: dict):
     from specpilot.harness import config_schema, deploy, devices
 
     cfg = OmegaConf.create(spec["config"])
+    group = os.environ.get("SPECPILOT_DEVICE_GROUP", "")
+    if group.startswith("cpu:"):  # the evaluator's group of simulated CPU devices, not the driver's count
+        cfg.simulated_cpu_devices = len([i for i in group[4:].split(",") if i.strip()]) or None
     prompts = [list(map(int, p)) for p in spec["prompts"]]
     cfg.decoding.plans = {spec["name"]: spec["fields"]}
     cfg.bench.num_prompts = len(prompts)

@@ -53,8 +53,10 @@ class AgentConf:
     name: str = ""  # part of the run key: another name starts another run at the same deployment
     plan_name: str = "found"  # the winning plan's name in its decoding file
     seed: int = 0
-    scheduler: str | None = None  # an existing Dask scheduler (dask-scheduler; dask-worker --resources timing=1)
-    timing_slots: int = 1  # timing jobs a local worker runs at once
+    # an existing Dask scheduler (dask-scheduler; SPECPILOT_DEVICE_GROUP=gpu:0 dask-worker --resources device_group=1)
+    scheduler: str | None = None
+    timing_slots: int = 1  # timing jobs a local worker runs at once (workers without a device group)
+    check_workers: int = 0  # CPU-only workers for kernel variants' reference checks (0: in the candidate only)
     # candidates given by hand, evaluated in the first round: {name, fields, program (a script run in
     # place of the candidate module, e.g. for tests)}
     candidates: list = dataclasses.field(default_factory=list)
@@ -105,6 +107,14 @@ class Loop:
         dev = jax.devices()
         self.space = sp.build_space(cfg, platform=dev[0].platform, devices=len(dev))
         self.incumbent = initial_plan(cfg, self.space)
+        self.groups = None  # one timing worker per device group of the incumbent's mesh
+        if dev[0].platform == "gpu" or len(dev) > 1:
+            from specpilot.sharding import MeshShape
+
+            mesh = MeshShape(**(self.incumbent.get("mesh") or {}))
+            self.groups = ev.device_group_labels(mesh, dev)
+            self.space = sp.build_space(cfg, platform=dev[0].platform, devices=mesh.size)
+            progress(f"device groups: {', '.join(self.groups)} (one timing job per group at a time)")
         self.space, removed = self.space.feasible(self.incumbent)
         for d in removed:
             progress(f"rewrite space: {json.dumps(d.rewrite)} left out ({d.reason})")
@@ -141,7 +151,8 @@ class Loop:
         seeds = [m.rewrite for m in memory.retrieve(self.features)]
         inc_result, att, survivors = None, None, []
         with ev.Evaluator(a.workers, timeout_s=a.timeout_s, memory_mb=a.memory_mb, workdir=str(self.out / "candidates"),
-                          timing_slots=a.timing_slots, address=a.scheduler) as evaluator:
+                          timing_slots=a.timing_slots, address=a.scheduler, groups=self.groups,
+                          check_workers=a.check_workers) as evaluator:
             for r in range(start, a.rounds):
                 prompts = gate.draw(r)
                 self.progress(f"round {r}: {len(prompts)} fresh prompts; incumbent {json.dumps(self.incumbent)}")
