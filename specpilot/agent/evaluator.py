@@ -21,6 +21,8 @@ Design choices:
 - The evaluator holds the clock: after the candidate reports ready (warmed up), it writes "go" per
   repeat and times each go/done pair itself. Time per token is that wall time over the output tokens
   the spec asked for (batches x new tokens), whatever the process reports about itself.
+- A candidate whose kernel variant fails its check ends with "variant-rejected: <why>" (exit 3): status
+  `variant_rejected` with that reason. The check's inputs come from a seed drawn here per candidate.
 - Results are plain dicts (they cross process boundaries): status, reason, the evaluator's times, the
   median, the candidate's tokens per timed run and its stats.
 """
@@ -29,6 +31,7 @@ from __future__ import annotations
 
 import json
 import os
+import secrets
 import selectors
 import signal
 import subprocess
@@ -39,6 +42,7 @@ from pathlib import Path
 from typing import Callable, Iterable
 
 OK, CRASHED, TIMEOUT, OOM, KILLED, BAD_OUTPUT = "ok", "crashed", "timeout", "oom", "killed", "bad_output"
+VARIANT_REJECTED = "variant_rejected"  # a kernel variant failed its reference check (or its source check)
 TIMING, CHECK = "device_group", "cpu_check"  # worker resources: a timing job's group, a CPU check
 GROUP_ENV = "SPECPILOT_DEVICE_GROUP"  # a worker's devices: "<platform>:<id>,<id>..."
 OOM_MARKERS = ("MemoryError", "RESOURCE_EXHAUSTED", "std::bad_alloc", "Cannot allocate memory",
@@ -98,6 +102,8 @@ def _failure(proc: subprocess.Popen, err_path: Path, default: str) -> tuple[str,
     if any(m in tail for m in OOM_MARKERS):
         return OOM, f"out of memory (exit {rc}): {tail.strip().splitlines()[-1] if tail.strip() else ''}"
     last = tail.strip().splitlines()[-1] if tail.strip() else "no stderr"
+    if rc == 3 and last.startswith("variant-rejected:"):
+        return VARIANT_REJECTED, last[len("variant-rejected:"):].strip()
     return default, f"exit {rc}: {last}"
 
 
@@ -182,6 +188,8 @@ def evaluate_candidate(spec: dict, *, timeout_s: float, memory_mb: int | None, w
     Path(workdir).mkdir(parents=True, exist_ok=True)
     folder = Path(tempfile.mkdtemp(prefix=f"{spec['name']}-", dir=workdir))
     spec_path, out_path, err_path = folder / "spec.json", folder / "out.json", folder / "stderr.txt"
+    if spec.get("variants"):  # the reference check's inputs: fresh, drawn here, per candidate
+        spec = {**spec, "variant_check": {**spec.get("variant_check", {}), "seed": secrets.randbits(63)}}
     spec_path.write_text(json.dumps(spec, default=list))
     program = spec.get("program")
     argv = [python, program] if program else [python, "-m", "specpilot.agent.candidate"]
@@ -203,7 +211,7 @@ def evaluate_candidate(spec: dict, *, timeout_s: float, memory_mb: int | None, w
         waited = time.monotonic()
         with _timing_lock(timing_lock):
             chan.deadline += time.monotonic() - waited
-            for _ in range(int(spec.get("repeats", 1))):
+            for _ in range(0 if base["stage"] == "check" else int(spec.get("repeats", 1))):
                 t0 = time.perf_counter()
                 chan.send("go")
                 line = chan.readline()
@@ -231,6 +239,8 @@ def evaluate_candidate(spec: dict, *, timeout_s: float, memory_mb: int | None, w
         out = json.loads(out_path.read_text())
     except json.JSONDecodeError as e:
         return {**base, "status": BAD_OUTPUT, "reason": f"out.json is not JSON: {e}", "wall_s": walls}
+    if base["stage"] == "check":
+        return {**base, "status": OK, "reason": "", "checked": out.get("checked") or []}
     return {**base, **timing(walls, spec, out)}
 
 
@@ -249,7 +259,7 @@ def timing(walls: list[float], spec: dict, out: dict) -> dict:
     return {"status": OK, "reason": "", "wall_s": walls, "s_per_token": median / output_tokens,
             "spread": (ordered[-1] - ordered[0]) / median if median > 0 else 0.0,
             "tokens": tokens, "stats": out.get("stats") or {}, "self_reported_s": out.get("self_reported_s"),
-            "plan": out.get("plan")}
+            "plan": out.get("plan"), "checked": out.get("checked") or []}
 
 
 class Evaluator:
