@@ -162,3 +162,37 @@ def test_gated_delta_rule_variants(tmp_path):
         va.check("gated_delta_rule", lost_decay, SHAPES, seed=1)
     with pytest.raises(va.VariantRejected, match="no gated_delta_rule"):
         va.check("gated_delta_rule", fn, {"matmul": SHAPES["matmul"]}, seed=1)
+
+
+def _candidate_spec(tmp_path, name, source, stage="full"):
+    from agent_helpers import spec, toy_cfg
+
+    cfg = toy_cfg(cache_dir=tmp_path / "cache")
+    fields = {"verify": "chain"}
+    out = spec(cfg, name, fields, [[5, 6, 7, 8], [9, 10, 11, 12]], repeats=1, new_tokens=4)
+    if source is not None:
+        v = va.Variant("matmul", textwrap.dedent(source))
+        out["fields"] = {**fields, "kernels": {"matmul": {"implementation": [v.name, "xla"]}}}
+        out["variants"] = [v.spec_entry(tmp_path / "sandbox" / name)]
+        out["variant_check"] = {"shapes": va.check_shapes(cfg.target.model, 1, 8)}
+    return {**out, "stage": stage}
+
+
+@pytest.mark.slow  # ~45 s: two toy deployments, a deadline
+def test_the_candidate_process_checks_then_times_a_variant(tmp_path):
+    """In the candidate process: a sleeping variant loses itself to the deadline, a wrong one is rejected
+    before anything is built, a correct one runs in the plan and gives the xla plan's tokens."""
+    from specpilot.agent import evaluator as ev
+
+    work = str(tmp_path / "work")
+    slept = ev.evaluate_candidate(_candidate_spec(tmp_path, "sleeps", SLEEPS, "check"), timeout_s=6,
+                                  memory_mb=None, workdir=work)
+    assert slept["status"] == ev.TIMEOUT and "within 6 s" in slept["reason"]
+    wrong = ev.evaluate_candidate(_candidate_spec(tmp_path, "late", LATE_ELEMENT, "check"), timeout_s=60,
+                                  memory_mb=None, workdir=work)
+    assert wrong["status"] == ev.VARIANT_REJECTED and "wrong at" in wrong["reason"], wrong
+    with ev.Evaluator(2, timeout_s=120, memory_mb=None, workdir=work) as e:
+        stock, good = e.evaluate([_candidate_spec(tmp_path, "xla", None), _candidate_spec(tmp_path, "good", GOOD)])
+    assert stock["status"] == good["status"] == ev.OK, (stock["reason"], good["reason"])
+    assert good["plan"]["kernels"]["matmul"]["implementation"][0].startswith("variant:")
+    assert good["checked"][0]["calls"] == 6 and good["tokens"] == stock["tokens"]

@@ -328,6 +328,8 @@ class Evaluator:
 def _cluster(groups: list[str] | None, workers: int, timing_slots: int, checks: int):
     """A local Dask cluster of worker processes (one thread each): a timing worker per device group
     (its group in its environment), else `workers` timing workers; and `checks` CPU-only workers."""
+    import logging
+
     from dask.distributed import Nanny, Scheduler, SpecCluster
 
     def worker(resources: dict, env: dict | None = None) -> dict:
@@ -340,4 +342,4 @@ def _cluster(groups: list[str] | None, workers: int, timing_slots: int, checks: 
         specs = {f"worker-{i}": worker({TIMING: timing_slots}) for i in range(workers)}
     specs.update({f"check-{i}": worker({CHECK: 1}, {GROUP_ENV: "cpu:"}) for i in range(checks)})
     return SpecCluster(workers=specs, scheduler={"cls": Scheduler, "options": {"dashboard_address": None}},
-                       silence_logs=False)
+                       silence_logs=logging.WARNING)
