@@ -128,7 +128,7 @@ def build_prompt(ctx: Context, op: str) -> str:
         "", "Where the cost model says time is lost (measured against each part's floor):",
         *(rows or ["- (no attribution yet)"]),
         "", "Mechanisms validated at similar deployments (memory):", *(memory or ["- none yet"]),
-        f"", f"Already tried at this deployment: {len(ctx.tried)} rewrite(s).",
+        "", f"Already tried at this deployment: {len(ctx.tried)} rewrite(s).",
         "", f"Your module must define `{signature}`. {weight_note}",
         f"It is checked against the reference on fresh random inputs: {TOLERANCES[op]}.",
         f"Imports allowed: {', '.join(va.ALLOWED_IMPORTS)}. No file, network or process access. "
