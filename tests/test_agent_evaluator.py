@@ -149,5 +149,6 @@ def test_each_candidate_sees_only_its_group(tmp_path):
     assert [o["devices"] for o in outs[:4]] == [2, 2, 2, 2] and {o["platform"] for o in outs} == {"cpu"}
     assert {o["group"] for o in outs[:4]} == set(groups)  # both groups ran candidates
     assert outs[4]["group"] == "cpu:" and outs[4]["devices"] == 1 and results[4]["group"] == "cpu:"
-    spans = sorted((o["spans"][0][0], o["spans"][-1][1]) for o in outs)
+    assert outs[4]["spans"] == []  # a check stage has no timed runs
+    spans = sorted((o["spans"][0][0], o["spans"][-1][1]) for o in outs[:4])
     assert all(a1 <= b0 for (_, a1), (b0, _) in zip(spans, spans[1:]))  # one shared CPU: timed one at a time
