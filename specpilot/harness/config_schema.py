@@ -271,7 +271,7 @@ def validate(cfg: DictConfig) -> None:
         key = f"decoding.plans.{plan.name}"
         for op in plan_mod.KERNEL_OPS:
             _check_implementations(f"{key}.kernels.{op}.implementation", getattr(plan.kernels, op).implementation,
-                                   op=op)
+                                   op=op, variants=True)
         if plan.uses_drafter and d.source == "none":
             _fail("drafter", f"plan {plan.name!r} ({plan.verify} verification) needs a drafter; choose one, "
                   "e.g. drafter=embedded")
@@ -342,14 +342,15 @@ def _check_stop(t: DictConfig, b: DictConfig) -> None:
                   "tokenizer.json / tokenizer_config.json eos_token, no config.json eos_token_id)")
 
 
-def _check_implementations(key: str, impl, op: str = "matmul") -> None:
+def _check_implementations(key: str, impl, op: str = "matmul", variants: bool = False) -> None:
+    """`variants`: kernel variants (`variant:<hash>`, the optimization loop's) may be named too (plans)."""
     impl = list(impl or [])
     if not impl:
         _fail(key, f"name at least one {op} implementation")
     known = tuple(dispatch.IMPLEMENTATIONS[op])
     for name in impl:
-        if name not in known:
-            _fail(key, f"{name!r} is not one of {known}")
+        if name not in known and not (variants and dispatch.is_variant(name)):
+            _fail(key, f"{name!r} is not one of {known}" + (" or variant:<hash>" if variants else ""))
 
 
 def build_plans(cfg: DictConfig) -> list[Plan]:
