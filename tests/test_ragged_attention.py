@@ -94,3 +94,13 @@ def test_unsupported_falls_through_and_bad_shapes_refused():
         ra.ragged_attention_reference(q, k, v, jnp.ones((2,), jnp.int32), one)
     with pytest.raises(ValueError, match="block_s must be a power of two"):
         ra.RaggedAttentionConfig(block_s=48)
+
+
+def test_kernel_lowers_for_cuda():
+    # GPU-free check that every op of the kernel has a Triton lowering (bf16 cache, SmolLM2's groups of 3)
+    args = [jax.ShapeDtypeStruct(shape, dtype) for shape, dtype in
+            (((2, 4, 9, 64), jnp.bfloat16), ((2, 128, 3, 64), jnp.bfloat16), ((2, 128, 3, 64), jnp.bfloat16),
+             ((2,), jnp.int32), ((2,), jnp.int32))]
+    lowered = jax.jit(lambda *a: ra.ragged_attention_pallas(*a, block_s=64)).trace(*args).lower(
+        lowering_platforms=("cuda",))
+    assert "triton" in lowered.as_text().lower()

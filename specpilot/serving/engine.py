@@ -19,6 +19,10 @@ Design choices:
 - Replaying drafters (`ReplayDrafter`, `OracleDrafter`: oracle acceptance) read a per-row reference
   from their params; the engine keeps that table `[S, max_len]` and writes a newcomer's row from its
   `Request.draft_reference` at admission.
+- Attention reads each row's own committed length: every forward's mask is built from the rows'
+  `lengths` (`state.causal_mask`, `state.prompt_mask`), so a row never sees another request's K/V or
+  its own stale slots. That is masking by length over the preallocated cache, the reference of
+  `pallas_kernels/ragged_attention.py`, whose kernel reads only a row's own blocks.
 - A newly prefilled row starts decoding at the next step (its first token must be known to the host to
   apply its budget and stop token); tree plans are refused (NotImplementedError) for now.
 """
@@ -148,6 +152,7 @@ class Engine:
         self.waiting: collections.deque[Handle] = collections.deque()
         self.stats = EngineStats()
         self._ids = itertools.count()
+        self._exes: dict = {}
 
     @classmethod
     def from_plan(cls, deployment, plan, **kwargs) -> "Engine":
@@ -165,6 +170,12 @@ class Engine:
         return RequestSampling(row, row, greedy=greedy, top_k=self.setup.top_k)
 
     def _exe(self, which: str, greedy: bool = True):
+        """The executable `which` for this engine's shapes, looked up once per engine."""
+        if (which, greedy) not in self._exes:
+            self._exes[which, greedy] = self._build(which, greedy)
+        return self._exes[which, greedy]
+
+    def _build(self, which: str, greedy: bool):
         s = self.slots
         i32 = lambda *shape: jax.ShapeDtypeStruct(shape, jnp.int32)  # noqa: E731
         flag = jax.ShapeDtypeStruct((s,), jnp.bool_)
