@@ -139,3 +139,23 @@ def test_engine_arguments_checked(params):
         Engine(TARGET, params, context_len=CFG.max_position_embeddings + 1)
     with pytest.raises(ValueError, match="prefill_chunk"):
         Engine(TARGET, params, prefill_chunk=0)
+
+
+@pytest.mark.slow  # ~35 s on 2 CPU cores: a deployment's every plan compiles
+def test_from_plan_runs_a_deployments_plans():
+    """Engine.from_plan on the toy deployment (tiny random target, random drafter at block 8): each plan's
+    outputs equal `ar.generate`'s on the deployment's own target."""
+    from agent_helpers import toy_cfg
+    from specpilot.harness import deploy
+    from specpilot.harness.config_schema import build_plans
+
+    cfg = toy_cfg()
+    plans = build_plans(cfg)
+    dep = deploy.build(cfg, plans)
+    prompts = [p[:10] for p in dep.prompts[:3]]
+    for plan in plans:
+        engine = Engine.from_plan(dep, plan, slots=2, context_len=32, prefill_chunk=8, sampling=False)
+        handles = [engine.submit(Request(p, 6)) for p in prompts]
+        engine.run()
+        want = ar.generate(dep.target_for(plan), dep.params_for(plan), prompts, 6).as_lists()
+        assert [h.tokens for h in handles] == want, plan.name
