@@ -25,6 +25,10 @@ Design choices:
   `pallas_kernels/ragged_attention.py`, whose kernel reads only a row's own blocks.
 - A newly prefilled row starts decoding at the next step (its first token must be known to the host to
   apply its budget and stop token); tree plans are refused (NotImplementedError) for now.
+- Sharded targets (a plan's mesh) need nothing of their own here: the slot state is a batch like any
+  other, so its rows spread over the mesh's data axis and heads over its tensor axis by the target's state
+  specs (`specpilot.sharding`), and the AOT cache compiles each step for those shardings. The slots must
+  divide over the data axis.
 """
 
 from __future__ import annotations
@@ -39,6 +43,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from specpilot import sharding
 from specpilot.decoding.sampling import RequestSampling
 from specpilot.models.drafter import ReplayDrafter
 from specpilot.models.oracle import OracleDrafter
@@ -100,9 +105,6 @@ def check_plan(plan) -> None:
     if plan.verify == "tree":
         raise NotImplementedError(f"decoding.plans.{plan.name}.verify: tree plans do not run through the "
                                   f"engine yet; use an ar or chain plan")
-    if not plan.mesh.is_single:
-        raise NotImplementedError(f"decoding.plans.{plan.name}.mesh: sharded plans do not run through the "
-                                  f"engine yet")
 
 
 def _replays(drafter) -> bool:
@@ -136,6 +138,10 @@ class Engine:
             raise ValueError(f"block size {bs} exceeds the target's max_block_size {limit}")
         if _replays(drafter) and sampling:
             sampling = isinstance(drafter, ReplayDrafter)  # the oracle drafter's one-hot drafts: greedy only
+        mesh = getattr(target, "mesh", None)
+        if mesh is not None and slots % int(mesh.shape["data"]):  # slots spread over the data axis
+            raise sharding.MeshError(f"mesh.data={int(mesh.shape['data'])} does not divide the engine's "
+                                     f"slots ({slots})")
         target.check_params(target_params)
         self.setup = sl.EngineSetup(target, drafter if bs > 1 else None, int(bs), int(context_len),
                                     int(prefill_chunk), int(top_k))
