@@ -7,7 +7,10 @@ launch at each (K, N) the plans multiply over an M grid (1, 2, 4, ... and the M 
 Writes `conf/gpu/rates/<gpu.name>.yaml` (matmul tables merge with those already there, so calibrating
 several deployments accumulates their shapes); `+calibrate.out=<file>` writes elsewhere.
 Options: `+calibrate.repeats=7`, `+calibrate.min_bytes=<bytes of weight copies per timed call>`
-(default 256 MB: more than the caches hold, as a decode step streams its weights).
+(default 256 MB: more than the caches hold, as a decode step streams its weights),
+`+calibrate.grid=[1,16]` (the M values measured besides those the plans use; default 1, 2, 4, ... 128).
+Each (K, N, M) is one compile: on the H200 a shape's 10 M values took 11-14 s, so a deployment with a
+dozen shapes and two implementations needs several minutes; a shorter grid keeps it inside one call.
 No step time is measured here: the rates never see what they later predict.
 """
 
@@ -18,7 +21,6 @@ import functools
 import logging
 import math
 import statistics
-import sys
 import time
 from pathlib import Path
 
@@ -26,12 +28,10 @@ import hydra
 import jax
 import jax.numpy as jnp
 import numpy as np
-from omegaconf import DictConfig
+from omegaconf import DictConfig, open_dict
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from specpilot.harness import config_schema, counts, deploy  # noqa: E402
-from specpilot.harness.rates import RATES_DIR, MatmulTable, Rates  # noqa: E402
+from specpilot.harness import config_schema, counts, deploy
+from specpilot.harness.rates import RATES_DIR, MatmulTable, Rates
 
 config_schema.register()
 log = logging.getLogger("calibrate")
@@ -145,11 +145,12 @@ def _dependent_chain(fn, x, weights):
     return x
 
 
-def matmul_table(impl: str, shapes, ms, min_bytes: int, repeats: int) -> MatmulTable | None:
+def matmul_table(impl: str, shapes, ms, min_bytes: int, repeats: int,
+                 base_grid=M_GRID) -> MatmulTable | None:
     storage = impl.split("/")[1]
     wbytes = {"f32": 4.0, "bf16": 2.0, "w12": 1.5}[storage]
     act = 4 if storage == "f32" else 2
-    grid = sorted(set(M_GRID) | set(ms))
+    grid = sorted(set(base_grid) | set(ms))
     grid = [m for m in grid if m <= max(2 * max(ms), 8)]
     kept, rows = [], []
     for k, n in sorted(shapes):
@@ -184,11 +185,15 @@ def matmul_table(impl: str, shapes, ms, min_bytes: int, repeats: int) -> MatmulT
 
 @hydra.main(version_base=None, config_path="../conf", config_name="config")
 def main(cfg: DictConfig) -> None:
-    cal = cfg.get("calibrate") or {}
+    with open_dict(cfg):  # this script's own options, not part of the run config the schema types
+        cal = cfg.pop("calibrate", None) or {}
     cfg = config_schema.typed(cfg)
     repeats = int(cal.get("repeats", 7))
     on_gpu = jax.devices()[0].platform == "gpu"
     min_bytes = int(cal.get("min_bytes", 256 * 2 ** 20))
+    base_grid = tuple(int(m) for m in cal.get("grid", M_GRID))
+    if not base_grid or min(base_grid) < 1:
+        raise SystemExit(f"calibrate.grid: M values must be positive integers, got {list(base_grid)}")
     t0 = time.perf_counter()
     plans = config_schema.build_plans(cfg)
     dep = deploy.build(cfg, plans)
@@ -202,7 +207,7 @@ def main(cfg: DictConfig) -> None:
     log.info("rates: %s", rates)
     tables = {}
     for impl, (shapes, ms) in sorted(wanted.items()):
-        table = matmul_table(impl, shapes, ms, min_bytes, repeats)
+        table = matmul_table(impl, shapes, ms, min_bytes, repeats, base_grid)
         if table is not None:
             tables[impl] = table
     out = Path(cal.get("out") or RATES_DIR / f"{cfg.gpu.name}.yaml")

@@ -13,6 +13,12 @@ Design choices (tokamax's op API):
   naming the unknown implementation or key.
 - With choice=None, `matmul` does what model code did before choices existed: bf16 arrays through XLA's
   dot, W12NK / TwinNK through the Mosaic kernel, a W12 through the implementation it was prepared for.
+- Kernel variants (`variant:<hash>`, modules the optimization loop writes and checks against the op's
+  reference, `specpilot.agent.variants`) are implementations too: any such name passes `choice` (a plan
+  naming one is built where the module is never imported), and the process that runs the plan registers
+  the function first (`register_variant`); running an unregistered one is a LookupError, never a silent
+  fall-through to another implementation. A variant takes the op's arguments (matmul: x [..., K] and the
+  weight as the plan holds it; gated_delta_rule: q, k, v, g, beta, s0) and may raise NotImplementedError.
 
 Implementations of "matmul":
 - "xla": x @ W in float32 accumulation by XLA; W12, W12NK and TwinNK decoded exactly first.
@@ -29,7 +35,8 @@ Implementations of "gated_delta_rule" (o and every per-token state; choice=None:
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Mapping
+import re
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import jax
@@ -60,6 +67,46 @@ CONFIGS: dict[str, dict[str, type]] = {
     "gated_delta_rule": {"triton": gdr.GatedDeltaRuleTritonConfig, "xla": XlaConfig},
 }
 IMPLEMENTATIONS: dict[str, tuple[str, ...]] = {op: tuple(impls) for op, impls in CONFIGS.items()}
+VARIANT = re.compile(r"variant:[0-9a-f]{8,64}")
+
+
+@dataclasses.dataclass(frozen=True)
+class VariantConfig:
+    """A kernel variant carries its settings in its source; none of ours."""
+
+
+_VARIANTS: dict[str, dict[str, Callable]] = {op: {} for op in CONFIGS}
+
+
+def is_variant(name: str) -> bool:
+    return isinstance(name, str) and VARIANT.fullmatch(name) is not None
+
+
+def register_variant(op: str, name: str, fn: Callable) -> None:
+    """Make variant `name` (`variant:<hex>`) of `op` callable through this dispatch, in this process."""
+    if op not in CONFIGS:
+        raise ValueError(f"unknown op {op!r}; known: {', '.join(CONFIGS)}")
+    if not is_variant(name):
+        raise ValueError(f"a variant's name is 'variant:<8-64 hex digits>', got {name!r}")
+    if not callable(fn):
+        raise TypeError(f"variant {name} of {op} is not callable: {type(fn).__name__}")
+    _VARIANTS[op][name] = fn
+
+
+def variant(op: str, name: str) -> Callable:
+    try:
+        return _VARIANTS[op][name]
+    except KeyError:
+        raise LookupError(f"{op} implementation {name!r} is a kernel variant this process has not loaded "
+                          f"(dispatch.register_variant)") from None
+
+
+def _impl_config_cls(op: str, impl: str) -> type:
+    return VariantConfig if is_variant(impl) else CONFIGS[op][impl]
+
+
+def _unknown(op: str, impls) -> list[str]:
+    return [i for i in impls if i not in CONFIGS[op] and not is_variant(i)]
 
 
 def _config_fields(cls: type) -> dict[str, dataclasses.Field]:
@@ -94,12 +141,12 @@ def choice(op: str, implementation: str | tuple[str, ...] | list[str],
     impls = (implementation,) if isinstance(implementation, str) else tuple(implementation)
     if not impls:
         raise ValueError(f"{op}: name at least one implementation ({', '.join(IMPLEMENTATIONS[op])})")
-    bad = [i for i in impls if i not in CONFIGS[op]]
+    bad = _unknown(op, impls)
     if bad:
         raise ValueError(f"unknown {op} implementation(s) {', '.join(map(repr, bad))}; known: "
-                         f"{', '.join(IMPLEMENTATIONS[op])}")
+                         f"{', '.join(IMPLEMENTATIONS[op])}, variant:<hash>")
     if isinstance(config, Mapping) and config:
-        cfg = _build(CONFIGS[op][impls[0]], config, f"{op} {impls[0]!r}")
+        cfg = _build(_impl_config_cls(op, impls[0]), config, f"{op} {impls[0]!r}")
     elif config is None or isinstance(config, Mapping):
         cfg = None
     else:
@@ -109,7 +156,7 @@ def choice(op: str, implementation: str | tuple[str, ...] | list[str],
 
 def _config(c: OpChoice, op: str, impl: str):
     """The settings `impl` runs with under choice `c`: the choice's config for its first implementation."""
-    cls = CONFIGS[op][impl]
+    cls = _impl_config_cls(op, impl)
     if impl == c.implementation[0] and c.config is not None:
         if not isinstance(c.config, cls):
             raise TypeError(f"{op} {impl!r} takes a {cls.__name__} config, got {type(c.config).__name__}")
@@ -122,10 +169,10 @@ def _check_choice(c: OpChoice, op: str) -> None:
         raise TypeError(f"choice must be an OpChoice (dispatch.choice builds one), got {type(c).__name__}")
     if not c.implementation:
         raise ValueError(f"{op}: the choice names no implementation")
-    bad = [i for i in c.implementation if i not in CONFIGS[op]]
+    bad = _unknown(op, c.implementation)
     if bad:
         raise ValueError(f"unknown {op} implementation(s) {', '.join(map(repr, bad))}; known: "
-                         f"{', '.join(IMPLEMENTATIONS[op])}")
+                         f"{', '.join(IMPLEMENTATIONS[op])}, variant:<hash>")
 
 
 # ---- matmul ----------------------------------------------------------------------------------------
@@ -157,6 +204,13 @@ def _mosaic(x, w, config: W12MosaicConfig):
 _MATMULS = {"xla": _xla, "triton": _triton, "mosaic": _mosaic}
 
 
+def _matmul_impl(impl: str) -> Callable:
+    if is_variant(impl):
+        fn = variant("matmul", impl)
+        return lambda x, w, config: fn(x, w)
+    return _MATMULS[impl]
+
+
 def default_choice(w) -> OpChoice:
     """What multiplies `w` when no choice is given (the behaviour before choices): bf16 arrays by XLA,
     the Mosaic layouts by that kernel (they exist only for it), a W12 by decoding it for XLA's dot (a plan's
@@ -178,7 +232,7 @@ def matmul(x: jax.Array, w, b: jax.Array | None = None, *, choice: OpChoice | No
     for impl in c.implementation:
         config = _config(c, "matmul", impl)
         try:
-            y = _MATMULS[impl](x, w, config)
+            y = _matmul_impl(impl)(x, w, config)
         except NotImplementedError as e:
             refused.append(f"{impl}: {e}")
             continue
@@ -213,6 +267,8 @@ def gated_delta_rule(q, k, v, g, beta, s0, *, choice: OpChoice | None = None):
     refused = []
     for impl in c.implementation:
         try:
+            if is_variant(impl):
+                return variant("gated_delta_rule", impl)(q, k, v, g, beta, s0)
             return _GATED_DELTA_RULES[impl](q, k, v, g, beta, s0, _config(c, "gated_delta_rule", impl))
         except NotImplementedError as e:
             refused.append(f"{impl}: {e}")
@@ -252,6 +308,8 @@ def prepare_weight(w, c: OpChoice, rows: int = 1):
     refused = []
     for impl in c.implementation:
         try:
+            if is_variant(impl):  # a variant multiplies the weight as the plan's format holds it
+                return w
             return _PREPARE[impl](w, rows, _config(c, "matmul", impl))
         except NotImplementedError as e:
             refused.append(f"{impl}: {e}")

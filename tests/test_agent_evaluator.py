@@ -86,3 +86,69 @@ def test_candidates_sharing_a_device_are_timed_one_at_a_time(tmp_path):
         spans.append((out["spans"][0][0], out["spans"][-1][1]))  # first go .. last done
     (a0, a1), (b0, b1) = sorted(spans)
     assert a1 <= b0  # the second candidate's timed runs start after the first's end
+
+
+GROUPED = """
+import json, os, sys, time
+import jax
+spec = json.load(open(sys.argv[1]))
+print("ready", flush=True)
+spans = []
+for line in sys.stdin:
+    if line.strip() == "end":
+        break
+    t0 = time.time()
+    time.sleep(0.2)
+    spans.append((t0, time.time()))
+    print("done", flush=True)
+tokens = [[[0] * spec["new_tokens"] for _ in spec["prompts"]] for _ in spans]
+json.dump({"tokens": tokens, "spans": spans, "devices": jax.device_count(), "platform": jax.default_backend(),
+           "group": os.environ.get("SPECPILOT_DEVICE_GROUP")}, open(sys.argv[2], "w"))
+"""
+
+
+def test_device_groups_of_a_mesh_and_their_environment():
+    from specpilot.sharding import MeshError, MeshShape
+
+    assert ev.device_group_labels(MeshShape(1, 2), list(range(5))) == ["cpu:0,1", "cpu:2,3"]  # 4 is left over
+    assert ev.group_env("gpu:2,3")["CUDA_VISIBLE_DEVICES"] == "2,3"
+    env = ev.group_env("cpu:4,5,6")
+    assert env["JAX_PLATFORMS"] == "cpu" and "--xla_force_host_platform_device_count=3" in env["XLA_FLAGS"]
+    assert ev.group_env(None) == {}
+    for bad in ("tpu:0", "gpu:", "gpu:a"):
+        try:
+            ev.group_env(bad)
+        except ValueError as e:
+            assert "SPECPILOT_DEVICE_GROUP" in str(e) or "GPU group" in str(e)
+        else:
+            raise AssertionError(f"{bad!r} was accepted")
+    try:
+        ev.device_group_labels(MeshShape(2, 2), list(range(3)))
+    except MeshError as e:
+        assert "needs 4 devices" in str(e)
+    else:
+        raise AssertionError("a mesh larger than the devices was accepted")
+
+
+def test_each_candidate_sees_only_its_group(tmp_path):
+    """Four simulated CPU devices in groups of two (a 1x2 mesh): two timing workers, each candidate process
+    sees its group's two devices, and a check stage runs on a CPU-only worker."""
+    from specpilot.sharding import MeshShape
+
+    program = tmp_path / "grouped.py"
+    program.write_text(GROUPED)
+    groups = ev.device_group_labels(MeshShape(1, 2), list(range(4)))
+    with ev.Evaluator(timeout_s=60, memory_mb=None, workdir=tmp_path / "work", groups=groups,
+                      check_workers=1) as e:
+        assert sorted(w["resources"].get(ev.TIMING, 0) for w in e.client.scheduler_info()["workers"].values()) \
+            == [0, 1, 1]
+        specs = [_spec(f"g{i}", program) for i in range(4)] + [{**_spec("check", program), "stage": "check"}]
+        results = e.evaluate(specs)
+    assert all(r["status"] == ev.OK for r in results), [r["reason"] for r in results]
+    outs = [json.loads((Path(r["folder"]) / "out.json").read_text()) for r in results]
+    assert [o["devices"] for o in outs[:4]] == [2, 2, 2, 2] and {o["platform"] for o in outs} == {"cpu"}
+    assert {o["group"] for o in outs[:4]} == set(groups)  # both groups ran candidates
+    assert outs[4]["group"] == "cpu:" and outs[4]["devices"] == 1 and results[4]["group"] == "cpu:"
+    assert outs[4]["spans"] == []  # a check stage has no timed runs
+    spans = sorted((o["spans"][0][0], o["spans"][-1][1]) for o in outs[:4])
+    assert all(a1 <= b0 for (_, a1), (b0, _) in zip(spans, spans[1:]))  # one shared CPU: timed one at a time

@@ -80,8 +80,8 @@ def test_optuna_asks_distinct_rewrites_and_prunes(gpu_space):
 
 def test_registry_names_and_errors():
     assert {"guided", "optuna", "memory"} <= set(props.REGISTRY)
-    with pytest.raises(ValueError, match="unknown 'llm'"):
-        props.make(["guided", "llm"])
+    with pytest.raises(ValueError, match="unknown 'oracle'"):
+        props.make(["guided", "oracle"])
 
     @props.register("fixed")
     class Fixed(props.Proposer):
@@ -116,5 +116,9 @@ def test_agent_block_errors_name_the_key():
         agent_conf({"roundz": 3})
     with pytest.raises(ValueError, match="agent.workers: must be >= 1"):
         agent_conf({"workers": 0})
-    with pytest.raises(ValueError, match="agent.proposers: unknown 'llm'"):
+    with pytest.raises(ValueError, match="agent.proposers: unknown 'oracle'"):
+        agent_conf({"proposers": ["guided", "oracle"]})
+    with pytest.raises(ValueError, match="names 'llm' but agent.llm.url is not set"):
         agent_conf({"proposers": ["guided", "llm"]})
+    with pytest.raises(ValueError, match="agent.llm.modle"):
+        agent_conf({"llm": {"url": "http://localhost:8000/v1", "modle": "m"}})

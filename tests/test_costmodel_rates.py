@@ -44,3 +44,28 @@ def test_gpu_without_a_rates_file_falls_back_to_its_datasheet(tmp_path):
 def test_the_stored_cpu_rates_load():
     r = Rates.load(RATES_DIR / "cpu.yaml")
     assert r.copy_gbs > 0 and "xla/f32" in r.matmul
+
+
+def test_calibrate_measures_the_grid_it_is_given_and_the_plans_m(tmp_path):
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    out = tmp_path / "rates.yaml"
+    proc = subprocess.run([sys.executable, str(root / "experiments" / "calibrate.py"), "target=tiny_random",
+                           "drafter=none", "decoding=ar", "bench=default", "bench.batch_size=3",
+                           "bench.num_prompts=3", "+calibrate.repeats=1", "+calibrate.min_bytes=200000",
+                           "+calibrate.grid=[1,2]", f"+calibrate.out={out}", f"hydra.run.dir={tmp_path / 'h'}"],
+                          cwd=tmp_path, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    rates = Rates.load(out)
+    assert rates.calibrated and rates.copy_gbs > 0
+    ms = {impl: set(t.ms) for impl, t in rates.matmul.items()}
+    # the grid given, and the batch the AR plan multiplies at (3 rows): nothing of the default grid
+    assert ms and all({1, 2} <= m <= {1, 2, 3} for m in ms.values()) and any(3 in m for m in ms.values()), ms
+    bad = subprocess.run([sys.executable, str(root / "experiments" / "calibrate.py"), "target=tiny_random",
+                          "drafter=none", "decoding=ar", "+calibrate.grid=[0]", f"+calibrate.out={out}",
+                          f"hydra.run.dir={tmp_path / 'h2'}"], cwd=tmp_path, capture_output=True, text=True,
+                         timeout=600)
+    assert bad.returncode != 0 and "calibrate.grid" in bad.stderr + bad.stdout

@@ -173,10 +173,13 @@ def _compose(overrides):
 
 
 def test_gpu_defaults_and_plan_overrides():
-    # a gpu's default reaches every plan that names none (the H200's is the recurrence until the kernel is timed)
-    on_h200 = build_plans(_compose(["gpu=h200", "gpu.gated_delta_rule=[triton,xla]"]))
+    # a gpu's default reaches every plan that names none (the H200's is the kernel, timed there; the other
+    # GPUs keep the recurrence until it is timed on them)
+    on_h200 = build_plans(_compose(["gpu=h200"]))
     assert {p.kernels.gated_delta_rule.implementation for p in on_h200} == {("triton", "xla")}
-    assert {p.kernels.gated_delta_rule.implementation for p in build_plans(_compose(["gpu=h200"]))} == {("xla",)}
+    assert {p.kernels.gated_delta_rule.implementation for p in build_plans(_compose(["gpu=h100"]))} == {("xla",)}
+    on_h200_xla = build_plans(_compose(["gpu=h200", "gpu.gated_delta_rule=[xla]"]))
+    assert {p.kernels.gated_delta_rule.implementation for p in on_h200_xla} == {("xla",)}
     assert {p.kernels.gated_delta_rule.implementation for p in build_plans(_compose(["gpu=cpu"]))} == {("xla",)}
     cfg = _compose(["gpu=cpu",
                     "decoding.plans.stock.kernels.gated_delta_rule.implementation=[triton,xla]",

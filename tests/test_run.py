@@ -256,3 +256,15 @@ def test_a_mesh_larger_than_the_devices_fails_naming_the_plan(tmp_path):
                 f"hydra.run.dir={tmp_path / 'hydra'}", cwd=tmp_path)
     assert proc.returncode == 1
     assert "decoding.plans.stock_tp2.mesh: mesh 1x4 (data x tensor) needs 4 devices; jax sees 2" in proc.stderr
+
+
+def test_timing_only_run_says_its_plans_were_not_checked(tmp_path):
+    out = tmp_path / "out"
+    proc = _run(f"output_dir={out}", "decoding=stock", "drafter=oracle", "drafter.num_layers=1",
+                "drafter.block_size=4", "drafter.tau=2.5", "bench.num_prompts=1", "bench.new_tokens=8",
+                "decoding.forcing=false", "decoding.profile_split=false",
+                f"hydra.run.dir={tmp_path / 'hydra'}", cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    stock = {r["method"]: r for r in map(json.loads, (out / "results.jsonl").read_text().splitlines())}["stock"]
+    assert stock["mismatches"] is None and "not a lossless result" in stock["forcing"]["summary"]
+    assert "token forcing in" not in proc.stdout + proc.stderr

@@ -10,7 +10,13 @@ Design choices:
 - `out.json` gets the tokens of every timed run (the gate checks those very tokens), the times the
   process measured itself (reported, never trusted) and the plan's stats (tau, and the draft / verify /
   accept split of one profiled pass after the timed runs).
-- Memory and time limits are set from outside (the evaluator's `setrlimit` in the child, its deadline).
+- Kernel variants named by the spec (`variants`: op, name, sandbox path) are loaded and checked
+  against their op's reference (`variants.load_and_check`, on the evaluator's fresh seed) before the
+  deployment is built; a failing one ends the process with "variant-rejected: <why>" on stderr (exit 3).
+  A "check" stage stops there (no deployment, no timed runs).
+- Memory and time limits are set from outside (the evaluator's `setrlimit` in the child, its deadline),
+  and so are the devices it sees (its device group: `CUDA_VISIBLE_DEVICES`, or on the CPU the group's
+  count of simulated devices, which replaces the driver's `simulated_cpu_devices`).
 """
 
 from __future__ import annotations
@@ -22,15 +28,19 @@ import time
 from pathlib import Path
 
 PROTOCOL_READY, PROTOCOL_GO, PROTOCOL_DONE, PROTOCOL_END = "ready", "go", "done", "end"
+VARIANT_REJECTED = "variant-rejected"  # the last stderr line of a candidate whose kernel variant failed
 
 
-def build(spec: dict):
-    """(deployment, plan) of a spec: the composed config with the spec's plan and prompts."""
+def configure(spec: dict):
+    """The spec's composed config with its plan and prompts, typed; the process's devices set up."""
     from omegaconf import OmegaConf
 
-    from specpilot.harness import config_schema, deploy, devices
+    from specpilot.harness import config_schema, devices
 
     cfg = OmegaConf.create(spec["config"])
+    group = os.environ.get("SPECPILOT_DEVICE_GROUP", "")
+    if group.startswith("cpu:"):  # the evaluator's group of simulated CPU devices, not the driver's count
+        cfg.simulated_cpu_devices = len([i for i in group[4:].split(",") if i.strip()]) or None
     prompts = [list(map(int, p)) for p in spec["prompts"]]
     cfg.decoding.plans = {spec["name"]: spec["fields"]}
     cfg.bench.num_prompts = len(prompts)
@@ -46,6 +56,15 @@ def build(spec: dict):
         jax.config.update("jax_compilation_cache_dir", str(spec["compile_cache"]))
         jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
         jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
+    return cfg
+
+
+def build(spec: dict, cfg=None):
+    """(deployment, plan, plans) of a spec: the composed config with the spec's plan and prompts."""
+    from specpilot.harness import config_schema, deploy
+
+    cfg = configure(spec) if cfg is None else cfg
+    prompts = [list(map(int, p)) for p in spec["prompts"]]
     config_schema.validate(cfg)
     plans = config_schema.build_plans(cfg)
     dep = deploy.build(cfg, plans)
@@ -61,10 +80,28 @@ def main(spec_path: str, out_path: str) -> int:
     os.dup2(2, 1)  # anything else printed goes to stderr
     sys.stdout = sys.stderr
     spec = json.loads(Path(spec_path).read_text())
+    cfg = configure(spec)
+    checked = []
+    if spec.get("variants"):  # kernel variants: loaded from the sandbox and checked before anything runs
+        from specpilot.agent import variants
+
+        try:
+            checked = variants.load_and_check(spec["variants"], spec["variant_check"]["shapes"],
+                                              int(spec["variant_check"]["seed"]))
+        except variants.VariantRejected as e:
+            print(f"{VARIANT_REJECTED}: {e}", file=sys.stderr, flush=True)
+            return 3
+    if spec.get("stage") == "check":
+        proto.write(f"{PROTOCOL_READY} 0\n")
+        for line in sys.stdin:
+            if line.strip() == PROTOCOL_END:
+                break
+        Path(out_path).write_text(json.dumps({"name": spec["name"], "checked": checked, "tokens": []}))
+        return 0
     from specpilot.harness.methods import run_plan
     from specpilot.models.oracle import OracleDrafter
 
-    dep, plan, plans = build(spec)
+    dep, plan, plans = build(spec, cfg)
     if plan.uses_drafter and isinstance(dep.drafter[0], OracleDrafter):
         dep.reference_tokens = run_plan(dep, plans[0]).tokens  # the oracle replays the AR reference
     warm = run_plan(dep, plan)  # compiles every step
@@ -88,7 +125,7 @@ def main(spec_path: str, out_path: str) -> int:
     out = {"name": plan.name, "plan": plan.describe(), "tokens": [r.tokens for r in runs],
            "self_reported_s": self_times, "decode_s": [r.decode_s for r in runs],
            "decode_tokens": [r.decode_tokens for r in runs], "stats": stats,
-           "batches": len(dep.batches()), "new_tokens": dep.new_tokens}
+           "batches": len(dep.batches()), "new_tokens": dep.new_tokens, "checked": checked}
     Path(out_path).write_text(json.dumps(out, default=str))
     return 0
 

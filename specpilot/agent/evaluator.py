@@ -7,13 +7,22 @@ Design choices:
   in the child (before it execs the candidate), and a deadline. A crash, a hang, an out-of-memory or a
   `kill -9` ends that process only: the task returns a result with the status and the reason (the tail
   of its stderr), never raises.
-- Each timing task takes the worker resource `timing` (one per worker: `timing_slots`), so a cluster
-  whose workers name one GPU each runs one timing job per GPU at a time. Workers that share one device
-  (the CPU) build and warm up candidates in parallel and take a cluster-wide lock (`timing_lock`) for
-  the timed runs, so no two candidates are timed at once.
+- Device groups: each timing worker owns one group of devices (`sharding.device_groups` of the
+  deployment's mesh over the machine's devices), named in its environment (`SPECPILOT_DEVICE_GROUP`,
+  "gpu:0,1" / "cpu:2"), and one unit of the worker resource `device_group`; a timing task asks for one
+  unit, so each group runs one timing job at a time. The candidate process sees only its group's
+  devices: `CUDA_VISIBLE_DEVICES` on GPUs; on the CPU the host-platform device count in `XLA_FLAGS`
+  (simulated devices). Workers without a group (the CPU, one device shared) get `timing_slots` units.
+  CPU-only workers (`check_workers`, resource `cpu_check`) take the cheap checks that need no
+  accelerator (a kernel variant against its reference: `stage == "check"`).
+- Workers that share one physical device (the CPU, simulated groups included) build and warm up
+  candidates in parallel and take a cluster-wide lock (`timing_lock`) for the timed runs, so no two
+  candidates are timed at once; GPU groups are timed in parallel, each on its own devices.
 - The evaluator holds the clock: after the candidate reports ready (warmed up), it writes "go" per
   repeat and times each go/done pair itself. Time per token is that wall time over the output tokens
   the spec asked for (batches x new tokens), whatever the process reports about itself.
+- A candidate whose kernel variant fails its check ends with "variant-rejected: <why>" (exit 3): status
+  `variant_rejected` with that reason. The check's inputs come from a seed drawn here per candidate.
 - Results are plain dicts (they cross process boundaries): status, reason, the evaluator's times, the
   median, the candidate's tokens per timed run and its stats.
 """
@@ -22,6 +31,7 @@ from __future__ import annotations
 
 import json
 import os
+import secrets
 import selectors
 import signal
 import subprocess
@@ -32,6 +42,9 @@ from pathlib import Path
 from typing import Callable, Iterable
 
 OK, CRASHED, TIMEOUT, OOM, KILLED, BAD_OUTPUT = "ok", "crashed", "timeout", "oom", "killed", "bad_output"
+VARIANT_REJECTED = "variant_rejected"  # a kernel variant failed its reference check (or its source check)
+TIMING, CHECK = "device_group", "cpu_check"  # worker resources: a timing job's group, a CPU check
+GROUP_ENV = "SPECPILOT_DEVICE_GROUP"  # a worker's devices: "<platform>:<id>,<id>..."
 OOM_MARKERS = ("MemoryError", "RESOURCE_EXHAUSTED", "std::bad_alloc", "Cannot allocate memory",
                "out of memory")
 
@@ -89,7 +102,52 @@ def _failure(proc: subprocess.Popen, err_path: Path, default: str) -> tuple[str,
     if any(m in tail for m in OOM_MARKERS):
         return OOM, f"out of memory (exit {rc}): {tail.strip().splitlines()[-1] if tail.strip() else ''}"
     last = tail.strip().splitlines()[-1] if tail.strip() else "no stderr"
+    if rc == 3 and last.startswith("variant-rejected:"):
+        return VARIANT_REJECTED, last[len("variant-rejected:"):].strip()
     return default, f"exit {rc}: {last}"
+
+
+def group_label(platform: str, ids: Iterable[int]) -> str:
+    """The name of a device group: "gpu:0,1" (device ids), "cpu:0,1" (simulated CPU devices), "cpu:" (none)."""
+    if platform not in ("gpu", "cpu"):
+        raise ValueError(f"device groups are GPUs or CPU devices, not {platform!r}")
+    return f"{platform}:{','.join(str(int(i)) for i in ids)}"
+
+
+def parse_group(label: str) -> tuple[str, list[int]]:
+    platform, sep, ids = label.partition(":")
+    if not sep or platform not in ("gpu", "cpu"):
+        raise ValueError(f"{GROUP_ENV}={label!r}: expected '<gpu|cpu>:<id>,<id>...'")
+    try:
+        return platform, [int(i) for i in ids.split(",") if i.strip()]
+    except ValueError:
+        raise ValueError(f"{GROUP_ENV}={label!r}: device ids must be integers") from None
+
+
+def group_env(label: str | None) -> dict:
+    """The environment a candidate process of group `label` runs with: only its devices visible."""
+    if not label:
+        return {}
+    platform, ids = parse_group(label)
+    env = {GROUP_ENV: label}
+    if platform == "gpu":
+        if not ids:
+            raise ValueError(f"{GROUP_ENV}={label!r}: a GPU group names at least one device")
+        env["CUDA_VISIBLE_DEVICES"] = ",".join(map(str, ids))
+        return env
+    flags = [f for f in os.environ.get("XLA_FLAGS", "").split() if "xla_force_host_platform_device_count" not in f]
+    env.update(JAX_PLATFORMS="cpu", CUDA_VISIBLE_DEVICES="",
+               XLA_FLAGS=" ".join(flags + [f"--xla_force_host_platform_device_count={max(1, len(ids))}"]))
+    return env
+
+
+def device_group_labels(mesh, devices) -> list[str]:
+    """One label per group of `sharding.device_groups(mesh, devices)` (jax devices, or ints for ids)."""
+    from specpilot import sharding
+
+    groups = sharding.device_groups(mesh, devices)
+    platform = "cpu" if all(getattr(d, "platform", "cpu") == "cpu" for d in devices) else "gpu"
+    return [group_label(platform, [getattr(d, "id", d) for d in g]) for g in groups]
 
 
 class _NoLock:
@@ -114,24 +172,34 @@ def _timing_lock(name: str | None):
 
 
 def evaluate_candidate(spec: dict, *, timeout_s: float, memory_mb: int | None, workdir: str,
-                       python: str = sys.executable, timing_lock: str | None = None) -> dict:
+                       python: str = sys.executable, timing_lock: str | None = None,
+                       group: str | None = None) -> dict:
     """Run one candidate process and time it (a Dask task; also callable directly). Never raises.
 
     `timing_lock`: the name of a cluster-wide lock held around the timed runs, so candidates sharing one
     device build and compile in parallel but are timed one at a time (waiting for it does not count
-    against the timeout)."""
+    against the timeout; GPU groups take none). `group`: the device group the process may see (default:
+    the worker's, `SPECPILOT_DEVICE_GROUP`; none: every device)."""
+    group = group if group is not None else os.environ.get(GROUP_ENV) or None
+    if spec.get("stage") == "check":
+        group = "cpu:"  # checks need no accelerator
+    if group and parse_group(group)[0] == "gpu":
+        timing_lock = None
     Path(workdir).mkdir(parents=True, exist_ok=True)
     folder = Path(tempfile.mkdtemp(prefix=f"{spec['name']}-", dir=workdir))
     spec_path, out_path, err_path = folder / "spec.json", folder / "out.json", folder / "stderr.txt"
+    if spec.get("variants"):  # the reference check's inputs: fresh, drawn here, per candidate
+        spec = {**spec, "variant_check": {**spec.get("variant_check", {}), "seed": secrets.randbits(63)}}
     spec_path.write_text(json.dumps(spec, default=list))
     program = spec.get("program")
     argv = [python, program] if program else [python, "-m", "specpilot.agent.candidate"]
-    base = {"name": spec["name"], "stage": spec.get("stage", "full"), "folder": str(folder), "wall_s": []}
+    base = {"name": spec["name"], "stage": spec.get("stage", "full"), "folder": str(folder), "wall_s": [],
+            "group": group}
     t_start = time.monotonic()
     with open(err_path, "wb") as err:
         proc = subprocess.Popen([python, "-c", _LIMITED, str(int(memory_mb or 0)), *argv, str(spec_path),
                                  str(out_path)], stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=err,
-                                start_new_session=True, env={**os.environ, "PYTHONUNBUFFERED": "1"})
+                                start_new_session=True, env={**os.environ, "PYTHONUNBUFFERED": "1", **group_env(group)})
     chan = _Channel(proc, t_start + timeout_s)
     walls = []
     try:
@@ -143,7 +211,7 @@ def evaluate_candidate(spec: dict, *, timeout_s: float, memory_mb: int | None, w
         waited = time.monotonic()
         with _timing_lock(timing_lock):
             chan.deadline += time.monotonic() - waited
-            for _ in range(int(spec.get("repeats", 1))):
+            for _ in range(0 if base["stage"] == "check" else int(spec.get("repeats", 1))):
                 t0 = time.perf_counter()
                 chan.send("go")
                 line = chan.readline()
@@ -171,6 +239,8 @@ def evaluate_candidate(spec: dict, *, timeout_s: float, memory_mb: int | None, w
         out = json.loads(out_path.read_text())
     except json.JSONDecodeError as e:
         return {**base, "status": BAD_OUTPUT, "reason": f"out.json is not JSON: {e}", "wall_s": walls}
+    if base["stage"] == "check":
+        return {**base, "status": OK, "reason": "", "checked": out.get("checked") or []}
     return {**base, **timing(walls, spec, out)}
 
 
@@ -189,30 +259,32 @@ def timing(walls: list[float], spec: dict, out: dict) -> dict:
     return {"status": OK, "reason": "", "wall_s": walls, "s_per_token": median / output_tokens,
             "spread": (ordered[-1] - ordered[0]) / median if median > 0 else 0.0,
             "tokens": tokens, "stats": out.get("stats") or {}, "self_reported_s": out.get("self_reported_s"),
-            "plan": out.get("plan")}
+            "plan": out.get("plan"), "checked": out.get("checked") or []}
 
 
 class Evaluator:
-    """A Dask LocalCluster of `workers` processes, each with `timing_slots` timing resources."""
+    """A Dask cluster: one timing worker per device group (`groups`), or `workers` workers sharing the
+    devices with `timing_slots` timing units each; plus `check_workers` CPU-only workers for checks."""
 
     def __init__(self, workers: int = 2, *, timeout_s: float = 300.0, memory_mb: int | None = 4096,
                  workdir: str | Path, timing_slots: int = 1, address: str | None = None,
-                 timing_lock: str | None = "specpilot-timing"):
+                 timing_lock: str | None = "specpilot-timing", groups: list[str] | None = None,
+                 check_workers: int = 0):
         import logging
 
-        from dask.distributed import Client, LocalCluster
+        from dask.distributed import Client
 
         for name in [n for n in logging.root.manager.loggerDict if n.startswith("distributed")] + ["distributed"]:
             logging.getLogger(name).setLevel(logging.WARNING)  # per-connection INFO lines drown the progress
         self.timeout_s, self.memory_mb, self.timing_lock = float(timeout_s), memory_mb, timing_lock
         self.workdir = Path(workdir)
         self.workdir.mkdir(parents=True, exist_ok=True)
-        if address:  # an existing scheduler (dask-scheduler / dask-worker --resources timing=1)
+        self.groups = [g for g in (groups or []) if parse_group(g)] or None
+        self.checks = int(check_workers)
+        if address:  # an existing scheduler (SPECPILOT_DEVICE_GROUP=gpu:0 dask-worker --resources device_group=1)
             self.cluster, self.client = None, Client(address)
         else:
-            self.cluster = LocalCluster(n_workers=int(workers), threads_per_worker=1, processes=True,
-                                        resources={"timing": int(timing_slots)}, memory_limit=0,
-                                        dashboard_address=None)
+            self.cluster = _cluster(self.groups, int(workers), int(timing_slots), self.checks)
             self.client = Client(self.cluster)
 
     def evaluate(self, specs: Iterable[dict], progress: Callable[[dict], None] | None = None) -> list[dict]:
@@ -222,7 +294,7 @@ class Evaluator:
         specs = list(specs)
         futures = [self.client.submit(evaluate_candidate, s, timeout_s=self.timeout_s, memory_mb=self.memory_mb,
                                       workdir=str(self.workdir), timing_lock=self.timing_lock,
-                                      resources={"timing": 1}, pure=False,
+                                      resources={self._resource(s): 1}, pure=False,
                                       key=f"candidate-{i}-{s['name']}-{time.monotonic_ns()}")
                    for i, s in enumerate(specs)]
         index = {f.key: i for i, f in enumerate(futures)}
@@ -238,6 +310,9 @@ class Evaluator:
                 progress(res)
         return results  # type: ignore[return-value]
 
+    def _resource(self, spec: dict) -> str:
+        return CHECK if spec.get("stage") == "check" and self.checks else TIMING
+
     def close(self) -> None:
         self.client.close()
         if self.cluster is not None:
@@ -248,3 +323,23 @@ class Evaluator:
 
     def __exit__(self, *exc):
         self.close()
+
+
+def _cluster(groups: list[str] | None, workers: int, timing_slots: int, checks: int):
+    """A local Dask cluster of worker processes (one thread each): a timing worker per device group
+    (its group in its environment), else `workers` timing workers; and `checks` CPU-only workers."""
+    import logging
+
+    from dask.distributed import Nanny, Scheduler, SpecCluster
+
+    def worker(resources: dict, env: dict | None = None) -> dict:
+        return {"cls": Nanny, "options": {"nthreads": 1, "memory_limit": 0, "resources": resources,
+                                          "env": env or {}}}
+
+    if groups:
+        specs = {f"group-{i}": worker({TIMING: 1}, {GROUP_ENV: g}) for i, g in enumerate(groups)}
+    else:
+        specs = {f"worker-{i}": worker({TIMING: timing_slots}) for i in range(workers)}
+    specs.update({f"check-{i}": worker({CHECK: 1}, {GROUP_ENV: "cpu:"}) for i in range(checks)})
+    return SpecCluster(workers=specs, scheduler={"cls": Scheduler, "options": {"dashboard_address": None}},
+                       silence_logs=logging.WARNING)

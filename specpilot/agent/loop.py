@@ -7,6 +7,11 @@ Design choices:
   run a short cheap stage first (the Optuna proposer's pruner decides); the rest run in full, in
   parallel, next to the incumbent re-measured in the same session; the gate judges each against that
   measurement; the fastest accepted candidate becomes the incumbent.
+- Kernel variants (template or LLM proposers): the source is checked statically here, written into the
+  sandbox folder of its round and candidate (`sandbox/<candidate>/<digest>.py`) for every spec whose
+  plan names it (the incumbent too, once a variant wins), and checked against its op's reference in the
+  candidate process; with `check_workers`, first in a "check" stage on CPU-only workers, so a wrong
+  variant costs no device time. A resumed run finds its variants in the sandbox.
 - Everything is recorded as it happens (`memory`): candidates one transaction each, the round at its
   end. A run is keyed by the deployment's features and its starting plan, so the same command after
   an interrupt resumes after the last finished round.
@@ -31,7 +36,9 @@ from specpilot.agent import memory as mem
 from specpilot.agent import proposers as props
 from specpilot.agent import report
 from specpilot.agent import space as sp
+from specpilot.agent import variants as va
 from specpilot.agent.gate import Gate
+from specpilot.agent.kernel_proposers import LLMConf
 
 log = logging.getLogger(__name__)
 
@@ -53,8 +60,11 @@ class AgentConf:
     name: str = ""  # part of the run key: another name starts another run at the same deployment
     plan_name: str = "found"  # the winning plan's name in its decoding file
     seed: int = 0
-    scheduler: str | None = None  # an existing Dask scheduler (dask-scheduler; dask-worker --resources timing=1)
-    timing_slots: int = 1  # timing jobs a local worker runs at once
+    # an existing Dask scheduler (dask-scheduler; SPECPILOT_DEVICE_GROUP=gpu:0 dask-worker --resources device_group=1)
+    scheduler: str | None = None
+    timing_slots: int = 1  # timing jobs a local worker runs at once (workers without a device group)
+    check_workers: int = 0  # CPU-only workers for kernel variants' reference checks (0: in the candidate only)
+    llm: LLMConf | None = None  # an OpenAI-compatible endpoint for the "llm" proposer (off: null)
     # candidates given by hand, evaluated in the first round: {name, fields, program (a script run in
     # place of the candidate module, e.g. for tests)}
     candidates: list = dataclasses.field(default_factory=list)
@@ -105,6 +115,14 @@ class Loop:
         dev = jax.devices()
         self.space = sp.build_space(cfg, platform=dev[0].platform, devices=len(dev))
         self.incumbent = initial_plan(cfg, self.space)
+        self.groups = None  # one timing worker per device group of the incumbent's mesh
+        if dev[0].platform == "gpu" or len(dev) > 1:
+            from specpilot.sharding import MeshShape
+
+            mesh = MeshShape(**(self.incumbent.get("mesh") or {}))
+            self.groups = ev.device_group_labels(mesh, dev)
+            self.space = sp.build_space(cfg, platform=dev[0].platform, devices=mesh.size)
+            progress(f"device groups: {', '.join(self.groups)} (one timing job per group at a time)")
         self.space, removed = self.space.feasible(self.incumbent)
         for d in removed:
             progress(f"rewrite space: {json.dumps(d.rewrite)} left out ({d.reason})")
@@ -113,6 +131,9 @@ class Loop:
         self.key = mem.run_key({k: v for k, v in self.features.items() if k != "plan"}, self.incumbent, agent.name)
         self.versions = versions()
         self.compile_cache = str(Path(cfg.cache_dir).expanduser() / "xla")
+        self.sandbox = self.out / "sandbox"  # kernel variants' modules, per round and candidate
+        self.variants = recover_variants(self.sandbox)  # name -> Variant (a resumed incumbent may name one)
+        self.model_cfg = None  # the target's model config (the gate's deployment): variant check shapes
 
     def spec(self, name: str, fields: dict, prompts, stage: str = "full", program: str | None = None) -> dict:
         new = int(self.cfg.bench.new_tokens)
@@ -123,6 +144,12 @@ class Loop:
                "compile_cache": self.compile_cache}
         if program:
             out["program"] = str(program)
+        named = variant_names(fields)
+        if named:
+            out["variants"] = [self.variants[n].spec_entry(self.sandbox / name) for n in named]
+            block = 1 if fields.get("verify") == "ar" else int(fields.get("block_size") or 1)
+            out["variant_check"] = {"shapes": va.check_shapes(self.model_cfg, int(self.cfg.bench.batch_size), block,
+                                                              str(fields.get("weights") or "bf16"))}
         return out
 
     def run(self) -> dict:
@@ -137,11 +164,14 @@ class Loop:
             self.progress(f"run {self.key}: no round finished before; starting at round 0")
         gate = Gate(self.cfg, heldout=a.heldout, prompts_per_round=a.prompts_per_round,
                     noise_margin=a.noise_margin)
-        proposers = props.make(list(a.proposers), seed=a.seed + start)
+        self.model_cfg = gate.dep.cfg
+        names = list(a.proposers) + (["llm"] if a.llm is not None and "llm" not in a.proposers else [])
+        proposers = props.make(names, seed=a.seed + start, llm=a.llm)
         seeds = [m.rewrite for m in memory.retrieve(self.features)]
         inc_result, att, survivors = None, None, []
         with ev.Evaluator(a.workers, timeout_s=a.timeout_s, memory_mb=a.memory_mb, workdir=str(self.out / "candidates"),
-                          timing_slots=a.timing_slots, address=a.scheduler) as evaluator:
+                          timing_slots=a.timing_slots, address=a.scheduler, groups=self.groups,
+                          check_workers=a.check_workers) as evaluator:
             for r in range(start, a.rounds):
                 prompts = gate.draw(r)
                 self.progress(f"round {r}: {len(prompts)} fresh prompts; incumbent {json.dumps(self.incumbent)}")
@@ -173,6 +203,10 @@ class Loop:
                 report.plot_best(self.out, memory.rounds(self.key))
                 self.progress(f"round {r} done: best {1e3 * best_s:.3f} ms/token" if best_s else f"round {r} done")
         path = report.write_plan(self.out, a.plan_name, self.incumbent, self.key)
+        for n in variant_names(self.incumbent):  # the winning plan's kernel variants, beside it
+            written = self.variants[n].write(path.parent / "variants")
+            self.progress(f"the winning plan runs kernel variant {n}: {written} (register it with "
+                          f"specpilot.agent.variants.load before running the plan)")
         summary = {"run": self.key, "memory": memory.url, "incumbent": self.incumbent, "plan_file": str(path),
                    "rounds": [{"index": x.index, "incumbent_s_per_token": x.incumbent_s_per_token,
                                "best_s_per_token": x.best_s_per_token} for x in memory.rounds(self.key)]}
@@ -210,7 +244,12 @@ class Loop:
         rows, runnable = [], []
         for i, (proposer, prop) in enumerate(proposals):
             name = f"r{r}-c{i}-{prop.proposer}"
-            out = self.space.rewrite(name, self.incumbent, prop.rewrite)
+            why = self._unusable(prop)
+            out = sp.Dropped(prop.rewrite, why) if why else self.space.rewrite(name, self.incumbent, prop.rewrite)
+            if not isinstance(out, sp.Dropped):
+                missing = [n for n in variant_names(out[0]) if n not in self.variants]
+                if missing:
+                    out = sp.Dropped(prop.rewrite, f"the source of {', '.join(missing)} is not at hand")
             if isinstance(out, sp.Dropped):
                 rows.append(self._record(r, name, prop, None, "dropped", out.reason))
                 self.progress(f"  {name}: dropped {json.dumps(prop.rewrite)} ({out.reason})")
@@ -227,6 +266,18 @@ class Loop:
                     rows.append(self._record(r, name, prop, None, "dropped", plan))
                     continue
                 runnable.append((None, prop, name, sp.plan_fields(plan), plan, given.get("program")))
+        checks = [x for x in runnable if x[1].variant is not None] if evaluator.checks else []
+        if checks:  # kernel variants against their references on the CPU workers, before any device time
+            self.progress(f"round {r}: reference checks of {len(checks)} kernel variant(s) on CPU workers")
+            results = evaluator.evaluate([self.spec(x[2], x[3], prompts, "check") for x in checks])
+            for x, res in zip(checks, results):
+                if res["status"] != "ok":
+                    rows.append(self._record(r, x[2], x[1], x[3], "failed", f"{res['status']}: {res['reason']}",
+                                             folder=res.get("folder")))
+                    self.progress(f"  {x[2]}: {res['status']} ({res['reason']})")
+                    if x[0] is not None:
+                        x[0].observe(x[1], None, "failed")
+                    runnable.remove(x)
         cheap = [x for x in runnable if x[1].cheap]
         if cheap:
             self.progress(f"round {r}: cheap stage for {len(cheap)} candidate(s)")
@@ -266,6 +317,19 @@ class Loop:
             self.progress(f"  {name}: {status}" + (f" ({row['reason']})" if row["reason"] else ""))
         return {"incumbent": inc_res, "candidates": rows}
 
+    def _unusable(self, prop: props.Proposal) -> str | None:
+        """Why a proposal cannot run before any process starts (an unusable reply, a variant's source),
+        else None; a usable variant joins the variants at hand."""
+        if prop.dropped:
+            return prop.dropped
+        if prop.variant is not None:
+            try:
+                va.static_check(prop.variant.op, prop.variant.source)
+            except va.VariantRejected as e:
+                return f"variant rejected: {e}"
+            self.variants[prop.variant.name] = prop.variant
+        return None
+
     def _record(self, r, name, prop, fields, status, reason, s=None, gain=None, verdict=None, folder=None) -> dict:
         row = {"name": name, "proposer": prop.proposer, "rewrite": prop.rewrite, "why": prop.why, "fields": fields,
                "status": status, "reason": reason[:3900], "s_per_token": s, "gain": gain, "verdict": verdict,
@@ -275,6 +339,26 @@ class Loop:
                                      status=status, reason=row["reason"], s_per_token=s, gain=gain,
                                      verdict=verdict, folder=folder, versions=self.versions)
         return row
+
+
+def variant_names(fields: dict) -> list[str]:
+    """The kernel variants a plan's fields name (`variant:<hash>` implementations)."""
+    from pallas_kernels.dispatch import is_variant
+
+    kernels = fields.get("kernels") or {}
+    return [i for op in sorted(kernels) for i in ((kernels[op] or {}).get("implementation") or []) if is_variant(i)]
+
+
+def recover_variants(sandbox: Path) -> dict[str, va.Variant]:
+    """Every variant module written under `sandbox` by an earlier run (its file name is its digest)."""
+    out = {}
+    for path in sorted(sandbox.rglob("*.py")) if sandbox.is_dir() else []:
+        text = path.read_text(errors="replace")
+        for op in va.OPS:
+            v = va.Variant(op, text)
+            if v.digest == path.stem:
+                out[v.name] = v
+    return out
 
 
 def agent_conf(node: Any) -> AgentConf:
@@ -288,6 +372,10 @@ def agent_conf(node: Any) -> AgentConf:
         key = getattr(e, "full_key", None)
         raise ValueError(f"agent{'.' + key if key else ''}: {str(e).splitlines()[0]}") from None
     a = AgentConf(**OmegaConf.to_container(merged, resolve=True))
+    if isinstance(a.llm, dict):
+        a.llm = LLMConf(**a.llm)
+    if "llm" in a.proposers and (a.llm is None or not a.llm.url):
+        raise ValueError("agent.proposers names 'llm' but agent.llm.url is not set (an OpenAI-compatible endpoint)")
     unknown = [n for n in a.proposers if n not in props.REGISTRY]
     if unknown:
         raise ValueError(f"agent.proposers: unknown {', '.join(map(repr, unknown))}; "

@@ -15,6 +15,8 @@ Design choices:
 - `memory`: the mechanisms memory validated at the nearest deployments, nearest first.
 - `integrate`: the other candidates the gate accepted last round, applied to the new incumbent (all of
   them combined when they set different fields, then each alone), so compatible gains add up.
+- `template` and `llm` (`kernel_proposers`) write kernel variants: a Proposal then carries the variant,
+  and its rewrite names it as the op's first implementation.
 - `REGISTRY` maps names (the `agent.proposers` list) to factories; `register` adds one.
 """
 
@@ -37,6 +39,8 @@ class Proposal:
     why: str
     cheap: bool = False  # run a short stage first, for the proposer's pruner
     handle: Any = None  # the proposer's own bookkeeping (an Optuna trial)
+    variant: Any = None  # a kernel variant (`variants.Variant`) the rewrite names, written to a sandbox
+    dropped: str | None = None  # why this proposal cannot run at all (an unusable reply), recorded as such
 
 
 @dataclasses.dataclass
@@ -73,11 +77,18 @@ def register(name: str):
     return deco
 
 
-def make(names, seed: int = 0) -> list[Proposer]:
+def make(names, seed: int = 0, **options) -> list[Proposer]:
+    """The named proposers; each factory gets the `options` its signature names (`llm=`: agent.llm)."""
+    import inspect
+
     unknown = [n for n in names if n not in REGISTRY]
     if unknown:
         raise ValueError(f"agent.proposers: unknown {', '.join(map(repr, unknown))}; known: {', '.join(REGISTRY)}")
-    return [REGISTRY[n](seed=seed) for n in names]
+    out = []
+    for n in names:
+        params = inspect.signature(REGISTRY[n]).parameters
+        out.append(REGISTRY[n](seed=seed, **{k: v for k, v in options.items() if k in params}))
+    return out
 
 
 def _fresh(ctx: Context, rewrite: dict, taken: set[str]) -> bool:
@@ -221,3 +232,6 @@ class OptunaProposer(Proposer):
             self.study.tell(trial, state=states.FAIL)
         else:
             self.study.tell(trial, s_per_token)
+
+
+from specpilot.agent import kernel_proposers  # noqa: E402,F401  (registers "template" and "llm")

@@ -150,6 +150,9 @@ class DecodingConf:
     top_k: int = 0
     top_p: float = 1.0
     forcing_margin: float = 1e-3  # top-1/top-2 logit gap below which a mismatch is a near-tie
+    # false: timing only (calibration sweeps); records then say the plans were not checked, and the
+    # speedups of such a run are not lossless results
+    forcing: bool = True
     # one extra profiled (phase-synced) pass per speculative plan for the draft/verify/bookkeeping split
     profile_split: bool = True
 
@@ -283,7 +286,7 @@ def validate(cfg: DictConfig) -> None:
         key = f"decoding.plans.{plan.name}"
         for op in plan_mod.KERNEL_OPS:
             _check_implementations(f"{key}.kernels.{op}.implementation", getattr(plan.kernels, op).implementation,
-                                   op=op)
+                                   op=op, variants=True)
         if plan.uses_drafter and d.source == "oracle_trace":
             from specpilot.models.oracle_trace import load_traces, trace_method
 
@@ -360,14 +363,15 @@ def _check_stop(t: DictConfig, b: DictConfig) -> None:
                   "tokenizer.json / tokenizer_config.json eos_token, no config.json eos_token_id)")
 
 
-def _check_implementations(key: str, impl, op: str = "matmul") -> None:
+def _check_implementations(key: str, impl, op: str = "matmul", variants: bool = False) -> None:
+    """`variants`: kernel variants (`variant:<hash>`, the optimization loop's) may be named too (plans)."""
     impl = list(impl or [])
     if not impl:
         _fail(key, f"name at least one {op} implementation")
     known = tuple(dispatch.IMPLEMENTATIONS[op])
     for name in impl:
-        if name not in known:
-            _fail(key, f"{name!r} is not one of {known}")
+        if name not in known and not (variants and dispatch.is_variant(name)):
+            _fail(key, f"{name!r} is not one of {known}" + (" or variant:<hash>" if variants else ""))
 
 
 def build_plans(cfg: DictConfig) -> list[Plan]:

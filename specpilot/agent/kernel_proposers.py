@@ -1,0 +1,204 @@
+"""Proposers that write kernel variants: template expansion of the Pallas kernels, and an LLM endpoint.
+
+Design choices:
+- Both aim where the cost model says time is lost (the attribution's kernel classes: "recurrence" ->
+  gated_delta_rule, "matmul" / "lm_head" -> matmul, largest first) and propose a rewrite that puts the
+  variant first in the op's implementation list, XLA after it (`[variant:<hash>, xla]`): a variant
+  that declines a shape falls through. An op the deployment does not have (the gated delta rule of a
+  dense target) has no implementation choice in the space and gets no variant.
+- `template`: the next expansions of `templates` not tried here; only where the space offers the op's
+  Pallas kernels (a GPU), since interpreted kernels on a CPU time the interpreter, not the kernel.
+- `llm`: any OpenAI-compatible endpoint (`agent.llm`: url, model, api_key_env; off by default), over
+  the stdlib (urllib: POST <url>/chat/completions). The prompt: the cost model's report of the
+  incumbent, memory's mechanisms, the op's signature, the rules of a variant (allowed imports, the
+  written tolerance) and the op's pure-jnp reference source. The first ```python block of the reply
+  is the variant; a reply without one, or an endpoint that fails, is a dropped proposal with the
+  reason, and the loop goes on. The model never sees the gate's prompts or any candidate's tokens.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import inspect
+import json
+import os
+import re
+import urllib.error
+import urllib.request
+
+from specpilot.agent import space as sp
+from specpilot.agent import templates
+from specpilot.agent import variants as va
+from specpilot.agent.proposers import Context, GuidedProposer, Proposal, Proposer, register
+
+OP_OF_CLASS = {"recurrence": "gated_delta_rule", "matmul": "matmul", "lm_head": "matmul"}
+PALLAS = ("triton", "mosaic")
+
+
+def _impl_choice(space: sp.Space, op: str):
+    return space.choice(f"kernels.{op}.implementation")
+
+
+def target_ops(ctx: Context, pallas_only: bool = False) -> list[str]:
+    """The ops to write variants of, the largest lost time first (both, matmul first, without attribution)."""
+    ordered = [OP_OF_CLASS[name] for name, _ in GuidedProposer.targets(ctx.attribution) if name in OP_OF_CLASS]
+    out = []
+    for op in ordered + ["matmul", "gated_delta_rule"]:
+        choice = _impl_choice(ctx.space, op)
+        if op in out or choice is None:
+            continue
+        if pallas_only and not any(list(v)[0] in PALLAS for v in choice.values):
+            continue
+        out.append(op)
+    return out
+
+
+def variant_rewrite(v: va.Variant) -> dict:
+    return {f"kernels.{v.op}.implementation": [v.name, "xla"]}
+
+
+@register("template")
+class TemplateProposer(Proposer):
+    """The Pallas kernels' templates over their knobs, on the ops that lose the most time."""
+
+    name = "template"
+
+    def __init__(self, seed: int = 0):
+        self.seed = seed
+
+    def propose(self, ctx: Context, n: int) -> list[Proposal]:
+        out, taken = [], set()
+        for op in target_ops(ctx, pallas_only=True):
+            for knobs, v in templates.expansions(op):
+                rw = variant_rewrite(v)
+                key = sp.rewrite_key(rw)
+                if len(out) < n and key not in ctx.tried and key not in taken:
+                    taken.add(key)
+                    out.append(Proposal(rw, self.name, f"{op} template: {json.dumps(knobs)}", variant=v))
+        return out
+
+
+@dataclasses.dataclass
+class LLMConf:
+    url: str = ""  # the endpoint's base URL (".../v1"); POST <url>/chat/completions
+    model: str = ""
+    api_key_env: str | None = None  # the environment variable holding the API key (None: no key)
+    timeout_s: float = 120.0
+    temperature: float = 0.2
+
+
+REFERENCES = {  # op -> (module, function) of its pure-jnp reference, by weight format for matmul
+    "matmul": {"bf16": ("pallas_kernels.w12_matmul", "bf16_matmul_reference"),
+               "w12": ("pallas_kernels.w12_matmul", "w12_matmul_reference")},
+    "gated_delta_rule": {None: ("pallas_kernels.gated_delta_rule", "gated_delta_rule_reference")},
+}
+TOLERANCES = {
+    "matmul": "rows of x that are one-hot must give W's rows exactly; other rows within 2 K 2^-24 (|x| @ |w|) "
+              "of a float32-accumulated dot",
+    "gated_delta_rule": "o and every state within 1e-5 absolute plus 1e-5 relative",
+}
+CODE_BLOCK = re.compile(r"```(?:python|py)?[ \t]*\n(.*?)```", re.S)
+
+
+def reference_source(op: str, weights: str = "bf16") -> str:
+    import importlib
+
+    table = REFERENCES[op]
+    module, fn = table.get(weights) or next(iter(table.values()))
+    return inspect.getsource(getattr(importlib.import_module(module), fn))
+
+
+def build_prompt(ctx: Context, op: str) -> str:
+    weights = str(ctx.incumbent.get("weights") or "bf16")
+    att = ctx.attribution or {}
+    rows = [f"- stage {r['stage']}: {r['lost_ms']:.3f} ms lost per step" for r in att.get("stages", [])]
+    rows += [f"- kernel class {r['class']}: {r['lost_ms']:.3f} ms lost per step" for r in att.get("classes", [])]
+    if att.get("measured_ms_per_step") is not None:  # a full `prediction.attribute` report
+        from specpilot.harness.prediction import format_attribution
+
+        rows = format_attribution("incumbent", att, top=5) + rows
+    memory = [f"- {json.dumps(rw, sort_keys=True)}" for rw in ctx.seeds[:8]]
+    signature = f"def {op}({', '.join(va.SIGNATURES[op])})"
+    weight_note = (f"`w` is the weight as the plan holds it ({weights}: "
+                   + ("a bf16 [K, N] jax array" if weights == "bf16" else "a specpilot.formats.w12.W12") + "); "
+                   "return float32 [..., N]." if op == "matmul" else
+                   "shapes as in the reference; return (o, states).")
+    return "\n".join([
+        f"Write a faster implementation of the op `{op}` for a JAX speculative decoder on this deployment.",
+        "", "Where the cost model says time is lost (measured against each part's floor):",
+        *(rows or ["- (no attribution yet)"]),
+        "", "Mechanisms validated at similar deployments (memory):", *(memory or ["- none yet"]),
+        "", f"Already tried at this deployment: {len(ctx.tried)} rewrite(s).",
+        "", f"Your module must define `{signature}`. {weight_note}",
+        f"It is checked against the reference on fresh random inputs: {TOLERANCES[op]}.",
+        f"Imports allowed: {', '.join(va.ALLOWED_IMPORTS)}. No file, network or process access. "
+        "Raise NotImplementedError for inputs you do not handle (the reference then runs).",
+        "", "The op's pure-jnp reference:", "```python", reference_source(op, weights).rstrip(), "```",
+        "", "Reply with the complete module in one ```python code block.",
+    ])
+
+
+def extract_code(reply: str) -> str | None:
+    m = CODE_BLOCK.search(reply or "")
+    return m.group(1).strip() + "\n" if m and m.group(1).strip() else None
+
+
+@register("llm")
+class LLMProposer(Proposer):
+    """Kernel variants from an OpenAI-compatible chat endpoint (`agent.llm`)."""
+
+    name = "llm"
+
+    def __init__(self, seed: int = 0, llm: dict | LLMConf | None = None):
+        conf = llm if isinstance(llm, LLMConf) else LLMConf(**(llm or {}))
+        if not conf.url:
+            raise ValueError("agent.proposers names 'llm' but agent.llm.url is not set (an OpenAI-compatible "
+                             "endpoint, e.g. http://localhost:8000/v1)")
+        if not conf.model:
+            raise ValueError("agent.llm.model is not set")
+        self.conf, self.seed = conf, seed
+
+    def ask(self, prompt: str) -> str:
+        """The reply's text (raises OSError / ValueError when the endpoint fails or answers nonsense)."""
+        body = {"model": self.conf.model, "temperature": self.conf.temperature,
+                "messages": [{"role": "system", "content": "You write JAX and Pallas kernels. Reply with code."},
+                             {"role": "user", "content": prompt}]}
+        headers = {"Content-Type": "application/json"}
+        if self.conf.api_key_env:
+            key = os.environ.get(self.conf.api_key_env)
+            if not key:
+                raise ValueError(f"agent.llm.api_key_env: ${self.conf.api_key_env} is not set")
+            headers["Authorization"] = f"Bearer {key}"
+        req = urllib.request.Request(self.conf.url.rstrip("/") + "/chat/completions",
+                                     data=json.dumps(body).encode(), headers=headers, method="POST")
+        with urllib.request.urlopen(req, timeout=self.conf.timeout_s) as resp:
+            data = json.loads(resp.read().decode())
+        try:
+            return str(data["choices"][0]["message"]["content"])
+        except (KeyError, IndexError, TypeError):
+            raise ValueError(f"the endpoint's answer has no choices[0].message.content: {str(data)[:200]}") from None
+
+    def propose(self, ctx: Context, n: int) -> list[Proposal]:
+        ops = target_ops(ctx)
+        out, taken = [], set()
+        for i in range(n if ops else 0):
+            op = ops[i % len(ops)]
+            why = f"{op} variant from {self.conf.model}"
+            try:
+                reply = self.ask(build_prompt(ctx, op))
+            except (OSError, ValueError, urllib.error.URLError) as e:
+                out.append(Proposal({}, self.name, why, dropped=f"the endpoint failed: {type(e).__name__}: {e}"))
+                continue
+            code = extract_code(reply)
+            if code is None:
+                out.append(Proposal({}, self.name, why, dropped=f"the reply has no python code block: "
+                                                                 f"{reply.strip()[:120]!r}"))
+                continue
+            v = va.Variant(op, code)
+            rw = variant_rewrite(v)
+            key = sp.rewrite_key(rw)
+            if key in ctx.tried or key in taken:
+                continue  # the same module again
+            taken.add(key)
+            out.append(Proposal(rw, self.name, why, variant=v))
+        return out

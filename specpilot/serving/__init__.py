@@ -1,0 +1,4 @@
+"""Serving: requests, the continuous-batching engine and its slot state."""
+
+from specpilot.serving.engine import Engine, Handle, check_plan  # noqa: F401
+from specpilot.serving.request import Request, RequestError, check_request  # noqa: F401

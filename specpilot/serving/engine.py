@@ -1,0 +1,358 @@
+"""Continuous batching: requests arrive and leave between steps, over S slots of one preallocated state.
+
+Design choices:
+- The host owns the schedule, the device the numbers. `Engine.step()` admits waiting requests into
+  free slots (FIFO; one `reset_slots` call for all of them), feeds every prefilling slot its next
+  `prefill_chunk` prompt tokens (one forward for all of them, so a long prompt never stalls the
+  decoding rows for more than a chunk per step), then runs one decode step for the decoding slots
+  (AR: one token; chain: draft, verify, accept). Each executable is compiled ahead of time for the
+  engine's fixed shapes (`warm_up` compiles every one): which slots take part, their budgets, stop
+  tokens and sampling settings are arrays, so nothing compiles in steady state.
+- One deliberate host sync per step: the step's first tokens and emitted tokens come back together,
+  which streaming needs anyway; budgets and stop tokens are applied there (a chain step may accept
+  past either: the extra tokens are dropped and the row leaves), and a finished row's slot is free for
+  the next step's admissions.
+- A request is checked when submitted (`request.check_request`): a bad one raises `RequestError`
+  naming its field and never takes a slot, so the others go on.
+- `stream(handle)` yields a request's tokens as they commit, driving `step()` itself (the engine is
+  single-threaded); `cancel(handle)` frees its slot at once, between steps.
+- Replaying drafters (`ReplayDrafter`, `OracleDrafter`: oracle acceptance) read a per-row reference
+  from their params; the engine keeps that table `[S, max_len]` and writes a newcomer's row from its
+  `Request.draft_reference` at admission.
+- Attention reads each row's own committed length: every forward's mask is built from the rows'
+  `lengths` (`state.causal_mask`, `state.prompt_mask`), so a row never sees another request's K/V or
+  its own stale slots. That is masking by length over the preallocated cache, the reference of
+  `pallas_kernels/ragged_attention.py`, whose kernel reads only a row's own blocks.
+- A newly prefilled row starts decoding at the next step (its first token must be known to the host to
+  apply its budget and stop token); tree plans are refused (NotImplementedError) for now.
+- Sharded targets (a plan's mesh) need nothing of their own here: the slot state is a batch like any
+  other, so its rows spread over the mesh's data axis and heads over its tensor axis by the target's state
+  specs (`specpilot.sharding`), and the AOT cache compiles each step for those shardings. The slots must
+  divide over the data axis.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import itertools
+import time
+from typing import Any, Iterator
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from specpilot import sharding
+from specpilot.decoding.sampling import RequestSampling
+from specpilot.models.drafter import ReplayDrafter
+from specpilot.models.oracle import OracleDrafter
+from specpilot.serving import slots as sl
+from specpilot.serving.request import Request, RequestError, check_request
+
+WAITING, PREFILL, DECODING, DONE = "waiting", "prefill", "decoding", "done"
+
+
+@dataclasses.dataclass(eq=False)
+class Handle:
+    """One submitted request: its tokens so far, status and timestamps (time.perf_counter seconds)."""
+
+    id: int
+    request: Request
+    submitted_s: float
+    status: str = WAITING
+    slot: int | None = None
+    tokens: list = dataclasses.field(default_factory=list)
+    token_s: list = dataclasses.field(default_factory=list)  # when each token reached the host
+    finish_reason: str | None = None  # "length", "stop" or "cancelled"
+    prefilled: int = 0  # prompt tokens fed so far
+    admitted_s: float | None = None
+    finished_s: float | None = None
+    unread: collections.deque = dataclasses.field(default_factory=collections.deque, repr=False)
+
+    @property
+    def done(self) -> bool:
+        return self.status == DONE
+
+    @property
+    def ttft_s(self) -> float | None:
+        return self.token_s[0] - self.submitted_s if self.token_s else None
+
+    @property
+    def tpot_s(self) -> float | None:
+        """Mean time per output token after the first."""
+        if len(self.token_s) < 2:
+            return None
+        return (self.token_s[-1] - self.token_s[0]) / (len(self.token_s) - 1)
+
+
+@dataclasses.dataclass
+class EngineStats:
+    steps: int = 0
+    prefill_calls: int = 0
+    decode_calls: int = 0
+    decode_row_steps: int = 0  # (active row, decode step) pairs
+    decode_tokens: int = 0  # tokens those row-steps emitted (kept or not)
+
+    @property
+    def tokens_per_row_step(self) -> float:
+        """Mean tokens a decoding row gains per step (AR: 1; chain: the acceptance length tau)."""
+        return self.decode_tokens / self.decode_row_steps if self.decode_row_steps else float("nan")
+
+
+def check_plan(plan) -> None:
+    """Plans the engine cannot run yet are refused, naming the plan and field."""
+    if plan.verify == "tree":
+        raise NotImplementedError(f"decoding.plans.{plan.name}.verify: tree plans do not run through the "
+                                  f"engine yet; use an ar or chain plan")
+
+
+def _replays(drafter) -> bool:
+    return isinstance(drafter, (ReplayDrafter, OracleDrafter))
+
+
+def _with_reference(drafter, params, reference):
+    if isinstance(drafter, ReplayDrafter):
+        return reference
+    return dict(params, reference=reference)
+
+
+class Engine:
+    """Continuous batching over `slots` rows of one target state (and drafter context)."""
+
+    def __init__(self, target, target_params, drafter=None, draft_params=None, *, block_size: int | None = None,
+                 slots: int = 4, context_len: int = 256, prefill_chunk: int = 32, top_k: int = 0,
+                 sampling: bool = True):
+        bs = 1 if drafter is None else (block_size or drafter.block_size)
+        for name, value, low in (("slots", slots, 1), ("context_len", context_len, 2),
+                                 ("prefill_chunk", prefill_chunk, 1), ("block_size", bs, 1)):
+            if not isinstance(value, (int, np.integer)) or value < low:
+                raise ValueError(f"{name} must be an integer >= {low}, got {value!r}")
+        if bs > 1 and drafter is None:
+            raise ValueError("block_size > 1 needs a drafter")
+        if context_len > target.max_positions:
+            raise ValueError(f"context_len {context_len} is past the model's max_position_embeddings "
+                             f"({target.max_positions})")
+        limit = getattr(target, "max_block_size", None)  # recurrent targets keep <= limit token states
+        if limit is not None and bs > limit:
+            raise ValueError(f"block size {bs} exceeds the target's max_block_size {limit}")
+        if _replays(drafter) and sampling:
+            sampling = isinstance(drafter, ReplayDrafter)  # the oracle drafter's one-hot drafts: greedy only
+        mesh = getattr(target, "mesh", None)
+        if mesh is not None and slots % int(mesh.shape["data"]):  # slots spread over the data axis
+            raise sharding.MeshError(f"mesh.data={int(mesh.shape['data'])} does not divide the engine's "
+                                     f"slots ({slots})")
+        target.check_params(target_params)
+        self.setup = sl.EngineSetup(target, drafter if bs > 1 else None, int(bs), int(context_len),
+                                    int(prefill_chunk), int(top_k))
+        self.slots, self.sampling = int(slots), bool(sampling)
+        self.target_params = target_params
+        self._base_draft_params = draft_params
+        self.draft_params = draft_params
+        self.reference = None
+        if self.setup.uses_drafter and _replays(drafter):
+            self.reference = jnp.zeros((self.slots, self.setup.max_len), jnp.int32)
+            self.draft_params = _with_reference(drafter, draft_params, self.reference)
+        self.state = sl.init_slots(self.setup, self.draft_params, self.slots)
+        self.table: list[Handle | None] = [None] * self.slots
+        self.waiting: collections.deque[Handle] = collections.deque()
+        self.stats = EngineStats()
+        self._ids = itertools.count()
+        self._exes: dict = {}
+
+    @classmethod
+    def from_plan(cls, deployment, plan, **kwargs) -> "Engine":
+        """The engine of one of a deployment's plans (its target, weights and drafter)."""
+        check_plan(plan)
+        drafter, dparams = deployment.drafter_for(plan) if plan.uses_drafter else (None, None)
+        return cls(deployment.target_for(plan), deployment.params_for(plan), drafter, dparams,
+                   block_size=plan.block_size if plan.uses_drafter else None, **kwargs)
+
+    # ----------------------------------------------------------------------------------------------
+    # Executables
+
+    def _sampling_shape(self, greedy: bool) -> RequestSampling:
+        row = jax.ShapeDtypeStruct((self.slots,), jnp.float32)
+        return RequestSampling(row, row, greedy=greedy, top_k=self.setup.top_k)
+
+    def _exe(self, which: str, greedy: bool = True):
+        """The executable `which` for this engine's shapes, looked up once per engine."""
+        if (which, greedy) not in self._exes:
+            self._exes[which, greedy] = self._build(which, greedy)
+        return self._exes[which, greedy]
+
+    def _build(self, which: str, greedy: bool):
+        s = self.slots
+        i32 = lambda *shape: jax.ShapeDtypeStruct(shape, jnp.int32)  # noqa: E731
+        flag = jax.ShapeDtypeStruct((s,), jnp.bool_)
+        state = jax.eval_shape(lambda: self.state)
+        tp, dp, setup = self.target_params, self.draft_params, self.setup
+        if which == "reset":
+            return sl.compiled(sl.reset_jit, setup, state, flag, i32(s))
+        if which == "reference":
+            return sl.compiled(sl.set_rows_jit, None, self.reference, flag, self.reference)
+        if which == "prefill":
+            return sl.compiled(sl.prefill_jit, setup, tp, dp, state, i32(s, setup.prefill_chunk), i32(s), flag,
+                               self._sampling_shape(greedy))
+        decode = sl.decode_chain_jit if setup.uses_drafter else sl.decode_ar_jit
+        return sl.compiled(decode, setup, tp, dp, state, flag, self._sampling_shape(greedy))
+
+    def warm_up(self) -> None:
+        """Compile every executable a step may call (both sampling variants where the engine samples)."""
+        self._exe("reset")
+        if self.reference is not None:
+            self._exe("reference")
+        for greedy in (True, False) if self.sampling else (True,):
+            self._exe("prefill", greedy)
+            self._exe("decode", greedy)
+
+    # ----------------------------------------------------------------------------------------------
+    # Requests
+
+    def submit(self, request: Request) -> Handle:
+        """Queue a request; a bad one raises RequestError naming its field (nothing else is touched)."""
+        reason = ("the oracle drafter drafts one-hot tokens (greedy only)"
+                  if isinstance(self.setup.drafter, OracleDrafter) else "the engine was built without sampling")
+        request = check_request(request, vocab_size=self.setup.target.vocab_size,
+                                context_len=self.setup.context_len, sampling=self.sampling,
+                                greedy_only_reason=reason)
+        if self.reference is not None and request.draft_reference is None:
+            raise RequestError("draft_reference", "this engine's drafter replays a reference; give the prompt "
+                               "and its continuation")
+        if self.reference is None and request.draft_reference is not None:
+            raise RequestError("draft_reference", "this engine's drafter does not replay a reference")
+        handle = Handle(next(self._ids), request, time.perf_counter())
+        self.waiting.append(handle)
+        return handle
+
+    def cancel(self, handle: Handle) -> None:
+        """End a request now (between steps): its slot is free for the next admission."""
+        if handle.done:
+            return
+        if handle.status == WAITING:
+            self.waiting.remove(handle)
+        self._finish(handle, "cancelled")
+
+    def _finish(self, handle: Handle, reason: str) -> None:
+        if handle.slot is not None:
+            self.table[handle.slot] = None
+        handle.status, handle.finish_reason, handle.finished_s = DONE, reason, time.perf_counter()
+
+    @property
+    def busy(self) -> bool:
+        return bool(self.waiting) or any(h is not None for h in self.table)
+
+    @property
+    def slots_in_use(self) -> int:
+        return sum(h is not None for h in self.table)
+
+    def committed_tokens(self) -> int:
+        """Positions held by the requests in the slots (prompt fed + tokens emitted): KV in use."""
+        return sum(h.prefilled + max(len(h.tokens) - 1, 0) for h in self.table if h is not None)
+
+    def stream(self, handle: Handle) -> Iterator[int]:
+        """The request's tokens as they commit (steps the engine while it waits for them)."""
+        while True:
+            while handle.unread:
+                yield handle.unread.popleft()
+            if handle.done:
+                return
+            self.step()
+
+    def run(self) -> None:
+        """Step until every submitted request is done."""
+        while self.busy:
+            self.step()
+
+    # ----------------------------------------------------------------------------------------------
+    # One engine step
+
+    def _admit(self) -> None:
+        free = [i for i, h in enumerate(self.table) if h is None]
+        mask = np.zeros(self.slots, bool)
+        seeds = np.zeros(self.slots, np.int32)
+        rows = None if self.reference is None else np.zeros((self.slots, self.setup.max_len), np.int32)
+        for slot in free:
+            if not self.waiting:
+                break
+            handle = self.waiting.popleft()
+            handle.slot, handle.status, handle.admitted_s = slot, PREFILL, time.perf_counter()
+            self.table[slot] = handle
+            mask[slot], seeds[slot] = True, handle.request.seed
+            if rows is not None:
+                ref = handle.request.draft_reference[: self.setup.max_len]
+                rows[slot, : len(ref)] = ref
+        if mask.any():
+            self.state = self._exe("reset")(self.state, mask, seeds)
+            if rows is not None:
+                self.reference = self._exe("reference")(self.reference, mask, rows)
+                self.draft_params = _with_reference(self.setup.drafter, self._base_draft_params, self.reference)
+
+    def _sampling(self, rows: list[Handle]) -> RequestSampling:
+        temp = np.zeros(self.slots, np.float32)
+        top_p = np.ones(self.slots, np.float32)
+        for h in self.table:
+            if h is not None:
+                temp[h.slot], top_p[h.slot] = h.request.temperature, h.request.top_p
+        greedy = all(h.request.temperature == 0 for h in rows)
+        return RequestSampling(temp, top_p, greedy=greedy, top_k=self.setup.top_k)
+
+    def step(self) -> list[Handle]:
+        """Admit, prefill one chunk, decode one step; -> the handles that received tokens."""
+        self._admit()
+        c = self.setup.prefill_chunk
+        prefilling = [h for h in self.table if h is not None and h.status == PREFILL]
+        decoding = [h for h in self.table if h is not None and h.status == DECODING]
+        first = emitted = n_new = None
+        final = []
+        if prefilling:
+            tokens = np.zeros((self.slots, c), np.int32)
+            counts = np.zeros(self.slots, np.int32)
+            is_final = np.zeros(self.slots, bool)
+            for h in prefilling:
+                prompt = h.request.prompt_ids
+                n = min(c, len(prompt) - h.prefilled)
+                tokens[h.slot, :n] = prompt[h.prefilled: h.prefilled + n]
+                counts[h.slot] = n
+                h.prefilled += n
+                if h.prefilled == len(prompt):
+                    is_final[h.slot] = True
+                    final.append(h)
+            sampling = self._sampling(final)
+            self.state, first = self._exe("prefill", sampling.greedy)(
+                self.target_params, self.draft_params, self.state, tokens, counts, is_final, sampling)
+            self.stats.prefill_calls += 1
+        if decoding:
+            active = np.zeros(self.slots, bool)
+            active[[h.slot for h in decoding]] = True
+            sampling = self._sampling(decoding)
+            self.state, emitted, n_new = self._exe("decode", sampling.greedy)(
+                self.target_params, self.draft_params, self.state, active, sampling)
+            self.stats.decode_calls += 1
+        self.stats.steps += 1
+        if first is None and emitted is None:
+            return []
+        first, emitted, n_new = jax.device_get((first, emitted, n_new))  # the step's one host sync
+        now = time.perf_counter()
+        for h in final:
+            h.status = DECODING
+            self._emit(h, [int(first[h.slot])], now)
+        for h in decoding:
+            n = int(n_new[h.slot])
+            self.stats.decode_row_steps += 1
+            self.stats.decode_tokens += n
+            self._emit(h, [int(t) for t in emitted[h.slot, :n]], now)
+        return final + decoding
+
+    def _emit(self, h: Handle, new: list[int], now: float) -> None:
+        req = h.request
+        for t in new:
+            h.tokens.append(t)
+            h.token_s.append(now)
+            h.unread.append(t)
+            if t == req.stop_token:
+                self._finish(h, "stop")
+                return
+            if len(h.tokens) == req.max_new_tokens:
+                self._finish(h, "length")
+                return

@@ -1,0 +1,232 @@
+"""The engine's device side: S request slots over one preallocated target state and drafter context.
+
+Design choices:
+- One `SlotState` pytree holds every slot's row: the target state and the drafter's context (the
+  `state.TargetState` rows with their own committed `lengths [S]`), the newest emitted token (not yet
+  cached), the tokens emitted so far and each row's PRNG key. The jitted functions below take it
+  donated and return it; which rows take part is an argument (`active [S]`, prefill `counts [S]`),
+  never a shape, so arrivals, departures and setting changes reuse the same executables.
+- Slot reset (`reset_slots`): a newcomer's row gets length 0, zero recurrent state (conv and matrix),
+  a key from its seed; attention K/V are not cleared, since masks hide every slot at or past a row's
+  committed length and the row's next writes overwrite them (rollback by not committing, as in
+  `decoding/spec.py`).
+- Chunked prefill (`prefill_chunk`): one target forward over `[S, C]` tokens where row b feeds its
+  next `counts[b] <= C` prompt tokens (right-padded, `state.prompt_mask`) and commits them; the other
+  rows ride along under a plain causal mask (so no query is left without a visible slot, which would
+  make a softmax of -inf only and write NaN K/V) and commit nothing. Rows whose prompt ends in this
+  chunk (`final`) sample their first token from the last prompt position.
+- Decode (`decode_ar`: one token; `decode_chain`: draft a block, verify it in one forward, accept a
+  prefix + one token) runs every row and commits only the active ones. Rows idle or still prefilling
+  write uncommitted K/V that their next forward overwrites.
+- Capacity: every forward writes T = C or Bs slots at each row's committed length, for every row,
+  so the state holds `context_len + max(C, Bs)` slots: no write of any row (idle ones included) can
+  run past the end, where `dynamic_update_slice` would clamp it back onto committed K/V.
+- Sampling reproduces a single-request run of `ar.generate` / `spec.generate` with the same seed,
+  row by row: each row draws as a batch of one with its own key (`vmap` over rows). AR's token n uses
+  `split(key, N)[n]`, which under jax's partitionable threefry (the default) does not depend on N, so
+  the engine takes it from `split(key, context_len)`; the chain loop carries each row's key and splits
+  it per phase, as `spec.generate`'s loop state does. Greedy vs sampled is a static switch (two
+  executables); rows of temperature 0 inside a sampled step decode exactly as greedy ones.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+
+from specpilot.decoding.aot import CompileCache
+from specpilot.decoding.rejection import accept_greedy, verify_chain
+from specpilot.decoding.sampling import RequestSampling, sample
+from specpilot.state import (RecurrentState, TargetState, causal_mask, chain_forward, chain_positions,
+                             prompt_mask)
+
+
+@dataclasses.dataclass(frozen=True)
+class EngineSetup:
+    """What is static about an engine (a jit static argument; hashable)."""
+
+    target: Any
+    drafter: Any  # None for AR (block_size 1)
+    block_size: int  # 1: AR; >= 2: a drafted chain verified per step
+    context_len: int  # the most positions (prompt + new tokens) one request may use
+    prefill_chunk: int  # the most prompt tokens one row feeds per engine step
+    top_k: int = 0  # static sampling filter (0: off)
+
+    @property
+    def max_len(self) -> int:
+        """Slots per row: the context plus the widest forward's writes (see Capacity)."""
+        return self.context_len + max(self.prefill_chunk, self.block_size)
+
+    @property
+    def uses_drafter(self) -> bool:
+        return self.block_size > 1
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class SlotState:
+    target_state: TargetState
+    draft_state: Any  # the drafter's context rows (None for AR)
+    last: jax.Array  # [S] int32 newest emitted token, at position target_state.lengths, not cached yet
+    n_out: jax.Array  # [S] int32 tokens emitted so far (AR's key index)
+    key: jax.Array  # [S, 2] uint32 key data: AR's base key, the chain loop's running key
+
+
+def init_slots(setup: EngineSetup, draft_params, slots: int) -> SlotState:
+    target = setup.target
+    ts = target.init_state(slots, setup.max_len, target.dtype)
+    ds = (setup.drafter.init_state(draft_params, slots, setup.max_len, target.dtype)
+          if setup.uses_drafter else None)
+    # separate buffers: the state is donated, and one buffer may not be donated twice
+    return SlotState(ts, ds, jnp.zeros((slots,), jnp.int32), jnp.zeros((slots,), jnp.int32),
+                     jnp.zeros((slots, 2), jnp.uint32))
+
+
+def reset_rows(x, mask: jax.Array):
+    """Rows where mask [S] holds start empty: a TargetState's length 0 and zero recurrent state (K/V
+    stay, hidden by the length); any other state's leaves (a replaying drafter's lengths) zeroed."""
+    def where(a):
+        return jnp.where(mask.reshape(mask.shape + (1,) * (a.ndim - 1)), jnp.zeros_like(a), a)
+
+    if isinstance(x, TargetState):
+        layers = tuple(dataclasses.replace(layer, conv=where(layer.conv), matrix=where(layer.matrix))
+                       if isinstance(layer, RecurrentState) else layer for layer in x.layers)
+        return TargetState(layers, where(x.lengths))
+    if isinstance(x, tuple) and not hasattr(x, "_fields"):
+        return tuple(reset_rows(i, mask) for i in x)
+    return jax.tree.map(where, x)
+
+
+def reset_slots(setup: EngineSetup, state: SlotState, mask: jax.Array, seeds: jax.Array) -> SlotState:
+    """mask [S] bool: the slots taking a new request; seeds [S] int32 their PRNG seeds."""
+    keys = jax.random.key_data(jax.vmap(jax.random.key)(seeds))
+    ds = None if state.draft_state is None else reset_rows(state.draft_state, mask)
+    return SlotState(reset_rows(state.target_state, mask), ds, jnp.where(mask, 0, state.last),
+                     jnp.where(mask, 0, state.n_out), jnp.where(mask[:, None], keys, state.key))
+
+
+# --------------------------------------------------------------------------------------------------
+# Per-row sampling: row b draws as a batch of one with its own key
+
+
+def _row_sampling(sampling: RequestSampling, t, p) -> RequestSampling:
+    return RequestSampling(t[None], p[None], greedy=False, top_k=sampling.top_k)
+
+
+def sample_rows(keys: jax.Array, logits: jax.Array, sampling: RequestSampling) -> jax.Array:
+    """keys [S] (typed), logits [S, ..., V] -> tokens [S, ...] int32."""
+    if sampling.greedy:
+        return jnp.argmax(logits, axis=-1).astype(jnp.int32)
+    return jax.vmap(lambda k, x, t, p: sample(k, x[None], _row_sampling(sampling, t, p))[0])(
+        keys, logits, sampling.temperature, sampling.top_p)
+
+
+def verify_rows(keys, drafts, draft_logits, target_logits, sampling: RequestSampling):
+    """Chain verification row by row -> (n_accepted [S], next_token [S])."""
+    if sampling.greedy:
+        return accept_greedy(drafts, target_logits)
+
+    def one(k, d, dl, tl, t, p):
+        n, nxt = verify_chain(k, d[None], dl[None], tl[None], _row_sampling(sampling, t, p))
+        return n[0], nxt[0]
+
+    return jax.vmap(one)(keys, drafts, draft_logits, target_logits, sampling.temperature, sampling.top_p)
+
+
+def _split_rows(key_data: jax.Array, sampling: RequestSampling):
+    """-> (carried key data [S, 2], subkeys [S] typed); greedy splits nothing (as `spec._split`)."""
+    keys = jax.random.wrap_key_data(key_data)
+    if sampling.greedy:
+        return key_data, keys
+    pairs = jax.vmap(jax.random.split)(keys)  # [S, 2]
+    return jax.random.key_data(pairs[:, 0]), pairs[:, 1]
+
+
+def _ar_keys(setup: EngineSetup, key_data: jax.Array, n: jax.Array) -> jax.Array:
+    """[S] typed keys of AR token n[b]: split(key, N)[n] for any N > n (partitionable threefry)."""
+    cap = setup.context_len
+    return jax.vmap(lambda k, i: jax.random.split(k, cap)[jnp.minimum(i, cap - 1)])(
+        jax.random.wrap_key_data(key_data), n)
+
+
+# --------------------------------------------------------------------------------------------------
+# Steps
+
+
+def prefill_chunk(setup: EngineSetup, target_params, draft_params, state: SlotState, tokens: jax.Array,
+                  counts: jax.Array, final: jax.Array, sampling: RequestSampling):
+    """tokens [S, C] (row b's next counts[b] prompt tokens, right-padded), final [S] bool (its prompt
+    ends here) -> (state, first tokens [S]: meaningful where final)."""
+    ts = state.target_state
+    positions = chain_positions(ts, tokens.shape[1])
+    feeding = (counts > 0)[:, None, None]
+    mask = jnp.where(feeding, prompt_mask(ts, positions, counts), causal_mask(ts, positions))
+    logits, taps, ts = setup.target.forward(target_params, tokens, positions, ts, mask)
+    ts = ts.commit(counts)
+    ds = state.draft_state
+    if setup.uses_drafter:
+        ds = setup.drafter.extend(draft_params, target_params, ds, taps, counts)
+    last_logits = jnp.take_along_axis(logits, jnp.maximum(counts - 1, 0)[:, None, None], axis=1)[:, 0]
+    if setup.uses_drafter:  # spec.generate: key, key_first = split(key)
+        key, first_keys = _split_rows(state.key, sampling)
+    else:  # ar.generate: token 0 takes split(key, N)[0]
+        key, first_keys = state.key, _ar_keys(setup, state.key, jnp.zeros_like(counts))
+    first = sample_rows(first_keys, last_logits, sampling)
+    state = SlotState(ts, ds, jnp.where(final, first, state.last), jnp.where(final, 1, state.n_out),
+                      jnp.where(final[:, None], key, state.key))
+    return state, first
+
+
+def decode_ar(setup: EngineSetup, target_params, draft_params, state: SlotState, active: jax.Array,
+              sampling: RequestSampling):
+    """One token for every active row -> (state, tokens [S, 1], emitted [S])."""
+    del draft_params
+    logits, _, ts = chain_forward(setup.target, target_params, state.last[:, None], state.target_state)
+    tok = sample_rows(_ar_keys(setup, state.key, state.n_out), logits[:, 0], sampling)
+    n_new = active.astype(jnp.int32)
+    state = SlotState(ts.commit(n_new), state.draft_state, jnp.where(active, tok, state.last),
+                      state.n_out + n_new, state.key)
+    return state, tok[:, None], n_new
+
+
+def decode_chain(setup: EngineSetup, target_params, draft_params, state: SlotState, active: jax.Array,
+                 sampling: RequestSampling):
+    """Draft Bs-1 tokens, verify [last, drafts] in one forward, accept a prefix + one token, for every
+    active row -> (state, emitted tokens [S, Bs] (the first emitted[b] are new), emitted [S])."""
+    bs = setup.block_size
+    key, draft_keys = _split_rows(state.key, sampling)
+    draft_logits, ds = setup.drafter.propose(draft_params, target_params, state.draft_state, state.last, bs)
+    drafts = sample_rows(draft_keys, draft_logits, sampling)  # [S, Bs-1]
+    block = jnp.concatenate([state.last[:, None], drafts], axis=1)  # [S, Bs]
+    target_logits, taps, ts = chain_forward(setup.target, target_params, block, state.target_state)
+    key, verify_keys = _split_rows(key, sampling)
+    n_acc, next_token = verify_rows(verify_keys, drafts, draft_logits, target_logits, sampling)
+    n_new = jnp.where(active, n_acc + 1, 0)
+    idx = jnp.arange(bs, dtype=jnp.int32)[None, :]
+    emit = jnp.where(idx < n_acc[:, None], jnp.concatenate([drafts, drafts[:, :1]], axis=1),
+                     next_token[:, None])  # [S, Bs]: accepted drafts, then the next token
+    ds = setup.drafter.extend(draft_params, target_params, ds, taps, n_new)
+    state = SlotState(ts.commit(n_new), ds, jnp.where(active, next_token, state.last), state.n_out + n_new,
+                      jnp.where(active[:, None], key, state.key))
+    return state, emit, n_new
+
+
+_jit = functools.partial(jax.jit, static_argnums=0, donate_argnames=("state",))
+reset_jit = _jit(reset_slots)
+prefill_jit = _jit(prefill_chunk)
+decode_ar_jit = _jit(decode_ar)
+decode_chain_jit = _jit(decode_chain)
+set_rows_jit = jax.jit(lambda table, mask, rows: jnp.where(mask[:, None], rows, table), donate_argnums=0)
+
+CACHE = CompileCache(max_size=128)
+
+
+def compiled(fn, static, *args):
+    """The ahead-of-time executable of `fn` for these argument shapes (shared by engines alike)."""
+    if static is None:
+        return CACHE.get(fn, None, args, lambda *a: fn.lower(*a))
+    return CACHE.get(fn, static, args, lambda *a: fn.lower(static, *a))

@@ -1,0 +1,161 @@
+"""Continuous batching: each request's output through the engine equals `ar.generate`'s for it alone,
+under staggered arrivals, cancellations, slot reuse and chunked prefill; AR and chain plans; no compile
+in steady state."""
+
+import jax
+import numpy as np
+import pytest
+
+from specpilot.decoding import ar
+from specpilot.models import drafter as dr
+from specpilot.plan import Plan, TreeShape
+from specpilot.serving import Engine, Request, check_plan
+from engine_helpers import BUDGETS, CAP, CFG, PROMPTS, TARGET, count_compiles, cut_at_stop, run_staggered
+from helpers import random_params
+
+ARRIVALS = [0, 0, 1, 3, 3, 4, 9, 10]  # more requests than slots: later ones wait for freed slots
+CANCELS = {4: 5}  # request 4 (budget 16) is cancelled after step 5
+
+
+@pytest.fixture(scope="module")
+def params():
+    return random_params(dense_shapes(), 0.5, 0)
+
+
+def dense_shapes():
+    from specpilot.models import dense
+    return dense.param_shapes(CFG)
+
+
+@pytest.fixture(scope="module")
+def reference(params):
+    """Each prompt's greedy AR continuation, CAP + 8 tokens (a replaying drafter reads past the budget)."""
+    res = ar.generate(TARGET, params, PROMPTS, CAP + 8)
+    return [row.tolist() for row in res.tokens]
+
+
+def requests_with_stops(reference):
+    """Budgets as BUDGETS; request 1 and 6 stop at a token their own continuation emits."""
+    out = []
+    for i, (p, b) in enumerate(zip(PROMPTS, BUDGETS)):
+        stop = reference[i][3] if i in (1, 6) else None
+        out.append(Request(p, b, stop_token=stop))
+    return out
+
+
+def check_outputs(handles, requests, reference, cancelled=CANCELS):
+    for i, (h, r) in enumerate(zip(handles, requests)):
+        want = cut_at_stop(reference[i][: r.max_new_tokens], r.stop_token)
+        if i in cancelled:
+            assert h.finish_reason == "cancelled"
+            assert h.tokens == want[: len(h.tokens)] and len(h.tokens) < len(want), i
+        else:
+            assert h.tokens == want, i
+            assert h.finish_reason == ("stop" if r.stop_token in want else "length"), i
+
+
+def test_ar_engine_equals_ar_per_request(params, reference):
+    engine = Engine(TARGET, params, slots=3, context_len=48, prefill_chunk=8, sampling=False)
+    requests = requests_with_stops(reference)
+    handles = run_staggered(engine, requests, ARRIVALS, CANCELS)
+    check_outputs(handles, requests, reference)
+    assert engine.stats.tokens_per_row_step == 1.0
+    assert engine.slots_in_use == 0 and engine.committed_tokens() == 0
+
+
+@pytest.fixture(scope="module")
+def block_drafter():
+    dcfg = dr.DrafterConfig.for_target(CFG, num_layers=1, block_size=4)
+    return dr.BlockDrafter(dcfg, CFG), random_params(dr.param_shapes(dcfg), 0.5, 1)
+
+
+def test_chain_block_drafter_equals_ar_per_request(params, reference, block_drafter):
+    drafter, dparams = block_drafter
+    engine = Engine(TARGET, params, drafter, dparams, slots=3, context_len=48, prefill_chunk=8, sampling=False)
+    requests = requests_with_stops(reference)
+    handles = run_staggered(engine, requests, ARRIVALS, CANCELS)
+    check_outputs(handles, requests, reference)
+
+
+@pytest.mark.parametrize("wrong_every", [0, 3])
+def test_chain_replay_drafter_accepts_blocks(params, reference, wrong_every):
+    # wrong_every 0: the exact continuation (every draft right); 3: every third position wrong
+    drafter = dr.ReplayDrafter(CFG.vocab_size, 4, shift=1 if wrong_every else 0, wrong_every=wrong_every)
+    engine = Engine(TARGET, params, drafter, None, slots=3, context_len=48, prefill_chunk=8, sampling=False)
+    base = requests_with_stops(reference)
+    requests = [Request(r.prompt_ids, r.max_new_tokens, stop_token=r.stop_token,
+                        draft_reference=list(r.prompt_ids) + reference[i]) for i, r in enumerate(base)]
+    handles = run_staggered(engine, requests, ARRIVALS, CANCELS)
+    check_outputs(handles, requests, reference)
+    tau = engine.stats.tokens_per_row_step
+    assert tau > (3.0 if wrong_every == 0 else 1.5), tau
+
+
+def test_no_compiles_in_steady_state(params, reference):
+    """After warm-up: arrivals, departures, cancellations and changes of budget, stop token and sampling
+    settings (greedy <-> sampled steps) compile nothing."""
+    with count_compiles() as probe:  # the counter sees a compile when one happens
+        jax.jit(lambda x: x * 3 + 1)(np.float32(2))
+    assert probe
+    engine = Engine(TARGET, params, slots=3, context_len=48, prefill_chunk=8)
+    engine.warm_up()
+    requests = [Request(p, b, temperature=0.7 * (i % 2), top_p=0.9 if i % 3 else 1.0, seed=i,
+                        stop_token=reference[i][2] if i == 4 else None)
+                for i, (p, b) in enumerate(zip(PROMPTS, BUDGETS))]
+    with count_compiles() as compiles:
+        handles = run_staggered(engine, requests, ARRIVALS, CANCELS)
+        handles += run_staggered(engine, requests[::-1], ARRIVALS)  # slots reused by a second wave
+    assert compiles == [], compiles
+    greedy = [i for i, r in enumerate(requests) if r.temperature == 0 and i not in CANCELS]
+    for i in greedy:
+        assert handles[i].tokens == cut_at_stop(reference[i][: BUDGETS[i]], requests[i].stop_token)
+
+
+def test_stream_and_cancel(params, reference):
+    engine = Engine(TARGET, params, slots=2, context_len=48, prefill_chunk=8, sampling=False)
+    a = engine.submit(Request(PROMPTS[5], 12))
+    b = engine.submit(Request(PROMPTS[2], 12))
+    streamed = []
+    for tok in engine.stream(a):
+        streamed.append(tok)
+        if len(streamed) == 4:
+            engine.cancel(b)  # between steps: b's slot is free now
+    assert streamed == reference[5][:12] == a.tokens
+    assert b.finish_reason == "cancelled" and b.tokens == reference[2][: len(b.tokens)]
+    assert engine.slots_in_use == 0 and not engine.busy
+
+
+def test_tree_and_sharded_plans_refused():
+    tree = Plan(name="wide", verify="tree", block_size=4, tree=TreeShape(nodes=4, depth=3, branching=2))
+    with pytest.raises(NotImplementedError, match=r"decoding\.plans\.wide\.verify"):
+        check_plan(tree)
+    check_plan(Plan(name="stock", verify="chain", block_size=4))
+
+
+def test_engine_arguments_checked(params):
+    with pytest.raises(ValueError, match="slots"):
+        Engine(TARGET, params, slots=0)
+    with pytest.raises(ValueError, match="max_position_embeddings"):
+        Engine(TARGET, params, context_len=CFG.max_position_embeddings + 1)
+    with pytest.raises(ValueError, match="prefill_chunk"):
+        Engine(TARGET, params, prefill_chunk=0)
+
+
+@pytest.mark.slow  # ~35 s on 2 CPU cores: a deployment's every plan compiles
+def test_from_plan_runs_a_deployments_plans():
+    """Engine.from_plan on the toy deployment (tiny random target, random drafter at block 8): each plan's
+    outputs equal `ar.generate`'s on the deployment's own target."""
+    from agent_helpers import toy_cfg
+    from specpilot.harness import deploy
+    from specpilot.harness.config_schema import build_plans
+
+    cfg = toy_cfg()
+    plans = build_plans(cfg)
+    dep = deploy.build(cfg, plans)
+    prompts = [p[:10] for p in dep.prompts[:3]]
+    for plan in plans:
+        engine = Engine.from_plan(dep, plan, slots=2, context_len=32, prefill_chunk=8, sampling=False)
+        handles = [engine.submit(Request(p, 6)) for p in prompts]
+        engine.run()
+        want = ar.generate(dep.target_for(plan), dep.params_for(plan), prompts, 6).as_lists()
+        assert [h.tokens for h in handles] == want, plan.name
