@@ -84,6 +84,9 @@ class GpuConf:
     # defaults only: the gated delta rule's implementations (a hybrid target's linear attention in decode
     # and verification) of a plan that names none. xla = the jnp recurrence; triton = the Pallas kernel
     gated_delta_rule: List[str] = dataclasses.field(default_factory=lambda: ["xla"])
+    # defaults only: tree verification's attention (`pallas_kernels.tree_attention`) of a plan that names
+    # none. xla = the attention over the full tree mask; triton = the Pallas kernel
+    tree_attention: List[str] = dataclasses.field(default_factory=lambda: ["xla"])
     # the bf16 AR implementations the runner measures on this device; the fastest is the AR baseline
     ar_baselines: List[List[str]] = dataclasses.field(default_factory=lambda: [["xla"]])
 
@@ -100,6 +103,7 @@ class OpConf:
 class KernelsConf:
     matmul: OpConf = dataclasses.field(default_factory=OpConf)  # default: gpu.matmul.<plan's weights>
     gated_delta_rule: OpConf = dataclasses.field(default_factory=OpConf)  # default: gpu.gated_delta_rule
+    tree_attention: OpConf = dataclasses.field(default_factory=OpConf)  # default: gpu.tree_attention
 
 
 @dataclasses.dataclass
@@ -359,10 +363,12 @@ def build_plans(cfg: DictConfig) -> list[Plan]:
     defaults = {k: list(v) for k, v in cfg.gpu.matmul.items()}
     _check_implementations("gpu.gated_delta_rule", cfg.gpu.gated_delta_rule, op="gated_delta_rule")
     gdr = tuple(str(i) for i in cfg.gpu.gated_delta_rule)
+    _check_implementations("gpu.tree_attention", cfg.gpu.tree_attention, op="tree_attention")
+    tree_attention = tuple(str(i) for i in cfg.gpu.tree_attention)
     try:
         given = [plan_mod.build(str(name), OmegaConf.to_container(fields, resolve=True),
                                 drafter_block_size=drafter_block, default_matmul=defaults,
-                                default_gated_delta_rule=gdr)
+                                default_gated_delta_rule=gdr, default_tree_attention=tree_attention)
                  for name, fields in cfg.decoding.plans.items()]
     except plan_mod.PlanError as e:
         raise ConfigValueError(str(e)) from None
