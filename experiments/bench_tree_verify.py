@@ -14,7 +14,7 @@ Design choices:
   compiled. XLA's attention reads the whole cache; the kernel reads each row's committed prefix.
 - Implementations (`--impls`): "xla" (the plan defaults: full-mask attention, the jnp per-node
   recurrence) and "triton" (every tree op through its Pallas kernel, XLA where a kernel does not
-  apply: `kernels.tree_attention`, and `kernels.tree_gated_delta_rule` once that op exists). They
+  apply: `kernels.tree_attention`, and for hybrids `kernels.tree_gated_delta_rule`). They
   differ only in the target config's op choices, so each row's logits are compared to the xla row's
   on the device (max abs difference, argmax agreement): a fast row that computes something else shows.
 - Timing: `--calls` forwards issued back to back (each feeds its state to the next; the slots written
@@ -87,7 +87,7 @@ def make_target(cfg, dtype, nodes: int, impl: str, interpret: bool):
         for op in KERNEL_OPS:
             config = dispatch.CONFIGS[op]["triton"](interpret=interpret)
             choices[op] = dispatch.OpChoice(("triton", "xla"), config)
-    cfg = dataclasses.replace(cfg, **{op: c for op, c in choices.items() if hasattr(cfg, op)})
+    cfg = dataclasses.replace(cfg, **{op: c for op, c in choices.items() if hasattr(cfg, op)})  # dense: no GDR
     if isinstance(cfg, HybridConfig):
         return hybrid.target(cfg, dtype, max_block_size=nodes)
     return dense.target(cfg, dtype)
@@ -185,7 +185,8 @@ def bench_shape(name: str, args, interpret: bool, budget: Budget, emit) -> None:
             del state
             row = dict(shape=name, layers=cfg.num_layers, batch=args.batch, context=args.context,
                        cache_len=args.cache_len, nodes=nodes, depth=depth, branching=args.branching, impl=impl,
-                       ops="+".join(KERNEL_OPS) if impl == "triton" else "", ms_median=statistics.median(passes),
+                       ops="+".join(op for op in KERNEL_OPS if hasattr(cfg, op)) if impl == "triton" else "",
+                       ms_median=statistics.median(passes),
                        ms_min=min(passes), compile_s=compile_s, calls=args.calls, trials=args.trials,
                        device=f"{dev.platform}:{getattr(dev, 'device_kind', '')}", jax=jax.__version__)
             if impl == "xla":

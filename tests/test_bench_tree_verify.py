@@ -31,6 +31,7 @@ def test_smoke_writes_checked_rows(tmp_path):
         assert float(r["ms_median"]) > 0 and r["layers"] == "2" and r["context"] == "24"
     for r in rows[1::2]:  # float32 models: the kernel's logits are the reference's to rounding
         assert "tree_attention" in r["ops"].split("+")
+        assert ("tree_gated_delta_rule" in r["ops"]) == (r["shape"] == "tiny_hybrid")
         assert float(r["max_abs_diff_logits"]) < 1e-4 and float(r["argmax_agree"]) == 1.0
 
 
