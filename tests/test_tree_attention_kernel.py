@@ -78,19 +78,30 @@ def _close(got, want, atol=KERNEL_ATOL, rtol=KERNEL_RTOL):
     np.testing.assert_allclose(np.asarray(got, np.float32), np.asarray(want, np.float32), atol=atol, rtol=rtol)
 
 
+# interpreted on any backend; compiled (Triton) where jax has a GPU (`-m gpu`)
+MODES = [True, pytest.param(False, marks=pytest.mark.gpu)]
+
+
+def _reference(*x):
+    with jax.default_matmul_precision("highest"):  # a GPU's default would round float32 products to TF32
+        return ta.tree_attention_reference(*x)
+
+
+@pytest.mark.parametrize("interpret", MODES)
 @pytest.mark.parametrize("b, n, h, kvh, d, s, lengths, overrides", CASES)
-def test_kernel_equals_reference(b, n, h, kvh, d, s, lengths, overrides):
+def test_kernel_equals_reference(b, n, h, kvh, d, s, lengths, overrides, interpret):
     x = inputs(b, n, h, kvh, d, s, lengths, seed=n + s)
-    got = ta.tree_attention(*x, dataclasses.replace(INTERPRET, **overrides))
+    got = ta.tree_attention(*x, dataclasses.replace(INTERPRET, interpret=interpret, **overrides))
     assert got.shape == (b, n, h, d) and got.dtype == jnp.float32
-    _close(got, ta.tree_attention_reference(*x))
+    _close(got, _reference(*x))
 
 
-def test_bf16_kernel_equals_reference():
+@pytest.mark.parametrize("interpret", MODES)
+def test_bf16_kernel_equals_reference(interpret):
     x = inputs(2, 16, 8, 2, 32, 128, [3, 90], seed=5, dtype=jnp.bfloat16)
-    got = ta.tree_attention(*x, dataclasses.replace(INTERPRET, block_k=32, splits=2))
+    got = ta.tree_attention(*x, dataclasses.replace(INTERPRET, block_k=32, splits=2, interpret=interpret))
     assert got.dtype == jnp.bfloat16
-    _close(got, ta.tree_attention_reference(*x), atol=BF16_ATOL, rtol=0)
+    _close(got, _reference(*x), atol=BF16_ATOL, rtol=0)
 
 
 def test_kernel_is_tree_attention_as_written():

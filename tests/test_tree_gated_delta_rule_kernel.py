@@ -52,11 +52,13 @@ CASES = [  # (B, T, H, DK, DV, block_v, tree)
 ]
 
 
+@pytest.mark.parametrize("interpret", [True, pytest.param(False, marks=pytest.mark.gpu)])  # compiled: -m gpu
 @pytest.mark.parametrize("b, t, h, dk, dv, block_v, tree", CASES)
-def test_kernel_equals_reference(b, t, h, dk, dv, block_v, tree):
+def test_kernel_equals_reference(b, t, h, dk, dv, block_v, tree, interpret):
     x = _inputs(b, t, h, dk, dv, seed=t)
     parents = _parents(tree, b, t, seed=t)
-    o, states = tgdr.tree_gated_delta_rule(*x, parents, dataclasses.replace(INTERPRET, block_v=block_v))
+    config = dataclasses.replace(INTERPRET, block_v=block_v, interpret=interpret)
+    o, states = tgdr.tree_gated_delta_rule(*x, parents, config)
     assert o.shape == (b, t, h, dv) and states.shape == (b, t, h, dk, dv)
     o_ref, states_ref = tgdr.tree_gated_delta_rule_reference(*x, parents)
     _close(o, o_ref)
