@@ -10,13 +10,15 @@ Design choices:
   (`token_tree.build_tree` from random draft log-probabilities, depth `--depth`, branching
   `--branching`) at rotary positions lengths + depth, under `state.tree_mask`, with the tree's parents,
   jitted with the state donated, as inside the decoding loop. The committed context is `--context`
-  random K/V slots (and random recurrent states) in a cache of `--cache-len` slots: no prefill is
+  slots of pseudo-random K/V (and recurrent states) in a cache of `--cache-len` slots: no prefill is
   compiled. XLA's attention reads the whole cache; the kernel reads each row's committed prefix.
 - Implementations (`--impls`): "xla" (the plan defaults: full-mask attention, the jnp per-node
-  recurrence) and "triton" (every tree op through its Pallas kernel, XLA where a kernel does not
-  apply: `kernels.tree_attention`, and for hybrids `kernels.tree_gated_delta_rule`). They
-  differ only in the target config's op choices, so each row's logits are compared to the xla row's
-  on the device (max abs difference, argmax agreement): a fast row that computes something else shows.
+  recurrence), "triton" (every tree op through its Pallas kernel, XLA where a kernel does not
+  apply: `kernels.tree_attention`, and for hybrids `kernels.tree_gated_delta_rule`), or one op's name
+  (that op alone through its kernel, to split the gain); `--config op.key=value` sets a kernel's
+  settings (`dispatch.choice` checks them). They differ only in the target config's op choices, so
+  each row's logits are compared to the xla row's on the device (max abs difference, argmax
+  agreement): a fast row that computes something else shows.
 - Timing: `--calls` forwards issued back to back (each feeds its state to the next; the slots written
   are the same), one sync, divided by calls; median (and min) over `--trials` passes, in ms. Compiles
   are timed apart (`compile_s`); one compile per (shape, nodes, impl), reused by every pass.
@@ -54,8 +56,8 @@ SHAPES = {"qwen3_8b": "qwen3_8b.yaml", "qwen3_5_27b": "qwen3_5_27b.yaml",  # con
           "tiny_dense": "tiny_random.yaml", "tiny_hybrid": "tiny_hybrid.yaml"}
 # the tree ops each implementation runs through a Pallas kernel (falling through to XLA where it cannot)
 KERNEL_OPS = tuple(op for op in ("tree_attention", "tree_gated_delta_rule") if op in dispatch.CONFIGS)
-IMPLS = ("xla", "triton")
-CSV_FIELDS = ("shape", "layers", "batch", "context", "cache_len", "nodes", "depth", "branching", "impl", "ops",
+IMPLS = ("xla", "triton") + KERNEL_OPS  # an op's name: that op alone through its kernel
+CSV_FIELDS = ("shape", "layers", "batch", "context", "cache_len", "nodes", "depth", "branching", "impl", "ops", "config",
               "ms_median", "ms_min", "x_vs_xla", "max_abs_diff_logits", "argmax_agree", "compile_s", "calls",
               "trials", "device", "jax")
 
@@ -80,14 +82,20 @@ def init_params(cfg, dtype, seed: int = 0):
     return init_params_on_device(cfg, jax.random.key(seed), dtype)
 
 
-def make_target(cfg, dtype, nodes: int, impl: str, interpret: bool):
-    """The target with `impl`'s op choices in its config (hybrids keep one snapshot per node)."""
+def kernel_ops(cfg, impl: str) -> tuple[str, ...]:
+    """The tree ops `impl` runs through their kernels on this target (a dense one has no recurrence)."""
+    ops = KERNEL_OPS if impl == "triton" else () if impl == "xla" else (impl,)
+    return tuple(op for op in ops if hasattr(cfg, op))
+
+
+def make_target(cfg, dtype, nodes: int, impl: str, interpret: bool, configs: dict | None = None):
+    """The target with `impl`'s op choices in its config (hybrids keep one snapshot per node). `configs`:
+    op -> kernel settings (`--config`)."""
     choices = {}
-    if impl == "triton":
-        for op in KERNEL_OPS:
-            config = dispatch.CONFIGS[op]["triton"](interpret=interpret)
-            choices[op] = dispatch.OpChoice(("triton", "xla"), config)
-    cfg = dataclasses.replace(cfg, **{op: c for op, c in choices.items() if hasattr(cfg, op)})  # dense: no GDR
+    for op in kernel_ops(cfg, impl):
+        settings = dict((configs or {}).get(op, {}), interpret=interpret)
+        choices[op] = dispatch.choice(op, ("triton", "xla"), settings)
+    cfg = dataclasses.replace(cfg, **choices)
     if isinstance(cfg, HybridConfig):
         return hybrid.target(cfg, dtype, max_block_size=nodes)
     return dense.target(cfg, dtype)
@@ -175,7 +183,10 @@ def bench_shape(name: str, args, interpret: bool, budget: Budget, emit) -> None:
                       flush=True)
                 continue
             row_start = time.monotonic()
-            target = make_target(cfg, dtype, nodes, impl, interpret)
+            ops = kernel_ops(cfg, impl)
+            if impl not in ("xla", "triton") and not ops:
+                continue  # an op this target does not have
+            target = make_target(cfg, dtype, nodes, impl, interpret, args.configs)
             fn = verify_fn(target)
             state = random_state(target, args.batch, args.cache_len, args.context, seed=1)
             t0 = time.perf_counter()
@@ -185,7 +196,8 @@ def bench_shape(name: str, args, interpret: bool, budget: Budget, emit) -> None:
             del state
             row = dict(shape=name, layers=cfg.num_layers, batch=args.batch, context=args.context,
                        cache_len=args.cache_len, nodes=nodes, depth=depth, branching=args.branching, impl=impl,
-                       ops="+".join(op for op in KERNEL_OPS if hasattr(cfg, op)) if impl == "triton" else "",
+                       ops="+".join(ops), config=";".join(f"{op}.{k}={v}" for op in ops
+                                                           for k, v in args.configs.get(op, {}).items()),
                        ms_median=statistics.median(passes),
                        ms_min=min(passes), compile_s=compile_s, calls=args.calls, trials=args.trials,
                        device=f"{dev.platform}:{getattr(dev, 'device_kind', '')}", jax=jax.__version__)
@@ -205,7 +217,7 @@ def parse(argv):
     p.add_argument("--shapes", help=f"comma list of {', '.join(SHAPES)} (default qwen3_8b,qwen3_5_27b; smoke "
                                     "tiny_dense,tiny_hybrid)")
     p.add_argument("--nodes", help="tree node counts (default 16,32,64,128; smoke 8)")
-    p.add_argument("--impls", default=",".join(IMPLS), help=f"comma list of {', '.join(IMPLS)}")
+    p.add_argument("--impls", default="xla,triton", help=f"comma list of {', '.join(IMPLS)} (default xla,triton)")
     p.add_argument("--layers", type=int, help="truncate the stack to this many layers (default: the shape's; "
                                               "smoke 2)")
     p.add_argument("--batch", type=int, default=1)
@@ -216,6 +228,8 @@ def parse(argv):
     p.add_argument("--dtype", help="activations and weights (default bfloat16; smoke float32)")
     p.add_argument("--calls", type=int, help="forwards per timed pass (default 10; smoke 1)")
     p.add_argument("--trials", type=int, help="timed passes, the median reported (default 5; smoke 1)")
+    p.add_argument("--config", action="append", default=[], metavar="OP.KEY=VALUE",
+                   help="a kernel setting, e.g. tree_attention.splits=16 (repeatable; integers)")
     p.add_argument("--budget-s", type=float, default=540.0, help="start no row that would end past this")
     p.add_argument("--smoke", action="store_true", help="tiny shapes, interpreted kernels (any backend)")
     p.add_argument("--out", help="CSV path for the rows")
@@ -236,6 +250,18 @@ def parse(argv):
     for i in args.impls:
         if i not in IMPLS:
             p.error(f"--impls: unknown implementation {i!r}; known: {', '.join(IMPLS)}")
+    args.configs = {}
+    for item in args.config:
+        op, _, rest = item.partition(".")
+        key, _, value = rest.partition("=")
+        if op not in KERNEL_OPS or not key or not value.lstrip("-").isdigit():
+            p.error(f"--config: {item!r} is not OP.KEY=INTEGER with OP one of {', '.join(KERNEL_OPS)}")
+        args.configs.setdefault(op, {})[key] = int(value)
+    for op, settings in args.configs.items():
+        try:
+            dispatch.choice(op, "triton", settings)
+        except ValueError as e:
+            p.error(f"--config: {e}")
     if min(args.nodes) < 2:
         p.error("--nodes: a tree has the root and >= 1 drafted node")
     if args.context + max(args.nodes) > args.cache_len:
@@ -251,7 +277,7 @@ def main(argv=None) -> list[dict]:
           f"context {args.context} of {args.cache_len} slots, tree depth <= {args.depth} branching "
           f"{args.branching}, kernel ops {', '.join(KERNEL_OPS)}" + (" (interpreted)" if interpret else ""),
           flush=True)
-    print(f"{'shape':<12}{'L':>4}{'N':>5} {'impl':<7}{'ms':>9}{'min':>9}{'x xla':>7}{'diff':>10}{'agree':>7}"
+    print(f"{'shape':<12}{'L':>4}{'N':>5} {'impl':<22}{'ms':>9}{'min':>9}{'x xla':>7}{'diff':>10}{'agree':>7}"
           f"{'compile s':>10}", flush=True)
     rows: list[dict] = []
 
@@ -260,7 +286,7 @@ def main(argv=None) -> list[dict]:
         speed = f"{row['x_vs_xla']:>7.2f}" if "x_vs_xla" in row else f"{'':>7}"
         diff = (f"{row['max_abs_diff_logits']:>10.2e}{row['argmax_agree']:>7.3f}" if "max_abs_diff_logits" in row
                 else f"{'':>17}")
-        print(f"{row['shape']:<12}{row['layers']:>4}{row['nodes']:>5} {row['impl']:<7}{row['ms_median']:>9.3f}"
+        print(f"{row['shape']:<12}{row['layers']:>4}{row['nodes']:>5} {row['impl']:<22}{row['ms_median']:>9.3f}"
               f"{row['ms_min']:>9.3f}{speed}{diff}{row['compile_s']:>10.1f}", flush=True)
         if args.out:
             with open(args.out, "w", newline="") as f:

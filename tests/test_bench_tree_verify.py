@@ -47,3 +47,11 @@ def test_real_shapes_and_argument_errors():
         bench.parse(["--shapes", "qwen3_9b"])
     with pytest.raises(SystemExit):
         bench.parse(["--context", "2000", "--cache-len", "2048", "--nodes", "64"])
+    with pytest.raises(SystemExit):
+        bench.parse(["--config", "tree_attention.block_v=2"])  # not a setting of that kernel
+    assert bench.parse(["--config", "tree_attention.splits=16"]).configs == {"tree_attention": {"splits": 16}}
+    # one op alone: the dense target has no recurrence, so it runs no kernel for it
+    dense_cfg, _ = bench.load_shape("tiny_dense", 2, "float32")
+    hybrid_cfg, _ = bench.load_shape("tiny_hybrid", 2, "float32")
+    assert bench.kernel_ops(dense_cfg, "tree_gated_delta_rule") == ()
+    assert bench.kernel_ops(hybrid_cfg, "triton") == ("tree_attention", "tree_gated_delta_rule")
