@@ -1,6 +1,7 @@
 """The one place that chooses how an op is computed: `matmul` (and `prepare_params`, which puts a model's
-weights into the layout the chosen implementation multiplies) and `gated_delta_rule` (linear attention's
-recurrence, token by token).
+weights into the layout the chosen implementation multiplies), `gated_delta_rule` (linear attention's
+recurrence, token by token), `tree_gated_delta_rule` (the recurrence over a token tree, node from parent)
+and `tree_attention` (attention of a tree verification's nodes).
 
 Design choices (tokamax's op API):
 - A choice (`OpChoice`) names implementations in order of preference and carries the first one's
@@ -30,6 +31,18 @@ Implementations of "gated_delta_rule" (o and every per-token state; choice=None:
 - "xla": the jnp reference (`gated_delta_rule.gated_delta_rule_reference`, a `lax.scan` over tokens).
 - "triton": the Pallas Triton-backend kernel (`gated_delta_rule.gated_delta_rule`): power-of-two head
   dims, float32, a GPU (or interpret mode); anything else falls through.
+
+Implementations of "tree_gated_delta_rule" (o and every node's state; choice=None: "xla"):
+- "xla": the jnp reference (`tree_gated_delta_rule.tree_gated_delta_rule_reference`, a scan over nodes).
+- "triton": the Pallas Triton-backend kernel (`tree_gated_delta_rule.tree_gated_delta_rule`), on the
+  gated_delta_rule kernel's terms and config.
+
+Implementations of "tree_attention" (the nodes' attention over the committed prefix and their ancestors;
+choice=None: "xla"):
+- "xla": the model's attention under the full tree mask (`tree_attention.tree_attention_reference`).
+- "triton": the Pallas Triton-backend kernel (`tree_attention.tree_attention`): the prefix split over
+  the cache up to each row's length, plus the masked tree block; power-of-two head dims, a GPU (or
+  interpret mode); anything else falls through.
 """
 
 from __future__ import annotations
@@ -43,6 +56,8 @@ import jax
 import jax.numpy as jnp
 
 from pallas_kernels import gated_delta_rule as gdr
+from pallas_kernels import tree_attention as ta
+from pallas_kernels import tree_gated_delta_rule as tgdr
 from pallas_kernels import w12_matmul, w12_mosaic
 from pallas_kernels.w12_mosaic import TwinNK, W12MosaicConfig, W12NK
 from specpilot.formats import w12 as w12_format
@@ -65,6 +80,8 @@ class XlaConfig:
 CONFIGS: dict[str, dict[str, type]] = {
     "matmul": {"mosaic": W12MosaicConfig, "triton": w12_matmul.W12TritonConfig, "xla": XlaConfig},
     "gated_delta_rule": {"triton": gdr.GatedDeltaRuleTritonConfig, "xla": XlaConfig},
+    "tree_gated_delta_rule": {"triton": gdr.GatedDeltaRuleTritonConfig, "xla": XlaConfig},
+    "tree_attention": {"triton": ta.TreeAttentionTritonConfig, "xla": XlaConfig},
 }
 IMPLEMENTATIONS: dict[str, tuple[str, ...]] = {op: tuple(impls) for op, impls in CONFIGS.items()}
 VARIANT = re.compile(r"variant:[0-9a-f]{8,64}")
@@ -274,6 +291,61 @@ def gated_delta_rule(q, k, v, g, beta, s0, *, choice: OpChoice | None = None):
             refused.append(f"{impl}: {e}")
     raise NotImplementedError(f"no gated_delta_rule implementation of {c.implementation} takes k {k.shape} "
                               f"v {v.shape} {v.dtype}: " + "; ".join(refused))
+
+
+# ---- tree_gated_delta_rule ---------------------------------------------------------------------------
+
+def _tgdr_xla(q, k, v, g, beta, s0, parents, config: XlaConfig):
+    del config
+    return tgdr.tree_gated_delta_rule_reference(q, k, v, g, beta, s0, parents)
+
+
+_TREE_GATED_DELTA_RULES = {"xla": _tgdr_xla, "triton": tgdr.tree_gated_delta_rule}
+
+
+def tree_gated_delta_rule(q, k, v, g, beta, s0, parents, *, choice: OpChoice | None = None):
+    """The gated delta rule over a token tree: `gated_delta_rule`'s arguments plus parents [B, T] int32
+    (-1: from s0) -> (o [B, T, H, DV], every node's state [B, T, H, DK, DV]). Tries
+    `choice.implementation` in order (None: the reference), falling through on NotImplementedError."""
+    c = OpChoice(("xla",)) if choice is None else choice
+    _check_choice(c, "tree_gated_delta_rule")
+    refused = []
+    for impl in c.implementation:
+        try:
+            return _TREE_GATED_DELTA_RULES[impl](q, k, v, g, beta, s0, parents,
+                                                 _config(c, "tree_gated_delta_rule", impl))
+        except NotImplementedError as e:
+            refused.append(f"{impl}: {e}")
+    raise NotImplementedError(f"no tree_gated_delta_rule implementation of {c.implementation} takes k {k.shape} "
+                              f"v {v.shape} {v.dtype}: " + "; ".join(refused))
+
+
+# ---- tree_attention ----------------------------------------------------------------------------------
+
+def _ta_xla(q, k_cache, v_cache, lengths, ancestors, config: XlaConfig):
+    del config
+    return ta.tree_attention_reference(q, k_cache, v_cache, lengths, ancestors)
+
+
+_TREE_ATTENTIONS = {"xla": _ta_xla, "triton": ta.tree_attention}
+
+
+def tree_attention(q, k_cache, v_cache, lengths, ancestors, *, choice: OpChoice | None = None):
+    """A tree verification's attention: q [B, N, H, D] of the N nodes, k_cache, v_cache [B, S, KVH, D]
+    with the nodes' K/V at slots lengths[b] + j, lengths [B] committed slots, ancestors [B, N, N] bool
+    -> [B, N, H, D]. Tries `choice.implementation` in order (None: the reference), falling through on
+    NotImplementedError."""
+    c = OpChoice(("xla",)) if choice is None else choice
+    _check_choice(c, "tree_attention")
+    refused = []
+    for impl in c.implementation:
+        try:
+            return _TREE_ATTENTIONS[impl](q, k_cache, v_cache, lengths, ancestors,
+                                          _config(c, "tree_attention", impl))
+        except NotImplementedError as e:
+            refused.append(f"{impl}: {e}")
+    raise NotImplementedError(f"no tree_attention implementation of {c.implementation} takes q {q.shape} over "
+                              f"a cache {k_cache.shape} {k_cache.dtype}: " + "; ".join(refused))
 
 
 # ---- weight layouts ----------------------------------------------------------------------------------

@@ -13,7 +13,7 @@ Design choices:
 - A run's `decoding.plans` is a mapping name -> plan fields (Hydra: `decoding.plans.stock.weights=w12`,
   multirun `-m decoding.plans.stock.block_size=4,8,16`). Fields a plan leaves unset take the deployment's
   defaults: the block size is the drafter's, a kernel implementation left `null` is the `gpu` group's
-  default (`gpu.matmul` per weight format, `gpu.gated_delta_rule`).
+  default (`gpu.matmul` per weight format, `gpu.<op>` for the others).
 - The baselines are plans too: "AR" is the fastest bf16 `ar` plan the run measured for the device (the
   `gpu` group lists the candidates), "stock" is `chain` with bf16 weights and the default kernels.
 - A tree plan's `block_size` is its verification width, max(nodes, depth + 1): the tokens one step
@@ -38,7 +38,7 @@ RESERVED_VERIFY_KINDS = ()
 TREE_KINDS = ("tree", "two_level")  # verification kinds that draft a tree (`tree:` shape)
 WEIGHT_FORMATS = ("bf16", "w12")
 BATCHING_POLICIES = ("static",)
-KERNEL_OPS = ("matmul", "gated_delta_rule")  # the fields of `Kernels`, each a `dispatch` op
+KERNEL_OPS = ("matmul", "gated_delta_rule", "tree_gated_delta_rule", "tree_attention")  # the fields of `Kernels`, each a `dispatch` op
 
 
 class PlanError(ValueError):
@@ -54,10 +54,13 @@ class Kernels:
     """The implementation of each op (`pallas_kernels.dispatch.OpChoice`: names tried in order, falling
     through on NotImplementedError, and the first one's frozen config of block sizes and options):
     `matmul` for the linear layers, `gated_delta_rule` for a hybrid target's linear-attention recurrence
-    in decode and verification (dense targets have none)."""
+    in decode and chain verification (dense targets have none), `tree_gated_delta_rule` for it over a tree
+    (node from parent), `tree_attention` for the attention layers of a tree verification forward."""
 
     matmul: OpChoice = OpChoice(("xla",))
     gated_delta_rule: OpChoice = OpChoice(("xla",))
+    tree_gated_delta_rule: OpChoice = OpChoice(("xla",))
+    tree_attention: OpChoice = OpChoice(("xla",))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -202,11 +205,12 @@ def _op_choice(name: str, kernels, op: str, default) -> OpChoice:
 
 
 def build(name: str, fields: Mapping[str, Any], *, drafter_block_size: int | None,
-          default_matmul: Mapping[str, Any], default_gated_delta_rule=("xla",)) -> Plan:
+          default_matmul: Mapping[str, Any], default_gated_delta_rule=("xla",),
+          default_tree_gated_delta_rule=("xla",), default_tree_attention=("xla",)) -> Plan:
     """A Plan from a config mapping (the YAML's fields), with the deployment's defaults filled in.
 
-    `default_matmul`: weight format -> implementation list; `default_gated_delta_rule`: an implementation
-    list (the `gpu` group's defaults, `gpu.<op>`). Each kernel config mapping becomes its first
+    `default_matmul`: weight format -> implementation list; `default_gated_delta_rule`,
+    `default_tree_gated_delta_rule`, `default_tree_attention`: implementation lists (the `gpu` group's defaults, `gpu.<op>`). Each kernel config mapping becomes its first
     implementation's typed config (`dispatch.choice`), so an unknown option fails here, naming the field.
     """
     verify = str(fields.get("verify", "chain"))
@@ -232,12 +236,15 @@ def build(name: str, fields: Mapping[str, Any], *, drafter_block_size: int | Non
     mesh = _mesh(name, fields.get("mesh"))
     if not mesh.is_single:  # sharded plans compute through XLA unless a plan says otherwise
         default_matmul = {weights: ["xla"]}
-        default_gated_delta_rule = ["xla"]
+        default_gated_delta_rule = default_tree_gated_delta_rule = default_tree_attention = ["xla"]
     matmul_fields = (kernels.get("matmul") or {}) if isinstance(kernels, Mapping) else {}
     if matmul_fields.get("implementation") is None and weights not in default_matmul:
         _fail(name, "kernels.matmul.implementation", f"the gpu config gives no default for {weights!r} weights")
     chosen = Kernels(matmul=_op_choice(name, kernels, "matmul", default_matmul.get(weights)),
-                     gated_delta_rule=_op_choice(name, kernels, "gated_delta_rule", default_gated_delta_rule))
+                     gated_delta_rule=_op_choice(name, kernels, "gated_delta_rule", default_gated_delta_rule),
+                     tree_gated_delta_rule=_op_choice(name, kernels, "tree_gated_delta_rule",
+                                                      default_tree_gated_delta_rule),
+                     tree_attention=_op_choice(name, kernels, "tree_attention", default_tree_attention))
     return Plan(name=name, verify=verify, weights=weights, block_size=int(block), kernels=chosen,
                 tree=tree, two_level=_two_level(name, fields.get("two_level")),
                 batching=str(fields.get("batching", "static")), mesh=mesh)

@@ -217,8 +217,8 @@ def build_space(cfg: DictConfig, *, platform: str = "cpu", devices: int = 1) -> 
     choices.append(Choice("weights", plan_mod.WEIGHT_FORMATS, "categorical", targets=("matmul", "lm_head")))
     hybrid = _is_hybrid(cfg.target)
     for op in plan_mod.KERNEL_OPS:
-        if op == "gated_delta_rule" and not hybrid:
-            continue
+        if op == "gated_delta_rule" and not hybrid or op.startswith("tree_"):
+            continue  # no recurrence in a dense target; no tree plans in this space
         lists = [("xla",)]
         if platform == "gpu":
             lists += [(impl, "xla") for impl in PALLAS_ON_GPU[op]]

@@ -86,6 +86,12 @@ class GpuConf:
     # defaults only: the gated delta rule's implementations (a hybrid target's linear attention in decode
     # and verification) of a plan that names none. xla = the jnp recurrence; triton = the Pallas kernel
     gated_delta_rule: List[str] = dataclasses.field(default_factory=lambda: ["xla"])
+    # defaults only: the gated delta rule over a tree (a hybrid's tree verification) of a plan that names
+    # none. xla = the jnp per-node recurrence; triton = the Pallas kernel
+    tree_gated_delta_rule: List[str] = dataclasses.field(default_factory=lambda: ["xla"])
+    # defaults only: tree verification's attention (`pallas_kernels.tree_attention`) of a plan that names
+    # none. xla = the attention over the full tree mask; triton = the Pallas kernel
+    tree_attention: List[str] = dataclasses.field(default_factory=lambda: ["xla"])
     # the bf16 AR implementations the runner measures on this device; the fastest is the AR baseline
     ar_baselines: List[List[str]] = dataclasses.field(default_factory=lambda: [["xla"]])
 
@@ -102,6 +108,8 @@ class OpConf:
 class KernelsConf:
     matmul: OpConf = dataclasses.field(default_factory=OpConf)  # default: gpu.matmul.<plan's weights>
     gated_delta_rule: OpConf = dataclasses.field(default_factory=OpConf)  # default: gpu.gated_delta_rule
+    tree_gated_delta_rule: OpConf = dataclasses.field(default_factory=OpConf)  # default: gpu.tree_gated_delta_rule
+    tree_attention: OpConf = dataclasses.field(default_factory=OpConf)  # default: gpu.tree_attention
 
 
 @dataclasses.dataclass
@@ -384,10 +392,14 @@ def build_plans(cfg: DictConfig) -> list[Plan]:
     defaults = {k: list(v) for k, v in cfg.gpu.matmul.items()}
     _check_implementations("gpu.gated_delta_rule", cfg.gpu.gated_delta_rule, op="gated_delta_rule")
     gdr = tuple(str(i) for i in cfg.gpu.gated_delta_rule)
+    tree_defaults = {}
+    for op in ("tree_gated_delta_rule", "tree_attention"):
+        _check_implementations(f"gpu.{op}", cfg.gpu[op], op=op)
+        tree_defaults[f"default_{op}"] = tuple(str(i) for i in cfg.gpu[op])
     try:
         given = [plan_mod.build(str(name), OmegaConf.to_container(fields, resolve=True),
                                 drafter_block_size=drafter_block, default_matmul=defaults,
-                                default_gated_delta_rule=gdr)
+                                default_gated_delta_rule=gdr, **tree_defaults)
                  for name, fields in cfg.decoding.plans.items()]
     except plan_mod.PlanError as e:
         raise ConfigValueError(str(e)) from None
@@ -404,7 +416,9 @@ def build_plans(cfg: DictConfig) -> list[Plan]:
         name = "ar" if impl[0] == "xla" else f"ar_{impl[0]}"
         if name in names:
             _fail(f"decoding.plans.{name}", f"the name is the AR baseline's on this gpu ({list(impl)}); rename it")
-        kernels = plan_mod.Kernels(dispatch.choice("matmul", impl), dispatch.choice("gated_delta_rule", gdr))
+        kernels = plan_mod.Kernels(dispatch.choice("matmul", impl), dispatch.choice("gated_delta_rule", gdr),
+                                   **{op: dispatch.choice(op, tree_defaults[f"default_{op}"])
+                                      for op in ("tree_gated_delta_rule", "tree_attention")})
         baselines.append(plan_mod.Plan(name=name, verify="ar", kernels=kernels))
         names.add(name)
     plans = baselines + given

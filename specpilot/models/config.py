@@ -65,6 +65,10 @@ class ModelConfig:
     # set by the harness), or None: each weight by the implementation its layout belongs to (XLA's dot
     # for plain arrays). Static, so it is part of every jit cache key; not a checkpoint field.
     matmul: Any = None
+    # What computes attention in a tree verification forward (`forward(..., parents=)`): a plan's
+    # kernels.tree_attention (`pallas_kernels.dispatch.OpChoice`), or None: the attention over the full
+    # mask (`layers.attention`). Static; not a checkpoint field.
+    tree_attention: Any = None
 
     def __post_init__(self):
         positive = ("vocab_size", "hidden_size", "intermediate_size", "num_layers", "num_heads",

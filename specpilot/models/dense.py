@@ -37,7 +37,7 @@ from pallas_kernels import dispatch
 from specpilot import sharding
 from specpilot import state as st
 from specpilot.models.config import ModelConfig
-from specpilot.models.layers import apply_rope, attention, linear, rms_norm, rope_tables
+from specpilot.models.layers import apply_rope, cache_attention, linear, rms_norm, rope_tables
 from specpilot.state import AttentionState, TargetState
 
 Params = dict
@@ -192,8 +192,9 @@ def lm_head(params: Params, cfg: ModelConfig, x: jax.Array) -> jax.Array:
 
 
 def decoder_layer(p: dict, cfg: ModelConfig, x: jax.Array, cos, sin, kv: AttentionState,
-                  start: jax.Array, mask: jax.Array):
-    """One pre-norm decoder layer. x: [B, T, H]; K/V written at slots start[b] + i; returns (x, kv)."""
+                  start: jax.Array, mask: jax.Array, parents: jax.Array | None = None):
+    """One pre-norm decoder layer. x: [B, T, H]; K/V written at slots start[b] + i; returns (x, kv).
+    parents (a tree's): attention goes through cfg.tree_attention when set (`layers.cache_attention`)."""
     b, t, _ = x.shape
     h = rms_norm(x, p["attn_norm"], cfg.rms_norm_eps)
     q, k, v = _projections(p, cfg, h, "qkv", (cfg.q_size, cfg.kv_size, cfg.kv_size))
@@ -205,7 +206,7 @@ def decoder_layer(p: dict, cfg: ModelConfig, x: jax.Array, cos, sin, kv: Attenti
         k = rms_norm(k, p["k_norm"], cfg.rms_norm_eps)
     q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
     kv = kv.write(k, v, start)
-    attn = attention(q, kv.k.astype(q.dtype), kv.v.astype(q.dtype), mask)
+    attn = cache_attention(q, kv, start, mask, parents, cfg.tree_attention)
     x = x + linear(attn.reshape(b, t, cfg.q_size), p["o"], p.get("o_bias"), choice=cfg.matmul, role="o")
     h = rms_norm(x, p["mlp_norm"], cfg.rms_norm_eps)
     g, u = _projections(p, cfg, h, "gate_up", (cfg.intermediate_size, cfg.intermediate_size))
@@ -222,7 +223,8 @@ def init_state(cfg: ModelConfig, batch_size: int, max_len: int, dtype=None) -> T
 
 
 def hidden_forward(params: Params, cfg: ModelConfig, x: jax.Array, positions: jax.Array,
-                   state: TargetState, mask: jax.Array, exit_layer: int | None = None):
+                   state: TargetState, mask: jax.Array, parents: jax.Array | None = None,
+                   exit_layer: int | None = None):
     """Decoder stack over input embeddings x [B, T, H] at rotary positions [B, T], K/V written at
     slots state.lengths[b] + i, attention over the slots mask [B, T, S] allows. exit_layer: run only
     the first that many layers (an early exit; the later layers' state is returned unchanged).
@@ -233,7 +235,7 @@ def hidden_forward(params: Params, cfg: ModelConfig, x: jax.Array, positions: ja
     cos, sin = rope_tables(positions, cfg.inv_freq())
     layers, taps = [], []
     for i, p in enumerate(params["layers"][:exit_layer]):
-        x, kv = decoder_layer(p, cfg, x, cos, sin, state.layers[i], state.lengths, mask)
+        x, kv = decoder_layer(p, cfg, x, cos, sin, state.layers[i], state.lengths, mask, parents)
         layers.append(kv)
         if i in cfg.tap_layers:
             taps.append(x)
@@ -244,12 +246,15 @@ def hidden_forward(params: Params, cfg: ModelConfig, x: jax.Array, positions: ja
 
 
 def forward(params: Params, cfg: ModelConfig, tokens: jax.Array, positions: jax.Array,
-            state: TargetState, mask: jax.Array, exit_layer: int | None = None):
+            state: TargetState, mask: jax.Array, parents: jax.Array | None = None,
+            exit_layer: int | None = None):
     """tokens [B, T], positions [B, T] int32, mask [B, T, S] bool (True: query t sees slot s)
     -> (logits [B, T, V] float32, taps [B, T, n_taps*H], state with K/V written at slots
-    lengths[b] .. lengths[b]+T-1). Nothing is committed (see `TargetState.commit`). exit_layer: the
-    final norm and head read the output of that many layers (`hidden_forward`)."""
-    x, taps, state = hidden_forward(params, cfg, embed(params, tokens), positions, state, mask, exit_layer)
+    lengths[b] .. lengths[b]+T-1). Nothing is committed (see `TargetState.commit`). parents [B, T]
+    marks a tree forward: attention then runs as cfg.tree_attention chooses (the tree is in the mask).
+    exit_layer: the final norm and head read the output of that many layers (`hidden_forward`)."""
+    x, taps, state = hidden_forward(params, cfg, embed(params, tokens), positions, state, mask, parents,
+                                    exit_layer)
     return lm_head(params, cfg, x), taps, state
 
 
@@ -298,11 +303,12 @@ class Target:
     def forward(self, params: Params, tokens: jax.Array, positions: jax.Array, state: TargetState,
                 mask: jax.Array, parents: jax.Array | None = None, exit_layer: int | None = None):
         """`forward` with the state's mesh constraints. parents [B, T] (a tree's, `decoding.tree`):
-        attention layers read the tree from the mask alone, so a dense target ignores them.
-        exit_layer: logits from the first that many layers (an early exit, `decoding.two_level`)."""
-        del parents
+        attention layers read the tree from the mask; parents only mark the forward as a tree's, which
+        `cfg.tree_attention` computes. exit_layer: logits from the first that many layers (an early
+        exit, `decoding.two_level`)."""
         with sharding.active(self.mesh):
-            logits, taps, state = forward(params, self.cfg, tokens, positions, state, mask, exit_layer)
+            logits, taps, state = forward(params, self.cfg, tokens, positions, state, mask, parents,
+                                          exit_layer)
         return logits, taps, sharding.constrain_state(state, self.mesh)
 
 

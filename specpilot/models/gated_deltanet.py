@@ -29,8 +29,9 @@ Design choices:
   state[parent[i]] and token i, the committed state for the root) and a convolution over each node's
   ancestor chain (`_tree_conv`: the window is the node, its W-1 nearest ancestors, and before the root
   the committed conv state). Snapshot i is node i's state, so committing a path takes the snapshot of
-  its last node (`TargetState.gather_path`). Every node is fed (a tree has no padding). Pure jnp: on
-  a chain (parent i-1) it computes what the recurrent form does.
+  its last node (`TargetState.gather_path`). Every node is fed (a tree has no padding). The recurrence
+  runs through `dispatch.tree_gated_delta_rule` (`HybridConfig.tree_gated_delta_rule`: the jnp
+  reference or its Pallas kernel); on a chain (parent i-1) it computes what the recurrent form does.
 - Numerics follow transformers' Qwen3.5: the rule in float32 (products at HIGHEST precision, not
   a GPU's TF32 default), g = -exp(A_log) softplus(a + dt_bias)
   in float32, the convolution accumulated in float32, the gated RMSNorm `w * norm(o) * silu(z)`
@@ -46,6 +47,7 @@ import jax.numpy as jnp
 
 from pallas_kernels import dispatch
 from pallas_kernels.gated_delta_rule import gated_delta_rule_reference
+from pallas_kernels.tree_gated_delta_rule import tree_gated_delta_rule_reference
 from jax.sharding import PartitionSpec as P
 
 from specpilot import sharding
@@ -83,6 +85,9 @@ def init_state(cfg, batch_size: int, max_snapshots: int, dtype) -> RecurrentStat
 # The recurrent form is the kernels' reference; the layer computes it through `dispatch.gated_delta_rule`
 # (a plan's kernels.gated_delta_rule: this reference or the Pallas kernel).
 recurrent_gated_delta_rule = gated_delta_rule_reference
+# The per-node tree recurrence likewise (`dispatch.tree_gated_delta_rule`, a plan's
+# kernels.tree_gated_delta_rule: this reference or the Pallas kernel).
+tree_gated_delta_rule = tree_gated_delta_rule_reference
 
 
 def chunk_gated_delta_rule(q, k, v, g, beta, initial_state, chunk_size: int = CHUNK_SIZE):
@@ -126,28 +131,6 @@ def chunk_gated_delta_rule(q, k, v, g, beta, initial_state, chunk_size: int = CH
     o = jnp.moveaxis(o, 0, 1)  # [B, N, H, C, DV]
     o = jnp.moveaxis(o, 2, 3).reshape(b, n * chunk_size, h, dv)[:, :t]
     return o, final
-
-
-def tree_gated_delta_rule(q, k, v, g, beta, initial_state, parents):
-    """The rule over a token tree (same arguments as `recurrent_gated_delta_rule`, plus parents [B, T]
-    int32: -1 for a node fed from `initial_state`, else an earlier node) -> (o [B, T, H, DV], every
-    node's state [B, T, H, DK, DV]). Nodes are visited in index order (topological)."""
-    b, t, h, dk = k.shape
-    dv = v.shape[-1]
-    rows = jnp.arange(b)
-
-    def step(states, inputs):
-        i, q_t, k_t, v_t, g_t, b_t, par = inputs  # par [B]
-        s = jnp.where((par < 0)[:, None, None, None], initial_state, states[rows, jnp.maximum(par, 0)])
-        s = s * jnp.exp(g_t)[..., None, None]
-        predicted = _einsum("bhkv,bhk->bhv", s, k_t)
-        s = s + _einsum("bhk,bhv->bhkv", k_t, (v_t - predicted) * b_t[..., None])
-        return states.at[:, i].set(s), _einsum("bhkv,bhk->bhv", s, q_t)
-
-    time_major = [jnp.moveaxis(x, 1, 0) for x in (q, k, v, g, beta, parents)]
-    states0 = jnp.zeros((b, t, h, dk, dv), initial_state.dtype)
-    states, o = jax.lax.scan(step, states0, (jnp.arange(t), *time_major))
-    return jnp.moveaxis(o, 0, 1), states
 
 
 def _tree_conv(x: jax.Array, weight: jax.Array, conv_state: jax.Array, parents: jax.Array):
@@ -254,7 +237,8 @@ def gated_deltanet(p: dict, cfg, x: jax.Array, layer_state: RecurrentState, mask
 
     k_snap = layer_state.max_snapshots
     if parents is not None:  # tree verification: every node's state from its parent's
-        o, states = tree_gated_delta_rule(q, k, v, g, beta, layer_state.matrix, parents)
+        o, states = dispatch.tree_gated_delta_rule(q, k, v, g, beta, layer_state.matrix, parents,
+                                                   choice=cfg.tree_gated_delta_rule)
         layer_state = layer_state.write_snapshots(node_conv, states)
     elif t <= k_snap:  # decode / verification: every per-token state
         o, states = dispatch.gated_delta_rule(q, k, v, g, beta, layer_state.matrix, choice=cfg.gated_delta_rule)

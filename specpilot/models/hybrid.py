@@ -42,7 +42,7 @@ from specpilot import state as st
 from specpilot.models import dense
 from specpilot.models import gated_deltanet as gdn
 from specpilot.models.hybrid_config import HybridConfig
-from specpilot.models.layers import apply_rope, attention, linear, rope_tables
+from specpilot.models.layers import apply_rope, cache_attention, linear, rope_tables
 from specpilot.state import AttentionState, TargetState
 
 Params = dict
@@ -131,7 +131,7 @@ def _partial_rope(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
 
 
 def gated_attention(p: dict, cfg: HybridConfig, x: jax.Array, cos, sin, kv: AttentionState,
-                    start: jax.Array, mask: jax.Array):
+                    start: jax.Array, mask: jax.Array, parents: jax.Array | None = None):
     """x [B, T, H] (input-normed) -> (out [B, T, H], kv with K/V written at slots start[b] + i)."""
     b, t, _ = x.shape
     nh, nkv, d = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
@@ -142,7 +142,7 @@ def gated_attention(p: dict, cfg: HybridConfig, x: jax.Array, cos, sin, kv: Atte
     q = _partial_rope(rms_norm(q, p["q_norm"], cfg.rms_norm_eps), cos, sin)
     k = _partial_rope(rms_norm(k, p["k_norm"], cfg.rms_norm_eps), cos, sin)
     kv = kv.write(k, v, start)
-    out = attention(q, kv.k.astype(q.dtype), kv.v.astype(q.dtype), mask).reshape(b, t, nh * d)
+    out = cache_attention(q, kv, start, mask, parents, cfg.tree_attention).reshape(b, t, nh * d)
     return linear(out * jax.nn.sigmoid(gate), p["o"], p.get("o_bias"), choice=cfg.matmul, role="o"), kv
 
 
@@ -152,7 +152,7 @@ def decoder_layer(p: dict, cfg: HybridConfig, layer: int, x: jax.Array, cos, sin
     if cfg.is_linear(layer):
         mixed, layer_state = gdn.gated_deltanet(p, cfg, h, layer_state, mask, start, parents)
     else:
-        mixed, layer_state = gated_attention(p, cfg, h, cos, sin, layer_state, start, mask)
+        mixed, layer_state = gated_attention(p, cfg, h, cos, sin, layer_state, start, mask, parents)
     x = x + mixed
     h = rms_norm(x, p["mlp_norm"], cfg.rms_norm_eps)
     g = linear(h, p["gate"], choice=cfg.matmul, role="gate")

@@ -64,6 +64,11 @@ class HybridConfig:
     # What computes the linear layers' gated delta rule token by token (decode, verification): a plan's
     # kernels.gated_delta_rule (`pallas_kernels.dispatch.OpChoice`), or None: the jnp reference. Static.
     gated_delta_rule: Any = None
+    # What computes the linear layers' gated delta rule over a tree (verification, node from parent): a
+    # plan's kernels.tree_gated_delta_rule, or None: the jnp reference. Static.
+    tree_gated_delta_rule: Any = None
+    # What computes the full-attention layers in a tree verification forward, as ModelConfig.tree_attention.
+    tree_attention: Any = None
 
     rope_scaling = None  # no rope scaling type is supported; read by drafter configs built from this
 

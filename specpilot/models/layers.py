@@ -11,6 +11,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from pallas_kernels import dispatch
+from pallas_kernels import tree_attention as _tree_attention
 
 
 def rms_norm(x: jax.Array, weight: jax.Array, eps: float) -> jax.Array:
@@ -43,20 +44,23 @@ def apply_rope(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
     return x * cos + rotated * sin
 
 
-def attention(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array) -> jax.Array:
-    """Grouped-query attention of T queries over S cached keys.
+# Grouped-query attention of T queries over S cached slots: q [B, T, H, D], k, v [B, S, KVH, D], mask
+# [B, T, S] bool (True = visible) -> [B, T, H, D]. It lives beside the tree-attention kernel, whose
+# reference it is (`pallas_kernels.tree_attention.cache_attention`).
+attention = _tree_attention.cache_attention
 
-    q: [B, T, H, D]; k, v: [B, S, KVH, D]; mask: [B, T, S] bool (True = visible). Returns [B, T, H, D].
-    """
-    b, t, h, d = q.shape
-    kvh = k.shape[2]
-    qg = q.reshape(b, t, kvh, h // kvh, d)  # [B, T, KVH, G, D]
-    scores = jnp.einsum("btkgd,bskd->bkgts", qg, k, preferred_element_type=jnp.float32)
-    scores = scores * (1.0 / np.sqrt(d))
-    scores = jnp.where(mask[:, None, None, :, :], scores, -jnp.inf)
-    probs = jax.nn.softmax(scores, axis=-1).astype(v.dtype)
-    out = jnp.einsum("bkgts,bskd->btkgd", probs, v, preferred_element_type=jnp.float32)
-    return out.reshape(b, t, h, d).astype(q.dtype)
+
+def cache_attention(q: jax.Array, kv, start: jax.Array, mask: jax.Array, parents: jax.Array | None = None,
+                    choice: dispatch.OpChoice | None = None) -> jax.Array:
+    """q [B, T, H, D]'s attention over an `AttentionState` kv whose slots start[b] .. start[b]+T-1 hold
+    the T tokens' own K/V, under mask [B, T, S]. In a tree forward (parents given) with a choice, through
+    `dispatch.tree_attention`: the mask's block at those slots is the tree's ancestor mask (every mask of
+    `specpilot.state` shows all slots < start and none past the block)."""
+    if parents is None or choice is None:
+        return attention(q, kv.k.astype(q.dtype), kv.v.astype(q.dtype), mask)
+    t = q.shape[1]
+    ancestors = jax.vmap(lambda m, s: jax.lax.dynamic_slice_in_dim(m, s, t, axis=1))(mask, start)  # [B, T, T]
+    return dispatch.tree_attention(q, kv.k, kv.v, start, ancestors, choice=choice)
 
 
 def swiglu(x: jax.Array, gate: jax.Array, up: jax.Array, down: jax.Array,
