@@ -140,3 +140,21 @@ def test_packed_verify_equals_padded():
             close(got.k[b, : ln + c], want.k[b, : ln + c])
             close(got.v[b, : ln + c], want.v[b, : ln + c])
             np.testing.assert_array_equal(got.k[b, ln + c:], before.k[b, ln + c:])  # nothing past its candidates
+
+
+def test_step_cost_from_the_cost_model():
+    """The line passes through predict's step time at the plan's block, and its slope is predict's
+    verify-stage growth per token from block 2 to the plan's block."""
+    import dataclasses
+
+    from specpilot.harness.prediction import predict
+    from test_costmodel_predict import SETTING, STOCK
+
+    cost = StepCost.from_predict(STOCK, SETTING, slots=3)
+    at = dataclasses.replace(SETTING, shape=dataclasses.replace(SETTING.shape, batch=3))
+    full, small = predict(STOCK, at, 1.0), predict(dataclasses.replace(STOCK, block_size=2), at, 1.0)
+    assert cost.step_s(3 * 4) == pytest.approx(full.step_s)
+    grow = (full.step_s - full.stages["draft"]) - (small.step_s - small.stages["draft"])
+    assert grow > 0 and cost.per_token_s == pytest.approx(grow / (3 * 2))
+    with pytest.raises(ValueError, match="chain plan of block >= 3"):
+        StepCost.from_predict(dataclasses.replace(STOCK, block_size=2), SETTING, slots=3)
