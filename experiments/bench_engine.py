@@ -2,11 +2,16 @@
 
     PYTHONPATH=. python experiments/bench_engine.py [--shape smollm2] [--m 4] [--rates 0.5,2,8]
         [--requests 16] [--new-tokens 64] [--plans ar,stock] [--out engine.json]
+        [--batching fixed,budget,budget+packed] [--token-budget N]
     PYTHONPATH=. python experiments/bench_engine.py --smoke     # tiny random pair, a few seconds
 
 --shape smollm2: the real SmolLM2-135M-Instruct pair (target converted from its GGUF, the packaged
 block drafter at --block), chat prompts of at most --prompt-len tokens, each request stopping at the
-model's end-of-turn token or after --new-tokens. --shape tiny (and --smoke): a 2-layer random target
+model's end-of-turn token or after --new-tokens. --batching (stock only): `fixed` verifies every row's
+full block, `budget` chooses each row's draft count per step from the drafter's confidence under
+--token-budget (mechanism 1; default half of slots x block), `budget+packed` also packs only the kept
+candidates into the verify forward (mechanism 2). Each row reports tokens emitted, sent to
+verification and computed by the verify forward per decode step. --shape tiny (and --smoke): a 2-layer random target
 with a random block drafter, random prompts and budgets. --m: the engine's slot counts.
 
 Requests arrive as a Poisson process at each rate (requests per second, wall clock, seeded), are
@@ -64,7 +69,25 @@ def run_workload(engine: Engine, requests: list[Request], rate: float, seed: int
             "slots_in_use_mean": float(np.mean(slots_used)), "slots_in_use_max": int(np.max(slots_used)),
             "kv_tokens_mean": float(np.mean(kv_used)), "kv_tokens_max": int(np.max(kv_used)),
             "kv_tokens_capacity": engine.slots * engine.setup.max_len,
-            "tokens_per_row_step": engine.stats.tokens_per_row_step, "steps": engine.stats.steps}
+            "tokens_per_row_step": engine.stats.tokens_per_row_step, "steps": engine.stats.steps,
+            "tokens_per_decode": engine.stats.tokens_per_decode,
+            "verify_tokens_per_decode": engine.stats.verify_tokens_per_decode,
+            "forward_tokens_per_decode": (engine.stats.forward_tokens / engine.stats.decode_calls
+                                          if engine.stats.decode_calls else float("nan"))}
+
+
+BATCHINGS = {"fixed": {}, "budget": {"draft_budget": "confidence"},
+             "budget+packed": {"draft_budget": "confidence", "verify": "packed"}}
+
+
+def batching_for(name: str, slots: int, block: int, token_budget: int):
+    """The plan.Batching of a --batching name (budgeted ones at token_budget, default slots x block / 2)."""
+    from specpilot.plan import Batching
+
+    fields = BATCHINGS[name]
+    if not fields:
+        return Batching()
+    return Batching(**fields, token_budget=token_budget or max(2 * slots, slots * block // 2))
 
 
 def tiny_pair(block: int):
@@ -128,6 +151,8 @@ def main(argv=None):
     ap.add_argument("--block", type=int, default=8, help="stock's block size")
     ap.add_argument("--chunk", type=int, default=64, help="prefill chunk (prompt tokens per row per step)")
     ap.add_argument("--model-dir", default="", help="the converted SmolLM2 folder (default: found in the cache)")
+    ap.add_argument("--batching", default="fixed", help=f"comma list of {', '.join(BATCHINGS)} (stock plans)")
+    ap.add_argument("--token-budget", type=int, default=0, help="verification tokens per step (0: slots x block / 2)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--smoke", action="store_true", help="tiny random pair, 6 requests: a few seconds")
     args = bench.parse_common(ap, argv)
@@ -135,6 +160,9 @@ def main(argv=None):
         args.shape, args.requests, args.new_tokens, args.prompt_len = "tiny", 6, 8, 12
         args.rates, args.m, args.block, args.chunk = "200", [2], 4, 8
     rates, plans = bench.comma_list(args.rates, float), bench.comma_list(args.plans)
+    batchings = bench.comma_list(args.batching)
+    if not batchings or set(batchings) - set(BATCHINGS):
+        ap.error(f"--batching takes {', '.join(BATCHINGS)}, got {args.batching!r}")
     if not rates or min(rates) <= 0:
         ap.error(f"--rates takes positive request rates, got {args.rates!r}")
     if not plans or set(plans) - {"ar", "stock"}:
@@ -151,26 +179,30 @@ def main(argv=None):
         ap.error(f"--shape takes smollm2 or tiny, got {args.shape!r}")
     print(f"device {jax.devices()[0]}, jax {jax.__version__}, {args.shape}, {len(requests)} requests, "
           f"<= {args.new_tokens} new tokens, context {context}")
-    print(f"{'plan':>5} {'slots':>5} {'rate':>6} {'tok/s':>8} {'ttft50':>7} {'ttft99':>7} {'tpot50':>7} "
-          f"{'tpot99':>7} {'used':>5} {'kv_max':>6} {'tau':>5}")
+    print(f"{'plan':>19} {'slots':>5} {'rate':>6} {'tok/s':>8} {'ttft50':>7} {'ttft99':>7} {'tpot50':>7} "
+          f"{'tpot99':>7} {'used':>5} {'kv_max':>6} {'tau':>5} {'tok/dec':>7} {'ver/dec':>7} {'fwd/dec':>7}")
     rows = []
+    runs = [(p, b) for p in plans for b in (batchings if p == "stock" else ["fixed"])]
     for slots in args.m:
-        for plan in plans:
+        for plan, batching in runs:
             d, dp = (drafter, dparams) if plan == "stock" else (None, None)
             engine = Engine(target, params, d, dp, block_size=args.block if d else None, slots=slots,
-                            context_len=context, prefill_chunk=args.chunk, sampling=False)
+                            context_len=context, prefill_chunk=args.chunk, sampling=False,
+                            batching=batching_for(batching, slots, args.block, args.token_budget) if d else None)
             t0 = time.perf_counter()
             engine.warm_up()
             compile_s = time.perf_counter() - t0
             for i, rate in enumerate(rates):
                 engine.stats = type(engine.stats)()
-                row = {"plan": plan, "slots": slots, "compile_s": compile_s,
+                row = {"plan": plan, "batching": batching, "slots": slots, "compile_s": compile_s,
+                       "token_budget": engine.setup.token_budget,
                        **run_workload(engine, requests, rate, args.seed + i)}
                 rows.append(row)
-                print(f"{plan:>5} {slots:>5} {rate:>6.2f} {row['throughput_tok_s']:>8.1f} "
+                print(f"{plan + '/' + batching:>19} {slots:>5} {rate:>6.2f} {row['throughput_tok_s']:>8.1f} "
                       f"{row['ttft_p50_s']:>7.3f} {row['ttft_p99_s']:>7.3f} {row['tpot_p50_s']:>7.4f} "
                       f"{row['tpot_p99_s']:>7.4f} {row['slots_in_use_mean']:>5.2f} {row['kv_tokens_max']:>6} "
-                      f"{row['tokens_per_row_step']:>5.2f}")
+                      f"{row['tokens_per_row_step']:>5.2f} {row['tokens_per_decode']:>7.2f} "
+                      f"{row['verify_tokens_per_decode']:>7.2f} {row['forward_tokens_per_decode']:>7.1f}")
     record = {"shape": args.shape, "jax": jax.__version__, "device": str(jax.devices()[0]),
               "new_tokens": args.new_tokens, "context": context, "chunk": args.chunk, "block": args.block,
               "rows": rows}

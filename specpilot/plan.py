@@ -7,7 +7,9 @@ Design choices:
   to `two_level.keep` nodes by a cheap first level, `drafter_confidence` or `early_exit` at
   `two_level.exit_layer`, before the target checks the kept nodes),
   the weight format (`bf16`, `w12`), the kernel implementation per op with a frozen config of its block
-  sizes and options (`Kernels`), the block size, the tree shape, and a reserved batching policy. The
+  sizes and options (`Kernels`), the block size, the tree shape, and how the serving engine batches
+  (`Batching`: admission policy, per-request draft budget, padded or packed verification, the batch's
+  verification token budget). The
   runner and the results read everything from the plan, never from its name, so a loop that rewrites a
   deployment flips one field at a time.
 - A run's `decoding.plans` is a mapping name -> plan fields (Hydra: `decoding.plans.stock.weights=w12`,
@@ -37,7 +39,9 @@ VERIFY_KINDS = ("ar", "chain", "tree", "two_level")
 RESERVED_VERIFY_KINDS = ()
 TREE_KINDS = ("tree", "two_level")  # verification kinds that draft a tree (`tree:` shape)
 WEIGHT_FORMATS = ("bf16", "w12")
-BATCHING_POLICIES = ("static",)
+BATCHING_POLICIES = ("continuous", "static")  # static: a new wave is admitted only into an empty batch
+DRAFT_BUDGETS = ("fixed", "confidence")  # fixed: every row verifies block_size - 1 drafts
+VERIFY_LAYOUTS = ("padded", "packed")  # packed: only kept candidates enter the verify forward
 KERNEL_OPS = ("matmul", "gated_delta_rule", "tree_gated_delta_rule", "tree_attention")  # the fields of `Kernels`, each a `dispatch` op
 
 
@@ -89,6 +93,24 @@ class TwoLevel:
 
 
 @dataclasses.dataclass(frozen=True)
+class Batching:
+    """How the serving engine batches a plan's requests (`specpilot.serving.engine`).
+
+    `policy`: `continuous` admits a request into any free slot between steps, `static` admits a new
+    wave only once every slot is free (requests decoded in lockstep). `draft_budget`: `fixed` verifies
+    block_size - 1 drafts per row, `confidence` chooses each row's draft count per step from the
+    drafter's confidence under `token_budget` (mechanism 1). `verify`: `padded` runs every row's full
+    block, `packed` only the kept candidates, packed into one stream of `token_budget` tokens
+    (mechanism 2). `token_budget`: verification tokens (candidates plus each row's last token) one step
+    may check over the batch; None: slots x block_size (no limit)."""
+
+    policy: str = "continuous"
+    draft_budget: str = "fixed"
+    verify: str = "padded"
+    token_budget: int | None = None
+
+
+@dataclasses.dataclass(frozen=True)
 class Plan:
     name: str
     verify: str = "chain"
@@ -97,7 +119,7 @@ class Plan:
     kernels: Kernels = Kernels()
     tree: TreeShape | None = None  # tree and two_level plans: the drafted tree's shape
     two_level: TwoLevel | None = None  # two_level plans: the first level
-    batching: str = "static"  # reserved: requests decoded in lockstep, as today
+    batching: Batching = Batching()  # the serving engine's batching (harness runs decode one fixed batch)
     mesh: MeshShape = MeshShape()  # devices over batch rows (data) x heads and features (tensor)
 
     def __post_init__(self):
@@ -120,8 +142,7 @@ class Plan:
             self._check_two_level()
         elif self.two_level is not None:
             _fail(self.name, "two_level", f"a first level belongs to verify: two_level, not {self.verify!r}")
-        if self.batching not in BATCHING_POLICIES:
-            _fail(self.name, "batching", f"{self.batching!r} is not available; available: {BATCHING_POLICIES}")
+        self._check_batching()
         for op in KERNEL_OPS:
             if not getattr(self.kernels, op).implementation:
                 _fail(self.name, f"kernels.{op}.implementation", "name at least one implementation")
@@ -135,6 +156,27 @@ class Plan:
             if not self.mesh.is_single and any(i != "xla" for i in impl):
                 _fail(self.name, "mesh", f"tensor/data-parallel plans compute through XLA (kernels.{op}."
                       f"implementation=[xla]), got {list(impl)}")
+
+    def _check_batching(self):
+        b = self.batching
+        if not isinstance(b, Batching):
+            _fail(self.name, "batching", f"must be a Batching, got {type(b).__name__}")
+        for field, known in (("policy", BATCHING_POLICIES), ("draft_budget", DRAFT_BUDGETS),
+                             ("verify", VERIFY_LAYOUTS)):
+            if getattr(b, field) not in known:
+                _fail(self.name, f"batching.{field}", f"{getattr(b, field)!r} is not one of {known}")
+        if self.verify != "chain":
+            for field, plain in (("draft_budget", "fixed"), ("verify", "padded")):
+                if getattr(b, field) != plain:
+                    _fail(self.name, f"batching.{field}", f"{getattr(b, field)!r} needs a chain plan "
+                          f"(verify: chain), got verify={self.verify!r}")
+        t = b.token_budget
+        if t is not None:
+            if not isinstance(t, int) or isinstance(t, bool) or t < 2:
+                _fail(self.name, "batching.token_budget", f"must be null or an integer >= 2 (a row's last "
+                      f"token and one draft), got {t!r}")
+            if self.verify != "chain":
+                _fail(self.name, "batching.token_budget", f"budgets chain verification, got verify={self.verify!r}")
 
     def _check_tree(self):
         from specpilot.decoding.token_tree import max_nodes
@@ -247,7 +289,24 @@ def build(name: str, fields: Mapping[str, Any], *, drafter_block_size: int | Non
                      tree_attention=_op_choice(name, kernels, "tree_attention", default_tree_attention))
     return Plan(name=name, verify=verify, weights=weights, block_size=int(block), kernels=chosen,
                 tree=tree, two_level=_two_level(name, fields.get("two_level")),
-                batching=str(fields.get("batching", "static")), mesh=mesh)
+                batching=_batching(name, fields.get("batching")), mesh=mesh)
+
+
+def _batching(name: str, fields) -> Batching:
+    """A plan's batching from its config mapping ({policy, draft_budget, verify, token_budget}; absent
+    or null: the defaults)."""
+    if fields is None:
+        return Batching()
+    if isinstance(fields, Batching):
+        return fields
+    if not isinstance(fields, Mapping):
+        _fail(name, "batching", f"expected a mapping with policy, draft_budget, verify and token_budget, "
+              f"got {fields!r}")
+    known = [f.name for f in dataclasses.fields(Batching)]
+    unknown = sorted(set(fields) - set(known))
+    if unknown:
+        _fail(name, "batching", f"unknown key(s) {', '.join(map(repr, unknown))}; known: {', '.join(known)}")
+    return Batching(**{k: v for k, v in fields.items() if v is not None or k == "token_budget"})
 
 
 def _tree(name: str, fields) -> TreeShape | None:

@@ -81,7 +81,12 @@ def test_every_option_composes(group):
     ("decoding=tree drafter=random drafter.block_size=8", "decoding.plans.tree_n16.tree.depth: a depth-15 tree needs a drafter block of 16"),
     ("decoding.plans.stock.weights=w11", "decoding.plans.stock.weights"),
     ("decoding.plans.stock.block_size=1", "decoding.plans.stock.block_size"),
-    ("decoding.plans.stock.batching=continuous", "decoding.plans.stock.batching"),
+    ("decoding.plans.stock.batching.policy=eager", "decoding.plans.stock.batching.policy: 'eager'"),
+    ("decoding.plans.stock.batching.verify=sparse", "decoding.plans.stock.batching.verify: 'sparse'"),
+    ("decoding.plans.stock.batching.draft_budget=tree", "decoding.plans.stock.batching.draft_budget"),
+    ("decoding.plans.stock.batching.token_budget=1", "decoding.plans.stock.batching.token_budget: must be"),
+    ("decoding.plans.stock.verify=ar decoding.plans.stock.batching.verify=packed",
+     "decoding.plans.stock.batching.verify: 'packed' needs a chain plan"),
     ("decoding.plans.stock.kernels.matmul.implementation=[cuda]", "decoding.plans.stock.kernels.matmul"),
     ("decoding.plans.stock.kernels.matmul.implementation=[]", "decoding.plans.stock.kernels.matmul"),
     ("+decoding.plans.stock.kernels.matmul.config.block_k=64", "decoding.plans.stock.kernels.matmul: .*block_k"),
@@ -132,7 +137,10 @@ PLAN_FLIPS = [  # (override, plan field, value as the Plan holds it)
     ("decoding.plans.stock.kernels.matmul.implementation=[mosaic,xla] "
      "+decoding.plans.stock.kernels.matmul.config.large_n=16384", "kernels.matmul.config",
      W12MosaicConfig(large_n=16384)),
-    ("decoding.plans.stock.batching=static", "batching", "static"),
+    ("decoding.plans.stock.batching.policy=static", "batching.policy", "static"),
+    ("decoding.plans.stock.batching.draft_budget=confidence", "batching.draft_budget", "confidence"),
+    ("decoding.plans.stock.batching.verify=packed", "batching.verify", "packed"),
+    ("decoding.plans.stock.batching.token_budget=24", "batching.token_budget", 24),
 ]
 
 
@@ -157,7 +165,7 @@ def test_each_plan_field_flips_from_the_command_line(override, field, value):
                if getattr(before["stock"], f.name) != getattr(after["stock"], f.name)]
     if field == "verify":  # an ar plan verifies one token: its block size follows
         assert set(changed) == {"verify", "block_size"}
-    elif field != "batching":  # static is the default: nothing changes
+    else:
         assert changed == [field.split(".")[0]]
 
 

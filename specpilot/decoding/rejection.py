@@ -17,6 +17,9 @@ Design choices:
   p and q of row b both use row b's values. A temperature-0 row's p and q are one-hots at their
   argmax, so rejection sampling accepts exactly the drafts greedy matching accepts and emits the
   target's argmax: such a row decodes exactly as greedy inside a sampled batch.
+- A per-row draft count `kept [B]` (the serving engine's per-request budget) verifies only each row's
+  first kept[b] drafts: later ones count as rejected and their q as zero, so a row that accepts all of
+  its kept drafts takes the bonus token from p at position kept[b], exactly as a chain of kept[b].
 - Randomness only from explicit keys: one key gives the uniforms for the K accept tests and one the
   residual / bonus draw.
 """
@@ -39,16 +42,23 @@ def _accepted_prefix(accept: jax.Array) -> jax.Array:
     return jnp.cumprod(accept.astype(jnp.int32), axis=-1).sum(axis=-1).astype(jnp.int32)
 
 
-def accept_greedy(drafts: jax.Array, target_logits: jax.Array) -> tuple[jax.Array, jax.Array]:
-    """drafts [B, K], target_logits [B, K+1, V] -> (n_accepted [B], next_token [B])."""
+def _live(drafts: jax.Array, kept: jax.Array | None) -> jax.Array:
+    """[B, K] bool: the drafts each row verifies (its first kept[b]; all when kept is None)."""
+    j = jnp.arange(drafts.shape[1], dtype=jnp.int32)[None, :]
+    return jnp.ones(drafts.shape, bool) if kept is None else j < kept[:, None]
+
+
+def accept_greedy(drafts: jax.Array, target_logits: jax.Array, kept: jax.Array | None = None
+                  ) -> tuple[jax.Array, jax.Array]:
+    """drafts [B, K], target_logits [B, K+1, V], kept [B] or None -> (n_accepted [B], next_token [B])."""
     k = drafts.shape[1]
     choice = jnp.argmax(target_logits, axis=-1).astype(jnp.int32)  # [B, K+1]
-    n_acc = _accepted_prefix(drafts == choice[:, :k])
+    n_acc = _accepted_prefix((drafts == choice[:, :k]) & _live(drafts, kept))
     return n_acc, jnp.take_along_axis(choice, n_acc[:, None], axis=1)[:, 0]
 
 
-def rejection_sample(key: jax.Array, drafts: jax.Array, q: jax.Array, p: jax.Array
-                     ) -> tuple[jax.Array, jax.Array]:
+def rejection_sample(key: jax.Array, drafts: jax.Array, q: jax.Array, p: jax.Array,
+                     kept: jax.Array | None = None) -> tuple[jax.Array, jax.Array]:
     """Lossless chain verification on explicit distributions.
 
     drafts [B, K] sampled from q [B, K, V]; p [B, K+1, V] the target's distributions at the K draft
@@ -57,12 +67,13 @@ def rejection_sample(key: jax.Array, drafts: jax.Array, q: jax.Array, p: jax.Arr
     b, k = drafts.shape
     key_accept, key_next = jax.random.split(key)
     p = p.astype(jnp.float32)
-    q = q.astype(jnp.float32)
+    live = _live(drafts, kept)
+    q = jnp.where(live[..., None], q.astype(jnp.float32), 0.0)
     p_x = jnp.take_along_axis(p[:, :k], drafts[..., None], axis=-1)[..., 0]  # [B, K]
     q_x = jnp.take_along_axis(q, drafts[..., None], axis=-1)[..., 0]  # [B, K]
     u = jax.random.uniform(key_accept, (b, k), jnp.float32)
     # u < p/q written without the division: q(x) > 0 for a token drawn from q.
-    n_acc = _accepted_prefix(u * q_x < p_x)
+    n_acc = _accepted_prefix((u * q_x < p_x) & live)
     p_at = jnp.take_along_axis(p, n_acc[:, None, None], axis=1)[:, 0]  # [B, V]
     # Past the last draft q is zero, so the residual there is p itself: the bonus draw.
     q_pad = jnp.concatenate([q, jnp.zeros((b, 1, q.shape[-1]), q.dtype)], axis=1)
@@ -76,16 +87,16 @@ def rejection_sample(key: jax.Array, drafts: jax.Array, q: jax.Array, p: jax.Arr
 
 
 def accept_sampled(key: jax.Array, drafts: jax.Array, draft_logits: jax.Array, target_logits: jax.Array,
-                   sampling: RequestSampling) -> tuple[jax.Array, jax.Array]:
+                   sampling: RequestSampling, kept: jax.Array | None = None) -> tuple[jax.Array, jax.Array]:
     """Rejection sampling with p and q from logits under the same sampling transform."""
     q = probabilities(draft_logits, sampling)  # [B, K, V]
     p = probabilities(target_logits, sampling)  # [B, K+1, V]
-    return rejection_sample(key, drafts, q, p)
+    return rejection_sample(key, drafts, q, p, kept)
 
 
 def verify_chain(key: jax.Array, drafts: jax.Array, draft_logits: jax.Array, target_logits: jax.Array,
-                 sampling: RequestSampling) -> tuple[jax.Array, jax.Array]:
+                 sampling: RequestSampling, kept: jax.Array | None = None) -> tuple[jax.Array, jax.Array]:
     """The one entry the decoding loop calls: greedy matching or rejection sampling."""
     if as_request_sampling(sampling).greedy:
-        return accept_greedy(drafts, target_logits)
-    return accept_sampled(key, drafts, draft_logits, target_logits, sampling)
+        return accept_greedy(drafts, target_logits, kept)
+    return accept_sampled(key, drafts, draft_logits, target_logits, sampling, kept)

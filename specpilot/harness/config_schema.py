@@ -9,7 +9,7 @@ Design choices:
   than the prompt set, new tokens that cannot fit the cache, an impossible plan) with messages that name
   the offending key.
 - `decoding.plans` maps plan names to `PlanConf` (one field per choice: verification kind, weight
-  format, kernel implementation and its config, block size, reserved tree shape and batching policy), so
+  format, kernel implementation and its config, block size, tree shape and the serving engine's batching), so
   a loop can rewrite a deployment's plan one override at a time; `build_plans` turns them into frozen
   `specpilot.plan.Plan`s and adds the device's AR baseline candidates. The `gpu` group gives defaults only.
 """
@@ -135,6 +135,16 @@ class MeshConf:
 
 
 @dataclasses.dataclass
+class BatchingConf:
+    """The serving engine's batching of a plan (`specpilot.plan.Batching`)."""
+
+    policy: str = "continuous"  # continuous | static (a new wave only into an empty batch)
+    draft_budget: str = "fixed"  # fixed | confidence (per-row draft counts under token_budget)
+    verify: str = "padded"  # padded | packed (only kept candidates enter the verify forward)
+    token_budget: Optional[int] = None  # verification tokens per step over the batch; null: no limit
+
+
+@dataclasses.dataclass
 class PlanConf:
     """One decoding plan (`specpilot.plan.Plan`); unset fields take the deployment's defaults."""
 
@@ -144,7 +154,7 @@ class PlanConf:
     kernels: KernelsConf = dataclasses.field(default_factory=KernelsConf)
     tree: Optional[TreeConf] = None  # tree and two_level plans: nodes (root included), depth, branching
     two_level: Optional[TwoLevelConf] = None  # two_level plans: the first level
-    batching: str = "static"  # reserved for the batching engine
+    batching: BatchingConf = dataclasses.field(default_factory=BatchingConf)
     mesh: Optional[MeshConf] = None  # null: one device
 
 

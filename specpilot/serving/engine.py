@@ -23,6 +23,11 @@ Design choices:
   `lengths` (`state.causal_mask`, `state.prompt_mask`), so a row never sees another request's K/V or
   its own stale slots. That is masking by length over the preallocated cache, the reference of
   `pallas_kernels/ragged_attention.py`, whose kernel reads only a row's own blocks.
+- Batching (`plan.Batching`, read by `from_plan`): `policy="static"` admits a new wave only into an
+  empty batch; `draft_budget="confidence"` lets each row verify a draft count chosen per step from the
+  drafter's confidence under `token_budget` and the step cost (`budget.StepCost`, from the cost
+  model); `verify="packed"` sends only the kept candidates through the target (`packed`). Stats count
+  the tokens rows sent to verification and the tokens the verify forward computed.
 - A newly prefilled row starts decoding at the next step (its first token must be known to the host to
   apply its budget and stop token); tree plans are refused (NotImplementedError) for now.
 - Sharded targets (a plan's mesh) need nothing of their own here: the slot state is a batch like any
@@ -47,7 +52,10 @@ from specpilot import sharding
 from specpilot.decoding.sampling import RequestSampling
 from specpilot.models.drafter import ReplayDrafter
 from specpilot.models.oracle import OracleDrafter
+from specpilot.plan import Batching
 from specpilot.serving import slots as sl
+from specpilot.serving.budget import StepCost
+from specpilot.serving.packed import check_packable
 from specpilot.serving.request import Request, RequestError, check_request
 
 WAITING, PREFILL, DECODING, DONE = "waiting", "prefill", "decoding", "done"
@@ -93,11 +101,23 @@ class EngineStats:
     decode_calls: int = 0
     decode_row_steps: int = 0  # (active row, decode step) pairs
     decode_tokens: int = 0  # tokens those row-steps emitted (kept or not)
+    verify_tokens: int = 0  # tokens those row-steps sent to verification (last token + kept drafts)
+    forward_tokens: int = 0  # tokens the decode calls' verify forwards computed (padded: slots x block)
 
     @property
     def tokens_per_row_step(self) -> float:
         """Mean tokens a decoding row gains per step (AR: 1; chain: the acceptance length tau)."""
         return self.decode_tokens / self.decode_row_steps if self.decode_row_steps else float("nan")
+
+    @property
+    def tokens_per_decode(self) -> float:
+        """Mean tokens one decode call emits over the batch."""
+        return self.decode_tokens / self.decode_calls if self.decode_calls else float("nan")
+
+    @property
+    def verify_tokens_per_decode(self) -> float:
+        """Mean tokens one decode call sends to verification over the batch."""
+        return self.verify_tokens / self.decode_calls if self.decode_calls else float("nan")
 
 
 def check_plan(plan) -> None:
@@ -105,6 +125,29 @@ def check_plan(plan) -> None:
     if plan.verify == "tree":
         raise NotImplementedError(f"decoding.plans.{plan.name}.verify: tree plans do not run through the "
                                   f"engine yet; use an ar or chain plan")
+
+
+def _token_budget(b: Batching, slots: int, bs: int, target) -> int:
+    """The verification tokens one decode may check over the batch; a batching the engine cannot run
+    raises ValueError (NotImplementedError for packed hybrid or sharded targets) naming the field."""
+    if not isinstance(b, Batching):
+        raise ValueError(f"batching must be a plan.Batching, got {type(b).__name__}")
+    if bs == 1:
+        for field, plain in (("draft_budget", "fixed"), ("verify", "padded")):
+            if getattr(b, field) != plain:
+                raise ValueError(f"batching.{field}: {getattr(b, field)!r} needs a drafter (block_size >= 2)")
+        return slots
+    full = slots * bs
+    budget = full if b.token_budget is None else int(b.token_budget)
+    if b.draft_budget == "fixed" and budget < full:
+        raise ValueError(f"batching.token_budget: {budget} is less than the {slots} slots x block {bs} = {full} "
+                         f"tokens fixed draft counts verify; give >= {full} or draft_budget: confidence")
+    if budget < 2 * slots:
+        raise ValueError(f"batching.token_budget: {budget} leaves some of the {slots} slots without a draft "
+                         f"(each verifies its last token and >= 1 draft: >= {2 * slots})")
+    if b.verify == "packed":
+        check_packable(target)
+    return min(budget, full)
 
 
 def _replays(drafter) -> bool:
@@ -122,7 +165,7 @@ class Engine:
 
     def __init__(self, target, target_params, drafter=None, draft_params=None, *, block_size: int | None = None,
                  slots: int = 4, context_len: int = 256, prefill_chunk: int = 32, top_k: int = 0,
-                 sampling: bool = True):
+                 sampling: bool = True, batching: Batching | None = None, step_cost: StepCost | None = None):
         bs = 1 if drafter is None else (block_size or drafter.block_size)
         for name, value, low in (("slots", slots, 1), ("context_len", context_len, 2),
                                  ("prefill_chunk", prefill_chunk, 1), ("block_size", bs, 1)):
@@ -143,8 +186,11 @@ class Engine:
             raise sharding.MeshError(f"mesh.data={int(mesh.shape['data'])} does not divide the engine's "
                                      f"slots ({slots})")
         target.check_params(target_params)
+        self.batching = batching or Batching()
+        budget = _token_budget(self.batching, int(slots), int(bs), target)
         self.setup = sl.EngineSetup(target, drafter if bs > 1 else None, int(bs), int(context_len),
-                                    int(prefill_chunk), int(top_k))
+                                    int(prefill_chunk), int(top_k), self.batching.draft_budget,
+                                    self.batching.verify, budget, step_cost or StepCost())
         self.slots, self.sampling = int(slots), bool(sampling)
         self.target_params = target_params
         self._base_draft_params = draft_params
@@ -162,9 +208,10 @@ class Engine:
 
     @classmethod
     def from_plan(cls, deployment, plan, **kwargs) -> "Engine":
-        """The engine of one of a deployment's plans (its target, weights and drafter)."""
+        """The engine of one of a deployment's plans (its target, weights, drafter and batching)."""
         check_plan(plan)
         drafter, dparams = deployment.drafter_for(plan) if plan.uses_drafter else (None, None)
+        kwargs.setdefault("batching", plan.batching)
         return cls(deployment.target_for(plan), deployment.params_for(plan), drafter, dparams,
                    block_size=plan.block_size if plan.uses_drafter else None, **kwargs)
 
@@ -269,6 +316,8 @@ class Engine:
 
     def _admit(self) -> None:
         free = [i for i, h in enumerate(self.table) if h is None]
+        if self.batching.policy == "static" and len(free) < self.slots:
+            return  # lockstep waves: the next one waits for the whole batch to finish
         mask = np.zeros(self.slots, bool)
         seeds = np.zeros(self.slots, np.int32)
         rows = None if self.reference is None else np.zeros((self.slots, self.setup.max_len), np.int32)
@@ -303,7 +352,7 @@ class Engine:
         c = self.setup.prefill_chunk
         prefilling = [h for h in self.table if h is not None and h.status == PREFILL]
         decoding = [h for h in self.table if h is not None and h.status == DECODING]
-        first = emitted = n_new = None
+        first = emitted = n_new = verified = None
         final = []
         if prefilling:
             tokens = np.zeros((self.slots, c), np.int32)
@@ -326,13 +375,15 @@ class Engine:
             active = np.zeros(self.slots, bool)
             active[[h.slot for h in decoding]] = True
             sampling = self._sampling(decoding)
-            self.state, emitted, n_new = self._exe("decode", sampling.greedy)(
+            self.state, emitted, n_new, verified = self._exe("decode", sampling.greedy)(
                 self.target_params, self.draft_params, self.state, active, sampling)
             self.stats.decode_calls += 1
+            self.stats.forward_tokens += (self.setup.token_budget if self.setup.verify == "packed"
+                                          else self.slots * self.setup.block_size)
         self.stats.steps += 1
         if first is None and emitted is None:
             return []
-        first, emitted, n_new = jax.device_get((first, emitted, n_new))  # the step's one host sync
+        first, emitted, n_new, verified = jax.device_get((first, emitted, n_new, verified))  # one host sync
         now = time.perf_counter()
         for h in final:
             h.status = DECODING
@@ -341,6 +392,7 @@ class Engine:
             n = int(n_new[h.slot])
             self.stats.decode_row_steps += 1
             self.stats.decode_tokens += n
+            self.stats.verify_tokens += int(verified[h.slot])
             self._emit(h, [int(t) for t in emitted[h.slot, :n]], now)
         return final + decoding
 

@@ -18,6 +18,11 @@ Design choices:
 - Decode (`decode_ar`: one token; `decode_chain`: draft a block, verify it in one forward, accept a
   prefix + one token) runs every row and commits only the active ones. Rows idle or still prefilling
   write uncommitted K/V that their next forward overwrites.
+- Per-request budget (`draft_budget="confidence"`, `budget.choose_draft_lengths`): row b verifies only
+  its first kept[b] drafts, chosen in the step from the drafter's confidence under the token budget;
+  the rest count as rejected (`rejection.verify_chain(kept=...)`), so outputs stay those of AR.
+  `verify="packed"` sends only those candidates through the target (`packed.packed_forward`); padded
+  runs the full block and masks. Each decode also returns the tokens each row sent to verification.
 - Capacity: every forward writes T = C or Bs slots at each row's committed length, for every row,
   so the state holds `context_len + max(C, Bs)` slots: no write of any row (idle ones included) can
   run past the end, where `dynamic_update_slice` would clamp it back onto committed K/V.
@@ -41,6 +46,8 @@ import jax.numpy as jnp
 from specpilot.decoding.aot import CompileCache
 from specpilot.decoding.rejection import accept_greedy, verify_chain
 from specpilot.decoding.sampling import RequestSampling, sample
+from specpilot.serving import budget as bd
+from specpilot.serving.packed import packed_forward
 from specpilot.state import (RecurrentState, TargetState, causal_mask, chain_forward, chain_positions,
                              prompt_mask)
 
@@ -55,6 +62,10 @@ class EngineSetup:
     context_len: int  # the most positions (prompt + new tokens) one request may use
     prefill_chunk: int  # the most prompt tokens one row feeds per engine step
     top_k: int = 0  # static sampling filter (0: off)
+    draft_budget: str = "fixed"  # fixed: block_size - 1 drafts per row; confidence: chosen per row and step
+    verify: str = "padded"  # padded: every row's full block; packed: kept candidates only, one stream
+    token_budget: int = 0  # verification tokens per step over the batch (the packed stream's size)
+    cost: bd.StepCost = bd.StepCost()  # step time of a token count (the confidence chooser's denominator)
 
     @property
     def max_len(self) -> int:
@@ -125,16 +136,16 @@ def sample_rows(keys: jax.Array, logits: jax.Array, sampling: RequestSampling) -
         keys, logits, sampling.temperature, sampling.top_p)
 
 
-def verify_rows(keys, drafts, draft_logits, target_logits, sampling: RequestSampling):
-    """Chain verification row by row -> (n_accepted [S], next_token [S])."""
+def verify_rows(keys, drafts, draft_logits, target_logits, sampling: RequestSampling, kept):
+    """Chain verification row by row of each row's first kept [S] drafts -> (n_accepted [S], next_token [S])."""
     if sampling.greedy:
-        return accept_greedy(drafts, target_logits)
+        return accept_greedy(drafts, target_logits, kept)
 
-    def one(k, d, dl, tl, t, p):
-        n, nxt = verify_chain(k, d[None], dl[None], tl[None], _row_sampling(sampling, t, p))
+    def one(k, d, dl, tl, t, p, c):
+        n, nxt = verify_chain(k, d[None], dl[None], tl[None], _row_sampling(sampling, t, p), c[None])
         return n[0], nxt[0]
 
-    return jax.vmap(one)(keys, drafts, draft_logits, target_logits, sampling.temperature, sampling.top_p)
+    return jax.vmap(one)(keys, drafts, draft_logits, target_logits, sampling.temperature, sampling.top_p, kept)
 
 
 def _split_rows(key_data: jax.Array, sampling: RequestSampling):
@@ -183,28 +194,42 @@ def prefill_chunk(setup: EngineSetup, target_params, draft_params, state: SlotSt
 
 def decode_ar(setup: EngineSetup, target_params, draft_params, state: SlotState, active: jax.Array,
               sampling: RequestSampling):
-    """One token for every active row -> (state, tokens [S, 1], emitted [S])."""
+    """One token for every active row -> (state, tokens [S, 1], emitted [S], verified [S])."""
     del draft_params
     logits, _, ts = chain_forward(setup.target, target_params, state.last[:, None], state.target_state)
     tok = sample_rows(_ar_keys(setup, state.key, state.n_out), logits[:, 0], sampling)
     n_new = active.astype(jnp.int32)
     state = SlotState(ts.commit(n_new), state.draft_state, jnp.where(active, tok, state.last),
                       state.n_out + n_new, state.key)
-    return state, tok[:, None], n_new
+    return state, tok[:, None], n_new, n_new
+
+
+def draft_counts(setup: EngineSetup, draft_logits: jax.Array, active: jax.Array) -> jax.Array:
+    """[S] drafts each row verifies this step: block_size - 1, or chosen from the drafter's confidence."""
+    if setup.draft_budget == "confidence":
+        return bd.choose_draft_lengths(bd.confidence_of(draft_logits), active, setup.token_budget, setup.cost)
+    return jnp.where(active, setup.block_size - 1, 0).astype(jnp.int32)
 
 
 def decode_chain(setup: EngineSetup, target_params, draft_params, state: SlotState, active: jax.Array,
                  sampling: RequestSampling):
-    """Draft Bs-1 tokens, verify [last, drafts] in one forward, accept a prefix + one token, for every
-    active row -> (state, emitted tokens [S, Bs] (the first emitted[b] are new), emitted [S])."""
+    """Draft Bs-1 tokens, verify [last, first kept[b] drafts] in one forward, accept a prefix + one token,
+    for every active row -> (state, emitted tokens [S, Bs] (the first emitted[b] are new), emitted [S],
+    verified [S]: tokens each row sent to verification)."""
     bs = setup.block_size
     key, draft_keys = _split_rows(state.key, sampling)
     draft_logits, ds = setup.drafter.propose(draft_params, target_params, state.draft_state, state.last, bs)
     drafts = sample_rows(draft_keys, draft_logits, sampling)  # [S, Bs-1]
     block = jnp.concatenate([state.last[:, None], drafts], axis=1)  # [S, Bs]
-    target_logits, taps, ts = chain_forward(setup.target, target_params, block, state.target_state)
+    kept = draft_counts(setup, draft_logits, active)  # [S]
+    verified = jnp.where(active, kept + 1, 0)
+    if setup.verify == "packed":
+        target_logits, taps, ts = packed_forward(setup.target, target_params, block, verified,
+                                                 state.target_state, setup.token_budget)
+    else:
+        target_logits, taps, ts = chain_forward(setup.target, target_params, block, state.target_state)
     key, verify_keys = _split_rows(key, sampling)
-    n_acc, next_token = verify_rows(verify_keys, drafts, draft_logits, target_logits, sampling)
+    n_acc, next_token = verify_rows(verify_keys, drafts, draft_logits, target_logits, sampling, kept)
     n_new = jnp.where(active, n_acc + 1, 0)
     idx = jnp.arange(bs, dtype=jnp.int32)[None, :]
     emit = jnp.where(idx < n_acc[:, None], jnp.concatenate([drafts, drafts[:, :1]], axis=1),
@@ -212,7 +237,7 @@ def decode_chain(setup: EngineSetup, target_params, draft_params, state: SlotSta
     ds = setup.drafter.extend(draft_params, target_params, ds, taps, n_new)
     state = SlotState(ts.commit(n_new), ds, jnp.where(active, next_token, state.last), state.n_out + n_new,
                       jnp.where(active[:, None], key, state.key))
-    return state, emit, n_new
+    return state, emit, n_new, verified
 
 
 _jit = functools.partial(jax.jit, static_argnums=0, donate_argnames=("state",))

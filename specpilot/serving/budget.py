@@ -1,0 +1,103 @@
+"""Per-request speculation budget: each step, each row's draft count from the drafter's confidence.
+
+Design choices:
+- A row's drafts are verified as a prefix, so its j-th draft (0-based) is accepted only with every
+  earlier one: with the drafter's top-1 probabilities p_0, p_1, ... as acceptance estimates, draft j
+  adds prod_{l <= j} p_l expected accepted tokens (`marginal_gains`), and k drafts add their sum
+  (`expected_accepted`). The gains never grow with j, so for any total token count the best split over
+  the rows is the largest gains taken greedily (a row's prefix each time); only the total is searched.
+- The objective is expected emitted tokens per unit step time: (rows + accepted) / step_s(tokens),
+  tokens = sum over rows of (k_i + 1) (each row's last token plus its drafts), subject to tokens <=
+  the batch's token budget and 1 <= k_i <= block_size - 1. `StepCost` is the step time of a token
+  count, a line `fixed_s + per_token_s * tokens` whose numbers come from the cost model
+  (`StepCost.from_predict`: `harness.prediction.predict` at the smallest and the plan's block size);
+  the default is flat (a memory-bound step), where the chooser fills the budget.
+- Everything is jnp over fixed shapes (sorting the [S, K-1] extra gains once): it runs inside the
+  engine's jitted step, so the choice costs no host sync and no recompile.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+
+
+@dataclasses.dataclass(frozen=True)
+class StepCost:
+    """Predicted seconds of one decode step that verifies `tokens` tokens: fixed_s + per_token_s * tokens."""
+
+    fixed_s: float = 1.0
+    per_token_s: float = 0.0
+
+    def __post_init__(self):
+        if not self.fixed_s > 0 or self.per_token_s < 0:
+            raise ValueError(f"StepCost needs fixed_s > 0 and per_token_s >= 0, got {self.fixed_s}, "
+                             f"{self.per_token_s}")
+
+    def step_s(self, tokens):
+        return self.fixed_s + self.per_token_s * tokens
+
+    @classmethod
+    def from_predict(cls, plan, setting, slots: int) -> "StepCost":
+        """The line through the cost model's step times of `plan` at `setting` (a `prediction.Setting`)
+        with `slots` rows verifying 2 and block_size tokens each (the draft stage counted once, at the
+        plan's block: the drafter always drafts a full block)."""
+        from specpilot.harness.prediction import predict
+
+        bs = plan.block_size
+        if plan.verify != "chain" or bs < 3:
+            raise ValueError(f"plan {plan.name!r}: a per-token step cost needs a chain plan of block >= 3")
+        s = dataclasses.replace(setting, shape=dataclasses.replace(setting.shape, batch=int(slots)))
+        full = predict(plan, s, tau=1.0)
+        small = predict(dataclasses.replace(plan, block_size=2), s, tau=1.0)
+        verify = lambda p: p.step_s - p.stages.get("draft", 0.0)  # noqa: E731
+        per_token = max(verify(full) - verify(small), 0.0) / (slots * (bs - 2))
+        return cls(fixed_s=full.step_s - per_token * slots * bs, per_token_s=per_token)
+
+
+def marginal_gains(confidence: jax.Array) -> jax.Array:
+    """confidence [S, K] (the drafter's top-1 probability per draft) -> [S, K] expected accepted tokens
+    each draft adds when verified after all earlier ones: prod_{l <= j} p_l."""
+    return jnp.cumprod(confidence.astype(jnp.float32), axis=-1)
+
+
+def expected_accepted(confidence: jax.Array, k: jax.Array) -> jax.Array:
+    """[S] expected accepted drafts when row b verifies its first k[b]: sum_{j < k} prod_{l <= j} p_l."""
+    gains = marginal_gains(confidence)
+    j = jnp.arange(gains.shape[-1], dtype=jnp.int32)
+    return jnp.sum(jnp.where(j[None, :] < k[:, None], gains, 0.0), axis=-1)
+
+
+def confidence_of(draft_logits: jax.Array) -> jax.Array:
+    """draft logits [S, K, V] -> [S, K] top-1 probabilities."""
+    return jnp.max(jax.nn.softmax(draft_logits.astype(jnp.float32), axis=-1), axis=-1)
+
+
+def choose_draft_lengths(confidence: jax.Array, active: jax.Array, token_budget: int,
+                         cost: StepCost = StepCost()) -> jax.Array:
+    """Each row's draft count k [S] int32 (1..K for active rows, 0 otherwise) maximising
+    (rows + expected accepted) / cost.step_s(sum (k + 1)) subject to sum (k + 1) <= token_budget.
+
+    confidence [S, K]; active [S] bool; token_budget >= 2 x active rows (every row verifies one draft).
+    """
+    s, kmax = confidence.shape
+    active = active.astype(bool)
+    if kmax == 1:
+        return active.astype(jnp.int32)
+    gains = marginal_gains(confidence)  # [S, K]
+    rows = jnp.sum(active.astype(jnp.int32))
+    base_gain = rows.astype(jnp.float32) + jnp.sum(jnp.where(active, gains[:, 0], 0.0))
+    extra = jnp.where(active[:, None], gains[:, 1:], -1.0).reshape(-1)  # [S*(K-1)]: drafts 1.. of each row
+    order = jnp.argsort(-extra, stable=True)  # largest first; a row's earlier draft first on ties
+    n = extra.shape[0]
+    e = jnp.arange(n + 1, dtype=jnp.int32)  # extra drafts taken
+    total_gain = base_gain + jnp.concatenate([jnp.zeros((1,), jnp.float32), jnp.cumsum(extra[order])])
+    tokens = 2 * rows + e
+    ok = (e <= rows * (kmax - 1)) & (tokens <= token_budget)
+    rate = jnp.where(ok, total_gain / cost.step_s(tokens.astype(jnp.float32)), -jnp.inf)
+    best = jnp.argmax(rate)  # the first maximum: the fewest tokens among equal rates
+    rank = jnp.zeros((n,), jnp.int32).at[order].set(jnp.arange(n, dtype=jnp.int32))
+    taken = (rank < best).reshape(s, kmax - 1)
+    return jnp.where(active, 1 + jnp.sum(taken.astype(jnp.int32), axis=-1), 0).astype(jnp.int32)
