@@ -222,3 +222,46 @@ def test_malformed_requests_are_refused_alone_naming_the_field(server, refs):
     t.join(120)
     assert results["ids"] == refs[QUESTIONS[3]]
     _wait_idle(server["driver"])
+
+
+def test_stop_strings_and_stop_token_ids_cut_the_reply(server):
+    c = server["client"]
+    kw = dict(model="smollm2", prompt="def fibonacci(n):", max_tokens=10, temperature=0,
+              extra_body={"return_token_ids": True})
+    whole = c.completions.create(**kw).choices[0]
+    text, ids = whole.text, whole.model_extra["token_ids"]
+    stop = next(text[i:i + 2] for i in range(1, len(text) - 1) if text[i:i + 2].isalnum())  # mid-reply
+    assert text.find(stop) > 0
+    cut = c.completions.create(stop=[stop, "never-in-it"], **kw).choices[0]
+    assert (cut.text, cut.finish_reason) == (text[: text.find(stop)], "stop")
+    streamed = list(c.completions.create(stop=stop, stream=True, **kw))
+    assert "".join(ch.choices[0].text for ch in streamed) == cut.text
+    kw["extra_body"] = {"return_token_ids": True, "stop_token_ids": [ids[3]]}
+    by_id = c.completions.create(**kw).choices[0]
+    assert by_id.model_extra["token_ids"] == ids[: ids.index(ids[3]) + 1] and by_id.finish_reason == "stop"
+    _wait_idle(server["driver"])
+
+
+@pytest.mark.slow
+def test_a_sampled_reply_is_the_engines_for_its_seed(server, pair):
+    """temperature, top_p and seed reach the engine: the reply equals the engine's own for that Request
+    (slow: the sampling steps compile, ~27 s on 2 cores)."""
+    from specpilot.serving.request import Request
+
+    q = QUESTIONS[2]
+    kw = dict(model="smollm2", messages=[{"role": "user", "content": q}], max_tokens=8, temperature=0.9,
+              top_p=0.8, seed=7, extra_body={"return_token_ids": True})
+    a, b = (server["client"].chat.completions.create(**kw).choices[0].model_extra["token_ids"] for _ in range(2))
+    got, done = [], threading.Event()
+
+    def sink(tokens, reason):
+        got.extend(tokens)
+        if reason is not None:
+            done.set()
+
+    request = Request(_prompt(pair, q), 8, temperature=0.9, top_p=0.8, seed=7, stop_token=server["eos"])
+    server["driver"].submit(request, sink).result(30)
+    assert done.wait(60)
+    assert a == b == got
+    kw["seed"] = 8
+    assert server["client"].chat.completions.create(**kw).choices[0].model_extra["token_ids"] != got
