@@ -190,6 +190,11 @@ BAD = [  # (body, the field named)
     ({"messages": [{"role": "user", "content": "word " * 400}]}, "messages"),
     ({"messages": [{"role": "user"}, {"role": 7, "content": "x"}]}, "messages.1.role"),
     ({"messages": [{"role": "user", "content": "hi"}], "stream": "yes"}, "stream"),
+    ({"messages": "hi"}, "messages"),
+    ({"messages": [{"role": "user", "content": "hi"}], "logprobs": True}, "logprobs"),
+    ({"messages": [{"role": "user", "content": "hi"}], "presence_penalty": 0.5}, "presence_penalty"),
+    ({"messages": [{"role": "user", "content": 5}]}, "messages.0.content"),
+    ({"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {}}]}]}, "messages.0.content"),
     ({"messages": [{"role": "user", "content": "hi"}], "stop": ["a", "b", "c", "d", "e"]}, "stop"),
 ]
 
@@ -214,6 +219,9 @@ def test_malformed_requests_are_refused_alone_naming_the_field(server, refs):
         assert body["error"]["type"] == "invalid_request_error"
     status, body = _post(port, "/v1/completions", json.dumps({"model": "smollm2", "prompt": [1, 49152]}).encode())
     assert (status, body["error"]["param"]) == (400, "prompt")
+    ok = {"model": "smollm2", "prompt": "x", "max_tokens": 1, "logprobs": None, "presence_penalty": 0,
+          "echo": False, "user": "someone"}  # fields asking for nothing pass, unknown ones are ignored
+    assert _post(port, "/v1/completions", json.dumps(ok).encode())[0] == 200
     status, body = _post(port, "/v1/completions", json.dumps({"model": "gpt-9", "prompt": "x"}).encode())
     assert (status, body["error"]["param"]) == (404, "model")
     with pytest.raises(openai.BadRequestError) as e:  # the official client sees the same error

@@ -13,7 +13,8 @@ Design choices:
   field): malformed JSON, a known field of the wrong type, `n` other than 1, empty messages, a prompt
   that fills the context, out-of-range `temperature` / `top_p` / `seed`. The engine's own check
   (`RequestError`) is mapped onto the API's field names (`prompt_ids` -> `messages` / `prompt`,
-  `max_new_tokens` -> `max_tokens`). Unknown fields are ignored, as OpenAI-compatible servers do.
+  `max_new_tokens` -> `max_tokens`). Fields of the API this server does not implement (`logprobs`,
+  `tools`, penalties, ...) are refused unless they ask for nothing; fields it does not know are ignored.
 - Every request stops at the model's end-of-turn token (the engine's `stop_token`, kept out of the
   text). `stop` strings and `stop_token_ids` (vLLM's extension) are matched here, on the host: the
   text is cut before the stop string, the request is cancelled in the engine and its slot freed.
@@ -174,7 +175,21 @@ def _parse_stops(body: _Sampling, vocab_size: int) -> tuple[tuple[str, ...], fro
     return stops, ids
 
 
+# Fields of OpenAI's API this server does not implement: accepted only at a value that asks for nothing.
+UNSUPPORTED = {"logprobs": (None, False), "top_logprobs": (None, 0), "echo": (None, False), "best_of": (None, 1),
+               "suffix": (None, ""), "tools": (None, []), "functions": (None, []), "logit_bias": (None, {}),
+               "presence_penalty": (None, 0, 0.0), "frequency_penalty": (None, 0, 0.0),
+               "response_format": (None, {"type": "text"})}
+
+
+def _refuse_unsupported(body: _Sampling) -> None:
+    for field, value in (body.model_extra or {}).items():
+        if field in UNSUPPORTED and not any(value == ok and type(value) is type(ok) for ok in UNSUPPORTED[field]):
+            raise APIError(400, f"{field}={json.dumps(value)[:80]} is not supported by this server", field)
+
+
 def _engine_request(body: _Sampling, served: ServedModel, prompt: list[int], prompt_field: str) -> Request:
+    _refuse_unsupported(body)
     if body.n is not None and body.n != 1:
         raise APIError(400, f"only n=1 is supported, got {body.n}", "n")
     if not prompt:
@@ -308,6 +323,11 @@ def create_app(driver: EngineDriver, served: ServedModel) -> FastAPI:
             raise APIError(400, "messages is empty; a chat needs at least one message", "messages")
         if served.chat_template is None:
             raise APIError(400, f"the model {served.name!r} has no chat template; use /v1/completions", "messages")
+        for i, m in enumerate(body.messages):
+            if isinstance(m.content, list) and any(p.type != "text" for p in m.content):
+                kinds = sorted({p.type for p in m.content} - {"text"})
+                raise APIError(400, f"content parts of type {kinds} are not supported (text only)",
+                               f"messages.{i}.content")
         messages = [{"role": m.role, "content": _message_text(m)} for m in body.messages]
         try:
             text = render_chat(served.chat_template, messages, add_generation_prompt=True,
