@@ -1,0 +1,114 @@
+"""Serve a deployment over OpenAI's API: `python experiments/serve.py [target=... drafter=... decoding=...]`.
+
+The same config groups as run.py build the deployment (default: SmolLM2-135M-Instruct and its shipped
+block drafter); the engine runs the plan `+serve.plan=NAME` names (default: `stock` when the deployment
+has a drafter, else `ar`). Then `POST /v1/chat/completions`, `POST /v1/completions` and `GET /v1/models`
+answer on http://HOST:PORT/v1 (specpilot.serving.openai_server), e.g. with the official client:
+
+    openai.OpenAI(base_url="http://127.0.0.1:8000/v1", api_key="none").chat.completions.create(
+        model="smollm2", messages=[{"role": "user", "content": "Hi"}], max_tokens=64, stream=True)
+
+Options (this script's own, outside the run config's schema): `+serve.host=127.0.0.1`, `+serve.port=8000`,
+`+serve.slots=4` (requests decoded at once), `+serve.context_len=2048` (prompt + reply per request),
+`+serve.prefill_chunk=32`, `+serve.model=<name clients pass; default target.name>`,
+`+serve.warm_up=true` (compile every step before taking requests).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import sys
+from pathlib import Path
+
+import hydra
+from omegaconf import DictConfig, open_dict
+
+from specpilot.harness import config_schema, devices
+
+config_schema.register()
+log = logging.getLogger("serve")
+OPTIONS = {"host": "127.0.0.1", "port": 8000, "slots": 4, "context_len": 2048, "prefill_chunk": 32,
+           "model": None, "plan": None, "warm_up": True}
+
+
+def serve_options(cfg: DictConfig) -> tuple[dict, DictConfig]:
+    """(this script's options with their defaults, the run config without them); an unknown option is
+    refused naming it."""
+    with open_dict(cfg):
+        given = dict(cfg.pop("serve", None) or {})
+    unknown = sorted(set(given) - set(OPTIONS))
+    if unknown:
+        raise config_schema.ConfigValueError(f"serve.{unknown[0]}: not an option of serve.py (options: "
+                                             f"{', '.join(OPTIONS)})")
+    return {**OPTIONS, **given}, config_schema.typed(cfg)
+
+
+def build(cfg: DictConfig, opts: dict):
+    """-> (the ASGI app, its started EngineDriver, the ServedModel) of the config's deployment."""
+    from specpilot.harness import deploy
+    from specpilot.models.oracle import OracleDrafter
+    from specpilot.serving import Engine
+    from specpilot.serving.driver import EngineDriver
+    from specpilot.serving.openai_server import ServedModel, create_app
+
+    config_schema.validate(cfg)
+    plans = config_schema.build_plans(cfg)
+    has_drafter = cfg.drafter.source != "none"
+    name = opts["plan"] or ("stock" if has_drafter and any(p.name == "stock" for p in plans) else "ar")
+    by_name = {p.name: p for p in plans}
+    if name not in by_name:
+        raise config_schema.ConfigValueError(f"serve.plan: {name!r} is not a plan of this run "
+                                             f"(decoding={cfg.decoding.name}: {', '.join(by_name)})")
+    plan = by_name[name]
+    dep = deploy.build(cfg, [plan])
+    if dep.tokenizer is None:
+        raise config_schema.ConfigValueError(f"target: {cfg.target.name!r} has no tokenizer (random weights?); "
+                                             f"the server speaks text: serve a target with one")
+    if plan.uses_drafter and isinstance(dep.drafter[0], OracleDrafter):
+        raise config_schema.ConfigValueError("drafter: an oracle drafter replays a known continuation, which a "
+                                             "served request does not have; serve a real drafter or plan ar")
+    for key in ("slots", "context_len", "prefill_chunk", "port"):
+        if not isinstance(opts[key], int) or opts[key] < (0 if key == "port" else 1):
+            raise config_schema.ConfigValueError(f"serve.{key}: must be a positive integer, got {opts[key]!r}")
+    engine = Engine.from_plan(dep, plan, slots=opts["slots"], context_len=opts["context_len"],
+                              prefill_chunk=opts["prefill_chunk"], top_k=dep.sampling.top_k)
+    if opts["warm_up"]:
+        log.info("compiling the engine's steps (plan %s, %d slots)", plan.name, opts["slots"])
+        engine.warm_up()
+    served = ServedModel(str(opts["model"] or cfg.target.name), dep.tokenizer, dep.chat_template,
+                         dep.tokenizer.eos_id, opts["context_len"], sampling=engine.sampling)
+    driver = EngineDriver(engine).start()
+    log.info("serving %s (plan %s: %s) with %d slots of %d tokens", served.name, plan.name, plan.describe(),
+             opts["slots"], opts["context_len"])
+    return create_app(driver, served), driver, served
+
+
+@hydra.main(version_base=None, config_path="../conf", config_name="config")
+def main(cfg: DictConfig) -> None:
+    try:
+        opts, cfg = serve_options(cfg)
+        devices.setup(cfg)
+        if cfg.compile_cache:
+            import jax
+
+            jax.config.update("jax_compilation_cache_dir", str(Path(cfg.cache_dir).expanduser() / "xla"))
+            jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.5)
+        app, driver, served = build(cfg, opts)
+    except Exception as e:
+        if os.environ.get("HYDRA_FULL_ERROR") == "1":
+            raise
+        print(f"error: {type(e).__name__}: {e}", file=sys.stderr)
+        print("(set HYDRA_FULL_ERROR=1 for the traceback)", file=sys.stderr)
+        sys.exit(1)
+    import uvicorn
+
+    print(f"serving {served.name} on http://{opts['host']}:{opts['port']}/v1", flush=True)
+    try:
+        uvicorn.run(app, host=str(opts["host"]), port=int(opts["port"]), log_level="info")
+    finally:
+        driver.stop()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,102 @@
+"""experiments/serve.py: its options, its refusals, and (slow) the default deployment served end to end."""
+
+import importlib.util
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("fastapi")
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _serve_module():
+    spec = importlib.util.spec_from_file_location("serve_script", ROOT / "experiments" / "serve.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def _compose(overrides):
+    from hydra import compose, initialize_config_dir
+
+    from specpilot.harness import config_schema
+
+    config_schema.register()
+    with initialize_config_dir(config_dir=str(ROOT / "conf"), version_base=None):
+        return compose(config_name="config", overrides=list(overrides))
+
+
+TINY = ["target=tiny_random", "drafter=none", "decoding=ar", "bench=default"]
+
+
+def test_serve_options_take_defaults_and_refuse_unknown_ones():
+    from specpilot.harness.config_schema import ConfigValueError
+
+    serve = _serve_module()
+    opts, cfg = serve.serve_options(_compose(TINY + ["+serve.port=0", "+serve.slots=2"]))
+    assert (opts["port"], opts["slots"], opts["context_len"], opts["plan"]) == (0, 2, 2048, None)
+    assert "serve" not in cfg
+    with pytest.raises(ConfigValueError, match="serve.slot: not an option of serve.py"):
+        serve.serve_options(_compose(TINY + ["+serve.slot=2"]))
+
+
+def test_a_plan_the_run_lacks_and_a_target_without_text_are_refused():
+    from specpilot.harness.config_schema import ConfigValueError
+
+    serve = _serve_module()
+    opts, cfg = serve.serve_options(_compose(TINY + ["+serve.plan=stock"]))
+    with pytest.raises(ConfigValueError, match=r"serve.plan: 'stock' is not a plan of this run \(decoding=ar: ar\)"):
+        serve.build(cfg, opts)
+    opts, cfg = serve.serve_options(_compose(TINY))
+    with pytest.raises(ConfigValueError, match="target: 'tiny_random' has no tokenizer"):
+        serve.build(cfg, opts)
+
+
+@pytest.mark.slow
+def test_the_default_deployment_serves_a_chat_reply_equal_to_its_engine():
+    """The stock plan (SmolLM2 + shipped drafter) behind the server: its greedy reply equals the AR plan's
+    tokens from ar.generate, which is what the engine promises for a lossless plan."""
+    openai = pytest.importorskip("openai")
+    from specpilot.decoding.ar import generate
+    from specpilot.serving.openai_server import serve_in_thread
+
+    serve = _serve_module()
+    opts, cfg = serve.serve_options(_compose(["+serve.context_len=256", "+serve.warm_up=false",
+                                              "+serve.slots=2"]))
+    app, driver, served = serve.build(cfg, opts)
+    assert driver.engine.setup.uses_drafter and driver.engine.setup.block_size == 4  # stock_cpu's plan
+    srv, thread, port = serve_in_thread(app)
+    try:
+        client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="none", max_retries=0)
+        messages = [{"role": "user", "content": "What does Python's len() do?"}]
+        r = client.chat.completions.create(model=served.name, messages=messages, max_tokens=16, temperature=0,
+                                           extra_body={"return_token_ids": True})
+        from specpilot.data.chat import render_chat
+
+        prompt = served.tokenizer.encode(render_chat(served.chat_template, messages))
+        engine = driver.engine
+        ref = generate(engine.setup.target, engine.target_params, [prompt], 16,
+                       stop_token=served.stop_token).tokens[0].tolist()
+        ref = ref[: ref.index(served.stop_token) + 1] if served.stop_token in ref else ref
+        assert r.choices[0].model_extra["token_ids"] == ref
+        assert r.usage.prompt_tokens == len(prompt)
+    finally:
+        srv.should_exit = True
+        thread.join(10)
+        driver.stop()
+
+
+def test_the_readme_serve_commands_compose_and_validate():
+    import re
+    import shlex
+
+    from specpilot.harness.config_schema import build_plans, validate
+
+    serve = _serve_module()
+    lines = [m.group(1) for line in (ROOT / "README.md").read_text().splitlines()
+             if (m := re.match(r"\s+python experiments/serve\.py(.*)", line))]
+    assert len(lines) >= 2
+    for line in lines:
+        opts, cfg = serve.serve_options(_compose(shlex.split(line.split("#")[0])))
+        validate(cfg)
+        assert build_plans(cfg) and set(opts) == set(serve.OPTIONS)

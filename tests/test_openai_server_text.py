@@ -1,0 +1,57 @@
+"""The server's incremental detokenizer, on SmolLM2's tokenizer: pieces add up to the tokenizer's own decode."""
+
+import glob
+import os
+
+import pytest
+
+pytest.importorskip("fastapi")
+FOLDERS = glob.glob("/tmp/smolcache/gguf/*/tokenizer.json") + glob.glob(
+    os.path.expanduser("~/.cache/specpilot/gguf/*/tokenizer.json"))
+pytestmark = pytest.mark.skipif(not FOLDERS, reason="no converted SmolLM2-135M-Instruct folder with a tokenizer")
+
+TEXT = "héllo 🙂 wörld — 日本語のテキスト, naïve café 🎉🎉 end"
+
+
+@pytest.fixture(scope="module")
+def tok():
+    from specpilot.data.tokenizer import load_tokenizer
+
+    return load_tokenizer(FOLDERS[0], eos_token="<|im_end|>")
+
+
+def _pieces(detok, ids):
+    out = []
+    for t in ids:
+        detok.add(t)
+        out.append(detok.delta(final=False))
+    out.append(detok.delta(final=True))
+    return out
+
+
+def test_pieces_are_utf8_safe_and_add_up_to_the_decode(tok):
+    from specpilot.serving.openai_server import Detokenizer
+
+    ids = tok.encode(TEXT) + [tok.eos_id]
+    # some token of the emoji or CJK text ends inside a character: its prefix decodes to U+FFFD
+    assert any(tok.decode(ids[:i]).endswith("\ufffd") for i in range(1, len(ids)))
+    pieces = _pieces(Detokenizer(tok), ids)
+    assert all("\ufffd" not in p for p in pieces)
+    assert "".join(pieces) == TEXT == tok.decode(ids, skip_special_tokens=True)
+
+
+def test_a_stop_string_cuts_the_text_and_is_never_sent(tok):
+    from specpilot.serving.openai_server import Detokenizer
+
+    ids = tok.encode(TEXT)
+    detok = Detokenizer(tok, stops=("wörld", "zzz"))
+    pieces = []
+    for t in ids:
+        detok.add(t)
+        pieces.append(detok.delta(final=False))
+        if detok.stopped:
+            break
+    pieces.append(detok.delta(final=True))
+    assert detok.stopped and "".join(pieces) == TEXT[: TEXT.index("wörld")]
+    assert all("w" not in p for p in pieces[1:])  # the stop string's start was held back, not sent early
+    assert tok.decode(detok.tokens).startswith(TEXT[: TEXT.index("wörld") + 1])
