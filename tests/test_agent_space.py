@@ -79,3 +79,14 @@ def test_hybrid_target_space_has_the_recurrence_kernel():
     assert space.choice("kernels.gated_delta_rule.config.block_v").when == ("kernels.gated_delta_rule.implementation",
                                                                            "triton")
     assert space.choice("verify").values == ("ar",) and space.choice("block_size") is None  # no drafter
+
+
+def test_tree_two_level_and_batching_fields_round_trip():
+    # every field a plan has survives plan_fields: a winning tree or two-level plan is saved whole
+    cfg = toy_cfg("decoding=two_level", "drafter.block_size=8",
+                  "+decoding.plans.stock.batching={draft_budget: confidence, token_budget: 12}")
+    space = sp.build_space(cfg)
+    plans = build_plans(cfg)
+    assert {p.verify for p in plans} >= {"tree", "two_level"}
+    for plan in plans:
+        assert space.check(plan.name, sp.plan_fields(plan)) == plan, plan.name

@@ -180,6 +180,11 @@ def plan_fields(plan: plan_mod.Plan) -> dict:
                             "config": {k: list(v) if isinstance(v, tuple) else v
                                        for k, v in (d["kernels"][op]["config"] or {}).items()}}
                        for op in plan_mod.KERNEL_OPS}}
+    for name in ("tree", "two_level"):  # tree and two_level plans' shapes
+        if getattr(plan, name) is not None:
+            out[name] = dataclasses.asdict(getattr(plan, name))
+    if plan.batching != plan_mod.Batching():
+        out["batching"] = dataclasses.asdict(plan.batching)
     if not plan.mesh.is_single:
         out["mesh"] = {"data": plan.mesh.data, "tensor": plan.mesh.tensor}
     return out
