@@ -200,6 +200,7 @@ def test_kernel_summary_times_each_call_of_a_step(tmp_path, bench_ar):
         "b": {"calls": 1, "us_median": 2.0, "us_per_step": 2.0}}
 
 
+@pytest.mark.slow  # over ~15 s on 2 cores; the default suite keeps its faster siblings
 def test_bench_w12_tiny_smoke(bench_w12, tmp_path):
     """`bench_w12.py --shape tiny`: XLA's dot, the Mosaic and Triton kernels' twins and W12 rows (interpreters
     on the CPU), every W12 row equal to its twin bit for bit and every row close to XLA's product."""
@@ -241,6 +242,7 @@ def test_bench_w12_profile_table(bench_w12, tmp_path):
     assert [line.split(" | ")[0] for line in bench_w12.profile_table([str(path)])[2:]] == ["| q/o", "| 4096x24576"]
 
 
+@pytest.mark.slow  # over ~15 s on 2 cores; the default suite keeps its faster siblings
 def test_bench_spec_loops_smoke():
     rows = _load("bench_spec_loops").main(["--m", "1", "--blocks", "4", "--new-tokens", "8", "--trials", "1"])
     assert {r["drafter"] for r in rows} == {"oracle", "mixed", "random"}

@@ -105,6 +105,7 @@ def test_oracle_and_always_wrong_drafters(target, ar_tokens, reference):
     assert wrong.stats.tau == 1.0
 
 
+@pytest.mark.slow  # over ~15 s on 2 cores; the default suite keeps its faster siblings
 def test_loops_agree(target, reference):
     drafter = dr.ReplayDrafter(CFG.vocab_size, 7, shift=1, wrong_every=4)
     runs = [spec.generate(TARGET, target, drafter, reference, PROMPTS, N, loop=loop) for loop in spec.LOOPS]
@@ -133,6 +134,7 @@ def test_forcing_at_block_size_agrees_with_ar_steps(target, ar_tokens):
         assert report.num_positions == 2 * N
 
 
+@pytest.mark.slow  # over ~15 s on 2 cores; the default suite keeps its faster siblings
 def test_forcing_long_prompts_of_unequal_length(target, ar_tokens):
     report = forcing.force(forcing.chunked_scorer(target, TARGET, chunk=1),
                            forcing.chunked_scorer(target, TARGET, chunk=4), PROMPTS, ar_tokens[:, :N])
@@ -161,6 +163,7 @@ def _exact_joint(target, params, prompt, sampling):
     return joint.reshape(-1)
 
 
+@pytest.mark.slow  # over ~15 s on 2 cores; the default suite keeps its faster siblings
 def test_spec_sampling_matches_the_hybrid_distribution_end_to_end():
     params = hybrid_params(SMALL, 3, std=0.3)
     target = hybrid.target(SMALL, jnp.float32, max_block_size=3)

@@ -95,6 +95,7 @@ def _hybrid_greedy(params, cfg, n):
     return out, np.concatenate(gaps)
 
 
+@pytest.mark.slow  # over ~15 s on 2 cores; the default suite keeps its faster siblings
 def test_hybrid_wide_margin_greedy_is_robust_to_precision():
     """The hybrid init's recipe is the dense one: same check, same thresholds."""
     from specpilot.models import hybrid

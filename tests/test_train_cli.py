@@ -6,6 +6,7 @@ from pathlib import Path
 
 import jax
 import jax.numpy as jnp
+import pytest
 
 from specpilot.data.corpus import load_corpus
 from specpilot.data.tokenizer import train_tokenizer
@@ -38,6 +39,7 @@ def _train(*overrides, cwd):
                           cwd=cwd, capture_output=True, text=True, timeout=600)
 
 
+@pytest.mark.slow  # over ~15 s on 2 cores; the default suite keeps its faster siblings
 def test_all_stages_on_a_corpus_folder(tmp_path):
     corpus = _corpus(tmp_path / "corpus")
     proc = _train("stage=all", f"out_dir={tmp_path / 'out'}", f"corpus.root={corpus}",

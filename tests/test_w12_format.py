@@ -318,6 +318,7 @@ def test_real_trained_weights_all_minilm():
         assert rate < 2e-4 and bpw < 12.05  # measured: see docs/w12.md
 
 
+@pytest.mark.slow  # over ~15 s on 2 cores; the default suite keeps its faster siblings
 def test_drafter_weights_encode_and_draft_identically(tiny_cfg):
     """A drafter's layers and `fc` in W12 (kernel "xla": decode, then XLA's dot) draft bit-identically to
     its bf16 weights; the target's embedding and head stay the target's."""
