@@ -95,6 +95,7 @@ def test_block_drafter_taps_the_hybrid_and_greedy_equals_ar(target, ar_tokens, b
     assert res.stats.tau >= 1.0
 
 
+@pytest.mark.slow  # over ~12 s on 2 cores; the default suite keeps its faster siblings
 def test_oracle_and_always_wrong_drafters(target, ar_tokens, reference):
     oracle = spec.generate(TARGET, target, dr.ReplayDrafter(CFG.vocab_size, 8), reference, PROMPTS, 17)
     np.testing.assert_array_equal(oracle.tokens, ar_tokens[:, :17])

@@ -41,6 +41,7 @@ def _prefilled(params, prompts, cache_len=64):
     return state
 
 
+@pytest.mark.slow  # over ~12 s on 2 cores; the default suite keeps its faster siblings
 def test_every_node_state_equals_a_chain_along_its_root_path(target):
     rng = np.random.default_rng(0)
     nodes, depth, k = 12, 4, 3
@@ -93,6 +94,7 @@ def test_block_drafter_hybrid_tree_greedy_equals_ar(target, ar_tokens, nodes, de
     np.testing.assert_array_equal(res.tokens, ar_tokens[:, :N])
 
 
+@pytest.mark.slow  # over ~12 s on 2 cores; the default suite keeps its faster siblings
 def test_hybrid_branching_finds_runner_up_drafts(target, ar_tokens, reference):
     drafter = dr.ReplayDrafter(CFG.vocab_size, 8, shift=1, wrong_every=3, runner_up=2.0)
     chain = spec.generate(TARGET, target, drafter, reference, PROMPTS, N, block_size=8)
