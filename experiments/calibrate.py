@@ -9,6 +9,10 @@ several deployments accumulates their shapes); `+calibrate.out=<file>` writes el
 Options: `+calibrate.repeats=7`, `+calibrate.min_bytes=<bytes of weight copies per timed call>`
 (default 256 MB: more than the caches hold, as a decode step streams its weights),
 `+calibrate.grid=[1,16]` (the M values measured besides those the plans use; default 1, 2, 4, ... 128).
+A matmul's time per launch is the difference of two calls that run its dependent chain over the weight
+copies once and many times in an on-device loop (`per_launch_s`): a call's fixed cost (about 65 us on the
+H200, more than a 4096x4096 product) cancels. Dividing one call by its launches, as an earlier version did,
+put the H200's launches at 40-250 us and predicted AR at the Qwen3-8B shape 12x too slow.
 Each (K, N, M) is one compile: on the H200 a shape's 10 M values took 11-14 s, so a deployment with a
 dozen shapes and two implementations needs several minutes; a shorter grid keeps it inside one call.
 No step time is measured here: the rates never see what they later predict.
@@ -145,7 +149,36 @@ def _dependent_chain(fn, x, weights):
     return x
 
 
-def matmul_table(impl: str, shapes, ms, min_bytes: int, repeats: int,
+def _looped_chain(fn, x, weights, passes):
+    """`passes` times the dependent chain over every weight, in one on-device loop (the trip count is an
+    argument: one compile serves every pass count)."""
+    return jax.lax.fori_loop(0, passes, lambda _, x: _dependent_chain(fn, x, weights), x)
+
+
+def per_launch_s(run, copies: int, loop_s: float, repeats: int, min_call_s: float = 2e-3) -> float:
+    """Seconds per launch from `run(passes)` (which executes passes x copies launches and waits for them).
+
+    A call also pays a fixed cost (dispatch, argument handling, the sync): on the H200 about 65 us, more
+    than a whole 4096x4096 product, so dividing one call by its launches overstates every launch. Two pass
+    counts are timed and differenced, which cancels any fixed cost; `loop_s` (one on-device loop
+    iteration, `host_step_us`) is taken off each extra pass. Passes are added until the difference spans
+    at least `min_call_s`."""
+    def median(passes):
+        run(passes)  # warm-up (and compile, the first time)
+        ts = []
+        for _ in range(repeats):
+            t0 = time.perf_counter()
+            run(passes)
+            ts.append(time.perf_counter() - t0)
+        return statistics.median(ts)
+
+    base = median(1)
+    extra = int(min(256, max(2, math.ceil(min_call_s / max(base, 1e-7)))))
+    per_pass = (median(1 + extra) - base) / extra
+    return max(per_pass - loop_s, 1e-9) / copies
+
+
+def matmul_table(impl: str, shapes, ms, min_bytes: int, repeats: int, loop_s: float = 0.0,
                  base_grid=M_GRID) -> MatmulTable | None:
     storage = impl.split("/")[1]
     wbytes = {"f32": 4.0, "bf16": 2.0, "w12": 1.5}[storage]
@@ -169,8 +202,9 @@ def matmul_table(impl: str, shapes, ms, min_bytes: int, repeats: int,
                 fn = ws[0][2]
                 weights = [w for w, _, _ in ws]
                 x = jnp.ones((m, k), ws[0][1])
-                step = jax.jit(functools.partial(_dependent_chain, fn))
-                row.append(_time(step, x, weights, repeats=repeats) / copies)
+                step = jax.jit(functools.partial(_looped_chain, fn))
+                row.append(per_launch_s(lambda p: jax.block_until_ready(step(x, weights, jnp.int32(p))),
+                                        copies, loop_s, repeats))
                 del ws, weights
         except NotImplementedError as e:
             log.warning("%s refuses %dx%d: %s", impl, k, n, e)
@@ -207,7 +241,7 @@ def main(cfg: DictConfig) -> None:
     log.info("rates: %s", rates)
     tables = {}
     for impl, (shapes, ms) in sorted(wanted.items()):
-        table = matmul_table(impl, shapes, ms, min_bytes, repeats, base_grid)
+        table = matmul_table(impl, shapes, ms, min_bytes, repeats, 1e-6 * rates["host_step_us"], base_grid)
         if table is not None:
             tables[impl] = table
     out = Path(cal.get("out") or RATES_DIR / f"{cfg.gpu.name}.yaml")

@@ -69,3 +69,29 @@ def test_calibrate_measures_the_grid_it_is_given_and_the_plans_m(tmp_path):
                           f"hydra.run.dir={tmp_path / 'h2'}"], cwd=tmp_path, capture_output=True, text=True,
                          timeout=600)
     assert bad.returncode != 0 and "calibrate.grid" in bad.stderr + bad.stdout
+
+
+def test_per_launch_time_cancels_a_call_s_fixed_cost():
+    """A call that costs a fixed 20 ms plus 0.5 ms per launch: the fixed cost (40x a launch, as a GPU's
+    dispatch is against a small product) must not reach the per-launch figure. Tolerance 20%: sleeps
+    overshoot by up to ~0.1 ms on a loaded machine."""
+    import importlib.util
+    import time
+    from pathlib import Path
+
+    spec = importlib.util.spec_from_file_location(
+        "calibrate", Path(__file__).resolve().parents[1] / "experiments" / "calibrate.py")
+    calibrate = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(calibrate)
+    copies, launch_s, fixed_s = 4, 5e-4, 2e-2
+    calls = []
+
+    def run(passes):
+        calls.append(passes)
+        time.sleep(fixed_s + passes * copies * launch_s)
+
+    got = calibrate.per_launch_s(run, copies, loop_s=0.0, repeats=3, min_call_s=2e-2)
+    assert abs(got - launch_s) / launch_s < 0.2, got
+    naive = (fixed_s + copies * launch_s) / copies  # one call divided by its launches
+    assert naive > 10 * launch_s  # what the difference removes
+    assert len(set(calls)) == 2 and min(calls) == 1  # two pass counts, each warmed up and repeated

@@ -162,9 +162,25 @@ def test_errors():
             mk.mosaic_matmul(x, nk, mk.W12MosaicConfig(interpret=False))
     with pytest.raises(NotImplementedError, match="twin multiplies bf16"):
         mk.prepare_twin(jnp.asarray(w, jnp.float32))
-    for bad in ({"mp_choices": (16, 8)}, {"mp_choices": (12,)}, {"mp_choices": ()}, {"small_m_stages": 0}):
+    for bad in ({"mp_choices": (16, 8)}, {"mp_choices": (12,)}, {"mp_choices": ()}, {"small_m_stages": 0},
+                {"max_rows": 0}):
         with pytest.raises(ValueError):
             mk.W12MosaicConfig(**bad)
+
+
+def test_products_over_max_rows_fall_through_to_the_decoded_weight():
+    """A prefill-sized product: the kernel refuses it, and a [mosaic, xla] choice multiplies the exactly
+    decoded bf16 weight with XLA's dot, bit for bit what the bf16 matrix itself gives."""
+    k, n = 256, 128
+    w = adversarial_weights(k, n, seed=1)
+    nk, _ = _layouts(w, 64)
+    config = mk.W12MosaicConfig(max_rows=8, interpret=True)
+    x = jax.random.normal(jax.random.key(0), (3, 4, k), jnp.float32).astype(jnp.bfloat16)  # 12 rows > 8
+    with pytest.raises(NotImplementedError, match="max_rows=8"):
+        mk.mosaic_matmul(x, nk, config)
+    y = dispatch.matmul(x, nk, choice=dispatch.OpChoice(("mosaic", "xla"), config))
+    want = jnp.einsum("...k,kn->...n", x, jnp.asarray(w, jnp.bfloat16), preferred_element_type=jnp.float32)
+    assert_same_bits(y, want.astype(y.dtype))
 
 
 def test_step_stage_and_split_rules():

@@ -41,12 +41,18 @@ class W12MosaicConfig:
     small_m_stages: int = 2  # pipeline depth at steps of 64 for up to 16 rows
     wave_programs_per_sm: int = 3  # the most programs per SM the default split may ask for in one wave
     qkv_barrier: bool = True  # materialize the fused qkv product (`dispatch.matmul(role="qkv")`)
+    # products of more rows are refused (NotImplementedError: a choice's next implementation takes them):
+    # the K-split partials are [splits, rows, N] float32, 85 GB at a 32 x 512-token prefill's LM head on
+    # the H200 (out of memory); verification steps (batch x block) stay far below
+    max_rows: int = 2048
     interpret: bool | None = None  # the Mosaic GPU interpreter; None: on CPU backends
 
     def __post_init__(self):
         if not self.mp_choices or any(p % 8 or not 8 <= p <= 64 for p in self.mp_choices) \
                 or tuple(sorted(self.mp_choices)) != tuple(self.mp_choices):
             raise ValueError(f"mp_choices must be increasing multiples of 8 in [8, 64], got {self.mp_choices}")
+        if self.max_rows < 1:
+            raise ValueError(f"max_rows must be >= 1, got {self.max_rows}")
         if self.small_m_stages < 1 or self.wave_programs_per_sm < 1 or self.large_step_max_rows < 0:
             raise ValueError(f"small_m_stages and wave_programs_per_sm must be >= 1, large_step_max_rows >= 0: {self}")
 
@@ -176,7 +182,7 @@ def _matmul_2d(rows: jax.Array, w, *, interpret: bool, config: W12MosaicConfig) 
 
 def mosaic_matmul(x: jax.Array, w, config: W12MosaicConfig = DEFAULT) -> jax.Array:
     """x [..., K] @ w (W12NK or TwinNK) -> float32 [..., N], as runs multiply (x cast to bf16, any number of
-    rows). Raises NotImplementedError for other weights, and on a CPU backend with `config.interpret`
+    rows up to `config.max_rows`). Raises NotImplementedError for other weights, for more rows, and on a CPU backend with `config.interpret`
     False (the kernel compiles for NVIDIA GPUs only)."""
     if not isinstance(w, (W12NK, TwinNK)):
         raise NotImplementedError(f"the Mosaic W12 kernel multiplies W12NK or TwinNK weights (prepare_w12, "
@@ -190,6 +196,9 @@ def mosaic_matmul(x: jax.Array, w, config: W12MosaicConfig = DEFAULT) -> jax.Arr
     if x.shape[-1] != k:
         raise ValueError(f"x {x.shape} does not match a [{k}, {n}] weight")
     rows = x.reshape(-1, k).astype(jnp.bfloat16)
+    if rows.shape[0] > config.max_rows:
+        raise NotImplementedError(f"the Mosaic W12 kernel takes up to max_rows={config.max_rows} rows per product, "
+                                  f"got {rows.shape[0]} (a prefill: the next implementation decodes the weight)")
     return _matmul_2d(rows, w, interpret=bool(interpret), config=config).reshape(*x.shape[:-1], n)
 
 
