@@ -202,11 +202,10 @@ class Loop:
                 memory.finish_round(self.key, r, self.incumbent, inc_s, best_s)
                 report.plot_best(self.out, memory.rounds(self.key))
                 self.progress(f"round {r} done: best {1e3 * best_s:.3f} ms/token" if best_s else f"round {r} done")
-        path = report.write_plan(self.out, a.plan_name, self.incumbent, self.key)
-        for n in variant_names(self.incumbent):  # the winning plan's kernel variants, beside it
-            written = self.variants[n].write(path.parent / "variants")
-            self.progress(f"the winning plan runs kernel variant {n}: {written} (register it with "
-                          f"specpilot.agent.variants.load before running the plan)")
+        named = [self.variants[n] for n in variant_names(self.incumbent)]
+        path = report.write_plan(self.out, a.plan_name, self.incumbent, self.key, named)
+        for v in named:
+            self.progress(f"the winning plan runs kernel variant {v.name}: its source is in {path}")
         summary = {"run": self.key, "memory": memory.url, "incumbent": self.incumbent, "plan_file": str(path),
                    "rounds": [{"index": x.index, "incumbent_s_per_token": x.incumbent_s_per_token,
                                "best_s_per_token": x.best_s_per_token} for x in memory.rounds(self.key)]}

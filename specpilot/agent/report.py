@@ -60,14 +60,27 @@ def plot_best(out: Path, rounds) -> Path | None:
     return path
 
 
-def write_plan(out: Path, plan_name: str, fields: dict, run_key: str) -> Path:
-    """The plan as conf/decoding/<name>.yaml: `decoding=<name>` runs it next to the AR baseline."""
+class _LiteralDumper(yaml.SafeDumper):
+    """Multi-line strings (a kernel variant's source) as literal blocks: the plan file stays readable."""
+
+
+_LiteralDumper.add_representer(str, lambda d, v: d.represent_scalar(
+    "tag:yaml.org,2002:str", v, style="|" if "\n" in v else None))
+
+
+def write_plan(out: Path, plan_name: str, fields: dict, run_key: str, variants=()) -> Path:
+    """The plan as conf/decoding/<name>.yaml: `decoding=<name>` runs it next to the AR baseline. The kernel
+    variants it names (`agent.variants.Variant`) travel inline (`variants: [{op, source}]`), so the one
+    file is the whole plan; the run checks them against their references before timing
+    (`harness.plan_variants`)."""
     name = f"agent_{run_key}"
     folder = out / "decoding"
     folder.mkdir(parents=True, exist_ok=True)
     clean = {k: v for k, v in fields.items() if v is not None}
     body = {"defaults": ["decoding_schema", "_self_"], "name": name, "plans": {plan_name: clean}}
+    if variants:
+        body["variants"] = [{"op": v.op, "source": v.source} for v in variants]
     path = folder / f"{name}.yaml"
     header = f"# The plan found by the optimization loop (run {run_key}).\n"
-    path.write_text(header + yaml.safe_dump(body, sort_keys=False))
+    path.write_text(header + yaml.dump(body, Dumper=_LiteralDumper, sort_keys=False))
     return path

@@ -159,6 +159,14 @@ class PlanConf:
 
 
 @dataclasses.dataclass
+class VariantConf:
+    """A kernel variant a plan names (`variant:<digest of op and source>`), its module's source inline."""
+
+    op: str = MISSING
+    source: str = MISSING
+
+
+@dataclasses.dataclass
 class DecodingConf:
     name: str = "ar"
     # the run's plans by name (every field overridable: `decoding.plans.stock.weights=w12`; new plans come
@@ -173,6 +181,8 @@ class DecodingConf:
     forcing: bool = True
     # one extra profiled (phase-synced) pass per speculative plan for the draft/verify/bookkeeping split
     profile_split: bool = True
+    # kernel variants the plans name (the optimization loop's found plans carry them; harness.plan_variants)
+    variants: List[VariantConf] = dataclasses.field(default_factory=list)
 
 
 @dataclasses.dataclass

@@ -26,7 +26,7 @@ import jax
 import numpy as np
 from omegaconf import DictConfig, OmegaConf
 
-from specpilot.harness import costmodel, counts, deploy, prediction
+from specpilot.harness import costmodel, counts, deploy, plan_variants, prediction
 from specpilot.harness.config_schema import build_plans, validate
 from specpilot.harness.methods import median_run, run_plan, scorer
 from specpilot.harness.rates import Rates
@@ -58,10 +58,13 @@ def choose_baselines(plans: list[Plan], runs: dict) -> dict[str, str | None]:
 
 def run(cfg: DictConfig, out_dir: str | Path) -> list[dict]:
     validate(cfg)
+    variants = plan_variants.load(cfg)  # registered before any plan's kernels are traced
     plans = build_plans(cfg)
     t0 = time.perf_counter()
     dep = deploy.build(cfg, plans)
     log.info("deployment %s built in %.1f s", dep.labels, time.perf_counter() - t0)
+    for note in plan_variants.check(variants, plans, dep.cfg, int(cfg.bench.batch_size)):
+        log.info(note)
     env = environment()
     reference = plans[0]  # the first AR baseline candidate: its tokens are the reference (oracle, forcing)
     runs = {}
