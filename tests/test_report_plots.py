@@ -114,3 +114,13 @@ def test_stage_plot_draws_measured_predicted_and_floor_per_stage(drawn):
     assert labels[0].endswith("draft") and labels[1].endswith("verify")
     assert sorted(p.get_width() for p in patches) == [1.0, 1.5, 2.0, 3.0, 5.0, 6.0]
     assert [t.get_text() for t in ax.get_legend().get_texts()] == ["measured", "predicted", "floor"]
+
+
+def test_prediction_error_is_signed_against_the_measurement():
+    from specpilot.harness.report import markdown_table, prediction_error
+
+    assert prediction_error({"predicted_ms_per_token": 0.9, "decode_ms_per_token": 1.0}) == "-10%"
+    assert prediction_error({"predicted_ms_per_token": 6.0, "decode_ms_per_token": 5.0}) == "+20%"
+    assert prediction_error({"predicted_ms_per_token": None, "decode_ms_per_token": 5.0}) is None
+    table = markdown_table([{"method": "ar", "predicted_ms_per_token": 3.3, "decode_ms_per_token": 3.0}])
+    assert "| +10% |" in table and "prediction_error" in table.splitlines()[0]

@@ -22,7 +22,15 @@ from pathlib import Path
 
 COLUMNS = ("target", "drafter", "gpu", "batch_size", "prompts", "method", "block_size",
            "decode_ms_per_token", "speedup_vs_ar", "tau", "ceiling_ms_per_token", "pct_of_ceiling",
-           "predicted_ms_per_token", "mismatches", "notes")
+           "predicted_ms_per_token", "prediction_error", "mismatches", "notes")
+
+
+def prediction_error(rec: dict) -> str | None:
+    """The cost model's prediction against the measurement, signed (+ predicted slower), e.g. "-9%"."""
+    pred, meas = rec.get("predicted_ms_per_token"), rec.get("decode_ms_per_token")
+    if pred is None or not meas:
+        return None
+    return f"{100 * (pred / meas - 1):+.0f}%"
 
 
 def load_records(folder: str | Path) -> list[dict]:
@@ -54,7 +62,8 @@ def _fmt(v) -> str:
 def markdown_table(records: list[dict]) -> str:
     lines = ["| " + " | ".join(COLUMNS) + " |", "|" + "---|" * len(COLUMNS)]
     for r in records:
-        lines.append("| " + " | ".join(_fmt(r.get(c)) for c in COLUMNS) + " |")
+        row = {**r, "prediction_error": prediction_error(r)}
+        lines.append("| " + " | ".join(_fmt(row.get(c)) for c in COLUMNS) + " |")
     return "\n".join(lines)
 
 
