@@ -20,6 +20,8 @@ Design choices:
 - The weights' bytes follow the plan's format: `w12` stores the linear matrices (those
   `formats.w12.LINEAR_NAMES` names, an untied LM head, a drafter's `fc`) at 12 bits, every other weight at
   the deployment's dtype; a tied LM head reads the embedding as stored.
+- `tree` and `two_level` plans are counted in `tree_counts` from the same pieces (`_Step.tree` marks a
+  tree forward: per-node recurrence, tree attention).
 - `Shape` is what a step's cost depends on (target and drafter configs, batch, committed context, cache
   slots, dtype, layout); `Shape.from_deployment` builds it from a harness deployment and the engine
   can build one directly.
@@ -147,6 +149,7 @@ class _Step:
         self.kernels: list[Kernel] = []
         impls = tuple(plan.kernels.matmul.implementation)
         self.impls = impls
+        self.tree = False  # counting a tree forward (`tree_counts`): per-node recurrence, tree attention
 
     # storage and implementation of one weight matrix
     def _storage(self, name: str) -> tuple[float, str]:
@@ -203,10 +206,13 @@ class _Step:
 
     def attention(self, stage, who, count, t, heads, kv_heads, dim, committed, slots):
         """T queries per sequence over `slots` cached keys (ours: every slot, masked; the floor: the
-        committed context plus the block)."""
+        committed context plus the block). A tree forward whose plan puts the tree attention on the
+        Triton kernel reads only the committed prefix and the block (`pallas_kernels.tree_attention`)."""
         b, e = self.s.batch, self.e
         if count == 0:
             return
+        if self.tree and tuple(self.plan.kernels.tree_attention.implementation)[:1] == ("triton",):
+            slots = min(slots, committed + t)
         kv_read = 2 * b * slots * kv_heads * dim * e
         scores = b * heads * t * slots
         qo = 2 * b * t * heads * dim * e
@@ -261,63 +267,67 @@ def _dense_layers(st: _Step, stage: str, cfg, t: int, count: int, fused: bool, w
     st.matmul(stage, who, "down", count, m, i, h, bias=mb)
 
 
-def _linear_attention_layers(st: _Step, stage: str, cfg, t: int, count: int):
-    """Gated DeltaNet layers (recurrent form: decode and verification)."""
+def _linear_attention_layers(st: _Step, stage: str, cfg, t: int, count: int, who: str = "target"):
+    """Gated DeltaNet layers (recurrent form: decode and verification). In a tree forward (`st.tree`)
+    each node's conv window is gathered along its ancestors and each node's state is read from its
+    parent's (`gated_deltanet._tree_conv`, `tree_gated_delta_rule`): one more state read per node."""
     b, e, h = st.s.batch, st.e, cfg.hidden_size
     m, nv, dk, dv, w, c = b * t, cfg.linear_num_value_heads, cfg.linear_key_head_dim, \
         cfg.linear_value_head_dim, cfg.linear_conv_kernel_dim, cfg.conv_dim
-    st.norm(stage, "target.attn_norm", count, m, h)
-    st.matmul(stage, "target", "in_proj_qkv", count, m, h, c, param="qkv")
-    st.matmul(stage, "target", "z", count, m, h, cfg.value_dim)
-    st.matmul(stage, "target", "b", count, m, h, nv)
-    st.matmul(stage, "target", "a", count, m, h, nv)
+    st.norm(stage, f"{who}.attn_norm", count, m, h)
+    st.matmul(stage, who, "in_proj_qkv", count, m, h, c, param="qkv")
+    st.matmul(stage, who, "z", count, m, h, cfg.value_dim)
+    st.matmul(stage, who, "b", count, m, h, nv)
+    st.matmul(stage, who, "a", count, m, h, nv)
     conv_state = b * (w - 1) * c * e
-    st.add(stage=stage, cls="recurrence", name="target.conv", count=count, flops=count * 2.0 * w * m * c,
-           bytes=count * (conv_state + 2 * m * c * e + b * (w - 1 + t) * c * e + w * c * e),
+    windows = m * w * c * e if st.tree else 0  # each node's gathered window [B, T, W, C]
+    st.add(stage=stage, cls="recurrence", name=f"{who}.conv", count=count, flops=count * 2.0 * w * m * c,
+           bytes=count * (conv_state + 2 * m * c * e + b * (w - 1 + t) * c * e + windows + w * c * e),
            floor_bytes=count * (2 * conv_state + w * c * e), weight_bytes=count * w * c * e)
     # q, k repeated to the value heads, l2-normalised in float32; v cast; beta, g per head
     qk = 2 * m * nv * dk * F32
-    st.elementwise(stage, "target.qk_l2norm", count, 3 * qk + m * dv * nv * F32 + 6 * m * nv * F32,
+    st.elementwise(stage, f"{who}.qk_l2norm", count, 3 * qk + m * dv * nv * F32 + 6 * m * nv * F32,
                    2 * nv * e)  # A_log, dt_bias
     state = b * nv * dk * dv * F32
-    st.add(stage=stage, cls="recurrence", name="target.delta_rule", count=count,
-           flops=count * 6.0 * m * nv * dk * dv, bytes=count * (state + t * state + qk + 2 * m * nv * dv * F32),
+    reads = (2 if st.tree else 1) * t * state  # the per-token states written (and, in a tree, each parent's read)
+    st.add(stage=stage, cls="recurrence", name=f"{who}.delta_rule", count=count,
+           flops=count * 6.0 * m * nv * dk * dv, bytes=count * (state + reads + qk + 2 * m * nv * dv * F32),
            floor_flops=count * 6.0 * m * nv * dk * dv, floor_bytes=count * 2 * state, dot=True)
     conv_snap = t * conv_state
-    st.add(stage=stage, cls="recurrence", name="target.conv_snapshots", count=count,
+    st.add(stage=stage, cls="recurrence", name=f"{who}.conv_snapshots", count=count,
            bytes=count * conv_snap)
-    st.elementwise(stage, "target.gated_norm", count, 3 * m * cfg.value_dim * e + m * cfg.value_dim * F32,
+    st.elementwise(stage, f"{who}.gated_norm", count, 3 * m * cfg.value_dim * e + m * cfg.value_dim * F32,
                    dv * e)
-    st.matmul(stage, "target", "out", count, m, cfg.value_dim, h)
-    _mlp(st, stage, cfg, m, count)
+    st.matmul(stage, who, "out", count, m, cfg.value_dim, h)
+    _mlp(st, stage, cfg, m, count, who)
 
 
-def _gated_attention_layers(st: _Step, stage: str, cfg, t: int, count: int):
+def _gated_attention_layers(st: _Step, stage: str, cfg, t: int, count: int, who: str = "target"):
     b, e, h = st.s.batch, st.e, cfg.hidden_size
     m = b * t
-    st.norm(stage, "target.attn_norm", count, m, h)
+    st.norm(stage, f"{who}.attn_norm", count, m, h)
     ab = cfg.attention_bias
-    st.matmul(stage, "target", "q", count, m, h, 2 * cfg.q_size, bias=ab)
-    st.matmul(stage, "target", "k", count, m, h, cfg.kv_size, bias=ab)
-    st.matmul(stage, "target", "v", count, m, h, cfg.kv_size, bias=ab)
-    st.norm(stage, "target.qk_norm", count, m, cfg.q_size + cfg.kv_size, 2 * cfg.head_dim)
-    st.rope(stage, "target.rope", count, m, cfg.num_heads + cfg.num_kv_heads, cfg.rotary_dim)
-    st.cache_write(stage, "target", count, t, cfg.num_kv_heads, cfg.head_dim)
-    st.attention(stage, "target", count, t, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, st.s.context,
+    st.matmul(stage, who, "q", count, m, h, 2 * cfg.q_size, bias=ab)
+    st.matmul(stage, who, "k", count, m, h, cfg.kv_size, bias=ab)
+    st.matmul(stage, who, "v", count, m, h, cfg.kv_size, bias=ab)
+    st.norm(stage, f"{who}.qk_norm", count, m, cfg.q_size + cfg.kv_size, 2 * cfg.head_dim)
+    st.rope(stage, f"{who}.rope", count, m, cfg.num_heads + cfg.num_kv_heads, cfg.rotary_dim)
+    st.cache_write(stage, who, count, t, cfg.num_kv_heads, cfg.head_dim)
+    st.attention(stage, who, count, t, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, st.s.context,
                  st.s.slots)
-    st.elementwise(stage, "target.output_gate", count, 3 * m * cfg.q_size * e)
-    st.matmul(stage, "target", "o", count, m, cfg.q_size, h, bias=ab)
-    _mlp(st, stage, cfg, m, count)
+    st.elementwise(stage, f"{who}.output_gate", count, 3 * m * cfg.q_size * e)
+    st.matmul(stage, who, "o", count, m, cfg.q_size, h, bias=ab)
+    _mlp(st, stage, cfg, m, count, who)
 
 
-def _mlp(st: _Step, stage, cfg, m, count):
+def _mlp(st: _Step, stage, cfg, m, count, who="target"):
     h, i, e = cfg.hidden_size, cfg.intermediate_size, st.e
-    st.elementwise(stage, "target.residual", count, 2 * 3 * m * h * e)
-    st.norm(stage, "target.mlp_norm", count, m, h)
-    st.matmul(stage, "target", "gate", count, m, h, i)
-    st.matmul(stage, "target", "up", count, m, h, i)
-    st.elementwise(stage, "target.silu_mul", count, 3 * m * i * e)
-    st.matmul(stage, "target", "down", count, m, i, h)
+    st.elementwise(stage, f"{who}.residual", count, 2 * 3 * m * h * e)
+    st.norm(stage, f"{who}.mlp_norm", count, m, h)
+    st.matmul(stage, who, "gate", count, m, h, i)
+    st.matmul(stage, who, "up", count, m, h, i)
+    st.elementwise(stage, f"{who}.silu_mul", count, 3 * m * i * e)
+    st.matmul(stage, who, "down", count, m, i, h)
 
 
 def _lm_head(st: _Step, stage, who, rows):
@@ -327,31 +337,36 @@ def _lm_head(st: _Step, stage, who, rows):
               tied=cfg.tie_word_embeddings)
 
 
-def target_forward(st: _Step, stage: str, t: int):
+def target_forward(st: _Step, stage: str, t: int, layers: int | None = None, who: str = "target"):
+    """The target's forward over t positions per sequence; `layers`: only the first that many (an early
+    exit, `forward(..., exit_layer=)`), then the final norm and head."""
     cfg, b = st.s.target, st.s.batch
-    st.embedding(stage, "target", b * t, cfg.hidden_size)
+    layers = cfg.num_layers if layers is None else layers
+    st.embedding(stage, who, b * t, cfg.hidden_size)
     if st.s.hybrid:
-        n_lin = sum(cfg.is_linear(i) for i in range(cfg.num_layers))
-        _linear_attention_layers(st, stage, cfg, t, n_lin)
-        _gated_attention_layers(st, stage, cfg, t, cfg.num_layers - n_lin)
+        n_lin = sum(cfg.is_linear(i) for i in range(layers))
+        _linear_attention_layers(st, stage, cfg, t, n_lin, who)
+        _gated_attention_layers(st, stage, cfg, t, layers - n_lin, who)
     else:
-        _dense_layers(st, stage, cfg, t, cfg.num_layers, st.s.fused)
-    if cfg.tap_layers:
-        st.elementwise(stage, "target.taps", 1, 2 * b * t * len(cfg.tap_layers) * cfg.hidden_size * st.e)
-    _lm_head(st, stage, "target", b * t)
+        _dense_layers(st, stage, cfg, t, layers, st.s.fused, who)
+    taps = sum(i < layers for i in cfg.tap_layers)
+    if taps:
+        st.elementwise(stage, f"{who}.taps", 1, 2 * b * t * taps * cfg.hidden_size * st.e)
+    _lm_head(st, stage, who, b * t)
 
 
 # ---- the drafter --------------------------------------------------------------------------------------
 
-def drafter_propose(st: _Step, bs: int):
+def drafter_propose(st: _Step, bs: int, choose_passes: int | None = None):
     """The block forward: embed [last, MASK x (Bs-1)], the draft layers over the block (K/V of the block
-    written after the committed context, attention over every slot), the target's head on Bs-1 rows."""
+    written after the committed context, attention over every slot), the target's head on Bs-1 rows,
+    then `choose_passes` passes over those logits (default: the chain's argmax or sampling)."""
     d, b = st.s.drafter, st.s.batch
     lc = d.layer_config
     st.embedding("draft", "drafter", b * bs, d.hidden_size)
     _dense_layers(st, "draft", lc, bs, d.num_layers, fused=False, who="drafter")
     _lm_head(st, "draft", "drafter", b * (bs - 1))
-    passes = 1 if st.s.greedy else 6  # argmax, or the sampling transform's passes (softmax, top-p sort)
+    passes = (1 if st.s.greedy else 6) if choose_passes is None else choose_passes  # argmax, or sampling's
     if st.s.oracle:
         passes += 4  # the oracle's one-hot logits, the max that keeps the real forward alive, the sum
         ref = b * (bs - 1) * 4 + 8  # its params: the reference tokens it gathers, its PRNG key
@@ -379,8 +394,13 @@ def accept(st: _Step, t: int):
     """Verification of the block against the target's logits, output writes, commits."""
     passes = 1 if st.s.greedy else 6 + (1 if t > 1 else 0)  # argmax; or probabilities of p (and q)
     st.logits_pass("accept", "accept.verify_logits", passes, st.s.batch * t)
+    commit_snapshots(st)
+
+
+def commit_snapshots(st: _Step):
+    """A hybrid target's commit: each recurrent layer's chosen snapshot becomes its state."""
     cfg = st.s.target
-    if st.s.hybrid:  # commit: each recurrent layer's chosen snapshot becomes its state
+    if st.s.hybrid:
         n_lin = sum(cfg.is_linear(i) for i in range(cfg.num_layers))
         b = st.s.batch
         state = b * cfg.linear_num_value_heads * cfg.linear_key_head_dim * cfg.linear_value_head_dim * F32
@@ -423,6 +443,10 @@ def step_counts(plan, shape: Shape) -> StepCounts:
         target_forward(st, "verify", plan.block_size)
         accept(st, plan.block_size)
         drafter_extend(st, plan.block_size)
+    elif plan.verify in ("tree", "two_level"):
+        from specpilot.harness import tree_counts
+
+        tree_counts.tree_step(st, plan, shape)
     else:
         raise NotImplementedError(f"plan {plan.name!r}: no cost counts for {plan.verify!r} verification")
     return StepCounts(tuple(st.kernels))

@@ -6,7 +6,7 @@ Design choices:
   table lacks at the table's effective bandwidth), every other kernel as its launches times the
   per-launch cost plus max(bytes / copy bandwidth, dot FLOPs / peak matmul rate); each step adds the host
   cost of one while-loop iteration (class `host`, in the accept stage). AR emits one token per step,
-  a chain plan tau.
+  a chain, tree or two-level plan tau (at most block size, or a tree's depth + 1).
 - Floors use the gpu config's bandwidth and peak (the numbers the "% of ceiling" column uses): per stage
   max(floor bytes / bandwidth, floor FLOPs / peak), so floor <= prediction wherever the rates stay below
   the datasheet.
@@ -95,12 +95,15 @@ def kernel_seconds(kernel, rates: Rates) -> tuple[float, str | None]:
 
 def predict(plan, deployment, tau: float | None = None, gpu=None) -> Prediction:
     """Time per step of each stage of `plan` at `deployment` (a `Setting`, or a harness Deployment with
-    `gpu`), and per output token at `tau` (AR: one token per step; a chain plan needs tau >= 1)."""
+    `gpu`), and per output token at `tau` (AR: one token per step; other plans: tokens per step, in
+    [1, block size], for a tree in [1, depth + 1])."""
     s = _setting(deployment, gpu)
     if plan.verify == "ar":
         tau = 1.0
-    elif tau is None or not 1.0 <= float(tau) <= plan.block_size:
-        raise ValueError(f"plan {plan.name!r}: tau must be in [1, block size {plan.block_size}], got {tau}")
+    else:  # a tree step emits at most its deepest path plus the bonus token, whatever its node budget
+        most = plan.tree.depth + 1 if plan.tree is not None else plan.block_size
+        if tau is None or not 1.0 <= float(tau) <= most:
+            raise ValueError(f"plan {plan.name!r}: tau must be in [1, {most}] (tokens one step emits), got {tau}")
     c = step_counts(plan, s.shape)
     sharded = not plan.mesh.is_single
     if sharded:  # one device's share, and the links between them (`collectives`)

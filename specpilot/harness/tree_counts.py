@@ -1,0 +1,113 @@
+"""Bytes and FLOPs of one tree step (`decoding.tree`) and one two-level step (`decoding.two_level`), per stage.
+
+Design choices:
+- Built from the chain's pieces in `counts` at the tree's sizes, so both kinds price a kernel alike.
+  Draft: the block drafter's forward at depth + 1 positions (the target's head on depth rows), then the
+  builder: a log-softmax over those rows, `top_k_by_argmax`'s `branching` argmax passes and the beam over
+  (nodes - 1) x branching candidates per depth. The tree is built from the drafter's log-probabilities
+  whatever the sampling, so the draft's passes do not depend on it.
+- Verify: one target forward over the `nodes` tokens with `_Step.tree` set: attention over the cache
+  under the tree mask (the XLA path reads every slot; a plan whose `tree_attention` runs the Triton
+  kernel reads the committed prefix and the tree block), and on hybrid targets the per-node recurrence
+  (each node's conv window gathered along its ancestors, each node's state read from its parent's and
+  written as its snapshot).
+- Accept: the tree acceptance over the nodes' logits (greedy: one argmax pass; sampled: the target's
+  probabilities, then recursive rejection over siblings level by level), the path commit (attention
+  layers move the path's depth + 1 K/V rows to consecutive slots: a gather and a scatter, no floor, a
+  path-indexed cache would not move them; recurrent layers select the last node's snapshot) and the
+  drafter's context extended by the depth + 1 tapped rows of the path.
+- Two-level: the first level is verification's cheap half and sits in the verify stage. Both first
+  levels cost the path scores and the subtree selection ([B, N, N] comparisons) beyond the builder;
+  `early_exit` adds the target's first `exit_layer` layers over all N nodes (a tree forward: their K/V
+  and snapshots are written, then rewritten by the full forward), the final norm, the LM head on N rows
+  and a log-softmax over them. The full forward, the acceptance and the commit then see `keep` nodes.
+- Shapes no step can run are refused naming the plan field: a tree deeper than the drafter's block
+  (`tree.depth`), a hybrid tree wider than its per-node snapshots (`tree.nodes`), an exit layer at or
+  past the target's depth (`two_level.exit_layer`).
+"""
+
+from __future__ import annotations
+
+from specpilot.harness.counts import (F32, _Step, commit_snapshots, drafter_extend, drafter_propose,
+                                      target_forward)
+
+
+def check_tree_plan(plan, shape) -> None:
+    """Clear errors for a tree or two_level plan that cannot run at `shape` (a `counts.Shape`)."""
+    t = plan.tree
+    if t is None:
+        raise ValueError(f"plan {plan.name!r}: {plan.verify} verification needs tree: {{nodes, depth, branching}}")
+    if shape.drafter is None:
+        raise ValueError(f"plan {plan.name!r} drafts a tree; the shape has no drafter config")
+    block = getattr(shape.drafter, "block_size", None)
+    if block is not None and t.depth + 1 > block:
+        raise ValueError(f"plan {plan.name!r}: tree.depth {t.depth} needs a drafter block of {t.depth + 1}; "
+                         f"the drafter's is {block}")
+    if shape.hybrid and t.width > shape.max_block:
+        raise ValueError(f"plan {plan.name!r}: tree.nodes {t.nodes} (width {t.width}) exceeds the hybrid "
+                         f"target's {shape.max_block} per-node snapshots (Shape.max_block)")
+    if plan.verify == "two_level":
+        from specpilot.decoding.two_level import check_first_level
+
+        lv = plan.two_level
+        try:
+            check_first_level(lv.first, lv.keep, lv.exit_layer, t.nodes, shape.target.num_layers)
+        except ValueError as e:
+            raise ValueError(f"plan {plan.name!r}: {e}") from None
+
+
+def build_tree(st: _Step, nodes: int, depth: int, branching: int):
+    """The builder beyond its top-k: the beam's scores and indices per depth, the final top-k, the
+    ancestor matrix (depth + 1 one-hot passes over [B, N, N])."""
+    b = st.s.batch
+    beam = depth * (nodes - 1) * branching * 2 * (F32 + 4)
+    st.add(stage="draft", cls="bookkeeping", name="draft.build_tree",
+           bytes=b * (beam + depth * (nodes - 1) * 2 * 4 + (depth + 1) * 2 * nodes * nodes))
+
+
+def accept_tree(st: _Step, nodes: int, depth: int, branching: int):
+    """Acceptance over a tree's logits [B, N, V] and the path commit (module docstring)."""
+    b, cfg = st.s.batch, st.s.target
+    if st.s.greedy:
+        st.logits_pass("accept", "accept.verify_logits", 1, b * nodes)
+    else:  # probabilities of p, then per level a residual row and each sibling's read, zeroing and sum
+        st.logits_pass("accept", "accept.verify_logits", 6, b * nodes)
+        st.logits_pass("accept", "accept.recursive_rejection", 3 * branching * depth + 7 * (depth + 1), b)
+    n_attn = cfg.num_layers - (sum(cfg.is_linear(i) for i in range(cfg.num_layers)) if st.s.hybrid else 0)
+    rows = b * (depth + 1) * cfg.num_kv_heads * cfg.head_dim * st.e
+    if n_attn:  # K and V: gathered (read, write), scattered back (read, write)
+        st.add(stage="accept", cls="cache_write", name="target.path_commit", count=n_attn,
+               bytes=n_attn * 2 * 4 * rows)
+    commit_snapshots(st)
+    drafter_extend(st, depth + 1)
+
+
+def first_level(st: _Step, plan, nodes: int, depth: int):
+    """The two-level plan's first level over the drafted `nodes`-node tree (stage verify)."""
+    b = st.s.batch
+    lv = plan.two_level
+    if lv.first == "early_exit":
+        st.tree = True
+        target_forward(st, "verify", nodes, layers=lv.exit_layer, who="first_level")
+        st.tree = False
+        st.logits_pass("verify", "first_level.log_softmax", 3, b * nodes)
+    scores = depth * nodes * 3 * F32  # path_scores: a gather and an add per depth
+    select = nodes * nodes * (2 * F32 + 8)  # ancestors' minimum, the ranking comparisons
+    st.add(stage="verify", cls="bookkeeping", name="first_level.select_subtree", bytes=b * (scores + select))
+
+
+def tree_step(st: _Step, plan, shape) -> None:
+    """Every kernel of one tree or two-level step into `st` (`counts.step_counts` calls it)."""
+    check_tree_plan(plan, shape)
+    t = plan.tree
+    nodes, depth, k = t.nodes, t.depth, t.branching
+    drafter_propose(st, depth + 1, choose_passes=3 + 3 * k)  # log-softmax, then k argmax passes
+    build_tree(st, nodes, depth, k)
+    verified = nodes
+    if plan.verify == "two_level":
+        first_level(st, plan, nodes, depth)
+        verified = plan.two_level.keep
+    st.tree = True
+    target_forward(st, "verify", verified)
+    st.tree = False
+    accept_tree(st, verified, depth, k)
