@@ -145,7 +145,7 @@ def test_the_rewrite_space_lists_the_op():
     cfg = _compose("tiny_random", ["drafter=random"])
     cpu = {c.field: c for c in build_space(cfg, platform="cpu").choices}
     gpu = {c.field: c for c in build_space(cfg, platform="gpu").choices}
-    assert cpu["kernels.attention.implementation"].values == (("xla",),)
+    assert "kernels.attention.implementation" not in cpu  # the kernel runs on GPUs: XLA alone on a CPU
     assert gpu["kernels.attention.implementation"].values == (("xla",), ("triton", "xla"))
     assert gpu["kernels.attention.implementation"].targets == ("attention",)
     assert gpu["kernels.attention.config.block_s"].when == ("kernels.attention.implementation", "triton")
@@ -157,7 +157,7 @@ def test_the_rewrite_space_lists_the_op():
 
 def test_dense_ar_and_stock_with_the_kernel_give_the_xla_tokens():
     """Through the deployment (`cfg_for`, `target_for`): the tiny dense target's AR and stock plans with
-    the ragged kernel emit the tokens of their XLA twins, prompts of different lengths in one batch; the
+    the ragged kernel emit the XLA AR plan's tokens, prompts of different lengths in one batch; the
     oracle drafter (replaying the XLA AR tokens) makes verification accept several tokens per step."""
     cfg = _compose("tiny_random", ["drafter=oracle", "drafter.tau=2.5", *_kernel_overrides("stock")])
     plans = {p.name: p for p in build_plans(cfg)}
@@ -179,18 +179,17 @@ def test_dense_ar_and_stock_with_the_kernel_give_the_xla_tokens():
     drafter, base = dep.drafter_for(plans["stock"])
     assert isinstance(drafter, OracleDrafter)
     dparams = OracleDrafter.make_params(base, replay_reference(prompts, want), seed=0)
-    results = {}
-    for name, plan in (("kernel", plans["stock"]), ("xla", _with_xla_attention(plans["stock"]))):
-        target = dep.target_for(plan)
-        assert _runs_kernel(target, params, plan.block_size) == (name == "kernel")
-        results[name] = spec.generate(target, params, drafter, dparams, prompts, new, cache_len=CACHE_LEN)
-    assert results["kernel"].as_lists() == results["xla"].as_lists() == want
-    assert results["kernel"].stats.tau > 1.5  # several tokens committed per verification
+    target = dep.target_for(plans["stock"])
+    assert _runs_kernel(target, params, plans["stock"].block_size)
+    result = spec.generate(target, params, drafter, dparams, prompts, new, cache_len=CACHE_LEN)
+    # stock through XLA emits AR's tokens (lossless, tests/test_spec.py); the kernel's must be those too
+    assert result.as_lists() == want
+    assert result.stats.tau > 1.5  # several tokens committed per verification
 
 
 def test_hybrid_gated_attention_takes_the_choice():
     """The tiny hybrid's full-attention layers go through the kernel in prefill and chain verification;
-    logits within the kernel's tolerance of the XLA path, and the greedy AR tokens equal."""
+    logits (a right-padded prompt, then a chained block) within the kernel's tolerance of the XLA path."""
     cfg = _compose("tiny_hybrid", ["drafter=random", *_kernel_overrides("stock")])
     plans = {p.name: p for p in build_plans(cfg)}
     dep = deploy.build(cfg, list(plans.values()))
@@ -212,6 +211,3 @@ def test_hybrid_gated_attention_takes_the_choice():
 
     for got, want in zip(run(kernel), run(xla)):
         np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=KERNEL_RTOL, atol=KERNEL_ATOL)
-    prompts = [[3, 1, 4, 1, 5, 9, 2, 6], [2, 7, 1]]
-    assert (ar.generate(kernel, params, prompts, 6, cache_len=CACHE_LEN).as_lists()
-            == ar.generate(xla, params, prompts, 6, cache_len=CACHE_LEN).as_lists())

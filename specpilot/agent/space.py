@@ -9,7 +9,7 @@ Design choices:
 - The space derives from the deployment: block sizes up to the drafter's, kernel implementations the
   device can run (Pallas backends only on a GPU), each implementation's config fields read from its
   frozen config dataclass (`dispatch.CONFIGS`: powers of two halved and doubled, booleans both ways),
-  the gated delta rule only for hybrid targets, chain attention (`kernels.attention`) for every target
+  the gated delta rule only for hybrid targets, chain attention (`kernels.attention`) only on a GPU
   (tree kernels are left out: no tree plans in this space), meshes only where more than one device is visible.
   A config field applies only under its own implementation (`Choice.when`).
 - `check` composes the config with the rewritten plan and runs the harness's own validation
@@ -226,6 +226,8 @@ def build_space(cfg: DictConfig, *, platform: str = "cpu", devices: int = 1) -> 
     for op in plan_mod.KERNEL_OPS:
         if op == "gated_delta_rule" and not hybrid or op.startswith("tree_"):
             continue  # no recurrence in a dense target; no tree plans in this space
+        if op == "attention" and platform != "gpu":
+            continue  # the ragged kernel runs on GPUs only: elsewhere the op has XLA alone
         lists = [("xla",)]
         if platform == "gpu":
             lists += [(impl, "xla") for impl in PALLAS_ON_GPU[op]]
