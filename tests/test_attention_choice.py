@@ -25,6 +25,8 @@ from specpilot.agent.space import build_space
 from specpilot.decoding import ar, spec
 from specpilot.harness import config_schema, deploy
 from specpilot.harness.config_schema import build_plans, typed, validate
+from specpilot.models import dense
+from specpilot.models.config import ModelConfig
 from specpilot.models.drafter import replay_reference
 from specpilot.models.layers import chain_counts
 from specpilot.models.oracle import OracleDrafter
@@ -117,6 +119,25 @@ def test_dispatch_falls_through_where_the_kernel_refuses():
         dispatch.attention(*x, choice=dispatch.choice("attention", "triton"))
     with pytest.raises(ValueError, match="unknown key.*'splits'.*attention 'triton' config"):
         dispatch.choice("attention", "triton", {"splits": 2})
+
+
+def test_the_xla_choice_is_the_masked_attention_bit_for_bit():
+    """A target whose cfg.attention is [xla] computes exactly what it computed with no choice (the
+    mask rebuilt from lengths and counts is the mask it was given), prompt and chain forwards."""
+    cfg = ModelConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_layers=2, num_heads=4,
+                      num_kv_heads=2, head_dim=8)
+    params = dense.init(jax.random.key(3), cfg, jnp.float32, std=0.3)
+    prompt = jnp.asarray(np.random.default_rng(3).integers(0, 64, size=(2, 8)), jnp.int32)
+    outs = []
+    for choice in (None, dispatch.OpChoice(("xla",))):
+        target = dense.target(dataclasses.replace(cfg, attention=choice), jnp.float32)
+
+        def fn(p, s, target=target):
+            first, _, s = st.prompt_forward(target, p, prompt, jnp.asarray([8, 3], jnp.int32), s)
+            return first, st.chain_forward(target, p, prompt[:, :3], s)[0]
+        outs.append(jax.jit(fn)(params, target.init_state(2, 32)))
+    for got, want in zip(*outs):
+        np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
 
 
 # --------------------------------------------------------------------------------------------------
