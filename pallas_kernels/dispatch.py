@@ -1,7 +1,8 @@
 """The one place that chooses how an op is computed: `matmul` (and `prepare_params`, which puts a model's
 weights into the layout the chosen implementation multiplies), `gated_delta_rule` (linear attention's
-recurrence, token by token), `tree_gated_delta_rule` (the recurrence over a token tree, node from parent)
-and `tree_attention` (attention of a tree verification's nodes).
+recurrence, token by token), `tree_gated_delta_rule` (the recurrence over a token tree, node from parent),
+`tree_attention` (attention of a tree verification's nodes) and `attention` (chain attention: decode,
+chain verification, prefill chunks, the serving engine's steps).
 
 Design choices (tokamax's op API):
 - A choice (`OpChoice`) names implementations in order of preference and carries the first one's
@@ -19,7 +20,8 @@ Design choices (tokamax's op API):
   naming one is built where the module is never imported), and the process that runs the plan registers
   the function first (`register_variant`); running an unregistered one is a LookupError, never a silent
   fall-through to another implementation. A variant takes the op's arguments (matmul: x [..., K] and the
-  weight as the plan holds it; gated_delta_rule: q, k, v, g, beta, s0) and may raise NotImplementedError.
+  weight as the plan holds it; gated_delta_rule: q, k, v, g, beta, s0; attention: q, k_cache, v_cache,
+  lengths, counts) and may raise NotImplementedError.
 
 Implementations of "matmul":
 - "xla": x @ W in float32 accumulation by XLA; W12, W12NK and TwinNK decoded exactly first.
@@ -43,6 +45,15 @@ choice=None: "xla"):
 - "triton": the Pallas Triton-backend kernel (`tree_attention.tree_attention`): the prefix split over
   the cache up to each row's length, plus the masked tree block; power-of-two head dims, a GPU (or
   interpret mode); anything else falls through.
+
+Implementations of "attention" (row b's T queries over its committed slots < lengths[b] and its own
+counts[b] new tokens; choice=None: "xla"):
+- "xla": the model's attention under the mask that lengths and counts describe
+  (`tree_attention.cache_attention` over `ragged_attention.visible_mask`): the masked attention over the
+  whole preallocated cache, exactly as before the op existed.
+- "triton": the Pallas Triton-backend ragged kernel (`ragged_attention.ragged_attention`): each row
+  reads only its own blocks of slots; S a multiple of its block_s, power-of-two head dims, a GPU (or
+  interpret mode); anything else falls through.
 """
 
 from __future__ import annotations
@@ -56,6 +67,7 @@ import jax
 import jax.numpy as jnp
 
 from pallas_kernels import gated_delta_rule as gdr
+from pallas_kernels import ragged_attention as ra
 from pallas_kernels import tree_attention as ta
 from pallas_kernels import tree_gated_delta_rule as tgdr
 from pallas_kernels import w12_matmul, w12_mosaic
@@ -82,6 +94,7 @@ CONFIGS: dict[str, dict[str, type]] = {
     "gated_delta_rule": {"triton": gdr.GatedDeltaRuleTritonConfig, "xla": XlaConfig},
     "tree_gated_delta_rule": {"triton": gdr.GatedDeltaRuleTritonConfig, "xla": XlaConfig},
     "tree_attention": {"triton": ta.TreeAttentionTritonConfig, "xla": XlaConfig},
+    "attention": {"triton": ra.RaggedAttentionConfig, "xla": XlaConfig},
 }
 IMPLEMENTATIONS: dict[str, tuple[str, ...]] = {op: tuple(impls) for op, impls in CONFIGS.items()}
 VARIANT = re.compile(r"variant:[0-9a-f]{8,64}")
@@ -345,6 +358,37 @@ def tree_attention(q, k_cache, v_cache, lengths, ancestors, *, choice: OpChoice 
         except NotImplementedError as e:
             refused.append(f"{impl}: {e}")
     raise NotImplementedError(f"no tree_attention implementation of {c.implementation} takes q {q.shape} over "
+                              f"a cache {k_cache.shape} {k_cache.dtype}: " + "; ".join(refused))
+
+
+# ---- attention ---------------------------------------------------------------------------------------
+
+def _attention_xla(q, k_cache, v_cache, lengths, counts, config: XlaConfig):
+    del config
+    ra.check_shapes(q, k_cache, v_cache, lengths, counts)
+    mask = ra.visible_mask(lengths, counts, q.shape[1], k_cache.shape[1])
+    return ta.cache_attention(q, k_cache.astype(q.dtype), v_cache.astype(q.dtype), mask)
+
+
+_ATTENTIONS = {"xla": _attention_xla, "triton": ra.ragged_attention}
+
+
+def attention(q, k_cache, v_cache, lengths, counts, *, choice: OpChoice | None = None):
+    """Chain attention by length: q [B, T, H, D], k_cache, v_cache [B, S, KVH, D] with the T tokens' K/V
+    at slots lengths[b] + t, lengths [B] committed slots, counts [B] (0..T) the row's valid new tokens
+    (query t sees slots < lengths[b] + min(t + 1, counts[b])) -> [B, T, H, D]. Tries
+    `choice.implementation` in order (None: the reference), falling through on NotImplementedError."""
+    c = OpChoice(("xla",)) if choice is None else choice
+    _check_choice(c, "attention")
+    refused = []
+    for impl in c.implementation:
+        try:
+            if is_variant(impl):
+                return variant("attention", impl)(q, k_cache, v_cache, lengths, counts)
+            return _ATTENTIONS[impl](q, k_cache, v_cache, lengths, counts, _config(c, "attention", impl))
+        except NotImplementedError as e:
+            refused.append(f"{impl}: {e}")
+    raise NotImplementedError(f"no attention implementation of {c.implementation} takes q {q.shape} over "
                               f"a cache {k_cache.shape} {k_cache.dtype}: " + "; ".join(refused))
 
 

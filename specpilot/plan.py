@@ -42,7 +42,8 @@ WEIGHT_FORMATS = ("bf16", "w12")
 BATCHING_POLICIES = ("continuous", "static")  # static: a new wave is admitted only into an empty batch
 DRAFT_BUDGETS = ("fixed", "confidence")  # fixed: every row verifies block_size - 1 drafts
 VERIFY_LAYOUTS = ("padded", "packed")  # packed: only kept candidates enter the verify forward
-KERNEL_OPS = ("matmul", "gated_delta_rule", "tree_gated_delta_rule", "tree_attention")  # the fields of `Kernels`, each a `dispatch` op
+KERNEL_OPS = ("matmul", "gated_delta_rule", "tree_gated_delta_rule", "tree_attention",
+              "attention")  # the fields of `Kernels`, each a `dispatch` op
 
 
 class PlanError(ValueError):
@@ -59,12 +60,15 @@ class Kernels:
     through on NotImplementedError, and the first one's frozen config of block sizes and options):
     `matmul` for the linear layers, `gated_delta_rule` for a hybrid target's linear-attention recurrence
     in decode and chain verification (dense targets have none), `tree_gated_delta_rule` for it over a tree
-    (node from parent), `tree_attention` for the attention layers of a tree verification forward."""
+    (node from parent), `tree_attention` for the attention layers of a tree verification forward,
+    `attention` for them in every other forward (decode, chain verification, prefill chunks, the serving
+    engine's steps: each row reads its committed slots and its own new tokens, `dispatch.attention`)."""
 
     matmul: OpChoice = OpChoice(("xla",))
     gated_delta_rule: OpChoice = OpChoice(("xla",))
     tree_gated_delta_rule: OpChoice = OpChoice(("xla",))
     tree_attention: OpChoice = OpChoice(("xla",))
+    attention: OpChoice = OpChoice(("xla",))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -248,11 +252,13 @@ def _op_choice(name: str, kernels, op: str, default) -> OpChoice:
 
 def build(name: str, fields: Mapping[str, Any], *, drafter_block_size: int | None,
           default_matmul: Mapping[str, Any], default_gated_delta_rule=("xla",),
-          default_tree_gated_delta_rule=("xla",), default_tree_attention=("xla",)) -> Plan:
+          default_tree_gated_delta_rule=("xla",), default_tree_attention=("xla",),
+          default_attention=("xla",)) -> Plan:
     """A Plan from a config mapping (the YAML's fields), with the deployment's defaults filled in.
 
     `default_matmul`: weight format -> implementation list; `default_gated_delta_rule`,
-    `default_tree_gated_delta_rule`, `default_tree_attention`: implementation lists (the `gpu` group's defaults, `gpu.<op>`). Each kernel config mapping becomes its first
+    `default_tree_gated_delta_rule`, `default_tree_attention`, `default_attention`: implementation lists
+    (the `gpu` group's defaults, `gpu.<op>`). Each kernel config mapping becomes its first
     implementation's typed config (`dispatch.choice`), so an unknown option fails here, naming the field.
     """
     verify = str(fields.get("verify", "chain"))
@@ -279,6 +285,7 @@ def build(name: str, fields: Mapping[str, Any], *, drafter_block_size: int | Non
     if not mesh.is_single:  # sharded plans compute through XLA unless a plan says otherwise
         default_matmul = {weights: ["xla"]}
         default_gated_delta_rule = default_tree_gated_delta_rule = default_tree_attention = ["xla"]
+        default_attention = ["xla"]
     matmul_fields = (kernels.get("matmul") or {}) if isinstance(kernels, Mapping) else {}
     if matmul_fields.get("implementation") is None and weights not in default_matmul:
         _fail(name, "kernels.matmul.implementation", f"the gpu config gives no default for {weights!r} weights")
@@ -286,7 +293,8 @@ def build(name: str, fields: Mapping[str, Any], *, drafter_block_size: int | Non
                      gated_delta_rule=_op_choice(name, kernels, "gated_delta_rule", default_gated_delta_rule),
                      tree_gated_delta_rule=_op_choice(name, kernels, "tree_gated_delta_rule",
                                                       default_tree_gated_delta_rule),
-                     tree_attention=_op_choice(name, kernels, "tree_attention", default_tree_attention))
+                     tree_attention=_op_choice(name, kernels, "tree_attention", default_tree_attention),
+                     attention=_op_choice(name, kernels, "attention", default_attention))
     return Plan(name=name, verify=verify, weights=weights, block_size=int(block), kernels=chosen,
                 tree=tree, two_level=_two_level(name, fields.get("two_level")),
                 batching=_batching(name, fields.get("batching")), mesh=mesh)

@@ -9,7 +9,8 @@ Design choices:
 - The space derives from the deployment: block sizes up to the drafter's, kernel implementations the
   device can run (Pallas backends only on a GPU), each implementation's config fields read from its
   frozen config dataclass (`dispatch.CONFIGS`: powers of two halved and doubled, booleans both ways),
-  the gated delta rule only for hybrid targets, meshes only where more than one device is visible.
+  the gated delta rule only for hybrid targets, chain attention (`kernels.attention`) only on a GPU
+  (tree kernels are left out: no tree plans in this space), meshes only where more than one device is visible.
   A config field applies only under its own implementation (`Choice.when`).
 - `check` composes the config with the rewritten plan and runs the harness's own validation
   (`config_schema.validate`, which builds the plan): an impossible rewrite (w12 weights on a float32
@@ -30,7 +31,8 @@ from pallas_kernels import dispatch
 from specpilot import plan as plan_mod
 
 BLOCK_SIZES = (2, 3, 4, 6, 8, 12, 16, 24, 32)
-PALLAS_ON_GPU = {"matmul": ("triton", "mosaic"), "gated_delta_rule": ("triton",)}
+PALLAS_ON_GPU = {"matmul": ("triton", "mosaic"), "gated_delta_rule": ("triton",), "attention": ("triton",)}
+OP_TARGETS = {"matmul": ("matmul", "lm_head"), "attention": ("attention",)}  # others: the recurrence
 
 
 @dataclasses.dataclass(frozen=True)
@@ -204,7 +206,7 @@ def _typed(cfg: DictConfig) -> DictConfig:
 def kernel_config_choices(op: str, implementation: str) -> list[Choice]:
     """`kernels.<op>.config.<field>` choices of one implementation (its config dataclass's fields)."""
     cls = dispatch.CONFIGS[op][implementation]
-    targets = ("matmul", "lm_head") if op == "matmul" else ("recurrence",)
+    targets = OP_TARGETS.get(op, ("recurrence",))
     return [dataclasses.replace(c, field=f"kernels.{op}.config.{c.field}", targets=targets,
                                 when=(f"kernels.{op}.implementation", implementation))
             for c in _config_values(cls)]
@@ -224,10 +226,12 @@ def build_space(cfg: DictConfig, *, platform: str = "cpu", devices: int = 1) -> 
     for op in plan_mod.KERNEL_OPS:
         if op == "gated_delta_rule" and not hybrid or op.startswith("tree_"):
             continue  # no recurrence in a dense target; no tree plans in this space
+        if op == "attention" and platform != "gpu":
+            continue  # the ragged kernel runs on GPUs only: elsewhere the op has XLA alone
         lists = [("xla",)]
         if platform == "gpu":
             lists += [(impl, "xla") for impl in PALLAS_ON_GPU[op]]
-        targets = ("matmul", "lm_head") if op == "matmul" else ("recurrence",)
+        targets = OP_TARGETS.get(op, ("recurrence",))
         choices.append(Choice(f"kernels.{op}.implementation", tuple(lists), "categorical", targets=targets))
         if platform == "gpu":
             for impl in PALLAS_ON_GPU[op]:

@@ -92,6 +92,10 @@ class GpuConf:
     # defaults only: tree verification's attention (`pallas_kernels.tree_attention`) of a plan that names
     # none. xla = the attention over the full tree mask; triton = the Pallas kernel
     tree_attention: List[str] = dataclasses.field(default_factory=lambda: ["xla"])
+    # defaults only: chain attention (decode, chain verification, prefill chunks, the serving engine's
+    # steps) of a plan that names none. xla = the masked attention over the whole cache; triton = the
+    # Pallas ragged kernel (`pallas_kernels.ragged_attention`: each row reads only its own slots)
+    attention: List[str] = dataclasses.field(default_factory=lambda: ["xla"])
     # the bf16 AR implementations the runner measures on this device; the fastest is the AR baseline
     ar_baselines: List[List[str]] = dataclasses.field(default_factory=lambda: [["xla"]])
 
@@ -110,6 +114,7 @@ class KernelsConf:
     gated_delta_rule: OpConf = dataclasses.field(default_factory=OpConf)  # default: gpu.gated_delta_rule
     tree_gated_delta_rule: OpConf = dataclasses.field(default_factory=OpConf)  # default: gpu.tree_gated_delta_rule
     tree_attention: OpConf = dataclasses.field(default_factory=OpConf)  # default: gpu.tree_attention
+    attention: OpConf = dataclasses.field(default_factory=OpConf)  # default: gpu.attention
 
 
 @dataclasses.dataclass
@@ -412,14 +417,14 @@ def build_plans(cfg: DictConfig) -> list[Plan]:
     defaults = {k: list(v) for k, v in cfg.gpu.matmul.items()}
     _check_implementations("gpu.gated_delta_rule", cfg.gpu.gated_delta_rule, op="gated_delta_rule")
     gdr = tuple(str(i) for i in cfg.gpu.gated_delta_rule)
-    tree_defaults = {}
-    for op in ("tree_gated_delta_rule", "tree_attention"):
+    op_defaults = {}
+    for op in ("tree_gated_delta_rule", "tree_attention", "attention"):
         _check_implementations(f"gpu.{op}", cfg.gpu[op], op=op)
-        tree_defaults[f"default_{op}"] = tuple(str(i) for i in cfg.gpu[op])
+        op_defaults[f"default_{op}"] = tuple(str(i) for i in cfg.gpu[op])
     try:
         given = [plan_mod.build(str(name), OmegaConf.to_container(fields, resolve=True),
                                 drafter_block_size=drafter_block, default_matmul=defaults,
-                                default_gated_delta_rule=gdr, **tree_defaults)
+                                default_gated_delta_rule=gdr, **op_defaults)
                  for name, fields in cfg.decoding.plans.items()]
     except plan_mod.PlanError as e:
         raise ConfigValueError(str(e)) from None
@@ -431,14 +436,15 @@ def build_plans(cfg: DictConfig) -> list[Plan]:
             continue  # the Mosaic kernel multiplies bf16 weights: no candidate for another dtype
         if any(plan_mod.is_ar_baseline_candidate(p) and p.mesh.is_single and p.kernels.matmul.implementation == impl
                and p.kernels.gated_delta_rule.implementation == gdr
+               and p.kernels.attention.implementation == op_defaults["default_attention"]
                for p in given):  # the reference: one device, the default kernels (others are checked against it)
             continue
         name = "ar" if impl[0] == "xla" else f"ar_{impl[0]}"
         if name in names:
             _fail(f"decoding.plans.{name}", f"the name is the AR baseline's on this gpu ({list(impl)}); rename it")
         kernels = plan_mod.Kernels(dispatch.choice("matmul", impl), dispatch.choice("gated_delta_rule", gdr),
-                                   **{op: dispatch.choice(op, tree_defaults[f"default_{op}"])
-                                      for op in ("tree_gated_delta_rule", "tree_attention")})
+                                   **{op: dispatch.choice(op, op_defaults[f"default_{op}"])
+                                      for op in ("tree_gated_delta_rule", "tree_attention", "attention")})
         baselines.append(plan_mod.Plan(name=name, verify="ar", kernels=kernels))
         names.add(name)
     plans = baselines + given

@@ -103,16 +103,18 @@ class Deployment:
 
     def cfg_for(self, plan: Plan) -> ModelConfig:
         """The target's static config for `plan`: its kernel choices ride in the config (a jit static): the
-        matmul's, the tree attention's, and for a hybrid target the gated delta rule's (token by token and
-        over a tree)."""
+        matmul's, the tree attention's, the chain attention's, and for a hybrid target the gated delta
+        rule's (token by token and over a tree)."""
         from specpilot.models.hybrid_config import HybridConfig
 
         if isinstance(self.cfg, HybridConfig):
             return dataclasses.replace(self.cfg, matmul=plan.kernels.matmul,
                                        gated_delta_rule=plan.kernels.gated_delta_rule,
                                        tree_gated_delta_rule=plan.kernels.tree_gated_delta_rule,
-                                       tree_attention=plan.kernels.tree_attention)
-        return dataclasses.replace(self.cfg, matmul=plan.kernels.matmul, tree_attention=plan.kernels.tree_attention)
+                                       tree_attention=plan.kernels.tree_attention,
+                                       attention=plan.kernels.attention)
+        return dataclasses.replace(self.cfg, matmul=plan.kernels.matmul, tree_attention=plan.kernels.tree_attention,
+                                   attention=plan.kernels.attention)
 
     def target_for(self, plan: Plan):
         """The target (config, state and forward functions) as `plan` runs it: dense, or a hybrid's."""

@@ -69,6 +69,10 @@ class ModelConfig:
     # kernels.tree_attention (`pallas_kernels.dispatch.OpChoice`), or None: the attention over the full
     # mask (`layers.attention`). Static; not a checkpoint field.
     tree_attention: Any = None
+    # What computes attention in every other forward (decode, chain verification, prefill chunks, the
+    # serving engine's steps): a plan's kernels.attention (`pallas_kernels.dispatch.OpChoice`), or None:
+    # the attention over the full mask. Static; not a checkpoint field.
+    attention: Any = None
 
     def __post_init__(self):
         positive = ("vocab_size", "hidden_size", "intermediate_size", "num_layers", "num_heads",

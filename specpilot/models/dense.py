@@ -194,7 +194,8 @@ def lm_head(params: Params, cfg: ModelConfig, x: jax.Array) -> jax.Array:
 def decoder_layer(p: dict, cfg: ModelConfig, x: jax.Array, cos, sin, kv: AttentionState,
                   start: jax.Array, mask: jax.Array, parents: jax.Array | None = None):
     """One pre-norm decoder layer. x: [B, T, H]; K/V written at slots start[b] + i; returns (x, kv).
-    parents (a tree's): attention goes through cfg.tree_attention when set (`layers.cache_attention`)."""
+    parents (a tree's): attention goes through cfg.tree_attention when set; without parents (a chain's),
+    through cfg.attention when set (`layers.cache_attention`)."""
     b, t, _ = x.shape
     h = rms_norm(x, p["attn_norm"], cfg.rms_norm_eps)
     q, k, v = _projections(p, cfg, h, "qkv", (cfg.q_size, cfg.kv_size, cfg.kv_size))
@@ -206,7 +207,7 @@ def decoder_layer(p: dict, cfg: ModelConfig, x: jax.Array, cos, sin, kv: Attenti
         k = rms_norm(k, p["k_norm"], cfg.rms_norm_eps)
     q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
     kv = kv.write(k, v, start)
-    attn = cache_attention(q, kv, start, mask, parents, cfg.tree_attention)
+    attn = cache_attention(q, kv, start, mask, parents, tree=cfg.tree_attention, chain=cfg.attention)
     x = x + linear(attn.reshape(b, t, cfg.q_size), p["o"], p.get("o_bias"), choice=cfg.matmul, role="o")
     h = rms_norm(x, p["mlp_norm"], cfg.rms_norm_eps)
     g, u = _projections(p, cfg, h, "gate_up", (cfg.intermediate_size, cfg.intermediate_size))
@@ -251,7 +252,8 @@ def forward(params: Params, cfg: ModelConfig, tokens: jax.Array, positions: jax.
     """tokens [B, T], positions [B, T] int32, mask [B, T, S] bool (True: query t sees slot s)
     -> (logits [B, T, V] float32, taps [B, T, n_taps*H], state with K/V written at slots
     lengths[b] .. lengths[b]+T-1). Nothing is committed (see `TargetState.commit`). parents [B, T]
-    marks a tree forward: attention then runs as cfg.tree_attention chooses (the tree is in the mask).
+    marks a tree forward: attention then runs as cfg.tree_attention chooses (the tree is in the mask);
+    otherwise as cfg.attention chooses (lengths and counts read off the chain or prompt mask).
     exit_layer: the final norm and head read the output of that many layers (`hidden_forward`)."""
     x, taps, state = hidden_forward(params, cfg, embed(params, tokens), positions, state, mask, parents,
                                     exit_layer)

@@ -142,7 +142,8 @@ def gated_attention(p: dict, cfg: HybridConfig, x: jax.Array, cos, sin, kv: Atte
     q = _partial_rope(rms_norm(q, p["q_norm"], cfg.rms_norm_eps), cos, sin)
     k = _partial_rope(rms_norm(k, p["k_norm"], cfg.rms_norm_eps), cos, sin)
     kv = kv.write(k, v, start)
-    out = cache_attention(q, kv, start, mask, parents, cfg.tree_attention).reshape(b, t, nh * d)
+    out = cache_attention(q, kv, start, mask, parents, tree=cfg.tree_attention, chain=cfg.attention)
+    out = out.reshape(b, t, nh * d)
     return linear(out * jax.nn.sigmoid(gate), p["o"], p.get("o_bias"), choice=cfg.matmul, role="o"), kv
 
 

@@ -69,6 +69,8 @@ class HybridConfig:
     tree_gated_delta_rule: Any = None
     # What computes the full-attention layers in a tree verification forward, as ModelConfig.tree_attention.
     tree_attention: Any = None
+    # What computes the full-attention layers in every other forward, as ModelConfig.attention.
+    attention: Any = None
 
     rope_scaling = None  # no rope scaling type is supported; read by drafter configs built from this
 

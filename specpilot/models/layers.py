@@ -50,17 +50,41 @@ def apply_rope(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
 attention = _tree_attention.cache_attention
 
 
-def cache_attention(q: jax.Array, kv, start: jax.Array, mask: jax.Array, parents: jax.Array | None = None,
-                    choice: dispatch.OpChoice | None = None) -> jax.Array:
+def cache_attention(q: jax.Array, kv, start: jax.Array | None, mask: jax.Array,
+                    parents: jax.Array | None = None, tree: dispatch.OpChoice | None = None,
+                    chain: dispatch.OpChoice | None = None) -> jax.Array:
     """q [B, T, H, D]'s attention over an `AttentionState` kv whose slots start[b] .. start[b]+T-1 hold
-    the T tokens' own K/V, under mask [B, T, S]. In a tree forward (parents given) with a choice, through
-    `dispatch.tree_attention`: the mask's block at those slots is the tree's ancestor mask (every mask of
-    `specpilot.state` shows all slots < start and none past the block)."""
-    if parents is None or choice is None:
+    the T tokens' own K/V, under mask [B, T, S]. Without a choice for the forward's kind: the masked
+    attention over the whole cache (`attention`).
+
+    A tree forward (parents given) goes through `dispatch.tree_attention` with `tree`: the mask's block
+    at those slots is the tree's ancestor mask (every mask of `specpilot.state` shows all slots < start
+    and none past the block).
+
+    A chain forward (no parents) goes through `dispatch.attention` with `chain`, which takes lengths
+    and counts instead of a mask: lengths = start, counts = the slots the last query sees, minus start.
+    That describes the mask exactly for the masks chains use (`specpilot.state`): `causal_mask` over
+    `chain_positions` lets query t see slots <= start + t (counts = T), and `prompt_mask` adds slots
+    < start + lengths[b], so query t sees slots < start + min(t + 1, lengths[b]) (counts = the row's
+    prompt tokens in the chunk); both show every slot < start, and the serving engine picks one of the
+    two per row. start None (a layout without per-row slots: packed verification's flat stream, whose
+    block-diagonal mask no lengths describe) keeps the masked attention."""
+    if parents is not None:
+        if tree is None:
+            return attention(q, kv.k.astype(q.dtype), kv.v.astype(q.dtype), mask)
+        t = q.shape[1]
+        ancestors = jax.vmap(lambda m, s: jax.lax.dynamic_slice_in_dim(m, s, t, axis=1))(mask, start)  # [B, T, T]
+        return dispatch.tree_attention(q, kv.k, kv.v, start, ancestors, choice=tree)
+    if chain is None or start is None:
         return attention(q, kv.k.astype(q.dtype), kv.v.astype(q.dtype), mask)
-    t = q.shape[1]
-    ancestors = jax.vmap(lambda m, s: jax.lax.dynamic_slice_in_dim(m, s, t, axis=1))(mask, start)  # [B, T, T]
-    return dispatch.tree_attention(q, kv.k, kv.v, start, ancestors, choice=choice)
+    counts = chain_counts(mask, start)
+    return dispatch.attention(q, kv.k.astype(q.dtype), kv.v.astype(q.dtype), start, counts, choice=chain)
+
+
+def chain_counts(mask: jax.Array, start: jax.Array) -> jax.Array:
+    """[B] int32: the new tokens a chain mask [B, T, S] shows its last query past start [B] (0..T)."""
+    seen = jnp.sum(mask[:, -1, :], axis=-1, dtype=jnp.int32)
+    return jnp.clip(seen - start.astype(jnp.int32), 0, mask.shape[1])
 
 
 def swiglu(x: jax.Array, gate: jax.Array, up: jax.Array, down: jax.Array,
