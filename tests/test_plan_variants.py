@@ -7,6 +7,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 import yaml
 
 from specpilot.agent import report
@@ -68,9 +69,18 @@ def test_a_wrong_variant_stops_the_run_naming_it(tmp_path):
 
 
 def test_a_carried_variant_no_plan_names_is_refused(tmp_path):
-    v, plan_file = _plan_file(tmp_path, GOOD, "dead")
-    body = yaml.safe_load(plan_file.read_text())
-    body["plans"]["found"]["kernels"]["matmul"]["implementation"] = ["xla"]
-    plan_file.write_text(yaml.safe_dump(body))
-    proc = _run(tmp_path, plan_file, tmp_path / "out")
-    assert proc.returncode != 0 and f"{v.name} (matmul) is named by no plan" in proc.stderr, proc.stderr[-2000:]
+    from omegaconf import OmegaConf
+
+    from specpilot.harness import plan_variants
+    from specpilot.plan import Plan
+
+    v = va.Variant("matmul", GOOD)
+    cfg = OmegaConf.create({"cache_dir": str(tmp_path), "decoding": {"variants": [{"op": "matmul", "source": GOOD}]}})
+    loaded = plan_variants.load(cfg)
+    assert list(loaded) == [v.name]
+    with pytest.raises(plan_variants.VariantError, match=f"{v.name} \\(matmul\\) is named by no plan"):
+        plan_variants.check(loaded, [Plan(name="ar", verify="ar")], None, 1)
+    bad = OmegaConf.create({"cache_dir": str(tmp_path), "decoding": {"variants": [{"op": "matmul",
+                                                                                   "source": "import os\n"}]}})
+    with pytest.raises(plan_variants.VariantError, match="decoding.variants.0"):
+        plan_variants.load(bad)
