@@ -157,3 +157,19 @@ def test_overlap_flips_by_config_and_is_in_the_rewrite_space():
     dropped = space.rewrite("ar", {"verify": "ar"}, {"batching.overlap": "halves"})
     assert isinstance(dropped, sp.Dropped) and "batching.overlap" in dropped.reason
 
+
+
+def test_bench_engine_smoke_compares_overlaps(tmp_path):
+    """experiments/bench_engine.py --overlap none,halves on the tiny pair: a row per overlap, with the
+    halves row verifying and drafting at most one half (one of the 2 slots) per decode step."""
+    from test_engine_bench import _load
+
+    record = _load().main(["--smoke", "--plans", "stock", "--overlap", "none,halves",
+                           "--out", str(tmp_path / "engine.json")])
+    rows = {r["overlap"]: r for r in record["rows"]}
+    assert set(rows) == {"none", "halves"}
+    for r in rows.values():
+        assert r["output_tokens"] > r["requests"] and r["throughput_tok_s"] > 0
+    assert rows["halves"]["rows_verified_per_decode"] <= 1 and rows["halves"]["rows_drafted_per_decode"] <= 1
+    assert rows["halves"]["forward_tokens_per_decode"] == rows["none"]["forward_tokens_per_decode"] / 2
+    assert rows["none"]["both_halves_busy_fraction"] == 0

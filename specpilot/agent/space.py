@@ -221,7 +221,7 @@ def build_space(cfg: DictConfig, *, platform: str = "cpu", devices: int = 1) -> 
         sizes = tuple(b for b in BLOCK_SIZES if b <= top) or (top,)
         choices.append(Choice("block_size", sizes, "int", targets=("verify", "draft", "attention")))
         # mechanism 3 (serving engine): verify one half of the slots while drafting the other
-        choices.append(Choice("batching.overlap", plan_mod.OVERLAPS, "categorical", targets=("draft", "verify")))
+        choices.append(Choice("batching.overlap", plan_mod.OVERLAPS, "categorical", targets=("draft",)))
     choices.append(Choice("weights", plan_mod.WEIGHT_FORMATS, "categorical", targets=("matmul", "lm_head")))
     hybrid = _is_hybrid(cfg.target)
     for op in plan_mod.KERNEL_OPS:

@@ -37,7 +37,6 @@ Design choices:
 from __future__ import annotations
 
 import dataclasses
-import functools
 
 import jax
 import jax.numpy as jnp
