@@ -173,3 +173,25 @@ def test_bench_engine_smoke_compares_overlaps(tmp_path):
     assert rows["halves"]["rows_verified_per_decode"] <= 1 and rows["halves"]["rows_drafted_per_decode"] <= 1
     assert rows["halves"]["forward_tokens_per_decode"] == rows["none"]["forward_tokens_per_decode"] / 2
     assert rows["none"]["both_halves_busy_fraction"] == 0
+
+
+@pytest.mark.slow  # ~30 s on 2 CPU cores (hybrid compiles)
+def test_hybrid_target_halves_equal_ar():
+    """Recurrent state rows slice into halves like attention rows: a hybrid target under halves, every
+    slot reset and reused, outputs equal `ar.generate`'s."""
+    import jax.numpy as jnp
+
+    from specpilot.models import hybrid
+    from test_engine_hybrid import ARRIVALS as H_ARRIVALS, BUDGETS as H_BUDGETS
+    from test_hybrid_spec import CFG as HCFG, hybrid_params
+
+    target = hybrid.target(HCFG, jnp.float32, max_block_size=8)
+    hparams = hybrid_params(HCFG, 0)
+    want = [row.tolist() for row in ar.generate(target, hparams, PROMPTS[:6], 20).tokens]
+    drafter = dr.ReplayDrafter(HCFG.vocab_size, 4, shift=1, wrong_every=3)
+    engine = Engine(target, hparams, drafter, None, slots=2, context_len=40, prefill_chunk=5, sampling=False,
+                    batching=Batching(overlap="halves"))
+    requests = [Request(p, b, draft_reference=list(p) + want[i]) for i, (p, b) in enumerate(zip(PROMPTS[:6], H_BUDGETS))]
+    handles = run_staggered(engine, requests, H_ARRIVALS)
+    assert [h.tokens for h in handles] == [want[i][:b] for i, b in enumerate(H_BUDGETS)]
+    assert engine.stats.tokens_per_row_step > 1.5 and engine.stats.rows_verified_per_decode <= 1
