@@ -2,7 +2,7 @@
 
     PYTHONPATH=. python experiments/bench_engine.py [--shape smollm2] [--m 4] [--rates 0.5,2,8]
         [--requests 16] [--new-tokens 64] [--plans ar,stock] [--out engine.json]
-        [--batching fixed,budget,budget+packed] [--token-budget N]
+        [--batching fixed,budget,budget+packed] [--token-budget N] [--overlap none,halves]
     PYTHONPATH=. python experiments/bench_engine.py --smoke     # tiny random pair, a few seconds
 
 --shape smollm2: the real SmolLM2-135M-Instruct pair (target converted from its GGUF, the packaged
@@ -10,8 +10,11 @@ block drafter at --block), chat prompts of at most --prompt-len tokens, each req
 model's end-of-turn token or after --new-tokens. --batching (stock only): `fixed` verifies every row's
 full block, `budget` chooses each row's draft count per step from the drafter's confidence under
 --token-budget (mechanism 1; default half of slots x block), `budget+packed` also packs only the kept
-candidates into the verify forward (mechanism 2). Each row reports tokens emitted, sent to
-verification and computed by the verify forward per decode step. --shape tiny (and --smoke): a 2-layer random target
+candidates into the verify forward (mechanism 2). --overlap (stock only): `halves` verifies one half
+of the slots per step while drafting the other in the same program (mechanism 3; a step then verifies
+half the slots, so the default budget is half of slots/2 x block). Each row reports tokens emitted, sent
+to verification and computed by the verify forward per decode step, rows verified and drafted per decode
+step, and the share of decode steps with both halves busy. --shape tiny (and --smoke): a 2-layer random target
 with a random block drafter, random prompts and budgets. --m: the engine's slot counts.
 
 Requests arrive as a Poisson process at each rate (requests per second, wall clock, seeded), are
@@ -72,6 +75,9 @@ def run_workload(engine: Engine, requests: list[Request], rate: float, seed: int
             "tokens_per_row_step": engine.stats.tokens_per_row_step, "steps": engine.stats.steps,
             "tokens_per_decode": engine.stats.tokens_per_decode,
             "verify_tokens_per_decode": engine.stats.verify_tokens_per_decode,
+            "rows_verified_per_decode": engine.stats.rows_verified_per_decode,
+            "rows_drafted_per_decode": engine.stats.rows_drafted_per_decode,
+            "both_halves_busy_fraction": engine.stats.both_halves_busy_fraction,
             "forward_tokens_per_decode": (engine.stats.forward_tokens / engine.stats.decode_calls
                                           if engine.stats.decode_calls else float("nan"))}
 
@@ -80,14 +86,16 @@ BATCHINGS = {"fixed": {}, "budget": {"draft_budget": "confidence"},
              "budget+packed": {"draft_budget": "confidence", "verify": "packed"}}
 
 
-def batching_for(name: str, slots: int, block: int, token_budget: int):
-    """The plan.Batching of a --batching name (budgeted ones at token_budget, default slots x block / 2)."""
+def batching_for(name: str, slots: int, block: int, token_budget: int, overlap: str = "none"):
+    """The plan.Batching of a --batching name and --overlap value (budgeted ones at token_budget, default
+    rows x block / 2 over the rows one step verifies: the slots, or half of them under halves)."""
     from specpilot.plan import Batching
 
     fields = BATCHINGS[name]
     if not fields:
-        return Batching()
-    return Batching(**fields, token_budget=token_budget or max(2 * slots, slots * block // 2))
+        return Batching(overlap=overlap)
+    rows = slots // 2 if overlap == "halves" else slots
+    return Batching(**fields, token_budget=token_budget or max(2 * rows, rows * block // 2), overlap=overlap)
 
 
 def tiny_pair(block: int):
@@ -152,6 +160,7 @@ def main(argv=None):
     ap.add_argument("--chunk", type=int, default=64, help="prefill chunk (prompt tokens per row per step)")
     ap.add_argument("--model-dir", default="", help="the converted SmolLM2 folder (default: found in the cache)")
     ap.add_argument("--batching", default="fixed", help=f"comma list of {', '.join(BATCHINGS)} (stock plans)")
+    ap.add_argument("--overlap", default="none", help="comma list of none, halves (stock plans)")
     ap.add_argument("--token-budget", type=int, default=0, help="verification tokens per step (0: slots x block / 2)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--smoke", action="store_true", help="tiny random pair, 6 requests: a few seconds")
@@ -163,6 +172,9 @@ def main(argv=None):
     batchings = bench.comma_list(args.batching)
     if not batchings or set(batchings) - set(BATCHINGS):
         ap.error(f"--batching takes {', '.join(BATCHINGS)}, got {args.batching!r}")
+    overlaps = bench.comma_list(args.overlap)
+    if not overlaps or set(overlaps) - {"none", "halves"}:
+        ap.error(f"--overlap takes none and/or halves, got {args.overlap!r}")
     if not rates or min(rates) <= 0:
         ap.error(f"--rates takes positive request rates, got {args.rates!r}")
     if not plans or set(plans) - {"ar", "stock"}:
@@ -179,30 +191,35 @@ def main(argv=None):
         ap.error(f"--shape takes smollm2 or tiny, got {args.shape!r}")
     print(f"device {jax.devices()[0]}, jax {jax.__version__}, {args.shape}, {len(requests)} requests, "
           f"<= {args.new_tokens} new tokens, context {context}")
-    print(f"{'plan':>19} {'slots':>5} {'rate':>6} {'tok/s':>8} {'ttft50':>7} {'ttft99':>7} {'tpot50':>7} "
-          f"{'tpot99':>7} {'used':>5} {'kv_max':>6} {'tau':>5} {'tok/dec':>7} {'ver/dec':>7} {'fwd/dec':>7}")
+    print(f"{'plan':>26} {'slots':>5} {'rate':>6} {'tok/s':>8} {'ttft50':>7} {'ttft99':>7} {'tpot50':>7} "
+          f"{'tpot99':>7} {'used':>5} {'kv_max':>6} {'tau':>5} {'tok/dec':>7} {'ver/dec':>7} {'fwd/dec':>7} "
+          f"{'rowsV':>5} {'rowsD':>5} {'both':>5}")
     rows = []
-    runs = [(p, b) for p in plans for b in (batchings if p == "stock" else ["fixed"])]
+    runs = [(p, b, o) for p in plans for b in (batchings if p == "stock" else ["fixed"])
+            for o in (overlaps if p == "stock" else ["none"])]
     for slots in args.m:
-        for plan, batching in runs:
+        for plan, batching, overlap in runs:
             d, dp = (drafter, dparams) if plan == "stock" else (None, None)
             engine = Engine(target, params, d, dp, block_size=args.block if d else None, slots=slots,
                             context_len=context, prefill_chunk=args.chunk, sampling=False,
-                            batching=batching_for(batching, slots, args.block, args.token_budget) if d else None)
+                            batching=batching_for(batching, slots, args.block, args.token_budget, overlap) if d else None)
             t0 = time.perf_counter()
             engine.warm_up()
             compile_s = time.perf_counter() - t0
             for i, rate in enumerate(rates):
                 engine.stats = type(engine.stats)()
-                row = {"plan": plan, "batching": batching, "slots": slots, "compile_s": compile_s,
+                row = {"plan": plan, "batching": batching, "overlap": overlap, "slots": slots, "compile_s": compile_s,
                        "token_budget": engine.setup.token_budget,
                        **run_workload(engine, requests, rate, args.seed + i)}
                 rows.append(row)
-                print(f"{plan + '/' + batching:>19} {slots:>5} {rate:>6.2f} {row['throughput_tok_s']:>8.1f} "
+                label = plan + "/" + batching + ("+halves" if overlap == "halves" else "")
+                print(f"{label:>26} {slots:>5} {rate:>6.2f} {row['throughput_tok_s']:>8.1f} "
                       f"{row['ttft_p50_s']:>7.3f} {row['ttft_p99_s']:>7.3f} {row['tpot_p50_s']:>7.4f} "
                       f"{row['tpot_p99_s']:>7.4f} {row['slots_in_use_mean']:>5.2f} {row['kv_tokens_max']:>6} "
                       f"{row['tokens_per_row_step']:>5.2f} {row['tokens_per_decode']:>7.2f} "
-                      f"{row['verify_tokens_per_decode']:>7.2f} {row['forward_tokens_per_decode']:>7.1f}")
+                      f"{row['verify_tokens_per_decode']:>7.2f} {row['forward_tokens_per_decode']:>7.1f} "
+                      f"{row['rows_verified_per_decode']:>5.2f} {row['rows_drafted_per_decode']:>5.2f} "
+                      f"{row['both_halves_busy_fraction']:>5.2f}")
     record = {"shape": args.shape, "jax": jax.__version__, "device": str(jax.devices()[0]),
               "new_tokens": args.new_tokens, "context": context, "chunk": args.chunk, "block": args.block,
               "rows": rows}

@@ -42,6 +42,7 @@ WEIGHT_FORMATS = ("bf16", "w12")
 BATCHING_POLICIES = ("continuous", "static")  # static: a new wave is admitted only into an empty batch
 DRAFT_BUDGETS = ("fixed", "confidence")  # fixed: every row verifies block_size - 1 drafts
 VERIFY_LAYOUTS = ("padded", "packed")  # packed: only kept candidates enter the verify forward
+OVERLAPS = ("none", "halves")  # halves: verify one half of the slots while drafting the other
 KERNEL_OPS = ("matmul", "gated_delta_rule", "tree_gated_delta_rule", "tree_attention",
               "attention")  # the fields of `Kernels`, each a `dispatch` op
 
@@ -106,12 +107,16 @@ class Batching:
     drafter's confidence under `token_budget` (mechanism 1). `verify`: `padded` runs every row's full
     block, `packed` only the kept candidates, packed into one stream of `token_budget` tokens
     (mechanism 2). `token_budget`: verification tokens (candidates plus each row's last token) one step
-    may check over the batch; None: slots x block_size (no limit)."""
+    may check over the batch; None: slots x block_size (no limit). `overlap`: `none` drafts and verifies
+    every row in each step, `halves` verifies one half of the slots with the drafts prepared for it in
+    the step before while drafting the other half in the same program (mechanism 3,
+    `specpilot.serving.overlap`); a step then verifies half the slots, so `token_budget` counts those."""
 
     policy: str = "continuous"
     draft_budget: str = "fixed"
     verify: str = "padded"
     token_budget: int | None = None
+    overlap: str = "none"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -166,11 +171,11 @@ class Plan:
         if not isinstance(b, Batching):
             _fail(self.name, "batching", f"must be a Batching, got {type(b).__name__}")
         for field, known in (("policy", BATCHING_POLICIES), ("draft_budget", DRAFT_BUDGETS),
-                             ("verify", VERIFY_LAYOUTS)):
+                             ("verify", VERIFY_LAYOUTS), ("overlap", OVERLAPS)):
             if getattr(b, field) not in known:
                 _fail(self.name, f"batching.{field}", f"{getattr(b, field)!r} is not one of {known}")
         if self.verify != "chain":
-            for field, plain in (("draft_budget", "fixed"), ("verify", "padded")):
+            for field, plain in (("draft_budget", "fixed"), ("verify", "padded"), ("overlap", "none")):
                 if getattr(b, field) != plain:
                     _fail(self.name, f"batching.{field}", f"{getattr(b, field)!r} needs a chain plan "
                           f"(verify: chain), got verify={self.verify!r}")
@@ -301,14 +306,14 @@ def build(name: str, fields: Mapping[str, Any], *, drafter_block_size: int | Non
 
 
 def _batching(name: str, fields) -> Batching:
-    """A plan's batching from its config mapping ({policy, draft_budget, verify, token_budget}; absent
+    """A plan's batching from its config mapping ({policy, draft_budget, verify, token_budget, overlap}; absent
     or null: the defaults)."""
     if fields is None:
         return Batching()
     if isinstance(fields, Batching):
         return fields
     if not isinstance(fields, Mapping):
-        _fail(name, "batching", f"expected a mapping with policy, draft_budget, verify and token_budget, "
+        _fail(name, "batching", f"expected a mapping with policy, draft_budget, verify, token_budget and overlap, "
               f"got {fields!r}")
     known = [f.name for f in dataclasses.fields(Batching)]
     unknown = sorted(set(fields) - set(known))

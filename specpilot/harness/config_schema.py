@@ -147,6 +147,7 @@ class BatchingConf:
     draft_budget: str = "fixed"  # fixed | confidence (per-row draft counts under token_budget)
     verify: str = "padded"  # padded | packed (only kept candidates enter the verify forward)
     token_budget: Optional[int] = None  # verification tokens per step over the batch; null: no limit
+    overlap: str = "none"  # none | halves (verify one half of the slots while drafting the other)
 
 
 @dataclasses.dataclass

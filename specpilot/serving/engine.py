@@ -26,8 +26,10 @@ Design choices:
 - Batching (`plan.Batching`, read by `from_plan`): `policy="static"` admits a new wave only into an
   empty batch; `draft_budget="confidence"` lets each row verify a draft count chosen per step from the
   drafter's confidence under `token_budget` and the step cost (`budget.StepCost`, from the cost
-  model); `verify="packed"` sends only the kept candidates through the target (`packed`). Stats count
-  the tokens rows sent to verification and the tokens the verify forward computed.
+  model); `verify="packed"` sends only the kept candidates through the target (`packed`);
+  `overlap="halves"` verifies one half of the slots per step while drafting the other (`overlap`).
+  Stats count the tokens rows sent to verification, the tokens the verify forward computed, the rows
+  each decode verified and drafted, and (halves) the decodes that had both halves busy.
 - A newly prefilled row starts decoding at the next step (its first token must be known to the host to
   apply its budget and stop token); tree plans are refused (NotImplementedError) for now.
 - Sharded targets (a plan's mesh) need nothing of their own here: the slot state is a batch like any
@@ -53,6 +55,7 @@ from specpilot.decoding.sampling import RequestSampling
 from specpilot.models.drafter import ReplayDrafter
 from specpilot.models.oracle import OracleDrafter
 from specpilot.plan import Batching
+from specpilot.serving import overlap as ov
 from specpilot.serving import slots as sl
 from specpilot.serving.budget import StepCost
 from specpilot.serving.packed import check_packable
@@ -103,6 +106,8 @@ class EngineStats:
     decode_tokens: int = 0  # tokens those row-steps emitted (kept or not)
     verify_tokens: int = 0  # tokens those row-steps sent to verification (last token + kept drafts)
     forward_tokens: int = 0  # tokens the decode calls' verify forwards computed (padded: slots x block)
+    rows_drafted: int = 0  # (row, decode call) pairs drafted (overlap none: the verified rows themselves)
+    both_halves_busy: int = 0  # overlap halves: decode calls that verified one half and drafted the other
 
     @property
     def tokens_per_row_step(self) -> float:
@@ -113,6 +118,19 @@ class EngineStats:
     def tokens_per_decode(self) -> float:
         """Mean tokens one decode call emits over the batch."""
         return self.decode_tokens / self.decode_calls if self.decode_calls else float("nan")
+
+    @property
+    def rows_verified_per_decode(self) -> float:
+        return self.decode_row_steps / self.decode_calls if self.decode_calls else float("nan")
+
+    @property
+    def rows_drafted_per_decode(self) -> float:
+        return self.rows_drafted / self.decode_calls if self.decode_calls else float("nan")
+
+    @property
+    def both_halves_busy_fraction(self) -> float:
+        """The share of decode calls in which both halves had work (halves; 0 under overlap none)."""
+        return self.both_halves_busy / self.decode_calls if self.decode_calls else float("nan")
 
     @property
     def verify_tokens_per_decode(self) -> float:
@@ -187,10 +205,12 @@ class Engine:
                                      f"slots ({slots})")
         target.check_params(target_params)
         self.batching = batching or Batching()
-        budget = _token_budget(self.batching, int(slots), int(bs), target)
+        rows = ov.check_overlap(self.batching.overlap, int(slots), int(bs), target)  # verified per decode
+        budget = _token_budget(self.batching, rows, int(bs), target)
         self.setup = sl.EngineSetup(target, drafter if bs > 1 else None, int(bs), int(context_len),
                                     int(prefill_chunk), int(top_k), self.batching.draft_budget,
-                                    self.batching.verify, budget, step_cost or StepCost())
+                                    self.batching.verify, budget, step_cost or StepCost(), self.batching.overlap)
+        self.rows_per_verify = rows
         self.slots, self.sampling = int(slots), bool(sampling)
         self.target_params = target_params
         self._base_draft_params = draft_params
@@ -200,6 +220,9 @@ class Engine:
             self.reference = jnp.zeros((self.slots, self.setup.max_len), jnp.int32)
             self.draft_params = _with_reference(drafter, draft_params, self.reference)
         self.state = sl.init_slots(self.setup, self.draft_params, self.slots)
+        halves = self.batching.overlap == "halves"
+        self.overlap = ov.Overlap(self.slots) if halves else None
+        self.prepared = ov.init_prepared(self.setup, self.slots) if halves else None
         self.table: list[Handle | None] = [None] * self.slots
         self.waiting: collections.deque[Handle] = collections.deque()
         self.stats = EngineStats()
@@ -241,6 +264,9 @@ class Engine:
         if which == "prefill":
             return sl.compiled(sl.prefill_jit, setup, tp, dp, state, i32(s, setup.prefill_chunk), i32(s), flag,
                                self._sampling_shape(greedy))
+        if which.startswith("halves"):  # halves0, halves1: the parity of the verified half
+            return sl.compiled(ov.decode_halves_jit, (setup, int(which[-1])), tp, dp, state,
+                               jax.eval_shape(lambda: self.prepared), flag, flag, self._sampling_shape(greedy))
         decode = sl.decode_chain_jit if setup.uses_drafter else sl.decode_ar_jit
         return sl.compiled(decode, setup, tp, dp, state, flag, self._sampling_shape(greedy))
 
@@ -251,7 +277,8 @@ class Engine:
             self._exe("reference")
         for greedy in (True, False) if self.sampling else (True,):
             self._exe("prefill", greedy)
-            self._exe("decode", greedy)
+            for which in ("halves0", "halves1") if self.overlap is not None else ("decode",):
+                self._exe(which, greedy)
 
     # ----------------------------------------------------------------------------------------------
     # Requests
@@ -333,6 +360,8 @@ class Engine:
                 rows[slot, : len(ref)] = ref
         if mask.any():
             self.state = self._exe("reset")(self.state, mask, seeds)
+            if self.overlap is not None:
+                self.overlap.reset(mask)
             if rows is not None:
                 self.reference = self._exe("reference")(self.reference, mask, rows)
                 self.draft_params = _with_reference(self.setup.drafter, self._base_draft_params, self.reference)
@@ -371,15 +400,18 @@ class Engine:
             self.state, first = self._exe("prefill", sampling.greedy)(
                 self.target_params, self.draft_params, self.state, tokens, counts, is_final, sampling)
             self.stats.prefill_calls += 1
-        if decoding:
+        if self.overlap is not None:
+            if decoding or final:
+                emitted, n_new, verified, decoding = self._decode_halves(decoding, final)
+        elif decoding:
             active = np.zeros(self.slots, bool)
             active[[h.slot for h in decoding]] = True
             sampling = self._sampling(decoding)
             self.state, emitted, n_new, verified = self._exe("decode", sampling.greedy)(
                 self.target_params, self.draft_params, self.state, active, sampling)
             self.stats.decode_calls += 1
-            self.stats.forward_tokens += (self.setup.token_budget if self.setup.verify == "packed"
-                                          else self.slots * self.setup.block_size)
+            self.stats.rows_drafted += len(decoding) if self.setup.uses_drafter else 0
+            self.stats.forward_tokens += self._forward_tokens()
         self.stats.steps += 1
         if first is None and emitted is None:
             return []
@@ -395,6 +427,27 @@ class Engine:
             self.stats.verify_tokens += int(verified[h.slot])
             self._emit(h, [int(t) for t in emitted[h.slot, :n]], now)
         return final + decoding
+
+    def _forward_tokens(self) -> int:
+        """Tokens one decode's verify forward computes."""
+        if self.setup.verify == "packed":
+            return self.setup.token_budget
+        return self.rows_per_verify * self.setup.block_size
+
+    def _decode_halves(self, decoding: list[Handle], final: list[Handle]):
+        """One `overlap.decode_halves` call: verify this call's half, draft the other (the rows whose
+        prompt ended this step included) -> (emitted, n_new, verified, the handles verified)."""
+        parity, verify, draft = self.overlap.plan_call([h.slot for h in decoding],
+                                                       [h.slot for h in decoding + final])
+        sampling = self._sampling(decoding + final)
+        self.state, self.prepared, emitted, n_new, verified = self._exe(f"halves{parity}", sampling.greedy)(
+            self.target_params, self.draft_params, self.state, self.prepared, verify, draft, sampling)
+        self.overlap.called(verify, draft)
+        self.stats.decode_calls += 1
+        self.stats.rows_drafted += int(draft.sum())
+        self.stats.both_halves_busy += int(verify.any() and draft.any())
+        self.stats.forward_tokens += self._forward_tokens()
+        return emitted, n_new, verified, [h for h in decoding if verify[h.slot]]
 
     def _emit(self, h: Handle, new: list[int], now: float) -> None:
         req = h.request

@@ -66,6 +66,7 @@ class EngineSetup:
     verify: str = "padded"  # padded: every row's full block; packed: kept candidates only, one stream
     token_budget: int = 0  # verification tokens per step over the batch (the packed stream's size)
     cost: bd.StepCost = bd.StepCost()  # step time of a token count (the confidence chooser's denominator)
+    overlap: str = "none"  # none: draft and verify every row per step; halves: `serving.overlap`
 
     @property
     def max_len(self) -> int:
@@ -211,15 +212,24 @@ def draft_counts(setup: EngineSetup, draft_logits: jax.Array, active: jax.Array)
     return jnp.where(active, setup.block_size - 1, 0).astype(jnp.int32)
 
 
-def decode_chain(setup: EngineSetup, target_params, draft_params, state: SlotState, active: jax.Array,
-                 sampling: RequestSampling):
-    """Draft Bs-1 tokens, verify [last, first kept[b] drafts] in one forward, accept a prefix + one token,
-    for every active row -> (state, emitted tokens [S, Bs] (the first emitted[b] are new), emitted [S],
-    verified [S]: tokens each row sent to verification)."""
-    bs = setup.block_size
+def draft_rows(setup: EngineSetup, target_params, draft_params, state: SlotState, active: jax.Array,
+               sampling: RequestSampling):
+    """Draft Bs-1 tokens for every row from its committed state -> (state with the drafter's scratch
+    written and the active rows' keys advanced, drafts [S, Bs-1], draft logits [S, Bs-1, V])."""
     key, draft_keys = _split_rows(state.key, sampling)
-    draft_logits, ds = setup.drafter.propose(draft_params, target_params, state.draft_state, state.last, bs)
+    draft_logits, ds = setup.drafter.propose(draft_params, target_params, state.draft_state, state.last,
+                                             setup.block_size)
     drafts = sample_rows(draft_keys, draft_logits, sampling)  # [S, Bs-1]
+    state = dataclasses.replace(state, draft_state=ds, key=jnp.where(active[:, None], key, state.key))
+    return state, drafts, draft_logits
+
+
+def verify_drafts(setup: EngineSetup, target_params, draft_params, state: SlotState, drafts: jax.Array,
+                  draft_logits: jax.Array, active: jax.Array, sampling: RequestSampling):
+    """Verify [last, first kept[b] drafts] in one forward, accept a prefix + one token, for every active
+    row -> (state, emitted tokens [S, Bs] (the first emitted[b] are new), emitted [S], verified [S]:
+    tokens each row sent to verification)."""
+    bs = setup.block_size
     block = jnp.concatenate([state.last[:, None], drafts], axis=1)  # [S, Bs]
     kept = draft_counts(setup, draft_logits, active)  # [S]
     verified = jnp.where(active, kept + 1, 0)
@@ -228,16 +238,24 @@ def decode_chain(setup: EngineSetup, target_params, draft_params, state: SlotSta
                                                  state.target_state, setup.token_budget)
     else:
         target_logits, taps, ts = chain_forward(setup.target, target_params, block, state.target_state)
-    key, verify_keys = _split_rows(key, sampling)
+    key, verify_keys = _split_rows(state.key, sampling)
     n_acc, next_token = verify_rows(verify_keys, drafts, draft_logits, target_logits, sampling, kept)
     n_new = jnp.where(active, n_acc + 1, 0)
     idx = jnp.arange(bs, dtype=jnp.int32)[None, :]
     emit = jnp.where(idx < n_acc[:, None], jnp.concatenate([drafts, drafts[:, :1]], axis=1),
                      next_token[:, None])  # [S, Bs]: accepted drafts, then the next token
-    ds = setup.drafter.extend(draft_params, target_params, ds, taps, n_new)
+    ds = setup.drafter.extend(draft_params, target_params, state.draft_state, taps, n_new)
     state = SlotState(ts.commit(n_new), ds, jnp.where(active, next_token, state.last), state.n_out + n_new,
                       jnp.where(active[:, None], key, state.key))
     return state, emit, n_new, verified
+
+
+def decode_chain(setup: EngineSetup, target_params, draft_params, state: SlotState, active: jax.Array,
+                 sampling: RequestSampling):
+    """Draft, then verify and accept, every active row (`draft_rows`, `verify_drafts`) -> (state, emitted
+    tokens [S, Bs], emitted [S], verified [S])."""
+    state, drafts, draft_logits = draft_rows(setup, target_params, draft_params, state, active, sampling)
+    return verify_drafts(setup, target_params, draft_params, state, drafts, draft_logits, active, sampling)
 
 
 _jit = functools.partial(jax.jit, static_argnums=0, donate_argnames=("state",))
