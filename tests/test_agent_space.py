@@ -17,7 +17,7 @@ def toy():
 def test_space_of_a_cpu_deployment(toy):
     cfg, space = toy
     fields = [c.field for c in space.choices]
-    assert fields == ["verify", "block_size", "batching.overlap", "weights", "kernels.matmul.implementation"]
+    assert fields == ["verify", "block_size", "weights", "kernels.matmul.implementation"]
     assert space.choice("block_size").values == (2, 3, 4, 6, 8)  # up to the drafter's block size
     assert space.choice("kernels.matmul.implementation").values == (("xla",),)  # no Pallas backend on a CPU
     assert {c.field for c in space.targeting("verify")} == {"verify", "block_size"}

@@ -6,8 +6,11 @@ Design choices:
   YAML file any run can use. A `Choice` is one dotted field (`block_size`, `kernels.matmul.implementation`,
   `kernels.matmul.config.num_warps`) with its typed values; a rewrite is a dict of such fields applied to
   the incumbent's mapping.
-- The space derives from the deployment: block sizes up to the drafter's, the serving engine's
-  `batching.overlap` where there is a drafter, kernel implementations the
+- The serving engine's `batching` fields (policy, draft budget, packed verification, overlap) are plan
+  fields a rewrite may set (`plan_fields` keeps them), but not choices here: a candidate is timed by the
+  run harness, which decodes a fixed batch and never runs the engine, so such a rewrite would be
+  measured as its incumbent. They join the space when candidates are timed through the engine.
+- The space derives from the deployment: block sizes up to the drafter's, kernel implementations the
   device can run (Pallas backends only on a GPU), each implementation's config fields read from its
   frozen config dataclass (`dispatch.CONFIGS`: powers of two halved and doubled, booleans both ways),
   the gated delta rule only for hybrid targets, chain attention (`kernels.attention`) only on a GPU
@@ -222,8 +225,6 @@ def build_space(cfg: DictConfig, *, platform: str = "cpu", devices: int = 1) -> 
         top = int(d.block_size)
         sizes = tuple(b for b in BLOCK_SIZES if b <= top) or (top,)
         choices.append(Choice("block_size", sizes, "int", targets=("verify", "draft", "attention")))
-        # mechanism 3 (serving engine): verify one half of the slots while drafting the other
-        choices.append(Choice("batching.overlap", plan_mod.OVERLAPS, "categorical", targets=("draft",)))
     choices.append(Choice("weights", plan_mod.WEIGHT_FORMATS, "categorical", targets=("matmul", "lm_head")))
     hybrid = _is_hybrid(cfg.target)
     for op in plan_mod.KERNEL_OPS:
