@@ -53,9 +53,11 @@ def test_stock_run_is_checked_by_token_forcing(tmp_path):
     assert "token forcing: 24 positions, 0 mismatches" in proc.stdout
     # the recorded per-position acceptance replays as an oracle trace
     out2 = tmp_path / "out2"
+    # (the replay is checked for its profile only: forcing and the time split were checked above)
     again = _run(f"output_dir={out2}", "decoding=stock", "drafter=oracle", "drafter.num_layers=1",
                  "drafter.block_size=4", f"drafter.acceptance_trace={out}", "bench.num_prompts=2",
-                 "bench.new_tokens=12", f"hydra.run.dir={tmp_path / 'hydra2'}", cwd=tmp_path)
+                 "bench.new_tokens=12", "decoding.forcing=false", "decoding.profile_split=false",
+                 f"hydra.run.dir={tmp_path / 'hydra2'}", cwd=tmp_path)
     assert again.returncode == 0, again.stderr[-3000:]
     replay = {r["method"]: r for r in map(json.loads, (out2 / "results.jsonl").read_text().splitlines())}
     expected = 1 + sum(stock["stats"]["acceptance_per_position"])
@@ -141,7 +143,7 @@ SHRINK = ("target.model.vocab_size=512", "target.model.hidden_size=64", "target.
           "target.model.num_hidden_layers=4", "target.model.num_attention_heads=4",
           "target.model.num_key_value_heads=2", "target.model.head_dim=16", "drafter.num_layers=1",
           "drafter.num_taps=2", "drafter.block_size=4", "drafter.tau=2.5", "bench.prompt_len=8", "bench.new_tokens=12",
-          "bench.repeats=1")
+          "bench.num_prompts=2", "bench.repeats=1")  # 2 prompts: the h200 runs' Mosaic AR twin is interpreted here
 GPU_EXPERIMENTS = sorted(p.stem for p in (ROOT / "conf" / "experiment").glob("*.yaml") if p.stem != "embedded_toy")
 
 
