@@ -150,8 +150,8 @@ def test_tree_mask_forward_equals_each_path_as_a_chain():
     tokens = np.zeros((2, 9), np.int32)
     for i, p in enumerate(prompts):
         tokens[i, : len(p)] = p
-    _, _, base = jax.jit(lambda p, t, n, s: dense.prefill(p, CFG, t, n, s))(
-        params, jnp.asarray(tokens), jnp.asarray([5, 9]), target.init_state(2, 32))
+    _, _, base = dense.prefill(params, CFG, jnp.asarray(tokens), jnp.asarray([5, 9]),
+                               target.init_state(2, 32))
     tree_tokens = rng.integers(0, CFG.vocab_size, (2, len(PARENTS))).astype(np.int32)
     depth = _ancestors(PARENTS).sum(1) - 1
     ancestors = jnp.asarray(np.broadcast_to(_ancestors(PARENTS), (2,) + (len(PARENTS),) * 2))
