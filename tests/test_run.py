@@ -53,11 +53,9 @@ def test_stock_run_is_checked_by_token_forcing(tmp_path):
     assert "token forcing: 24 positions, 0 mismatches" in proc.stdout
     # the recorded per-position acceptance replays as an oracle trace
     out2 = tmp_path / "out2"
-    # (the replay is checked for its profile only: forcing and the time split were checked above)
     again = _run(f"output_dir={out2}", "decoding=stock", "drafter=oracle", "drafter.num_layers=1",
                  "drafter.block_size=4", f"drafter.acceptance_trace={out}", "bench.num_prompts=2",
-                 "bench.new_tokens=12", "decoding.forcing=false", "decoding.profile_split=false",
-                 f"hydra.run.dir={tmp_path / 'hydra2'}", cwd=tmp_path)
+                 "bench.new_tokens=12", f"hydra.run.dir={tmp_path / 'hydra2'}", cwd=tmp_path)
     assert again.returncode == 0, again.stderr[-3000:]
     replay = {r["method"]: r for r in map(json.loads, (out2 / "results.jsonl").read_text().splitlines())}
     expected = 1 + sum(stock["stats"]["acceptance_per_position"])
