@@ -124,12 +124,13 @@ def test_packed_verify_equals_padded():
     lengths = jnp.asarray([16, 3, 9, 12], jnp.int32)
     positions = chain_positions(state, 16)
     mask = causal_mask(state, positions) & (jnp.arange(max_len)[None, None, :] < lengths[:, None, None])
-    _, _, state = TARGET.forward(params, prompt, positions, state, mask)
+    forward = jax.jit(TARGET.forward)  # one compile per shape, not one per op
+    _, _, state = forward(params, prompt, positions, state, mask)
     state = state.commit(lengths)
     block = jnp.asarray(rng.integers(0, CFG.vocab_size, (s, t)), jnp.int32)
     counts = jnp.asarray([5, 1, 0, 3], jnp.int32)
     pos = chain_positions(state, t)
-    want_logits, want_taps, want_state = TARGET.forward(params, block, pos, state, causal_mask(state, pos))
+    want_logits, want_taps, want_state = forward(params, block, pos, state, causal_mask(state, pos))
     got_logits, got_taps, got_state = jax.jit(packed_forward, static_argnums=(0, 5))(
         TARGET, params, block, counts, state, 12)
     for b in range(s):

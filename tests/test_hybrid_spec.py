@@ -60,15 +60,17 @@ def reference(ar_tokens):
 def test_the_recurrent_state_matters(target, ar_tokens):
     """Greedy decoding from a state whose recurrent layers are reset to zero after the prompt diverges:
     the tests below would catch a dropped or wrong recurrent commit."""
-    res = ar.generate(TARGET, target, PROMPTS, 2)
+    # jitted: one compile per program instead of one per op (eager dispatch of the hybrid is slow on CPU)
+    prompt_forward = jax.jit(lambda p, t, n, s: st.prompt_forward(TARGET, p, t, n, s))
+    chain_forward = jax.jit(lambda p, t, s: st.chain_forward(TARGET, p, t, s)[0])
     tokens, lengths = ar.pack_prompts(PROMPTS, 64)
-    _, _, state = st.prompt_forward(TARGET, target, jnp.asarray(tokens), jnp.asarray(lengths),
-                                    TARGET.init_state(3, 64))
+    _, _, state = prompt_forward(target, jnp.asarray(tokens), jnp.asarray(lengths), TARGET.init_state(3, 64))
     zeroed = st.TargetState(tuple(dataclasses.replace(l, matrix=jnp.zeros_like(l.matrix))
                                   if isinstance(l, st.RecurrentState) else l for l in state.layers),
                             state.lengths)
-    good, _, _ = st.chain_forward(TARGET, target, jnp.asarray(res.tokens[:, :1]), state)
-    bad, _, _ = st.chain_forward(TARGET, target, jnp.asarray(res.tokens[:, :1]), zeroed)
+    first = jnp.asarray(ar_tokens[:, :1])  # greedy AR's first token after each prompt
+    good = chain_forward(target, first, state)
+    bad = chain_forward(target, first, zeroed)
     assert (np.asarray(good).argmax(-1) == ar_tokens[:, 1:2]).all()
     assert (np.asarray(bad).argmax(-1) != ar_tokens[:, 1:2]).any()
 

@@ -141,7 +141,7 @@ SHRINK = ("target.model.vocab_size=512", "target.model.hidden_size=64", "target.
           "target.model.num_hidden_layers=4", "target.model.num_attention_heads=4",
           "target.model.num_key_value_heads=2", "target.model.head_dim=16", "drafter.num_layers=1",
           "drafter.num_taps=2", "drafter.block_size=4", "drafter.tau=2.5", "bench.prompt_len=8", "bench.new_tokens=12",
-          "bench.repeats=1")
+          "bench.num_prompts=2", "bench.repeats=1")  # 2 prompts: the h200 runs' Mosaic AR twin is interpreted here
 GPU_EXPERIMENTS = sorted(p.stem for p in (ROOT / "conf" / "experiment").glob("*.yaml") if p.stem != "embedded_toy")
 
 

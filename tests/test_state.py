@@ -156,18 +156,20 @@ def test_tree_mask_forward_equals_each_path_as_a_chain():
     depth = _ancestors(PARENTS).sum(1) - 1
     ancestors = jnp.asarray(np.broadcast_to(_ancestors(PARENTS), (2,) + (len(PARENTS),) * 2))
     positions = base.lengths[:, None] + jnp.asarray(depth, jnp.int32)[None, :]
-    logits, _, tree_state = target.forward(params, jnp.asarray(tree_tokens), positions, base,
-                                           st.tree_mask(base, ancestors))
+    # jitted: one compile per program (and per path length) instead of one per op under eager dispatch
+    chain_forward = jax.jit(lambda p, t, s: st.chain_forward(target, p, t, s))
+    logits, _, tree_state = jax.jit(target.forward)(params, jnp.asarray(tree_tokens), positions, base,
+                                                    st.tree_mask(base, ancestors))
     scale = float(jnp.abs(logits).max())
     for node in range(len(PARENTS)):
         path = _path(PARENTS, node)
-        want, _, _ = st.chain_forward(target, params, jnp.asarray(tree_tokens[:, path]), base)
+        want, _, _ = chain_forward(params, jnp.asarray(tree_tokens[:, path]), base)
         np.testing.assert_allclose(np.asarray(logits[:, node]), np.asarray(want[:, -1]), rtol=0,
                                    atol=F32_TOL * scale, err_msg=f"node {node} (path {path})")
     # Accepting a path and gathering it gives the state a chain over that path commits.
     path = _path(PARENTS, 6)  # [0, 2, 5, 6]
     gathered = tree_state.gather_path(jnp.asarray([path, path], jnp.int32), jnp.asarray([4, 2]))
-    _, _, chained = st.chain_forward(target, params, jnp.asarray(tree_tokens[:, path]), base)
+    _, _, chained = chain_forward(params, jnp.asarray(tree_tokens[:, path]), base)
     chained = chained.commit(jnp.asarray([4, 2]))
     np.testing.assert_array_equal(np.asarray(gathered.lengths), np.asarray(chained.lengths))
     for g, c in zip(gathered.layers, chained.layers):

@@ -116,11 +116,12 @@ def test_early_exit_scores_equal_a_truncated_target_along_each_root_path(target)
     t = tt.build_tree(logprobs, jnp.asarray(rng.integers(0, CFG.vocab_size, size=b)), nodes, depth, k)
     tokens, lengths = ar.pack_prompts(PROMPTS, 64)
     state = TARGET.init_state(b, 64)
-    _, _, state = st.prompt_forward(TARGET, target, jnp.asarray(tokens), jnp.asarray(lengths), state)
+    prompt_forward = jax.jit(st.prompt_forward, static_argnums=0)  # one compile, not one per op
+    _, _, state = prompt_forward(TARGET, target, jnp.asarray(tokens), jnp.asarray(lengths), state)
     got = jax.jit(two_level.early_exit_node_logprob, static_argnums=(0, 4))(TARGET, target, state, t, exit_layer)
     short_state = short.init_state(b, 64)
-    _, _, short_state = st.prompt_forward(short, short_params, jnp.asarray(tokens), jnp.asarray(lengths),
-                                          short_state)
+    _, _, short_state = prompt_forward(short, short_params, jnp.asarray(tokens), jnp.asarray(lengths),
+                                       short_state)
     toks, par = np.asarray(t.tokens), np.asarray(t.parents)
     chain = jax.jit(lambda p, x, s: st.chain_forward(short, p, x, s)[0])  # one compile per path length
     for row in range(b):
