@@ -278,6 +278,23 @@ def matmul(x: jax.Array, w, b: jax.Array | None = None, *, choice: OpChoice | No
                               f"{type(w).__name__} {tuple(w.shape)}: " + "; ".join(refused))
 
 
+def _first_taking(op: str, table: dict, args: tuple, choice: OpChoice | None, describe: Callable[[], str]):
+    """`op` through the first implementation of `choice` (None: the reference, "xla") that takes `args`,
+    falling through on NotImplementedError; a kernel variant is called with the op's arguments alone."""
+    c = OpChoice(("xla",)) if choice is None else choice
+    _check_choice(c, op)
+    refused = []
+    for impl in c.implementation:
+        try:
+            if is_variant(impl):
+                return variant(op, impl)(*args)
+            return table[impl](*args, _config(c, op, impl))
+        except NotImplementedError as e:
+            refused.append(f"{impl}: {e}")
+    raise NotImplementedError(f"no {op} implementation of {c.implementation} takes {describe()}: "
+                              + "; ".join(refused))
+
+
 # ---- gated_delta_rule --------------------------------------------------------------------------------
 
 def _gdr_xla(q, k, v, g, beta, s0, config: XlaConfig):
@@ -292,18 +309,8 @@ def gated_delta_rule(q, k, v, g, beta, s0, *, choice: OpChoice | None = None):
     """The gated delta rule token by token: q, k [B, T, H, DK], v [B, T, H, DV], g, beta [B, T, H], s0
     [B, H, DK, DV] -> (o [B, T, H, DV], states [B, T, H, DK, DV]: after each token). Tries
     `choice.implementation` in order (None: the reference), falling through on NotImplementedError."""
-    c = OpChoice(("xla",)) if choice is None else choice
-    _check_choice(c, "gated_delta_rule")
-    refused = []
-    for impl in c.implementation:
-        try:
-            if is_variant(impl):
-                return variant("gated_delta_rule", impl)(q, k, v, g, beta, s0)
-            return _GATED_DELTA_RULES[impl](q, k, v, g, beta, s0, _config(c, "gated_delta_rule", impl))
-        except NotImplementedError as e:
-            refused.append(f"{impl}: {e}")
-    raise NotImplementedError(f"no gated_delta_rule implementation of {c.implementation} takes k {k.shape} "
-                              f"v {v.shape} {v.dtype}: " + "; ".join(refused))
+    return _first_taking("gated_delta_rule", _GATED_DELTA_RULES, (q, k, v, g, beta, s0),
+                         choice, lambda: f"k {k.shape} v {v.shape} {v.dtype}")
 
 
 # ---- tree_gated_delta_rule ---------------------------------------------------------------------------
@@ -320,17 +327,8 @@ def tree_gated_delta_rule(q, k, v, g, beta, s0, parents, *, choice: OpChoice | N
     """The gated delta rule over a token tree: `gated_delta_rule`'s arguments plus parents [B, T] int32
     (-1: from s0) -> (o [B, T, H, DV], every node's state [B, T, H, DK, DV]). Tries
     `choice.implementation` in order (None: the reference), falling through on NotImplementedError."""
-    c = OpChoice(("xla",)) if choice is None else choice
-    _check_choice(c, "tree_gated_delta_rule")
-    refused = []
-    for impl in c.implementation:
-        try:
-            return _TREE_GATED_DELTA_RULES[impl](q, k, v, g, beta, s0, parents,
-                                                 _config(c, "tree_gated_delta_rule", impl))
-        except NotImplementedError as e:
-            refused.append(f"{impl}: {e}")
-    raise NotImplementedError(f"no tree_gated_delta_rule implementation of {c.implementation} takes k {k.shape} "
-                              f"v {v.shape} {v.dtype}: " + "; ".join(refused))
+    return _first_taking("tree_gated_delta_rule", _TREE_GATED_DELTA_RULES, (q, k, v, g, beta, s0, parents),
+                         choice, lambda: f"k {k.shape} v {v.shape} {v.dtype}")
 
 
 # ---- tree_attention ----------------------------------------------------------------------------------
@@ -348,17 +346,8 @@ def tree_attention(q, k_cache, v_cache, lengths, ancestors, *, choice: OpChoice 
     with the nodes' K/V at slots lengths[b] + j, lengths [B] committed slots, ancestors [B, N, N] bool
     -> [B, N, H, D]. Tries `choice.implementation` in order (None: the reference), falling through on
     NotImplementedError."""
-    c = OpChoice(("xla",)) if choice is None else choice
-    _check_choice(c, "tree_attention")
-    refused = []
-    for impl in c.implementation:
-        try:
-            return _TREE_ATTENTIONS[impl](q, k_cache, v_cache, lengths, ancestors,
-                                          _config(c, "tree_attention", impl))
-        except NotImplementedError as e:
-            refused.append(f"{impl}: {e}")
-    raise NotImplementedError(f"no tree_attention implementation of {c.implementation} takes q {q.shape} over "
-                              f"a cache {k_cache.shape} {k_cache.dtype}: " + "; ".join(refused))
+    return _first_taking("tree_attention", _TREE_ATTENTIONS, (q, k_cache, v_cache, lengths, ancestors),
+                         choice, lambda: f"q {q.shape} over a cache {k_cache.shape} {k_cache.dtype}")
 
 
 # ---- attention ---------------------------------------------------------------------------------------
@@ -378,18 +367,8 @@ def attention(q, k_cache, v_cache, lengths, counts, *, choice: OpChoice | None =
     at slots lengths[b] + t, lengths [B] committed slots, counts [B] (0..T) the row's valid new tokens
     (query t sees slots < lengths[b] + min(t + 1, counts[b])) -> [B, T, H, D]. Tries
     `choice.implementation` in order (None: the reference), falling through on NotImplementedError."""
-    c = OpChoice(("xla",)) if choice is None else choice
-    _check_choice(c, "attention")
-    refused = []
-    for impl in c.implementation:
-        try:
-            if is_variant(impl):
-                return variant("attention", impl)(q, k_cache, v_cache, lengths, counts)
-            return _ATTENTIONS[impl](q, k_cache, v_cache, lengths, counts, _config(c, "attention", impl))
-        except NotImplementedError as e:
-            refused.append(f"{impl}: {e}")
-    raise NotImplementedError(f"no attention implementation of {c.implementation} takes q {q.shape} over "
-                              f"a cache {k_cache.shape} {k_cache.dtype}: " + "; ".join(refused))
+    return _first_taking("attention", _ATTENTIONS, (q, k_cache, v_cache, lengths, counts),
+                         choice, lambda: f"q {q.shape} over a cache {k_cache.shape} {k_cache.dtype}")
 
 
 # ---- weight layouts ----------------------------------------------------------------------------------
