@@ -8,32 +8,15 @@ import pytest
 
 from specpilot import plan as plan_mod
 from specpilot.decoding import ar, spec
-from specpilot.models import dense
 from specpilot.models import drafter as dr
 from specpilot.plan import Batching, Plan, PlanError
 from specpilot.serving import Engine, Request
 from specpilot.serving.overlap import Overlap
-from engine_helpers import BUDGETS, CAP, CFG, PROMPTS, TARGET, count_compiles, run_staggered
-from helpers import random_params
+from engine_helpers import BUDGETS, CFG, PROMPTS, TARGET, count_compiles, run_staggered
 from test_engine import ARRIVALS, CANCELS, check_outputs, requests_with_stops
+from test_engine_mechanisms import block_drafter, params, reference  # noqa: F401 (the same module fixtures)
 
 SLOTS = 4  # two halves of two rows
-
-
-@pytest.fixture(scope="module")
-def params():
-    return random_params(dense.param_shapes(CFG), 0.5, 0)
-
-
-@pytest.fixture(scope="module")
-def reference(params):
-    return [row.tolist() for row in ar.generate(TARGET, params, PROMPTS, CAP + 8).tokens]
-
-
-@pytest.fixture(scope="module")
-def block_drafter():
-    dcfg = dr.DrafterConfig.for_target(CFG, num_layers=1, block_size=4)
-    return dr.BlockDrafter(dcfg, CFG), random_params(dr.param_shapes(dcfg), 0.5, 1)
 
 
 def halves_engine(params, drafter, dparams, **batching):
