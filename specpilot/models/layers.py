@@ -75,7 +75,8 @@ def cache_attention(q: jax.Array, kv, start: jax.Array | None, mask: jax.Array,
         t = q.shape[1]
         ancestors = jax.vmap(lambda m, s: jax.lax.dynamic_slice_in_dim(m, s, t, axis=1))(mask, start)  # [B, T, T]
         return dispatch.tree_attention(q, kv.k, kv.v, start, ancestors, choice=tree)
-    if chain is None or start is None:
+    if chain is None or start is None or tuple(chain.implementation) == ("xla",):
+        # XLA alone (every plan's default): the mask the state built, not one rebuilt from its counts
         return attention(q, kv.k.astype(q.dtype), kv.v.astype(q.dtype), mask)
     counts = chain_counts(mask, start)
     return dispatch.attention(q, kv.k.astype(q.dtype), kv.v.astype(q.dtype), start, counts, choice=chain)
