@@ -9,10 +9,10 @@ several deployments accumulates their shapes); `+calibrate.out=<file>` writes el
 Options: `+calibrate.repeats=7`, `+calibrate.min_bytes=<bytes of weight copies per timed call>`
 (default 256 MB: more than the caches hold, as a decode step streams its weights),
 `+calibrate.grid=[1,16]` (the M values measured besides those the plans use; default 1, 2, 4, ... 128).
-A matmul's time per launch is the difference of two calls that run its dependent chain over the weight
-copies once and many times in an on-device loop (`per_launch_s`): a call's fixed cost (about 65 us on the
-H200, more than a 4096x4096 product) cancels. Dividing one call by its launches, as an earlier version did,
-put the H200's launches at 40-250 us and predicted AR at the Qwen3-8B shape 12x too slow.
+A matmul's time per launch is the difference of two calls, timed in alternation, that run its dependent
+chain over the weight copies once and many times in an on-device loop (`per_launch_s`): a call's fixed cost
+(about 65 us on the H200, more than a 4096x4096 product) cancels. Dividing one call by its launches, as an
+earlier version did, put the H200's launches at 40-250 us and predicted AR at the Qwen3-8B shape 12x too slow.
 Each (K, N, M) is one compile: on the H200 a shape's 10 M values took 11-14 s, so a deployment with a
 dozen shapes and two implementations needs several minutes; a shorter grid keeps it inside one call.
 No step time is measured here: the rates never see what they later predict.
@@ -155,26 +155,29 @@ def _looped_chain(fn, x, weights, passes):
     return jax.lax.fori_loop(0, passes, lambda _, x: _dependent_chain(fn, x, weights), x)
 
 
-def per_launch_s(run, copies: int, loop_s: float, repeats: int, min_call_s: float = 2e-3) -> float:
+def per_launch_s(run, copies: int, loop_s: float, repeats: int, min_call_s: float = 2e-2) -> float:
     """Seconds per launch from `run(passes)` (which executes passes x copies launches and waits for them).
 
     A call also pays a fixed cost (dispatch, argument handling, the sync): on the H200 about 65 us, more
     than a whole 4096x4096 product, so dividing one call by its launches overstates every launch. Two pass
-    counts are timed and differenced, which cancels any fixed cost; `loop_s` (one on-device loop
-    iteration, `host_step_us`) is taken off each extra pass. Passes are added until the difference spans
-    at least `min_call_s`."""
-    def median(passes):
-        run(passes)  # warm-up (and compile, the first time)
-        ts = []
-        for _ in range(repeats):
-            t0 = time.perf_counter()
-            run(passes)
-            ts.append(time.perf_counter() - t0)
-        return statistics.median(ts)
+    counts are timed in alternation and each pair differenced, which cancels any fixed cost and any slow
+    drift of the clock; the median difference is taken, and `loop_s` (one on-device loop iteration,
+    `host_step_us`) comes off each extra pass. Passes are added until the difference spans at least
+    `min_call_s`: at a 2 ms span the H200's call-to-call jitter still moved single entries by 30-90 us."""
+    def timed(passes):
+        t0 = time.perf_counter()
+        run(passes)
+        return time.perf_counter() - t0
 
-    base = median(1)
+    run(1)  # warm-up (and compile)
+    base = statistics.median(timed(1) for _ in range(3))
     extra = int(min(256, max(2, math.ceil(min_call_s / max(base, 1e-7)))))
-    per_pass = (median(1 + extra) - base) / extra
+    run(1 + extra)
+    diffs = []
+    for _ in range(repeats):
+        short = timed(1)
+        diffs.append(timed(1 + extra) - short)
+    per_pass = statistics.median(diffs) / extra
     return max(per_pass - loop_s, 1e-9) / copies
 
 
