@@ -26,6 +26,23 @@ def test_rates_round_trip(tmp_path):
     assert back.copy_gbs == 7.0 and back.calibrated
 
 
+def test_merging_tables_of_different_m_grids_keeps_every_shape_on_its_own_grid(tmp_path):
+    """Calibrating a second deployment on another M grid adds its shapes; the first's stay, still looked
+    up on the grid they were measured on, and both survive a save and load."""
+    other = MatmulTable("xla/bf16", (1, 8), ((64, 128), (256, 64)), ((5e-6, 6e-6), (4e-6, 12e-6)))
+    m = TABLE.merged(other)
+    assert set(m.shapes) == {(64, 128), (128, 128), (256, 64)}
+    assert m.time_s(4, 128, 128) == (3e-6, True)  # the first table's shape, its grid (1, 4, 16)
+    assert m.time_s(4, 64, 128)[0] == pytest.approx(5e-6 + (6e-6 - 5e-6) * 3 / 7)  # other wins, grid (1, 8)
+    assert m.time_s(8, 256, 64) == (12e-6, True)
+    Rates("cpu", 7.0, 0.4, 0.01, 6.0, 0.2, {"xla/bf16": m}, "test").save(tmp_path / "m.yaml")
+    back = Rates.load(tmp_path / "m.yaml").matmul["xla/bf16"]
+    for mm, k, n in ((4, 128, 128), (2, 64, 128), (16, 128, 128), (5, 256, 64)):
+        assert back.time_s(mm, k, n) == pytest.approx(m.time_s(mm, k, n))
+    with pytest.raises(ValueError, match="one M grid per shape"):
+        MatmulTable("xla/bf16", (1, 8), ((8, 8),), ((1.0, 1.0),), grids=((1, 8), (1, 8)))
+
+
 def test_missing_file_and_fields_are_named(tmp_path):
     with pytest.raises(FileNotFoundError, match="calibrate.py"):
         Rates.load(tmp_path / "none.yaml")

@@ -39,18 +39,25 @@ class MatmulTable:
     seconds: tuple[tuple[float, ...], ...]  # [shape][m]
     weight_bytes_per_value: float = 2.0
     act_bytes: int = 2
+    grids: tuple[tuple[int, ...], ...] | None = None  # a shape's own M grid where they differ (else `ms`)
 
     def __post_init__(self):
-        if list(self.ms) != sorted(set(self.ms)) or not self.ms:
-            raise ValueError(f"matmul table {self.impl}: the M grid must be increasing, got {self.ms}")
-        if len(self.seconds) != len(self.shapes) or any(len(r) != len(self.ms) for r in self.seconds):
+        grids = self.grids if self.grids is not None else (self.ms,) * len(self.shapes)
+        if len(grids) != len(self.shapes):
+            raise ValueError(f"matmul table {self.impl}: one M grid per shape")
+        for g in (self.ms, *grids):
+            if list(g) != sorted(set(g)) or not g:
+                raise ValueError(f"matmul table {self.impl}: the M grid must be increasing, got {g}")
+        if len(self.seconds) != len(self.shapes) or any(len(r) != len(g) for r, g in zip(self.seconds, grids)):
             raise ValueError(f"matmul table {self.impl}: seconds must be [shapes][ms]")
+
+    def grid(self, i: int) -> tuple[int, ...]:
+        return self.ms if self.grids is None else self.grids[i]
 
     def _bytes(self, m: int, k: int, n: int) -> float:
         return k * n * self.weight_bytes_per_value + (m * k + m * n) * self.act_bytes
 
-    def _interp(self, row, m: int) -> float:
-        ms = self.ms
+    def _interp(self, row, m: int, ms: tuple[int, ...]) -> float:
         if m <= ms[0]:
             return row[0]
         if m >= ms[-1]:
@@ -63,35 +70,44 @@ class MatmulTable:
 
     def bandwidth(self, m: int) -> float:
         """Effective bytes per second at M (the median over the table's shapes)."""
-        bws = [self._bytes(m, k, n) / self._interp(row, m) for (k, n), row in zip(self.shapes, self.seconds)]
+        bws = [self._bytes(m, k, n) / self._interp(row, m, self.grid(i))
+               for i, ((k, n), row) in enumerate(zip(self.shapes, self.seconds))]
         return statistics.median(bws)
 
     def time_s(self, m: int, k: int, n: int) -> tuple[float, bool]:
         """(seconds of one launch, whether the shape was measured)."""
         if (k, n) in self.shapes:
-            return self._interp(self.seconds[self.shapes.index((k, n))], m), True
+            i = self.shapes.index((k, n))
+            return self._interp(self.seconds[i], m, self.grid(i)), True
         return self._bytes(m, k, n) / self.bandwidth(m), False
 
     def to_dict(self) -> dict:
-        return {"ms": list(self.ms), "weight_bytes_per_value": self.weight_bytes_per_value,
-                "act_bytes": self.act_bytes,
-                "shapes": {f"{k}x{n}": [float(f"{s:.4g}") for s in row]
-                           for (k, n), row in zip(self.shapes, self.seconds)}}
+        d = {"ms": list(self.ms), "weight_bytes_per_value": self.weight_bytes_per_value,
+             "act_bytes": self.act_bytes,
+             "shapes": {f"{k}x{n}": [float(f"{s:.4g}") for s in row]
+                        for (k, n), row in zip(self.shapes, self.seconds)}}
+        if self.grids is not None and any(g != self.ms for g in self.grids):
+            d["grids"] = {f"{k}x{n}": list(g) for (k, n), g in zip(self.shapes, self.grids) if g != self.ms}
+        return d
 
     @classmethod
     def from_dict(cls, impl: str, d: dict) -> "MatmulTable":
         shapes = tuple(tuple(int(x) for x in key.split("x")) for key in d["shapes"])
-        return cls(impl, tuple(int(m) for m in d["ms"]), shapes,
-                   tuple(tuple(float(s) for s in row) for row in d["shapes"].values()),
-                   float(d.get("weight_bytes_per_value", 2.0)), int(d.get("act_bytes", 2)))
+        ms = tuple(int(m) for m in d["ms"])
+        own = d.get("grids") or {}
+        grids = tuple(tuple(int(m) for m in own.get(key, ms)) for key in d["shapes"]) if own else None
+        return cls(impl, ms, shapes, tuple(tuple(float(s) for s in row) for row in d["shapes"].values()),
+                   float(d.get("weight_bytes_per_value", 2.0)), int(d.get("act_bytes", 2)), grids)
 
     def merged(self, other: "MatmulTable") -> "MatmulTable":
-        """This table with `other`'s shapes added (other wins on a shape both hold); one M grid."""
-        if self.ms != other.ms:
-            return other
-        rows = dict(zip(self.shapes, self.seconds))
-        rows.update(zip(other.shapes, other.seconds))
-        return dataclasses.replace(self, shapes=tuple(rows), seconds=tuple(rows.values()))
+        """This table with `other`'s shapes added (other wins on a shape both hold). Each shape keeps the M
+        grid it was measured on (calibrating the 4B shape after the 8B one, with another grid, once
+        replaced the 8B shapes)."""
+        rows = {s: (self.grid(i), r) for i, (s, r) in enumerate(zip(self.shapes, self.seconds))}
+        rows.update({s: (other.grid(i), r) for i, (s, r) in enumerate(zip(other.shapes, other.seconds))})
+        grids = tuple(g for g, _ in rows.values())
+        return dataclasses.replace(other, shapes=tuple(rows), seconds=tuple(r for _, r in rows.values()),
+                                   grids=None if all(g == other.ms for g in grids) else grids)
 
 
 @dataclasses.dataclass(frozen=True)
