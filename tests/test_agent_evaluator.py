@@ -103,7 +103,9 @@ for line in sys.stdin:
     print("done", flush=True)
 tokens = [[[0] * spec["new_tokens"] for _ in spec["prompts"]] for _ in spans]
 json.dump({"tokens": tokens, "spans": spans, "devices": jax.device_count(), "platform": jax.default_backend(),
-           "group": os.environ.get("SPECPILOT_DEVICE_GROUP")}, open(sys.argv[2], "w"))
+           "group": os.environ.get("SPECPILOT_DEVICE_GROUP"),
+           "nanny_env": {k: os.environ.get(k) for k in ("MALLOC_TRIM_THRESHOLD_", "OMP_NUM_THREADS")}},
+          open(sys.argv[2], "w"))
 """
 
 
@@ -149,6 +151,18 @@ def test_each_candidate_sees_only_its_group(tmp_path):
     assert [o["devices"] for o in outs[:4]] == [2, 2, 2, 2] and {o["platform"] for o in outs} == {"cpu"}
     assert {o["group"] for o in outs[:4]} == set(groups)  # both groups ran candidates
     assert outs[4]["group"] == "cpu:" and outs[4]["devices"] == 1 and results[4]["group"] == "cpu:"
+    # the nannies set MALLOC_TRIM_THRESHOLD_ and OMP_NUM_THREADS in their workers; no candidate inherits them
+    assert all(o["nanny_env"] == {"MALLOC_TRIM_THRESHOLD_": None, "OMP_NUM_THREADS": None} for o in outs)
     assert outs[4]["spans"] == []  # a check stage has no timed runs
     spans = sorted((o["spans"][0][0], o["spans"][-1][1]) for o in outs[:4])
     assert all(a1 <= b0 for (_, a1), (b0, _) in zip(spans, spans[1:]))  # one shared CPU: timed one at a time
+
+
+def test_a_candidate_runs_without_what_the_nanny_injected():
+    injected = ev.nanny_injected()
+    assert injected.get("MALLOC_TRIM_THRESHOLD_") == "65536"  # Dask's default, which slowed CPU steps 4x
+    base = {"PATH": "/usr/bin", "MALLOC_TRIM_THRESHOLD_": "65536", "OMP_NUM_THREADS": "4"}
+    env = ev.candidate_env("cpu:0", base)
+    assert "MALLOC_TRIM_THRESHOLD_" not in env  # the nanny's value: dropped
+    assert env["OMP_NUM_THREADS"] == "4"  # not the nanny's value (1): the user's own setting stays
+    assert env["PATH"] == "/usr/bin" and env["PYTHONUNBUFFERED"] == "1" and env["JAX_PLATFORMS"] == "cpu"
