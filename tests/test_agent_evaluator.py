@@ -4,6 +4,8 @@ import json
 import textwrap
 from pathlib import Path
 
+import pytest
+
 from specpilot.agent import evaluator as ev
 
 # candidate programs speaking the evaluator's protocol without building a deployment (fast)
@@ -166,3 +168,14 @@ def test_a_candidate_runs_without_what_the_nanny_injected():
     assert "MALLOC_TRIM_THRESHOLD_" not in env  # the nanny's value: dropped
     assert env["OMP_NUM_THREADS"] == "4"  # not the nanny's value (1): the user's own setting stays
     assert env["PATH"] == "/usr/bin" and env["PYTHONUNBUFFERED"] == "1" and env["JAX_PLATFORMS"] == "cpu"
+
+
+def test_the_cheap_stage_ranks_by_the_candidates_decode_time():
+    """A short run's wall time is mostly prefill; the pruner ranks by the candidate's own decode time per
+    decoded token (median over runs), and a report it cannot read gives None (the wall time is used)."""
+    spec = {"prompts": [[1, 2]], "new_tokens": 3, "config": {"bench": {"batch_size": 1}}}
+    out = {"tokens": [[[5, 6, 7]]] * 3, "decode_s": [0.4, 0.2, 0.3], "decode_tokens": [2, 2, 2]}
+    res = ev.timing([1.0, 1.2, 1.1], spec, out)
+    assert res["s_per_token"] == pytest.approx(1.1 / 3) and res["decode_s_per_token"] == pytest.approx(0.15)
+    assert ev.self_reported_decode({"decode_s": ["x"], "decode_tokens": [2]}) is None
+    assert ev.self_reported_decode({}) is None and ev.self_reported_decode({"decode_s": [0.0], "decode_tokens": [2]}) is None

@@ -90,3 +90,23 @@ def test_tree_two_level_and_batching_fields_round_trip():
     assert {p.verify for p in plans} >= {"tree", "two_level"}
     for plan in plans:
         assert space.check(plan.name, sp.plan_fields(plan)) == plan, plan.name
+
+
+def test_rewrites_reaching_the_same_plan_run_once(toy):
+    """Optuna may pair verify=ar with any block_size: the plans are one AR plan, timed once per round
+    (measured on the CPU, two such candidates timed 20.45 and 22.88 ms/token: noise, not a finding)."""
+    from specpilot.agent import proposers as props
+    from specpilot.agent.loop import distinct_plans
+
+    _, space = toy
+    incumbent = {"verify": "chain", "block_size": 4}
+    runnable = []
+    for i, rw in enumerate(({"verify": "ar", "block_size": 8}, {"verify": "ar", "block_size": 3},
+                            {"block_size": 2}, {"verify": "ar"})):
+        fields, plan = space.rewrite(f"c{i}", incumbent, rw)
+        runnable.append((None, props.Proposal(rw, "optuna", ""), f"c{i}", fields, plan, None))
+    kept, repeats = distinct_plans(runnable)
+    assert [x[2] for x in kept] == ["c0", "c2"]
+    assert [(x[2], first) for x, first in repeats] == [("c1", "c0"), ("c3", "c0")]
+    program = (None, props.Proposal({}, "given", ""), "c4", runnable[0][3], runnable[0][4], "/tmp/p.py")
+    assert len(distinct_plans(runnable + [program])[0]) == 3  # a given program is another candidate

@@ -281,9 +281,22 @@ def timing(walls: list[float], spec: dict, out: dict) -> dict:
     ordered = sorted(walls)
     median = ordered[(len(ordered) - 1) // 2]
     return {"status": OK, "reason": "", "wall_s": walls, "s_per_token": median / output_tokens,
+            "decode_s_per_token": self_reported_decode(out),
             "spread": (ordered[-1] - ordered[0]) / median if median > 0 else 0.0,
             "tokens": tokens, "stats": out.get("stats") or {}, "self_reported_s": out.get("self_reported_s"),
             "plan": out.get("plan"), "checked": out.get("checked") or []}
+
+
+def self_reported_decode(out: dict) -> float | None:
+    """The candidate's own median decode seconds per decoded token (prefill left out), or None. Its own
+    clock: used only to rank the cheap stage for pruning (a short run's wall time is mostly prefill),
+    never by the gate, which times every accepted candidate itself."""
+    try:
+        per = sorted(float(s) / float(n) for s, n in zip(out.get("decode_s") or [], out.get("decode_tokens") or [])
+                     if float(n) > 0)
+    except (TypeError, ValueError):
+        return None
+    return per[(len(per) - 1) // 2] if per and per[0] > 0 else None
 
 
 class Evaluator:

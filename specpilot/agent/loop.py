@@ -265,6 +265,12 @@ class Loop:
                     rows.append(self._record(r, name, prop, None, "dropped", plan))
                     continue
                 runnable.append((None, prop, name, sp.plan_fields(plan), plan, given.get("program")))
+        runnable, repeats = distinct_plans(runnable)
+        for x, first in repeats:  # e.g. an AR rewrite that also sets block_size: the same plan twice
+            rows.append(self._record(r, x[2], x[1], x[3], "dropped", f"the same plan as {first}"))
+            self.progress(f"  {x[2]}: dropped {json.dumps(x[1].rewrite)} (the same plan as {first})")
+            if x[0] is not None:
+                x[0].observe(x[1], None, "dropped")
         checks = [x for x in runnable if x[1].variant is not None] if evaluator.checks else []
         if checks:  # kernel variants against their references on the CPU workers, before any device time
             self.progress(f"round {r}: reference checks of {len(checks)} kernel variant(s) on CPU workers")
@@ -282,7 +288,9 @@ class Loop:
             self.progress(f"round {r}: cheap stage for {len(cheap)} candidate(s)")
             results = evaluator.evaluate([self.spec(x[2], x[3], prompts, "cheap", x[5]) for x in cheap])
             for x, res in zip(cheap, results):
-                if res["status"] == "ok" and x[0].should_prune(x[1], res["s_per_token"]):
+                # ranked by decode time per token: the cheap stage's few tokens make its wall time mostly prefill
+                rank = res.get("decode_s_per_token") or res.get("s_per_token")
+                if res["status"] == "ok" and x[0].should_prune(x[1], rank):
                     rows.append(self._record(r, x[2], x[1], x[3], "pruned", "pruned after the cheap stage",
                                              s=res["s_per_token"], folder=res.get("folder")))
                     self.progress(f"  {x[2]}: pruned after the cheap stage")
@@ -338,6 +346,21 @@ class Loop:
                                      status=status, reason=row["reason"], s_per_token=s, gain=gain,
                                      verdict=verdict, folder=folder, versions=self.versions)
         return row
+
+
+def distinct_plans(runnable: list) -> tuple[list, list]:
+    """Runnable candidates (proposer, proposal, name, fields, plan, program) with one per distinct plan
+    (fields, program), first come first kept; and the repeats, each with the name of the one it repeats."""
+    seen: dict[tuple, str] = {}
+    kept, repeats = [], []
+    for x in runnable:
+        key = (sp.rewrite_key(x[3]), x[5])
+        if key in seen:
+            repeats.append((x, seen[key]))
+        else:
+            seen[key] = x[2]
+            kept.append(x)
+    return kept, repeats
 
 
 def variant_names(fields: dict) -> list[str]:
