@@ -110,3 +110,10 @@ def test_rewrites_reaching_the_same_plan_run_once(toy):
     assert [(x[2], first) for x, first in repeats] == [("c1", "c0"), ("c3", "c0")]
     program = (None, props.Proposal({}, "given", ""), "c4", runnable[0][3], runnable[0][4], "/tmp/p.py")
     assert len(distinct_plans(runnable + [program])[0]) == 3  # a given program is another candidate
+
+
+def test_the_block_size_is_not_proposed_to_an_ar_plan(toy):
+    _, space = toy
+    block = space.choice("block_size")
+    assert sp.single_field_rewrites(space, {"verify": "ar"}, block) == []
+    assert sp.single_field_rewrites(space, {"verify": "chain", "block_size": 4}, block)  # a drafting plan: yes

@@ -51,7 +51,10 @@ class Choice:
     when: tuple[str, str] | None = None
 
     def applies(self, fields: Mapping) -> bool:
-        """Whether this choice means anything for plan `fields` (a config field: its implementation first)."""
+        """Whether this choice means anything for plan `fields` (a config field: its implementation first;
+        the block size: a drafting plan, since an AR plan verifies one token whatever it is set to)."""
+        if self.field == "block_size" and fields.get("verify") == "ar":
+            return False
         if self.when is None:
             return True
         impl = get_field(fields, self.when[0]) or []
