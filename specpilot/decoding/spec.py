@@ -370,11 +370,9 @@ def generate(target, target_params, drafter, draft_params, prompts: Sequence[Seq
     state_shapes = jax.eval_shape(fresh)
     prefill_args = (target_params, draft_params, *args, *state_shapes, key, requests)
     prefill = _compiled(_prefill_jit, _prefill_key(setup), *prefill_args)
-    first, tstate, dstate, key_shape = jax.eval_shape(
-        functools.partial(_prefill_core, _prefill_key(setup)), *prefill_args)
+    first, tstate, dstate, key_shape = _CACHE.out_shapes(_prefill_core, _prefill_key(setup), prefill_args)
     initial = _compiled(_initial_jit, setup, first, tstate, dstate, key_shape, budget, requests)
-    state_shape = jax.eval_shape(functools.partial(_initial_state, setup), first, tstate, dstate,
-                                 key_shape, budget, requests)
+    state_shape = _CACHE.out_shapes(_initial_state, setup, (first, tstate, dstate, key_shape, budget, requests))
     driver = _profiled_driver if profile else {"while": _while_driver, "host": _host_driver}[loop]
     run = driver(setup, target_params, draft_params, state_shape, budgets)
     states = fresh()

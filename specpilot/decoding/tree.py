@@ -28,7 +28,6 @@ Design choices:
 from __future__ import annotations
 
 import dataclasses
-import functools
 import time
 from typing import Any, Sequence
 
@@ -214,11 +213,10 @@ def run(setup: TreeSetup, target_params, draft_params, prompts: Sequence[Sequenc
     static = (target, drafter)
     prefill_args = (target_params, draft_params, *args, *jax.eval_shape(fresh), key, requests)
     prefill = spec._compiled(spec._prefill_jit, static, *prefill_args)
-    first, tstate, dstate, key_shape = jax.eval_shape(functools.partial(spec._prefill_core, static),
-                                                      *prefill_args)
+    first, tstate, dstate, key_shape = spec._CACHE.out_shapes(spec._prefill_core, static, prefill_args)
     initial = spec._compiled(spec._initial_jit, setup, first, tstate, dstate, key_shape, budget, requests)
-    state_shape = jax.eval_shape(functools.partial(spec._initial_state, setup), first, tstate, dstate,
-                                 key_shape, budget, requests)
+    state_shape = spec._CACHE.out_shapes(spec._initial_state, setup,
+                                         (first, tstate, dstate, key_shape, budget, requests))
     run = spec._compiled(_while_jit, setup, target_params, draft_params, state_shape)
     states = fresh()
 
