@@ -21,7 +21,6 @@ import hydra
 import jax
 from omegaconf import DictConfig, open_dict
 
-
 from specpilot.harness import config_schema, costmodel, counts, deploy, prediction
 from specpilot.harness.rates import Rates
 

@@ -34,8 +34,7 @@ class CompileCache:
 
     def out_shapes(self, fn, static: Any, args: tuple):
         """`jax.eval_shape(fn(static, *args))`, traced once per signature (values never matter)."""
-        leaves = jax.tree.leaves(args)
-        sig = (fn, static, jax.tree.structure(args), tuple((x.shape, str(x.dtype)) for x in leaves))
+        sig = _signature(fn, static, args, jax.tree.leaves(args))
         if sig in self._shapes:
             self._shapes.move_to_end(sig)
         else:
@@ -55,7 +54,7 @@ class CompileCache:
         if mesh is not None:
             args = sharding.attach_shardings(args, mesh)
         leaves = jax.tree.leaves(args)
-        sig = (fn, static, jax.tree.structure(args), tuple((x.shape, str(x.dtype)) for x in leaves),
+        sig = (*_signature(fn, static, args, leaves),
                None if mesh is None else tuple(str(getattr(x, "sharding", None)) for x in leaves))
         if sig in self._exes:
             self._exes.move_to_end(sig)
@@ -65,6 +64,11 @@ class CompileCache:
             if len(self._exes) > self.max_size:
                 self._exes.popitem(last=False)
         return self._exes[sig]
+
+
+def _signature(fn, static: Any, args: tuple, leaves: list) -> tuple:
+    """What a trace of `fn(static, *args)` specializes on: function, statics, tree structure, leaf shapes."""
+    return fn, static, jax.tree.structure(args), tuple((x.shape, str(x.dtype)) for x in leaves)
 
 
 def mesh_of(static: Any):
