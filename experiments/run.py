@@ -29,17 +29,6 @@ def _discard_if_empty(folder: Path) -> None:
         shutil.rmtree(folder, ignore_errors=True)
 
 
-def enable_compile_cache(folder: Path) -> None:
-    """jax's persistent compilation cache: a later run with the same shapes loads its executables
-    instead of compiling them (on 2 CPU cores, compiling a 30-layer model's steps takes most of a run).
-    Timings never include compiles either way: every timed step is compiled ahead of time."""
-    import jax
-
-    jax.config.update("jax_compilation_cache_dir", str(folder))
-    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.5)
-    jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
-
-
 @hydra.main(version_base=None, config_path="../conf", config_name="config")
 def main(cfg: DictConfig) -> None:
     hydra_dir = Path(HydraConfig.get().runtime.output_dir)
@@ -49,7 +38,7 @@ def main(cfg: DictConfig) -> None:
         devices.setup(cfg)  # simulated CPU devices, jax.distributed: before anything touches a device
         out_dir = cfg.output_dir or str(hydra_dir)
         if cfg.compile_cache:
-            enable_compile_cache(Path(cfg.cache_dir).expanduser() / "xla")
+            devices.enable_compile_cache(Path(cfg.cache_dir).expanduser() / "xla")
         records = runner.run(cfg, out_dir)
     except Exception as e:
         _discard_if_empty(hydra_dir)

@@ -163,6 +163,34 @@ def test_kernel_summary_reads_a_perfetto_trace(tmp_path):
     assert bench_.kernel_summary(str(tmp_path / "none"), steps=1) is None
 
 
+def test_kernel_summary_window_keeps_kernels_inside_host_spans(tmp_path):
+    """`window=` keeps only the device kernels that start inside a host span of that name (two "accept"
+    spans here: kernels at 5 and 105 count, the one at 50 and the one just past the second span's end do
+    not), and reports the spans' wall time per step and their count."""
+    import gzip
+    import json as json_
+
+    from specpilot.harness import bench as bench_
+
+    meta = [{"ph": "M", "name": "process_name", "pid": 1, "args": {"name": "/device:GPU:0"}},
+            {"ph": "M", "name": "process_name", "pid": 2, "args": {"name": "/host:CPU"}},
+            {"ph": "M", "name": "thread_name", "pid": 1, "tid": 7, "args": {"name": "Stream #13(Compute)"}}]
+    kernels = [{"ph": "X", "pid": 1, "tid": 7, "name": n, "ts": t, "dur": 4.0}
+               for n, t in (("argmax", 5), ("matmul", 50), ("argmax", 105), ("late", 121))]
+    spans = [{"ph": "X", "pid": 2, "tid": 1, "name": "specpilot.accept", "ts": t, "dur": 20.0} for t in (0, 100)]
+    spans.append({"ph": "X", "pid": 2, "tid": 1, "name": "specpilot.verify", "ts": 40, "dur": 30.0})
+    d = tmp_path / "plugins" / "profile"
+    d.mkdir(parents=True)
+    with gzip.open(d / "x.perfetto_trace.json.gz", "wt") as f:
+        json_.dump({"traceEvents": meta + kernels + spans}, f)
+    s = bench_.kernel_summary(str(tmp_path), steps=2, window="specpilot.accept")
+    assert s["spans"] == 2 and s["kernels_per_step"] == 1.0 and [t["name"] for t in s["top"]] == ["argmax"]
+    assert abs(s["window_ms_per_step"] - 20e-3) < 1e-9 and abs(s["busy_ms_per_step"] - 4e-3) < 1e-9
+    v = bench_.kernel_summary(str(tmp_path), steps=1, window="specpilot.verify")
+    assert [t["name"] for t in v["top"]] == ["matmul"]
+    assert bench_.kernel_summary(str(tmp_path), steps=1, window="absent")["kernels"] == 0
+
+
 def test_kernel_summary_times_each_call_of_a_step(tmp_path, bench_ar):
     """A kernel called several times per step gets its median time at each call of the step ("sequences",
     over the steps), and `mosaic_calls` names those calls by the matrices a step multiplies, in order; a

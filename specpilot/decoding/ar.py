@@ -43,6 +43,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jax.profiler import TraceAnnotation
+
 from specpilot.decoding.aot import CompileCache
 from specpilot.sharding import host_array
 from specpilot.decoding.sampling import GREEDY, RequestSampling, SamplingConfig, resolve_key, sample
@@ -288,25 +290,27 @@ def generate(target, params, prompts: Sequence[Sequence[int]], max_new_tokens: i
     state = target.init_state(b, cache_len, dtype)
 
     t0 = time.perf_counter()
-    tok, _, state = prefill(params, requests, tokens, lengths, state, keys[0])
-    tok.block_until_ready()
+    with TraceAnnotation("specpilot.prefill"):
+        tok, _, state = prefill(params, requests, tokens, lengths, state, keys[0])
+        tok.block_until_ready()
     t1 = time.perf_counter()
-    if loop == "fori":
-        bound = steps_arg if stop_token is None else jnp.asarray(budgets)
-        rest, state = decode(params, requests, tok, state, keys[1:], bound)
-        generated = np.concatenate([host_array(tok)[:, None], host_array(rest)], axis=1)
-    else:
-        out = [tok]
-        done = None if stop_token is None else (host_array(tok) == stop_token) | (budgets <= 1)
-        for i in range(1, num_steps + 1):
-            if done is not None and done.all():
-                break  # every row was done after token i - 2 or earlier: step i - 1 was the extra one
-            tok, state = step(params, requests, tok, state, keys[i])
-            out.append(tok)
-            if done is not None and i >= 2:  # read token i - 1 back while step i runs
-                done |= (host_array(out[i - 1]) == stop_token) | (i >= budgets)
-        out += [jnp.full_like(tok, -1)] * (max_new_tokens - len(out))
-        generated = host_array(jnp.stack(out, axis=1)).copy()  # without a stop token, the only device -> host copy
+    with TraceAnnotation("specpilot.decode"):  # a profiler trace's window of the decode steps
+        if loop == "fori":
+            bound = steps_arg if stop_token is None else jnp.asarray(budgets)
+            rest, state = decode(params, requests, tok, state, keys[1:], bound)
+            generated = np.concatenate([host_array(tok)[:, None], host_array(rest)], axis=1)
+        else:
+            out = [tok]
+            done = None if stop_token is None else (host_array(tok) == stop_token) | (budgets <= 1)
+            for i in range(1, num_steps + 1):
+                if done is not None and done.all():
+                    break  # every row was done after token i - 2 or earlier: step i - 1 was the extra one
+                tok, state = step(params, requests, tok, state, keys[i])
+                out.append(tok)
+                if done is not None and i >= 2:  # read token i - 1 back while step i runs
+                    done |= (host_array(out[i - 1]) == stop_token) | (i >= budgets)
+            out += [jnp.full_like(tok, -1)] * (max_new_tokens - len(out))
+            generated = host_array(jnp.stack(out, axis=1)).copy()  # without a stop token, the only device -> host copy
     t2 = time.perf_counter()
     num_generated = stop_lengths(generated, budgets, stop_token)
     generated[np.arange(max_new_tokens)[None, :] >= num_generated[:, None]] = -1

@@ -56,6 +56,7 @@ from typing import Any, Sequence
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.profiler import TraceAnnotation
 
 from specpilot.decoding.aot import CompileCache
 from specpilot.sharding import host_array
@@ -298,14 +299,17 @@ def _profiled_driver(setup, tp, dp, state_shape, budgets):
             if bool(done(setup, state)):
                 break
             t0 = time.perf_counter()
-            state, block, draft_logits = draft(tp, dp, state)
-            jax.block_until_ready(block)
+            with TraceAnnotation("specpilot.draft"):
+                state, block, draft_logits = draft(tp, dp, state)
+                jax.block_until_ready(block)
             t1 = time.perf_counter()
-            state, target_logits, taps = verify(tp, state, block)
-            jax.block_until_ready(target_logits)
+            with TraceAnnotation("specpilot.verify"):
+                state, target_logits, taps = verify(tp, state, block)
+                jax.block_until_ready(target_logits)
             t2 = time.perf_counter()
-            state = accept(tp, dp, state, block, draft_logits, target_logits, taps)
-            jax.block_until_ready(state.n_out)
+            with TraceAnnotation("specpilot.accept"):
+                state = accept(tp, dp, state, block, draft_logits, target_logits, taps)
+                jax.block_until_ready(state.n_out)
             t3 = time.perf_counter()
             times["draft"] += t1 - t0
             times["verify"] += t2 - t1
@@ -378,11 +382,13 @@ def generate(target, target_params, drafter, draft_params, prompts: Sequence[Seq
     states = fresh()
 
     t0 = time.perf_counter()
-    state = initial(*prefill(target_params, draft_params, *args, *states, key, requests), budget, requests)
-    state.last.block_until_ready()
+    with TraceAnnotation("specpilot.prefill"):
+        state = initial(*prefill(target_params, draft_params, *args, *states, key, requests), budget, requests)
+        state.last.block_until_ready()
     t1 = time.perf_counter()
-    state, times = run(state)
-    out, n_out = host_array(state.out), host_array(state.n_out)  # the decode's only read-back
+    with TraceAnnotation("specpilot.decode"):
+        state, times = run(state)
+        out, n_out = host_array(state.out), host_array(state.n_out)  # the decode's only read-back
     t2 = time.perf_counter()
 
     generated = out[:, :max_new_tokens].copy()

@@ -24,6 +24,7 @@ Design choices:
 from __future__ import annotations
 
 import argparse
+import bisect
 import collections
 import glob
 import gzip
@@ -143,8 +144,14 @@ def bandwidth_fields(nbytes: int, seconds: float, copy_bw: float | None) -> dict
 # Profiler traces and compiled HLO
 
 
-def kernel_summary(trace_dir: str, steps: int, top: int = 25) -> dict[str, Any] | None:
-    """Per-step kernel time on the device from a Perfetto trace under trace_dir (None if absent)."""
+def kernel_summary(trace_dir: str, steps: int, top: int = 25, window: str | None = None) -> dict[str, Any] | None:
+    """Per-step kernel time on the device from a Perfetto trace under trace_dir (None if absent).
+
+    `window`: only kernels that start inside a host span of that name count (a `TraceAnnotation` such as
+    the decode loop's "specpilot.decode", or a profiled phase's "specpilot.accept": the phase syncs
+    before its span closes, so its kernels lie inside it); the summary then also gives the spans' wall
+    time per step (`window_ms_per_step`) and their count.
+    """
     paths = sorted(glob.glob(os.path.join(trace_dir, "**", "*perfetto_trace.json.gz"), recursive=True))
     if not paths:
         return None
@@ -158,8 +165,15 @@ def kernel_summary(trace_dir: str, steps: int, top: int = 25) -> dict[str, Any] 
                if e.get("ph") == "M" and e.get("name") == "thread_name"}
     kernels = [e for e in events if e.get("ph") == "X" and e.get("pid") in dev_pids
                and "stream" in threads.get((e["pid"], e.get("tid")), "Stream").lower()]
+    spans = None
+    if window is not None:
+        spans = sorted((float(e["ts"]), float(e["ts"]) + float(e.get("dur", 0.0))) for e in events
+                       if e.get("ph") == "X" and e.get("pid") not in dev_pids and e.get("name") == window)
+        starts = [a for a, _ in spans]
+        kernels = [e for e in kernels if _inside(float(e["ts"]), spans, starts)]
     if not kernels:
-        return {"kernels": 0, "device_pids": sorted(names[p] for p in dev_pids)}
+        return {"kernels": 0, "device_pids": sorted(names[p] for p in dev_pids),
+                **({} if spans is None else {"window": window, "spans": len(spans)})}
     by_name = collections.defaultdict(lambda: [0, 0.0])
     durations = collections.defaultdict(list)
     calls = collections.defaultdict(list)  # per name, (start, duration) of each call
@@ -188,7 +202,15 @@ def kernel_summary(trace_dir: str, steps: int, top: int = 25) -> dict[str, Any] 
                  "us_per_call": d / c, "us_min": min(durations[n]), "us_median": statistics.median(durations[n]),
                  "us_max": max(durations[n])} for n, (c, d) in rows],
         "sequences": sequences,
+        **({} if spans is None else {"window": window, "spans": len(spans),
+                                     "window_ms_per_step": sum(b - a for a, b in spans) / steps / 1e3}),
     }
+
+
+def _inside(ts: float, spans: list[tuple[float, float]], starts: list[float]) -> bool:
+    """Whether ts lies in one of the sorted, non-overlapping spans (their starts given for bisection)."""
+    i = bisect.bisect_right(starts, ts) - 1
+    return i >= 0 and ts <= spans[i][1]
 
 
 def label_calls(sequence: list[float], labels: list[str]) -> dict[str, dict[str, float]] | None:

@@ -81,7 +81,7 @@ def _run_speculative(dep, plan: Plan, generate) -> MethodRun:
     params, target = dep.params_for(plan), dep.target_for(plan)
     drafter, base = dep.drafter_for(plan)
     tokens, prefill_s, decode_s, decode_tokens = [], 0.0, 0.0, 0
-    steps, emitted, accepted, hist = 0, 0, 0, None
+    steps, loop_steps, emitted, accepted, hist = 0, 0, 0, 0, None
     for i, batch in enumerate(dep.batches()):
         res = generate(target, params, drafter, _draft_params(dep, drafter, base, i, batch), batch)
         tokens.extend(res.tokens.tolist())
@@ -90,6 +90,7 @@ def _run_speculative(dep, plan: Plan, generate) -> MethodRun:
         decode_tokens += res.decode_steps
         st = res.stats
         steps += int(st.steps.sum())
+        loop_steps += int(st.steps.max())  # a batch's loop runs until its longest row is done
         emitted += int(st.emitted.sum())
         accepted += int(st.accepted.sum())
         hist = st.accept_hist if hist is None else hist + st.accept_hist
@@ -98,15 +99,14 @@ def _run_speculative(dep, plan: Plan, generate) -> MethodRun:
     # tau counts the tokens a step emitted within the budget; upstream DFlash's mean acceptance length also
     # counts what the budget cut off in a sequence's last step (accepted drafts + 1, every step)
     stats = {"tau": emitted / max(1, steps), "acceptance_length_upstream": accepted / max(1, steps), "steps": steps,
+             "loop_steps": loop_steps,
              "acceptance_per_position": [float(a) for a in at_least[1:]]}
     if hasattr(drafter, "trace_tau"):
         stats["trace_tau"] = drafter.trace_tau  # oracle acceptance: the tau its recorded trace gives
     return MethodRun(tokens, prefill_s, decode_s, decode_tokens, stats)
 
 
-def run_chain(dep, plan: Plan) -> MethodRun:
-    """Block drafter + chain verification (greedy prefix match, or rejection sampling) with the plan's
-    weights and kernels for target and drafter."""
+def _chain_generate(dep, plan: Plan):
     from specpilot.decoding import spec
 
     def generate(target, params, drafter, draft_params, batch, **kw):
@@ -114,14 +114,26 @@ def run_chain(dep, plan: Plan) -> MethodRun:
                              block_size=plan.block_size, sampling=dep.sampling, key=dep.key,
                              cache_len=dep.cache_len, stop_token=dep.stop_token, **kw)
 
-    run = _run_speculative(dep, plan, generate)
+    return generate
+
+
+def profiled_chain_pass(dep, plan: Plan):
+    """The chain plan's first batch through the profiled driver (each phase its own synced call, inside a
+    "specpilot.draft" / ".verify" / ".accept" profiler span) -> its `SpecStats` (phase times filled)."""
+    batch = dep.batches()[0]
+    drafter, base = dep.drafter_for(plan)
+    return _chain_generate(dep, plan)(dep.target_for(plan), dep.params_for(plan), drafter,
+                                      _draft_params(dep, drafter, base, 0, batch), batch, profile=True).stats
+
+
+def run_chain(dep, plan: Plan) -> MethodRun:
+    """Block drafter + chain verification (greedy prefix match, or rejection sampling) with the plan's
+    weights and kernels for target and drafter."""
+    run = _run_speculative(dep, plan, _chain_generate(dep, plan))
     if dep.profile_split:
         # A separate, profiled pass over the first batch (phases jitted apart and synced): it gives the
         # draft / verify / bookkeeping split without touching the timed runs above.
-        batch = dep.batches()[0]
-        drafter, base = dep.drafter_for(plan)
-        prof = generate(dep.target_for(plan), dep.params_for(plan), drafter,
-                        _draft_params(dep, drafter, base, 0, batch), batch, profile=True).stats
+        prof = profiled_chain_pass(dep, plan)
         total = prof.draft_s + prof.verify_s + prof.bookkeeping_s
         if total > 0:  # zero only if every row stopped at prefill's token: no step to split
             run.stats["time_split"] = {"draft": prof.draft_s / total, "verify": prof.verify_s / total,
