@@ -194,6 +194,9 @@ def context_for(prompts, new_tokens: int) -> int:
 
 def shape_setup(args, n_prompts: int) -> Setup:
     """--shape tiny | smollm2: the pair built here, plans ar and stock (at --block)."""
+    wanted = bench.comma_list(args.plans)
+    if not wanted or set(wanted) - {"ar", "stock"}:
+        raise ValueError(f"--plans takes ar and/or stock with --shape {args.shape}, got {args.plans!r}")
     block = args.block or (4 if args.shape == "tiny" else 8)
     prompt_len = args.prompt_len or (12 if args.shape == "tiny" else 192)
     if args.shape == "tiny":
@@ -213,9 +216,6 @@ def shape_setup(args, n_prompts: int) -> Setup:
 
     plans = {"ar": PlanRun("ar", make(None, None, None), ar_baseline=True),
              "stock": PlanRun("stock", make(drafter, dparams, block), block=block)}
-    wanted = bench.comma_list(args.plans)
-    if not wanted or set(wanted) - set(plans):
-        raise SystemExit(f"--plans takes ar and/or stock with --shape {args.shape}, got {args.plans!r}")
     if "ar" not in wanted and 0.0 in args.rates:  # fixed batches report speedups over AR
         wanted = ["ar"] + wanted
     runs = [plans["ar"]] * ("ar" in wanted) + [plans[p] for p in wanted if p != "ar"]
@@ -384,7 +384,8 @@ def print_fixed_summary(rows: list[dict]) -> None:
               f"{str(r['mismatched_requests']):>4}")
 
 
-def main(argv=None):
+def parse_args(argv=None):
+    """-> (parsed and checked arguments, the parser); bad values exit naming the flag."""
     ap = bench.common_parser(__doc__.split("\n")[0], shape_default="smollm2", shape_help="smollm2 or tiny",
                              m_default="4", m_help="comma list of engine slot counts", trials_default=1,
                              kernel_default="xla")
@@ -428,12 +429,25 @@ def main(argv=None):
     if args.compile_cache:
         jax.config.update("jax_compilation_cache_dir", str(Path(args.compile_cache).expanduser()))
         jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.5)
+    return args, ap
+
+
+def build_setup(args, ap=None) -> Setup:
+    """The plans, prompts and requests of `args`; a bad value exits naming it (raises ValueError without `ap`)."""
     n_prompts = max([args.requests] + (args.m if 0.0 in args.rates else []))
     try:
         setup = deployment_setup(args, n_prompts) if args.deployment else shape_setup(args, n_prompts)
         check_grid(setup, args)
     except (ValueError, NotImplementedError) as e:
+        if ap is None:
+            raise
         ap.error(str(e))
+    return setup
+
+
+def main(argv=None):
+    args, ap = parse_args(argv)
+    setup = build_setup(args, ap)
     print(f"device {jax.devices()[0]}, jax {jax.__version__}, {setup.label}, plans "
           f"{', '.join(p.name for p in setup.plans)}, <= {args.new_tokens} new tokens, context {setup.context}")
     for note in setup.notes:
