@@ -48,6 +48,12 @@ Every row reports `mismatched_requests`: requests whose tokens differ from the A
 requests at the same slot count (0 is the lossless check; oracle acceptance must not change a token).
 The JSON record (--out) is rewritten after every row, so a run cut short keeps what it measured.
 
+Oracle caveats (specpilot.models.oracle): acceptance is drawn from one key folded with a row's committed
+length, so rows at equal lengths accept alike, and rows that meet at a length stay together: in a fixed
+batch of equal-length prompts every row accepts the same count each step (the expected tokens per step
+are unchanged; their spread is one row's). The oracle's drafts are one-hot, all equally confident, so
+`budget` (mechanism 1) cannot tell likely drafts from unlikely ones under it.
+
 H200, Qwen3-8B shape (random bf16 weights, oracle drafter at GSM8K's tau 6.27, block 16, 512-token random
 prompts). Every (plan, slot count) engine compiles its steps first (and each --batching x --overlap
 value is one more engine); if one command would pass the machine's per-command limit, split --m over
@@ -61,9 +67,12 @@ commands and give them the same --compile-cache:
     PYTHONPATH=. python experiments/bench_engine.py --deployment "experiment=stock_qwen3_8b_h200" \\
         --plans ar,stock --m 16,32 --rates 0 --new-tokens 256 --batching fixed,budget,budget+packed \\
         --overlap none,halves --compile-cache /tmp/xla --out engine_8b_mechanisms.json
-    # 12-bit weights beside bf16; and the XLA vs Mosaic-twin AR baselines (the fastest is the baseline)
+    # 12-bit weights beside bf16 (W12 through the Mosaic kernel: not yet run through the engine)
     ... --deployment "experiment=stock_qwen3_8b_h200 decoding=w12" --plans ar,stock,ar_w12,stock_w12 ...
+    # the gpu's AR baselines, XLA and the Mosaic twin: speedups are over the faster (DESIGN.md)
     ... --plans ar,ar_mosaic,stock ...
+    # arrivals instead of a fixed batch (per-request budgets in [1, 256])
+    ... --plans ar,stock --m 16 --rates 2,8 --requests 64 --new-tokens 256 ...
 """
 
 from __future__ import annotations
