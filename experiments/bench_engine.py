@@ -316,7 +316,8 @@ def deployment_setup(args, n_prompts: int) -> Setup:
     context = context_for(prompts, args.new_tokens)
     if context > dep.cfg.max_position_embeddings:
         raise ValueError(f"prompts of up to {max(map(len, prompts))} tokens + --new-tokens {args.new_tokens} need "
-                         f"{context} positions, past the target's max_position_embeddings ({dep.cfg.max_position_embeddings})")
+                         f"{context} positions, past the target's max_position_embeddings "
+                         f"({dep.cfg.max_position_embeddings})")
     return Setup(args.deployment, runs, prompts, poisson, context, list(dep.notes), has_own_batching=True)
 
 
@@ -424,7 +425,8 @@ def parse_args(argv=None):
         args.rates = bench.comma_list(args.rates, float)
     except ValueError:
         ap.error(f"--rates takes a comma list of numbers, got {args.rates!r}")
-    for flag, value, allowed in (("--batching", args.batching, BATCHINGS), ("--overlap", args.overlap, ("none", "halves"))):
+    for flag, value, allowed in (("--batching", args.batching, BATCHINGS),
+                                 ("--overlap", args.overlap, ("none", "halves"))):
         if value is not None and (not bench.comma_list(value) or set(bench.comma_list(value)) - set(allowed)):
             ap.error(f"{flag} takes a comma list of {', '.join(allowed)}, got {value!r}")
     if not args.rates or min(args.rates) < 0:
