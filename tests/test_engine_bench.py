@@ -1,23 +1,143 @@
-"""experiments/bench_engine.py --smoke: the Poisson workload runs end to end on the tiny random pair."""
+"""experiments/bench_engine.py: the Poisson workload and fixed batches on the tiny random pair; a deployment
+composed from run.py's config groups (tiny random target, oracle drafter at a tau), whose oracle stock plan
+emits AR's tokens per request through the engine; speedups against AR of the same run; clear errors."""
 
 import importlib.util
+import re
+import sys
 from pathlib import Path
+
+import pytest
+
+# run.py's groups at a tiny shape: an oracle drafter (1 layer, block 4) replaying AR's continuation at tau 3
+DEPLOYMENT = ("target=tiny_random drafter=oracle drafter.tau=3 drafter.block_size=4 drafter.num_layers=1 "
+              "decoding=stock bench=default bench.prompt_len=12")
 
 
 def _load():
     path = Path(__file__).resolve().parent.parent / "experiments" / "bench_engine.py"
     spec = importlib.util.spec_from_file_location("bench_engine", path)
     module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # its dataclasses resolve their annotations through sys.modules
     spec.loader.exec_module(module)
     return module
 
 
-def test_bench_engine_smoke(tmp_path):
+@pytest.fixture(scope="module")
+def be():
+    return _load()
+
+
+@pytest.fixture(scope="module")
+def deployment_record(be, tmp_path_factory):
+    out = tmp_path_factory.mktemp("bench") / "engine.json"
+    record = be.main(["--deployment", DEPLOYMENT, "--m", "2", "--rates", "0,200", "--requests", "4",
+                      "--new-tokens", "12", "--chunk", "16", "--batching", "fixed,budget+packed", "--out", str(out)])
+    return record, out
+
+
+def test_bench_engine_smoke(be, tmp_path):
     out = tmp_path / "engine.json"
-    record = _load().main(["--smoke", "--out", str(out)])
+    record = be.main(["--smoke", "--out", str(out)])
     assert out.is_file() and {r["plan"] for r in record["rows"]} == {"ar", "stock"}
+    assert {r["rate"] for r in record["rows"]} == {0.0, 200.0}
     for r in record["rows"]:
+        assert r["mismatched_requests"] == 0  # the random drafter's stock emits AR's tokens
+        if r["rate"] == 0:
+            continue
         assert r["output_tokens"] > r["requests"]  # every request emits at least one token, most more
         assert r["throughput_tok_s"] > 0 and 0 < r["ttft_p50_s"] <= r["ttft_p99_s"]
         assert r["tpot_p50_s"] <= r["tpot_p99_s"] and 1 <= r["slots_in_use_max"] <= r["slots"]
         assert 0 < r["kv_tokens_max"] <= r["kv_tokens_capacity"]
+
+
+def test_deployment_rows_oracle_acceptance_and_batchings(deployment_record):
+    record, out = deployment_record
+    assert out.is_file() and any("oracle acceptance" in n for n in record["notes"])
+    rows = record["rows"]
+    assert [(r["plan"], r["batching"], r["rate"]) for r in rows] == [
+        ("ar", "fixed", 0.0), ("ar", "fixed", 200.0), ("stock", "fixed", 0.0), ("stock", "fixed", 200.0),
+        ("stock", "budget+packed", 0.0), ("stock", "budget+packed", 200.0)]
+    for r in rows:
+        assert r["mismatched_requests"] == 0, r  # oracle acceptance changes no output token
+        if r["plan"] == "stock":
+            assert r["tokens_per_row_step"] > 1.5, r  # the oracle's drafts are accepted through the engine
+    packed = [r for r in rows if r["batching"] == "budget+packed"]
+    assert all(r["token_budget"] == 4 for r in packed)  # batching_for's default: 2 slots x block 4 / 2
+    assert all(r["forward_tokens_per_decode"] == 4 for r in packed)  # only the packed budget is verified
+
+
+def test_fixed_rows_and_speedup_against_ar_of_the_same_run(deployment_record):
+    rows = [r for r in deployment_record[0]["rows"] if r["rate"] == 0]
+    ar = next(r for r in rows if r["plan"] == "ar")
+    for r in rows:
+        assert r["requests"] == r["slots"] == 2 and r["output_tokens"] == 2 * 12  # one full request per slot
+        assert r["decode_steps"] >= 1 and r["decode_s"] > 0
+        assert r["decode_tok_s"] == pytest.approx(r["tokens_per_step"] * r["decode_steps"] / r["decode_s"])
+        assert r["step_ms"] == pytest.approx(1e3 * r["decode_s"] / r["decode_steps"])
+        assert r["baseline"] == "ar" and r["speedup"] == pytest.approx(r["decode_tok_s"] / ar["decode_tok_s"])
+    assert ar["speedup"] == 1.0 and ar["tokens_per_step"] == 2.0  # AR: one token per slot per step
+    assert ar["decode_steps"] == 11  # tokens 2..12 of both rows; the first comes from the prefill step
+
+
+def test_oracle_stock_tokens_equal_ar_per_request(be):
+    """The lossless check itself, outside the bench's own counting: each request's tokens from the oracle
+    stock plan through the engine equal the AR plan's through the engine."""
+    args, _ = be.parse_args(["--deployment", DEPLOYMENT, "--m", "3", "--rates", "0", "--new-tokens", "10"])
+    setup = be.build_setup(args)
+    ar, stock = setup.plans
+    assert setup.reference is ar and stock.replays and not ar.replays
+    requests = [be.Request(p, 10) for p in setup.prompts[:3]]
+    _, ar_handles = be.run_fixed(ar.make(3, None, setup.context, 8), requests)
+    want = [h.tokens for h in ar_handles]
+    engine = stock.make(3, None, setup.context, 8)
+    _, handles = be.run_fixed(engine, be.with_reference(requests, want))
+    assert [h.tokens for h in handles] == want and all(len(t) == 10 for t in want)
+    assert engine.stats.tokens_per_row_step > 1.5
+
+
+def test_add_speedups_takes_the_fastest_ar_baseline_per_slot_count(be):
+    def row(plan, slots, tok_s, baseline=False):
+        return {"plan": plan, "slots": slots, "rate": 0.0, "decode_tok_s": tok_s, "ar_baseline": baseline}
+
+    rows = [row("ar", 4, 100.0, True), row("ar_mosaic", 4, 125.0, True), row("stock", 4, 250.0),
+            row("ar", 8, 160.0, True), row("stock", 8, 240.0), row("ar_w12", 8, 200.0)]
+    be.add_speedups(rows)
+    assert [(r["baseline"], r["speedup"]) for r in rows] == [
+        ("ar_mosaic", 0.8), ("ar_mosaic", 1.0), ("ar_mosaic", 2.0), ("ar", 1.0), ("ar", 1.5), ("ar", 1.25)]
+
+
+def test_batchings_apply_to_speculative_plans_only(be):
+    from specpilot.plan import Batching
+
+    args, _ = be.parse_args(["--shape", "tiny", "--batching", "fixed,budget", "--overlap", "none,halves"])
+    ar = be.PlanRun("ar", None, ar_baseline=True)
+    stock = be.PlanRun("stock", None, block=4, batching=Batching(policy="static"))
+    setup = be.Setup("test", [ar, stock], [[1]], [], 64, has_own_batching=True)
+    assert be.batchings(setup, ar, args, 4) == [None]
+    got = be.batchings(setup, stock, args, 4)
+    assert [be.batching_label(b) for b in got] == ["fixed/static", "fixed+halves/static", "budget/static",
+                                                   "budget+halves/static"]
+    assert [b.token_budget for b in got] == [None, None, 8, 4]  # halves: half the slots verify per step
+    args, _ = be.parse_args(["--shape", "tiny"])  # no --batching / --overlap: the plan's own
+    assert be.batchings(setup, stock, args, 4) == [stock.batching]
+
+
+@pytest.mark.parametrize("argv,message", [
+    (["--plans", "ar,stock_w12"], r"--plans: stock_w12 not a plan of this config \(decoding=stock: ar, stock\)"),
+    (["--m", "3", "--overlap", "halves"], r"--m 3 with --overlap halves"),
+    (["--block", "8"], r"--block belongs to --shape"),
+    (["--rates", "0", "--new-tokens", "1"], r"--new-tokens must be >= 2"),
+])
+def test_bad_arguments_exit_naming_them(be, capsys, argv, message):
+    with pytest.raises(SystemExit):
+        be.main(["--deployment", DEPLOYMENT, *argv])
+    assert re.search(message, capsys.readouterr().err)
+
+
+def test_bad_deployments_exit_naming_them(be, capsys):
+    for deployment, message in (("target=nope", "Could not find 'target/nope'"),
+                                (DEPLOYMENT.replace("drafter=oracle", "drafter=oracle_trace"), "oracle_trace")):
+        with pytest.raises(SystemExit):
+            be.main(["--deployment", deployment])
+        assert message in capsys.readouterr().err

@@ -1,0 +1,99 @@
+"""Workloads that drive a serving engine and measure it: Poisson arrivals, and a fixed batch's steady state.
+
+Design choices:
+- The engine's own step is the unit: each `Engine.step()` ends in its one host sync, so a host clock
+  around it reads the device's time for that step, prefill and decode included.
+- Poisson arrivals are submitted once their (wall clock) arrival time has passed; TTFT counts from the
+  arrival, TPOT per request after its first token.
+- A fixed batch submits one request per slot at t=0; its steady state is the steps that start with every
+  slot decoding (no row prefilling, none finished), so prefill and the tail in which rows leave one by
+  one are outside it. Those steps give the decode throughput, the time per step and tokens per step.
+- Both return the handles too: callers compare each request's tokens across plans (lossless checks) and
+  read continuations from them (an oracle drafter's references).
+"""
+
+from __future__ import annotations
+
+import time
+
+import numpy as np
+
+from specpilot.serving.engine import DECODING, Engine
+from specpilot.serving.request import Request
+
+
+def percentile(values, q) -> float:
+    return float(np.percentile(np.asarray(values, np.float64), q)) if len(values) else float("nan")
+
+
+def _ratio(a, b) -> float:
+    return a / b if b else float("nan")
+
+
+def stats_row(engine: Engine) -> dict:
+    s = engine.stats
+    return {"tokens_per_row_step": s.tokens_per_row_step, "steps": s.steps, "tokens_per_decode": s.tokens_per_decode,
+            "verify_tokens_per_decode": s.verify_tokens_per_decode,
+            "rows_verified_per_decode": s.rows_verified_per_decode,
+            "rows_drafted_per_decode": s.rows_drafted_per_decode,
+            "both_halves_busy_fraction": s.both_halves_busy_fraction,
+            "forward_tokens_per_decode": _ratio(s.forward_tokens, s.decode_calls)}
+
+
+def run_workload(engine: Engine, requests: list[Request], rate: float, seed: int):
+    """Submit `requests` at Poisson arrival times (rate per second) and step until all are done
+    -> (row, handles)."""
+    rng = np.random.default_rng(seed)
+    arrivals = np.cumsum(rng.exponential(1.0 / rate, len(requests)))
+    handles, nxt, slots_used, kv_used = [None] * len(requests), 0, [], []
+    t0 = time.perf_counter()
+    while nxt < len(requests) or engine.busy:
+        now = time.perf_counter() - t0
+        while nxt < len(requests) and arrivals[nxt] <= now:
+            handles[nxt] = engine.submit(requests[nxt])
+            nxt += 1
+        if engine.busy:
+            engine.step()
+            slots_used.append(engine.slots_in_use)
+            kv_used.append(engine.committed_tokens())
+        elif nxt < len(requests):
+            time.sleep(max(0.0, arrivals[nxt] - now))
+    end = max(h.token_s[-1] for h in handles) - t0
+    ttft = [h.token_s[0] - t0 - a for h, a in zip(handles, arrivals)]
+    tpot = [h.tpot_s for h in handles if h.tpot_s is not None]
+    out_tokens = sum(len(h.tokens) for h in handles)
+    return {"rate": rate, "requests": len(requests), "output_tokens": out_tokens,
+            "throughput_tok_s": out_tokens / (end - arrivals[0]),
+            "ttft_p50_s": percentile(ttft, 50), "ttft_p99_s": percentile(ttft, 99),
+            "tpot_p50_s": percentile(tpot, 50), "tpot_p99_s": percentile(tpot, 99),
+            "slots_in_use_mean": float(np.mean(slots_used)), "slots_in_use_max": int(np.max(slots_used)),
+            "kv_tokens_mean": float(np.mean(kv_used)), "kv_tokens_max": int(np.max(kv_used)),
+            "kv_tokens_capacity": engine.slots * engine.setup.max_len, **stats_row(engine)}, handles
+
+
+def run_fixed(engine: Engine, requests: list[Request]):
+    """All `requests` (one per slot) submitted at t=0; the steady state is the steps in which every slot
+    decodes (none prefilling, none finished) -> (row, handles)."""
+    if len(requests) != engine.slots:
+        raise ValueError(f"a fixed batch takes one request per slot: {len(requests)} requests, {engine.slots} slots")
+    t0 = time.perf_counter()
+    handles = [engine.submit(r) for r in requests]
+    window_s, window_steps, window_tokens, first_token_s = 0.0, 0, 0, None
+    while engine.busy:
+        full = all(h is not None and h.status == DECODING for h in engine.table)
+        before = sum(len(h.tokens) for h in handles)
+        s = time.perf_counter()
+        engine.step()  # ends in the step's one host sync: the clock reads device time
+        dt = time.perf_counter() - s
+        if first_token_s is None and all(h.tokens for h in handles):
+            first_token_s = time.perf_counter() - t0
+        if full:
+            window_s, window_steps = window_s + dt, window_steps + 1
+            window_tokens += sum(len(h.tokens) for h in handles) - before
+    total_s = time.perf_counter() - t0
+    out_tokens = sum(len(h.tokens) for h in handles)
+    return {"rate": 0.0, "requests": len(requests), "output_tokens": out_tokens, "total_s": total_s,
+            "prefill_s": first_token_s, "decode_steps": window_steps, "decode_s": window_s,
+            "decode_tok_s": _ratio(window_tokens, window_s), "step_ms": 1e3 * _ratio(window_s, window_steps),
+            "tokens_per_step": _ratio(window_tokens, window_steps),
+            "ms_per_token": 1e3 * _ratio(window_s, window_tokens), **stats_row(engine)}, handles
