@@ -48,11 +48,9 @@ Every row reports `mismatched_requests`: requests whose tokens differ from the A
 requests at the same slot count (0 is the lossless check; oracle acceptance must not change a token).
 The JSON record (--out) is rewritten after every row, so a run cut short keeps what it measured.
 
-Oracle caveats (specpilot.models.oracle): acceptance is drawn from one key folded with a row's committed
-length, so rows at equal lengths accept alike, and rows that meet at a length stay together: in a fixed
-batch of equal-length prompts every row accepts the same count each step (the expected tokens per step
-are unchanged; their spread is one row's). The oracle's drafts are one-hot, all equally confident, so
-`budget` (mechanism 1) cannot tell likely drafts from unlikely ones under it.
+Oracle caveat (specpilot.models.oracle): its drafts are one-hot, all equally confident, so `budget`
+(mechanism 1) cannot tell likely drafts from unlikely ones under it. (Its acceptance draws are salted per
+row by a hash of the row's reference, so rows of a fixed batch at equal lengths draw apart.)
 
 H200, Qwen3-8B shape (random bf16 weights, oracle drafter at GSM8K's tau 6.27, block 16, 512-token random
 prompts). Every (plan, slot count) engine compiles its steps first (and each --batching x --overlap
@@ -259,19 +257,9 @@ def compose_config(overrides: str, n_prompts: int, batch: int):
 
 
 def deployment_engine(dep, plan, slots: int, batching, context_len: int, prefill_chunk: int) -> Engine:
-    """`Engine.from_plan(dep, plan, ...)`; an oracle drafter's params are wrapped as the oracle reads them
-    (`OracleDrafter.make_params`: its inner drafter's, a reference the engine fills per row, a key)."""
-    from specpilot.models.oracle import OracleDrafter
-    from specpilot.serving import check_plan
-
-    kw = dict(slots=slots, context_len=context_len, prefill_chunk=prefill_chunk, sampling=False,
-              batching=batching or plan.batching)
-    if plan.uses_drafter and isinstance(dep.drafter[0], OracleDrafter):
-        check_plan(plan)
-        drafter, dparams = dep.drafter_for(plan)
-        dparams = OracleDrafter.make_params(dparams, np.zeros((slots, 1), np.int32))
-        return Engine(dep.target_for(plan), dep.params_for(plan), drafter, dparams, block_size=plan.block_size, **kw)
-    return Engine.from_plan(dep, plan, **kw)
+    """`Engine.from_plan(dep, plan, ...)` with the bench's engine settings (greedy)."""
+    return Engine.from_plan(dep, plan, slots=slots, context_len=context_len, prefill_chunk=prefill_chunk,
+                            sampling=False, batching=batching or plan.batching)
 
 
 def deployment_setup(args, n_prompts: int) -> Setup:

@@ -12,7 +12,10 @@ Design choices:
   per verification, sum_{k<Bs} c^k, equals tau. Each step draws how many leading drafts are right; those
   copy the reference continuation, the next one is made wrong (shifted by one id), so the target's
   chain verification accepts exactly that many whenever the target's argmax equals the reference.
-- Randomness comes from `fold_in(key, committed length)`: reproducible, and no key in the loop state.
+- Randomness comes from `fold_in(fold_in(key, row salt), committed length)`: reproducible, and no key in
+  the loop state. The row salt is a hash of the row's reference (its prompt and continuation), so rows of
+  one batch at the same length draw apart (equal-length prompts would otherwise accept alike every
+  step), and a request draws the same wherever it sits (a batch row, an engine slot).
 - Greedy decoding only: the drafts are one-hot logits, which would distort a sampled q.
 - Results produced with it are labelled "oracle acceptance" by the runner.
 """
@@ -90,12 +93,21 @@ def expected_tau(conditional: np.ndarray) -> float:
     return float(1.0 + np.cumprod(conditional).sum())
 
 
-def leading_right(key_data: jax.Array, lengths: jax.Array, conditional) -> jax.Array:
+def reference_salt(reference: jax.Array) -> jax.Array:
+    """[B] uint32: a hash of each reference row (position-weighted sum of its ids, wrapping)."""
+    ref = reference.astype(jnp.uint32)
+    weights = jnp.arange(ref.shape[1], dtype=jnp.uint32) * jnp.uint32(2654435761) + jnp.uint32(1)
+    return jnp.sum(ref * weights[None, :], axis=1, dtype=jnp.uint32)
+
+
+def leading_right(key_data: jax.Array, lengths: jax.Array, conditional, salt: jax.Array | None = None) -> jax.Array:
     """[B, Bs-1] bool: which drafts are right, a leading run drawn with P(draft k right | drafts < k
-    right) = conditional[k - 1], from `fold_in(key, committed length)` (one draw per verification)."""
+    right) = conditional[k - 1], from `fold_in(fold_in(key, salt), committed length)` (one draw per
+    verification; salt [B], default 0)."""
     key = jax.random.wrap_key_data(key_data)
     c = jnp.asarray(conditional, jnp.float32)
-    keys = jax.vmap(lambda n: jax.random.fold_in(key, n))(lengths)
+    salt = jnp.zeros(lengths.shape, jnp.uint32) if salt is None else salt
+    keys = jax.vmap(lambda r, n: jax.random.fold_in(jax.random.fold_in(key, r), n))(salt, lengths)
     u = jax.vmap(lambda k: jax.random.uniform(k, c.shape))(keys)  # [B, Bs-1]
     return jnp.cumprod(u < c[None, :], axis=1).astype(bool)
 
@@ -141,7 +153,7 @@ class OracleDrafter:
         length = state.lengths  # [B] committed; the block's first token sits at this position
         positions = length[:, None] + 1 + jnp.arange(block_size - 1, dtype=jnp.int32)[None, :]
         tokens = jnp.take_along_axis(ref, jnp.minimum(positions, ref.shape[1] - 1), axis=1)
-        right = leading_right(params["key"], length, self.conditional[: block_size - 1])
+        right = leading_right(params["key"], length, self.conditional[: block_size - 1], reference_salt(ref))
         tokens = jnp.where(right, tokens, (tokens + 1) % self.vocab_size)
         logits = self.confidence * jax.nn.one_hot(tokens, self.vocab_size, dtype=jnp.float32)
         # Keep the real forward alive (an unused result would be removed, optimization barriers

@@ -234,6 +234,9 @@ class Engine:
         """The engine of one of a deployment's plans (its target, weights, drafter and batching)."""
         check_plan(plan)
         drafter, dparams = deployment.drafter_for(plan) if plan.uses_drafter else (None, None)
+        if isinstance(drafter, OracleDrafter):  # a deployment keeps the inner drafter's params; the
+            # oracle's own (a reference the engine fills per slot, a key) wrap them
+            dparams = OracleDrafter.make_params(dparams, np.zeros((int(kwargs.get("slots", 4)), 1), np.int32))
         kwargs.setdefault("batching", plan.batching)
         return cls(deployment.target_for(plan), deployment.params_for(plan), drafter, dparams,
                    block_size=plan.block_size if plan.uses_drafter else None, **kwargs)
