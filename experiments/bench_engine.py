@@ -50,7 +50,7 @@ The JSON record (--out) is rewritten after every row, so a run cut short keeps w
 
 Oracle caveat (specpilot.models.oracle): its drafts are one-hot, all equally confident, so `budget`
 (mechanism 1) cannot tell likely drafts from unlikely ones under it. (Its acceptance draws are salted per
-row by a hash of the row's reference, so rows of a fixed batch at equal lengths draw apart.)
+row by a hash of the reference tokens each step drafts, so rows of a fixed batch at equal lengths draw apart.)
 
 H200, Qwen3-8B shape (random bf16 weights, oracle drafter at GSM8K's tau 6.27, block 16, 512-token random
 prompts). Every (plan, slot count) engine compiles its steps first (and each --batching x --overlap

@@ -13,9 +13,10 @@ Design choices:
   copy the reference continuation, the next one is made wrong (shifted by one id), so the target's
   chain verification accepts exactly that many whenever the target's argmax equals the reference.
 - Randomness comes from `fold_in(fold_in(key, row salt), committed length)`: reproducible, and no key in
-  the loop state. The row salt is a hash of the row's reference (its prompt and continuation), so rows of
-  one batch at the same length draw apart (equal-length prompts would otherwise accept alike every
-  step), and a request draws the same wherever it sits (a batch row, an engine slot).
+  the loop state. The row salt is a hash of the reference tokens the step drafts (the row's continuation
+  at these positions, read anyway), so rows of one batch at the same length draw apart (equal-length
+  prompts would otherwise accept alike every step), and a request draws the same wherever it sits (a
+  batch row, an engine slot). Any salt leaves the draws uniform, so the profile holds.
 - Greedy decoding only: the drafts are one-hot logits, which would distort a sampled q.
 - Results produced with it are labelled "oracle acceptance" by the runner.
 """
@@ -94,7 +95,7 @@ def expected_tau(conditional: np.ndarray) -> float:
 
 
 def reference_salt(reference: jax.Array) -> jax.Array:
-    """[B] uint32: a hash of each reference row (position-weighted sum of its ids, wrapping)."""
+    """[B] uint32: a hash of each row of reference tokens (position-weighted sum of its ids, wrapping)."""
     ref = reference.astype(jnp.uint32)
     weights = jnp.arange(ref.shape[1], dtype=jnp.uint32) * jnp.uint32(2654435761) + jnp.uint32(1)
     return jnp.sum(ref * weights[None, :], axis=1, dtype=jnp.uint32)
@@ -153,7 +154,7 @@ class OracleDrafter:
         length = state.lengths  # [B] committed; the block's first token sits at this position
         positions = length[:, None] + 1 + jnp.arange(block_size - 1, dtype=jnp.int32)[None, :]
         tokens = jnp.take_along_axis(ref, jnp.minimum(positions, ref.shape[1] - 1), axis=1)
-        right = leading_right(params["key"], length, self.conditional[: block_size - 1], reference_salt(ref))
+        right = leading_right(params["key"], length, self.conditional[: block_size - 1], reference_salt(tokens))
         tokens = jnp.where(right, tokens, (tokens + 1) % self.vocab_size)
         logits = self.confidence * jax.nn.one_hot(tokens, self.vocab_size, dtype=jnp.float32)
         # Keep the real forward alive (an unused result would be removed, optimization barriers
