@@ -42,14 +42,14 @@ def loop_steps(plan, run: methods.MethodRun) -> int:
     return int(run.decode_tokens) if plan.verify == "ar" else int(run.stats["loop_steps"])
 
 
-def traced(fn, windows: dict[str, int], top: int):
-    """Run fn() under the profiler; -> (its result, {window: kernel_summary over that many steps})."""
+def traced(fn, windows, top: int):
+    """Run fn() under the profiler; windows(result) -> {span name: steps}; -> (the result,
+    {span name: kernel_summary over that many steps})."""
     with tempfile.TemporaryDirectory() as d:
         with jax.profiler.trace(d, create_perfetto_trace=True):
             result = fn()
             jax.effects_barrier()
-        steps = windows(result) if callable(windows) else windows
-        return result, {w: bench.kernel_summary(d, max(1, n), top=top, window=w) for w, n in steps.items()}
+        return result, {w: bench.kernel_summary(d, max(1, n), top=top, window=w) for w, n in windows(result).items()}
 
 
 def trace_plan(dep, plan, top: int) -> tuple[dict, methods.MethodRun]:
