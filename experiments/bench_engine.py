@@ -357,7 +357,8 @@ def print_row(row: dict) -> None:
               f"{row['tokens_per_row_step']:>5.2f} {row['tokens_per_decode']:>7.2f} "
               f"{row['verify_tokens_per_decode']:>7.2f} {row['forward_tokens_per_decode']:>7.1f}")
     if row["rate"] == 0:
-        print(f"{common}   fixed: {row['decode_tok_s']:.1f} tok/s, {row['step_ms']:.2f} ms/step, "
+        print(f"{common}   fixed: {row['decode_tok_s']:.1f} tok/s, {row['step_ms']:.2f} ms/step "
+              f"(device {row.get('device_step_ms', float('nan')):.2f}), "
               f"{row['tokens_per_step']:.2f} tok/step over {row['decode_steps']} steps, prefill "
               f"{row['prefill_s']:.2f} s, compile {row['compile_s']:.1f} s", flush=True)
     else:
@@ -373,12 +374,13 @@ def print_fixed_summary(rows: list[dict]) -> None:
     if not fixed:
         return
     print(f"\nfixed batches (steady-state decode; speedup over the fastest AR baseline at the same slots)\n"
-          f"{'plan':>30} {'slots':>5} {'tok/s':>9} {'ms/step':>8} {'tok/step':>8} {'ms/tok':>7} {'speedup':>7} "
-          f"{'diff':>4}")
+          f"{'plan':>30} {'slots':>5} {'tok/s':>9} {'ms/step':>8} {'device':>7} {'tok/step':>8} {'ms/tok':>7} "
+          f"{'speedup':>7} {'diff':>4}")
     for r in fixed:
         label = r["plan"] + ("/" + r["batching"] if r["speculative"] else "")
         print(f"{label:>30} {r['slots']:>5} {r['decode_tok_s']:>9.1f} {r['step_ms']:>8.2f} "
-              f"{r['tokens_per_step']:>8.2f} {r['ms_per_token']:>7.3f} {r.get('speedup', float('nan')):>7.2f} "
+              f"{r.get('device_step_ms', float('nan')):>7.2f} {r['tokens_per_step']:>8.2f} {r['ms_per_token']:>7.3f} "
+              f"{r.get('speedup', float('nan')):>7.2f} "
               f"{str(r['mismatched_requests']):>4}")
 
 
@@ -403,6 +405,8 @@ def parse_args(argv=None):
     ap.add_argument("--overlap", default=None, help="comma list of none, halves (speculative plans)")
     ap.add_argument("--token-budget", type=int, default=0, help="verification tokens per step (0: slots x block / 2)")
     ap.add_argument("--compile-cache", default="", help="jax's persistent compilation cache folder")
+    ap.add_argument("--device-calls", type=int, default=20, help="fixed batches: decode calls timed back to back "
+                    "after the run (device_step_ms; host_step_ms is the rest of a step), 0: off")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--smoke", action="store_true", help="tiny random pair, 6 requests: a few seconds")
     args = bench.parse_common(ap, argv)
@@ -419,8 +423,8 @@ def parse_args(argv=None):
             ap.error(f"{flag} takes a comma list of {', '.join(allowed)}, got {value!r}")
     if not args.rates or min(args.rates) < 0:
         ap.error(f"--rates takes request rates >= 0 (0: a fixed batch), got {args.rates}")
-    if args.requests < 1 or args.chunk < 1 or args.new_tokens < 1:
-        ap.error("--requests, --chunk and --new-tokens must be >= 1")
+    if args.requests < 1 or args.chunk < 1 or args.new_tokens < 1 or args.device_calls < 0:
+        ap.error("--requests, --chunk and --new-tokens must be >= 1, --device-calls >= 0")
     if 0.0 in args.rates and args.new_tokens < 2:
         ap.error("--rates 0 measures decode steps: --new-tokens must be >= 2 (the first token comes from prefill)")
     if not args.deployment and args.shape not in ("tiny", "smollm2"):
@@ -472,7 +476,7 @@ def main(argv=None):
                     if run.replays:
                         requests = with_reference(requests, want[workload])
                     engine.stats = type(engine.stats)()
-                    row, handles = (run_fixed(engine, requests) if rate == 0
+                    row, handles = (run_fixed(engine, requests, args.device_calls) if rate == 0
                                     else run_workload(engine, requests, rate, args.seed + i))
                     tokens = [h.tokens for h in handles]
                     if run is reference:

@@ -76,6 +76,8 @@ def test_fixed_rows_and_speedup_against_ar_of_the_same_run(deployment_record):
         assert r["decode_tok_s"] == pytest.approx(r["tokens_per_step"] * r["decode_steps"] / r["decode_s"])
         assert r["step_ms"] == pytest.approx(1e3 * r["decode_s"] / r["decode_steps"])
         assert r["baseline"] == "ar" and r["speedup"] == pytest.approx(r["decode_tok_s"] / ar["decode_tok_s"])
+        assert r["device_step_ms"] > 0  # --device-calls' default: decode calls timed back to back
+        assert r["host_step_ms"] == pytest.approx(r["step_ms"] - r["device_step_ms"])
     assert ar["speedup"] == 1.0 and ar["tokens_per_step"] == 2.0  # AR: one token per slot per step
     assert ar["decode_steps"] == 11  # tokens 2..12 of both rows; the first comes from the prefill step
 
@@ -94,6 +96,14 @@ def test_oracle_stock_tokens_equal_ar_per_request(be):
     _, handles = be.run_fixed(engine, be.with_reference(requests, want))
     assert [h.tokens for h in handles] == want and all(len(t) == 10 for t in want)
     assert engine.stats.tokens_per_row_step > 1.5
+    # timing the device's share mid-run (decode calls that commit nothing) leaves every request's tokens alone
+    handles = [engine.submit(r) for r in be.with_reference(requests, want)]
+    for _ in range(3):
+        engine.step()
+    lengths = engine.state.target_state.lengths.tolist()
+    assert engine.device_step_ms(2) > 0 and engine.state.target_state.lengths.tolist() == lengths
+    engine.run()
+    assert [h.tokens for h in handles] == want
 
 
 def test_add_speedups_takes_the_fastest_ar_baseline_per_slot_count(be):

@@ -71,9 +71,11 @@ def run_workload(engine: Engine, requests: list[Request], rate: float, seed: int
             "kv_tokens_capacity": engine.slots * engine.setup.max_len, **stats_row(engine)}, handles
 
 
-def run_fixed(engine: Engine, requests: list[Request]):
+def run_fixed(engine: Engine, requests: list[Request], device_calls: int = 0):
     """All `requests` (one per slot) submitted at t=0; the steady state is the steps in which every slot
-    decodes (none prefilling, none finished) -> (row, handles)."""
+    decodes (none prefilling, none finished) -> (row, handles). With device_calls > 0 the row also has
+    `device_step_ms` (`Engine.device_step_ms`: decode calls back to back, no host work between) and
+    `host_step_ms`, the rest of a steady-state step's wall time."""
     if len(requests) != engine.slots:
         raise ValueError(f"a fixed batch takes one request per slot: {len(requests)} requests, {engine.slots} slots")
     t0 = time.perf_counter()
@@ -92,8 +94,12 @@ def run_fixed(engine: Engine, requests: list[Request]):
             window_tokens += sum(len(h.tokens) for h in handles) - before
     total_s = time.perf_counter() - t0
     out_tokens = sum(len(h.tokens) for h in handles)
+    split = {}
+    if device_calls > 0:
+        device_ms = engine.device_step_ms(device_calls)
+        split = {"device_step_ms": device_ms, "host_step_ms": 1e3 * _ratio(window_s, window_steps) - device_ms}
     return {"rate": 0.0, "requests": len(requests), "output_tokens": out_tokens, "total_s": total_s,
             "prefill_s": first_token_s, "decode_steps": window_steps, "decode_s": window_s,
             "decode_tok_s": _ratio(window_tokens, window_s), "step_ms": 1e3 * _ratio(window_s, window_steps),
             "tokens_per_step": _ratio(window_tokens, window_steps),
-            "ms_per_token": 1e3 * _ratio(window_s, window_tokens), **stats_row(engine)}, handles
+            "ms_per_token": 1e3 * _ratio(window_s, window_tokens), **split, **stats_row(engine)}, handles
