@@ -43,6 +43,7 @@ BATCHING_POLICIES = ("continuous", "static")  # static: a new wave is admitted o
 DRAFT_BUDGETS = ("fixed", "confidence")  # fixed: every row verifies block_size - 1 drafts
 VERIFY_LAYOUTS = ("padded", "packed")  # packed: only kept candidates enter the verify forward
 OVERLAPS = ("none", "halves")  # halves: verify one half of the slots while drafting the other
+DISPATCHES = ("sync", "pipelined")  # pipelined: the next step is enqueued before this one's tokens are read
 KERNEL_OPS = ("matmul", "gated_delta_rule", "tree_gated_delta_rule", "tree_attention",
               "attention")  # the fields of `Kernels`, each a `dispatch` op
 
@@ -110,13 +111,18 @@ class Batching:
     may check over the batch; None: slots x block_size (no limit). `overlap`: `none` drafts and verifies
     every row in each step, `halves` verifies one half of the slots with the drafts prepared for it in
     the step before while drafting the other half in the same program (mechanism 3,
-    `specpilot.serving.overlap`); a step then verifies half the slots, so `token_budget` counts those."""
+    `specpilot.serving.overlap`); a step then verifies half the slots, so `token_budget` counts those.
+    `dispatch`: `sync` reads each step's tokens before enqueueing the next; `pipelined` enqueues the
+    next step first, so the host's work (launching a step's kernels, reading tokens, bookkeeping) runs
+    while the device computes the step before (a finished row may run one extra step, its tokens
+    dropped; a freed slot is admitted into one step later)."""
 
     policy: str = "continuous"
     draft_budget: str = "fixed"
     verify: str = "padded"
     token_budget: int | None = None
     overlap: str = "none"
+    dispatch: str = "pipelined"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -171,7 +177,7 @@ class Plan:
         if not isinstance(b, Batching):
             _fail(self.name, "batching", f"must be a Batching, got {type(b).__name__}")
         for field, known in (("policy", BATCHING_POLICIES), ("draft_budget", DRAFT_BUDGETS),
-                             ("verify", VERIFY_LAYOUTS), ("overlap", OVERLAPS)):
+                             ("verify", VERIFY_LAYOUTS), ("overlap", OVERLAPS), ("dispatch", DISPATCHES)):
             if getattr(b, field) not in known:
                 _fail(self.name, f"batching.{field}", f"{getattr(b, field)!r} is not one of {known}")
         if self.verify != "chain":

@@ -8,7 +8,7 @@ import pytest
 
 from specpilot.decoding import ar
 from specpilot.models import drafter as dr
-from specpilot.plan import Plan, TreeShape
+from specpilot.plan import Batching, Plan, TreeShape
 from specpilot.serving import Engine, Request, check_plan
 from engine_helpers import BUDGETS, CAP, CFG, PROMPTS, TARGET, count_compiles, cut_at_stop, run_staggered
 from helpers import random_params
@@ -54,8 +54,10 @@ def check_outputs(handles, requests, reference, cancelled=CANCELS):
             assert h.finish_reason == ("stop" if r.stop_token in want else "length"), i
 
 
-def test_ar_engine_equals_ar_per_request(params, reference):
-    engine = Engine(TARGET, params, slots=3, context_len=48, prefill_chunk=8, sampling=False)
+@pytest.mark.parametrize("dispatch", ["pipelined", "sync"])
+def test_ar_engine_equals_ar_per_request(params, reference, dispatch):
+    engine = Engine(TARGET, params, slots=3, context_len=48, prefill_chunk=8, sampling=False,
+                    batching=Batching(dispatch=dispatch))
     requests = requests_with_stops(reference)
     handles = run_staggered(engine, requests, ARRIVALS, CANCELS)
     check_outputs(handles, requests, reference)
@@ -69,12 +71,32 @@ def block_drafter():
     return dr.BlockDrafter(dcfg, CFG), random_params(dr.param_shapes(dcfg), 0.5, 1)
 
 
-def test_chain_block_drafter_equals_ar_per_request(params, reference, block_drafter):
+@pytest.mark.parametrize("dispatch", ["pipelined", "sync"])
+def test_chain_block_drafter_equals_ar_per_request(params, reference, block_drafter, dispatch):
     drafter, dparams = block_drafter
-    engine = Engine(TARGET, params, drafter, dparams, slots=3, context_len=48, prefill_chunk=8, sampling=False)
+    engine = Engine(TARGET, params, drafter, dparams, slots=3, context_len=48, prefill_chunk=8, sampling=False,
+                    batching=Batching(dispatch=dispatch))
     requests = requests_with_stops(reference)
     handles = run_staggered(engine, requests, ARRIVALS, CANCELS)
     check_outputs(handles, requests, reference)
+
+
+def test_pipelined_dispatch_reads_each_step_one_call_later(params, reference):
+    """sync: a step() returns the tokens of the step it ran; pipelined: those of the step the call before
+    enqueued (its own runs meanwhile), and a call with nothing to enqueue reads the last one."""
+    got = {}
+    for dispatch in ("sync", "pipelined"):
+        engine = Engine(TARGET, params, slots=2, context_len=48, prefill_chunk=8, sampling=False,
+                        batching=Batching(dispatch=dispatch))
+        handle = engine.submit(Request(PROMPTS[0], 3))  # a 3-token prompt: one prefill chunk
+        got[dispatch] = [len(h.tokens) for _ in range(5) for h in engine.step() or [None] if h is not None]
+        assert handle.tokens == reference[0][:3] and not engine.busy
+    assert got["sync"] == [1, 2, 3]  # prefill's first token, then one decode token per step
+    assert got["pipelined"] == [1, 2, 3]  # the same tokens, each read one call later
+    engine = Engine(TARGET, params, slots=2, context_len=48, prefill_chunk=8, sampling=False)
+    handle = engine.submit(Request(PROMPTS[0], 3))
+    assert engine.step() == [] and handle.tokens == []  # prefill enqueued, nothing read yet
+    assert engine.step() == [handle] and handle.tokens == reference[0][:1]
 
 
 @pytest.mark.parametrize("wrong_every", [0, 3])

@@ -148,6 +148,7 @@ class BatchingConf:
     verify: str = "padded"  # padded | packed (only kept candidates enter the verify forward)
     token_budget: Optional[int] = None  # verification tokens per step over the batch; null: no limit
     overlap: str = "none"  # none | halves (verify one half of the slots while drafting the other)
+    dispatch: str = "pipelined"  # sync | pipelined (enqueue the next step before reading this one's tokens)
 
 
 @dataclasses.dataclass

@@ -1,8 +1,9 @@
 """Workloads that drive a serving engine and measure it: Poisson arrivals, and a fixed batch's steady state.
 
 Design choices:
-- The engine's own step is the unit: each `Engine.step()` ends in its one host sync, so a host clock
-  around it reads the device's time for that step, prefill and decode included.
+- The engine's own step is the unit: each `Engine.step()` ends in one host sync (its own step's tokens,
+  or under pipelined dispatch the step before's, while its own runs), so in a steady state a host clock
+  around it reads the time per step, prefill and decode included.
 - Poisson arrivals are submitted once their (wall clock) arrival time has passed; TTFT counts from the
   arrival, TPOT per request after its first token.
 - A fixed batch submits one request per slot at t=0; its steady state is the steps that start with every
@@ -82,10 +83,12 @@ def run_fixed(engine: Engine, requests: list[Request], device_calls: int = 0):
     handles = [engine.submit(r) for r in requests]
     window_s, window_steps, window_tokens, first_token_s = 0.0, 0, 0, None
     while engine.busy:
-        full = all(h is not None and h.status == DECODING for h in engine.table)
+        # every slot decodes and has its first token (under pipelined dispatch a row is decoding from the
+        # step its prompt ends in, and this call then reads that step's first tokens)
+        full = all(h is not None and h.status == DECODING and h.tokens for h in engine.table)
         before = sum(len(h.tokens) for h in handles)
         s = time.perf_counter()
-        engine.step()  # ends in the step's one host sync: the clock reads device time
+        engine.step()  # ends in a host sync (this step's tokens, or pipelined: the step before's)
         dt = time.perf_counter() - s
         if first_token_s is None and all(h.tokens for h in handles):
             first_token_s = time.perf_counter() - t0
