@@ -31,6 +31,9 @@ count per step from the drafter's confidence under --token-budget (mechanism 1; 
 block), `budget+packed` also packs only the kept candidates into the verify forward (mechanism 2).
 --overlap: `halves` verifies one half of the slots per step while drafting the other in the same program
 (mechanism 3; a step then verifies half the slots, so the default budget is half of slots/2 x block).
+--step-cost model (--deployment): the budget weighs expected accepted tokens against the cost model's
+step time of the token count (`budget.StepCost.from_predict`, the gpu's calibrated rates) instead of filling
+the token budget.
 
 Workloads, per slot count of --m and per (plan, batching, overlap), one engine compiled before any clock
 starts (`Engine.warm_up`; its seconds are each row's `compile_s`, for budgeting device time):
@@ -256,10 +259,20 @@ def compose_config(overrides: str, n_prompts: int, batch: int):
     return cfg
 
 
-def deployment_engine(dep, plan, slots: int, batching, context_len: int, prefill_chunk: int) -> Engine:
-    """`Engine.from_plan(dep, plan, ...)` with the bench's engine settings (greedy)."""
+def deployment_engine(dep, plan, slots: int, batching, context_len: int, prefill_chunk: int,
+                      cost_setting=None) -> Engine:
+    """`Engine.from_plan(dep, plan, ...)` with the bench's engine settings (greedy). With `cost_setting` (a
+    `prediction.Setting`), a confidence budget prices its token counts by the cost model's step time at
+    the rows one step verifies (`budget.StepCost.from_predict`); without, the step cost is flat."""
+    from specpilot.serving.budget import StepCost
+
+    batching = batching or plan.batching
+    cost = None
+    if cost_setting is not None and batching.draft_budget == "confidence":
+        rows = slots // 2 if batching.overlap == "halves" else slots
+        cost = StepCost.from_predict(plan, cost_setting, rows)
     return Engine.from_plan(dep, plan, slots=slots, context_len=context_len, prefill_chunk=prefill_chunk,
-                            sampling=False, batching=batching or plan.batching)
+                            sampling=False, batching=batching, step_cost=cost)
 
 
 def deployment_setup(args, n_prompts: int) -> Setup:
@@ -296,7 +309,13 @@ def deployment_setup(args, n_prompts: int) -> Setup:
             if m % p.mesh.data:
                 raise ValueError(f"--m: {m} slots do not divide over decoding.plans.{p.name}.mesh.data={p.mesh.data}")
     dep = deploy.build(cfg, selected)
-    runs = [PlanRun(p.name, lambda s, b, c, ch, p=p: deployment_engine(dep, p, s, b, c, ch), block=p.block_size,
+    cost_setting = None
+    if args.step_cost == "model":
+        from specpilot.harness import prediction
+
+        cost_setting = prediction.Setting.from_deployment(dep, cfg.gpu)
+    runs = [PlanRun(p.name, lambda s, b, c, ch, p=p: deployment_engine(dep, p, s, b, c, ch, cost_setting),
+                    block=p.block_size,
                     ar_baseline=plan_mod.is_ar_baseline_candidate(p), replays=oracle and p.uses_drafter,
                     batching=p.batching) for p in selected]
     prompts = [list(p) for p in dep.prompts]
@@ -404,6 +423,9 @@ def parse_args(argv=None):
                     f"default fixed, or a --deployment plan's own batching)")
     ap.add_argument("--overlap", default=None, help="comma list of none, halves (speculative plans)")
     ap.add_argument("--token-budget", type=int, default=0, help="verification tokens per step (0: slots x block / 2)")
+    ap.add_argument("--step-cost", default="flat", choices=("flat", "model"), help="what a confidence budget "
+                    "takes a step's time to be: flat (fill the token budget) or model (the cost model's step time "
+                    "of a token count, from the gpu's rates; --deployment only)")
     ap.add_argument("--compile-cache", default="", help="jax's persistent compilation cache folder")
     ap.add_argument("--device-calls", type=int, default=20, help="fixed batches: decode calls timed back to back "
                     "after the run (device_step_ms; host_step_ms is the rest of a step), 0: off")
@@ -427,6 +449,8 @@ def parse_args(argv=None):
         ap.error("--requests, --chunk and --new-tokens must be >= 1, --device-calls >= 0")
     if 0.0 in args.rates and args.new_tokens < 2:
         ap.error("--rates 0 measures decode steps: --new-tokens must be >= 2 (the first token comes from prefill)")
+    if args.step_cost == "model" and not args.deployment:
+        ap.error("--step-cost model prices a --deployment's plans (the cost model needs its gpu's rates)")
     if not args.deployment and args.shape not in ("tiny", "smollm2"):
         ap.error(f"--shape takes smollm2 or tiny, got {args.shape!r}")
     if args.compile_cache:

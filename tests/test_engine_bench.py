@@ -106,6 +106,21 @@ def test_oracle_stock_tokens_equal_ar_per_request(be):
     assert [h.tokens for h in handles] == want
 
 
+def test_step_cost_model_prices_the_confidence_budget(be):
+    """--step-cost model: a confidence budget's engine gets the cost model's step time of a token count (a
+    per-token slope > 0 on the CPU's rates); fixed drafts and AR keep the flat default."""
+    from specpilot.serving.budget import StepCost
+
+    args, _ = be.parse_args(["--deployment", DEPLOYMENT, "--m", "2", "--rates", "0", "--step-cost", "model"])
+    setup = be.build_setup(args)
+    ar, stock = setup.plans
+    budget = be.batching_for("budget", 2, stock.block, 0)
+    cost = stock.make(2, budget, setup.context, 8).setup.cost
+    assert cost != StepCost() and cost.per_token_s > 0 and cost.fixed_s > 0
+    assert stock.make(2, None, setup.context, 8).setup.cost == StepCost()
+    assert ar.make(2, None, setup.context, 8).setup.cost == StepCost()
+
+
 def test_add_speedups_takes_the_fastest_ar_baseline_per_slot_count(be):
     def row(plan, slots, tok_s, baseline=False):
         return {"plan": plan, "slots": slots, "rate": 0.0, "decode_tok_s": tok_s, "ar_baseline": baseline}
@@ -138,6 +153,7 @@ def test_batchings_apply_to_speculative_plans_only(be):
     (["--m", "3", "--overlap", "halves"], r"--m 3 with --overlap halves"),
     (["--block", "8"], r"--block belongs to --shape"),
     (["--rates", "0", "--new-tokens", "1"], r"--new-tokens must be >= 2"),
+    (["--deployment", "", "--shape", "tiny", "--step-cost", "model"], r"--step-cost model prices a --deployment"),
 ])
 def test_bad_arguments_exit_naming_them(be, capsys, argv, message):
     with pytest.raises(SystemExit):
