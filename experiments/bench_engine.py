@@ -352,6 +352,29 @@ def check_grid(setup: Setup, args) -> None:
                                      f"halves; give even slot counts")
 
 
+def trace_decode(engine: Engine, calls: int, top: int) -> dict | None:
+    """`engine.device_step_ms(calls)` under the JAX profiler -> the device kernels per decode call
+    (`bench.kernel_summary`: busy time, categories, the `top` kernels; None where the device has no
+    kernel trace, as on a CPU). The calls commit nothing, so the engine is left as it was."""
+    import tempfile
+
+    with tempfile.TemporaryDirectory() as d:
+        with jax.profiler.trace(d, create_perfetto_trace=True):
+            engine.device_step_ms(calls)
+            jax.effects_barrier()
+        return bench.kernel_summary(d, calls + 1, top=top)  # device_step_ms runs one call before its clock
+
+
+def print_kernels(row: dict) -> None:
+    k = row.get("kernels")
+    if not k or "top" not in k:
+        return
+    cats = ", ".join(f"{c} {ms:.2f}" for c, ms in k["category_ms_per_step"].items())
+    print(f"    device busy {k['busy_ms_per_step']:.2f} ms per decode call, {k['kernels_per_step']:.0f} kernels; {cats}")
+    for t in k["top"]:
+        print(f"    {t['ms_per_step']:7.3f} ms {t['calls_per_step']:6.1f}x {t['us_median']:8.1f} us  {t['name'][:90]}")
+
+
 def with_reference(requests: list[Request], tokens: list[list[int]]) -> list[Request]:
     return [dataclasses.replace(r, draft_reference=list(r.prompt_ids) + list(t)) for r, t in zip(requests, tokens)]
 
@@ -429,6 +452,8 @@ def parse_args(argv=None):
     ap.add_argument("--compile-cache", default="", help="jax's persistent compilation cache folder")
     ap.add_argument("--device-calls", type=int, default=20, help="fixed batches: decode calls timed back to back "
                     "after the run (device_step_ms; host_step_ms is the rest of a step), 0: off")
+    ap.add_argument("--trace-top", type=int, default=0, help="fixed batches: run the --device-calls decode calls "
+                    "under the JAX profiler and keep the N kernels that take the most device time per step (0: off)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--smoke", action="store_true", help="tiny random pair, 6 requests: a few seconds")
     args = bench.parse_common(ap, argv)
@@ -445,8 +470,10 @@ def parse_args(argv=None):
             ap.error(f"{flag} takes a comma list of {', '.join(allowed)}, got {value!r}")
     if not args.rates or min(args.rates) < 0:
         ap.error(f"--rates takes request rates >= 0 (0: a fixed batch), got {args.rates}")
-    if args.requests < 1 or args.chunk < 1 or args.new_tokens < 1 or args.device_calls < 0:
-        ap.error("--requests, --chunk and --new-tokens must be >= 1, --device-calls >= 0")
+    if args.requests < 1 or args.chunk < 1 or args.new_tokens < 1 or args.device_calls < 0 or args.trace_top < 0:
+        ap.error("--requests, --chunk and --new-tokens must be >= 1, --device-calls and --trace-top >= 0")
+    if args.trace_top and not args.device_calls:
+        ap.error("--trace-top traces the --device-calls decode calls: give --device-calls >= 1")
     if 0.0 in args.rates and args.new_tokens < 2:
         ap.error("--rates 0 measures decode steps: --new-tokens must be >= 2 (the first token comes from prefill)")
     if args.step_cost == "model" and not args.deployment:
@@ -502,6 +529,8 @@ def main(argv=None):
                     engine.stats = type(engine.stats)()
                     row, handles = (run_fixed(engine, requests, args.device_calls) if rate == 0
                                     else run_workload(engine, requests, rate, args.seed + i))
+                    if rate == 0 and args.trace_top:
+                        row["kernels"] = trace_decode(engine, args.device_calls, args.trace_top)
                     tokens = [h.tokens for h in handles]
                     if run is reference:
                         want.setdefault(workload, tokens)
@@ -512,6 +541,7 @@ def main(argv=None):
                            "mismatched_requests": diff, **row}
                     rows.append(row)
                     print_row(row)
+                    print_kernels(row)
                     add_speedups(rows)
                     if args.out:
                         Path(args.out).write_text(json.dumps(record, indent=1, default=str))
