@@ -47,6 +47,9 @@ starts (`Engine.warm_up`; its seconds are each row's `compile_s`, for budgeting 
   `decode_tok_s` is the output tokens those steps emit over their time, `step_ms` a step's mean time,
   `tokens_per_step` the tokens one emits over the batch. `speedup` = the row's decode_tok_s over the
   fastest AR baseline plan's at the same slot count in the same run (DESIGN.md: AR baseline, speedup).
+With --deployment, each AR baseline plan is also timed in the harness's own loop on the same fixed batch
+(`<plan>_lockstep`: `ar.generate`, the whole decode in one jitted loop; --lockstep-ar off skips it), and
+speedups are over the fastest AR row of the slot count, engine or lockstep.
 Every row reports `mismatched_requests`: requests whose tokens differ from the AR reference's on the same
 requests at the same slot count (0 is the lossless check; oracle acceptance must not change a token).
 The JSON record (--out) is rewritten after every row, so a run cut short keeps what it measured.
@@ -132,6 +135,7 @@ class PlanRun:
     ar_baseline: bool = False  # one of the AR baselines speedups are measured against (the fastest)
     replays: bool = False  # an oracle drafter: requests carry the AR reference's continuation
     batching: object = None  # the plan's own plan.Batching (deployment plans)
+    lockstep: tuple | None = None  # (target, params) of an AR plan also timed in the harness's loop
 
     @property
     def speculative(self) -> bool:
@@ -317,7 +321,10 @@ def deployment_setup(args, n_prompts: int) -> Setup:
     runs = [PlanRun(p.name, lambda s, b, c, ch, p=p: deployment_engine(dep, p, s, b, c, ch, cost_setting),
                     block=p.block_size,
                     ar_baseline=plan_mod.is_ar_baseline_candidate(p), replays=oracle and p.uses_drafter,
-                    batching=p.batching) for p in selected]
+                    batching=p.batching,
+                    lockstep=((dep.target_for(p), dep.params_for(p)) if args.lockstep_ar == "on"
+                              and plan_mod.is_ar_baseline_candidate(p) and p.mesh.is_single else None))
+            for p in selected]
     prompts = [list(p) for p in dep.prompts]
     poisson = random_budgets(prompts[: args.requests], args.new_tokens, args.seed, dep.stop_token)
     context = context_for(prompts, args.new_tokens)
@@ -350,6 +357,32 @@ def check_grid(setup: Setup, args) -> None:
                 if b is not None and b.overlap == "halves" and (slots < 2 or slots % 2):
                     raise ValueError(f"--m {slots} with --overlap halves: halves splits the slots in two equal "
                                      f"halves; give even slot counts")
+
+
+def lockstep_ar_row(run: PlanRun, requests: list[Request], context: int) -> tuple[dict, list[list[int]]]:
+    """The AR plan's harness loop over a fixed batch (`ar.generate`: every decode step of the batch inside
+    one jitted loop, no host work between steps), compiled by a first call and timed by a second -> (a
+    fixed-batch row named `<plan>_lockstep`, each request's tokens). An AR baseline beside the engine's
+    AR: speedups are taken over the faster (DESIGN.md, AR baseline)."""
+    from specpilot.decoding import ar
+
+    target, params = run.lockstep
+    prompts = [r.prompt_ids for r in requests]
+    new = requests[0].max_new_tokens
+    t0 = time.perf_counter()
+    ar.generate(target, params, prompts, new, cache_len=context)
+    compile_s = time.perf_counter() - t0
+    res = ar.generate(target, params, prompts, new, cache_len=context)
+    slots, steps = len(prompts), res.decode_steps
+    row = {"plan": f"{run.name}_lockstep", "speculative": False, "ar_baseline": True, "batching": "lockstep",
+           "overlap": "none", "slots": slots, "compile_s": compile_s, "token_budget": slots, "rate": 0.0,
+           "requests": slots, "output_tokens": int(res.tokens.size), "total_s": res.prefill_s + res.decode_s,
+           "prefill_s": res.prefill_s, "decode_steps": steps, "decode_s": res.decode_s,
+           "decode_tok_s": slots * steps / res.decode_s, "step_ms": 1e3 * res.decode_s / steps,
+           "tokens_per_step": float(slots), "ms_per_token": 1e3 * res.decode_s / (slots * steps),
+           "tokens_per_row_step": 1.0, "tokens_per_decode": float(slots), "verify_tokens_per_decode": float(slots),
+           "forward_tokens_per_decode": float(slots), "steps": steps}
+    return row, res.as_lists()
 
 
 def trace_decode(engine: Engine, calls: int, top: int) -> dict | None:
@@ -454,6 +487,8 @@ def parse_args(argv=None):
                     "after the run (device_step_ms; host_step_ms is the rest of a step), 0: off")
     ap.add_argument("--trace-top", type=int, default=0, help="fixed batches: run the --device-calls decode calls "
                     "under the JAX profiler and keep the N kernels that take the most device time per step (0: off)")
+    ap.add_argument("--lockstep-ar", default="on", choices=("on", "off"), help="--deployment, fixed batches: "
+                    "also time each AR baseline plan in the harness's loop (ar.generate) on the same batch")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--smoke", action="store_true", help="tiny random pair, 6 requests: a few seconds")
     args = bench.parse_common(ap, argv)
@@ -546,6 +581,14 @@ def main(argv=None):
                     if args.out:
                         Path(args.out).write_text(json.dumps(record, indent=1, default=str))
                 del engine  # its slot state (K/V of every slot) goes before the next engine's
+            if run.lockstep is not None and 0.0 in args.rates:
+                row, tokens = lockstep_ar_row(run, fixed, setup.context)
+                diff = sum(a != b for a, b in zip(tokens, want["fixed"])) if "fixed" in want else None
+                rows.append({**row, "mismatched_requests": diff})
+                print_row(rows[-1])
+                add_speedups(rows)
+                if args.out:
+                    Path(args.out).write_text(json.dumps(record, indent=1, default=str))
     print_fixed_summary(rows)
     return record
 
