@@ -28,7 +28,7 @@ import jax
 import jax.numpy as jnp
 
 from pallas_kernels import dispatch
-from specpilot.state import AttentionState, TargetState, write_positions
+from specpilot.state import AttentionState, TargetState, write_slots
 from specpilot.models import dense
 from specpilot.models.layers import apply_rope, attention, rms_norm, rope_tables
 
@@ -107,15 +107,15 @@ def _linear(x: jax.Array, w, v: Variant, role: str, out_dtype=None) -> jax.Array
 
 def _attention_deferred(q, k, v, mask):
     """GQA attention with the softmax division after P @ V (on [.., D] instead of [.., S]): lets XLA
-    emit exp and its row sum as one fusion. q [B, T, H, D]; k, v [B, S, KVH, D]; mask [B, T, S]."""
+    emit exp and its row sum as one fusion. q [B, T, H, D]; k, v [B, KVH, S, D]; mask [B, T, S]."""
     b, t, h, d = q.shape
-    kvh = k.shape[2]
+    kvh = k.shape[1]
     qg = q.reshape(b, t, kvh, h // kvh, d)
-    s = jnp.einsum("btkgd,bskd->bkgts", qg, k, preferred_element_type=jnp.float32) * (d ** -0.5)
+    s = jnp.einsum("btkgd,bksd->bkgts", qg, k, preferred_element_type=jnp.float32) * (d ** -0.5)
     s = jnp.where(mask[:, None, None], s, -jnp.inf)
     e = jnp.exp(s - jnp.max(s, axis=-1, keepdims=True))
     denom = jnp.sum(e, axis=-1)  # [B, KVH, G, T]
-    out = jnp.einsum("bkgts,bskd->btkgd", e.astype(v.dtype), v, preferred_element_type=jnp.float32)
+    out = jnp.einsum("bkgts,bksd->btkgd", e.astype(v.dtype), v, preferred_element_type=jnp.float32)
     out = out / jnp.moveaxis(denom, -1, 1)[..., None]
     return out.reshape(b, t, h, d).astype(q.dtype)
 
@@ -147,8 +147,8 @@ def _layer(p: dict, cfg, v: Variant, x, cos, sin, k_cache, v_cache, start, mask)
             q = rms_norm(q, p["q_norm"], cfg.rms_norm_eps)
             k = rms_norm(k, p["k_norm"], cfg.rms_norm_eps)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-    k_cache = write_positions(k_cache, k, start)
-    v_cache = write_positions(v_cache, val, start)
+    k_cache = write_slots(k_cache, k, start)
+    v_cache = write_slots(v_cache, val, start)
     if not v.attention:
         attn = q
     elif v.lean:

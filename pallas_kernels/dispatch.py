@@ -342,7 +342,7 @@ _TREE_ATTENTIONS = {"xla": _ta_xla, "triton": ta.tree_attention}
 
 
 def tree_attention(q, k_cache, v_cache, lengths, ancestors, *, choice: OpChoice | None = None):
-    """A tree verification's attention: q [B, N, H, D] of the N nodes, k_cache, v_cache [B, S, KVH, D]
+    """A tree verification's attention: q [B, N, H, D] of the N nodes, k_cache, v_cache [B, KVH, S, D]
     with the nodes' K/V at slots lengths[b] + j, lengths [B] committed slots, ancestors [B, N, N] bool
     -> [B, N, H, D]. Tries `choice.implementation` in order (None: the reference), falling through on
     NotImplementedError."""
@@ -355,7 +355,7 @@ def tree_attention(q, k_cache, v_cache, lengths, ancestors, *, choice: OpChoice 
 def _attention_xla(q, k_cache, v_cache, lengths, counts, config: XlaConfig):
     del config
     ra.check_shapes(q, k_cache, v_cache, lengths, counts)
-    mask = ra.visible_mask(lengths, counts, q.shape[1], k_cache.shape[1])
+    mask = ra.visible_mask(lengths, counts, q.shape[1], k_cache.shape[2])
     return ta.cache_attention(q, k_cache.astype(q.dtype), v_cache.astype(q.dtype), mask)
 
 
@@ -363,7 +363,7 @@ _ATTENTIONS = {"xla": _attention_xla, "triton": ra.ragged_attention}
 
 
 def attention(q, k_cache, v_cache, lengths, counts, *, choice: OpChoice | None = None):
-    """Chain attention by length: q [B, T, H, D], k_cache, v_cache [B, S, KVH, D] with the T tokens' K/V
+    """Chain attention by length: q [B, T, H, D], k_cache, v_cache [B, KVH, S, D] with the T tokens' K/V
     at slots lengths[b] + t, lengths [B] committed slots, counts [B] (0..T) the row's valid new tokens
     (query t sees slots < lengths[b] + min(t + 1, counts[b])) -> [B, T, H, D]. Tries
     `choice.implementation` in order (None: the reference), falling through on NotImplementedError."""

@@ -16,7 +16,7 @@ Design choices:
   online softmax in float32: a row of committed length L reads ceil((L + counts) / block_s) blocks,
   whatever the cache's S. Scores past a query's limit are -inf; the running max starts at a large
   finite negative, so a block a query sees nothing of leaves its sums unchanged (no NaN).
-- Paged layouts are not here: the cache is the engine's `[B, S, KVH, D]` state as it is.
+- Paged layouts are not here: the cache is the engine's `[B, KVH, S, D]` state as it is.
 - What the kernel cannot take (S not a multiple of block_s, head_dim not a power of two, a CPU backend
   when not interpreting) raises NotImplementedError, so a caller falls through to the reference.
   Inconsistent shapes are a ValueError.
@@ -35,6 +35,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plt
 
 from pallas_kernels.common import pow2
+from pallas_kernels.tree_attention import float32_products
 
 MIN_ROWS = 16  # tl.dot's smallest M
 NEG = -1e30  # the online softmax's starting max: finite, so exp(NEG - NEG) = 1 where nothing is seen yet
@@ -47,25 +48,25 @@ def visible_mask(lengths: jax.Array, counts: jax.Array, t: int, s: int) -> jax.A
 
 
 def ragged_attention_reference(q, k, v, lengths, counts):
-    """q [B, T, H, D]; k, v [B, S, KVH, D]; lengths, counts [B] int32 -> [B, T, H, D] in q's dtype.
+    """q [B, T, H, D]; k, v [B, KVH, S, D]; lengths, counts [B] int32 -> [B, T, H, D] in q's dtype.
     Grouped-query attention masked by length (scores and softmax in float32)."""
     check_shapes(q, k, v, lengths, counts)
     b, t, h, d = q.shape
-    kvh = k.shape[2]
-    mask = visible_mask(lengths, counts, t, k.shape[1])
+    kvh = k.shape[1]
+    mask = visible_mask(lengths, counts, t, k.shape[2])
     qg = q.reshape(b, t, kvh, h // kvh, d)
-    scores = jnp.einsum("btkgd,bskd->bkgts", qg, k, preferred_element_type=jnp.float32) / np.sqrt(d)
+    scores = float32_products("btkgd,bksd->bkgts", qg, k) / np.sqrt(d)
     scores = jnp.where(mask[:, None, None], scores, -jnp.inf)
     probs = jax.nn.softmax(scores, axis=-1).astype(v.dtype)
-    out = jnp.einsum("bkgts,bskd->btkgd", probs, v, preferred_element_type=jnp.float32)
+    out = float32_products("bkgts,bksd->btkgd", probs, v)
     return out.reshape(b, t, h, d).astype(q.dtype)
 
 
 def check_shapes(q, k, v, lengths, counts) -> None:
     if q.ndim != 4 or k.ndim != 4 or k.shape != v.shape:
-        raise ValueError(f"q {q.shape} must be [B, T, H, D] and k {k.shape}, v {v.shape} both [B, S, KVH, D]")
+        raise ValueError(f"q {q.shape} must be [B, T, H, D] and k {k.shape}, v {v.shape} both [B, KVH, S, D]")
     b, _, h, d = q.shape
-    if k.shape[0] != b or k.shape[3] != d or h % k.shape[2]:
+    if k.shape[0] != b or k.shape[3] != d or h % k.shape[1]:
         raise ValueError(f"q {q.shape} and k {k.shape} disagree on B or D, or H is not a multiple of KVH")
     for name, x in (("lengths", lengths), ("counts", counts)):
         if x.shape != (b,):
@@ -110,13 +111,13 @@ def ragged_attention_pallas(q, k, v, lengths, counts, *, block_s: int = 64, num_
                             num_stages: int = 1, interpret: bool = False):
     """The pallas_call (same arguments and result as `ragged_attention_reference`)."""
     b, t, h, d = q.shape
-    s, kvh = k.shape[1], k.shape[2]
+    kvh, s = k.shape[1], k.shape[2]
     group = h // kvh
     rows = max(MIN_ROWS, 1 << (t * group - 1).bit_length())
     qg = q.reshape(b, t, kvh, group, d).transpose(0, 2, 1, 3, 4).reshape(b, kvh, t * group, d)
     qg = jnp.pad(qg, ((0, 0), (0, 0), (0, rows - t * group), (0, 0)))  # [B, KVH, R, D]
     per_head = pl.BlockSpec((None, None, rows, d), lambda i, j: (i, j, 0, 0))
-    cache = pl.BlockSpec((None, s, None, d), lambda i, j: (i, 0, j, 0))
+    cache = pl.BlockSpec((None, None, s, d), lambda i, j: (i, j, 0, 0))
     scalars = pl.BlockSpec((b,), lambda i, j: (0,))
     out = pl.pallas_call(
         functools.partial(_kernel, block_s=block_s, group=group, scale=1.0 / float(np.sqrt(d))),
@@ -158,7 +159,7 @@ def ragged_attention(q, k, v, lengths, counts, config: RaggedAttentionConfig = R
     where the kernel does not apply (shape or backend). counts must be >= 1 (a row feeding nothing has
     no query to answer)."""
     check_shapes(q, k, v, lengths, counts)
-    s, d = k.shape[1], k.shape[3]
+    s, d = k.shape[2], k.shape[3]
     if s % config.block_s:
         raise NotImplementedError(f"block_s {config.block_s} does not divide the cache's {s} slots")
     if not pow2(d):

@@ -2,7 +2,7 @@
 ancestor mask), Pallas Triton backend, and its jnp reference.
 
 A verification forward over N tree nodes writes their K/V at slots lengths[b] .. lengths[b] + N - 1 of a
-[B, S, KVH, D] cache; node i then sees every committed slot (< lengths[b]) and the nodes j with
+[B, KVH, S, D] cache; node i then sees every committed slot (< lengths[b]) and the nodes j with
 ancestors[b, i, j] (itself included), nothing else (`specpilot.state.tree_mask`). A chain is the tree
 whose ancestors are lower-triangular.
 
@@ -57,24 +57,33 @@ def tree_mask_from_ancestors(lengths, ancestors, max_len: int):
     return (rel < 0)[:, None, :] | (((rel >= 0) & (rel < n))[:, None, :] & node)
 
 
+def float32_products(spec: str, a, b):
+    """einsum(spec, a, b) accumulated in float32 from the operands' own products. On a CPU backend the
+    operands are widened to float32 first: its runtime has no bf16 x bf16 -> f32 product for the cache's
+    [B, KVH, S, D] layout, and a bf16 product is exact in float32, so the sum is the same one."""
+    if jax.default_backend() == "cpu":
+        a, b = a.astype(jnp.float32), b.astype(jnp.float32)
+    return jnp.einsum(spec, a, b, preferred_element_type=jnp.float32)
+
+
 def cache_attention(q, k, v, mask):
-    """The model's GQA attention (`layers.attention`): q [B, T, H, D], k, v [B, S, KVH, D], mask [B, T, S]."""
+    """The model's GQA attention (`layers.attention`): q [B, T, H, D], k, v [B, KVH, S, D], mask [B, T, S]."""
     b, t, h, d = q.shape
-    kvh = k.shape[2]
+    kvh = k.shape[1]
     qg = q.reshape(b, t, kvh, h // kvh, d)  # [B, T, KVH, G, D]
-    scores = jnp.einsum("btkgd,bskd->bkgts", qg, k, preferred_element_type=jnp.float32)
+    scores = float32_products("btkgd,bksd->bkgts", qg, k)
     scores = scores * (1.0 / np.sqrt(d))
     scores = jnp.where(mask[:, None, None, :, :], scores, -jnp.inf)
     probs = jax.nn.softmax(scores, axis=-1).astype(v.dtype)
-    out = jnp.einsum("bkgts,bskd->btkgd", probs, v, preferred_element_type=jnp.float32)
+    out = float32_products("bkgts,bksd->btkgd", probs, v)
     return out.reshape(b, t, h, d).astype(q.dtype)
 
 
 def tree_attention_reference(q, k_cache, v_cache, lengths, ancestors):
-    """q [B, N, H, D] (the nodes' queries), k_cache, v_cache [B, S, KVH, D] (the nodes' K/V already at
+    """q [B, N, H, D] (the nodes' queries), k_cache, v_cache [B, KVH, S, D] (the nodes' K/V already at
     slots lengths[b] + j), lengths [B] int32 (committed slots), ancestors [B, N, N] bool -> [B, N, H, D]
     in q's dtype: the model's attention under the tree mask."""
-    mask = tree_mask_from_ancestors(lengths, ancestors, k_cache.shape[1])
+    mask = tree_mask_from_ancestors(lengths, ancestors, k_cache.shape[2])
     return cache_attention(q, k_cache.astype(q.dtype), v_cache.astype(q.dtype), mask)
 
 
@@ -146,7 +155,7 @@ def tree_attention_pallas(q, k_cache, v_cache, lengths, ancestors, *, block_m: i
     """The pallas_call and the combine, on any backend the caller asks for (block_k must divide S): same
     arguments and result as `tree_attention_reference`."""
     b, n, h, d = q.shape
-    s_len, kvh = k_cache.shape[1], k_cache.shape[2]
+    kvh, s_len = k_cache.shape[1], k_cache.shape[2]
     g = h // kvh
     if s_len % block_k:
         raise NotImplementedError(f"block_k {block_k} does not divide the cache length {s_len}")
@@ -159,9 +168,9 @@ def tree_attention_pallas(q, k_cache, v_cache, lengths, ancestors, *, block_m: i
     rows = q.astype(dtype).reshape(b, n, kvh, g, d).transpose(0, 2, 1, 3, 4).reshape(b, kvh, n * g, d)
     rows = jnp.pad(rows, ((0, 0), (0, 0), (0, m_pad - n * g), (0, 0)))
     # the tree block: the nodes' K/V out of the cache (the caller guarantees lengths + N <= S)
-    def tree_block(cache):  # [B, S, KVH, D] -> [B, KVH, NP, D]
-        nodes = jax.vmap(lambda c, start: jax.lax.dynamic_slice_in_dim(c, start, n, axis=0))(cache, lengths)
-        return jnp.pad(nodes.transpose(0, 2, 1, 3), ((0, 0), (0, 0), (0, n_pad - n), (0, 0)))
+    def tree_block(cache):  # [B, KVH, S, D] -> [B, KVH, NP, D]
+        nodes = jax.vmap(lambda c, start: jax.lax.dynamic_slice_in_dim(c, start, n, axis=1))(cache, lengths)
+        return jnp.pad(nodes, ((0, 0), (0, 0), (0, n_pad - n), (0, 0)))
 
     visible = jnp.repeat(ancestors.astype(jnp.int32), g, axis=1)  # [B, N*G, N]
     visible = jnp.pad(visible, ((0, 0), (0, m_pad - n * g), (0, n_pad - n)))
@@ -169,7 +178,7 @@ def tree_attention_pallas(q, k_cache, v_cache, lengths, ancestors, *, block_m: i
     kernel = functools.partial(_kernel, scale=1.0 / math.sqrt(d), block_k=block_k,
                                blocks_per_split=blocks_per_split, splits=splits)
     grid = (b, kvh, m_pad // bm, splits + 1)
-    cache_spec = pl.BlockSpec((None, s_len, None, d), lambda i, j, r, s: (i, 0, j, 0))
+    cache_spec = pl.BlockSpec((None, None, s_len, d), lambda i, j, r, s: (i, j, 0, 0))
     tree_spec = pl.BlockSpec((None, None, n_pad, d), lambda i, j, r, s: (i, j, 0, 0))
     part = (b, kvh, splits + 1, m_pad)
     o, m, l = pl.pallas_call(
@@ -232,12 +241,12 @@ def check_shapes(q, k_cache, v_cache, lengths, ancestors) -> None:
         raise ValueError(f"q {q.shape} must be [B, N, H, D]")
     b, n, h, d = q.shape
     if k_cache.ndim != 4 or k_cache.shape != v_cache.shape or k_cache.shape[0] != b or k_cache.shape[3] != d:
-        raise ValueError(f"k_cache {k_cache.shape} and v_cache {v_cache.shape} must both be [B, S, KVH, D] "
+        raise ValueError(f"k_cache {k_cache.shape} and v_cache {v_cache.shape} must both be [B, KVH, S, D] "
                          f"with B, D = {(b, d)}")
-    if h % k_cache.shape[2]:
-        raise ValueError(f"{h} query heads are not a multiple of {k_cache.shape[2]} KV heads")
-    if n > k_cache.shape[1]:
-        raise ValueError(f"{n} tree nodes do not fit a cache of {k_cache.shape[1]} slots")
+    if h % k_cache.shape[1]:
+        raise ValueError(f"{h} query heads are not a multiple of {k_cache.shape[1]} KV heads")
+    if n > k_cache.shape[2]:
+        raise ValueError(f"{n} tree nodes do not fit a cache of {k_cache.shape[2]} slots")
     if lengths.shape != (b,):
         raise ValueError(f"lengths {lengths.shape} must be [B] = {(b,)}")
     if ancestors.shape != (b, n, n):
@@ -249,7 +258,7 @@ def tree_attention(q, k_cache, v_cache, lengths, ancestors,
     """Tree attention through the kernel (same arguments and result as `tree_attention_reference`).
     Raises NotImplementedError where the kernel does not apply (shape or backend)."""
     check_shapes(q, k_cache, v_cache, lengths, ancestors)
-    d, s_len = q.shape[-1], k_cache.shape[1]
+    d, s_len = q.shape[-1], k_cache.shape[2]
     if not pow2(d):
         raise NotImplementedError(f"the kernel tiles power-of-two head dims, got D {d}")
     block_k = largest_pow2_divisor(s_len, config.block_k)

@@ -198,7 +198,7 @@ def unfuse_projections(params, cfg) -> dict:
 
 
 def _attention_specs(layer: AttentionState) -> AttentionState:
-    spec = P("data", None, "tensor", None)  # [B, S, KVH, D]
+    spec = P("data", "tensor", None, None)  # [B, KVH, S, D]
     return AttentionState(spec, spec)
 
 

@@ -91,7 +91,7 @@ def test_counts_describe_the_chain_and_prompt_masks(t):
 def _inputs(s=64, d=16, seed=0):
     rng = np.random.default_rng(seed)
     q = jnp.asarray(rng.standard_normal((2, 4, 4, d)), jnp.float32)
-    k, v = (jnp.asarray(rng.standard_normal((2, s, 2, d)), jnp.float32) for _ in range(2))
+    k, v = (jnp.asarray(rng.standard_normal((2, 2, s, d)), jnp.float32) for _ in range(2))  # [B, KVH, S, D]
     return q, k, v, jnp.asarray([3, 40], jnp.int32), jnp.asarray([4, 2], jnp.int32)
 
 

@@ -138,9 +138,9 @@ def test_packed_verify_equals_padded():
         close(got_logits[b, :c], want_logits[b, :c])
         close(got_taps[b, :c], want_taps[b, :c])
         for got, want, before in zip(got_state.layers, want_state.layers, state.layers):
-            close(got.k[b, : ln + c], want.k[b, : ln + c])
-            close(got.v[b, : ln + c], want.v[b, : ln + c])
-            np.testing.assert_array_equal(got.k[b, ln + c:], before.k[b, ln + c:])  # nothing past its candidates
+            close(got.k[b, :, : ln + c], want.k[b, :, : ln + c])  # [B, KVH, S, D]
+            close(got.v[b, :, : ln + c], want.v[b, :, : ln + c])
+            np.testing.assert_array_equal(got.k[b, :, ln + c:], before.k[b, :, ln + c:])  # nothing past its candidates
 
 
 def test_step_cost_from_the_cost_model():

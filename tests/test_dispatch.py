@@ -168,7 +168,7 @@ def test_dense_layer_passes_its_plan_choice_and_roles():
     assert isinstance(menc["layers"][0]["qkv"], mk.W12NK)
     h = jnp.zeros((1, 1, cfg.hidden_size), jnp.bfloat16)
     cos, sin = rope_tables(jnp.zeros((1, 1), jnp.int32), cfg.inv_freq())
-    kv = jnp.zeros((1, 8, cfg.num_kv_heads, cfg.head_dim), jnp.bfloat16)
+    kv = jnp.zeros((1, cfg.num_kv_heads, 8, cfg.head_dim), jnp.bfloat16)
     mask = jnp.ones((1, 1, 8), bool)
 
     def layer(p, c):

@@ -21,22 +21,22 @@ CASES = [  # (B, T, H, KVH, D, S, lengths, counts)
 def arrays(b, t, h, kvh, d, s, seed=0):
     rng = np.random.default_rng(seed)
     q, k, v = (jnp.asarray(rng.standard_normal(shape), jnp.float32)
-               for shape in ((b, t, h, d), (b, s, kvh, d), (b, s, kvh, d)))
+               for shape in ((b, t, h, d), (b, kvh, s, d), (b, kvh, s, d)))
     return q, k, v
 
 
 def numpy_attention(q, k, v, lengths, counts):
     q, k, v = (np.asarray(x, np.float64) for x in (q, k, v))
     b, t, h, d = q.shape
-    group = h // k.shape[2]
+    group = h // k.shape[1]
     out = np.zeros_like(q)
     for r in range(b):
         for i in range(t):
             end = lengths[r] + min(i + 1, counts[r])
             for j in range(h):
-                scores = k[r, :end, j // group] @ q[r, i, j] / np.sqrt(d)
+                scores = k[r, j // group, :end] @ q[r, i, j] / np.sqrt(d)
                 p = np.exp(scores - scores.max())
-                out[r, i, j] = (p / p.sum()) @ v[r, :end, j // group]
+                out[r, i, j] = (p / p.sum()) @ v[r, j // group, :end]
     return out
 
 
@@ -76,7 +76,7 @@ def test_kernel_reads_only_the_rows_own_blocks():
     ends = np.asarray(lengths + counts)
     block = 16
     blocks_end = -(-ends // block) * block  # the first slot of the first block a row does not read
-    poison = np.arange(s)[None, :, None, None] >= blocks_end[:, None, None, None]
+    poison = np.arange(s)[None, None, :, None] >= blocks_end[:, None, None, None]  # [B, KVH, S, D]
     k_bad, v_bad = (jnp.where(poison, jnp.nan, x) for x in (k, v))
     got = ra.ragged_attention(q, k_bad, v_bad, lengths, counts, ra.RaggedAttentionConfig(block_s=block, interpret=True))
     np.testing.assert_allclose(got, ra.ragged_attention_reference(q, k, v, lengths, counts), rtol=2e-5, atol=2e-5)
@@ -99,7 +99,7 @@ def test_unsupported_falls_through_and_bad_shapes_refused():
 def test_kernel_lowers_for_cuda():
     # GPU-free check that every op of the kernel has a Triton lowering (bf16 cache, SmolLM2's groups of 3)
     args = [jax.ShapeDtypeStruct(shape, dtype) for shape, dtype in
-            (((2, 4, 9, 64), jnp.bfloat16), ((2, 128, 3, 64), jnp.bfloat16), ((2, 128, 3, 64), jnp.bfloat16),
+            (((2, 4, 9, 64), jnp.bfloat16), ((2, 3, 128, 64), jnp.bfloat16), ((2, 3, 128, 64), jnp.bfloat16),
              ((2,), jnp.int32), ((2,), jnp.int32))]
     lowered = jax.jit(lambda *a: ra.ragged_attention_pallas(*a, block_s=64)).trace(*args).lower(
         lowering_platforms=("cuda",))

@@ -81,7 +81,7 @@ def test_sharded_ar_equals_one_device(dense_params, dense_ar, data, tensor):
     mesh = _mesh(data, tensor)
     target = dense.target(CFG, jnp.float32, mesh)
     state = target.init_state(len(PROMPTS), 64)
-    assert state.layers[0].k.sharding.spec == P("data", None, "tensor", None)
+    assert state.layers[0].k.sharding.spec == P("data", "tensor", None, None)  # [B, KVH, S, D]
     assert state.lengths.sharding.spec == P("data")
     res = ar.generate(target, sharding.shard_params(dense_params, mesh), PROMPTS, N)
     np.testing.assert_array_equal(res.tokens, dense_ar[:, :N])
@@ -99,7 +99,7 @@ def test_sharded_chain_equals_ar(dense_params, dense_ar):
     dcfg = dr.DrafterConfig.for_target(CFG, num_layers=1, block_size=4)
     dparams = random_params(dr.param_shapes(dcfg), 0.5, 1)
     block = dr.BlockDrafter(dcfg, CFG).with_mesh(mesh)
-    assert block.init_state(dparams, 2, 64).layers[0].k.sharding.spec == P("data", None, "tensor", None)
+    assert block.init_state(dparams, 2, 64).layers[0].k.sharding.spec == P("data", "tensor", None, None)  # [B, KVH, S, D]
     res = spec.generate(target, params, block, sharding.shard_params(dparams, mesh), PROMPTS, N, block_size=4)
     np.testing.assert_array_equal(res.tokens, dense_ar[:, :N])
 

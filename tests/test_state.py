@@ -17,8 +17,8 @@ F32_TOL = 1e-5  # float32 logits of two programs summing the same terms in anoth
 
 
 def _random_attention(rng, b, s, kvh=2, d=3):
-    return st.AttentionState(jnp.asarray(rng.normal(size=(b, s, kvh, d)), jnp.float32),
-                             jnp.asarray(rng.normal(size=(b, s, kvh, d)), jnp.float32))
+    return st.AttentionState(jnp.asarray(rng.normal(size=(b, kvh, s, d)), jnp.float32),
+                             jnp.asarray(rng.normal(size=(b, kvh, s, d)), jnp.float32))
 
 
 def _random_recurrent(rng, b, t):
@@ -32,6 +32,7 @@ def _random_recurrent(rng, b, t):
 
 
 def _gather_numpy(buf, lengths, path, count):
+    """buf [B, S, ...]: row b's slots lengths[b] + path[b, i] (i < count[b]) copied to lengths[b] + i."""
     out = buf.copy()
     for b in range(buf.shape[0]):
         rows = [buf[b, lengths[b] + path[b, i]].copy() for i in range(count[b])]
@@ -53,8 +54,9 @@ def test_gather_path_moves_accepted_nodes_like_numpy():
     np.testing.assert_array_equal(np.asarray(out.lengths), lengths + count)
     for i in (0, 2):
         for name in ("k", "v"):
-            want = _gather_numpy(np.asarray(getattr(layers[i], name)), lengths, path, count)
-            np.testing.assert_array_equal(np.asarray(getattr(out.layers[i], name)), want)
+            # the cache is [B, KVH, S, D]: gather along the slots of each head
+            want = _gather_numpy(np.asarray(getattr(layers[i], name)).swapaxes(1, 2), lengths, path, count)
+            np.testing.assert_array_equal(np.asarray(getattr(out.layers[i], name)), want.swapaxes(1, 2))
     rec, new = layers[1], out.layers[1]
     for row in range(b):  # the recurrent layer takes the snapshot of the path's last node
         node = path[row, count[row] - 1] if count[row] else None
@@ -175,8 +177,8 @@ def test_tree_mask_forward_equals_each_path_as_a_chain():
     for g, c in zip(gathered.layers, chained.layers):
         for row, n in enumerate(np.asarray(chained.lengths)):
             for name in ("k", "v"):
-                want = np.asarray(getattr(c, name)[row, :n])
-                np.testing.assert_allclose(np.asarray(getattr(g, name)[row, :n]), want, rtol=0,
+                want = np.asarray(getattr(c, name)[row, :, :n])  # [B, KVH, S, D]
+                np.testing.assert_allclose(np.asarray(getattr(g, name)[row, :, :n]), want, rtol=0,
                                            atol=F32_TOL * np.abs(want).max())
 
 

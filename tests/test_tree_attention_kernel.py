@@ -55,12 +55,12 @@ def ancestors_of(parents: np.ndarray) -> np.ndarray:
 
 
 def inputs(b, n, h, kvh, d, s, lengths, seed, dtype=jnp.float32):
-    """q [B, N, H, D], a cache [B, S, KVH, D] (the nodes' K/V at slots lengths[b] + j, like every other
+    """q [B, N, H, D], a cache [B, KVH, S, D] (the nodes' K/V at slots lengths[b] + j, like every other
     slot random), lengths, ancestors of a random tree."""
     rng = np.random.default_rng(seed)
     q = jnp.asarray(rng.normal(size=(b, n, h, d)), dtype)
-    k = jnp.asarray(rng.normal(size=(b, s, kvh, d)), dtype)
-    v = jnp.asarray(rng.normal(size=(b, s, kvh, d)), dtype)
+    k = jnp.asarray(rng.normal(size=(b, kvh, s, d)), dtype)
+    v = jnp.asarray(rng.normal(size=(b, kvh, s, d)), dtype)
     anc = jnp.asarray(ancestors_of(random_parents(rng, b, n)))
     return q, k, v, jnp.asarray(lengths, jnp.int32), anc
 
@@ -123,9 +123,9 @@ def test_kernel_is_tree_attention_as_written():
                 j = parents[r, j]
             slots = list(range(length)) + sorted(path)
             for head in range(h):
-                scores = kn[r, slots, head // (h // kvh)] @ qn[r, i, head] / np.sqrt(d)
+                scores = kn[r, head // (h // kvh), slots] @ qn[r, i, head] / np.sqrt(d)
                 p = np.exp(scores - scores.max())
-                want = (p / p.sum()) @ vn[r, slots, head // (h // kvh)]
+                want = (p / p.sum()) @ vn[r, head // (h // kvh), slots]
                 _close(got[r, i, head], want)
 
 
@@ -153,7 +153,7 @@ def test_what_the_kernel_cannot_take():
     with pytest.raises(ValueError, match="lengths \\(2,\\) must be \\[B\\]"):
         ta.tree_attention(q, k, v, jnp.zeros((2,), jnp.int32), anc, INTERPRET)
     with pytest.raises(ValueError, match="4 query heads are not a multiple of 3 KV heads"):
-        ta.tree_attention(q, *(jnp.zeros((1, 64, 3, 16)),) * 2, lengths, anc, INTERPRET)
+        ta.tree_attention(q, *(jnp.zeros((1, 3, 64, 16)),) * 2, lengths, anc, INTERPRET)
     with pytest.raises(ValueError, match="block_k must be a power of two, got 48"):
         ta.TreeAttentionTritonConfig(block_k=48)
     with pytest.raises(ValueError, match="splits must be a positive integer, got 0"):
@@ -190,7 +190,7 @@ def test_dispatch_tries_the_choice_in_order_and_falls_through():
 def test_real_shapes_lower_for_cuda(n, h, kvh, d, dtype):
     """The kernel lowers to Triton IR from this CPU machine at the real shapes (a 4096-slot cache)."""
     sds = jax.ShapeDtypeStruct
-    args = [sds((1, n, h, d), dtype), sds((1, 4096, kvh, d), dtype), sds((1, 4096, kvh, d), dtype),
+    args = [sds((1, n, h, d), dtype), sds((1, kvh, 4096, d), dtype), sds((1, kvh, 4096, d), dtype),
             sds((1,), jnp.int32), sds((1, n, n), jnp.bool_)]
     lowered = jax.jit(lambda *a: ta.tree_attention_pallas(*a)).trace(*args).lower(lowering_platforms=("cuda",))
     assert "triton" in lowered.as_text()

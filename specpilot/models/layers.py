@@ -44,7 +44,7 @@ def apply_rope(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
     return x * cos + rotated * sin
 
 
-# Grouped-query attention of T queries over S cached slots: q [B, T, H, D], k, v [B, S, KVH, D], mask
+# Grouped-query attention of T queries over S cached slots: q [B, T, H, D], k, v [B, KVH, S, D], mask
 # [B, T, S] bool (True = visible) -> [B, T, H, D]. It lives beside the tree-attention kernel, whose
 # reference it is (`pallas_kernels.tree_attention.cache_attention`).
 attention = _tree_attention.cache_attention

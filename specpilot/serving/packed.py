@@ -9,7 +9,8 @@ Design choices:
   cache is read flat as one `[1, S_rows x max_len]` sequence under a block-diagonal causal mask
   (`packed_mask`): a token sees its own row's committed slots and its row's earlier candidates only.
   This is the reference of the layout; it reads every row's slots per token (a ragged kernel would
-  read only its own).
+  read only its own), and the flat view moves each layer's cache from the state's heads-before-rows
+  layout `[S_rows, KVH, max_len, D]` to `[1, KVH, S_rows x max_len, D]` and back, one copy each way.
 - The decoder layers are `dense.decoder_layer` itself over a K/V view (`_PackedKV`) whose write
   scatters to the rows' slots, so the packed and padded forwards share every projection, norm and
   rope. The logits and taps come back unpacked as `[S, T, ...]` (rows past counts[b] are filler the
@@ -53,16 +54,27 @@ def packed_mask(lengths: jax.Array, max_len: int, rows: jax.Array, positions: ja
 
 @dataclasses.dataclass(frozen=True)
 class _PackedKV:
-    """One layer's K/V read flat ([1, S_rows * max_len, KVH, D]); `write` scatters the packed tokens'
-    K/V to their rows' slots `dest [N]` (idle tokens at an out-of-range slot: dropped)."""
+    """One layer's K/V read flat ([1, KVH, S_rows * max_len, D]); `write` scatters the packed tokens'
+    K/V ([1, N, KVH, D]) to their rows' slots `dest [N]` (idle tokens at an out-of-range slot: dropped)."""
 
     k: jax.Array
     v: jax.Array
     dest: jax.Array
 
+    @classmethod
+    def of(cls, kv: AttentionState, dest: jax.Array) -> "_PackedKV":
+        flat = lambda a: jnp.swapaxes(a, 0, 1).reshape((1, a.shape[1], -1, a.shape[3]))  # noqa: E731
+        return cls(flat(kv.k), flat(kv.v), dest)
+
+    def rows(self, like: AttentionState) -> AttentionState:
+        """The flat K/V back in the state's [S_rows, KVH, max_len, D] layout."""
+        r, h, s, d = like.k.shape
+        back = lambda a: jnp.swapaxes(a.reshape(h, r, s, d), 0, 1)  # noqa: E731
+        return AttentionState(back(self.k), back(self.v))
+
     def write(self, k: jax.Array, v: jax.Array, start) -> "_PackedKV":
         del start  # the destinations are per token
-        put = lambda buf, new: buf.at[0, self.dest].set(new[0].astype(buf.dtype), mode="drop")  # noqa: E731
+        put = lambda buf, new: buf.at[0, :, self.dest].set(new[0].astype(buf.dtype), mode="drop")  # noqa: E731
         return _PackedKV(put(self.k, k), put(self.v, v), self.dest)
 
 
@@ -92,10 +104,8 @@ def packed_forward(target, params, block: jax.Array, counts: jax.Array, state: T
     layers, taps = [], []
     for i, p in enumerate(params["layers"]):
         kv = state.layers[i]
-        flat = _PackedKV(kv.k.reshape((1, s * max_len) + kv.k.shape[2:]),
-                         kv.v.reshape((1, s * max_len) + kv.v.shape[2:]), dest)
-        x, flat = dense.decoder_layer(p, cfg, x, cos, sin, flat, None, mask)
-        layers.append(AttentionState(flat.k.reshape(kv.k.shape), flat.v.reshape(kv.v.shape)))
+        x, flat = dense.decoder_layer(p, cfg, x, cos, sin, _PackedKV.of(kv, dest), None, mask)
+        layers.append(flat.rows(kv))
         if i in cfg.tap_layers:
             taps.append(x)
     taps = jnp.concatenate(taps, axis=-1) if taps else jnp.zeros((1, n, 0), x.dtype)
