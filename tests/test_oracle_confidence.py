@@ -219,6 +219,8 @@ def test_config_builds_the_calibrated_oracle_and_notes_it():
     assert any("oracle acceptance" in n and RECORDED in n and "calibration" in n for n in dep.notes)
     exp = _compose(["experiment=stock_qwen3_8b_h200", "drafter=oracle_calibrated"])
     assert exp.drafter.confidence_trace == RECORDED and exp.drafter.tau == 6.27 and exp.target.name == "qwen3_8b"
+    assert exp.drafter.block_size == 16
+    config_schema.validate(exp)
     exp = _compose(["experiment=stock_qwen3_8b_h200", f"drafter.confidence_trace={RECORDED}"])
     assert exp.drafter.confidence_trace == RECORDED and exp.drafter.name == "oracle_gsm8k"
     config_schema.validate(exp)
