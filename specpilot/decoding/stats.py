@@ -44,6 +44,7 @@ class SpecStats:
     bookkeeping_s: float | None = None
     accepted: np.ndarray | None = None  # [B] accepted drafts + 1 summed over steps, untruncated
     accepted_per_step: np.ndarray | None = None  # [steps, B] accepted drafts (-1: no step), if recorded
+    draft_top1_per_step: np.ndarray | None = None  # [steps, B, depth] drafter top-1 probabilities, if recorded
 
     @property
     def num_steps(self) -> int:

@@ -22,7 +22,10 @@ Design choices:
   nodes = Bs, depth = Bs - 1, branching = 1, at the same verification width.
 - The loop calls `setup.step`, so a setup subclass changes the step and keeps prefill, loop, checks and
   statistics (`decoding.two_level`); `run(setup, ...)` is that shared driver. `record_steps` runs the
-  steps one call each and keeps every step's accepted drafts (an acceptance trace, `models.oracle_trace`).
+  steps one call each and keeps every step's accepted drafts (an acceptance trace, `models.oracle_trace`)
+  and the drafter's top-1 probability at each block position (a confidence calibration,
+  `models.confidence_trace`): the drafter's propose is a pure function of the pre-step state, so it is
+  evaluated beside the step in the same jitted call (the same logits the step drafts from).
 """
 
 from __future__ import annotations
@@ -152,7 +155,16 @@ def decode_while(setup: TreeSetup, target_params, draft_params, state: spec.Spec
 
 
 _while_jit = jax.jit(decode_while, static_argnums=0, donate_argnames=("state",))
-_step_jit = jax.jit(lambda setup, tp, dp, state: setup.step(tp, dp, state), static_argnums=0)
+def draft_top1(setup: TreeSetup, target_params, draft_params, state: spec.SpecState) -> jax.Array:
+    """[B, depth] float32: the drafter's top-1 probability at block positions 1..depth this step."""
+    logits, _ = setup.drafter.propose(draft_params, target_params, state.draft_state, state.last,
+                                      setup.block_size)
+    probs = jax.nn.softmax(logits[:, :setup.depth].astype(jnp.float32), axis=-1)
+    return jnp.max(probs, axis=-1)
+
+
+_record_jit = jax.jit(lambda setup, tp, dp, state: (setup.step(tp, dp, state), draft_top1(setup, tp, dp, state)),
+                      static_argnums=0)
 _done_jit = jax.jit(all_done, static_argnums=0)
 
 
@@ -184,7 +196,8 @@ def run(setup: TreeSetup, target_params, draft_params, prompts: Sequence[Sequenc
         record_steps: bool = False) -> spec.SpecResult:
     """Prefill, then `setup.step` in one compiled while loop (`generate`; `decoding.two_level` too).
     record_steps: run the steps one call each from the host instead and keep every step's accepted
-    drafts per row (`stats.accepted_per_step`, -1 where a row did not step): an acceptance trace."""
+    drafts per row (`stats.accepted_per_step`, -1 where a row did not step): an acceptance trace; and
+    the drafter's top-1 probabilities per step, row and block position (`stats.draft_top1_per_step`)."""
     target, drafter, nodes = setup.target, setup.drafter, setup.nodes
     max_new_tokens, stop_token = setup.max_new_tokens, setup.stop_token
     b = len(prompts)
@@ -224,15 +237,17 @@ def run(setup: TreeSetup, target_params, draft_params, prompts: Sequence[Sequenc
     state = initial(*prefill(target_params, draft_params, *args, *states, key, requests), budget, requests)
     state.last.block_until_ready()
     t1 = time.perf_counter()
-    per_step = None
+    per_step = top1 = None
     if record_steps:
-        per_step = []
+        per_step, top1 = [], []
         while not bool(_done_jit(setup, state)):
             accepted, steps = state.accepted, state.steps
-            state = _step_jit(setup, target_params, draft_params, state)
+            state, step_top1 = _record_jit(setup, target_params, draft_params, state)
             stepped = host_array(state.steps - steps) > 0
             per_step.append(np.where(stepped, host_array(state.accepted - accepted) - 1, -1))
+            top1.append(host_array(step_top1))
         per_step = np.asarray(per_step, np.int32).reshape(-1, b)
+        top1 = np.asarray(top1, np.float32).reshape(-1, b, setup.depth)
     else:
         state = run(target_params, draft_params, state)
     out, n_out = host_array(state.out), host_array(state.n_out)
@@ -244,6 +259,7 @@ def run(setup: TreeSetup, target_params, draft_params, prompts: Sequence[Sequenc
                       emitted=host_array(state.emitted), accept_hist=host_array(state.accept_hist),
                       prefill_s=t1 - t0, decode_s=t2 - t1,
                       new_tokens=int(budgets.max() if stop_token is None else n_out.max()),
-                      accepted=host_array(state.accepted), accepted_per_step=per_step)
+                      accepted=host_array(state.accepted), accepted_per_step=per_step,
+                      draft_top1_per_step=top1)
     return spec.SpecResult(tokens=generated, prompt_lengths=lengths, prefill_s=t1 - t0, decode_s=t2 - t1,
                            budgets=budgets, num_generated=n_out, stop_token=stop_token, stats=stats)

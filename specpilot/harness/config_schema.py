@@ -68,6 +68,10 @@ class DrafterConf:
     acceptance_trace: Optional[str] = None
     # oracle_trace: a per-step accepted-drafts file (experiments/record_trace.py), one trace per plan name
     step_trace: Optional[str] = None
+    # oracle: draft confidence drawn from a trained pair's recorded top-1 probabilities by outcome (a
+    # record_trace.py file; relative: the working directory's, else the repository's), that method's
+    confidence_trace: Optional[str] = None
+    confidence_method: str = "stock"
 
 
 @dataclasses.dataclass
@@ -255,6 +259,21 @@ def _fail(key: str, msg: str):
     raise ConfigValueError(f"{key}: {msg}")
 
 
+def _check_confidence_trace(d) -> None:
+    from specpilot.models.confidence_trace import load_calibration
+    from specpilot.models.oracle_trace import trace_path
+
+    if d.source != "oracle":
+        _fail("drafter.confidence_trace", f"a recorded confidence calibrates an oracle drafter; source is "
+              f"{d.source!r}")
+    if not trace_path(d.confidence_trace).is_file():
+        _fail("drafter.confidence_trace", f"no trace file at {d.confidence_trace}")
+    try:
+        load_calibration(d.confidence_trace, d.confidence_method)
+    except (ValueError, KeyError, TypeError) as e:
+        _fail("drafter.confidence_trace", " ".join(str(e).split()))
+
+
 def validate(cfg: DictConfig) -> None:
     """Raise ConfigValueError naming the key for impossible values (types are checked by Hydra)."""
     t, d, b, dec = cfg.target, cfg.drafter, cfg.bench, cfg.decoding
@@ -314,6 +333,8 @@ def validate(cfg: DictConfig) -> None:
 
         if not d.step_trace or not trace_path(d.step_trace).is_file():
             _fail("drafter.step_trace", f"an oracle_trace drafter needs a step trace file, got {d.step_trace!r}")
+    if d.confidence_trace:
+        _check_confidence_trace(d)
     if d.source in ("oracle", "oracle_trace") and dec.temperature != 0:
         _fail("drafter.source", "oracle acceptance replays greedy continuations; use temperature 0")
     plans = build_plans(cfg)

@@ -237,7 +237,16 @@ def build_drafter(dconf: DictConfig, target_cfg: ModelConfig, target_params, see
         profile = conditional_profile(int(dconf.block_size), acceptance, dconf.tau)
         note = (f"oracle acceptance ({source} with expected tau {expected_tau(profile):.2f}; real "
                 f"drafter forward at its shape, drafts replay the target's greedy continuation)")
-        return OracleDrafter(inner, tuple(float(c) for c in profile)), params, target_cfg, [note]
+        calibration = None
+        if dconf.get("confidence_trace"):
+            from specpilot.models.confidence_trace import load_calibration
+
+            method = str(dconf.get("confidence_method") or "stock")
+            calibration = load_calibration(dconf.confidence_trace, method)
+            note += (f"; draft confidence (top-1 probability) drawn by outcome from the calibration recorded "
+                     f"in {dconf.confidence_trace} (method {method!r}), not from the oracle's drafter")
+        oracle = OracleDrafter(inner, tuple(float(c) for c in profile), calibration=calibration)
+        return oracle, params, target_cfg, [note]
     if dconf.source == "oracle_trace":
         from specpilot.models.oracle_trace import OracleTraceDrafter, load_traces
 

@@ -17,7 +17,17 @@ Design choices:
   at these positions, read anyway), so rows of one batch at the same length draw apart (equal-length
   prompts would otherwise accept alike every step), and a request draws the same wherever it sits (a
   batch row, an engine slot). Any salt leaves the draws uniform, so the profile holds.
-- Greedy decoding only: the drafts are one-hot logits, which would distort a sampled q.
+- Confidence: without a calibration the drafts are one-hot logits of a constant height (`confidence`).
+  With one (`models.confidence_trace.Calibration`, a trained pair's recorded top-1 probabilities by
+  outcome), each draft's top-1 probability is drawn from the table of its own outcome (the oracle knows
+  its leading right run, its first wrong draft and the ones after), inverse-CDF from a uniform drawn
+  from the step's key with `CONFIDENCE_STREAM` folded in: independent of the acceptance draw, as
+  reproducible and row-independent. The chosen token's logit is L = log(p (V-1) / (1-p)) and every
+  other logit 0, so softmax's top-1 is p and the argmax token is the oracle's (p clipped to
+  [(1 + 1e-3)/V, 1 - 1e-6] keeps L > 0 and finite): outputs and acceptance are unchanged, only the
+  serving engine's confidence budget (`serving.budget.confidence_of`) reads a realistic signal.
+- Greedy decoding only: the drafts carry one token's mass above a flat rest, which would distort a
+  sampled q.
 - Results produced with it are labelled "oracle acceptance" by the runner.
 """
 
@@ -101,23 +111,50 @@ def reference_salt(reference: jax.Array) -> jax.Array:
     return jnp.sum(ref * weights[None, :], axis=1, dtype=jnp.uint32)
 
 
+CONFIDENCE_STREAM = 0x636F6E66  # folded into a step's key for the confidence draw ("conf")
+
+
+def step_uniforms(key_data: jax.Array, lengths: jax.Array, n: int, salt: jax.Array | None = None,
+                  stream: int | None = None) -> jax.Array:
+    """[B, n] uniforms from `fold_in(fold_in(key, salt), committed length)` (salt [B], default 0), with
+    `stream` folded in last when given (an independent draw from the same step key)."""
+    key = jax.random.wrap_key_data(key_data)
+    salt = jnp.zeros(lengths.shape, jnp.uint32) if salt is None else salt
+    keys = jax.vmap(lambda r, m: jax.random.fold_in(jax.random.fold_in(key, r), m))(salt, lengths)
+    if stream is not None:
+        keys = jax.vmap(lambda k: jax.random.fold_in(k, stream))(keys)
+    return jax.vmap(lambda k: jax.random.uniform(k, (n,)))(keys)
+
+
 def leading_right(key_data: jax.Array, lengths: jax.Array, conditional, salt: jax.Array | None = None) -> jax.Array:
     """[B, Bs-1] bool: which drafts are right, a leading run drawn with P(draft k right | drafts < k
     right) = conditional[k - 1], from `fold_in(fold_in(key, salt), committed length)` (one draw per
     verification; salt [B], default 0)."""
-    key = jax.random.wrap_key_data(key_data)
     c = jnp.asarray(conditional, jnp.float32)
-    salt = jnp.zeros(lengths.shape, jnp.uint32) if salt is None else salt
-    keys = jax.vmap(lambda r, n: jax.random.fold_in(jax.random.fold_in(key, r), n))(salt, lengths)
-    u = jax.vmap(lambda k: jax.random.uniform(k, c.shape))(keys)  # [B, Bs-1]
+    u = step_uniforms(key_data, lengths, c.shape[0], salt)  # [B, Bs-1]
     return jnp.cumprod(u < c[None, :], axis=1).astype(bool)
+
+
+def draft_outcomes(right: jax.Array) -> jax.Array:
+    """right [B, K] (a leading run) -> [B, K] int32: 0 accepted, 1 first rejected, 2 after (OUTCOMES order)."""
+    n_right = jnp.sum(right.astype(jnp.int32), axis=1, keepdims=True)
+    k = jnp.arange(right.shape[1], dtype=jnp.int32)[None, :]
+    return jnp.where(k < n_right, 0, jnp.where(k == n_right, 1, 2))
+
+
+def top1_logit(p: jax.Array, vocab_size: int) -> jax.Array:
+    """The logit L of one token, every other logit 0, whose softmax probability is p (clipped to
+    [(1 + 1e-3)/V, 1 - 1e-6], where L > 0: the token stays the argmax)."""
+    p = jnp.clip(p.astype(jnp.float32), (1.0 + 1e-3) / vocab_size, 1.0 - 1e-6)
+    return jnp.log(p) + jnp.log(jnp.float32(vocab_size - 1)) - jnp.log1p(-p)
 
 
 @dataclasses.dataclass(frozen=True)
 class OracleDrafter:
     inner: Any  # the real drafter whose forward is timed
     conditional: tuple[float, ...]  # [Bs-1]
-    confidence: float = 30.0
+    confidence: float = 30.0  # one-hot height without a calibration
+    calibration: Any = None  # models.confidence_trace.Calibration: top-1 probabilities by outcome
 
     @property
     def block_size(self) -> int:
@@ -141,6 +178,18 @@ class OracleDrafter:
         return {"inner": inner_params, "reference": jnp.asarray(reference, jnp.int32),
                 "key": jax.random.key_data(jax.random.key(seed))}
 
+    def draft_confidence(self, key_data, lengths, salt, right) -> jax.Array:
+        """[B, K] float32: each draft's top-1 probability, drawn from its outcome's table."""
+        from specpilot.models.confidence_trace import sample
+
+        u = step_uniforms(key_data, lengths, right.shape[1], salt, stream=CONFIDENCE_STREAM)
+        tables = self.calibration.tables()  # [3, G]
+        return sample(tables[draft_outcomes(right)], u)
+
+    def draft_logit(self, key_data, lengths, salt, right) -> jax.Array:
+        """[B, K] float32: the chosen token's logit giving each draft its drawn confidence."""
+        return top1_logit(self.draft_confidence(key_data, lengths, salt, right), self.vocab_size)
+
     def init_state(self, params, batch_size: int, max_len: int, dtype=None):
         return self.inner.init_state(params["inner"], batch_size, max_len, dtype)
 
@@ -154,9 +203,13 @@ class OracleDrafter:
         length = state.lengths  # [B] committed; the block's first token sits at this position
         positions = length[:, None] + 1 + jnp.arange(block_size - 1, dtype=jnp.int32)[None, :]
         tokens = jnp.take_along_axis(ref, jnp.minimum(positions, ref.shape[1] - 1), axis=1)
-        right = leading_right(params["key"], length, self.conditional[: block_size - 1], reference_salt(tokens))
+        salt = reference_salt(tokens)
+        right = leading_right(params["key"], length, self.conditional[: block_size - 1], salt)
         tokens = jnp.where(right, tokens, (tokens + 1) % self.vocab_size)
-        logits = self.confidence * jax.nn.one_hot(tokens, self.vocab_size, dtype=jnp.float32)
+        height = self.confidence
+        if self.calibration is not None:
+            height = self.draft_logit(params["key"], length, salt, right)[..., None]  # [B, Bs-1, 1]
+        logits = height * jax.nn.one_hot(tokens, self.vocab_size, dtype=jnp.float32)
         # Keep the real forward alive (an unused result would be removed, optimization barriers
         # included) without letting its values in: non-finite logits are zeroed before the zero weight.
         alive = jnp.nan_to_num(real_logits.max(axis=-1, keepdims=True), nan=0.0, posinf=0.0, neginf=0.0)
