@@ -11,8 +11,9 @@ Where the target and drafter come from:
 - `--deployment "<overrides>"`: the config groups of experiments/run.py, composed with Hydra (space
   separated, e.g. `experiment=stock_qwen3_8b_h200`, `target=qwen3_8b drafter=oracle gpu=h200 decoding=w12`).
   `--plans` names plans of that config (`ar`, `stock`, `ar_w12`, `stock_w12`, the gpu's AR baselines such as
-  `ar_mosaic` on the H200); each is built as `Engine.from_plan` builds it (its target, weights, kernels and
-  drafter). Prompts are the deployment's (`bench.prompts`, `bench.prompt_len`: random ids at a random-weight
+  `ar_mosaic` on the H200, tree plans such as `tree_n16` of `decoding=tree`); each is built as
+  `Engine.from_plan` builds it (its target, weights, kernels, drafter and tree shape; a tree plan runs
+  only --batching fixed --overlap none). Prompts are the deployment's (`bench.prompts`, `bench.prompt_len`: random ids at a random-weight
   shape); `bench.num_prompts` is raised to the requests needed and `bench.batch_size` set to the smallest
   slot count. An oracle drafter (`drafter=oracle`: `drafter.tau`, `drafter.acceptance` or
   `drafter.acceptance_trace`) replays each request's reference: the prompt and the target's own greedy
@@ -129,6 +130,7 @@ class PlanRun:
     ar_baseline: bool = False  # one of the AR baselines speedups are measured against (the fastest)
     replays: bool = False  # an oracle drafter: requests carry the AR reference's continuation
     batching: object = None  # the plan's own plan.Batching (deployment plans)
+    tree: bool = False  # a tree plan: the chain-only mechanisms (--batching budget*, --overlap halves) refused
 
     @property
     def speculative(self) -> bool:
@@ -284,8 +286,9 @@ def deployment_setup(args, n_prompts: int) -> Setup:
         raise ValueError(f"--plans: {', '.join(unknown) or repr(args.plans)} not a plan of this config "
                          f"(decoding={cfg.decoding.name}: {', '.join(by_name)})")
     for name in wanted:
-        if by_name[name].verify not in ("ar", "chain"):
-            raise ValueError(f"--plans: {name!r} is a {by_name[name].verify} plan; the engine runs ar and chain plans")
+        if by_name[name].verify not in ("ar", "chain", "tree"):
+            raise ValueError(f"--plans: {name!r} is a {by_name[name].verify} plan; the engine runs ar, chain and "
+                             f"tree plans")
     reference = plans[0]  # the run harness's reference: the device's first AR baseline candidate
     oracle = cfg.drafter.source == "oracle" and any(by_name[n].uses_drafter for n in wanted)
     if reference.name not in wanted and (oracle or 0.0 in args.rates):
@@ -298,7 +301,7 @@ def deployment_setup(args, n_prompts: int) -> Setup:
     dep = deploy.build(cfg, selected)
     runs = [PlanRun(p.name, lambda s, b, c, ch, p=p: deployment_engine(dep, p, s, b, c, ch), block=p.block_size,
                     ar_baseline=plan_mod.is_ar_baseline_candidate(p), replays=oracle and p.uses_drafter,
-                    batching=p.batching) for p in selected]
+                    batching=p.batching, tree=p.verify == "tree") for p in selected]
     prompts = [list(p) for p in dep.prompts]
     poisson = random_budgets(prompts[: args.requests], args.new_tokens, args.seed, dep.stop_token)
     context = context_for(prompts, args.new_tokens)
@@ -328,6 +331,9 @@ def check_grid(setup: Setup, args) -> None:
     for slots in args.m:
         for run in setup.plans:
             for b in batchings(setup, run, args, slots):
+                if b is not None and run.tree and (b.draft_budget, b.verify, b.overlap) != ("fixed", "padded", "none"):
+                    raise ValueError(f"--plans {run.name} is a tree plan: --batching {batching_label(b)} is "
+                                     f"chain-only; give --batching fixed --overlap none")
                 if b is not None and b.overlap == "halves" and (slots < 2 or slots % 2):
                     raise ValueError(f"--m {slots} with --overlap halves: halves splits the slots in two equal "
                                      f"halves; give even slot counts")

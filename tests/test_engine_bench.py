@@ -1,6 +1,7 @@
 """experiments/bench_engine.py: the Poisson workload and fixed batches on the tiny random pair; a deployment
 composed from run.py's config groups (tiny random target, oracle drafter at a tau), whose oracle stock plan
-emits AR's tokens per request through the engine; speedups against AR of the same run; clear errors."""
+(and a tree plan of decoding=tree) emits AR's tokens per request through the engine; speedups against AR of
+the same run; clear errors."""
 
 import importlib.util
 import re
@@ -141,3 +142,23 @@ def test_bad_deployments_exit_naming_them(be, capsys):
         with pytest.raises(SystemExit):
             be.main(["--deployment", deployment])
         assert message in capsys.readouterr().err
+
+
+TREE_DEPLOYMENT = DEPLOYMENT.replace("drafter.block_size=4", "drafter.block_size=16").replace(
+    "decoding=stock", "decoding=tree")
+
+
+def test_tree_plans_of_a_deployment_run_through_the_engine(be):
+    """--plans names a tree plan of decoding=tree: built by Engine.from_plan, AR's tokens per request."""
+    record = be.main(["--deployment", TREE_DEPLOYMENT, "--plans", "tree_n16", "--m", "2", "--rates", "0",
+                      "--new-tokens", "12", "--chunk", "16"])
+    rows = record["rows"]
+    assert [(r["plan"], r["batching"]) for r in rows] == [("ar", "fixed"), ("tree_n16", "fixed")]
+    assert all(r["mismatched_requests"] == 0 for r in rows), rows
+    assert rows[1]["tokens_per_row_step"] > 1.5 and rows[1]["forward_tokens_per_decode"] == 2 * 16
+
+
+def test_tree_plans_refuse_chain_only_batchings(be, capsys):
+    with pytest.raises(SystemExit):
+        be.main(["--deployment", TREE_DEPLOYMENT, "--plans", "tree_n16", "--batching", "budget"])
+    assert re.search(r"--plans tree_n16 is a tree plan: --batching budget is chain-only", capsys.readouterr().err)
