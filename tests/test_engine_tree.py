@@ -1,7 +1,7 @@
 """Tree plans through the engine: each request's tokens equal `ar.generate`'s and `tree.generate`'s for it
 alone, under staggered arrivals, a cancellation, slot reuse, stop tokens and budgets; sampled requests
-reproduce `tree.generate` of them alone with their seed; a hybrid target; no compile in steady state; the
-chain-only batching mechanisms are refused."""
+reproduce `tree.generate` of them alone with their seed; a hybrid target; a sharded one; no compile in steady
+state; the chain-only batching mechanisms are refused."""
 
 import jax
 import jax.numpy as jnp
@@ -158,6 +158,23 @@ def test_hybrid_tree_engine_equals_ar():
     assert engine.stats.tokens_per_row_step > 2.0
     with pytest.raises(ValueError, match="max_block_size 8"):
         Engine(target, hparams, drafter, None, slots=2, context_len=40, tree=TreeShape(9, 3, 2))
+
+
+def test_sharded_tree_engine_equals_one_device_ar(params, reference):
+    """Slots over the mesh's data axis, heads over its tensor axis: the tree step needs nothing of its own."""
+    from jax.sharding import PartitionSpec as P
+    from specpilot import sharding
+
+    mesh = sharding.make_mesh(sharding.MeshShape(data=2, tensor=2))
+    target = dense.target(CFG, jnp.float32, mesh)
+    drafter = dr.ReplayDrafter(CFG.vocab_size, 4, shift=1, wrong_every=3, runner_up=2.0).with_mesh(mesh)
+    engine = Engine(target, sharding.shard_params(params, mesh), drafter, None, slots=4, context_len=48,
+                    prefill_chunk=8, sampling=False, tree=SHAPES["n6d3b2"])
+    requests = requests_with_stops(reference, replay=True)
+    check_outputs(run_staggered(engine, requests, ARRIVALS, CANCELS), requests, reference)
+    assert engine.state.target_state.lengths.sharding.spec == P("data")
+    assert engine.state.target_state.layers[0].k.sharding.spec[0] == "data"
+    assert engine.stats.tokens_per_row_step > 2.0
 
 
 def tree_plan(**batching):

@@ -110,8 +110,9 @@ class EngineStats:
     decode_calls: int = 0
     decode_row_steps: int = 0  # (active row, decode step) pairs
     decode_tokens: int = 0  # tokens those row-steps emitted (kept or not)
-    verify_tokens: int = 0  # tokens those row-steps sent to verification (last token + kept drafts)
-    forward_tokens: int = 0  # tokens the decode calls' verify forwards computed (padded: slots x block)
+    verify_tokens: int = 0  # tokens those row-steps sent to verification (last token + kept drafts; tree: nodes)
+    forward_tokens: int = 0  # tokens the decode calls' verify forwards computed (padded: slots x block; tree:
+    # slots x nodes)
     rows_drafted: int = 0  # (row, decode call) pairs drafted (overlap none: the verified rows themselves)
     both_halves_busy: int = 0  # overlap halves: decode calls that verified one half and drafted the other
 
