@@ -12,16 +12,17 @@ Where the target and drafter come from:
   separated, e.g. `experiment=stock_qwen3_8b_h200`, `target=qwen3_8b drafter=oracle gpu=h200 decoding=w12`).
   `--plans` names plans of that config (`ar`, `stock`, `ar_w12`, `stock_w12`, the gpu's AR baselines such as
   `ar_mosaic` on the H200, tree plans such as `tree_n16` of `decoding=tree`); each is built as
-  `Engine.from_plan` builds it (its target, weights, kernels, drafter and tree shape; a tree plan runs
-  only --batching fixed --overlap none). Prompts are the deployment's (`bench.prompts`, `bench.prompt_len`: random ids at a random-weight
-  shape); `bench.num_prompts` is raised to the requests needed and `bench.batch_size` set to the smallest
-  slot count. An oracle drafter (`drafter=oracle`: `drafter.tau`, `drafter.acceptance` or
-  `drafter.acceptance_trace`) replays each request's reference: the prompt and the target's own greedy
-  continuation, taken from the AR reference plan (the config's first AR baseline, run first at every slot
-  count, added to --plans if missing) on the same requests (`Request.draft_reference`). Rows of such a run
-  are oracle-acceptance results (the record's notes say so). `drafter=oracle_trace` does not run through
-  the engine. Without --batching / --overlap a plan keeps its own `batching` fields; with them, each given
-  value replaces the plan's draft budget, verification, token budget and overlap (policy kept).
+  `Engine.from_plan` builds it (its target, weights, kernels, drafter and tree shape; a tree plan runs only
+  --batching fixed --overlap none). Prompts are the deployment's (`bench.prompts`, `bench.prompt_len`:
+  random ids at a random-weight shape); `bench.num_prompts` is raised to the requests needed and
+  `bench.batch_size` set to the smallest slot count. An oracle drafter (`drafter=oracle`: `drafter.tau`,
+  `drafter.acceptance` or `drafter.acceptance_trace`) replays each request's reference: the prompt and the
+  target's own greedy continuation, taken from the AR reference plan (the config's first AR baseline, run
+  first at every slot count, added to --plans if missing) on the same requests (`Request.draft_reference`).
+  Rows of such a run are oracle-acceptance results (the record's notes say so). `drafter=oracle_trace` does
+  not run through the engine. Without --batching / --overlap a plan keeps its own `batching` fields; with
+  them, each given value replaces the plan's draft budget, verification, token budget and overlap (policy
+  kept).
 - `--shape smollm2`: the real SmolLM2-135M-Instruct pair (target converted from its GGUF, the packaged block
   drafter at --block), chat prompts of at most --prompt-len tokens, each request stopping at the model's
   end-of-turn token or after --new-tokens. `--shape tiny` (and --smoke): a 2-layer random target with a

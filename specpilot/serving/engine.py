@@ -56,9 +56,9 @@ import numpy as np
 
 from specpilot import sharding
 from specpilot.decoding.sampling import RequestSampling
+from specpilot.decoding.tree import check_depth
 from specpilot.models.drafter import ReplayDrafter
 from specpilot.models.oracle import OracleDrafter
-from specpilot.decoding.tree import check_depth
 from specpilot.plan import Batching, TreeShape
 from specpilot.serving import overlap as ov
 from specpilot.serving import slots as sl
@@ -187,6 +187,18 @@ def _token_budget(b: Batching, slots: int, bs: int, target) -> int:
     return min(budget, full)
 
 
+def _tree_block_size(tree: TreeShape, drafter, block_size: int | None) -> int:
+    """A tree engine's drafter block, depth + 1; `block_size` may be left out or be the plan's (the tree's
+    width max(nodes, depth + 1))."""
+    if drafter is None:
+        raise ValueError("a tree engine needs a drafter")
+    if block_size not in (None, tree.width):
+        raise ValueError(f"block_size {block_size}: a tree engine's is its width max(nodes, depth + 1) = "
+                         f"{tree.width} (or leave it out)")
+    check_depth(drafter, tree.depth)
+    return tree.depth + 1
+
+
 def _replays(drafter) -> bool:
     return isinstance(drafter, (ReplayDrafter, OracleDrafter))
 
@@ -205,14 +217,8 @@ class Engine:
                  sampling: bool = True, batching: Batching | None = None, step_cost: StepCost | None = None,
                  tree: TreeShape | None = None):
         bs = 1 if drafter is None else (block_size or drafter.block_size)
-        if tree is not None:  # the drafter's block is depth + 1; a plan's block_size (the width) may be given
-            if drafter is None:
-                raise ValueError("a tree engine needs a drafter")
-            if block_size not in (None, tree.width):
-                raise ValueError(f"block_size {block_size}: a tree engine's is its width max(nodes, depth + 1) "
-                                 f"= {tree.width} (or leave it out)")
-            check_depth(drafter, tree.depth)
-            bs = tree.depth + 1
+        if tree is not None:
+            bs = _tree_block_size(tree, drafter, block_size)
         for name, value, low in (("slots", slots, 1), ("context_len", context_len, 2),
                                  ("prefill_chunk", prefill_chunk, 1), ("block_size", bs, 1)):
             if not isinstance(value, (int, np.integer)) or value < low:
