@@ -71,7 +71,7 @@ def verify_tree_rows(keys: jax.Array, tree: Tree, target_logits: jax.Array, samp
 
     def one(k, t, logits, temp, top_p):
         row = jax.tree.map(lambda x: x[None], t)
-        last, n_acc, nxt = verify_tree(k, row, logits[None], sl._row_sampling(sampling, temp, top_p), depth,
+        last, n_acc, nxt = verify_tree(k, row, logits[None], sl.row_sampling(sampling, temp, top_p), depth,
                                        branching)
         return last[0], n_acc[0], nxt[0]
 
@@ -84,7 +84,7 @@ def decode_tree(setup: TreeEngineSetup, target_params, draft_params, state: sl.S
     [S, depth + 1] (the first emitted[b] are new), emitted [S], verified [S]: nodes each row checked)."""
     tree, ds = tree_loop.propose_tree(setup, target_params, draft_params, state.draft_state, state.last)
     logits, taps, ts = tree_loop.tree_forward(setup.target, target_params, state.target_state, tree)
-    key, verify_keys = sl._split_rows(state.key, sampling)
+    key, verify_keys = sl.split_rows(state.key, sampling)
     last, n_acc, next_token = verify_tree_rows(verify_keys, tree, logits, sampling, setup.depth, setup.branching)
     n_acc = jnp.where(active, n_acc, 0)
     n_new = jnp.where(active, n_acc + 1, 0)
