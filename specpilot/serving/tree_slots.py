@@ -12,7 +12,9 @@ Design choices:
   depths, `state.tree_mask`, `parents=`, so a hybrid target's recurrent layers take each node's state
   from its parent's), `tree.path_tokens` and `tree.commit_path` (`TargetState.gather_path`, the
   drafter extended with the taps along the path). Every row runs it; only active rows commit
-  (count 0 elsewhere: gather_path writes nothing and keeps recurrent state, as `commit(0)` does).
+  (count 0 elsewhere: gather_path writes nothing and keeps recurrent state, as `commit(0)` does). Rows
+  idle or still prefilling write uncommitted K/V that their next forward overwrites; each node sees at
+  least itself, so no query's softmax is over -inf only.
 - Acceptance: greedy path matching over the whole batch (`token_tree.accept_tree_greedy`); sampled
   steps run the recursive rejection row by row, each row a batch of one with its own key and settings
   (`verify_tree_rows`, as `slots.verify_rows` does for chains). Keys follow `tree.generate`'s loop
