@@ -11,16 +11,18 @@ Where the target and drafter come from:
 - `--deployment "<overrides>"`: the config groups of experiments/run.py, composed with Hydra (space
   separated, e.g. `experiment=stock_qwen3_8b_h200`, `target=qwen3_8b drafter=oracle gpu=h200 decoding=w12`).
   `--plans` names plans of that config (`ar`, `stock`, `ar_w12`, `stock_w12`, the gpu's AR baselines such as
-  `ar_mosaic` on the H200); each is built as `Engine.from_plan` builds it (its target, weights, kernels and
-  drafter). Prompts are the deployment's (`bench.prompts`, `bench.prompt_len`: random ids at a random-weight
-  shape); `bench.num_prompts` is raised to the requests needed and `bench.batch_size` set to the smallest
-  slot count. An oracle drafter (`drafter=oracle`: `drafter.tau`, `drafter.acceptance` or
-  `drafter.acceptance_trace`) replays each request's reference: the prompt and the target's own greedy
-  continuation, taken from the AR reference plan (the config's first AR baseline, run first at every slot
-  count, added to --plans if missing) on the same requests (`Request.draft_reference`). Rows of such a run
-  are oracle-acceptance results (the record's notes say so). `drafter=oracle_trace` does not run through
-  the engine. Without --batching / --overlap a plan keeps its own `batching` fields; with them, each given
-  value replaces the plan's draft budget, verification, token budget and overlap (policy kept).
+  `ar_mosaic` on the H200, tree plans such as `tree_n16` of `decoding=tree`); each is built as
+  `Engine.from_plan` builds it (its target, weights, kernels, drafter and tree shape; a tree plan runs only
+  --batching fixed --overlap none). Prompts are the deployment's (`bench.prompts`, `bench.prompt_len`:
+  random ids at a random-weight shape); `bench.num_prompts` is raised to the requests needed and
+  `bench.batch_size` set to the smallest slot count. An oracle drafter (`drafter=oracle`: `drafter.tau`,
+  `drafter.acceptance` or `drafter.acceptance_trace`) replays each request's reference: the prompt and the
+  target's own greedy continuation, taken from the AR reference plan (the config's first AR baseline, run
+  first at every slot count, added to --plans if missing) on the same requests (`Request.draft_reference`).
+  Rows of such a run are oracle-acceptance results (the record's notes say so). `drafter=oracle_trace` does
+  not run through the engine. Without --batching / --overlap a plan keeps its own `batching` fields; with
+  them, each given value replaces the plan's draft budget, verification, token budget and overlap (policy
+  kept).
 - `--shape smollm2`: the real SmolLM2-135M-Instruct pair (target converted from its GGUF, the packaged block
   drafter at --block), chat prompts of at most --prompt-len tokens, each request stopping at the model's
   end-of-turn token or after --new-tokens. `--shape tiny` (and --smoke): a 2-layer random target with a
@@ -31,9 +33,9 @@ count per step from the drafter's confidence under --token-budget (mechanism 1; 
 block), `budget+packed` also packs only the kept candidates into the verify forward (mechanism 2).
 --overlap: `halves` verifies one half of the slots per step while drafting the other in the same program
 (mechanism 3; a step then verifies half the slots, so the default budget is half of slots/2 x block).
---step-cost model (--deployment): the budget weighs expected accepted tokens against the cost model's
-step time of the token count (`budget.StepCost.from_predict`, the gpu's calibrated rates) instead of filling
-the token budget.
+--step-cost model (--deployment): a budget over packed verification weighs expected accepted tokens against
+the cost model's step time of the token count (`budget.StepCost.from_predict`, the gpu's calibrated rates)
+instead of filling the token budget (padded verification computes the whole block either way).
 
 Workloads, per slot count of --m and per (plan, batching, overlap), one engine compiled before any clock
 starts (`Engine.warm_up`; its seconds are each row's `compile_s`, for budgeting device time):
@@ -136,6 +138,7 @@ class PlanRun:
     replays: bool = False  # an oracle drafter: requests carry the AR reference's continuation
     batching: object = None  # the plan's own plan.Batching (deployment plans)
     lockstep: tuple | None = None  # (target, params) of an AR plan also timed in the harness's loop
+    tree: bool = False  # a tree plan: the chain-only mechanisms (--batching budget*, --overlap halves) refused
 
     @property
     def speculative(self) -> bool:
@@ -266,13 +269,14 @@ def compose_config(overrides: str, n_prompts: int, batch: int):
 def deployment_engine(dep, plan, slots: int, batching, context_len: int, prefill_chunk: int,
                       cost_setting=None) -> Engine:
     """`Engine.from_plan(dep, plan, ...)` with the bench's engine settings (greedy). With `cost_setting` (a
-    `prediction.Setting`), a confidence budget prices its token counts by the cost model's step time at
-    the rows one step verifies (`budget.StepCost.from_predict`); without, the step cost is flat."""
+    `prediction.Setting`), a confidence budget over packed verification prices its token counts by the cost
+    model's step time at the rows one step verifies (`budget.StepCost.from_predict`); padded verification
+    computes every row's whole block whatever it keeps, so its step cost stays flat, as without."""
     from specpilot.serving.budget import StepCost
 
     batching = batching or plan.batching
     cost = None
-    if cost_setting is not None and batching.draft_budget == "confidence":
+    if cost_setting is not None and batching.draft_budget == "confidence" and batching.verify == "packed":
         rows = slots // 2 if batching.overlap == "halves" else slots
         cost = StepCost.from_predict(plan, cost_setting, rows)
     return Engine.from_plan(dep, plan, slots=slots, context_len=context_len, prefill_chunk=prefill_chunk,
@@ -301,8 +305,9 @@ def deployment_setup(args, n_prompts: int) -> Setup:
         raise ValueError(f"--plans: {', '.join(unknown) or repr(args.plans)} not a plan of this config "
                          f"(decoding={cfg.decoding.name}: {', '.join(by_name)})")
     for name in wanted:
-        if by_name[name].verify not in ("ar", "chain"):
-            raise ValueError(f"--plans: {name!r} is a {by_name[name].verify} plan; the engine runs ar and chain plans")
+        if by_name[name].verify not in ("ar", "chain", "tree"):
+            raise ValueError(f"--plans: {name!r} is a {by_name[name].verify} plan; the engine runs ar, chain and "
+                             f"tree plans")
     reference = plans[0]  # the run harness's reference: the device's first AR baseline candidate
     oracle = cfg.drafter.source == "oracle" and any(by_name[n].uses_drafter for n in wanted)
     if reference.name not in wanted and (oracle or 0.0 in args.rates):
@@ -321,7 +326,7 @@ def deployment_setup(args, n_prompts: int) -> Setup:
     runs = [PlanRun(p.name, lambda s, b, c, ch, p=p: deployment_engine(dep, p, s, b, c, ch, cost_setting),
                     block=p.block_size,
                     ar_baseline=plan_mod.is_ar_baseline_candidate(p), replays=oracle and p.uses_drafter,
-                    batching=p.batching,
+                    batching=p.batching, tree=p.verify == "tree",
                     lockstep=((dep.target_for(p), dep.params_for(p)) if args.lockstep_ar == "on"
                               and plan_mod.is_ar_baseline_candidate(p) and p.mesh.is_single else None))
             for p in selected]
@@ -354,6 +359,9 @@ def check_grid(setup: Setup, args) -> None:
     for slots in args.m:
         for run in setup.plans:
             for b in batchings(setup, run, args, slots):
+                if b is not None and run.tree and (b.draft_budget, b.verify, b.overlap) != ("fixed", "padded", "none"):
+                    raise ValueError(f"--plans {run.name} is a tree plan: --batching {batching_label(b)} is "
+                                     f"chain-only; give --batching fixed --overlap none")
                 if b is not None and b.overlap == "halves" and (slots < 2 or slots % 2):
                     raise ValueError(f"--m {slots} with --overlap halves: halves splits the slots in two equal "
                                      f"halves; give even slot counts")

@@ -1,6 +1,6 @@
 """Continuous batching: each request's output through the engine equals `ar.generate`'s for it alone,
-under staggered arrivals, cancellations, slot reuse and chunked prefill; AR and chain plans; no compile
-in steady state."""
+under staggered arrivals, cancellations, slot reuse and chunked prefill; AR and chain plans (tree plans:
+test_engine_tree.py); no compile in steady state."""
 
 import jax
 import numpy as np
@@ -8,7 +8,7 @@ import pytest
 
 from specpilot.decoding import ar
 from specpilot.models import drafter as dr
-from specpilot.plan import Batching, Plan, TreeShape
+from specpilot.plan import Batching, Plan, TreeShape, TwoLevel
 from specpilot.serving import Engine, Request, check_plan
 from engine_helpers import BUDGETS, CAP, CFG, PROMPTS, TARGET, count_compiles, cut_at_stop, run_staggered
 from helpers import random_params
@@ -147,11 +147,13 @@ def test_stream_and_cancel(params, reference):
     assert engine.slots_in_use == 0 and not engine.busy
 
 
-def test_tree_and_sharded_plans_refused():
-    tree = Plan(name="wide", verify="tree", block_size=4, tree=TreeShape(nodes=4, depth=3, branching=2))
-    with pytest.raises(NotImplementedError, match=r"decoding\.plans\.wide\.verify"):
-        check_plan(tree)
+def test_two_level_plans_refused():
+    cut = Plan(name="cut", verify="two_level", block_size=4, tree=TreeShape(nodes=4, depth=3, branching=2),
+               two_level=TwoLevel("drafter_confidence", 3))
+    with pytest.raises(NotImplementedError, match=r"decoding\.plans\.cut\.verify"):
+        check_plan(cut)
     check_plan(Plan(name="stock", verify="chain", block_size=4))
+    check_plan(Plan(name="wide", verify="tree", block_size=4, tree=TreeShape(nodes=4, depth=3, branching=2)))
 
 
 def test_engine_arguments_checked(params):

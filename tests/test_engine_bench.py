@@ -1,6 +1,7 @@
 """experiments/bench_engine.py: the Poisson workload and fixed batches on the tiny random pair; a deployment
 composed from run.py's config groups (tiny random target, oracle drafter at a tau), whose oracle stock plan
-emits AR's tokens per request through the engine; speedups against AR of the same run; clear errors."""
+(and a tree plan of decoding=tree) emits AR's tokens per request through the engine; speedups against AR of
+the same run; clear errors."""
 
 import importlib.util
 import re
@@ -113,16 +114,18 @@ def test_oracle_stock_tokens_equal_ar_per_request(be):
 
 
 def test_step_cost_model_prices_the_confidence_budget(be):
-    """--step-cost model: a confidence budget's engine gets the cost model's step time of a token count (a
-    per-token slope > 0 on the CPU's rates); fixed drafts and AR keep the flat default."""
+    """--step-cost model: a packed confidence budget's engine gets the cost model's step time of a token
+    count (a per-token slope > 0 on the CPU's rates); padded budgets, fixed drafts and AR keep it flat."""
     from specpilot.serving.budget import StepCost
 
     args, _ = be.parse_args(["--deployment", DEPLOYMENT, "--m", "2", "--rates", "0", "--step-cost", "model"])
     setup = be.build_setup(args)
     ar, stock = setup.plans
-    budget = be.batching_for("budget", 2, stock.block, 0)
-    cost = stock.make(2, budget, setup.context, 8).setup.cost
+    packed = be.batching_for("budget+packed", 2, stock.block, 0)
+    cost = stock.make(2, packed, setup.context, 8).setup.cost
     assert cost != StepCost() and cost.per_token_s > 0 and cost.fixed_s > 0
+    # padded verification computes the whole block whatever a row keeps: flat, as fixed drafts and AR
+    assert stock.make(2, be.batching_for("budget", 2, stock.block, 0), setup.context, 8).setup.cost == StepCost()
     assert stock.make(2, None, setup.context, 8).setup.cost == StepCost()
     assert ar.make(2, None, setup.context, 8).setup.cost == StepCost()
 
@@ -173,3 +176,23 @@ def test_bad_deployments_exit_naming_them(be, capsys):
         with pytest.raises(SystemExit):
             be.main(["--deployment", deployment])
         assert message in capsys.readouterr().err
+
+
+TREE_DEPLOYMENT = DEPLOYMENT.replace("drafter.block_size=4", "drafter.block_size=16").replace(
+    "decoding=stock", "decoding=tree")
+
+
+def test_tree_plans_of_a_deployment_run_through_the_engine(be):
+    """--plans names a tree plan of decoding=tree: built by Engine.from_plan, AR's tokens per request."""
+    record = be.main(["--deployment", TREE_DEPLOYMENT, "--plans", "tree_n16", "--m", "2", "--rates", "0",
+                      "--new-tokens", "12", "--chunk", "16", "--lockstep-ar", "off"])
+    rows = record["rows"]
+    assert [(r["plan"], r["batching"]) for r in rows] == [("ar", "fixed"), ("tree_n16", "fixed")]
+    assert all(r["mismatched_requests"] == 0 for r in rows), rows
+    assert rows[1]["tokens_per_row_step"] > 1.5 and rows[1]["forward_tokens_per_decode"] == 2 * 16
+
+
+def test_tree_plans_refuse_chain_only_batchings(be, capsys):
+    with pytest.raises(SystemExit):
+        be.main(["--deployment", TREE_DEPLOYMENT, "--plans", "tree_n16", "--batching", "budget"])
+    assert re.search(r"--plans tree_n16 is a tree plan: --batching budget is chain-only", capsys.readouterr().err)

@@ -20,6 +20,9 @@ Design choices:
   output slack and the acceptance histogram take it); `width` = max(nodes, depth + 1) is what a step
   writes past the committed length, which capacity checks use. A chain of block Bs is the tree with
   nodes = Bs, depth = Bs - 1, branching = 1, at the same verification width.
+- The phases are made of four functions over plain states (`propose_tree`, `tree_forward`,
+  `path_tokens`, `commit_path`), which the serving engine's tree step reuses over its slots
+  (`serving.tree_slots`); they read only the setup's target, drafter and tree shape.
 - The loop calls `setup.step`, so a setup subclass changes the step and keeps prefill, loop, checks and
   statistics (`decoding.two_level`); `run(setup, ...)` is that shared driver. `record_steps` runs the
   steps one call each and keeps every step's accepted drafts (an acceptance trace, `models.oracle_trace`)
@@ -91,23 +94,55 @@ def all_done(setup: TreeSetup, state: spec.SpecState) -> jax.Array:
     return ~jnp.any(_active(setup, state))
 
 
-def draft_phase(setup: TreeSetup, target_params, draft_params, state: spec.SpecState):
-    """-> (state with the draft context advanced, tree). The tree is built from the drafter's own
+def propose_tree(setup, target_params, draft_params, draft_state, last: jax.Array):
+    """The drafter's one forward at block depth + 1 after `last` [B], and the tree built from its own
     log-probabilities whatever the sampling: which tree is verified never changes the output
-    distribution (`token_tree`)."""
-    draft_logits, draft_state = setup.drafter.propose(draft_params, target_params, state.draft_state,
-                                                      state.last, setup.block_size)
-    tree = build_tree(jax.nn.log_softmax(draft_logits.astype(jnp.float32), axis=-1), state.last,
+    distribution (`token_tree`) -> (tree, draft state). `setup`: any value with target, drafter, nodes,
+    depth, branching and block_size (`TreeSetup`, the serving engine's `TreeEngineSetup`)."""
+    draft_logits, draft_state = setup.drafter.propose(draft_params, target_params, draft_state, last,
+                                                      setup.block_size)
+    tree = build_tree(jax.nn.log_softmax(draft_logits.astype(jnp.float32), axis=-1), last,
                       setup.nodes, setup.depth, setup.branching)
+    return tree, draft_state
+
+
+def tree_forward(target, target_params, target_state, tree):
+    """One target forward over the tree's nodes (positions lengths + depths, `tree_mask`, parents)
+    -> (logits [B, N, V], taps, state with the nodes' K/V and per-node recurrent states written)."""
+    positions = target_state.lengths[:, None] + tree.depths
+    return target.forward(target_params, tree.tokens, positions, target_state,
+                          tree_mask(target_state, tree.ancestors), parents=tree.parents)
+
+
+def path_tokens(tree, last: jax.Array, n_acc: jax.Array, next_token: jax.Array, length: int):
+    """-> (path [B, length]: node indices of the root path to `last`, root first; emit [B, length]: the
+    accepted drafts along it, then the next token; entries past n_acc + 1 are filler)."""
+    path = root_path(tree, last, length)
+    idx = jnp.arange(length, dtype=jnp.int32)[None, :]
+    tokens = jnp.take_along_axis(tree.tokens, path, axis=1)  # [B, length], the root first
+    shifted = jnp.concatenate([tokens[:, 1:], tokens[:, :1]], axis=1)
+    return path, jnp.where(idx < n_acc[:, None], shifted, next_token[:, None])
+
+
+def commit_path(setup, target_params, draft_params, target_state, draft_state, taps, path: jax.Array,
+                n_new: jax.Array):
+    """Commit each row's first n_new [B] path nodes: the target state gathers them to consecutive slots
+    (`TargetState.gather_path`), the drafter's context extends by the taps gathered along the same path
+    -> (target state, draft state), at equal lengths."""
+    path_taps = jnp.take_along_axis(taps, path[:, :, None], axis=1)  # [B, P, F]
+    draft_state = setup.drafter.extend(draft_params, target_params, draft_state, path_taps, n_new)
+    return target_state.gather_path(path, n_new), draft_state
+
+
+def draft_phase(setup: TreeSetup, target_params, draft_params, state: spec.SpecState):
+    """-> (state with the draft context advanced, tree) (`propose_tree`)."""
+    tree, draft_state = propose_tree(setup, target_params, draft_params, state.draft_state, state.last)
     return dataclasses.replace(state, draft_state=draft_state), tree
 
 
 def verify_phase(setup: TreeSetup, target_params, state: spec.SpecState, tree):
     """One target forward over the tree's nodes -> (state with K/V written, logits [B, N, V], taps)."""
-    ts = state.target_state
-    positions = ts.lengths[:, None] + tree.depths
-    logits, taps, ts = setup.target.forward(target_params, tree.tokens, positions, ts,
-                                            tree_mask(ts, tree.ancestors), parents=tree.parents)
+    logits, taps, ts = tree_forward(setup.target, target_params, state.target_state, tree)
     return dataclasses.replace(state, target_state=ts), logits, taps
 
 
@@ -121,11 +156,8 @@ def accept_phase(setup: TreeSetup, target_params, draft_params, state: spec.Spec
                                           setup.branching)
     n_acc = jnp.where(active, n_acc, 0)
     n_new = jnp.where(active, n_acc + 1, 0)
-    path = root_path(tree, last, length)  # [B, D+1]
+    path, emit = path_tokens(tree, last, n_acc, next_token, length)  # [B, D+1] each
     idx = jnp.arange(length, dtype=jnp.int32)[None, :]
-    path_tokens = jnp.take_along_axis(tree.tokens, path, axis=1)  # [B, D+1], the root first
-    shifted = jnp.concatenate([path_tokens[:, 1:], path_tokens[:, :1]], axis=1)
-    emit = jnp.where(idx < n_acc[:, None], shifted, next_token[:, None])
     out = jax.vmap(lambda row, e, s: jax.lax.dynamic_update_slice(row, e, (s,)))(state.out, emit, state.n_out)
     take = jnp.minimum(n_new, state.budget - state.n_out)
     stopped = state.stopped
@@ -133,11 +165,11 @@ def accept_phase(setup: TreeSetup, target_params, draft_params, state: spec.Spec
         hit = (emit == setup.stop_token) & (idx < take[:, None])
         take = jnp.where(hit.any(axis=1), jnp.argmax(hit, axis=1).astype(jnp.int32) + 1, take)
         stopped = stopped | hit.any(axis=1)
-    path_taps = jnp.take_along_axis(taps, path[:, :, None], axis=1)  # [B, D+1, F]
-    draft_state = setup.drafter.extend(draft_params, target_params, state.draft_state, path_taps, n_new)
+    target_state, draft_state = commit_path(setup, target_params, draft_params, state.target_state,
+                                            state.draft_state, taps, path, n_new)
     hist = state.accept_hist.at[n_acc].add(active.astype(jnp.int32))
     return dataclasses.replace(
-        state, target_state=state.target_state.gather_path(path, n_new), draft_state=draft_state,
+        state, target_state=target_state, draft_state=draft_state,
         last=jnp.where(active, next_token, state.last), out=out, n_out=state.n_out + take, key=key,
         steps=state.steps + active.astype(jnp.int32), emitted=state.emitted + take,
         accepted=state.accepted + n_new, accept_hist=hist, stopped=stopped)

@@ -38,7 +38,11 @@ Design choices:
   Stats count the tokens rows sent to verification, the tokens the verify forward computed, the rows
   each decode verified and drafted, and (halves) the decodes that had both halves busy.
 - A newly prefilled row starts decoding at the next step (its first token must be known to the host to
-  apply its budget and stop token); tree plans are refused (NotImplementedError) for now.
+  apply its budget and stop token).
+- Tree plans (`tree=` a `plan.TreeShape`; `from_plan` passes a tree plan's) decode with
+  `tree_slots.decode_tree`: each step drafts a token tree per row, verifies its nodes in one forward,
+  and emits up to depth + 1 tokens per row. The batching mechanisms above are chain-only: a tree engine
+  refuses them (NotImplementedError naming the field); two_level plans are refused.
 - Sharded targets (a plan's mesh) need nothing of their own here: the slot state is a batch like any
   other, so its rows spread over the mesh's data axis and heads over its tensor axis by the target's state
   specs (`specpilot.sharding`), and the AOT cache compiles each step for those shardings. The slots must
@@ -59,11 +63,13 @@ import numpy as np
 
 from specpilot import sharding
 from specpilot.decoding.sampling import RequestSampling
+from specpilot.decoding.tree import check_depth
 from specpilot.models.drafter import ReplayDrafter
 from specpilot.models.oracle import OracleDrafter
-from specpilot.plan import Batching
+from specpilot.plan import Batching, TreeShape
 from specpilot.serving import overlap as ov
 from specpilot.serving import slots as sl
+from specpilot.serving import tree_slots
 from specpilot.serving.budget import StepCost
 from specpilot.serving.packed import check_packable
 from specpilot.serving.request import Request, RequestError, check_request
@@ -128,8 +134,9 @@ class EngineStats:
     decode_calls: int = 0
     decode_row_steps: int = 0  # (active row, decode step) pairs
     decode_tokens: int = 0  # tokens those row-steps emitted (kept or not)
-    verify_tokens: int = 0  # tokens those row-steps sent to verification (last token + kept drafts)
-    forward_tokens: int = 0  # tokens the decode calls' verify forwards computed (padded: slots x block)
+    verify_tokens: int = 0  # tokens those row-steps sent to verification (last token + kept drafts; tree: nodes)
+    forward_tokens: int = 0  # tokens the decode calls' verify forwards computed (padded: slots x block; tree:
+    # slots x nodes)
     rows_drafted: int = 0  # (row, decode call) pairs drafted (overlap none: the verified rows themselves)
     both_halves_busy: int = 0  # overlap halves: decode calls that verified one half and drafted the other
 
@@ -164,9 +171,21 @@ class EngineStats:
 
 def check_plan(plan) -> None:
     """Plans the engine cannot run yet are refused, naming the plan and field."""
-    if plan.verify == "tree":
-        raise NotImplementedError(f"decoding.plans.{plan.name}.verify: tree plans do not run through the "
-                                  f"engine yet; use an ar or chain plan")
+    if plan.verify == "two_level":
+        raise NotImplementedError(f"decoding.plans.{plan.name}.verify: two_level plans do not run through the "
+                                  f"engine yet; use an ar, chain or tree plan")
+
+
+TREE_BATCHING = (("draft_budget", "fixed"), ("verify", "padded"), ("overlap", "none"))  # what a tree step runs
+
+
+def check_tree_batching(b: Batching, where: str = "the engine's") -> None:
+    """A tree engine verifies every row's whole tree each step: the chain-only mechanisms are refused
+    (a tree plan's own batching cannot hold them, `Plan`; an engine's batching argument may)."""
+    for field, plain in TREE_BATCHING:
+        if getattr(b, field) != plain:
+            raise NotImplementedError(f"{where}.batching.{field}: {getattr(b, field)!r} is not implemented for "
+                                      f"tree plans (every row verifies its whole tree); use {field}: {plain}")
 
 
 def _token_budget(b: Batching, slots: int, bs: int, target) -> int:
@@ -192,6 +211,18 @@ def _token_budget(b: Batching, slots: int, bs: int, target) -> int:
     return min(budget, full)
 
 
+def _tree_block_size(tree: TreeShape, drafter, block_size: int | None) -> int:
+    """A tree engine's drafter block, depth + 1; `block_size` may be left out or be the plan's (the tree's
+    width max(nodes, depth + 1))."""
+    if drafter is None:
+        raise ValueError("a tree engine needs a drafter")
+    if block_size not in (None, tree.width):
+        raise ValueError(f"block_size {block_size}: a tree engine's is its width max(nodes, depth + 1) = "
+                         f"{tree.width} (or leave it out)")
+    check_depth(drafter, tree.depth)
+    return tree.depth + 1
+
+
 def _replays(drafter) -> bool:
     return isinstance(drafter, (ReplayDrafter, OracleDrafter))
 
@@ -207,8 +238,11 @@ class Engine:
 
     def __init__(self, target, target_params, drafter=None, draft_params=None, *, block_size: int | None = None,
                  slots: int = 4, context_len: int = 256, prefill_chunk: int = 32, top_k: int = 0,
-                 sampling: bool = True, batching: Batching | None = None, step_cost: StepCost | None = None):
+                 sampling: bool = True, batching: Batching | None = None, step_cost: StepCost | None = None,
+                 tree: TreeShape | None = None):
         bs = 1 if drafter is None else (block_size or drafter.block_size)
+        if tree is not None:
+            bs = _tree_block_size(tree, drafter, block_size)
         for name, value, low in (("slots", slots, 1), ("context_len", context_len, 2),
                                  ("prefill_chunk", prefill_chunk, 1), ("block_size", bs, 1)):
             if not isinstance(value, (int, np.integer)) or value < low:
@@ -221,6 +255,9 @@ class Engine:
         limit = getattr(target, "max_block_size", None)  # recurrent targets keep <= limit token states
         if limit is not None and bs > limit:
             raise ValueError(f"block size {bs} exceeds the target's max_block_size {limit}")
+        if limit is not None and tree is not None and tree.width > limit:
+            raise ValueError(f"a tree of {tree.nodes} nodes exceeds the target's max_block_size {limit} (the "
+                             f"per-node recurrent states one verification keeps)")
         if _replays(drafter) and sampling:
             sampling = isinstance(drafter, ReplayDrafter)  # the oracle drafter's one-hot drafts: greedy only
         mesh = getattr(target, "mesh", None)
@@ -229,11 +266,15 @@ class Engine:
                                      f"slots ({slots})")
         target.check_params(target_params)
         self.batching = batching or Batching()
+        if tree is not None:
+            check_tree_batching(self.batching)
         rows = ov.check_overlap(self.batching.overlap, int(slots), int(bs), target)  # verified per decode
-        budget = _token_budget(self.batching, rows, int(bs), target)
-        self.setup = sl.EngineSetup(target, drafter if bs > 1 else None, int(bs), int(context_len),
-                                    int(prefill_chunk), int(top_k), self.batching.draft_budget,
-                                    self.batching.verify, budget, step_cost or StepCost(), self.batching.overlap)
+        budget = _token_budget(self.batching, rows, int(bs) if tree is None else tree.nodes, target)
+        args = (target, drafter if bs > 1 else None, int(bs), int(context_len),
+                int(prefill_chunk), int(top_k), self.batching.draft_budget, self.batching.verify, budget,
+                step_cost or StepCost(), self.batching.overlap)
+        self.setup = sl.EngineSetup(*args) if tree is None else tree_slots.TreeEngineSetup(
+            *args, nodes=tree.nodes, depth=tree.depth, branching=tree.branching)
         self.rows_per_verify = rows
         self.slots, self.sampling = int(slots), bool(sampling)
         self.target_params = target_params
@@ -256,13 +297,18 @@ class Engine:
 
     @classmethod
     def from_plan(cls, deployment, plan, **kwargs) -> "Engine":
-        """The engine of one of a deployment's plans (its target, weights, drafter and batching)."""
+        """The engine of one of a deployment's plans (its target, weights, drafter and batching; a
+        `batching` argument replaces the plan's)."""
         check_plan(plan)
+        if plan.verify == "tree":
+            check_tree_batching(kwargs.get("batching") or plan.batching, f"decoding.plans.{plan.name}")
         drafter, dparams = deployment.drafter_for(plan) if plan.uses_drafter else (None, None)
         if isinstance(drafter, OracleDrafter):  # a deployment keeps the inner drafter's params; the
             # oracle's own (a reference the engine fills per slot, a key) wrap them
             dparams = OracleDrafter.make_params(dparams, np.zeros((int(kwargs.get("slots", 4)), 1), np.int32))
         kwargs.setdefault("batching", plan.batching)
+        if plan.verify == "tree":
+            kwargs["tree"] = plan.tree
         return cls(deployment.target_for(plan), deployment.params_for(plan), drafter, dparams,
                    block_size=plan.block_size if plan.uses_drafter else None, **kwargs)
 
@@ -295,7 +341,10 @@ class Engine:
         if which.startswith("halves"):  # halves0, halves1: the parity of the verified half
             return sl.compiled(ov.decode_halves_jit, (setup, int(which[-1])), tp, dp, state,
                                jax.eval_shape(lambda: self.prepared), flag, flag, self._sampling_shape(greedy))
-        decode = sl.decode_chain_jit if setup.uses_drafter else sl.decode_ar_jit
+        if isinstance(setup, tree_slots.TreeEngineSetup):
+            decode = tree_slots.decode_tree_jit
+        else:
+            decode = sl.decode_chain_jit if setup.uses_drafter else sl.decode_ar_jit
         return sl.compiled(decode, setup, tp, dp, state, flag, self._sampling_shape(greedy))
 
     def warm_up(self) -> None:
@@ -485,6 +534,8 @@ class Engine:
 
     def _forward_tokens(self) -> int:
         """Tokens one decode's verify forward computes."""
+        if isinstance(self.setup, tree_slots.TreeEngineSetup):
+            return self.rows_per_verify * self.setup.nodes
         if self.setup.verify == "packed":
             return self.setup.token_budget
         return self.rows_per_verify * self.setup.block_size

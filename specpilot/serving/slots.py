@@ -125,7 +125,8 @@ def reset_slots(setup: EngineSetup, state: SlotState, mask: jax.Array, seeds: ja
 # Per-row sampling: row b draws as a batch of one with its own key
 
 
-def _row_sampling(sampling: RequestSampling, t, p) -> RequestSampling:
+def row_sampling(sampling: RequestSampling, t, p) -> RequestSampling:
+    """One row's temperature t and top-p p as the settings of a batch of one (the chain and tree steps)."""
     return RequestSampling(t[None], p[None], greedy=False, top_k=sampling.top_k)
 
 
@@ -133,7 +134,7 @@ def sample_rows(keys: jax.Array, logits: jax.Array, sampling: RequestSampling) -
     """keys [S] (typed), logits [S, ..., V] -> tokens [S, ...] int32."""
     if sampling.greedy:
         return jnp.argmax(logits, axis=-1).astype(jnp.int32)
-    return jax.vmap(lambda k, x, t, p: sample(k, x[None], _row_sampling(sampling, t, p))[0])(
+    return jax.vmap(lambda k, x, t, p: sample(k, x[None], row_sampling(sampling, t, p))[0])(
         keys, logits, sampling.temperature, sampling.top_p)
 
 
@@ -143,13 +144,13 @@ def verify_rows(keys, drafts, draft_logits, target_logits, sampling: RequestSamp
         return accept_greedy(drafts, target_logits, kept)
 
     def one(k, d, dl, tl, t, p, c):
-        n, nxt = verify_chain(k, d[None], dl[None], tl[None], _row_sampling(sampling, t, p), c[None])
+        n, nxt = verify_chain(k, d[None], dl[None], tl[None], row_sampling(sampling, t, p), c[None])
         return n[0], nxt[0]
 
     return jax.vmap(one)(keys, drafts, draft_logits, target_logits, sampling.temperature, sampling.top_p, kept)
 
 
-def _split_rows(key_data: jax.Array, sampling: RequestSampling):
+def split_rows(key_data: jax.Array, sampling: RequestSampling):
     """-> (carried key data [S, 2], subkeys [S] typed); greedy splits nothing (as `spec._split`)."""
     keys = jax.random.wrap_key_data(key_data)
     if sampling.greedy:
@@ -184,7 +185,7 @@ def prefill_chunk(setup: EngineSetup, target_params, draft_params, state: SlotSt
         ds = setup.drafter.extend(draft_params, target_params, ds, taps, counts)
     last_logits = jnp.take_along_axis(logits, jnp.maximum(counts - 1, 0)[:, None, None], axis=1)[:, 0]
     if setup.uses_drafter:  # spec.generate: key, key_first = split(key)
-        key, first_keys = _split_rows(state.key, sampling)
+        key, first_keys = split_rows(state.key, sampling)
     else:  # ar.generate: token 0 takes split(key, N)[0]
         key, first_keys = state.key, _ar_keys(setup, state.key, jnp.zeros_like(counts))
     first = sample_rows(first_keys, last_logits, sampling)
@@ -216,7 +217,7 @@ def draft_rows(setup: EngineSetup, target_params, draft_params, state: SlotState
                sampling: RequestSampling):
     """Draft Bs-1 tokens for every row from its committed state -> (state with the drafter's scratch
     written and the active rows' keys advanced, drafts [S, Bs-1], draft logits [S, Bs-1, V])."""
-    key, draft_keys = _split_rows(state.key, sampling)
+    key, draft_keys = split_rows(state.key, sampling)
     draft_logits, ds = setup.drafter.propose(draft_params, target_params, state.draft_state, state.last,
                                              setup.block_size)
     drafts = sample_rows(draft_keys, draft_logits, sampling)  # [S, Bs-1]
@@ -238,7 +239,7 @@ def verify_drafts(setup: EngineSetup, target_params, draft_params, state: SlotSt
                                                  state.target_state, setup.token_budget)
     else:
         target_logits, taps, ts = chain_forward(setup.target, target_params, block, state.target_state)
-    key, verify_keys = _split_rows(state.key, sampling)
+    key, verify_keys = split_rows(state.key, sampling)
     n_acc, next_token = verify_rows(verify_keys, drafts, draft_logits, target_logits, sampling, kept)
     n_new = jnp.where(active, n_acc + 1, 0)
     idx = jnp.arange(bs, dtype=jnp.int32)[None, :]

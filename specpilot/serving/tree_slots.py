@@ -1,0 +1,100 @@
+"""The engine's tree step: draft a token tree for every slot, verify its nodes in one target forward,
+accept a root path, commit it for the active rows.
+
+Design choices:
+- The slots are `slots.py`'s (`SlotState`, reset, chunked prefill, keys); only the decode step differs.
+  `TreeEngineSetup` is an `EngineSetup` with the tree shape added: `block_size` is depth + 1 (the
+  drafter's block and the most tokens one step emits), and `max_len` covers the widest write, a tree
+  step's `width` = max(nodes, depth + 1) past the committed length (the verify forward's N nodes, the
+  drafter's block), or a prefill chunk.
+- The step is `decoding/tree.py`'s, over the slots: `tree.propose_tree` (the drafter's one forward,
+  `token_tree.build_tree` from its log-probabilities), `tree.tree_forward` (positions lengths +
+  depths, `state.tree_mask`, `parents=`, so a hybrid target's recurrent layers take each node's state
+  from its parent's), `tree.path_tokens` and `tree.commit_path` (`TargetState.gather_path`, the
+  drafter extended with the taps along the path). Every row runs it; only active rows commit
+  (count 0 elsewhere: gather_path writes nothing and keeps recurrent state, as `commit(0)` does). Rows
+  idle or still prefilling write uncommitted K/V that their next forward overwrites; each node sees at
+  least itself, so no query's softmax is over -inf only.
+- Acceptance: greedy path matching over the whole batch (`token_tree.accept_tree_greedy`); sampled
+  steps run the recursive rejection row by row, each row a batch of one with its own key and settings
+  (`verify_tree_rows`, as `slots.verify_rows` does for chains). Keys follow `tree.generate`'s loop
+  state: prefill splits once (`slots.prefill_chunk`), each step splits once for verification and the
+  draft draws nothing, so a sampled request reproduces `tree.generate` of it alone with its seed.
+- Each step returns up to depth + 1 tokens per row; the host applies budgets and stop tokens, as for
+  chains. A row verifies all N nodes (the tree has no per-row budget): the engine's batching
+  mechanisms (confidence budget, packed verify, halves) are chain-only and refused for tree plans.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+
+from specpilot.decoding import tree as tree_loop
+from specpilot.decoding.sampling import RequestSampling
+from specpilot.decoding.token_tree import Tree, accept_tree_greedy, check_shape, verify_tree
+from specpilot.serving import slots as sl
+
+
+@dataclasses.dataclass(frozen=True)
+class TreeEngineSetup(sl.EngineSetup):
+    """An engine's static setup for tree verification (block_size = depth + 1)."""
+
+    nodes: int = 2  # tokens one verification checks per row: the last token + nodes - 1 drafted nodes
+    depth: int = 1  # deepest drafted node
+    branching: int = 1  # candidates per block position (top-k)
+
+    def __post_init__(self):
+        check_shape(self.nodes, self.depth, self.branching)
+        if self.drafter is None:
+            raise ValueError("a tree step needs a drafter")
+        if self.block_size != self.depth + 1:
+            raise ValueError(f"a tree setup's block_size is depth + 1 = {self.depth + 1}, got {self.block_size}")
+
+    @property
+    def width(self) -> int:
+        """Slots one tree step writes past the committed length."""
+        return max(self.nodes, self.depth + 1)
+
+    @property
+    def max_len(self) -> int:
+        return self.context_len + max(self.prefill_chunk, self.width)
+
+
+def verify_tree_rows(keys: jax.Array, tree: Tree, target_logits: jax.Array, sampling: RequestSampling,
+                     depth: int, branching: int):
+    """Tree acceptance row by row -> (last accepted node [S], accepted drafts [S], next token [S]).
+    keys [S] (typed); target_logits [S, N, V]."""
+    if sampling.greedy:
+        return accept_tree_greedy(tree, target_logits, depth)
+
+    def one(k, t, logits, temp, top_p):
+        row = jax.tree.map(lambda x: x[None], t)
+        last, n_acc, nxt = verify_tree(k, row, logits[None], sl.row_sampling(sampling, temp, top_p), depth,
+                                       branching)
+        return last[0], n_acc[0], nxt[0]
+
+    return jax.vmap(one)(keys, tree, target_logits, sampling.temperature, sampling.top_p)
+
+
+def decode_tree(setup: TreeEngineSetup, target_params, draft_params, state: sl.SlotState, active: jax.Array,
+                sampling: RequestSampling):
+    """Draft a tree, verify it, accept a path + one token, for every active row -> (state, emitted tokens
+    [S, depth + 1] (the first emitted[b] are new), emitted [S], verified [S]: nodes each row checked)."""
+    tree, ds = tree_loop.propose_tree(setup, target_params, draft_params, state.draft_state, state.last)
+    logits, taps, ts = tree_loop.tree_forward(setup.target, target_params, state.target_state, tree)
+    key, verify_keys = sl.split_rows(state.key, sampling)
+    last, n_acc, next_token = verify_tree_rows(verify_keys, tree, logits, sampling, setup.depth, setup.branching)
+    n_acc = jnp.where(active, n_acc, 0)
+    n_new = jnp.where(active, n_acc + 1, 0)
+    path, emit = tree_loop.path_tokens(tree, last, n_acc, next_token, setup.block_size)  # [S, D+1] each
+    ts, ds = tree_loop.commit_path(setup, target_params, draft_params, ts, ds, taps, path, n_new)
+    state = sl.SlotState(ts, ds, jnp.where(active, next_token, state.last), state.n_out + n_new,
+                         jnp.where(active[:, None], key, state.key))
+    return state, emit, n_new, jnp.where(active, setup.nodes, 0).astype(jnp.int32)
+
+
+decode_tree_jit = functools.partial(jax.jit, static_argnums=0, donate_argnames=("state",))(decode_tree)
