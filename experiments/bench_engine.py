@@ -56,29 +56,22 @@ Every row reports `mismatched_requests`: requests whose tokens differ from the A
 requests at the same slot count (0 is the lossless check; oracle acceptance must not change a token).
 The JSON record (--out) is rewritten after every row, so a run cut short keeps what it measured.
 
-Oracle caveat (specpilot.models.oracle): its drafts are one-hot, all equally confident, so `budget`
-(mechanism 1) cannot tell likely drafts from unlikely ones under it. (Its acceptance draws are salted per
-row by a hash of the reference tokens each step drafts, so rows of a fixed batch at equal lengths draw apart.)
+Oracle drafters: `drafter=oracle` drafts one-hot, all equally confident, so `budget` (mechanism 1) has no
+signal under it; `drafter=oracle_calibrated` draws each draft's confidence from a trained pair's recorded
+ones (`specpilot.models.confidence_trace`).
 
-H200, Qwen3-8B shape (random bf16 weights, oracle drafter at GSM8K's tau 6.27, block 16, 512-token random
-prompts). Every (plan, slot count) engine compiles its steps first (and each --batching x --overlap
-value is one more engine); if one command would pass the machine's per-command limit, split --m over
-commands and give them the same --compile-cache:
+H200, Qwen3-8B shape (random bf16 weights, oracle at GSM8K's tau 6.27, block 16, 512-token random prompts;
+numbers and where the time goes: docs/performance.md). Each (plan, slot count, batching) is one engine
+compiled first (~20-30 s); past the per-command limit, split --m over commands with one --compile-cache:
 
-    # fixed batch sweep, AR vs stock (12 engines)
-    PYTHONPATH=. python experiments/bench_engine.py --deployment "experiment=stock_qwen3_8b_h200" \\
-        --plans ar,stock --m 1,4,8,16,32,64 --rates 0 --new-tokens 256 --compile-cache /tmp/xla \\
-        --out engine_8b_fixed.json
-    # the three mechanisms at 16 and 32 slots (per slot count: AR + 6 stock engines)
-    PYTHONPATH=. python experiments/bench_engine.py --deployment "experiment=stock_qwen3_8b_h200" \\
-        --plans ar,stock --m 16,32 --rates 0 --new-tokens 256 --batching fixed,budget,budget+packed \\
-        --overlap none,halves --compile-cache /tmp/xla --out engine_8b_mechanisms.json
-    # 12-bit weights beside bf16 (W12 through the Mosaic kernel: not yet run through the engine)
-    ... --deployment "experiment=stock_qwen3_8b_h200 decoding=w12" --plans ar,stock,ar_w12,stock_w12 ...
-    # the gpu's AR baselines, XLA and the Mosaic twin: speedups are over the faster (DESIGN.md)
-    ... --plans ar,ar_mosaic,stock ...
-    # arrivals instead of a fixed batch (per-request budgets in [1, 256])
-    ... --plans ar,stock --m 16 --rates 2,8 --requests 64 --new-tokens 256 ...
+    PYTHONPATH=. python experiments/bench_engine.py \
+        --deployment "experiment=stock_qwen3_8b_h200 drafter=oracle_calibrated" --plans ar,stock \
+        --m 16,32 --rates 0,4 --requests 32 --new-tokens 256 --batching fixed,budget,budget+packed \
+        --step-cost model --compile-cache /tmp/xla --out engine_8b_mechanisms.json
+    ... --m 1,4,8,64 --rates 0                       # the fixed-batch sweep
+    ... --overlap none,halves                        # mechanism 3 (even slot counts)
+    ... --trace-top 12                               # the decode's top device kernels per fixed row
+    ... --deployment "experiment=stock_qwen3_8b_h200 decoding=tree" --plans ar,tree_n16   # tree plans
 """
 
 from __future__ import annotations

@@ -34,12 +34,13 @@ def reference(params):
     return [row.tolist() for row in res.tokens]
 
 
-def requests_with_stops(reference):
-    """Budgets as BUDGETS; request 1 and 6 stop at a token their own continuation emits."""
+def requests_with_stops(reference, replay=False):
+    """Budgets as BUDGETS; request 1 and 6 stop at a token their own continuation emits; replay: each
+    carries its prompt and continuation for a replaying drafter."""
     out = []
     for i, (p, b) in enumerate(zip(PROMPTS, BUDGETS)):
         stop = reference[i][3] if i in (1, 6) else None
-        out.append(Request(p, b, stop_token=stop))
+        out.append(Request(p, b, stop_token=stop, draft_reference=list(p) + reference[i] if replay else None))
     return out
 
 

@@ -5,32 +5,14 @@ chosen draft counts stay within the token budget, static waves, and refused batc
 import jax.numpy as jnp
 import pytest
 
-from specpilot.decoding import ar
-from specpilot.models import dense
 from specpilot.models import drafter as dr
 from specpilot.plan import Batching
 from specpilot.serving import Engine, Request
 from specpilot.serving.budget import StepCost
-from engine_helpers import BUDGETS, CAP, CFG, PROMPTS, TARGET
-from helpers import random_params
+from engine_helpers import BUDGETS, CFG, PROMPTS, TARGET
+from test_engine import block_drafter, params, reference  # noqa: F401 (the same module fixtures)
 
 ARRIVALS = [0, 0, 1, 3, 3, 4, 9, 10]
-
-
-@pytest.fixture(scope="module")
-def params():
-    return random_params(dense.param_shapes(CFG), 0.5, 0)
-
-
-@pytest.fixture(scope="module")
-def reference(params):
-    return [row.tolist() for row in ar.generate(TARGET, params, PROMPTS, CAP + 8).tokens]
-
-
-@pytest.fixture(scope="module")
-def block_drafter():
-    dcfg = dr.DrafterConfig.for_target(CFG, num_layers=1, block_size=4)
-    return dr.BlockDrafter(dcfg, CFG), random_params(dr.param_shapes(dcfg), 0.5, 1)
 
 
 def run_recording(engine, requests, arrivals, max_steps=500):

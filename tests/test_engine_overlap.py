@@ -3,10 +3,8 @@ under staggered arrivals, stops, cancellations and slot reuse, alone and with th
 the step stats; nothing compiles in steady state; bad values refused; the field flips by config and
 is kept by a saved plan's fields."""
 
-import jax
 import pytest
 
-from specpilot import plan as plan_mod
 from specpilot.decoding import ar, spec
 from specpilot.models import drafter as dr
 from specpilot.plan import Batching, Plan, PlanError

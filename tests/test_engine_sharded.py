@@ -2,29 +2,18 @@
 tensor axis; each request's output equals one-device `ar.generate`'s, and the slot state is sharded as
 the plan's mesh says (inspected, not only the outputs)."""
 
-import jax
 import jax.numpy as jnp
 import pytest
 from jax.sharding import PartitionSpec as P
 
 from specpilot import sharding
-from specpilot.decoding import ar
 from specpilot.models import dense
 from specpilot.models import drafter as dr
 from specpilot.serving import Engine
-from engine_helpers import CAP, CFG, PROMPTS, TARGET, run_staggered
+from engine_helpers import CFG, run_staggered
 from helpers import random_params
+from test_engine import params, reference  # noqa: F401 (the same module fixtures)
 from test_engine import ARRIVALS, CANCELS, check_outputs, requests_with_stops
-
-
-@pytest.fixture(scope="module")
-def params():
-    return random_params(dense.param_shapes(CFG), 0.5, 0)
-
-
-@pytest.fixture(scope="module")
-def reference(params):
-    return [row.tolist() for row in ar.generate(TARGET, params, PROMPTS, CAP + 8).tokens]
 
 
 def _mesh(data, tensor):

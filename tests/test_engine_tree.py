@@ -16,50 +16,13 @@ from specpilot.plan import Batching, Plan, PlanError, TreeShape, TwoLevel
 from specpilot.serving import Engine, Request, check_plan
 from engine_helpers import BUDGETS, CAP, CFG, PROMPTS, TARGET, count_compiles, cut_at_stop, run_staggered
 from helpers import random_params
+from test_engine import ARRIVALS, CANCELS, check_outputs, requests_with_stops
+from test_engine import block_drafter, params, reference  # noqa: F401 (the same module fixtures)
 
-ARRIVALS = [0, 0, 1, 3, 3, 4, 9, 10]  # more requests than slots: later ones wait for freed slots
-CANCELS = {4: 5}  # request 4 (budget 16) is cancelled after step 5
 SHAPES = {"n6d3b2": TreeShape(nodes=6, depth=3, branching=2),  # width 6 > the drafter's block 4
           "chain4": TreeShape(nodes=4, depth=3, branching=1)}  # the chain of block 4 as a tree
 ENGINE = dict(slots=3, context_len=48, prefill_chunk=8)
 CACHE_LEN = 64  # tree.generate's cache for single-request references: one compile for every prompt
-
-
-@pytest.fixture(scope="module")
-def params():
-    return random_params(dense.param_shapes(CFG), 0.5, 0)
-
-
-@pytest.fixture(scope="module")
-def reference(params):
-    """Each prompt's greedy AR continuation, CAP + 8 tokens (a replaying drafter reads past the budget)."""
-    return [row.tolist() for row in ar.generate(TARGET, params, PROMPTS, CAP + 8).tokens]
-
-
-@pytest.fixture(scope="module")
-def block_drafter():
-    dcfg = dr.DrafterConfig.for_target(CFG, num_layers=1, block_size=4)
-    return dr.BlockDrafter(dcfg, CFG), random_params(dr.param_shapes(dcfg), 0.5, 1)
-
-
-def requests_with_stops(reference, replay=False):
-    """Budgets as BUDGETS; requests 1 and 6 stop at a token their own continuation emits."""
-    out = []
-    for i, (p, b) in enumerate(zip(PROMPTS, BUDGETS)):
-        stop = reference[i][3] if i in (1, 6) else None
-        out.append(Request(p, b, stop_token=stop, draft_reference=list(p) + reference[i] if replay else None))
-    return out
-
-
-def check_outputs(handles, requests, reference, cancelled=CANCELS):
-    for i, (h, r) in enumerate(zip(handles, requests)):
-        want = cut_at_stop(reference[i][: r.max_new_tokens], r.stop_token)
-        if i in cancelled:
-            assert h.finish_reason == "cancelled"
-            assert h.tokens == want[: len(h.tokens)] and len(h.tokens) < len(want), i
-        else:
-            assert h.tokens == want, i
-            assert h.finish_reason == ("stop" if r.stop_token in want else "length"), i
 
 
 @pytest.mark.parametrize("shape", list(SHAPES))
