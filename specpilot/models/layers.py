@@ -67,8 +67,13 @@ def cache_attention(q: jax.Array, kv, start: jax.Array | None, mask: jax.Array,
     `chain_positions` lets query t see slots <= start + t (counts = T), and `prompt_mask` adds slots
     < start + lengths[b], so query t sees slots < start + min(t + 1, lengths[b]) (counts = the row's
     prompt tokens in the chunk); both show every slot < start, and the serving engine picks one of the
-    two per row. start None (a layout without per-row slots: packed verification's flat stream, whose
-    block-diagonal mask no lengths describe) keeps the masked attention."""
+    two per row. start None keeps the masked attention.
+
+    A K/V view with an `attend(q, chain)` method brings its own layout and attention: packed verification's
+    stream (`serving.packed`) attends by row."""
+    attend = getattr(kv, "attend", None)
+    if attend is not None:
+        return attend(q, chain)
     if parents is not None:
         if tree is None:
             return attention(q, kv.k.astype(q.dtype), kv.v.astype(q.dtype), mask)

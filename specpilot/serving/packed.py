@@ -5,16 +5,19 @@ Design choices:
   They are packed back to back, without padding, into one `[1, N]` stream whose size N is static (the
   batch's token budget); the tail past sum(counts) is idle (`packed_layout`).
 - Each packed token keeps its row's rotary position (the row's committed length plus its offset in
-  the row's segment) and writes its K/V into its own row's next slot, as the padded forward does; the
-  cache is read flat as one `[1, S_rows x max_len]` sequence under a block-diagonal causal mask
-  (`packed_mask`): a token sees its own row's committed slots and its row's earlier candidates only.
-  This is the reference of the layout; it reads every row's slots per token (a ragged kernel would
-  read only its own), and the flat view moves each layer's cache from the state's heads-before-rows
-  layout `[S_rows, KVH, max_len, D]` to `[1, KVH, S_rows x max_len, D]` and back, one copy each way.
-- The decoder layers are `dense.decoder_layer` itself over a K/V view (`_PackedKV`) whose write
-  scatters to the rows' slots, so the packed and padded forwards share every projection, norm and
-  rope. The logits and taps come back unpacked as `[S, T, ...]` (rows past counts[b] are filler the
-  caller never accepts), so verification and the drafter's context update are the padded ones.
+  the row's segment) and writes its K/V into its own row's next slot of the state's own cache
+  `[S_rows, KVH, max_len, D]`, as the padded forward does (idle tokens: dropped).
+- The projections, norms, rope and MLP run on the N packed tokens (`dense.decoder_layer` itself, over a
+  K/V view, `_RowKV`). Attention alone runs by row: the view's `attend` gathers each row's segment of
+  queries into `[S_rows, Bs, H, D]` and runs the chain attention the padded forward runs (the row's
+  committed slots and its earlier candidates, through `kernels.attention`'s choice, so the ragged kernel
+  reads only the row's own slots), then packs the outputs back. Attention thus costs what the padded
+  forward's does, and every matrix product N tokens instead of S_rows x Bs. (The first version read the
+  cache as one flat sequence under a block-diagonal mask: every token scored every row's slots, and the
+  flat view copied each layer's cache in and out; on the H200 that made packing 1.9x slower than padding
+  at 16 slots.)
+- The logits and taps come back unpacked as `[S, T, ...]` (rows past counts[b] are filler the caller
+  never accepts), so verification and the drafter's context update are the padded ones.
 - Dense single-device targets only: a hybrid target's recurrent layers would need a segmented scan,
   and a sharded state spreads rows over the data axis (the engine refuses both, naming the field).
 """
@@ -27,7 +30,7 @@ import jax
 import jax.numpy as jnp
 
 from specpilot.models import dense
-from specpilot.models.layers import rms_norm, rope_tables
+from specpilot.models.layers import cache_attention, rms_norm, rope_tables
 from specpilot.state import AttentionState, TargetState
 
 
@@ -43,39 +46,33 @@ def packed_layout(counts: jax.Array, n: int):
     return rows, offsets, valid, starts
 
 
-def packed_mask(lengths: jax.Array, max_len: int, rows: jax.Array, positions: jax.Array,
-                valid: jax.Array) -> jax.Array:
-    """[1, N, S_rows * max_len] bool: packed token i sees flat slot r * max_len + s iff r is its row and
-    s <= its position (the row's committed K/V and its earlier candidates). Idle tokens see slot 0."""
-    flat = jnp.arange(lengths.shape[0] * max_len, dtype=jnp.int32)
-    see = ((flat // max_len)[None, :] == rows[:, None]) & ((flat % max_len)[None, :] <= positions[:, None])
-    return jnp.where(valid[:, None], see, (flat == 0)[None, :])[None]
-
-
 @dataclasses.dataclass(frozen=True)
-class _PackedKV:
-    """One layer's K/V read flat ([1, KVH, S_rows * max_len, D]); `write` scatters the packed tokens'
-    K/V ([1, N, KVH, D]) to their rows' slots `dest [N]` (idle tokens at an out-of-range slot: dropped)."""
+class _RowKV:
+    """One layer's K/V `[S_rows, KVH, max_len, D]` seen from the packed stream: `write` scatters the packed
+    tokens' K/V ([1, N, KVH, D]) to slots `slots [N]` of rows `rows [N]` (max_len for idle tokens: dropped);
+    `attend` runs attention by row (`index [S, T]`: row b's token t's place in the stream)."""
 
     k: jax.Array
     v: jax.Array
-    dest: jax.Array
+    rows: jax.Array
+    offsets: jax.Array
+    slots: jax.Array
+    index: jax.Array
+    lengths: jax.Array
 
-    @classmethod
-    def of(cls, kv: AttentionState, dest: jax.Array) -> "_PackedKV":
-        flat = lambda a: jnp.swapaxes(a, 0, 1).reshape((1, a.shape[1], -1, a.shape[3]))  # noqa: E731
-        return cls(flat(kv.k), flat(kv.v), dest)
-
-    def rows(self, like: AttentionState) -> AttentionState:
-        """The flat K/V back in the state's [S_rows, KVH, max_len, D] layout."""
-        r, h, s, d = like.k.shape
-        back = lambda a: jnp.swapaxes(a.reshape(h, r, s, d), 0, 1)  # noqa: E731
-        return AttentionState(back(self.k), back(self.v))
-
-    def write(self, k: jax.Array, v: jax.Array, start) -> "_PackedKV":
+    def write(self, k: jax.Array, v: jax.Array, start) -> "_RowKV":
         del start  # the destinations are per token
-        put = lambda buf, new: buf.at[0, :, self.dest].set(new[0].astype(buf.dtype), mode="drop")  # noqa: E731
-        return _PackedKV(put(self.k, k), put(self.v, v), self.dest)
+        put = lambda buf, new: buf.at[self.rows, :, self.slots].set(new[0].astype(buf.dtype), mode="drop")  # noqa: E731
+        return dataclasses.replace(self, k=put(self.k, k), v=put(self.v, v))
+
+    def attend(self, q: jax.Array, chain) -> jax.Array:
+        """q [1, N, H, D] -> [1, N, H, D]: each row's queries over its committed slots and its earlier
+        candidates (the padded chain forward's attention, through `chain`, `kernels.attention`'s choice)."""
+        rows_q = q[0][self.index]  # [S, T, H, D]; queries past a row's count are filler
+        positions = self.lengths[:, None] + jnp.arange(rows_q.shape[1], dtype=jnp.int32)[None, :]
+        mask = jnp.arange(self.k.shape[2], dtype=jnp.int32)[None, None, :] <= positions[:, :, None]
+        out = cache_attention(rows_q, AttentionState(self.k, self.v), self.lengths, mask, chain=chain)
+        return out[self.rows, self.offsets][None]
 
 
 def check_packable(target) -> None:
@@ -97,15 +94,16 @@ def packed_forward(target, params, block: jax.Array, counts: jax.Array, state: T
     rows, offsets, valid, starts = packed_layout(counts, n)
     tokens = jnp.where(valid, block[rows, jnp.minimum(offsets, t - 1)], 0)  # [N]
     positions = state.lengths[rows] + offsets  # [N]
-    dest = jnp.where(valid, rows * max_len + positions, s * max_len)
-    mask = packed_mask(state.lengths, max_len, rows, positions, valid)  # [1, N, S * max_len]
+    slots = jnp.where(valid, positions, max_len)  # idle tokens write nowhere
+    index = jnp.minimum(starts[:, None] + jnp.arange(t, dtype=jnp.int32)[None, :], n - 1)  # [S, T]
     cos, sin = rope_tables(positions[None], cfg.inv_freq())
     x = dense.embed(params, tokens[None])  # [1, N, H]
     layers, taps = [], []
     for i, p in enumerate(params["layers"]):
         kv = state.layers[i]
-        x, flat = dense.decoder_layer(p, cfg, x, cos, sin, _PackedKV.of(kv, dest), None, mask)
-        layers.append(flat.rows(kv))
+        view = _RowKV(kv.k, kv.v, rows, offsets, slots, index, state.lengths)
+        x, view = dense.decoder_layer(p, cfg, x, cos, sin, view, None, None)
+        layers.append(AttentionState(view.k, view.v))
         if i in cfg.tap_layers:
             taps.append(x)
     taps = jnp.concatenate(taps, axis=-1) if taps else jnp.zeros((1, n, 0), x.dtype)
