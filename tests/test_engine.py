@@ -120,7 +120,12 @@ def test_no_compiles_in_steady_state(params, reference):
     with count_compiles() as probe:  # the counter sees a compile when one happens
         jax.jit(lambda x: x * 3 + 1)(np.float32(2))
     assert probe
-    engine = Engine(TARGET, params, slots=3, context_len=48, prefill_chunk=8)
+    check_no_compiles(Engine(TARGET, params, slots=3, context_len=48, prefill_chunk=8), reference)
+
+
+def check_no_compiles(engine, reference):
+    """Warm `engine` up, then run two waves of requests with mixed budgets, stop tokens and sampling
+    settings (one cancelled): nothing compiles, and the greedy requests emit AR's tokens."""
     engine.warm_up()
     requests = [Request(p, b, temperature=0.7 * (i % 2), top_p=0.9 if i % 3 else 1.0, seed=i,
                         stop_token=reference[i][2] if i == 4 else None)

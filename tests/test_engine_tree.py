@@ -14,9 +14,9 @@ from specpilot.models import dense
 from specpilot.models import drafter as dr
 from specpilot.plan import Batching, Plan, PlanError, TreeShape, TwoLevel
 from specpilot.serving import Engine, Request, check_plan
-from engine_helpers import BUDGETS, CAP, CFG, PROMPTS, TARGET, count_compiles, cut_at_stop, run_staggered
+from engine_helpers import CAP, CFG, PROMPTS, TARGET, run_staggered
 from helpers import random_params
-from test_engine import ARRIVALS, CANCELS, check_outputs, requests_with_stops
+from test_engine import ARRIVALS, CANCELS, check_no_compiles, check_outputs, requests_with_stops
 from test_engine import block_drafter, params, reference  # noqa: F401 (the same module fixtures)
 
 SHAPES = {"n6d3b2": TreeShape(nodes=6, depth=3, branching=2),  # width 6 > the drafter's block 4
@@ -88,18 +88,7 @@ def test_tree_no_compiles_in_steady_state(params, reference, block_drafter):
     """After warm-up: arrivals, departures, a cancellation, stop tokens and greedy <-> sampled steps
     compile nothing."""
     drafter, dparams = block_drafter
-    engine = Engine(TARGET, params, drafter, dparams, tree=SHAPES["n6d3b2"], **ENGINE)
-    engine.warm_up()
-    requests = [Request(p, b, temperature=0.7 * (i % 2), top_p=0.9 if i % 3 else 1.0, seed=i,
-                        stop_token=reference[i][2] if i == 4 else None)
-                for i, (p, b) in enumerate(zip(PROMPTS, BUDGETS))]
-    with count_compiles() as compiles:
-        handles = run_staggered(engine, requests, ARRIVALS, CANCELS)
-        handles += run_staggered(engine, requests[::-1], ARRIVALS)  # slots reused by a second wave
-    assert compiles == [], compiles
-    for i, r in enumerate(requests):
-        if r.temperature == 0 and i not in CANCELS:
-            assert handles[i].tokens == cut_at_stop(reference[i][: BUDGETS[i]], r.stop_token), i
+    check_no_compiles(Engine(TARGET, params, drafter, dparams, tree=SHAPES["n6d3b2"], **ENGINE), reference)
 
 
 def test_hybrid_tree_engine_equals_ar():
