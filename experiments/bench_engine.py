@@ -64,9 +64,9 @@ H200, Qwen3-8B shape (random bf16 weights, oracle at GSM8K's tau 6.27, block 16,
 numbers and where the time goes: docs/performance.md). Each (plan, slot count, batching) is one engine
 compiled first (~20-30 s); past the per-command limit, split --m over commands with one --compile-cache:
 
-    PYTHONPATH=. python experiments/bench_engine.py \
-        --deployment "experiment=stock_qwen3_8b_h200 drafter=oracle_calibrated" --plans ar,stock \
-        --m 16,32 --rates 0,4 --requests 32 --new-tokens 256 --batching fixed,budget,budget+packed \
+    PYTHONPATH=. python experiments/bench_engine.py \\
+        --deployment "experiment=stock_qwen3_8b_h200 drafter=oracle_calibrated" --plans ar,stock \\
+        --m 16,32 --rates 0,4 --requests 32 --new-tokens 256 --batching fixed,budget,budget+packed \\
         --step-cost model --compile-cache /tmp/xla --out engine_8b_mechanisms.json
     ... --m 1,4,8,64 --rates 0                       # the fixed-batch sweep
     ... --overlap none,halves                        # mechanism 3 (even slot counts)

@@ -83,7 +83,8 @@ def main(cfg: DictConfig) -> None:
         print(f"{plan.name}: {len(accepted)} steps, tau {methods[plan.name]['tau']:.3f}"
               + ("" if confidence is None else f"; confidence counts {confidence['counts']}, "
                  f"means {confidence['mean']}"))
-    source = (f"experiments/record_trace.py {' '.join(OVERRIDES)}: target {cfg.target.name}, drafter {cfg.drafter.name}, bench {cfg.bench.name} "
+    source = (f"experiments/record_trace.py {' '.join(OVERRIDES)}: target {cfg.target.name}, "
+              f"drafter {cfg.drafter.name}, bench {cfg.bench.name} "
               f"({len(dep.batches()) * dep.batch_size} prompts x {dep.new_tokens} tokens), greedy; "
               f"{'; '.join(dep.notes)}")
     OUT.parent.mkdir(parents=True, exist_ok=True)

@@ -62,10 +62,8 @@ class AttentionState:
 
     def gather_path(self, start: jax.Array, path: jax.Array, count: jax.Array) -> "AttentionState":
         """Row b's slots start[b] + path[b, i] (i < count[b]) moved to start[b] + i."""
-        def move(buf):  # the slot axis to the front of each row for `_gather_rows`, and back
-            return jnp.swapaxes(_gather_rows(jnp.swapaxes(buf, 1, 2), start, path, count), 1, 2)
-
-        return AttentionState(move(self.k), move(self.v))
+        return AttentionState(_gather_slots(self.k, start, path, count),
+                              _gather_slots(self.v, start, path, count))
 
 
 @jax.tree_util.register_dataclass
@@ -221,16 +219,18 @@ def write_slots(buf: jax.Array, new: jax.Array, start: jax.Array) -> jax.Array:
     return jax.vmap(one)(buf, new, start)
 
 
-def _gather_rows(buf: jax.Array, start: jax.Array, path: jax.Array, count: jax.Array) -> jax.Array:
-    # buf [B, S, ...]; path [B, P] relative slots; rows past count[b] are not written (dropped scatter)
+def _gather_slots(buf: jax.Array, start: jax.Array, path: jax.Array, count: jax.Array) -> jax.Array:
+    """An attention cache buf [B, KVH, S, D] with row b's slots start[b] + path[b, i] moved to start[b] + i
+    for i < count[b] (path [B, P] relative slots; later ones are not written: a dropped scatter). Only the
+    P moved slots change layout, never the whole cache."""
     b, p = path.shape
-    s = buf.shape[1]
+    s = buf.shape[2]
     src = jnp.clip(start[:, None] + path, 0, s - 1)  # [B, P]
-    rows = jnp.take_along_axis(buf, src.reshape((b, p) + (1,) * (buf.ndim - 2)), axis=1)  # [B, P, ...]
+    rows = jnp.take_along_axis(buf, src[:, None, :, None], axis=2)  # [B, KVH, P, D]
     i = jnp.arange(p, dtype=jnp.int32)[None, :]
     dst = jnp.where(i < count[:, None], start[:, None] + i, s)  # slot s is out of range: dropped
     batch = jnp.broadcast_to(jnp.arange(b)[:, None], (b, p))
-    return buf.at[batch, dst].set(rows, mode="drop")
+    return buf.at[batch, :, dst].set(jnp.swapaxes(rows, 1, 2), mode="drop")  # indexed as [B, P, KVH, D]
 
 
 # --------------------------------------------------------------------------------------------------

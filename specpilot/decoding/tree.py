@@ -187,6 +187,8 @@ def decode_while(setup: TreeSetup, target_params, draft_params, state: spec.Spec
 
 
 _while_jit = jax.jit(decode_while, static_argnums=0, donate_argnames=("state",))
+
+
 def draft_top1(setup: TreeSetup, target_params, draft_params, state: spec.SpecState) -> jax.Array:
     """[B, depth] float32: the drafter's top-1 probability at block positions 1..depth this step."""
     logits, _ = setup.drafter.propose(draft_params, target_params, state.draft_state, state.last,

@@ -37,8 +37,8 @@ Design choices:
   `overlap="halves"` verifies one half of the slots per step while drafting the other (`overlap`).
   Stats count the tokens rows sent to verification, the tokens the verify forward computed, the rows
   each decode verified and drafted, and (halves) the decodes that had both halves busy.
-- A newly prefilled row starts decoding at the next step (its first token must be known to the host to
-  apply its budget and stop token).
+- A row whose prompt ends in a step decodes from the next (its first token is already on the device);
+  the host applies its budget and stop token to that first token when it reads the step.
 - Tree plans (`tree=` a `plan.TreeShape`; `from_plan` passes a tree plan's) decode with
   `tree_slots.decode_tree`: each step drafts a token tree per row, verifies its nodes in one forward,
   and emits up to depth + 1 tokens per row. The batching mechanisms above are chain-only: a tree engine
