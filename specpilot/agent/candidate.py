@@ -14,6 +14,9 @@ Design choices:
   against their op's reference (`variants.load_and_check`, on the evaluator's fresh seed) before the
   deployment is built; a failing one ends the process with "variant-rejected: <why>" on stderr (exit 3).
   A "check" stage stops there (no deployment, no timed runs).
+- `workload: "engine"` (`agent.workload`) runs the prompts as requests through the serving engine
+  (`engine_workload.EngineWorkload`: the plan's `batching` fields take effect) instead of the run
+  harness's fixed batch; the out.json is the same, so the gate and the evaluator do not change.
 - Memory and time limits are set from outside (the evaluator's `setrlimit` in the child, its deadline),
   and so are the devices it sees (its device group: `CUDA_VISIBLE_DEVICES`, or on the CPU the group's
   count of simulated devices, which replaces the driver's `simulated_cpu_devices`).
@@ -104,7 +107,16 @@ def main(spec_path: str, out_path: str) -> int:
     dep, plan, plans = build(spec, cfg)
     if plan.uses_drafter and isinstance(dep.drafter[0], OracleDrafter):
         dep.reference_tokens = run_plan(dep, plans[0]).tokens  # the oracle replays the AR reference
-    warm = run_plan(dep, plan)  # compiles every step
+    if spec.get("workload", "harness") == "engine":
+        from specpilot.agent.engine_workload import PREFILL_CHUNK, EngineWorkload
+
+        workload = EngineWorkload(dep, plan, prefill_chunk=int(spec.get("prefill_chunk") or PREFILL_CHUNK))
+        run = workload.run
+    elif spec.get("workload", "harness") == "harness":
+        run = lambda: run_plan(dep, plan)  # noqa: E731
+    else:
+        raise ValueError(f"agent.workload: {spec['workload']!r} is not one of harness, engine")
+    warm = run()  # compiles every step
     proto.write(f"{PROTOCOL_READY} {len(warm.tokens)}\n")
     runs, self_times = [], []
     for line in sys.stdin:
@@ -114,12 +126,12 @@ def main(spec_path: str, out_path: str) -> int:
         if command != PROTOCOL_GO:
             raise ValueError(f"unknown evaluator command {command!r}")
         t0 = time.perf_counter()
-        r = run_plan(dep, plan)
+        r = run()
         self_times.append(time.perf_counter() - t0)
         runs.append(r)
         proto.write(f"{PROTOCOL_DONE}\n")
     stats = dict(runs[-1].stats) if runs else {}
-    if runs and plan.uses_drafter:
+    if runs and plan.uses_drafter and spec.get("workload", "harness") == "harness":
         dep.profile_split = True  # one profiled pass, outside the timed runs, for the stage split
         stats = dict(run_plan(dep, plan).stats)
     out = {"name": plan.name, "plan": plan.describe(), "tokens": [r.tokens for r in runs],

@@ -68,17 +68,22 @@ class AgentConf:
     # candidates given by hand, evaluated in the first round: {name, fields, program (a script run in
     # place of the candidate module, e.g. for tests)}
     candidates: list = dataclasses.field(default_factory=list)
+    # how candidates are timed: "harness" (the run harness's fixed batch) or "engine" (the prompts as
+    # requests through the serving engine, bench.batch_size slots: the plans' batching fields join the space)
+    workload: str = "harness"
+    prefill_chunk: int = 64  # workload=engine: prompt tokens a prefilling row is fed per engine step
 
 
-def features(cfg: DictConfig, plan_fields: dict) -> dict:
-    """The deployment features memory keys mechanisms by."""
+def features(cfg: DictConfig, plan_fields: dict, workload: str = "harness") -> dict:
+    """The deployment features memory keys mechanisms by (the workload only where it is the engine's)."""
     model = OmegaConf.to_container(cfg.target.model, resolve=True) if cfg.target.get("model") else {}
     return {"target": {"name": cfg.target.name, "source": cfg.target.source, "dtype": cfg.target.dtype,
                        "hidden_size": model.get("hidden_size"), "num_layers": model.get("num_hidden_layers"),
                        "intermediate_size": model.get("intermediate_size"), "vocab_size": model.get("vocab_size")},
             "drafter": {"name": cfg.drafter.name, "source": cfg.drafter.source,
                         "block_size": int(cfg.drafter.block_size), "num_layers": int(cfg.drafter.num_layers)},
-            "gpu": cfg.gpu.name, "batch": int(cfg.bench.batch_size), "plan": plan_fields}
+            "gpu": cfg.gpu.name, "batch": int(cfg.bench.batch_size), "plan": plan_fields,
+            **({"workload": workload} if workload != "harness" else {})}
 
 
 def versions() -> dict:
@@ -113,7 +118,7 @@ class Loop:
         self.out = Path(out_dir)
         self.out.mkdir(parents=True, exist_ok=True)
         dev = jax.devices()
-        self.space = sp.build_space(cfg, platform=dev[0].platform, devices=len(dev))
+        self.space = sp.build_space(cfg, platform=dev[0].platform, devices=len(dev), workload=agent.workload)
         self.incumbent = initial_plan(cfg, self.space)
         self.groups = None  # one timing worker per device group of the incumbent's mesh
         if dev[0].platform == "gpu" or len(dev) > 1:
@@ -121,12 +126,12 @@ class Loop:
 
             mesh = MeshShape(**(self.incumbent.get("mesh") or {}))
             self.groups = ev.device_group_labels(mesh, dev)
-            self.space = sp.build_space(cfg, platform=dev[0].platform, devices=mesh.size)
+            self.space = sp.build_space(cfg, platform=dev[0].platform, devices=mesh.size, workload=agent.workload)
             progress(f"device groups: {', '.join(self.groups)} (one timing job per group at a time)")
         self.space, removed = self.space.feasible(self.incumbent)
         for d in removed:
             progress(f"rewrite space: {json.dumps(d.rewrite)} left out ({d.reason})")
-        self.features = features(cfg, self.incumbent)
+        self.features = features(cfg, self.incumbent, agent.workload)
         self.memory = mem.Memory(agent.memory_url or mem.default_url(str(cfg.cache_dir)))
         self.key = mem.run_key({k: v for k, v in self.features.items() if k != "plan"}, self.incumbent, agent.name)
         self.versions = versions()
@@ -141,7 +146,8 @@ class Loop:
             new = max(2, int(round(new * self.agent.cheap_fraction)))
         out = {"name": name, "fields": fields, "config": OmegaConf.to_container(self.cfg, resolve=True),
                "prompts": prompts, "new_tokens": new, "repeats": int(self.agent.repeats), "stage": stage,
-               "compile_cache": self.compile_cache}
+               "compile_cache": self.compile_cache, "workload": self.agent.workload,
+               "prefill_chunk": int(self.agent.prefill_chunk)}
         if program:
             out["program"] = str(program)
         named = variant_names(fields)
@@ -189,7 +195,7 @@ class Loop:
                 if best is not None:
                     self.incumbent = best["fields"]
                     att = self._attribution(gate, self.incumbent, best["result"])
-                    memory.record_mechanism(features(self.cfg, old), best["rewrite"], best["fields"],
+                    memory.record_mechanism(features(self.cfg, old, a.workload), best["rewrite"], best["fields"],
                                             best["gain"], [self.key, best["folder"]], self.versions)
                     self.progress(f"round {r}: accepted {best['name']} ({best['gain']:.3f}x): "
                                   f"{json.dumps(best['rewrite'])}")
@@ -405,6 +411,10 @@ def agent_conf(node: Any) -> AgentConf:
     for key in ("rounds", "workers", "repeats", "heldout", "prompts_per_round", "per_proposer"):
         if getattr(a, key) < 1:
             raise ValueError(f"agent.{key}: must be >= 1, got {getattr(a, key)}")
+    if a.workload not in sp.WORKLOADS:
+        raise ValueError(f"agent.workload: {a.workload!r} is not one of {', '.join(sp.WORKLOADS)}")
+    if a.prefill_chunk < 1:
+        raise ValueError(f"agent.prefill_chunk: must be >= 1, got {a.prefill_chunk}")
     if not 0 <= a.noise_margin < 1:
         raise ValueError(f"agent.noise_margin: must be in [0, 1), got {a.noise_margin}")
     return a

@@ -201,11 +201,12 @@ class OptunaProposer(Proposer):
             trial = self.study.ask()
             rw = {}
             for c in ctx.space.choices:
-                if c.when is not None and (rw.get(c.when[0]) or sp.get_field(ctx.incumbent, c.when[0]) or [""])[0] \
-                        != c.when[1]:
-                    continue  # a config field of an implementation this trial does not run
+                if c.when is not None and not c.when_holds(rw.get(c.when[0], sp.current_value(ctx.incumbent, c.when[0]))):
+                    continue  # a config field of an implementation (a token budget of a draft budget) not run
+                if c.field.startswith("batching.") and rw.get("verify", ctx.incumbent.get("verify")) != "chain":
+                    continue  # the engine's batching: chain plans only
                 value = json.loads(trial.suggest_categorical(c.field, [self._encode(v) for v in c.values]))
-                current = sp.get_field(ctx.incumbent, c.field)
+                current = sp.current_value(ctx.incumbent, c.field)
                 if c.field == "mesh" and current is None:
                     current = {"data": 1, "tensor": 1}
                 if value != current:

@@ -6,10 +6,12 @@ Design choices:
   YAML file any run can use. A `Choice` is one dotted field (`block_size`, `kernels.matmul.implementation`,
   `kernels.matmul.config.num_warps`) with its typed values; a rewrite is a dict of such fields applied to
   the incumbent's mapping.
-- The serving engine's `batching` fields (policy, draft budget, packed verification, overlap) are plan
-  fields a rewrite may set (`plan_fields` keeps them), but not choices here: a candidate is timed by the
-  run harness, which decodes a fixed batch and never runs the engine, so such a rewrite would be
-  measured as its incumbent. They join the space when candidates are timed through the engine.
+- The serving engine's `batching` fields (policy, draft budget and its token budget, packed
+  verification, overlap, dispatch) are choices only when candidates are timed through the engine
+  (`workload="engine"`, `agent.workload`): the run harness decodes a fixed batch in its own loop and
+  never reads them, so there such a rewrite would be measured as its incumbent. They apply to chain
+  plans; the token budget only under the confidence draft budget, at a quarter, half and three
+  quarters of the slots x the drafter's block (the tokens a padded step verifies).
 - The space derives from the deployment: block sizes up to the drafter's, kernel implementations the
   device can run (Pallas backends only on a GPU), each implementation's config fields read from its
   frozen config dataclass (`dispatch.CONFIGS`: powers of two halved and doubled, booleans both ways),
@@ -55,10 +57,15 @@ class Choice:
         the block size: a drafting plan, since an AR plan verifies one token whatever it is set to)."""
         if self.field == "block_size" and fields.get("verify") == "ar":
             return False
-        if self.when is None:
-            return True
-        impl = get_field(fields, self.when[0]) or []
-        return bool(impl) and impl[0] == self.when[1]
+        if self.field.startswith("batching.") and fields.get("verify", "chain") != "chain":
+            return False
+        return self.when is None or self.when_holds(current_value(fields, self.when[0]))
+
+    def when_holds(self, value) -> bool:
+        """Whether `value` of the field this choice depends on (`when`) lets it apply."""
+        if isinstance(value, (list, tuple)):  # an implementation list: its first entry
+            value = value[0] if value else None
+        return value == self.when[1]
 
     def __post_init__(self):
         if not self.values:
@@ -83,6 +90,14 @@ def get_field(fields: Mapping, dotted: str, default=None):
             return default
         node = node[part]
     return node
+
+
+def current_value(fields: Mapping, dotted: str):
+    """A plan mapping's value of a dotted field; a batching field it leaves out has the engine's default."""
+    value = get_field(fields, dotted)
+    if value is None and dotted.startswith("batching."):
+        value = getattr(plan_mod.Batching(), dotted.split(".", 1)[1], None)
+    return value
 
 
 def apply(fields: Mapping, rewrite: Mapping[str, Any]) -> dict:
@@ -219,8 +234,37 @@ def kernel_config_choices(op: str, implementation: str) -> list[Choice]:
             for c in _config_values(cls)]
 
 
-def build_space(cfg: DictConfig, *, platform: str = "cpu", devices: int = 1) -> Space:
-    """The rewrite space of a composed run config on a device `platform` ("cpu", "gpu") with `devices`."""
+WORKLOADS = ("harness", "engine")
+
+
+def batching_choices(cfg: DictConfig) -> list[Choice]:
+    """The engine's batching fields as choices (chain plans; `workload="engine"` only)."""
+    slots, block = int(cfg.bench.batch_size), int(cfg.drafter.block_size)
+    full = slots * block
+    budgets = tuple(sorted({max(2 * slots, full * k // 4) for k in (1, 2, 3)}))
+    b = plan_mod.Batching()
+    return [Choice("batching.policy", _first(b.policy, plan_mod.BATCHING_POLICIES), "categorical",
+                   targets=("host",)),
+            Choice("batching.draft_budget", _first(b.draft_budget, plan_mod.DRAFT_BUDGETS), "categorical",
+                   targets=("verify", "accept")),
+            Choice("batching.token_budget", budgets, "int", targets=("verify", "matmul"),
+                   when=("batching.draft_budget", "confidence")),
+            Choice("batching.verify", _first(b.verify, plan_mod.VERIFY_LAYOUTS), "categorical",
+                   targets=("verify", "matmul", "attention")),
+            Choice("batching.overlap", _first(b.overlap, plan_mod.OVERLAPS), "categorical", targets=("draft",)),
+            Choice("batching.dispatch", _first(b.dispatch, plan_mod.DISPATCHES), "categorical",
+                   targets=("host", "accept"))]
+
+
+def _first(default: str, known) -> tuple:
+    return (default,) + tuple(v for v in known if v != default)
+
+
+def build_space(cfg: DictConfig, *, platform: str = "cpu", devices: int = 1, workload: str = "harness") -> Space:
+    """The rewrite space of a composed run config on a device `platform` ("cpu", "gpu") with `devices`,
+    its candidates timed by the run harness or through the serving engine (`workload`)."""
+    if workload not in WORKLOADS:
+        raise ValueError(f"agent.workload: {workload!r} is not one of {', '.join(WORKLOADS)}")
     d = cfg.drafter
     choices = [Choice("verify", ("ar", "chain") if d.source != "none" else ("ar",), "categorical",
                       targets=("draft", "verify", "accept"))]
@@ -243,6 +287,9 @@ def build_space(cfg: DictConfig, *, platform: str = "cpu", devices: int = 1) -> 
         if platform == "gpu":
             for impl in PALLAS_ON_GPU[op]:
                 choices.extend(kernel_config_choices(op, impl))
+    if workload == "engine" and d.source != "none":
+        choices.extend(c if c.field != "batching.verify" or not hybrid else  # packed: dense targets only
+                       dataclasses.replace(c, values=("padded",)) for c in batching_choices(cfg))
     if devices > 1:
         meshes = tuple((dd, devices // dd) for dd in range(1, devices + 1) if devices % dd == 0)
         choices.append(Choice("mesh", tuple({"data": a, "tensor": b} for a, b in meshes), "categorical",
@@ -272,13 +319,19 @@ def _dedupe(choices: list[Choice]) -> list[Choice]:
 
 
 def single_field_rewrites(space: Space, incumbent: Mapping, choice: Choice) -> list[dict]:
-    """Every value of `choice` other than the incumbent's, as one-field rewrites."""
+    """Every value of `choice` other than the incumbent's, as one-field rewrites. Switching to the confidence
+    draft budget without a token budget also sets the middle one of the space's token budgets: with none,
+    every row keeps its whole block and the budget changes nothing."""
     if not choice.applies(incumbent):
         return []
-    current = get_field(incumbent, choice.field)
+    current = current_value(incumbent, choice.field)
+    budgets = space.choice("batching.token_budget")
     out = []
     for v in choice.values:
         value = list(v) if isinstance(v, tuple) else v
         if value != current and not (isinstance(current, list) and list(current) == value):
             out.append({choice.field: value})
+            if (choice.field, value) == ("batching.draft_budget", "confidence") and budgets is not None \
+                    and current_value(incumbent, "batching.token_budget") is None:
+                out[-1]["batching.token_budget"] = budgets.values[len(budgets.values) // 2]
     return out
