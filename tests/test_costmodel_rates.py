@@ -88,24 +88,29 @@ def test_calibrate_measures_the_grid_it_is_given_and_the_plans_m(tmp_path):
     assert bad.returncode != 0 and "calibrate.grid" in bad.stderr + bad.stdout
 
 
-def test_per_launch_time_cancels_a_call_s_fixed_cost():
+def test_per_launch_time_cancels_a_call_s_fixed_cost(monkeypatch):
     """A call that costs a fixed 20 ms plus 0.5 ms per launch: the fixed cost (40x a launch, as a GPU's
-    dispatch is against a small product) must not reach the per-launch figure. Tolerance 20%: sleeps
-    overshoot by up to ~0.1 ms on a loaded machine."""
+    dispatch is against a small product) must not reach the per-launch figure. The call advances a fake
+    clock by its cost, with a jitter of up to 0.1 ms (what sleeps overshoot by on a loaded machine), so
+    the check does not depend on the machine's load. Tolerance 20%."""
     import importlib.util
-    import time
+    import types
     from pathlib import Path
+
+    import numpy as np
 
     spec = importlib.util.spec_from_file_location(
         "calibrate", Path(__file__).resolve().parents[1] / "experiments" / "calibrate.py")
     calibrate = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(calibrate)
+    clock, jitter = [0.0], np.random.default_rng(0)
+    monkeypatch.setattr(calibrate, "time", types.SimpleNamespace(perf_counter=lambda: clock[0]))
     copies, launch_s, fixed_s = 4, 5e-4, 2e-2
     calls = []
 
     def run(passes):
         calls.append(passes)
-        time.sleep(fixed_s + passes * copies * launch_s)
+        clock[0] += fixed_s + passes * copies * launch_s + jitter.uniform(0, 1e-4)
 
     got = calibrate.per_launch_s(run, copies, loop_s=0.0, repeats=3, min_call_s=2e-2)
     assert abs(got - launch_s) / launch_s < 0.2, got
