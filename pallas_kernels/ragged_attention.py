@@ -17,8 +17,8 @@ Design choices:
   whatever the cache's S. Scores past a query's limit are -inf; the running max starts at a large
   finite negative, so a block a query sees nothing of leaves its sums unchanged (no NaN).
 - Paged layouts are not here: the cache is the engine's `[B, KVH, S, D]` state as it is.
-- What the kernel cannot take (S not a multiple of block_s, head_dim not a power of two, a CPU backend
-  when not interpreting) raises NotImplementedError, so a caller falls through to the reference.
+- What the kernel cannot take (S not a multiple of block_s, head_dim not a power of two, more than
+  MAX_ROWS query rows: a prompt chunk, a CPU backend when not interpreting) raises NotImplementedError, so a caller falls through to the reference.
   Inconsistent shapes are a ValueError.
 - Settings: one frozen `RaggedAttentionConfig` (block_s, num_warps, num_stages, interpret), static.
 """
@@ -38,6 +38,10 @@ from pallas_kernels.common import pow2
 from pallas_kernels.tree_attention import float32_products
 
 MIN_ROWS = 16  # tl.dot's smallest M
+# the most query rows (T x heads per KV head, padded) one program holds: on the H200 a prompt chunk's
+# 2048 rows asked for 1.06 MB of shared memory (232 KB there); 256 rows is a 64-token verification at 4
+# heads per KV head. Longer chunks (prefill) go to the reference.
+MAX_ROWS = 256
 NEG = -1e30  # the online softmax's starting max: finite, so exp(NEG - NEG) = 1 where nothing is seen yet
 
 
@@ -164,6 +168,10 @@ def ragged_attention(q, k, v, lengths, counts, config: RaggedAttentionConfig = R
         raise NotImplementedError(f"block_s {config.block_s} does not divide the cache's {s} slots")
     if not pow2(d):
         raise NotImplementedError(f"the kernel tiles power-of-two head dims, got {d}")
+    rows = (q.shape[1] * (q.shape[2] // k.shape[1]) - 1).bit_length()
+    if (1 << rows) > MAX_ROWS:
+        raise NotImplementedError(f"{q.shape[1]} tokens x {q.shape[2] // k.shape[1]} heads per KV head need "
+                                  f"{1 << rows} query rows in one program; the kernel holds at most {MAX_ROWS}")
     backend = jax.default_backend()
     if not config.interpret and backend != "gpu":
         raise NotImplementedError(f"the Triton-backend kernel runs on GPUs (or interpreted), not {backend!r}")

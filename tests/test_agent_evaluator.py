@@ -26,6 +26,9 @@ BAD = {
     "crash": "raise RuntimeError('injected crash')",
     "hang": "import time\nprint('ready', flush=True)\ntime.sleep(1000)",
     "oom": "x = bytearray(3 * 2**30)",
+    # jax's words for a Triton config over the H200's shared memory: a bad config, not memory running out
+    "smem": "raise RuntimeError('RESOURCE_EXHAUSTED: Shared memory size limit exceeded: requested 1064960, "
+            "available: 232448')",
     "kill9": "import os, signal\nprint('ready', flush=True)\nos.kill(os.getpid(), signal.SIGKILL)",
     "short": HONEST.replace('spec["new_tokens"]', '(spec["new_tokens"] - 1)'),
 }
@@ -52,6 +55,7 @@ def test_failures_are_isolated_and_named(tmp_path):
         assert by["crash"]["status"] == ev.CRASHED and "injected crash" in by["crash"]["reason"]
         assert by["hang"]["status"] == ev.TIMEOUT and "within 8 s" in by["hang"]["reason"]
         assert by["oom"]["status"] == ev.OOM and "MemoryError" in by["oom"]["reason"]
+        assert by["smem"]["status"] == ev.CRASHED and "launch limits" in by["smem"]["reason"]
         assert by["kill9"]["status"] == ev.KILLED and "signal 9" in by["kill9"]["reason"]
         assert by["short"]["status"] == ev.BAD_OUTPUT and "2 x 4 tokens" in by["short"]["reason"]
         # the cluster still evaluates after all that

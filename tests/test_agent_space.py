@@ -117,3 +117,17 @@ def test_the_block_size_is_not_proposed_to_an_ar_plan(toy):
     block = space.choice("block_size")
     assert sp.single_field_rewrites(space, {"verify": "ar"}, block) == []
     assert sp.single_field_rewrites(space, {"verify": "chain", "block_size": 4}, block)  # a drafting plan: yes
+
+
+def test_a_weight_format_brings_the_devices_kernels_for_it():
+    """w12 proposed alone over an incumbent whose plan names bf16's XLA dot runs w12's own kernel (the H200's
+    gpu.matmul.w12: Mosaic), not the jnp decode path; naming the kernels in the rewrite keeps them."""
+    cfg = toy_cfg("target.dtype=bfloat16", "gpu=h200")
+    space = sp.build_space(cfg, platform="gpu")
+    incumbent = sp.plan_fields(space.check("inc", {"verify": "chain", "block_size": 4}))
+    assert incumbent["kernels"]["matmul"]["implementation"] == ["xla"]
+    fields, plan = space.rewrite("cand", incumbent, {"weights": "w12"})
+    assert plan.weights == "w12" and plan.kernels.matmul.implementation == tuple(cfg.gpu.matmul.w12)
+    assert plan.kernels.matmul.implementation[0] == "mosaic"
+    fields, plan = space.rewrite("cand", incumbent, {"weights": "w12", "kernels.matmul.implementation": ["xla"]})
+    assert plan.kernels.matmul.implementation == ("xla",)

@@ -87,6 +87,9 @@ def test_unsupported_falls_through_and_bad_shapes_refused():
     one = jnp.ones((1,), jnp.int32)
     with pytest.raises(NotImplementedError, match="block_s 32 does not divide"):
         ra.ragged_attention(q, k, v, one, one, ra.RaggedAttentionConfig(block_s=32, interpret=True))
+    chunk, ck, cv = arrays(1, 130, 4, 2, 16, 256)  # a prompt chunk: 130 tokens x 2 heads per KV head
+    with pytest.raises(NotImplementedError, match="query rows"):
+        ra.ragged_attention(chunk, ck, cv, one, one, ra.RaggedAttentionConfig(block_s=16, interpret=True))
     if jax.default_backend() != "gpu":
         with pytest.raises(NotImplementedError, match="GPUs"):
             ra.ragged_attention(q, k, v, one, one, ra.RaggedAttentionConfig(block_s=16))

@@ -47,6 +47,9 @@ TIMING, CHECK = "device_group", "cpu_check"  # worker resources: a timing job's 
 GROUP_ENV = "SPECPILOT_DEVICE_GROUP"  # a worker's devices: "<platform>:<id>,<id>..."
 OOM_MARKERS = ("MemoryError", "RESOURCE_EXHAUSTED", "std::bad_alloc", "Cannot allocate memory",
                "out of memory")
+# RESOURCE_EXHAUSTED that is a kernel's launch limit, not memory running out: the config is invalid there
+LAUNCH_LIMIT_MARKERS = ("Shared memory size limit exceeded", "out of resource: shared memory",
+                        "registers exceeded")
 
 
 # Runs first in the child: the address-space limit, then exec of the candidate (a preexec_fn would make
@@ -99,6 +102,9 @@ def _failure(proc: subprocess.Popen, err_path: Path, default: str) -> tuple[str,
     rc = proc.returncode
     if rc is not None and rc < 0 and -rc == signal.SIGKILL:
         return KILLED, f"killed by signal 9{': ' + tail.splitlines()[-1] if tail.strip() else ''}"
+    if any(m in tail for m in LAUNCH_LIMIT_MARKERS):
+        last = next(ln for ln in reversed(tail.splitlines()) if any(m in ln for m in LAUNCH_LIMIT_MARKERS))
+        return default, f"a kernel exceeds the device's launch limits (exit {rc}): {last.strip()}"
     if any(m in tail for m in OOM_MARKERS):
         return OOM, f"out of memory (exit {rc}): {tail.strip().splitlines()[-1] if tail.strip() else ''}"
     last = tail.strip().splitlines()[-1] if tail.strip() else "no stderr"

@@ -102,7 +102,8 @@ def current_value(fields: Mapping, dotted: str):
 
 def apply(fields: Mapping, rewrite: Mapping[str, Any]) -> dict:
     """The plan mapping `fields` with each dotted field of `rewrite` set. Changing an op's implementation
-    resets its config (a config belongs to the first implementation); `verify=ar` drops the block size."""
+    resets its config (a config belongs to the first implementation); `verify=ar` drops the block size;
+    changing the weight format without naming matmul kernels takes the device's kernels for that format."""
     out = copy.deepcopy(dict(fields))
     for dotted, value in rewrite.items():
         parts = dotted.split(".")
@@ -115,6 +116,11 @@ def apply(fields: Mapping, rewrite: Mapping[str, Any]) -> dict:
         sets_config = any(k.startswith(f"kernels.{parts[1]}.config.") for k in rewrite) if len(parts) > 1 else False
         if len(parts) == 3 and parts[0] == "kernels" and parts[2] == "implementation" and not sets_config:
             node["config"] = {}
+    changes_weights = "weights" in rewrite and rewrite["weights"] != fields.get("weights")
+    if changes_weights and not any(k.startswith("kernels.matmul.") for k in rewrite):
+        # a weight format's kernels are the device's for that format (gpu.matmul.<format>): w12 kept on
+        # bf16's XLA dot would decode its weights in jnp and be judged by the wrong kernel
+        out.setdefault("kernels", {})["matmul"] = {"implementation": None, "config": {}}
     if out.get("verify") == "ar":
         out["block_size"] = None
     elif out.get("verify") == "chain" and rewrite.get("verify") == "chain" and "block_size" not in rewrite:
