@@ -57,3 +57,20 @@ def test_retrieval_is_nearest_deployment_first(tmp_path):
     new = _features(2048, 32, gpu="h200")
     assert [x.rewrite for x in m.retrieve(new)][-1] == {"block_size": 4}
     assert mem.distance(new, _features(2048, 32, gpu="h200")) == 0.0
+
+
+def test_clear_losses_travel_to_near_deployments_only(tmp_path):
+    m = mem.Memory(f"sqlite:///{tmp_path / 'm.db'}")
+    at_8b, at_4b, toy = _features(4096, 36, gpu="h200"), _features(2560, 36, gpu="h200"), _features(128, 4)
+    m.start_run("r8", at_8b, {})
+    ar, w12, blk = {"verify": "ar", "block_size": None}, {"verify": "chain", "weights": "w12"}, {"block_size": 8}
+    for name, fields, gain in (("ar", ar, 0.28), ("w12", w12, 0.87), ("blk", blk, 0.4)):
+        m.record_candidate("r8", 1, name=name, proposer="guided", rewrite_key=name, rewrite={}, fields=fields,
+                           status="rejected", reason="", s_per_token=1.0, gain=gain)
+    m.record_candidate("r8", 1, name="crash", proposer="optuna", rewrite_key="crash", rewrite={}, fields=blk,
+                       status="failed", reason="exit 1")
+    near = m.losses(at_4b)
+    # only the clear losses (under 0.5x), keyed by the full plan; a near miss is judged again
+    assert set(near) == {mem.plan_key(ar), mem.plan_key(blk)}
+    assert "0.28x" in near[mem.plan_key(ar)] and "r8" in near[mem.plan_key(ar)]
+    assert m.losses(toy) == {}  # the toy is far from the 8B shape

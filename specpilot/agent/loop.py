@@ -120,6 +120,7 @@ class Loop:
         dev = jax.devices()
         self.space = sp.build_space(cfg, platform=dev[0].platform, devices=len(dev), workload=agent.workload)
         self.incumbent = initial_plan(cfg, self.space)
+        self.avoid: dict[str, str] = {}  # plans memory saw lose clearly nearby (`Memory.losses`)
         self.groups = None  # one timing worker per device group of the incumbent's mesh
         if dev[0].platform == "gpu" or len(dev) > 1:
             from specpilot.sharding import MeshShape
@@ -174,6 +175,9 @@ class Loop:
         names = list(a.proposers) + (["llm"] if a.llm is not None and "llm" not in a.proposers else [])
         proposers = props.make(names, seed=a.seed + start, llm=a.llm)
         seeds = [m.rewrite for m in memory.retrieve(self.features)]
+        self.avoid = memory.losses(self.features)
+        for why in self.avoid.values():
+            self.progress(f"memory: not proposed here, it lost clearly nearby: {why}")
         inc_result, att, survivors = None, None, []
         with ev.Evaluator(a.workers, timeout_s=a.timeout_s, memory_mb=a.memory_mb, workdir=str(self.out / "candidates"),
                           timing_slots=a.timing_slots, address=a.scheduler, groups=self.groups,
@@ -240,7 +244,8 @@ class Loop:
     def _round(self, r: int, gate: Gate, evaluator: ev.Evaluator, proposers, prompts, att, seeds,
                survivors) -> dict:
         a, memory = self.agent, self.memory
-        ctx = props.Context(self.space, self.incumbent, att, memory.tried(self.key), seeds, survivors)
+        ctx = props.Context(self.space, self.incumbent, att, memory.tried(self.key), seeds, survivors,
+                            self.avoid)
         proposals: list[props.Proposal] = []
         for p in proposers:
             got = p.propose(ctx, a.per_proposer)

@@ -12,6 +12,10 @@ Design choices:
   behind it and the software versions. `retrieve` orders mechanisms by a distance between feature
   sets (log ratios of the shape's sizes and the batch, a step for another gpu or drafter), nearest
   first, which seeds a new round and a new deployment.
+- Clear losses travel too: `losses` names the plans the gate rejected at a near deployment (distance <=
+  3: the Qwen3-8B and 4B shapes are 1.0 apart) as more than 2x slower than their incumbent, and the
+  proposers do not propose them again there (an AR plan judged at 0.28x of stock at 8B is not
+  re-timed at 4B). Near misses are re-judged: a 0.9x can be a win on another shape.
 """
 
 from __future__ import annotations
@@ -101,6 +105,11 @@ def run_key(features: dict, initial_plan: dict, name: str = "") -> str:
     return hashlib.sha1(blob.encode()).hexdigest()[:16]
 
 
+def plan_key(fields: dict) -> str:
+    """A canonical string of a plan's full fields (`space.plan_fields`)."""
+    return json.dumps(fields, sort_keys=True, default=list)
+
+
 def distance(a: dict, b: dict) -> float:
     """How far two deployments' features are: log2 ratios of the target's sizes and the batch, plus a step
     for a different gpu, drafter source or target dtype."""
@@ -174,6 +183,23 @@ class Memory:
             s.add(Mechanism(features=features, target_shape=shape, drafter=str(features.get("drafter", {})),
                             gpu=str(features.get("gpu")), batch=int(features.get("batch", 1)), rewrite=rewrite,
                             plan=plan, gain=float(gain), runs=runs, versions=versions))
+
+    def losses(self, features: dict, max_distance: float = 3.0, below: float = 0.5) -> dict[str, str]:
+        """{plan key: why} of the plans rejected at deployments within `max_distance` of `features` at a gain
+        under `below` (`plan_key` of the candidate's full plan fields), the nearest run's verdict kept."""
+        with Session(self.engine, expire_on_commit=False) as s:
+            runs = {r.key: r.features for r in s.scalars(select(Run))}
+            rows = list(s.scalars(select(Candidate).where(Candidate.status == "rejected")))
+        near = {k: distance(features, f) for k, f in runs.items() if distance(features, f) <= max_distance}
+        out: dict[str, tuple[float, str]] = {}
+        for c in rows:
+            if c.run_key in near and c.fields and c.gain is not None and c.gain < below:
+                key, d = plan_key(c.fields), near[c.run_key]
+                if key not in out or d < out[key][0]:
+                    shape = runs[c.run_key].get("target", {}).get("name") or "another target"
+                    out[key] = (d, f"{c.rewrite_key} ran at {c.gain:.2f}x of its incumbent at {shape} "
+                                     f"(run {c.run_key}, round {c.round})")
+        return {k: why for k, (_, why) in out.items()}
 
     def retrieve(self, features: dict, limit: int = 20) -> list[Mechanism]:
         """Validated mechanisms, nearest deployment first (larger gain first among equals)."""

@@ -3,7 +3,7 @@
 Design choices:
 - A proposer sees a `Context` (the rewrite space, the incumbent's plan fields, the cost model's
   attribution of the incumbent's measured run, the rewrites already tried at this deployment, the
-  rewrites memory retrieved) and returns `Proposal`s; it never sees the gate's prompts. `observe` hears
+  rewrites memory retrieved, the plans memory saw lose clearly at a near deployment) and returns `Proposal`s; it never sees the gate's prompts. `observe` hears
   each outcome (the gate's time per token, or a failure).
 - `guided`: the stages and kernel classes of the attribution, largest lost time first; for each, the
   space's choices that act on it (`Choice.targets`: verify-bound -> block size and verification kind,
@@ -52,6 +52,17 @@ class Context:
     seeds: list[dict] = dataclasses.field(default_factory=list)  # memory's rewrites, nearest first
     # rewrites the gate accepted last round that did not become the incumbent (integration)
     survivors: list[dict] = dataclasses.field(default_factory=list)
+    # {plan key: why}: plans memory saw lose clearly at a near deployment (`Memory.losses`), not proposed
+    avoid: dict[str, str] = dataclasses.field(default_factory=dict)
+
+    def avoided(self, rewrite: dict) -> str | None:
+        """Why the plan `rewrite` makes of the incumbent is in `avoid`, or None."""
+        if not self.avoid:
+            return None
+        from specpilot.agent.memory import plan_key
+
+        out = self.space.rewrite("probe", self.incumbent, rewrite)
+        return None if isinstance(out, sp.Dropped) else self.avoid.get(plan_key(out[0]))
 
 
 class Proposer:
@@ -93,7 +104,7 @@ def make(names, seed: int = 0, **options) -> list[Proposer]:
 
 def _fresh(ctx: Context, rewrite: dict, taken: set[str]) -> bool:
     key = sp.rewrite_key(rewrite)
-    return key not in ctx.tried and key not in taken
+    return key not in ctx.tried and key not in taken and ctx.avoided(rewrite) is None
 
 
 @register("guided")
