@@ -18,7 +18,8 @@ Design choices:
   finite negative, so a block a query sees nothing of leaves its sums unchanged (no NaN).
 - Paged layouts are not here: the cache is the engine's `[B, KVH, S, D]` state as it is.
 - What the kernel cannot take (S not a multiple of block_s, head_dim not a power of two, more than
-  MAX_ROWS query rows: a prompt chunk, a CPU backend when not interpreting) raises NotImplementedError, so a caller falls through to the reference.
+  MAX_ROWS query rows: a prompt chunk, a CPU backend when not interpreting) raises
+  NotImplementedError, so a caller falls through to the reference.
   Inconsistent shapes are a ValueError.
 - Settings: one frozen `RaggedAttentionConfig` (block_s, num_warps, num_stages, interpret), static.
 """
@@ -43,6 +44,11 @@ MIN_ROWS = 16  # tl.dot's smallest M
 # heads per KV head. Longer chunks (prefill) go to the reference.
 MAX_ROWS = 256
 NEG = -1e30  # the online softmax's starting max: finite, so exp(NEG - NEG) = 1 where nothing is seen yet
+
+
+def query_rows(t: int, group: int) -> int:
+    """The query rows one program holds: T x heads per KV head, padded to a power of two >= MIN_ROWS."""
+    return max(MIN_ROWS, 1 << (t * group - 1).bit_length())
 
 
 def visible_mask(lengths: jax.Array, counts: jax.Array, t: int, s: int) -> jax.Array:
@@ -117,7 +123,7 @@ def ragged_attention_pallas(q, k, v, lengths, counts, *, block_s: int = 64, num_
     b, t, h, d = q.shape
     kvh, s = k.shape[1], k.shape[2]
     group = h // kvh
-    rows = max(MIN_ROWS, 1 << (t * group - 1).bit_length())
+    rows = query_rows(t, group)
     qg = q.reshape(b, t, kvh, group, d).transpose(0, 2, 1, 3, 4).reshape(b, kvh, t * group, d)
     qg = jnp.pad(qg, ((0, 0), (0, 0), (0, rows - t * group), (0, 0)))  # [B, KVH, R, D]
     per_head = pl.BlockSpec((None, None, rows, d), lambda i, j: (i, j, 0, 0))
@@ -168,10 +174,10 @@ def ragged_attention(q, k, v, lengths, counts, config: RaggedAttentionConfig = R
         raise NotImplementedError(f"block_s {config.block_s} does not divide the cache's {s} slots")
     if not pow2(d):
         raise NotImplementedError(f"the kernel tiles power-of-two head dims, got {d}")
-    rows = (q.shape[1] * (q.shape[2] // k.shape[1]) - 1).bit_length()
-    if (1 << rows) > MAX_ROWS:
-        raise NotImplementedError(f"{q.shape[1]} tokens x {q.shape[2] // k.shape[1]} heads per KV head need "
-                                  f"{1 << rows} query rows in one program; the kernel holds at most {MAX_ROWS}")
+    t, group = q.shape[1], q.shape[2] // k.shape[1]
+    if query_rows(t, group) > MAX_ROWS:
+        raise NotImplementedError(f"{t} tokens x {group} heads per KV head need {query_rows(t, group)} query rows "
+                                  f"in one program; the kernel holds at most {MAX_ROWS}")
     backend = jax.default_backend()
     if not config.interpret and backend != "gpu":
         raise NotImplementedError(f"the Triton-backend kernel runs on GPUs (or interpreted), not {backend!r}")

@@ -5,6 +5,7 @@ import os
 import signal
 
 from specpilot.agent import memory as mem
+from specpilot.agent.space import rewrite_key
 
 
 def _features(hidden, layers, gpu="cpu", batch=1):
@@ -71,6 +72,6 @@ def test_clear_losses_travel_to_near_deployments_only(tmp_path):
                        status="failed", reason="exit 1")
     near = m.losses(at_4b)
     # only the clear losses (under 0.5x), keyed by the full plan; a near miss is judged again
-    assert set(near) == {mem.plan_key(ar), mem.plan_key(blk)}
-    assert "0.28x" in near[mem.plan_key(ar)] and "r8" in near[mem.plan_key(ar)]
+    assert set(near) == {rewrite_key(ar), rewrite_key(blk)}
+    assert "0.28x" in near[rewrite_key(ar)] and "r8" in near[rewrite_key(ar)]
     assert m.losses(toy) == {}  # the toy is far from the 8B shape

@@ -126,16 +126,13 @@ def test_agent_block_errors_name_the_key():
 
 def test_proposers_skip_plans_that_lost_clearly_nearby():
     """guided's first choice lost clearly at a near deployment (memory's `losses`): it proposes the next."""
-
-    from specpilot.agent.memory import plan_key
-
     cfg = toy_cfg()
     space = sp.build_space(cfg)
     incumbent = sp.plan_fields(space.check("inc", {"verify": "chain", "block_size": 4}))
     ctx = props.Context(space, incumbent, None, set())
     first = props.REGISTRY["guided"]().propose(ctx, 1)[0].rewrite
     lost = space.rewrite("probe", incumbent, first)[0]
-    ctx = props.Context(space, incumbent, None, set(), avoid={plan_key(lost): "0.28x at qwen3_8b"})
+    ctx = props.Context(space, incumbent, None, set(), avoid={sp.rewrite_key(lost): "0.28x at qwen3_8b"})
     assert ctx.avoided(first) == "0.28x at qwen3_8b"
     again = props.REGISTRY["guided"]().propose(ctx, 1)[0].rewrite
     assert again != first and ctx.avoided(again) is None

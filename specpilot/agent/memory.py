@@ -105,11 +105,6 @@ def run_key(features: dict, initial_plan: dict, name: str = "") -> str:
     return hashlib.sha1(blob.encode()).hexdigest()[:16]
 
 
-def plan_key(fields: dict) -> str:
-    """A canonical string of a plan's full fields (`space.plan_fields`)."""
-    return json.dumps(fields, sort_keys=True, default=list)
-
-
 def distance(a: dict, b: dict) -> float:
     """How far two deployments' features are: log2 ratios of the target's sizes and the batch, plus a step
     for a different gpu, drafter source or target dtype."""
@@ -186,15 +181,18 @@ class Memory:
 
     def losses(self, features: dict, max_distance: float = 3.0, below: float = 0.5) -> dict[str, str]:
         """{plan key: why} of the plans rejected at deployments within `max_distance` of `features` at a gain
-        under `below` (`plan_key` of the candidate's full plan fields), the nearest run's verdict kept."""
+        under `below` (the key: `space.rewrite_key` of the candidate's full plan fields), the nearest run's
+        verdict kept."""
+        from specpilot.agent.space import rewrite_key
+
         with Session(self.engine, expire_on_commit=False) as s:
             runs = {r.key: r.features for r in s.scalars(select(Run))}
             rows = list(s.scalars(select(Candidate).where(Candidate.status == "rejected")))
-        near = {k: distance(features, f) for k, f in runs.items() if distance(features, f) <= max_distance}
+        near = {k: d for k, d in ((k, distance(features, f)) for k, f in runs.items()) if d <= max_distance}
         out: dict[str, tuple[float, str]] = {}
         for c in rows:
             if c.run_key in near and c.fields and c.gain is not None and c.gain < below:
-                key, d = plan_key(c.fields), near[c.run_key]
+                key, d = rewrite_key(c.fields), near[c.run_key]
                 if key not in out or d < out[key][0]:
                     shape = runs[c.run_key].get("target", {}).get("name") or "another target"
                     out[key] = (d, f"{c.rewrite_key} ran at {c.gain:.2f}x of its incumbent at {shape} "

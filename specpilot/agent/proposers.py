@@ -3,8 +3,9 @@
 Design choices:
 - A proposer sees a `Context` (the rewrite space, the incumbent's plan fields, the cost model's
   attribution of the incumbent's measured run, the rewrites already tried at this deployment, the
-  rewrites memory retrieved, the plans memory saw lose clearly at a near deployment) and returns `Proposal`s; it never sees the gate's prompts. `observe` hears
-  each outcome (the gate's time per token, or a failure).
+  rewrites memory retrieved, the plans memory saw lose clearly at a near deployment) and returns
+  `Proposal`s; it never sees the gate's prompts. `observe` hears each outcome (the gate's time per
+  token, or a failure).
 - `guided`: the stages and kernel classes of the attribution, largest lost time first; for each, the
   space's choices that act on it (`Choice.targets`: verify-bound -> block size and verification kind,
   matmul-bound -> weight format and kernels), one-field rewrites of the incumbent not yet tried.
@@ -59,10 +60,8 @@ class Context:
         """Why the plan `rewrite` makes of the incumbent is in `avoid`, or None."""
         if not self.avoid:
             return None
-        from specpilot.agent.memory import plan_key
-
         out = self.space.rewrite("probe", self.incumbent, rewrite)
-        return None if isinstance(out, sp.Dropped) else self.avoid.get(plan_key(out[0]))
+        return None if isinstance(out, sp.Dropped) else self.avoid.get(sp.rewrite_key(out[0]))
 
 
 class Proposer:
