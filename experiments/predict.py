@@ -21,8 +21,9 @@ import hydra
 import jax
 from omegaconf import DictConfig, open_dict
 
-from specpilot.harness import config_schema, costmodel, counts, deploy, prediction
-from specpilot.harness.rates import Rates
+from specpilot.costmodel import roofline, counts, prediction
+from specpilot.harness import config_schema, deploy
+from specpilot.costmodel.rates import Rates
 
 config_schema.register()
 log = logging.getLogger("predict")
@@ -55,7 +56,7 @@ def predict_all(cfg, tau: float | None = None, rates: Rates | None = None) -> li
     if tau is None:
         tau = getattr(cfg.drafter, "tau", None)
     rates = rates or Rates.for_gpu(cfg.gpu)
-    setting = prediction.Setting(counts.Shape.from_deployment(dep), rates, costmodel.Hardware.from_conf(cfg.gpu))
+    setting = prediction.Setting(counts.Shape.from_deployment(dep), rates, roofline.Hardware.from_conf(cfg.gpu))
     rows = []
     for plan in plans:
         if plan.verify != "ar" and tau is None:

@@ -17,7 +17,7 @@ Design choices:
   q, k, v, g, beta, o (4 T (2 DK + 2 DV + 2) per head, k and q re-read by each of the DV/block_v
   programs of a head, from L2). At DK = DV = 128, T = 16 the state writes are 91% of the traffic and
   the S0 read 6%: the kernel should be bound by the write bandwidth, so its figure of merit is GB/s
-  against the card's copy bandwidth (experiments/bench_gated_delta_rule.py).
+  against the card's copy bandwidth (experiments/bench/bench_gated_delta_rule.py).
 - Elementwise products and reductions only (no `tl.dot`): per token 4 DK block_v multiply-adds,
   nothing a tensor core would help with at one token. Float32 throughout; the products are exact float32
   (the reference asks XLA for HIGHEST precision so that a GPU does not round them to TF32). The sums run

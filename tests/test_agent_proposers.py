@@ -5,8 +5,8 @@ from agent_helpers import toy_cfg
 
 from specpilot.agent import proposers as props
 from specpilot.agent import space as sp
-from specpilot.harness import costmodel, counts, prediction
-from specpilot.harness.rates import Rates
+from specpilot.costmodel import roofline, counts, prediction
+from specpilot.costmodel.rates import Rates
 
 INCUMBENT = {"verify": "chain", "weights": "bf16", "block_size": 4}
 
@@ -47,7 +47,7 @@ def test_guided_reads_a_real_attribution():
 
     dep = deploy.build(cfg, build_plans(cfg))
     setting = prediction.Setting(counts.Shape.from_deployment(dep, 40), Rates.for_gpu(cfg.gpu),
-                                 costmodel.Hardware.from_conf(cfg.gpu))
+                                 roofline.Hardware.from_conf(cfg.gpu))
     att = prediction.attribute(plan, setting, prediction.Measurement(5e-3, 1.0, {"draft": 0.2, "verify": 0.7,
                                                                                "bookkeeping": 0.1}))
     first = props.GuidedProposer.targets(att)[0][0]

@@ -1,4 +1,4 @@
-"""experiments/bench_tree_verify.py --smoke: a row per (shape, nodes, implementation), the kernel rows
+"""experiments/bench/bench_tree_verify.py --smoke: a row per (shape, nodes, implementation), the kernel rows
 checked against the xla rows on the device, and the real shapes' configs as the harness builds them."""
 
 import csv
@@ -14,7 +14,7 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 def _bench():
-    spec = importlib.util.spec_from_file_location("bench_tree_verify", ROOT / "experiments" / "bench_tree_verify.py")
+    spec = importlib.util.spec_from_file_location("bench_tree_verify", ROOT / "experiments" / "bench" / "bench_tree_verify.py")
     bench = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(bench)
     return bench

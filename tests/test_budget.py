@@ -148,7 +148,7 @@ def test_step_cost_from_the_cost_model():
     verify-stage growth per token from block 2 to the plan's block."""
     import dataclasses
 
-    from specpilot.harness.prediction import predict
+    from specpilot.costmodel.prediction import predict
     from test_costmodel_predict import SETTING, STOCK
 
     cost = StepCost.from_predict(STOCK, SETTING, slots=3)

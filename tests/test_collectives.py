@@ -16,10 +16,10 @@ import pytest
 from helpers import random_params
 from specpilot import sharding
 from specpilot import state as st
-from specpilot.harness import collectives, counts
-from specpilot.harness.costmodel import Hardware
-from specpilot.harness.prediction import Setting, predict
-from specpilot.harness.rates import Rates
+from specpilot.costmodel import collectives, counts
+from specpilot.costmodel.roofline import Hardware
+from specpilot.costmodel.prediction import Setting, predict
+from specpilot.costmodel.rates import Rates
 from specpilot.models import dense, hybrid
 from specpilot.plan import build
 from test_sharding import CFG, HYBRID

@@ -16,7 +16,7 @@ import pytest
 import costmodel_bruteforce as bf
 from specpilot.decoding import ar, spec
 from specpilot.decoding.sampling import GREEDY
-from specpilot.harness.counts import Shape, step_counts
+from specpilot.costmodel.counts import Shape, step_counts
 from specpilot.models import dense, drafter as dr, hybrid
 from specpilot.models.config import ModelConfig
 from specpilot.models.hybrid_config import HybridConfig

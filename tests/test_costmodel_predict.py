@@ -2,10 +2,10 @@
 
 import pytest
 
-from specpilot.harness.costmodel import Hardware
-from specpilot.harness.counts import Shape, step_counts
-from specpilot.harness.prediction import Measurement, Setting, attribute, kernel_seconds, predict
-from specpilot.harness.rates import MatmulTable, Rates
+from specpilot.costmodel.roofline import Hardware
+from specpilot.costmodel.counts import Shape, step_counts
+from specpilot.costmodel.prediction import Measurement, Setting, attribute, kernel_seconds, predict
+from specpilot.costmodel.rates import MatmulTable, Rates
 from specpilot.models import drafter as dr
 from specpilot.models.config import ModelConfig
 from specpilot.plan import Plan

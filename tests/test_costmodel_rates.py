@@ -3,7 +3,7 @@
 import pytest
 from omegaconf import OmegaConf
 
-from specpilot.harness.rates import RATES_DIR, MatmulTable, Rates
+from specpilot.costmodel.rates import RATES_DIR, MatmulTable, Rates
 
 TABLE = MatmulTable("xla/bf16", (1, 4, 16), ((64, 128), (128, 128)), ((1e-6, 2e-6, 8e-6), (2e-6, 3e-6, 9e-6)))
 
@@ -70,7 +70,7 @@ def test_calibrate_measures_the_grid_it_is_given_and_the_plans_m(tmp_path):
 
     root = Path(__file__).resolve().parents[1]
     out = tmp_path / "rates.yaml"
-    proc = subprocess.run([sys.executable, str(root / "experiments" / "calibrate.py"), "target=tiny_random",
+    proc = subprocess.run([sys.executable, str(root / "experiments" / "bench" / "calibrate.py"), "target=tiny_random",
                            "drafter=none", "decoding=ar", "bench=default", "bench.batch_size=3",
                            "bench.num_prompts=3", "+calibrate.repeats=1", "+calibrate.min_bytes=200000",
                            "+calibrate.grid=[1,2]", f"+calibrate.out={out}", f"hydra.run.dir={tmp_path / 'h'}"],
@@ -81,7 +81,7 @@ def test_calibrate_measures_the_grid_it_is_given_and_the_plans_m(tmp_path):
     ms = {impl: set(t.ms) for impl, t in rates.matmul.items()}
     # the grid given, and the batch the AR plan multiplies at (3 rows): nothing of the default grid
     assert ms and all({1, 2} <= m <= {1, 2, 3} for m in ms.values()) and any(3 in m for m in ms.values()), ms
-    bad = subprocess.run([sys.executable, str(root / "experiments" / "calibrate.py"), "target=tiny_random",
+    bad = subprocess.run([sys.executable, str(root / "experiments" / "bench" / "calibrate.py"), "target=tiny_random",
                           "drafter=none", "decoding=ar", "+calibrate.grid=[0]", f"+calibrate.out={out}",
                           f"hydra.run.dir={tmp_path / 'h2'}"], cwd=tmp_path, capture_output=True, text=True,
                          timeout=600)
@@ -100,7 +100,7 @@ def test_per_launch_time_cancels_a_call_s_fixed_cost(monkeypatch):
     import numpy as np
 
     spec = importlib.util.spec_from_file_location(
-        "calibrate", Path(__file__).resolve().parents[1] / "experiments" / "calibrate.py")
+        "calibrate", Path(__file__).resolve().parents[1] / "experiments" / "bench" / "calibrate.py")
     calibrate = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(calibrate)
     clock, jitter = [0.0], np.random.default_rng(0)

@@ -18,10 +18,10 @@ import pytest
 import costmodel_bruteforce as bf
 from specpilot.decoding import spec, tree, two_level
 from specpilot.decoding.sampling import GREEDY
-from specpilot.harness import prediction
-from specpilot.harness.costmodel import Hardware
-from specpilot.harness.counts import StepCounts, step_counts
-from specpilot.harness.rates import Rates
+from specpilot.costmodel import prediction
+from specpilot.costmodel.roofline import Hardware
+from specpilot.costmodel.counts import StepCounts, step_counts
+from specpilot.costmodel.rates import Rates
 from specpilot.plan import Plan, TreeShape, TwoLevel
 from test_costmodel_counts import B, DENSE, HYBRID, _compare, _setup
 

@@ -1,4 +1,4 @@
-"""experiments/bench_engine.py: the Poisson workload and fixed batches on the tiny random pair; a deployment
+"""experiments/bench/bench_engine.py: the Poisson workload and fixed batches on the tiny random pair; a deployment
 composed from run.py's config groups (tiny random target, oracle drafter at a tau), whose oracle stock plan
 (and a tree plan of decoding=tree) emits AR's tokens per request through the engine; speedups against AR of
 the same run; clear errors."""
@@ -16,7 +16,7 @@ DEPLOYMENT = ("target=tiny_random drafter=oracle drafter.tau=3 drafter.block_siz
 
 
 def _load():
-    path = Path(__file__).resolve().parent.parent / "experiments" / "bench_engine.py"
+    path = Path(__file__).resolve().parent.parent / "experiments" / "bench" / "bench_engine.py"
     spec = importlib.util.spec_from_file_location("bench_engine", path)
     module = importlib.util.module_from_spec(spec)
     sys.modules[spec.name] = module  # its dataclasses resolve their annotations through sys.modules

@@ -140,7 +140,7 @@ def test_overlap_flips_by_config_and_a_saved_plan_keeps_it():
 
 
 def test_bench_engine_smoke_compares_overlaps(tmp_path):
-    """experiments/bench_engine.py --overlap none,halves on the tiny pair: a row per overlap, with the
+    """experiments/bench/bench_engine.py --overlap none,halves on the tiny pair: a row per overlap, with the
     halves row verifying and drafting at most one half (one of the 2 slots) per decode step."""
     from test_engine_bench import _load
 

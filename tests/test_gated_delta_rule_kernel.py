@@ -235,10 +235,10 @@ def test_the_plans_kernel_runs_in_the_hybrid_forward():
 
 
 def test_bench_smoke_writes_checked_rows(tmp_path):
-    """experiments/bench_gated_delta_rule.py --smoke: a reference row and a row per config, each kernel row
+    """experiments/bench/bench_gated_delta_rule.py --smoke: a reference row and a row per config, each kernel row
     checked against the reference on the device, the bytes counted as the docstring says."""
     spec = importlib.util.spec_from_file_location(
-        "bench_gated_delta_rule", Path(__file__).resolve().parents[1] / "experiments" / "bench_gated_delta_rule.py")
+        "bench_gated_delta_rule", Path(__file__).resolve().parents[1] / "experiments" / "bench" / "bench_gated_delta_rule.py")
     bench = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(bench)
     out = tmp_path / "gdr.csv"

@@ -1,4 +1,4 @@
-"""Cross-dtype token forcing (experiments/near_ties.py, forcing.force_paired) on a tiny random target:
+"""Cross-dtype token forcing (experiments/bench/near_ties.py, forcing.force_paired) on a tiny random target:
 the mismatches are exactly those a per-position comparison of the two dtypes' argmax finds, margins are
 the top-1 minus top-2 gaps, and the failure rule splits at the stated margin."""
 
@@ -27,7 +27,7 @@ STD, SEED = 0.15, 1
 
 
 def _load_script():
-    spec = importlib.util.spec_from_file_location("near_ties", ROOT / "experiments" / "near_ties.py")
+    spec = importlib.util.spec_from_file_location("near_ties", ROOT / "experiments" / "bench" / "near_ties.py")
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)
     return mod

@@ -62,11 +62,11 @@ def test_recorded_tables_round_trip():
 
 
 def test_recorder_tables_count_every_draft_position(tiny_cfg, tiny_params):
-    """A tiny random pair's chain run through experiments/record_trace.py's `record`: the three tables'
+    """A tiny random pair's chain run through experiments/bench/record_trace.py's `record`: the three tables'
     counts sum to the steps taken x (Bs - 1), and the step trace is the run's."""
     from specpilot.harness import config_schema, deploy
 
-    path = ROOT / "experiments" / "record_trace.py"
+    path = ROOT / "experiments" / "bench" / "record_trace.py"
     spec = importlib.util.spec_from_file_location("record_trace", path)
     module = importlib.util.module_from_spec(spec)
     sys.modules[spec.name] = module

@@ -8,8 +8,9 @@ from pathlib import Path
 import pytest
 from hydra import compose, initialize_config_dir
 
-from specpilot.harness import config_schema, costmodel, counts, deploy, prediction
-from specpilot.harness.rates import Rates
+from specpilot.costmodel import roofline, counts, prediction
+from specpilot.harness import config_schema, deploy
+from specpilot.costmodel.rates import Rates
 
 ROOT = Path(__file__).resolve().parents[1]
 OVERRIDES = ["target=tiny_random", "drafter=random", "decoding=stock", "bench=default"]
@@ -39,7 +40,7 @@ def test_abstract_build_predicts_what_the_built_deployment_predicts():
     assert isinstance(abstract.params["embed"], jax.ShapeDtypeStruct)  # no weights were made
     dep = deploy.build(cfg, plans)  # real weights this time
     setting = prediction.Setting(counts.Shape.from_deployment(dep), Rates.for_gpu(cfg.gpu),
-                                 costmodel.Hardware.from_conf(cfg.gpu))
+                                 roofline.Hardware.from_conf(cfg.gpu))
     assert [r["method"] for r in rows] == [p.name for p in plans]
     for row, plan in zip(rows, plans):
         want = prediction.predict(plan, setting, None if plan.verify == "ar" else 1.75).to_dict()

@@ -1,4 +1,4 @@
-"""experiments/trace_plans.py: a plan's decode and profiled phases traced, kernels summed per span."""
+"""experiments/bench/trace_plans.py: a plan's decode and profiled phases traced, kernels summed per span."""
 
 import importlib.util
 import subprocess
@@ -16,7 +16,7 @@ OVERRIDES = ["target=tiny_random", "drafter=oracle", "drafter.tau=2.5", "drafter
 
 
 def _script():
-    spec = importlib.util.spec_from_file_location("trace_plans_script", ROOT / "experiments" / "trace_plans.py")
+    spec = importlib.util.spec_from_file_location("trace_plans_script", ROOT / "experiments" / "bench" / "trace_plans.py")
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)
     return mod
@@ -50,6 +50,6 @@ def test_every_decode_and_phase_call_lies_in_its_profiler_span():
 
 
 def test_unknown_plan_names_are_refused(tmp_path):
-    bad = subprocess.run([sys.executable, "experiments/trace_plans.py", *OVERRIDES, "+trace.plans=[nope]",
+    bad = subprocess.run([sys.executable, "experiments/bench/trace_plans.py", *OVERRIDES, "+trace.plans=[nope]",
                           f"hydra.run.dir={tmp_path}"], capture_output=True, text=True, cwd=ROOT, timeout=300)
     assert bad.returncode == 1 and "trace.plans names ['nope']" in bad.stderr, bad.stderr

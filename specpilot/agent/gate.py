@@ -27,7 +27,8 @@ import numpy as np
 from omegaconf import DictConfig, OmegaConf
 
 from specpilot import forcing
-from specpilot.harness import costmodel, deploy, methods
+from specpilot.costmodel import roofline
+from specpilot.harness import deploy, methods
 from specpilot.harness.config_schema import build_plans, typed
 from specpilot.plan import Plan
 
@@ -110,13 +111,13 @@ class Gate:
 
     def ceiling_s_per_token(self, plan: Plan) -> float:
         """The cost model's floor per output token for `plan`, at the most acceptance its block allows."""
-        hw = costmodel.Hardware.from_conf(self.cfg.gpu)
+        hw = roofline.Hardware.from_conf(self.cfg.gpu)
         dep = self.dep
         context = int(sum(len(p) for p in self.round_prompts) / len(self.round_prompts) + dep.new_tokens / 2)
         if not plan.uses_drafter:
-            return costmodel.ar_ceiling_s(hw, dep.cfg, dep.batch_size, context, plan.bits_per_weight)
+            return roofline.ar_ceiling_s(hw, dep.cfg, dep.batch_size, context, plan.bits_per_weight)
         dcfg = getattr(dep.drafter[0], "inner", dep.drafter[0]).cfg
-        return costmodel.spec_ceiling_s(hw, dep.cfg, dep.batch_size, context, plan.block_size,
+        return roofline.spec_ceiling_s(hw, dep.cfg, dep.batch_size, context, plan.block_size,
                                         float(plan.block_size), dcfg.num_layers, len(dcfg.tap_layers),
                                         plan.bits_per_weight)["per_token_s"]
 

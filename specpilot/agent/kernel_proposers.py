@@ -114,7 +114,7 @@ def build_prompt(ctx: Context, op: str) -> str:
     rows = [f"- stage {r['stage']}: {r['lost_ms']:.3f} ms lost per step" for r in att.get("stages", [])]
     rows += [f"- kernel class {r['class']}: {r['lost_ms']:.3f} ms lost per step" for r in att.get("classes", [])]
     if att.get("measured_ms_per_step") is not None:  # a full `prediction.attribute` report
-        from specpilot.harness.prediction import format_attribution
+        from specpilot.costmodel.prediction import format_attribution
 
         rows = format_attribution("incumbent", att, top=5) + rows
     memory = [f"- {json.dumps(rw, sort_keys=True)}" for rw in ctx.seeds[:8]]

@@ -223,15 +223,15 @@ class Loop:
         return summary
 
     def _attribution(self, gate: Gate, fields: dict, result: dict) -> dict | None:
-        from specpilot.harness import costmodel, counts, prediction
-        from specpilot.harness.rates import Rates
+        from specpilot.costmodel import roofline, counts, prediction
+        from specpilot.costmodel.rates import Rates
 
         plan = self.space.check("incumbent", fields)
         if isinstance(plan, str):
             return None
         context = int(sum(map(len, gate.round_prompts)) / len(gate.round_prompts) + gate.dep.new_tokens / 2)
         setting = prediction.Setting(counts.Shape.from_deployment(gate.dep, context), Rates.for_gpu(self.cfg.gpu),
-                                     costmodel.Hardware.from_conf(self.cfg.gpu))
+                                     roofline.Hardware.from_conf(self.cfg.gpu))
         stats = result.get("stats") or {}
         tau = min(float(stats.get("tau") or 1.0), float(plan.block_size))
         try:

@@ -40,6 +40,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from pallas_kernels import dispatch
+from specpilot.models import dense
+from specpilot.models.config import ModelConfig
+
 
 def summarize(times_s: list[float]) -> dict[str, float]:
     """Median / p10 / p90 / mean of a list of seconds, in milliseconds."""
@@ -318,8 +322,6 @@ def parse_common(p: argparse.ArgumentParser, argv=None) -> argparse.Namespace:
 
 def matmul_choice(kernel: str, kernel_config: str = ""):
     """"mosaic,xla" and '{"small_m_stages": 3}' -> the matmul OpChoice a plan with those values would hold."""
-    from pallas_kernels import dispatch
-
     try:
         config = json.loads(kernel_config) if kernel_config else None
     except json.JSONDecodeError as e:
@@ -327,3 +329,53 @@ def matmul_choice(kernel: str, kernel_config: str = ""):
     if config is not None and not isinstance(config, dict):
         raise ValueError(f"the config must be a JSON object, got {kernel_config!r}")
     return dispatch.choice("matmul", comma_list(kernel), config)
+
+
+def init_params_on_device(cfg: ModelConfig, key: jax.Array, dtype=jnp.bfloat16, std: float = 0.02,
+                          wide_margin: bool = True):
+    """Random params with dense.param_shapes' structure, generated on the device one layer at a time.
+
+    One normal draw per layer, sliced into its matrices: each distinct random call costs a compile
+    (about 0.5 s on a CPU), and one jitted layer initializer serves every layer. `wide_margin` applies
+    `dense.init_wide_margin`'s scheme (embed N(0, 1), residual writes o/down at std / (3 sqrt(2L)), head =
+    permuted embedding / sqrt(H)), so variants' greedy tokens are comparable: with N(0, std) everywhere
+    the top-2 logits are near-ties and any change of kernel changes the tokens.
+    """
+    shapes = dense.param_shapes(cfg)
+    layer = shapes["layers"][0]
+    mats = [n for n in layer if not n.endswith(("norm", "bias"))]
+    sizes = [math.prod(layer[n]) for n in mats]
+
+    out_std = std / (3.0 * (2.0 * cfg.num_layers) ** 0.5) if wide_margin else std
+
+    @jax.jit
+    def make_layer(k):
+        flat = jax.random.normal(k, (sum(sizes),), jnp.float32)
+        out, start = {}, 0
+        for n, size in zip(mats, sizes):
+            scale = out_std if n in ("o", "down") else std
+            out[n] = (scale * flat[start:start + size]).astype(dtype).reshape(layer[n])
+            start += size
+        for n in layer:
+            if n not in out:  # norms are ones, biases zeros
+                out[n] = (jnp.ones if n.endswith("norm") else jnp.zeros)(layer[n], dtype)
+        return out
+
+    embed_std = 1.0 if wide_margin else std
+
+    @jax.jit
+    def make_matrix(k):
+        return (embed_std * jax.random.normal(k, shapes["embed"], jnp.float32)).astype(dtype)
+
+    @jax.jit
+    def permuted_head(embed, k):  # [H, V]: column v reads embedding row pi(v)
+        perm = jax.random.permutation(k, cfg.vocab_size)
+        return (embed[perm].astype(jnp.float32).T / math.sqrt(cfg.hidden_size)).astype(dtype)
+
+    k_layers, k_embed, k_head = jax.random.split(key, 3)
+    layers = tuple(jax.block_until_ready(make_layer(k)) for k in jax.random.split(k_layers, cfg.num_layers))
+    params = {"layers": layers, "final_norm": jnp.ones((cfg.hidden_size,), dtype), "embed": make_matrix(k_embed)}
+    if "lm_head" in shapes:  # [H, V]
+        params["lm_head"] = (permuted_head(params["embed"], k_head) if wide_margin
+                             else jax.jit(lambda k: make_matrix(k).T)(k_head))
+    return jax.block_until_ready(params)

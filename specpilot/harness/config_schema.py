@@ -66,7 +66,7 @@ class DrafterConf:
     acceptance: Optional[List[float]] = None
     tau: Optional[float] = None
     acceptance_trace: Optional[str] = None
-    # oracle_trace: a per-step accepted-drafts file (experiments/record_trace.py), one trace per plan name
+    # oracle_trace: a per-step accepted-drafts file (experiments/bench/record_trace.py), one trace per plan name
     step_trace: Optional[str] = None
     # oracle: draft confidence drawn from a trained pair's recorded top-1 probabilities by outcome (a
     # record_trace.py file; relative: the working directory's, else the repository's), that method's

@@ -26,10 +26,11 @@ import jax
 import numpy as np
 from omegaconf import DictConfig, OmegaConf
 
-from specpilot.harness import costmodel, counts, deploy, plan_variants, prediction
+from specpilot.costmodel import roofline, counts, prediction
+from specpilot.harness import deploy, plan_variants
 from specpilot.harness.config_schema import build_plans, validate
 from specpilot.harness.methods import median_run, run_plan, scorer
-from specpilot.harness.rates import Rates
+from specpilot.costmodel.rates import Rates
 from specpilot.plan import Plan, is_ar_baseline_candidate
 
 log = logging.getLogger(__name__)
@@ -87,9 +88,9 @@ def run(cfg: DictConfig, out_dir: str | Path) -> list[dict]:
     responses = decoded_responses(dep, runs[reference.name], int(cfg.bench.show_responses))
     ar_tpot = runs[baselines["ar"]].decode_time_per_token
     stock_tpot = runs[baselines["stock"]].decode_time_per_token if baselines["stock"] else None
-    hw = costmodel.Hardware.from_conf(cfg.gpu)
+    hw = roofline.Hardware.from_conf(cfg.gpu)
     mean_context = sum(len(p) for p in dep.prompts) / len(dep.prompts) + dep.new_tokens / 2
-    ar_floor = costmodel.ar_ceiling_s(hw, dep.cfg, dep.batch_size, int(mean_context))
+    ar_floor = roofline.ar_ceiling_s(hw, dep.cfg, dep.batch_size, int(mean_context))
     setting = prediction.Setting(counts.Shape.from_deployment(dep, int(mean_context)), Rates.for_gpu(cfg.gpu), hw)
     records = []
     for plan in plans:
@@ -198,9 +199,9 @@ def plan_ceiling_s(plan: Plan, r, dep, hw, context: int) -> float | None:
     (draft + verify floors) / measured tau, at the plan's bits per weight."""
     bits = plan.bits_per_weight
     if not plan.uses_drafter or r.stats.get("tau") is None:
-        return costmodel.ar_ceiling_s(hw, dep.cfg, dep.batch_size, context, bits)
+        return roofline.ar_ceiling_s(hw, dep.cfg, dep.batch_size, context, bits)
     dcfg = getattr(dep.drafter[0], "inner", dep.drafter[0]).cfg
-    c = costmodel.spec_ceiling_s(hw, dep.cfg, dep.batch_size, context, plan.block_size, float(r.stats["tau"]),
+    c = roofline.spec_ceiling_s(hw, dep.cfg, dep.batch_size, context, plan.block_size, float(r.stats["tau"]),
                                  dcfg.num_layers, len(dcfg.tap_layers), bits)
     return c["per_token_s"]
 

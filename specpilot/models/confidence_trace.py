@@ -1,6 +1,6 @@
 """Drafter confidence by outcome: recorded from a trained pair, replayed by the oracle drafter.
 
-A trained chain pair's recording run (`experiments/record_trace.py`) keeps, for every verification step
+A trained chain pair's recording run (`experiments/bench/record_trace.py`) keeps, for every verification step
 and draft position k = 1..Bs-1, the drafter's top-1 probability (softmax of its draft logits, float32)
 and the position's outcome: `accepted` (k <= the step's accepted drafts), `first_rejected` (k = accepted
 + 1) or `after` (k > accepted + 1). The oracle drafter (`models.oracle`) draws each of its drafts'
@@ -105,10 +105,10 @@ def sample(quantiles, u):
 
 
 def load_calibration(path, method: str = "stock") -> Calibration:
-    """The confidence calibration recorded for `method` in a trace file (`experiments/record_trace.py`)."""
+    """The confidence calibration recorded for `method` in a trace file (`experiments/bench/record_trace.py`)."""
     p = trace_path(path)
     if not p.is_file():
-        raise FileNotFoundError(f"no confidence trace at {p} (write one with experiments/record_trace.py)")
+        raise FileNotFoundError(f"no confidence trace at {p} (write one with experiments/bench/record_trace.py)")
     data = json.loads(p.read_text())
     methods = data.get("methods") if isinstance(data, dict) else None
     if not isinstance(methods, dict):

@@ -1,6 +1,6 @@
 """Oracle acceptance from a recorded per-step trace, for chain and tree verification at real shapes.
 
-A trained pair's tree run (`experiments/record_trace.py`) records how many drafts every verification step
+A trained pair's tree run (`experiments/bench/record_trace.py`) records how many drafts every verification step
 accepted. At a shape whose trained weights cannot be had here, this drafter replays that trace against the
 target's own greedy continuation, while the real drafter forward, tree builder and verifier run at the
 real shape, so step times are real and tau is the trained pair's (DESIGN.md, "oracle acceptance").
@@ -48,7 +48,7 @@ def load_traces(path) -> dict:
     """A trace file's methods: name -> {"verify", "shape", "accepted": [per-step accepted drafts]}."""
     p = trace_path(path)
     if not p.is_file():
-        raise FileNotFoundError(f"no step trace at {p} (write one with experiments/record_trace.py)")
+        raise FileNotFoundError(f"no step trace at {p} (write one with experiments/bench/record_trace.py)")
     data = json.loads(p.read_text())
     methods = data.get("methods") if isinstance(data, dict) else None
     if not isinstance(methods, dict) or not methods:

@@ -44,7 +44,7 @@ class StepCost:
         """The line through the cost model's step times of `plan` at `setting` (a `prediction.Setting`)
         with `slots` rows verifying 2 and block_size tokens each (the draft stage counted once, at the
         plan's block: the drafter always drafts a full block)."""
-        from specpilot.harness.prediction import predict
+        from specpilot.costmodel.prediction import predict
 
         bs = plan.block_size
         if plan.verify != "chain" or bs < 3:

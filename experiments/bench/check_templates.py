@@ -1,5 +1,5 @@
 """Every template expansion of the kernel variants' templates checked against its op's reference on this
-device: `python experiments/check_templates.py [--op matmul|gated_delta_rule] [--limit N]`.
+device: `python experiments/bench/check_templates.py [--op matmul|gated_delta_rule] [--limit N]`.
 
 At the Qwen3-8B MLP shapes (matmul, M = batch x block rows, bf16 and W12 weights) and a Qwen3.5-style
 linear layer (gated delta rule). A template whose knobs the kernel cannot compile shows up here as

@@ -1,8 +1,8 @@
 """Token forcing across dtypes on real weights: where float32 and bfloat16 greedy choices part, and by how much.
 
-    PYTHONPATH=. python3 experiments/near_ties.py --checkpoint /tmp/smolcache/gguf/<folder> \\
+    PYTHONPATH=. python3 experiments/bench/near_ties.py --checkpoint /tmp/smolcache/gguf/<folder> \\
         --out outputs/near_ties.json
-    PYTHONPATH=. python3 experiments/near_ties.py --checkpoint DIR --num-prompts 4 --new-tokens 32 --margin 0.5
+    PYTHONPATH=. python3 experiments/bench/near_ties.py --checkpoint DIR --num-prompts 4 --new-tokens 32 --margin 0.5
 
 Prints a summary, writes the whole report as JSON to --out, and exits 1 (FAILURE printed) when a
 mismatch is not a near-tie: the reference's top-1 minus top-2 logit there is at least --margin.
@@ -46,7 +46,7 @@ import numpy as np
 from specpilot import forcing
 from specpilot.decoding import ar
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 DEFAULT_MARGIN = 1.0  # logits; see the module docstring
 MARGIN_BINS = (0.01, 0.1, 0.5, 1.0)
 DTYPES = ("float32", "bfloat16")

@@ -1,9 +1,9 @@
 """W12 kernels vs their bf16 twins vs XLA's bf16 dot, per Qwen3-8B linear shape and M.
 
-    PYTHONPATH=. python3 experiments/bench_w12.py --out w12.json                     # H200: Mosaic, every shape
-    PYTHONPATH=. python3 experiments/bench_w12.py --kernel mosaic,triton --m 1,16    # both kernels
-    PYTHONPATH=. python3 experiments/bench_w12.py --shape tiny --m 1,16              # CPU smoke (interpreters)
-    PYTHONPATH=. python3 experiments/bench_w12.py --table mg68.json,mg69.json        # a markdown table
+    PYTHONPATH=. python3 experiments/bench/bench_w12.py --out w12.json                     # H200: Mosaic, every shape
+    PYTHONPATH=. python3 experiments/bench/bench_w12.py --kernel mosaic,triton --m 1,16    # both kernels
+    PYTHONPATH=. python3 experiments/bench/bench_w12.py --shape tiny --m 1,16              # CPU smoke (interpreters)
+    PYTHONPATH=. python3 experiments/bench/bench_w12.py --table mg68.json,mg69.json        # a markdown table
 
 Design choices:
 - Each measurement is a chain of products over `n` distinct matrices of one shape inside one jit, each

@@ -2,7 +2,7 @@
 
 Design choices:
 - One `Rates` record per device, in `conf/gpu/rates/<gpu.name>.yaml` (beside the gpu group's files, not
-  one of its options), written by `experiments/calibrate.py` on that device and read by `Rates.for_gpu`.
+  one of its options), written by `experiments/bench/calibrate.py` on that device and read by `Rates.for_gpu`.
   Fields: copy bandwidth (read + write bytes per second of a large elementwise pass), per-launch cost (a
   chain of dependent tiny ops), host cost per step (one iteration of an on-device while loop, what each
   decode step pays besides its kernels) and per dispatched-and-synced call (the profiled split pays one per
@@ -158,7 +158,7 @@ class Rates:
     def load(cls, path: str | Path) -> "Rates":
         path = Path(path)
         if not path.is_file():
-            raise FileNotFoundError(f"no rates file at {path}; measure it with experiments/calibrate.py")
+            raise FileNotFoundError(f"no rates file at {path}; measure it with experiments/bench/calibrate.py")
         return cls.from_dict(yaml.safe_load(path.read_text()))
 
     @classmethod

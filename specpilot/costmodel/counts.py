@@ -444,7 +444,7 @@ def step_counts(plan, shape: Shape) -> StepCounts:
         accept(st, plan.block_size)
         drafter_extend(st, plan.block_size)
     elif plan.verify in ("tree", "two_level"):
-        from specpilot.harness import tree_counts
+        from specpilot.costmodel import tree_counts
 
         tree_counts.tree_step(st, plan, shape)
     else:

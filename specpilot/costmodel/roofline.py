@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from specpilot.harness import counts
+from specpilot.costmodel import counts
 from specpilot.models.config import ModelConfig
 
 

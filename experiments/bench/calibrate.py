@@ -1,4 +1,4 @@
-"""Measure the cost model's rates on this device: `python experiments/calibrate.py [target=... gpu=...]`.
+"""Measure the cost model's rates on this device: `python experiments/bench/calibrate.py [target=... gpu=...]`.
 
 Composes the same config as experiments/run.py (same overrides), builds its deployment and plans, and
 measures on the current device: copy bandwidth, per-launch cost, host cost per while-loop step and per
@@ -34,8 +34,9 @@ import jax.numpy as jnp
 import numpy as np
 from omegaconf import DictConfig, open_dict
 
-from specpilot.harness import config_schema, counts, deploy
-from specpilot.harness.rates import RATES_DIR, MatmulTable, Rates
+from specpilot.costmodel import counts
+from specpilot.harness import config_schema, deploy
+from specpilot.costmodel.rates import RATES_DIR, MatmulTable, Rates
 
 config_schema.register()
 log = logging.getLogger("calibrate")
@@ -220,7 +221,7 @@ def matmul_table(impl: str, shapes, ms, min_bytes: int, repeats: int, loop_s: fl
     return MatmulTable(impl, tuple(grid), tuple(kept), tuple(rows), wbytes, act)
 
 
-@hydra.main(version_base=None, config_path="../conf", config_name="config")
+@hydra.main(version_base=None, config_path="../../conf", config_name="config")
 def main(cfg: DictConfig) -> None:
     with open_dict(cfg):  # this script's own options, not part of the run config the schema types
         cal = cfg.pop("calibrate", None) or {}
@@ -252,7 +253,7 @@ def main(cfg: DictConfig) -> None:
         old = Rates.load(out)
         for impl, t in old.matmul.items():
             tables[impl] = t.merged(tables[impl]) if impl in tables else t
-    source = (f"experiments/calibrate.py {datetime.date.today().isoformat()}, jax {jax.__version__}, "
+    source = (f"experiments/bench/calibrate.py {datetime.date.today().isoformat()}, jax {jax.__version__}, "
               f"{dev.platform}:{getattr(dev, 'device_kind', '')}, target {cfg.target.name}")
     Rates(device=f"{dev.platform}:{getattr(dev, 'device_kind', '')}", matmul=tables, source=source,
           **rates).save(out)

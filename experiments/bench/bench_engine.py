@@ -1,11 +1,11 @@
 """Continuous batching: Poisson arrivals (throughput, TTFT, TPOT, KV in use) and fixed batches (steady-state
 decode throughput, speedup over AR), for AR and speculative plans, through `specpilot.serving.Engine`.
 
-    PYTHONPATH=. python experiments/bench_engine.py [--shape smollm2|tiny] [--m 4] [--rates 0.5,2,8]
+    PYTHONPATH=. python experiments/bench/bench_engine.py [--shape smollm2|tiny] [--m 4] [--rates 0.5,2,8]
         [--requests 16] [--new-tokens 64] [--plans ar,stock] [--out engine.json]
         [--batching fixed,budget,budget+packed] [--token-budget N] [--overlap none,halves]
-    PYTHONPATH=. python experiments/bench_engine.py --deployment "<run.py overrides>" --plans ar,stock ...
-    PYTHONPATH=. python experiments/bench_engine.py --smoke     # tiny random pair, a few seconds
+    PYTHONPATH=. python experiments/bench/bench_engine.py --deployment "<run.py overrides>" --plans ar,stock ...
+    PYTHONPATH=. python experiments/bench/bench_engine.py --smoke     # tiny random pair, a few seconds
 
 Where the target and drafter come from:
 - `--deployment "<overrides>"`: the config groups of experiments/run.py, composed with Hydra (space
@@ -64,7 +64,7 @@ H200, Qwen3-8B shape (random bf16 weights, oracle at GSM8K's tau 6.27, block 16,
 numbers and where the time goes: docs/performance.md). Each (plan, slot count, batching) is one engine
 compiled first (~20-30 s); past the per-command limit, split --m over commands with one --compile-cache:
 
-    PYTHONPATH=. python experiments/bench_engine.py \\
+    PYTHONPATH=. python experiments/bench/bench_engine.py \\
         --deployment "experiment=stock_qwen3_8b_h200 drafter=oracle_calibrated" --plans ar,stock \\
         --m 16,32 --rates 0,4 --requests 32 --new-tokens 256 --batching fixed,budget,budget+packed \\
         --step-cost model --compile-cache /tmp/xla --out engine_8b_mechanisms.json
@@ -92,7 +92,7 @@ from specpilot.serving import Engine, Request
 from specpilot.serving.workloads import run_fixed, run_workload
 
 DEFAULT_SMOLLM2_DIRS = ("~/.cache/specpilot/gguf", "/tmp/smolcache/gguf")
-CONF = Path(__file__).resolve().parent.parent / "conf"
+CONF = Path(__file__).resolve().parents[2] / "conf"
 
 
 BATCHINGS = {"fixed": {}, "budget": {"draft_budget": "confidence"},
@@ -313,7 +313,7 @@ def deployment_setup(args, n_prompts: int) -> Setup:
     dep = deploy.build(cfg, selected)
     cost_setting = None
     if args.step_cost == "model":
-        from specpilot.harness import prediction
+        from specpilot.costmodel import prediction
 
         cost_setting = prediction.Setting.from_deployment(dep, cfg.gpu)
     runs = [PlanRun(p.name, lambda s, b, c, ch, p=p: deployment_engine(dep, p, s, b, c, ch, cost_setting),

@@ -1,4 +1,4 @@
-"""Record per-step acceptance traces from a trained pair: `python experiments/record_trace.py --out FILE
+"""Record per-step acceptance traces from a trained pair: `python experiments/bench/record_trace.py --out FILE
 [overrides]` (the run's config, e.g. `decoding=tree_budgets`, SmolLM2 + its packaged drafter by default).
 
 Every chain, tree and two_level plan of the run decodes the bench's prompts one step per call and keeps how
@@ -62,7 +62,7 @@ def record(dep, plan) -> tuple[list[int], dict | None]:
     return accepted, confidence_table(np.concatenate(top1_all), np.concatenate(steps_all))
 
 
-@hydra.main(version_base=None, config_path="../conf", config_name="config")
+@hydra.main(version_base=None, config_path="../../conf", config_name="config")
 def main(cfg: DictConfig) -> None:
     cfg = config_schema.typed(cfg)
     config_schema.validate(cfg)
@@ -83,7 +83,7 @@ def main(cfg: DictConfig) -> None:
         print(f"{plan.name}: {len(accepted)} steps, tau {methods[plan.name]['tau']:.3f}"
               + ("" if confidence is None else f"; confidence counts {confidence['counts']}, "
                  f"means {confidence['mean']}"))
-    source = (f"experiments/record_trace.py {' '.join(OVERRIDES)}: target {cfg.target.name}, "
+    source = (f"experiments/bench/record_trace.py {' '.join(OVERRIDES)}: target {cfg.target.name}, "
               f"drafter {cfg.drafter.name}, bench {cfg.bench.name} "
               f"({len(dep.batches()) * dep.batch_size} prompts x {dep.new_tokens} tokens), greedy; "
               f"{'; '.join(dep.notes)}")

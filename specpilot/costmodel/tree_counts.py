@@ -28,7 +28,7 @@ Design choices:
 
 from __future__ import annotations
 
-from specpilot.harness.counts import (F32, _Step, commit_snapshots, drafter_extend, drafter_propose,
+from specpilot.costmodel.counts import (F32, _Step, commit_snapshots, drafter_extend, drafter_propose,
                                       target_forward)
 
 

@@ -1,4 +1,4 @@
-"""Where a plan's step time goes on the device, kernel by kernel: `python experiments/trace_plans.py [run.py's overrides]`.
+"""Where a plan's step time goes on the device, kernel by kernel: `python experiments/bench/trace_plans.py [run.py's overrides]`.
 
 Composes the same config as experiments/run.py and builds the same deployment. Each plan (or those of
 `+trace.plans=[stock,stock_w12]`) runs once to compile and warm up, then once more under the JAX profiler
@@ -98,7 +98,7 @@ def format_rows(rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
-@hydra.main(version_base=None, config_path="../conf", config_name="config")
+@hydra.main(version_base=None, config_path="../../conf", config_name="config")
 def main(cfg: DictConfig) -> None:
     with open_dict(cfg):  # this script's own options, not part of the run config the schema types
         extra = cfg.pop("trace", None) or {}

@@ -25,9 +25,9 @@ from __future__ import annotations
 
 import dataclasses
 
-from specpilot.harness.costmodel import Hardware
-from specpilot.harness.counts import STAGES, Shape, step_counts
-from specpilot.harness.rates import Rates
+from specpilot.costmodel.roofline import Hardware
+from specpilot.costmodel.counts import STAGES, Shape, step_counts
+from specpilot.costmodel.rates import Rates
 
 SPLIT_NAMES = {"draft": "draft", "verify": "verify", "bookkeeping": "accept"}  # profiled split -> stage
 
@@ -107,7 +107,7 @@ def predict(plan, deployment, tau: float | None = None, gpu=None) -> Prediction:
     c = step_counts(plan, s.shape)
     sharded = not plan.mesh.is_single
     if sharded:  # one device's share, and the links between them (`collectives`)
-        from specpilot.harness import collectives
+        from specpilot.costmodel import collectives
 
         c = collectives.per_device(c, plan.mesh, s.shape.hybrid)
         links = collectives.step_collectives(plan, s.shape)

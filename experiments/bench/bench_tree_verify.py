@@ -1,9 +1,9 @@
 """Tree verification's step cost against node count: one target forward over N tree nodes, XLA vs the
 Pallas tree kernels, at the Qwen3-8B shape and the Qwen3.5-27B hybrid shape (random weights).
 
-    PYTHONPATH=. python3 experiments/bench_tree_verify.py --shapes qwen3_8b --out tree_8b.csv       # GPU
-    PYTHONPATH=. python3 experiments/bench_tree_verify.py --shapes qwen3_5_27b --layers 16 --out t27.csv
-    PYTHONPATH=. python3 experiments/bench_tree_verify.py --smoke --out /tmp/tree.csv               # CPU
+    PYTHONPATH=. python3 experiments/bench/bench_tree_verify.py --shapes qwen3_8b --out tree_8b.csv       # GPU
+    PYTHONPATH=. python3 experiments/bench/bench_tree_verify.py --shapes qwen3_5_27b --layers 16 --out t27.csv
+    PYTHONPATH=. python3 experiments/bench/bench_tree_verify.py --smoke --out /tmp/tree.csv               # CPU
 
 Design choices:
 - What is timed is `tree.verify_phase`'s forward: `target.forward` over the N nodes of a drafted tree
@@ -45,13 +45,14 @@ import numpy as np
 from omegaconf import OmegaConf
 
 from pallas_kernels import dispatch
+from specpilot.harness import bench
 from specpilot import state as st
 from specpilot.decoding.token_tree import build_tree, max_nodes
 from specpilot.models import dense, hybrid
 from specpilot.models.config import ModelConfig
 from specpilot.models.hybrid_config import HybridConfig
 
-CONF = Path(__file__).resolve().parents[1] / "conf" / "target"
+CONF = Path(__file__).resolve().parents[2] / "conf" / "target"
 SHAPES = {"qwen3_8b": "qwen3_8b.yaml", "qwen3_5_27b": "qwen3_5_27b.yaml",  # conf/target files
           "tiny_dense": "tiny_random.yaml", "tiny_hybrid": "tiny_hybrid.yaml"}
 # the tree ops each implementation runs through a Pallas kernel (falling through to XLA where it cannot)
@@ -77,9 +78,8 @@ def init_params(cfg, dtype, seed: int = 0):
     never on the host), hybrids through `hybrid.init`."""
     if isinstance(cfg, HybridConfig):
         return jax.block_until_ready(hybrid.init(jax.random.key(seed), cfg, dtype))
-    from experiments.bench_ar import init_params_on_device
 
-    return init_params_on_device(cfg, jax.random.key(seed), dtype)
+    return bench.init_params_on_device(cfg, jax.random.key(seed), dtype)
 
 
 def kernel_ops(cfg, impl: str) -> tuple[str, ...]:

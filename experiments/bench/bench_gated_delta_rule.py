@@ -1,8 +1,8 @@
 """The gated delta rule's Pallas kernel against its jnp reference at Qwen3.5-27B's linear-layer shape.
 
-    PYTHONPATH=. python3 experiments/bench_gated_delta_rule.py --out gdr.csv          # GPU: B 1, 8; T 1, 4, 16
-    PYTHONPATH=. python3 experiments/bench_gated_delta_rule.py --configs 32:4:1,64:8:2  # block_v:warps:stages
-    PYTHONPATH=. python3 experiments/bench_gated_delta_rule.py --smoke --out /tmp/g.csv # CPU: tiny, interpreted
+    PYTHONPATH=. python3 experiments/bench/bench_gated_delta_rule.py --out gdr.csv          # GPU: B 1, 8; T 1, 4, 16
+    PYTHONPATH=. python3 experiments/bench/bench_gated_delta_rule.py --configs 32:4:1,64:8:2  # block_v:warps:stages
+    PYTHONPATH=. python3 experiments/bench/bench_gated_delta_rule.py --smoke --out /tmp/g.csv # CPU: tiny, interpreted
 
 Design choices:
 - Each measurement is `--calls` calls of one implementation inside one jit (a `fori_loop`), so host

@@ -1,8 +1,8 @@
 """AR decode benchmark: time per token, tokens/s and achieved bandwidth vs the bytes a step must read.
 
-    PYTHONPATH=. python3 experiments/bench_ar.py --shape qwen3-8b --out results.json
-    PYTHONPATH=. python3 experiments/bench_ar.py --shape tiny --kernel xla --weights bf16,w12   # CPU, seconds
-    PYTHONPATH=. python3 experiments/bench_ar.py --shape qwen3-8b --variants fused --weights bf16,w12,twin \
+    PYTHONPATH=. python3 experiments/bench/bench_ar.py --shape qwen3-8b --out results.json
+    PYTHONPATH=. python3 experiments/bench/bench_ar.py --shape tiny --kernel xla --weights bf16,w12   # CPU, seconds
+    PYTHONPATH=. python3 experiments/bench/bench_ar.py --shape qwen3-8b --variants fused --weights bf16,w12,twin \
         --kernel mosaic,xla --new-tokens 64 --context 256 --out ar_w12.json                     # H200
 
 The last one: at batch 1, XLA's bf16 step ("fused"), bf16 weights through the Mosaic W12 kernel's twin
@@ -21,7 +21,7 @@ Design choices:
   variants generate inside one jit, so only the generation number exists for them.
 - The card's copy bandwidth is measured in the same run; % of copy bandwidth = bytes per step (every
   weight once + K/V over the whole cache + logits) / time / copy bandwidth.
-- Variants (experiments/ar_variants.py) are named; `--variants` picks them. Every variant's first
+- Variants (experiments/bench/ar_variants.py) are named; `--variants` picks them. Every variant's first
   logits and generated tokens are compared to the first row's, so a fast variant that computes something
   else shows up in the record.
 - Weight formats (`--weights`): "bf16" (XLA's dot), "w12" (`formats.encode_params`, then
@@ -40,7 +40,6 @@ from __future__ import annotations
 import dataclasses
 import datetime
 import json
-import math
 import os
 import tempfile
 import time
@@ -49,7 +48,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from experiments import ar_variants
+from experiments.bench import ar_variants
 from pallas_kernels import dispatch
 from pallas_kernels import w12_mosaic
 from specpilot import formats
@@ -69,56 +68,6 @@ SHAPES = {
                                num_kv_heads=2, head_dim=32, rope_theta=1e6, qk_norm=True,
                                tie_word_embeddings=False),
 }
-
-
-def init_params_on_device(cfg: ModelConfig, key: jax.Array, dtype=jnp.bfloat16, std: float = 0.02,
-                          wide_margin: bool = True):
-    """Random params with dense.param_shapes' structure, generated on the device one layer at a time.
-
-    One normal draw per layer, sliced into its matrices: each distinct random call costs a compile
-    (about 0.5 s on a CPU), and one jitted layer initializer serves every layer. `wide_margin` applies
-    `dense.init_wide_margin`'s scheme (embed N(0, 1), residual writes o/down at std / (3 sqrt(2L)), head =
-    permuted embedding / sqrt(H)), so variants' greedy tokens are comparable: with N(0, std) everywhere
-    the top-2 logits are near-ties and any change of kernel changes the tokens.
-    """
-    shapes = dense.param_shapes(cfg)
-    layer = shapes["layers"][0]
-    mats = [n for n in layer if not n.endswith(("norm", "bias"))]
-    sizes = [math.prod(layer[n]) for n in mats]
-
-    out_std = std / (3.0 * (2.0 * cfg.num_layers) ** 0.5) if wide_margin else std
-
-    @jax.jit
-    def make_layer(k):
-        flat = jax.random.normal(k, (sum(sizes),), jnp.float32)
-        out, start = {}, 0
-        for n, size in zip(mats, sizes):
-            scale = out_std if n in ("o", "down") else std
-            out[n] = (scale * flat[start:start + size]).astype(dtype).reshape(layer[n])
-            start += size
-        for n in layer:
-            if n not in out:  # norms are ones, biases zeros
-                out[n] = (jnp.ones if n.endswith("norm") else jnp.zeros)(layer[n], dtype)
-        return out
-
-    embed_std = 1.0 if wide_margin else std
-
-    @jax.jit
-    def make_matrix(k):
-        return (embed_std * jax.random.normal(k, shapes["embed"], jnp.float32)).astype(dtype)
-
-    @jax.jit
-    def permuted_head(embed, k):  # [H, V]: column v reads embedding row pi(v)
-        perm = jax.random.permutation(k, cfg.vocab_size)
-        return (embed[perm].astype(jnp.float32).T / math.sqrt(cfg.hidden_size)).astype(dtype)
-
-    k_layers, k_embed, k_head = jax.random.split(key, 3)
-    layers = tuple(jax.block_until_ready(make_layer(k)) for k in jax.random.split(k_layers, cfg.num_layers))
-    params = {"layers": layers, "final_norm": jnp.ones((cfg.hidden_size,), dtype), "embed": make_matrix(k_embed)}
-    if "lm_head" in shapes:  # [H, V]
-        params["lm_head"] = (permuted_head(params["embed"], k_head) if wide_margin
-                             else jax.jit(lambda k: make_matrix(k).T)(k_head))
-    return jax.block_until_ready(params)
 
 
 def copy_tree(tree):
@@ -399,7 +348,7 @@ def main(argv=None) -> dict:
     record["floor_ms"] = step_bytes["total"] / copy_bw * 1e3
 
     t0 = time.perf_counter()
-    params = init_params_on_device(cfg, jax.random.PRNGKey(args.seed), wide_margin=args.init == "wide_margin")
+    params = bench.init_params_on_device(cfg, jax.random.PRNGKey(args.seed), wide_margin=args.init == "wide_margin")
     record["init_s"] = time.perf_counter() - t0
     prompt = jax.random.randint(jax.random.PRNGKey(args.seed + 1), (b, ctx), 0, cfg.vocab_size, jnp.int32)
     lengths = jnp.full((b,), ctx, jnp.int32)

@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from specpilot.harness.counts import StepCounts
+from specpilot.costmodel.counts import StepCounts
 from specpilot.sharding import MeshShape
 
 # matmul roles split over the tensor axis (`sharding.param_spec`): by output columns, by input rows

@@ -1,6 +1,6 @@
 """What one target forward over T tokens costs, split into the decoder stack and the LM head.
 
-    PYTHONPATH=. python experiments/bench_cpu_verify.py --checkpoint DIR [--tokens 1,4,8,16] [--trials 20]
+    PYTHONPATH=. python experiments/bench/bench_cpu_verify.py --checkpoint DIR [--tokens 1,4,8,16] [--trials 20]
 
 A verification of a block of T tokens is one such forward; AR is T = 1. The state holds `--context`
 committed positions (the mean context of the default chat prompts). Prints the median ms of the whole

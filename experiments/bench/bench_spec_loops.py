@@ -1,6 +1,6 @@
 """Host loop vs `lax.while_loop` for stock speculative decoding (and AR's fori loop as the baseline).
 
-    PYTHONPATH=. python experiments/bench_spec_loops.py [--new-tokens 128] [--trials 7]
+    PYTHONPATH=. python experiments/bench/bench_spec_loops.py [--new-tokens 128] [--trials 7]
 
 Tiny random target (2 layers) on whatever device jax picks; drafters: oracle replay (tau = B), a
 mixed replay (every third drafted position wrong) and a random DFlash-shaped block drafter.
