@@ -41,6 +41,7 @@ import numpy as np
 
 from specpilot.decoding.ar import pack_prompts
 from specpilot.decoding.token_tree import build_tree, root_path
+from specpilot.decoding.two_level import first_level_scores, select_subtree
 from specpilot.sharding import host_array
 from specpilot.state import chain_forward, prompt_forward, tree_mask
 
@@ -86,8 +87,6 @@ def _two_level_chunk(params, target, shape, level, tokens, state):
     # The forced path inside an N-node tree as in _tree_chunk; the first level scores every node (the
     # early-exit forward runs), the path's scores are raised to the top so it survives, and the target
     # verifies the `keep` kept nodes, compacted and remapped as a two-level step does.
-    from specpilot.decoding.two_level import first_level_scores, select_subtree
-
     nodes, depth, branching = shape
     first, keep, exit_layer = level
     b, k = tokens.shape

@@ -44,6 +44,7 @@ DRAFT_BUDGETS = ("fixed", "confidence")  # fixed: every row verifies block_size 
 VERIFY_LAYOUTS = ("padded", "packed")  # packed: only kept candidates enter the verify forward
 OVERLAPS = ("none", "halves")  # halves: verify one half of the slots while drafting the other
 DISPATCHES = ("sync", "pipelined")  # pipelined: the next step is enqueued before this one's tokens are read
+FIRST_LEVELS = ("drafter_confidence", "early_exit")  # what scores a two_level plan's drafted nodes
 KERNEL_OPS = ("matmul", "gated_delta_rule", "tree_gated_delta_rule", "tree_attention",
               "attention")  # the fields of `Kernels`, each a `dispatch` op
 
@@ -96,6 +97,27 @@ class TwoLevel:
     first: str
     keep: int
     exit_layer: int | None = None
+
+
+def max_nodes(depth: int, branching: int) -> int:
+    """Nodes of the full tree (root included): 1 + k + k^2 + ... + k^depth."""
+    return 1 + sum(branching ** d for d in range(1, depth + 1))
+
+
+def check_first_level(first: str, keep: int, exit_layer, nodes: int, num_layers: int | None) -> None:
+    """A clear error for a two-level first level that cannot run (`num_layers`: the target's, if known)."""
+    if first not in FIRST_LEVELS:
+        raise ValueError(f"two_level.first must be one of {FIRST_LEVELS}, got {first!r}")
+    if not isinstance(keep, int) or isinstance(keep, bool) or not 2 <= keep < nodes:
+        raise ValueError(f"two_level.keep must be an integer in 2..{nodes - 1} (fewer than the tree's "
+                         f"{nodes} nodes, the root and >= 1 draft), got {keep!r}")
+    if first == "early_exit":
+        if not isinstance(exit_layer, int) or isinstance(exit_layer, bool) or exit_layer < 1:
+            raise ValueError(f"two_level.exit_layer must be a positive integer for early_exit, got {exit_layer!r}")
+        if num_layers is not None and exit_layer >= num_layers:
+            raise ValueError(f"two_level.exit_layer {exit_layer} must be below the target's {num_layers} layers")
+    elif exit_layer is not None:
+        raise ValueError(f"two_level.exit_layer belongs to the early_exit first level, not {first!r}")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -194,8 +216,6 @@ class Plan:
                 _fail(self.name, "batching.token_budget", f"budgets chain verification, got verify={self.verify!r}")
 
     def _check_tree(self):
-        from specpilot.decoding.token_tree import max_nodes
-
         if not isinstance(self.tree, TreeShape):
             _fail(self.name, "tree", "a tree plan needs tree: {nodes, depth, branching}")
         for field in ("nodes", "depth", "branching"):
@@ -213,8 +233,6 @@ class Plan:
                   f"{self.tree.width}, got {self.block_size}")
 
     def _check_two_level(self):
-        from specpilot.decoding.two_level import check_first_level
-
         if not isinstance(self.two_level, TwoLevel):
             _fail(self.name, "two_level", "a two_level plan needs two_level: {first, keep[, exit_layer]}")
         t = self.two_level

@@ -25,8 +25,9 @@ from __future__ import annotations
 
 import dataclasses
 
-from specpilot.costmodel.roofline import Hardware
+from specpilot.costmodel import collectives
 from specpilot.costmodel.counts import STAGES, Shape, step_counts
+from specpilot.costmodel.roofline import Hardware
 from specpilot.costmodel.rates import Rates
 
 SPLIT_NAMES = {"draft": "draft", "verify": "verify", "bookkeeping": "accept"}  # profiled split -> stage
@@ -107,8 +108,6 @@ def predict(plan, deployment, tau: float | None = None, gpu=None) -> Prediction:
     c = step_counts(plan, s.shape)
     sharded = not plan.mesh.is_single
     if sharded:  # one device's share, and the links between them (`collectives`)
-        from specpilot.costmodel import collectives
-
         c = collectives.per_device(c, plan.mesh, s.shape.hybrid)
         links = collectives.step_collectives(plan, s.shape)
         if links and s.hardware.interconnect_gbs <= 0:

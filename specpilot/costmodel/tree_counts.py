@@ -6,7 +6,7 @@ Design choices:
   builder: a log-softmax over those rows, `top_k_by_argmax`'s `branching` argmax passes and the beam over
   (nodes - 1) x branching candidates per depth. The tree is built from the drafter's log-probabilities
   whatever the sampling, so the draft's passes do not depend on it.
-- Verify: one target forward over the `nodes` tokens with `_Step.tree` set: attention over the cache
+- Verify: one target forward over the `nodes` tokens with `StepCounter.tree` set: attention over the cache
   under the tree mask (the XLA path reads every slot; a plan whose `tree_attention` runs the Triton
   kernel reads the committed prefix and the tree block), and on hybrid targets the per-node recurrence
   (each node's conv window gathered along its ancestors, each node's state read from its parent's and
@@ -28,8 +28,9 @@ Design choices:
 
 from __future__ import annotations
 
-from specpilot.costmodel.counts import (F32, _Step, commit_snapshots, drafter_extend, drafter_propose,
-                                      target_forward)
+from specpilot.costmodel.kernel_counts import (F32, StepCounter, commit_snapshots, drafter_extend,
+                                               drafter_propose, target_forward)
+from specpilot.plan import check_first_level
 
 
 def check_tree_plan(plan, shape) -> None:
@@ -47,8 +48,6 @@ def check_tree_plan(plan, shape) -> None:
         raise ValueError(f"plan {plan.name!r}: tree.nodes {t.nodes} (width {t.width}) exceeds the hybrid "
                          f"target's {shape.max_block} per-node snapshots (Shape.max_block)")
     if plan.verify == "two_level":
-        from specpilot.decoding.two_level import check_first_level
-
         lv = plan.two_level
         try:
             check_first_level(lv.first, lv.keep, lv.exit_layer, t.nodes, shape.target.num_layers)
@@ -56,7 +55,7 @@ def check_tree_plan(plan, shape) -> None:
             raise ValueError(f"plan {plan.name!r}: {e}") from None
 
 
-def build_tree(st: _Step, nodes: int, depth: int, branching: int):
+def build_tree(st: StepCounter, nodes: int, depth: int, branching: int):
     """The builder beyond its top-k: the beam's scores and indices per depth, the final top-k, the
     ancestor matrix (depth + 1 one-hot passes over [B, N, N])."""
     b = st.s.batch
@@ -65,7 +64,7 @@ def build_tree(st: _Step, nodes: int, depth: int, branching: int):
            bytes=b * (beam + depth * (nodes - 1) * 2 * 4 + (depth + 1) * 2 * nodes * nodes))
 
 
-def accept_tree(st: _Step, nodes: int, depth: int, branching: int):
+def accept_tree(st: StepCounter, nodes: int, depth: int, branching: int):
     """Acceptance over a tree's logits [B, N, V] and the path commit (module docstring)."""
     b, cfg = st.s.batch, st.s.target
     if st.s.greedy:
@@ -82,7 +81,7 @@ def accept_tree(st: _Step, nodes: int, depth: int, branching: int):
     drafter_extend(st, depth + 1)
 
 
-def first_level(st: _Step, plan, nodes: int, depth: int):
+def first_level(st: StepCounter, plan, nodes: int, depth: int):
     """The two-level plan's first level over the drafted `nodes`-node tree (stage verify)."""
     b = st.s.batch
     lv = plan.two_level
@@ -96,7 +95,7 @@ def first_level(st: _Step, plan, nodes: int, depth: int):
     st.add(stage="verify", cls="bookkeeping", name="first_level.select_subtree", bytes=b * (scores + select))
 
 
-def tree_step(st: _Step, plan, shape) -> None:
+def tree_step(st: StepCounter, plan, shape) -> None:
     """Every kernel of one tree or two-level step into `st` (`counts.step_counts` calls it)."""
     check_tree_plan(plan, shape)
     t = plan.tree

@@ -34,6 +34,7 @@ import jax
 import jax.numpy as jnp
 
 from specpilot.decoding.sampling import RequestSampling, as_request_sampling, probabilities
+from specpilot.plan import max_nodes
 
 
 @jax.tree_util.register_dataclass
@@ -47,11 +48,6 @@ class Tree:
     @property
     def num_nodes(self) -> int:
         return self.tokens.shape[1]
-
-
-def max_nodes(depth: int, branching: int) -> int:
-    """Nodes of the full tree (root included): 1 + k + k^2 + ... + k^depth."""
-    return 1 + sum(branching ** d for d in range(1, depth + 1))
 
 
 def check_shape(nodes: int, depth: int, branching: int) -> None:

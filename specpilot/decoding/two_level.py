@@ -37,9 +37,8 @@ from specpilot.decoding import spec, tree as tree_loop
 from specpilot.decoding.ar import check_stop_token
 from specpilot.decoding.sampling import GREEDY, SamplingConfig
 from specpilot.decoding.token_tree import Tree, build_tree
+from specpilot.plan import check_first_level
 from specpilot.state import tree_mask
-
-FIRST_LEVELS = ("drafter_confidence", "early_exit")
 
 
 def path_scores(tree: Tree, node_logprob: jax.Array, depth: int) -> jax.Array:
@@ -124,22 +123,6 @@ class TwoLevelSetup(tree_loop.TreeSetup):
 
     def step(self, target_params, draft_params, state: spec.SpecState) -> spec.SpecState:
         return two_level_step(self, target_params, draft_params, state)
-
-
-def check_first_level(first: str, keep: int, exit_layer, nodes: int, num_layers: int | None) -> None:
-    """A clear error for a first level that cannot run."""
-    if first not in FIRST_LEVELS:
-        raise ValueError(f"two_level.first must be one of {FIRST_LEVELS}, got {first!r}")
-    if not isinstance(keep, int) or isinstance(keep, bool) or not 2 <= keep < nodes:
-        raise ValueError(f"two_level.keep must be an integer in 2..{nodes - 1} (fewer than the tree's "
-                         f"{nodes} nodes, the root and >= 1 draft), got {keep!r}")
-    if first == "early_exit":
-        if not isinstance(exit_layer, int) or isinstance(exit_layer, bool) or exit_layer < 1:
-            raise ValueError(f"two_level.exit_layer must be a positive integer for early_exit, got {exit_layer!r}")
-        if num_layers is not None and exit_layer >= num_layers:
-            raise ValueError(f"two_level.exit_layer {exit_layer} must be below the target's {num_layers} layers")
-    elif exit_layer is not None:
-        raise ValueError(f"two_level.exit_layer belongs to the early_exit first level, not {first!r}")
 
 
 def two_level_step(setup: TwoLevelSetup, target_params, draft_params, state: spec.SpecState):

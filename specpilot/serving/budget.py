@@ -23,6 +23,8 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 
+from specpilot.costmodel.prediction import predict
+
 
 @dataclasses.dataclass(frozen=True)
 class StepCost:
@@ -44,8 +46,6 @@ class StepCost:
         """The line through the cost model's step times of `plan` at `setting` (a `prediction.Setting`)
         with `slots` rows verifying 2 and block_size tokens each (the draft stage counted once, at the
         plan's block: the drafter always drafts a full block)."""
-        from specpilot.costmodel.prediction import predict
-
         bs = plan.block_size
         if plan.verify != "chain" or bs < 3:
             raise ValueError(f"plan {plan.name!r}: a per-token step cost needs a chain plan of block >= 3")

@@ -45,6 +45,7 @@ import numpy as np
 from specpilot.decoding.sampling import RequestSampling
 from specpilot.models.drafter import ReplayDrafter
 from specpilot.models.oracle import OracleDrafter
+from specpilot.plan import OVERLAPS
 from specpilot.serving import slots as sl
 
 
@@ -58,8 +59,6 @@ class Prepared:
 def check_overlap(overlap: str, slots: int, block_size: int, target) -> int:
     """-> the rows one decode verifies (slots, or slots / 2 under halves); a setting halves cannot run
     raises ValueError (NotImplementedError for a sharded target) naming the field."""
-    from specpilot.plan import OVERLAPS
-
     if overlap not in OVERLAPS:
         raise ValueError(f"batching.overlap: {overlap!r} is not one of {OVERLAPS}")
     if overlap == "none":
