@@ -1,22 +1,8 @@
 """Running a plan on a deployment: one runner per verification kind, and its token-forcing scorer.
 
-Design choices:
-- What runs is decided by the plan's fields alone: `plan.verify` picks the runner (`ar`, `chain`, `tree`,
-  `two_level`),
-  `plan.weights` and `plan.kernels` the weights and kernels it runs with (the deployment prepares and
-  caches them per plan), `plan.block_size` the verification width. No runner reads the config or a
-  plan's name.
-- Each run repeats the whole prompt set `repeats` times after a warm-up and reports the median decode
-  time per output token, so compile time never enters a number.
-- A plan's scorer reproduces its target numerics under token forcing: its weights and kernels, and its
-  verification width as the chunk size (1 for AR, the block for a chain). A tree plan's scorer runs a
-  tree forward at the plan's shape whose first root path carries the forced tokens (`forcing.tree_scorer`:
-  the tree mask, depth positions, per-node recurrent states and the path commit all take part), checked
-  against the AR plan's scorer (chunk 1) like every plan. A two_level plan's (`forcing.two_level_scorer`)
-  runs its first level over that tree and verifies the kept nodes, the forced path among them.
-- With the deployment's stop token (bench.stop_at_eos) both generate calls stop each row after it;
-  tokens past a row's end read -1 (forcing checks each row up to there), and the decode tokens of a
-  batch are its longest row's after the first (`GenerationResult.decode_steps`).
+What runs is decided by the plan's fields alone (`verify` picks the runner; weights, kernels and block
+size come from the plan); each run covers the whole prompt set, batch by batch, and `median_run` repeats it
+and keeps the median. Design notes: docs/design/harness.md.
 """
 
 from __future__ import annotations
@@ -27,8 +13,15 @@ from typing import Callable
 
 import numpy as np
 
-from specpilot.decoding import ar
+from specpilot.decoding import ar, spec, tree, two_level
+from specpilot.forcing import chunked_scorer, tree_scorer, two_level_scorer
+from specpilot.models.drafter import replay_reference
+from specpilot.models.oracle import OracleDrafter
+from specpilot.models.oracle_trace import OracleTraceDrafter
 from specpilot.plan import Plan
+
+# `on_batch(decode_s, decode_tokens)`, called by a runner as each batch ends (progress)
+BatchCallback = Callable[[float, int], None]
 
 
 @dataclasses.dataclass
@@ -40,6 +33,9 @@ class MethodRun:
     # token is then per-sequence latency (TPOT), and throughput is batch_size / TPOT
     decode_tokens: int
     stats: dict = dataclasses.field(default_factory=dict)  # verification-specific (tau, acceptance, ...)
+    batch_times: list[tuple[float, int]] = dataclasses.field(default_factory=list)  # (decode_s, decode_tokens)
+    # decode time per output token of every repeat `median_run` made (this run is their median)
+    repeat_times: list[float] = dataclasses.field(default_factory=list)
 
     @property
     def decode_time_per_token(self) -> float:
@@ -47,9 +43,9 @@ class MethodRun:
         return self.decode_s / self.decode_tokens if self.decode_tokens else float("nan")
 
 
-def run_ar(dep, plan: Plan) -> MethodRun:
+def run_ar(dep, plan: Plan, on_batch: BatchCallback | None = None) -> MethodRun:
     params, target = dep.params_for(plan), dep.target_for(plan)
-    tokens, prefill_s, decode_s, decode_tokens = [], 0.0, 0.0, 0
+    tokens, prefill_s, decode_s, decode_tokens, batch_times = [], 0.0, 0.0, 0, []
     for batch in dep.batches():
         res = ar.generate(target, params, batch, dep.new_tokens, dep.sampling, key=dep.key,
                           cache_len=dep.cache_len, stop_token=dep.stop_token)
@@ -57,15 +53,14 @@ def run_ar(dep, plan: Plan) -> MethodRun:
         prefill_s += res.prefill_s
         decode_s += res.decode_s
         decode_tokens += res.decode_steps
-    return MethodRun(tokens, prefill_s, decode_s, decode_tokens)
+        batch_times.append((res.decode_s, res.decode_steps))
+        if on_batch:
+            on_batch(res.decode_s, res.decode_steps)
+    return MethodRun(tokens, prefill_s, decode_s, decode_tokens, batch_times=batch_times)
 
 
 def _draft_params(dep, drafter, base, batch_index: int, batch):
     """The drafter's params for one batch: an oracle drafter replays the AR baseline's tokens."""
-    from specpilot.models.drafter import replay_reference
-    from specpilot.models.oracle import OracleDrafter
-    from specpilot.models.oracle_trace import OracleTraceDrafter
-
     if not isinstance(drafter, (OracleDrafter, OracleTraceDrafter)):
         return base
     if dep.reference_tokens is None:
@@ -75,12 +70,12 @@ def _draft_params(dep, drafter, base, batch_index: int, batch):
     return type(drafter).make_params(base, replay_reference(batch, continuation), seed=batch_index)
 
 
-def _run_speculative(dep, plan: Plan, generate) -> MethodRun:
+def _run_speculative(dep, plan: Plan, generate, on_batch: BatchCallback | None = None) -> MethodRun:
     """Every batch through `generate(target, params, drafter, draft_params, batch)` (a speculative
     loop's), with the tau / acceptance statistics summed over batches."""
     params, target = dep.params_for(plan), dep.target_for(plan)
     drafter, base = dep.drafter_for(plan)
-    tokens, prefill_s, decode_s, decode_tokens = [], 0.0, 0.0, 0
+    tokens, prefill_s, decode_s, decode_tokens, batch_times = [], 0.0, 0.0, 0, []
     steps, loop_steps, emitted, accepted, hist = 0, 0, 0, 0, None
     for i, batch in enumerate(dep.batches()):
         res = generate(target, params, drafter, _draft_params(dep, drafter, base, i, batch), batch)
@@ -88,6 +83,9 @@ def _run_speculative(dep, plan: Plan, generate) -> MethodRun:
         prefill_s += res.prefill_s
         decode_s += res.decode_s
         decode_tokens += res.decode_steps
+        batch_times.append((res.decode_s, res.decode_steps))
+        if on_batch:
+            on_batch(res.decode_s, res.decode_steps)
         st = res.stats
         steps += int(st.steps.sum())
         loop_steps += int(st.steps.max())  # a batch's loop runs until its longest row is done
@@ -103,12 +101,10 @@ def _run_speculative(dep, plan: Plan, generate) -> MethodRun:
              "acceptance_per_position": [float(a) for a in at_least[1:]]}
     if hasattr(drafter, "trace_tau"):
         stats["trace_tau"] = drafter.trace_tau  # oracle acceptance: the tau its recorded trace gives
-    return MethodRun(tokens, prefill_s, decode_s, decode_tokens, stats)
+    return MethodRun(tokens, prefill_s, decode_s, decode_tokens, stats, batch_times)
 
 
 def _chain_generate(dep, plan: Plan):
-    from specpilot.decoding import spec
-
     def generate(target, params, drafter, draft_params, batch, **kw):
         return spec.generate(target, params, drafter, draft_params, batch, dep.new_tokens,
                              block_size=plan.block_size, sampling=dep.sampling, key=dep.key,
@@ -126,10 +122,10 @@ def profiled_chain_pass(dep, plan: Plan):
                                       _draft_params(dep, drafter, base, 0, batch), batch, profile=True).stats
 
 
-def run_chain(dep, plan: Plan) -> MethodRun:
+def run_chain(dep, plan: Plan, on_batch: BatchCallback | None = None) -> MethodRun:
     """Block drafter + chain verification (greedy prefix match, or rejection sampling) with the plan's
     weights and kernels for target and drafter."""
-    run = _run_speculative(dep, plan, _chain_generate(dep, plan))
+    run = _run_speculative(dep, plan, _chain_generate(dep, plan), on_batch)
     if dep.profile_split:
         # A separate, profiled pass over the first batch (phases jitted apart and synced): it gives the
         # draft / verify / bookkeeping split without touching the timed runs above.
@@ -141,12 +137,10 @@ def run_chain(dep, plan: Plan) -> MethodRun:
     return run
 
 
-def run_tree(dep, plan: Plan) -> MethodRun:
+def run_tree(dep, plan: Plan, on_batch: BatchCallback | None = None) -> MethodRun:
     """Block drafter + tree verification (`decoding.tree`) at the plan's tree shape; acceptance per
     position counts accepted depth (k = 1..depth). No profiled split: the tree loop runs as one
     while loop."""
-    from specpilot.decoding import tree
-
     shape = plan.tree
 
     def generate(target, params, drafter, draft_params, batch):
@@ -154,15 +148,13 @@ def run_tree(dep, plan: Plan) -> MethodRun:
                              depth=shape.depth, branching=shape.branching, sampling=dep.sampling, key=dep.key,
                              cache_len=dep.cache_len, stop_token=dep.stop_token)
 
-    return _run_speculative(dep, plan, generate)
+    return _run_speculative(dep, plan, generate, on_batch)
 
 
-def run_two_level(dep, plan: Plan) -> MethodRun:
+def run_two_level(dep, plan: Plan, on_batch: BatchCallback | None = None) -> MethodRun:
     """Block drafter + two-level tree verification (`decoding.two_level`): the plan's tree cut to
     `two_level.keep` nodes by its first level, then verified; stats add the nodes each step verifies
     (and, for early exit, the nodes the first level's layers see)."""
-    from specpilot.decoding import two_level
-
     shape, level = plan.tree, plan.two_level
 
     def generate(target, params, drafter, draft_params, batch):
@@ -172,7 +164,7 @@ def run_two_level(dep, plan: Plan) -> MethodRun:
                                   sampling=dep.sampling, key=dep.key, cache_len=dep.cache_len,
                                   stop_token=dep.stop_token)
 
-    run = _run_speculative(dep, plan, generate)
+    run = _run_speculative(dep, plan, generate, on_batch)
     run.stats["nodes_verified"] = level.keep
     if level.first == "early_exit":
         run.stats["first_level"] = {"nodes": shape.nodes, "layers": level.exit_layer,
@@ -183,17 +175,17 @@ def run_two_level(dep, plan: Plan) -> MethodRun:
 RUNNERS: dict[str, Callable] = {"ar": run_ar, "chain": run_chain, "tree": run_tree, "two_level": run_two_level}
 
 
-def run_plan(dep, plan: Plan) -> MethodRun:
+def run_plan(dep, plan: Plan, on_batch: BatchCallback | None = None) -> MethodRun:
+    """One pass of `plan` over the deployment's prompts; `on_batch(decode_s, decode_tokens)` hears each
+    batch as it ends."""
     if plan.verify not in RUNNERS:
         raise NotImplementedError(f"plan {plan.name!r}: no runner for {plan.verify!r} verification")
-    return RUNNERS[plan.verify](dep, plan)
+    return RUNNERS[plan.verify](dep, plan, on_batch)
 
 
 def scorer(dep, plan: Plan):
     """The forcing scorer reproducing `plan`'s target numerics (weights, kernels, verification width; for a
     tree plan a tree forward at its shape, `forcing.tree_scorer`)."""
-    from specpilot.forcing import chunked_scorer, tree_scorer, two_level_scorer
-
     params, target = dep.params_for(plan), dep.target_for(plan)
     if plan.verify == "two_level":
         t, lv = plan.tree, plan.two_level
@@ -208,7 +200,8 @@ def scorer(dep, plan: Plan):
 def median_run(run: Callable[[], MethodRun], repeats: int, name: str = "", progress=None) -> MethodRun:
     """Call `run` `repeats` times; keep the run with the median decode time (tokens are identical for greedy):
     of an even count, the faster of the two middle runs, so that 2 repeats give the warm run rather than the
-    first one's warm-up. `progress(message)`, if given, hears about each repetition as it ends."""
+    first one's warm-up. The kept run's `repeat_times` lists every repeat's decode time per token.
+    `progress(message)`, if given, hears about each repetition as it ends."""
     runs = []
     for i in range(repeats):
         t0 = time.perf_counter()
@@ -217,4 +210,6 @@ def median_run(run: Callable[[], MethodRun], repeats: int, name: str = "", progr
             progress(f"{name}: run {i + 1}/{repeats} in {time.perf_counter() - t0:.1f} s "
                      f"({1e3 * runs[-1].decode_time_per_token:.3f} ms/token)")
     order = np.argsort([r.decode_s for r in runs])
-    return runs[int(order[(len(order) - 1) // 2])]
+    kept = runs[int(order[(len(order) - 1) // 2])]
+    kept.repeat_times = [r.decode_time_per_token for r in runs]
+    return kept

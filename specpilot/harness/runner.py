@@ -1,44 +1,49 @@
 """Run one deployment with every plan of its run and write its results.
 
-Design choices:
-- Every plan of the run is measured in one process. The device's AR baseline candidates (bf16 `ar` plans:
-  XLA's step everywhere, bf16 through the Mosaic kernel's twin on the H200) always run, first; "AR" is
-  the fastest of them as measured here, "stock" the chain plan with bf16 weights and default kernels.
-  Records name both, and carry the plan itself.
-- The reference for token forcing (and the tokens an oracle drafter replays) is the first AR candidate,
-  XLA's bf16 step: numerics we did not write a kernel for.
-- Each result record is self-describing: the deployment labels, the plan, the device, jax's version,
-  the date, and notes such as "random weights" or "oracle acceptance", which the report repeats.
-- Records go to `results.jsonl` (one per plan; `method` is the plan's name) and `results.csv` in the output directory.
+Every plan is measured in one process, the device's AR baseline candidates first; "AR" is the fastest of
+them as measured here, "stock" the chain plan with bf16 weights and default kernels, and every plan but
+the reference is checked against the reference's tokens by token forcing. The run folder gets
+`results.jsonl`, `results.csv`, `summary.md` (the printed table) and `run.log`. Design notes:
+docs/design/harness.md.
 """
 
 from __future__ import annotations
 
+import contextlib
 import csv
 import datetime
 import json
 import logging
 import platform
-import time
 from pathlib import Path
 
 import jax
 import numpy as np
 from omegaconf import DictConfig, OmegaConf
 
-from specpilot.costmodel import roofline, counts, prediction
-from specpilot.harness import deploy, plan_variants
-from specpilot.harness.config_schema import build_plans, validate
-from specpilot.harness.methods import median_run, run_plan, scorer
+from specpilot.costmodel import counts, prediction, roofline
 from specpilot.costmodel.rates import Rates
+from specpilot.forcing import force
+from specpilot.harness import deploy, plan_variants, progress
+from specpilot.harness.config_schema import build_plans, validate
+from specpilot.harness.methods import MethodRun, median_run, run_plan, scorer
+from specpilot.harness.spread import noise_warning, timing_spread
+from specpilot.harness.summary import format_markdown, format_responses, format_table
+from specpilot.models.oracle import OracleDrafter, expected_tau
 from specpilot.plan import Plan, is_ar_baseline_candidate
 
+__all__ = ["run", "format_table", "format_responses", "check_by_forcing", "write"]
+
 log = logging.getLogger(__name__)
+# the run's table, notes and replies: written to run.log only (the console gets them from the caller's print)
+summary_log = logging.getLogger("specpilot.run_summary")
+summary_log.propagate = False
+LOG_NAME = "run.log"  # Hydra's job log of experiments/run.py has this name in its output folder
 
 CSV_FIELDS = ("target", "drafter", "gpu", "batch_size", "prompts", "new_tokens", "method", "verify", "weights",
               "matmul", "block_size", "decode_ms_per_token", "tokens_per_s", "prefill_ms", "speedup_vs_ar",
               "baseline", "speedup_vs_stock", "tau", "acceptance_length_upstream", "ceiling_ms_per_token",
-              "pct_of_ceiling", "predicted_ms_per_token", "mismatches", "notes")
+              "pct_of_ceiling", "predicted_ms_per_token", "mismatches", "spread_pct", "notes")
 
 
 def environment() -> dict:
@@ -58,20 +63,43 @@ def choose_baselines(plans: list[Plan], runs: dict) -> dict[str, str | None]:
 
 
 def run(cfg: DictConfig, out_dir: str | Path) -> list[dict]:
+    """Measure every plan of `cfg` on its deployment; the records, also written to `out_dir` with the
+    table (`summary.md`) and the run's log (`run.log`)."""
+    writer = jax.process_index() == 0  # multi-host runs: every process has the same records; one writes them
+    with run_log(out_dir if writer else None):
+        records = measure(cfg)
+        if writer:
+            write(records, out_dir)
+            shown = format_responses(records)
+            summary_log.info("%s%s", format_table(records), f"\n{shown}" if shown else "")
+    return records
+
+
+def timed_runs(dep, plan: Plan, repeats: int) -> MethodRun:
+    """`plan`'s median run of `repeats`, with a progress bar over its batches (the first one compiles)."""
+    batches = len(dep.batches())
+    name = f"{plan.name}: {repeats} timed run{'s' if repeats > 1 else ''} of {batches} batch{'es' if batches > 1 else ''}"
+    with progress.phase(name, total=repeats * batches, logger=log) as ph:
+        def on_batch(decode_s: float, decode_tokens: int) -> None:
+            ph.advance(1, f"{1e3 * decode_s / decode_tokens:.2f} ms/token" if decode_tokens else None)
+
+        return median_run(lambda: run_plan(dep, plan, on_batch), repeats, plan.name, progress=log.info)
+
+
+def measure(cfg: DictConfig) -> list[dict]:
     validate(cfg)
     variants = plan_variants.load(cfg)  # registered before any plan's kernels are traced
     plans = build_plans(cfg)
-    t0 = time.perf_counter()
-    dep = deploy.build(cfg, plans)
-    log.info("deployment %s built in %.1f s", dep.labels, time.perf_counter() - t0)
+    with progress.phase(f"building the deployment: target {cfg.target.name}, drafter {cfg.drafter.name}",
+                        logger=log):
+        dep = deploy.build(cfg, plans)
     for note in plan_variants.check(variants, plans, dep.cfg, int(cfg.bench.batch_size)):
         log.info(note)
     env = environment()
     reference = plans[0]  # the first AR baseline candidate: its tokens are the reference (oracle, forcing)
     runs = {}
     for plan in plans:  # AR baselines first: an oracle drafter replays the reference's tokens
-        runs[plan.name] = median_run(lambda: run_plan(dep, plan), int(cfg.bench.repeats), plan.name,
-                                     progress=log.info)
+        runs[plan.name] = timed_runs(dep, plan, int(cfg.bench.repeats))
         if plan is reference:
             dep.reference_tokens = runs[plan.name].tokens
     forcing = {}
@@ -80,10 +108,9 @@ def run(cfg: DictConfig, out_dir: str | Path) -> list[dict]:
             forcing[plan.name] = {"mismatches": None, "summary": "not checked by token forcing "
                                   "(decoding.forcing=false: timing only, not a lossless result)"}
         elif plan is not reference:
-            t0 = time.perf_counter()
-            forcing[plan.name] = check_by_forcing(dep, reference, plan, runs[reference.name], runs[plan.name],
-                                                  float(cfg.decoding.forcing_margin))
-            log.info("%s: token forcing in %.1f s", plan.name, time.perf_counter() - t0)
+            with progress.phase(f"{plan.name}: token forcing", logger=log):
+                forcing[plan.name] = check_by_forcing(dep, reference, plan, runs[reference.name], runs[plan.name],
+                                                      float(cfg.decoding.forcing_margin))
     baselines = choose_baselines(plans, runs)
     responses = decoded_responses(dep, runs[reference.name], int(cfg.bench.show_responses))
     ar_tpot = runs[baselines["ar"]].decode_time_per_token
@@ -92,6 +119,10 @@ def run(cfg: DictConfig, out_dir: str | Path) -> list[dict]:
     mean_context = sum(len(p) for p in dep.prompts) / len(dep.prompts) + dep.new_tokens / 2
     ar_floor = roofline.ar_ceiling_s(hw, dep.cfg, dep.batch_size, int(mean_context))
     setting = prediction.Setting(counts.Shape.from_deployment(dep, int(mean_context)), Rates.for_gpu(cfg.gpu), hw)
+    spreads = {p.name: timing_spread(runs[p.name].repeat_times, runs[p.name].batch_times) for p in plans}
+    noisy = noise_warning(spreads[baselines["ar"]])
+    if noisy:
+        log.warning(noisy)
     records = []
     for plan in plans:
         r = runs[plan.name]
@@ -123,9 +154,11 @@ def run(cfg: DictConfig, out_dir: str | Path) -> list[dict]:
             attribution=att,
             tau=r.stats.get("tau"),
             acceptance_length_upstream=r.stats.get("acceptance_length_upstream"),
+            spread=spreads[plan.name],
+            spread_pct=None if spreads[plan.name] is None else 100 * spreads[plan.name]["range"],
             mismatches=forcing[plan.name]["mismatches"] if plan.name in forcing else None,
             forcing=forcing.get(plan.name),
-            notes="; ".join(dep.notes + r.stats.get("notes", [])),
+            notes="; ".join(dep.notes + r.stats.get("notes", []) + ([noisy] if noisy else [])),
             stats={k: v for k, v in r.stats.items()
                    if k not in ("tau", "acceptance_length_upstream", "mismatches", "notes")},
             config=OmegaConf.to_container(cfg, resolve=True),
@@ -134,8 +167,6 @@ def run(cfg: DictConfig, out_dir: str | Path) -> list[dict]:
         if plan is reference and responses:
             rec["responses"] = responses
         records.append(rec)
-    if jax.process_index() == 0:  # multi-host runs: every process has the same records; one writes them
-        write(records, out_dir)
     return records
 
 
@@ -153,26 +184,11 @@ def decoded_responses(dep, run, n: int) -> list[dict]:
     return out
 
 
-def format_responses(records: list[dict], width: int = 600) -> str:
-    """The decoded replies a run recorded, for the console: each prompt's last line(s), then its reply."""
-    lines = []
-    for rec in records:
-        for i, r in enumerate(rec.get("responses", ())):
-            prompt = r["prompt"].replace("<|im_start|>", "").replace("<|im_end|>", "").strip()
-            prompt = prompt[-300:] if len(prompt) > 300 else prompt
-            reply = r["response"] if len(r["response"]) <= width else r["response"][:width] + " ..."
-            lines += [f"--- prompt {i} (...{len(r['prompt'])} chars) ---", prompt,
-                      f"--- reply ({r['tokens']} tokens) ---", reply.strip(), ""]
-    return "\n".join(lines)
-
-
 def oracle_fields(dep, r, ar_tpot: float) -> dict:
     """With oracle acceptance, tau is a sampled quantity (one draw per verification step), so a run's tau
     scatters around the profile's; the measured time per step does not depend on it. Records carry the
     time per step and the speedup that time gives at the profile's expected tau, next to the measured
     speedup."""
-    from specpilot.models.oracle import OracleDrafter, expected_tau
-
     tau = r.stats.get("tau")
     if dep.drafter is None or tau is None or not isinstance(dep.drafter[0], OracleDrafter):
         return {}
@@ -213,8 +229,6 @@ def check_by_forcing(dep, reference: Plan, plan: Plan, ar_run, run, tie_margin: 
     Also counts prompts whose raw output differs from AR's. Greedy only: sampled outputs are checked
     statistically (tests), not token by token.
     """
-    from specpilot.forcing import force
-
     outputs_differ = sum(a != b for a, b in zip(ar_run.tokens, run.tokens))
     if not dep.sampling.greedy:
         return {"mismatches": None, "outputs_differ": outputs_differ,
@@ -243,47 +257,37 @@ def write(records: list[dict], out_dir: str | Path) -> None:
         if new:
             w.writeheader()
         w.writerows(records)
-
-
-def format_table(records: list[dict]) -> str:
-    width = max([4] + [len(r["method"]) for r in records]) + 2
-    head = (f"{'plan':<{width}}{'verify':<7}{'weights':<8}{'matmul':<13}{'block':>5}{'ms/token':>10}{'tok/s':>10}"
-            f"{'speedup':>9}{'tau':>7}{'ceiling ms':>11}{'% ceil':>8}{'pred ms':>9}{'mismatch':>10}")
-    lines = [head, "-" * len(head)]
-    for r in records:
-        tau = f"{r['tau']:.2f}" if r.get("tau") is not None else "-"
-        mm = str(r["mismatches"]) if r.get("mismatches") is not None else "-"
-        ceil = f"{r['ceiling_ms_per_token']:.3f}" if r.get("ceiling_ms_per_token") is not None else "-"
-        pct = f"{r['pct_of_ceiling']:.0f}%" if r.get("pct_of_ceiling") is not None else "-"
-        pred = f"{r['predicted_ms_per_token']:.3f}" if r.get("predicted_ms_per_token") is not None else "-"
-        lines.append(f"{r['method']:<{width}}{r['verify']:<7}{r['weights']:<8}{r['matmul']:<13}{r['block_size']:>5}"
-                     f"{r['decode_ms_per_token']:>10.3f}{r['tokens_per_s']:>10.1f}"
-                     f"{r['speedup_vs_ar']:>8.2f}x{tau:>7}{ceil:>11}{pct:>8}{pred:>9}{mm:>10}")
     if records:
         r = records[0]
-        stock = f"; stock: {r['stock_baseline']}" if r.get("stock_baseline") else ""
-        lines.append(f"speedup over AR = the fastest bf16 ar plan measured in this run: {r['baseline']}{stock}; "
-                     "ceiling: the cost model's floor per output token; pred: its prediction from the "
-                     "device's measured rates (conf/gpu/rates/)")
-    for r in records:
-        if r.get("acceptance_length_upstream") is not None:
-            lines.append(f"{r['method']}: tau {r['tau']:.2f} (tokens emitted per verification step within the budget); "
-                         f"upstream DFlash's mean acceptance length {r['acceptance_length_upstream']:.2f} (also counts "
-                         "the tokens the budget cut off)")
-        if r.get("speedup_at_profile_tau") is not None:
-            lines.append(f"{r['method']}: oracle acceptance, tau {r['tau']:.2f} measured vs {r['profile_tau']:.2f} "
-                         f"in the profile; {r['ms_per_step']:.3f} ms per step ({r['step_vs_ar_step']:.2f}x an AR "
-                         f"step) -> {r['speedup_at_profile_tau']:.2f}x at the profile's tau")
-        if r.get("mesh", "1x1") != "1x1":
-            lines.append(f"{r['method']}: sharded over a {r['mesh']} mesh (data x tensor devices)")
-        split = (r.get("stats") or {}).get("time_split")
-        if split:
-            lines.append(f"{r['method']}: time split (profiled pass) " + ", ".join(
-                f"{k} {100 * v:.0f}%" for k, v in split.items()))
-        if r.get("attribution"):
-            lines += prediction.format_attribution(r["method"], r["attribution"])
-        if r.get("forcing"):
-            lines.append(f"{r['method']}: {r['forcing']['summary']}")
-    notes = {r["notes"] for r in records if r.get("notes")}
-    lines += [f"note: {n}" for n in sorted(notes)]
-    return "\n".join(lines)
+        title = (f"{r['target']} + drafter {r['drafter']} on {r['gpu']}: batch {r['batch_size']}, "
+                 f"{r['prompts']} prompts, {r['new_tokens']} new tokens")
+        (out / "summary.md").write_text(format_markdown(records, title))
+
+
+@contextlib.contextmanager
+def run_log(out_dir: str | Path | None):
+    """While a run measures: every log record into `<out_dir>/run.log` (unless a handler writes there
+    already: Hydra's job log when the output folder is Hydra's), and `summary_log` there too."""
+    if out_dir is None:
+        yield
+        return
+    path = (Path(out_dir) / LOG_NAME).resolve()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    root = logging.getLogger()
+    added = []
+    if not any(isinstance(h, logging.FileHandler) and Path(h.baseFilename).resolve() == path for h in root.handlers):
+        records = logging.FileHandler(path)
+        records.setFormatter(logging.Formatter("[%(asctime)s][%(name)s][%(levelname)s] - %(message)s"))
+        root.addHandler(records)
+        added.append((root, records))
+    plain = logging.FileHandler(path)
+    plain.setFormatter(logging.Formatter("%(message)s"))
+    summary_log.addHandler(plain)
+    summary_log.setLevel(logging.INFO)
+    added.append((summary_log, plain))
+    try:
+        yield
+    finally:
+        for logger, handler in added:
+            logger.removeHandler(handler)
+            handler.close()
