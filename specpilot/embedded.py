@@ -1,19 +1,7 @@
-"""The embedded default deployment: a tiny target and its block drafter trained here, cached, reused.
-
-Nothing can be downloaded, so the default run trains its own pair on data every machine has (the
-Python standard library of the running interpreter), keeps it under a cache directory and runs the
-comparison on held-out prompts.
-
-Design choices:
-- The cache key is a hash of everything that determines the pair: corpus root and split, tokenizer size,
-  and the target and drafter training configs. Changing any of them trains a new pair beside the old.
-- Each stage keeps its own output (tokenizer.json, target/model, drafter/model, prompts.json) and is
-  skipped when present; the training stages resume from their orbax checkpoints, so an interrupted
-  first run continues where it stopped. A stage is marked done only by its final output, so nothing
-  half-written is ever loaded.
-- `find_target` maps what a user may name — the cache directory, a pair folder (this layout, which
-  `experiments/train.py` also writes), or a target folder itself — to the folder holding the target's
-  weights, so the generation and export commands read the cached pair without knowing its hash.
+"""The embedded pair: a tiny target and its block drafter trained here on data every machine has (the
+running interpreter's standard library), cached under `cache_dir` by a hash of everything that determines
+them, and reused; held-out prompts for the comparison come with it. Each stage resumes or is skipped when
+its output is present (docs/design/data-training.md).
 """
 
 from __future__ import annotations
@@ -31,14 +19,10 @@ from specpilot.data.prompts import PromptSet, make_prompts
 from specpilot.data.tokenizer import TextTokenizer, load_tokenizer, train_tokenizer
 from specpilot.models import drafter as dr
 from specpilot.models.config import ModelConfig
-from specpilot.training.checkpointing import MODEL_RECORD, is_model_folder, load_model
+from specpilot.training.checkpointing import MODEL_RECORD, load_model
 from specpilot.training.drafter import DrafterTrainConfig, train_drafter
+from specpilot.training.locate import DRAFTER_MODEL, PAIR_PREFIX, TARGET_MODEL
 from specpilot.training.target import TargetTrainConfig, train_target
-
-
-PAIR_PREFIX = "embedded-"  # a pair folder's name is this prefix and the EmbeddedConfig key
-TARGET_MODEL = Path("target") / "model"
-DRAFTER_MODEL = Path("drafter") / "model"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -137,29 +121,3 @@ def ensure_pair(cache_dir: str | Path, cfg: EmbeddedConfig = EmbeddedConfig(), d
     return EmbeddedPair(directory, tokenizer, target_params, target_cfg, drafter_params, drafter_cfg,
                         prompts, elapsed_s=time.perf_counter() - t0)
 
-
-def _holds_target(path: Path) -> bool:
-    """A model folder written here, or a Hugging Face directory (config.json + safetensors)."""
-    return is_model_folder(path) or ((path / "config.json").is_file() and any(path.glob("*.safetensors")))
-
-
-def find_target(path: str | Path) -> Path:
-    """The folder holding a target's weights, given that folder itself (a Hugging Face directory or a
-    model folder), a pair folder (its target/model), or a cache directory holding one pair."""
-    path = Path(path).expanduser()
-    if not path.exists():
-        raise FileNotFoundError(f"checkpoint path {path} does not exist")
-    if _holds_target(path):
-        return path
-    if _holds_target(path / TARGET_MODEL):
-        return path / TARGET_MODEL
-    pairs = sorted(p for p in path.glob(f"{PAIR_PREFIX}*") if _holds_target(p / TARGET_MODEL))
-    if len(pairs) == 1:
-        return pairs[0] / TARGET_MODEL
-    if pairs:
-        raise ValueError(f"{path} holds {len(pairs)} trained pairs ({', '.join(p.name for p in pairs)}); "
-                         f"name one of them")
-    raise FileNotFoundError(
-        f"no target in {path}: expected a Hugging Face directory (config.json + *.safetensors), a "
-        f"model folder ({MODEL_RECORD}), a pair folder with {TARGET_MODEL}/, or a cache directory "
-        f"holding a {PAIR_PREFIX}* pair")

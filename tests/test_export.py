@@ -1,10 +1,12 @@
-"""Exporting a target trained here (orbax) to a Hugging Face directory, and generating from either.
+"""Exporting a target (orbax or Hugging Face) to a Hugging Face directory, and generating from either.
 
 A pair folder is laid out as the embedded cache and `experiments/train.py` lay it out (tokenizer.json,
 target/model written by `save_model`, drafter/model in the DFlash format); the weights are random, so
-the test needs no training.
+the test needs no training. A Hugging Face source keeps its chat template, special tokens and token ids,
+checked by transformers reading the export.
 """
 
+import dataclasses
 import subprocess
 import sys
 from pathlib import Path
@@ -20,7 +22,7 @@ from specpilot.models import dense
 from specpilot.models import drafter as dr
 from specpilot.models.checkpoint import load_hf
 from specpilot.models.config import ModelConfig
-from specpilot.training.checkpointing import save_model
+from specpilot.training.checkpointing import TOKENIZER_FILES, export_hf, save_model
 
 ROOT = Path(__file__).resolve().parents[1]
 EXPORT, GENERATE = ROOT / "experiments" / "export.py", ROOT / "experiments" / "generate.py"
@@ -105,3 +107,72 @@ def test_ambiguous_or_empty_sources_fail_clearly(pair, tmp_path):
     proc = _run(GENERATE, "--checkpoint", two, "--prompt-ids", "1,2")
     assert proc.returncode != 0 and "embedded-aaaaaaaaaaaa" in proc.stderr
     assert "embedded-bbbbbbbbbbbb" in proc.stderr
+
+
+CHAT_TEMPLATE = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+                 "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+MESSAGES = [{"role": "system", "content": "t1 t2"}, {"role": "user", "content": "t3 t4 t5"}]
+
+
+@pytest.fixture(scope="module")
+def chat_checkpoint(tmp_path_factory):
+    """A tiny transformers checkpoint with a word-level tokenizer, a chat template, special tokens and
+    bos/eos/pad ids in config.json (eos as a list) and generation_config.json."""
+    transformers = pytest.importorskip("transformers")
+    import hf_tiny  # the tests folder is on the path (as test_dense_vs_hf imports it)
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    path = tmp_path_factory.mktemp("chat") / "qwen3"
+    model = hf_tiny.build("qwen3_kv1_tied")
+    model.config.bos_token_id, model.config.eos_token_id, model.config.pad_token_id = 250, [251, 252], 253
+    model.generation_config.eos_token_id, model.generation_config.pad_token_id = [251, 252], 253
+    hf_tiny.save(model, path)
+    vocab = {f"t{i}": i for i in range(250)} | {"<|im_start|>": 250, "<|im_end|>": 251, "<|endoftext|>": 252,
+                                               "<pad>": 253}
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="t0"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    fast = transformers.PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<|im_start|>",
+                                                eos_token="<|im_end|>", pad_token="<pad>",
+                                                unk_token="t0", chat_template=CHAT_TEMPLATE)
+    fast.save_pretrained(str(path))
+    return path
+
+
+def test_export_of_a_hugging_face_folder_keeps_its_chat_template_and_token_ids(chat_checkpoint, tmp_path):
+    transformers = pytest.importorskip("transformers")
+    out = export_hf(chat_checkpoint, tmp_path / "hf", dtype=jnp.bfloat16)
+    src_tok = transformers.AutoTokenizer.from_pretrained(str(chat_checkpoint))
+    out_tok = transformers.AutoTokenizer.from_pretrained(str(out))
+    for gen in (False, True):
+        want = src_tok.apply_chat_template(MESSAGES, tokenize=False, add_generation_prompt=gen)
+        assert out_tok.apply_chat_template(MESSAGES, tokenize=False, add_generation_prompt=gen) == want
+    assert want.endswith("<|im_start|>assistant\n")
+    assert out_tok.apply_chat_template(MESSAGES) == src_tok.apply_chat_template(MESSAGES)
+    assert (out_tok.bos_token, out_tok.eos_token, out_tok.pad_token) == ("<|im_start|>", "<|im_end|>", "<pad>")
+    assert (out_tok.eos_token_id, out_tok.pad_token_id) == (251, 253)
+    config = transformers.AutoConfig.from_pretrained(str(out))
+    assert (config.bos_token_id, config.eos_token_id, config.pad_token_id) == (250, [251, 252], 253)
+    assert config.torch_dtype == "bfloat16" or str(config.torch_dtype) == "torch.bfloat16"
+    generation = transformers.GenerationConfig.from_pretrained(str(out))
+    assert (generation.eos_token_id, generation.pad_token_id) == ([251, 252], 253)
+    # The export loads back here too, in the dtype asked for.
+    params, cfg = load_hf(out, dtype=None)
+    assert params["embed"].dtype == jnp.bfloat16 and cfg.eos_token_id == 251
+    # Every tokenizer file transformers wrote (the template in tokenizer_config.json or chat_template.jinja,
+    # by its version) is copied as it was.
+    written = [f for f in TOKENIZER_FILES if (chat_checkpoint / f).is_file()]
+    assert {"tokenizer.json", "tokenizer_config.json", "generation_config.json"} <= set(written)
+    for name in written:
+        assert (out / name).read_bytes() == (chat_checkpoint / name).read_bytes(), name
+
+
+def test_generate_names_a_drafter_that_does_not_fit_its_target(pair, tmp_path):
+    _, folder, _, cfg = pair
+    other = tmp_path / "drafter"
+    dcfg = dr.DrafterConfig.for_target(dataclasses.replace(cfg, hidden_size=64, head_dim=32), num_layers=1,
+                                       block_size=4)
+    dr.save_drafter(other, dr.init(jax.random.key(1), dcfg, jnp.float32), dcfg)
+    proc = _run(GENERATE, "--checkpoint", folder, "--prompt-ids", "1,2", "--drafter", other)
+    assert proc.returncode != 0
+    assert proc.stderr.strip().splitlines()[-1].endswith("does not fit the target (hidden 32, vocab "
+                                                         f"{cfg.vocab_size}) (--drafter none decodes without it)")

@@ -33,6 +33,12 @@ from specpilot.models.config import ModelConfig
 
 MODEL_RECORD = "specpilot.json"  # marks a model folder written by `save_model`
 TOKENIZER_FILE = "tokenizer.json"
+# What an export copies beside the weights: the tokenizer (its chat template and special tokens are in
+# tokenizer_config.json or chat_template.jinja) and the generation defaults.
+TOKENIZER_FILES = (TOKENIZER_FILE, "tokenizer_config.json", "special_tokens_map.json", "added_tokens.json",
+                   "tokenizer.model", "vocab.json", "merges.txt", "chat_template.jinja", "chat_template.json",
+                   "generation_config.json")
+TOKEN_ID_KEYS = ("bos_token_id", "eos_token_id", "pad_token_id")
 
 
 class Checkpointer:
@@ -140,8 +146,9 @@ def load_target(path: str | Path, dtype=None, tap_layers=()) -> tuple[dict, Mode
 def export_hf(source: str | Path, out_dir: str | Path, dtype=None,
               max_shard_bytes: int | None = None) -> Path:
     """Write the target at `source` (a model folder or a HF directory) as a Hugging Face directory:
-    config.json, model.safetensors (sharded with an index when max_shard_bytes is set) and the
-    source's tokenizer.json when it has one. dtype None keeps the stored dtype."""
+    config.json, model.safetensors (sharded with an index when max_shard_bytes is set), the source's
+    tokenizer files (`TOKENIZER_FILES`: the chat template and special tokens among them) and its
+    config's special token ids. dtype None keeps the stored dtype."""
     source, out_dir = Path(source), Path(out_dir)
     if out_dir.exists() and out_dir.resolve() == source.resolve():
         raise ValueError(f"export target {out_dir} is the source folder; choose another")
@@ -149,6 +156,19 @@ def export_hf(source: str | Path, out_dir: str | Path, dtype=None,
         raise ValueError(f"{out_dir} holds a model folder ({MODEL_RECORD}); export to a new folder")
     params, cfg = load_target(source, dtype=dtype)
     save_hf(params, cfg, out_dir, max_shard_bytes=max_shard_bytes)
-    if (source / TOKENIZER_FILE).is_file():
-        (out_dir / TOKENIZER_FILE).write_bytes((source / TOKENIZER_FILE).read_bytes())
+    for name in TOKENIZER_FILES:
+        if (source / name).is_file():
+            (out_dir / name).write_bytes((source / name).read_bytes())
+    _keep_token_ids(source / "config.json", out_dir / "config.json")
     return out_dir
+
+
+def _keep_token_ids(source_config: Path, out_config: Path) -> None:
+    """Copy the source config's special token ids as written (an id list stays a list): `ModelConfig`
+    keeps only the first eos id and no pad id, and transformers reads them from config.json."""
+    if not source_config.is_file():
+        return
+    src, out = json.loads(source_config.read_text()), json.loads(out_config.read_text())
+    kept = {k: src[k] for k in TOKEN_ID_KEYS if k in src}
+    if kept:
+        out_config.write_text(json.dumps({**out, **kept}, indent=2, sort_keys=True) + "\n")
