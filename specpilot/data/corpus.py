@@ -1,18 +1,6 @@
-"""Text corpus: a folder of files, split by file into train / held-out, packed into token sequences.
-
-Design choices:
-- Any folder works; the embedded default is the Python standard library of the running interpreter
-  (`sysconfig.get_paths()["stdlib"]`, `*.py`), which every machine has and which is predictable enough
-  (code) for a tiny target to learn in minutes. Test suites and site-packages are excluded by default:
-  they are installation-dependent and repetitive boilerplate that would dominate a small budget.
-- The split is a function of each file's relative path alone (sha256 of "salt:path"), never of listing
-  order or a random seed: adding or removing files never moves another file across the split, and two
-  machines with the same stdlib agree on it.
-- Files are read as bytes and decoded as UTF-8 with undecodable bytes replaced, so a stray Latin-1
-  file never stops a run; the result is valid Unicode and round-trips through a byte-level tokenizer.
-- Packing concatenates documents separated by an end-of-text token and cuts fixed-length windows
-  (the remainder is dropped). Batch order is a pure function of (seed, step): resuming training needs
-  only the step number to continue exactly where it stopped.
+"""Text corpus: a folder of files (by default the interpreter's standard library), split by file into
+train / held-out by a hash of each path, and packed into token sequences whose batch order is a pure
+function of (seed, step) (docs/design/data-training.md).
 """
 
 from __future__ import annotations

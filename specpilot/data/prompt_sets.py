@@ -1,18 +1,7 @@
-"""Benchmark prompt sets made of text: a model folder's tokenizer and chat template, and the named sets.
-
-Design choices:
-- A model's text side (`ModelText`) is read from its Hugging Face folder as transformers reads it:
-  `tokenizer.json`, the special tokens by role and the chat template from `tokenizer_config.json` (a
-  token given as a string or as a serialized AddedToken; a template as a string or a list of named
-  ones, where "default" is used), and `chat_template.jinja`, which takes precedence when present.
-  The end-of-text token is the config's `eos_token` (`<|im_end|>` for SmolLM2's chat model), not a guess.
-- Three named sets, each tokenized with the target's own tokenizer: `chat` (requests about held-out
-  standard-library functions, `specpilot.data.chat`), `humaneval` (HumanEval's prompts as plain text
-  to continue) and `humaneval_chat` (the same problems as a chat request under the model's template).
-- A set is cut to prompts of at most `max_tokens` tokens (longer ones are dropped, never truncated), then
-  `num` are chosen evenly spaced over what remains, so a set is the same on every machine and spans the
-  whole source (every request kind, easy and hard problems). Too few prompts left fails with the
-  numbers and the two settings to change.
+"""Benchmark prompt sets made of text: a model folder's tokenizer, special tokens and chat template
+(`ModelText`, read as transformers reads them), and the named sets `chat`, `humaneval` and
+`humaneval_chat`, each tokenized with the target's own tokenizer and cut the same way on every machine
+(docs/design/data-training.md).
 """
 
 from __future__ import annotations
@@ -22,7 +11,11 @@ import json
 from pathlib import Path
 
 import numpy as np
+from tokenizers import Tokenizer
 
+from specpilot.data import humaneval
+from specpilot.data.chat import chat_prompt_ids, stdlib_requests
+from specpilot.data.corpus import load_corpus
 from specpilot.data.tokenizer import EOS_ALIASES, TextTokenizer, load_tokenizer
 
 CHAT_SETS = ("chat", "humaneval_chat")  # need a chat template
@@ -86,8 +79,6 @@ def eos_token_id(folder) -> int | None:
     """The end-of-sequence id of a Hugging Face model folder, or None if it names none: tokenizer_config.json's
     `eos_token` looked up in tokenizer.json, else config.json's `eos_token_id` (the first of a list), else
     the first usual eos name (`data.tokenizer.EOS_ALIASES`) tokenizer.json has."""
-    from tokenizers import Tokenizer
-
     folder = Path(folder)
 
     def read(name):
@@ -119,8 +110,6 @@ def load_model_text(directory: str | Path) -> ModelText:
     if "eos_token" not in special:
         eos = eos_token_id(directory)
         if eos is not None:
-            from tokenizers import Tokenizer
-
             name = Tokenizer.from_file(str(directory / "tokenizer.json")).id_to_token(eos)
             if name is not None:
                 special["eos_token"] = name
@@ -143,15 +132,10 @@ def candidates(kind: str, text: ModelText, max_tokens: int) -> tuple[list[list[i
     if kind in CHAT_SETS and not text.chat_template:
         raise PromptSetError(f"the {kind!r} prompts are chats, and the model has no chat template")
     if kind == "chat":
-        from specpilot.data.chat import chat_prompt_ids, stdlib_requests
-        from specpilot.data.corpus import load_corpus
-
         requests = stdlib_requests(load_corpus(None), "heldout")
         prompts, kept = chat_prompt_ids(text.tokenizer, text.chat_template, requests, max_tokens,
                                         special_tokens=text.special_tokens)
         return prompts, [r.where for r in kept], len(requests)
-    from specpilot.data import humaneval
-
     problems = humaneval.load_problems()
     if kind == "humaneval":
         prompts, kept = humaneval.completion_prompt_ids(text.tokenizer, problems, max_tokens)

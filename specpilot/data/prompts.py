@@ -1,19 +1,6 @@
-"""Held-out prompt sets: the default benchmark prompts, drawn deterministically from held-out files.
-
-Design choices:
-- Kind "function": the file up to the end of a function's docstring (signature + docstring, with the
-  preceding code as context), so the continuation is the function body — the natural code-completion
-  task. Functions are found with `ast`; a function needs a docstring and at least one statement after it.
-- Prompts are cut at TOKEN boundaries of the whole file's encoding (via offsets), never by re-encoding
-  a text prefix: re-encoding would end a prompt with a token split the model never saw in training
-  (byte-level BPE merges "\\n" with the following indentation).
-- Every prompt has exactly `prompt_len` tokens (the last ones before the cut; candidates with less
-  context are skipped), so a batch needs no padding and prompt length is one number in a report.
-- Kind "prefix": windows at evenly spaced offsets of the held-out files, for corpora that are not Python.
-- Selection is evenly spaced over all candidates in (path, position) order, so prompts spread across
-  files; no random numbers, so every machine with the same corpus and tokenizer gets the same set.
-- A set is saved as JSON (token ids, source "path:line", reference continuation) so a benchmark can
-  pin it and reuse it without the corpus.
+"""Held-out prompt sets for the embedded pair: prompts drawn deterministically from held-out files, cut at
+token boundaries, every prompt the same length, saved as JSON to pin a benchmark
+(docs/design/data-training.md).
 """
 
 from __future__ import annotations

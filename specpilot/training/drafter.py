@@ -1,27 +1,6 @@
-"""Training the DFlash-style block drafter against a frozen target (the DFlash recipe).
-
-Design choices:
-- Targets regenerate their own training data: each sequence is a prompt followed by the target's greedy
-  continuation (`ar.generate`), so the labels are exactly what greedy verification accepts, including
-  the target's repetitions. Prompts are corpus windows of one length (the default) or any token-id
-  lists (chat requests rendered with the model's template); a continuation may end at a stop token
-  (the chat EOS). `Sequences` keeps, per row, where the continuation starts and where it ends: anchors
-  fall only inside it, and labels past its end weigh nothing and never count as accepted.
-- Random anchors per sequence, drawn inside the jitted step from (seed, step): a resumed run draws the
-  same ones. A block anchored at a is [x_a, MASK x (Bs-1)] at positions a..a+Bs-1, sees the target taps
-  of positions < a, and is trained on x_{a+1..a+Bs-1} with weights exp(-(k-1)/gamma) for draft k.
-- The forward is the drafter's own inference code: `extend_context` writes the context K/V of all T
-  positions once, then `draft_block` runs per anchor (vmapped) on that cache with `lengths = a`, so
-  the block overwrites rows a.. and the mask hides the rest. Training and decoding cannot drift apart.
-- The target is frozen and runs inside the step (taps only, no LM head) under `stop_gradient`;
-  caching taps would cost n_taps*H floats per token of memory to save a forward pass that is a
-  minority of the step.
-- Held-out metric: `heldout_tau`, exactly the tau of greedy speculative decoding on held-out
-  regenerated sequences, without running the decode loop: blocks at every anchor are drafted in
-  parallel (teacher-forced context = the target's own greedy tokens, as in decoding), then the host
-  walks the anchors decoding would visit (next anchor = anchor + accepted + 1). The plain mean over
-  all anchors overstates tau (on GPU runs: 4.2 against a real 2.2): easy stretches hold many anchors
-  but cost decoding few steps.
+"""Training the DFlash-style block drafter against a frozen target (the DFlash recipe): the target
+regenerates its own training data, random anchors per sequence, the drafter's own inference code as the
+training forward, and held-out tau measured as greedy decoding would (docs/design/data-training.md).
 """
 
 from __future__ import annotations

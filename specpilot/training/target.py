@@ -1,17 +1,5 @@
-"""Pretraining a tiny Qwen3-architecture target on the corpus, so the embedded default needs no download.
-
-Design choices:
-- The model is `dense` itself (Qwen3ForCausalLM, qk_norm, tied embeddings like the small Qwen3s):
-  `train_forward` runs `dense.forward` (as a chain) over a scratch state exactly T long, so training and decoding
-  share every line of model code and their logits agree (tested). Writing K/V into a cache that is
-  overwritten whole costs nothing measurable here; a second, cache-free copy of the layer would be
-  code to keep in sync.
-- Weights train in float32 (bfloat16 matmuls are slower on CPUs and noisier at this size); decoding
-  may cast them afterwards.
-- Sizes are chosen for the budget of the default pipeline (2 CPU cores, a few minutes; see
-  `TargetTrainConfig`): at hidden 128 the tied LM head over a 4096 vocabulary is ~40% of a step.
-- Batches are `batch_at(train, step)`: resume needs only the step, saved with params and optimizer
-  state; held-out loss is measured on fixed, evenly spaced held-out windows.
+"""Pretraining a tiny Qwen3-architecture target on the corpus, so the embedded pair needs no download;
+the model is `dense` itself, trained in float32 within a few CPU minutes (docs/design/data-training.md).
 """
 
 from __future__ import annotations
