@@ -4,6 +4,7 @@ rows equal the rows that must give their bits, and the shared arguments parse an
 No timing thresholds: CPU timings say nothing about the GPU and would make the test flaky.
 """
 
+import gzip
 import importlib.util
 import json
 import math
@@ -13,6 +14,7 @@ import pytest
 
 from pallas_kernels import dispatch
 from pallas_kernels import w12_mosaic as mk
+from specpilot.harness import bench
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -65,8 +67,6 @@ def test_bench_ar_tiny_variants_agree(bench_ar):
 
 
 def test_step_bytes_qwen3_8b(bench_ar):
-    from specpilot.harness import bench
-
     cfg = bench_ar.SHAPES["qwen3-8b"]
     sb = bench.step_bytes(cfg, batch=1, cache_len=768)
     # 36 layers of q/k/v/o + SwiGLU matrices and the LM head: 15.14 GB of bf16 (norms add ~0.6 MB).
@@ -138,11 +138,6 @@ def test_kernel_summary_reads_a_perfetto_trace(tmp_path):
     """`bench.kernel_summary` on a hand-written Perfetto trace: only the device's stream events count, per
     step; busy is their summed duration, span first start to last end, and each kernel's per-call
     min/median/max come from its own events."""
-    import gzip
-    import json as json_
-
-    from specpilot.harness import bench as bench_
-
     meta = [{"ph": "M", "name": "process_name", "pid": 1, "args": {"name": "/device:GPU:0"}},
             {"ph": "M", "name": "process_name", "pid": 2, "args": {"name": "/host:CPU"}},
             {"ph": "M", "name": "thread_name", "pid": 1, "tid": 7, "args": {"name": "Stream #13(Compute)"}},
@@ -154,24 +149,19 @@ def test_kernel_summary_reads_a_perfetto_trace(tmp_path):
     d = tmp_path / "plugins" / "profile"
     d.mkdir(parents=True)
     with gzip.open(d / "x.perfetto_trace.json.gz", "wt") as f:
-        json_.dump({"traceEvents": meta + kernels + host}, f)
-    s = bench_.kernel_summary(str(tmp_path), steps=2)
+        json.dump({"traceEvents": meta + kernels + host}, f)
+    s = bench.kernel_summary(str(tmp_path), steps=2)
     assert s["kernels_per_step"] == 2.0
     assert abs(s["busy_ms_per_step"] - 35e-3) < 1e-9 and abs(s["span_ms_per_step"] - 50e-3) < 1e-9
     top = s["top"][0]
     assert top["name"] == "w12_kernel" and (top["us_min"], top["us_median"], top["us_max"]) == (10.0, 20.0, 30.0)
-    assert bench_.kernel_summary(str(tmp_path / "none"), steps=1) is None
+    assert bench.kernel_summary(str(tmp_path / "none"), steps=1) is None
 
 
 def test_kernel_summary_window_keeps_kernels_inside_host_spans(tmp_path):
     """`window=` keeps only the device kernels that start inside a host span of that name (two "accept"
     spans here: kernels at 5 and 105 count, the one at 50 and the one just past the second span's end do
     not), and reports the spans' wall time per step and their count."""
-    import gzip
-    import json as json_
-
-    from specpilot.harness import bench as bench_
-
     meta = [{"ph": "M", "name": "process_name", "pid": 1, "args": {"name": "/device:GPU:0"}},
             {"ph": "M", "name": "process_name", "pid": 2, "args": {"name": "/host:CPU"}},
             {"ph": "M", "name": "thread_name", "pid": 1, "tid": 7, "args": {"name": "Stream #13(Compute)"}}]
@@ -182,24 +172,19 @@ def test_kernel_summary_window_keeps_kernels_inside_host_spans(tmp_path):
     d = tmp_path / "plugins" / "profile"
     d.mkdir(parents=True)
     with gzip.open(d / "x.perfetto_trace.json.gz", "wt") as f:
-        json_.dump({"traceEvents": meta + kernels + spans}, f)
-    s = bench_.kernel_summary(str(tmp_path), steps=2, window="specpilot.accept")
+        json.dump({"traceEvents": meta + kernels + spans}, f)
+    s = bench.kernel_summary(str(tmp_path), steps=2, window="specpilot.accept")
     assert s["spans"] == 2 and s["kernels_per_step"] == 1.0 and [t["name"] for t in s["top"]] == ["argmax"]
     assert abs(s["window_ms_per_step"] - 20e-3) < 1e-9 and abs(s["busy_ms_per_step"] - 4e-3) < 1e-9
-    v = bench_.kernel_summary(str(tmp_path), steps=1, window="specpilot.verify")
+    v = bench.kernel_summary(str(tmp_path), steps=1, window="specpilot.verify")
     assert [t["name"] for t in v["top"]] == ["matmul"]
-    assert bench_.kernel_summary(str(tmp_path), steps=1, window="absent")["kernels"] == 0
+    assert bench.kernel_summary(str(tmp_path), steps=1, window="absent")["kernels"] == 0
 
 
 def test_kernel_summary_times_each_call_of_a_step(tmp_path, bench_ar):
     """A kernel called several times per step gets its median time at each call of the step ("sequences",
     over the steps), and `mosaic_calls` names those calls by the matrices a step multiplies, in order; a
     count that does not match the matrices gives no breakdown."""
-    import gzip
-    import json as json_
-
-    from specpilot.harness import bench as bench_
-
     meta = [{"ph": "M", "name": "process_name", "pid": 1, "args": {"name": "/device:GPU:0"}},
             {"ph": "M", "name": "thread_name", "pid": 1, "tid": 7, "args": {"name": "Stream #13(Compute)"}}]
     per_call = [(5.0, 7.0), (50.0, 54.0), (9.0, 9.0), (300.0, 310.0)]  # two steps: qkv, gate_up, down, lm_head
@@ -213,8 +198,8 @@ def test_kernel_summary_times_each_call_of_a_step(tmp_path, bench_ar):
     d = tmp_path / "plugins" / "profile"
     d.mkdir(parents=True)
     with gzip.open(d / "x.perfetto_trace.json.gz", "wt") as f:
-        json_.dump({"traceEvents": meta + events}, f)
-    s = bench_.kernel_summary(str(tmp_path), steps=2)
+        json.dump({"traceEvents": meta + events}, f)
+    s = bench.kernel_summary(str(tmp_path), steps=2)
     assert s["sequences"] == {"kernel_mosaic_gpu_kernel": [6.0, 52.0, 9.0, 305.0]}  # loop_add: once per step
     params = {"layers": ({"qkv": None, "o": None, "gate_up": None, "down": None},)}
     profile = dict(s, sequences={"kernel_mosaic_gpu_kernel": [6.0, 8.0, 52.0, 9.0, 305.0]})
@@ -223,7 +208,7 @@ def test_kernel_summary_times_each_call_of_a_step(tmp_path, bench_ar):
     assert list(profile["mosaic_calls"]) == ["qkv", "o", "gate_up", "down", "lm_head"]
     bench_ar.mosaic_calls(s, params, "fused@w12")  # 4 calls for 5 matrices (one kept bf16): no breakdown
     assert "mosaic_calls" not in s
-    assert bench_.label_calls([1.0, 2.0, 3.0], ["a", "b", "a"]) == {
+    assert bench.label_calls([1.0, 2.0, 3.0], ["a", "b", "a"]) == {
         "a": {"calls": 2, "us_median": 2.0, "us_per_step": 4.0},
         "b": {"calls": 1, "us_median": 2.0, "us_per_step": 2.0}}
 

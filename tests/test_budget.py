@@ -8,8 +8,9 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from specpilot.models import dense
+from specpilot.costmodel.prediction import predict
 from specpilot.decoding.rejection import accept_greedy, rejection_sample
+from specpilot.models import dense
 from specpilot.serving.budget import StepCost, choose_draft_lengths, expected_accepted, marginal_gains
 from specpilot.serving.packed import packed_forward, packed_layout
 from specpilot.state import causal_mask, chain_positions
@@ -148,7 +149,6 @@ def test_step_cost_from_the_cost_model():
     verify-stage growth per token from block 2 to the plan's block."""
     import dataclasses
 
-    from specpilot.costmodel.prediction import predict
     from test_costmodel_predict import SETTING, STOCK
 
     cost = StepCost.from_predict(STOCK, SETTING, slots=3)

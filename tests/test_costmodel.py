@@ -3,6 +3,7 @@
 import pytest
 
 from specpilot.costmodel import roofline
+from specpilot.models import dense
 from specpilot.models.config import ModelConfig
 
 QWEN3_8B = ModelConfig(vocab_size=151936, hidden_size=4096, intermediate_size=12288, num_layers=36,
@@ -48,8 +49,6 @@ def test_num_params_counts_every_parameter_of_the_pytree():
 
     import jax
     import numpy as np
-
-    from specpilot.models import dense
 
     for kw in ({}, dict(attention_bias=True, mlp_bias=True, architecture="LlamaForCausalLM",
                         qk_norm=False, tie_word_embeddings=True)):

@@ -16,13 +16,12 @@ import jax.numpy as jnp
 import pytest
 
 import costmodel_bruteforce as bf
-from specpilot.decoding import spec, tree, two_level
-from specpilot.decoding.sampling import GREEDY
 from specpilot.costmodel import prediction
-from specpilot.costmodel.roofline import Hardware
 from specpilot.costmodel.counts import StepCounts, step_counts
 from specpilot.costmodel.rates import Rates
-from specpilot.plan import Plan, TreeShape, TwoLevel
+from specpilot.costmodel.roofline import Hardware
+from specpilot.decoding import spec, tree, two_level
+from specpilot.plan import Kernels, OpChoice, Plan, TreeShape, TwoLevel
 from test_costmodel_counts import B, DENSE, HYBRID, _compare, _setup
 
 NODES, DEPTH, BRANCHING = 6, 3, 2
@@ -139,7 +138,6 @@ def test_two_level_drafter_confidence_costs_the_kept_forward_only():
 def test_tree_attention_kernel_reads_the_prefix_and_the_block():
     _, _, _, _, shape = _tree_setup(DENSE, jnp.float32)
     xla = step_counts(_tree_plan(), shape).select("verify", "attention")
-    from specpilot.plan import Kernels, OpChoice
 
     kernel_plan = _tree_plan(kernels=Kernels(tree_attention=OpChoice(("triton", "xla"))))
     triton = step_counts(kernel_plan, shape).select("verify", "attention")

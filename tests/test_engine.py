@@ -7,6 +7,9 @@ import numpy as np
 import pytest
 
 from specpilot.decoding import ar
+from specpilot.harness import deploy
+from specpilot.harness.config_schema import build_plans
+from specpilot.models import dense
 from specpilot.models import drafter as dr
 from specpilot.plan import Batching, Plan, TreeShape, TwoLevel
 from specpilot.serving import Engine, Request, check_plan
@@ -23,7 +26,6 @@ def params():
 
 
 def dense_shapes():
-    from specpilot.models import dense
     return dense.param_shapes(CFG)
 
 
@@ -176,8 +178,6 @@ def test_from_plan_runs_a_deployments_plans():
     """Engine.from_plan on the toy deployment (tiny random target, random drafter at block 8): each plan's
     outputs equal `ar.generate`'s on the deployment's own target."""
     from agent_helpers import toy_cfg
-    from specpilot.harness import deploy
-    from specpilot.harness.config_schema import build_plans
 
     cfg = toy_cfg()
     plans = build_plans(cfg)

@@ -3,43 +3,32 @@ composed from run.py's config groups (tiny random target, oracle drafter at a ta
 (and a tree plan of decoding=tree) emits AR's tokens per request through the engine; speedups against AR of
 the same run; clear errors."""
 
-import importlib.util
 import re
-import sys
-from pathlib import Path
 
 import pytest
+
+from experiments.bench import bench_engine, engine_report, engine_setup
+from specpilot.plan import Batching
+from specpilot.serving import Request
+from specpilot.serving.budget import StepCost
+from specpilot.serving.workloads import run_fixed
 
 # run.py's groups at a tiny shape: an oracle drafter (1 layer, block 4) replaying AR's continuation at tau 3
 DEPLOYMENT = ("target=tiny_random drafter=oracle drafter.tau=3 drafter.block_size=4 drafter.num_layers=1 "
               "decoding=stock bench=default bench.prompt_len=12")
 
 
-def _load():
-    path = Path(__file__).resolve().parent.parent / "experiments" / "bench" / "bench_engine.py"
-    spec = importlib.util.spec_from_file_location("bench_engine", path)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # its dataclasses resolve their annotations through sys.modules
-    spec.loader.exec_module(module)
-    return module
-
-
 @pytest.fixture(scope="module")
-def be():
-    return _load()
-
-
-@pytest.fixture(scope="module")
-def deployment_record(be, tmp_path_factory):
+def deployment_record(tmp_path_factory):
     out = tmp_path_factory.mktemp("bench") / "engine.json"
-    record = be.main(["--deployment", DEPLOYMENT, "--m", "2", "--rates", "0,200", "--requests", "4",
+    record = bench_engine.main(["--deployment", DEPLOYMENT, "--m", "2", "--rates", "0,200", "--requests", "4",
                       "--new-tokens", "12", "--chunk", "16", "--batching", "fixed,budget+packed", "--out", str(out)])
     return record, out
 
 
-def test_bench_engine_smoke(be, tmp_path):
+def test_bench_engine_smoke(tmp_path):
     out = tmp_path / "engine.json"
-    record = be.main(["--smoke", "--out", str(out)])
+    record = bench_engine.main(["--smoke", "--out", str(out)])
     assert out.is_file() and {r["plan"] for r in record["rows"]} == {"ar", "stock"}
     assert {r["rate"] for r in record["rows"]} == {0.0, 200.0}
     for r in record["rows"]:
@@ -89,22 +78,22 @@ def test_fixed_rows_and_speedup_against_ar_of_the_same_run(deployment_record):
         assert r["decode_steps"] == 11  # tokens 2..12 of both rows; the first comes from the prefill step
 
 
-def test_oracle_stock_tokens_equal_ar_per_request(be):
+def test_oracle_stock_tokens_equal_ar_per_request():
     """The lossless check itself, outside the bench's own counting: each request's tokens from the oracle
     stock plan through the engine equal the AR plan's through the engine."""
-    args, _ = be.parse_args(["--deployment", DEPLOYMENT, "--m", "3", "--rates", "0", "--new-tokens", "10"])
-    setup = be.build_setup(args)
+    args, _ = bench_engine.parse_args(["--deployment", DEPLOYMENT, "--m", "3", "--rates", "0", "--new-tokens", "10"])
+    setup = bench_engine.build_setup(args)
     ar, stock = setup.plans
     assert setup.reference is ar and stock.replays and not ar.replays
-    requests = [be.Request(p, 10) for p in setup.prompts[:3]]
-    _, ar_handles = be.run_fixed(ar.make(3, None, setup.context, 8), requests)
+    requests = [Request(p, 10) for p in setup.prompts[:3]]
+    _, ar_handles = run_fixed(ar.make(3, None, setup.context, 8), requests)
     want = [h.tokens for h in ar_handles]
     engine = stock.make(3, None, setup.context, 8)
-    _, handles = be.run_fixed(engine, be.with_reference(requests, want))
+    _, handles = run_fixed(engine, engine_setup.with_reference(requests, want))
     assert [h.tokens for h in handles] == want and all(len(t) == 10 for t in want)
     assert engine.stats.tokens_per_row_step > 1.5
     # timing the device's share mid-run (decode calls that commit nothing) leaves every request's tokens alone
-    handles = [engine.submit(r) for r in be.with_reference(requests, want)]
+    handles = [engine.submit(r) for r in engine_setup.with_reference(requests, want)]
     for _ in range(3):
         engine.step()
     lengths = engine.state.target_state.lengths.tolist()
@@ -113,48 +102,44 @@ def test_oracle_stock_tokens_equal_ar_per_request(be):
     assert [h.tokens for h in handles] == want
 
 
-def test_step_cost_model_prices_the_confidence_budget(be):
+def test_step_cost_model_prices_the_confidence_budget():
     """--step-cost model: a packed confidence budget's engine gets the cost model's step time of a token
     count (a per-token slope > 0 on the CPU's rates); padded budgets, fixed drafts and AR keep it flat."""
-    from specpilot.serving.budget import StepCost
-
-    args, _ = be.parse_args(["--deployment", DEPLOYMENT, "--m", "2", "--rates", "0", "--step-cost", "model"])
-    setup = be.build_setup(args)
+    args, _ = bench_engine.parse_args(["--deployment", DEPLOYMENT, "--m", "2", "--rates", "0", "--step-cost", "model"])
+    setup = bench_engine.build_setup(args)
     ar, stock = setup.plans
-    packed = be.batching_for("budget+packed", 2, stock.block, 0)
+    packed = engine_setup.batching_for("budget+packed", 2, stock.block, 0)
     cost = stock.make(2, packed, setup.context, 8).setup.cost
     assert cost != StepCost() and cost.per_token_s > 0 and cost.fixed_s > 0
     # padded verification computes the whole block whatever a row keeps: flat, as fixed drafts and AR
-    assert stock.make(2, be.batching_for("budget", 2, stock.block, 0), setup.context, 8).setup.cost == StepCost()
+    assert stock.make(2, engine_setup.batching_for("budget", 2, stock.block, 0), setup.context, 8).setup.cost == StepCost()
     assert stock.make(2, None, setup.context, 8).setup.cost == StepCost()
     assert ar.make(2, None, setup.context, 8).setup.cost == StepCost()
 
 
-def test_add_speedups_takes_the_fastest_ar_baseline_per_slot_count(be):
+def test_add_speedups_takes_the_fastest_ar_baseline_per_slot_count():
     def row(plan, slots, tok_s, baseline=False):
         return {"plan": plan, "slots": slots, "rate": 0.0, "decode_tok_s": tok_s, "ar_baseline": baseline}
 
     rows = [row("ar", 4, 100.0, True), row("ar_mosaic", 4, 125.0, True), row("stock", 4, 250.0),
             row("ar", 8, 160.0, True), row("stock", 8, 240.0), row("ar_w12", 8, 200.0)]
-    be.add_speedups(rows)
+    engine_report.add_speedups(rows)
     assert [(r["baseline"], r["speedup"]) for r in rows] == [
         ("ar_mosaic", 0.8), ("ar_mosaic", 1.0), ("ar_mosaic", 2.0), ("ar", 1.0), ("ar", 1.5), ("ar", 1.25)]
 
 
-def test_batchings_apply_to_speculative_plans_only(be):
-    from specpilot.plan import Batching
-
-    args, _ = be.parse_args(["--shape", "tiny", "--batching", "fixed,budget", "--overlap", "none,halves"])
-    ar = be.PlanRun("ar", None, ar_baseline=True)
-    stock = be.PlanRun("stock", None, block=4, batching=Batching(policy="static"))
-    setup = be.Setup("test", [ar, stock], [[1]], [], 64, has_own_batching=True)
-    assert be.batchings(setup, ar, args, 4) == [None]
-    got = be.batchings(setup, stock, args, 4)
-    assert [be.batching_label(b) for b in got] == ["fixed/static", "fixed+halves/static", "budget/static",
+def test_batchings_apply_to_speculative_plans_only():
+    args, _ = bench_engine.parse_args(["--shape", "tiny", "--batching", "fixed,budget", "--overlap", "none,halves"])
+    ar = engine_setup.PlanRun("ar", None, ar_baseline=True)
+    stock = engine_setup.PlanRun("stock", None, block=4, batching=Batching(policy="static"))
+    setup = engine_setup.Setup("test", [ar, stock], [[1]], [], 64, has_own_batching=True)
+    assert engine_setup.batchings(setup, ar, args, 4) == [None]
+    got = engine_setup.batchings(setup, stock, args, 4)
+    assert [engine_setup.batching_label(b) for b in got] == ["fixed/static", "fixed+halves/static", "budget/static",
                                                    "budget+halves/static"]
     assert [b.token_budget for b in got] == [None, None, 8, 4]  # halves: half the slots verify per step
-    args, _ = be.parse_args(["--shape", "tiny"])  # no --batching / --overlap: the plan's own
-    assert be.batchings(setup, stock, args, 4) == [stock.batching]
+    args, _ = bench_engine.parse_args(["--shape", "tiny"])  # no --batching / --overlap: the plan's own
+    assert engine_setup.batchings(setup, stock, args, 4) == [stock.batching]
 
 
 @pytest.mark.parametrize("argv,message", [
@@ -164,17 +149,17 @@ def test_batchings_apply_to_speculative_plans_only(be):
     (["--rates", "0", "--new-tokens", "1"], r"--new-tokens must be >= 2"),
     (["--deployment", "", "--shape", "tiny", "--step-cost", "model"], r"--step-cost model prices a --deployment"),
 ])
-def test_bad_arguments_exit_naming_them(be, capsys, argv, message):
+def test_bad_arguments_exit_naming_them(capsys, argv, message):
     with pytest.raises(SystemExit):
-        be.main(["--deployment", DEPLOYMENT, *argv])
+        bench_engine.main(["--deployment", DEPLOYMENT, *argv])
     assert re.search(message, capsys.readouterr().err)
 
 
-def test_bad_deployments_exit_naming_them(be, capsys):
+def test_bad_deployments_exit_naming_them(capsys):
     for deployment, message in (("target=nope", "Could not find 'target/nope'"),
                                 (DEPLOYMENT.replace("drafter=oracle", "drafter=oracle_trace"), "oracle_trace")):
         with pytest.raises(SystemExit):
-            be.main(["--deployment", deployment])
+            bench_engine.main(["--deployment", deployment])
         assert message in capsys.readouterr().err
 
 
@@ -182,9 +167,9 @@ TREE_DEPLOYMENT = DEPLOYMENT.replace("drafter.block_size=4", "drafter.block_size
     "decoding=stock", "decoding=tree")
 
 
-def test_tree_plans_of_a_deployment_run_through_the_engine(be):
+def test_tree_plans_of_a_deployment_run_through_the_engine():
     """--plans names a tree plan of decoding=tree: built by Engine.from_plan, AR's tokens per request."""
-    record = be.main(["--deployment", TREE_DEPLOYMENT, "--plans", "tree_n16", "--m", "2", "--rates", "0",
+    record = bench_engine.main(["--deployment", TREE_DEPLOYMENT, "--plans", "tree_n16", "--m", "2", "--rates", "0",
                       "--new-tokens", "12", "--chunk", "16", "--lockstep-ar", "off"])
     rows = record["rows"]
     assert [(r["plan"], r["batching"]) for r in rows] == [("ar", "fixed"), ("tree_n16", "fixed")]
@@ -192,7 +177,7 @@ def test_tree_plans_of_a_deployment_run_through_the_engine(be):
     assert rows[1]["tokens_per_row_step"] > 1.5 and rows[1]["forward_tokens_per_decode"] == 2 * 16
 
 
-def test_tree_plans_refuse_chain_only_batchings(be, capsys):
+def test_tree_plans_refuse_chain_only_batchings(capsys):
     with pytest.raises(SystemExit):
-        be.main(["--deployment", TREE_DEPLOYMENT, "--plans", "tree_n16", "--batching", "budget"])
+        bench_engine.main(["--deployment", TREE_DEPLOYMENT, "--plans", "tree_n16", "--batching", "budget"])
     assert re.search(r"--plans tree_n16 is a tree plan: --batching budget is chain-only", capsys.readouterr().err)

@@ -6,9 +6,11 @@ import jax.numpy as jnp
 import pytest
 
 from specpilot.models import drafter as dr
+from specpilot.models import hybrid
 from specpilot.plan import Batching
 from specpilot.serving import Engine, Request
 from specpilot.serving.budget import StepCost
+from specpilot.serving.packed import check_packable
 from engine_helpers import BUDGETS, CFG, PROMPTS, TARGET
 from test_engine import block_drafter, params, reference  # noqa: F401 (the same module fixtures)
 
@@ -88,8 +90,6 @@ def test_batchings_the_engine_cannot_run_are_refused(params, block_drafter):
 
 
 def test_packed_refused_for_hybrid_targets():
-    from specpilot.models import hybrid
-    from specpilot.serving.packed import check_packable
     from test_hybrid_spec import CFG as HCFG
 
     with pytest.raises(NotImplementedError, match=r"batching\.verify"):

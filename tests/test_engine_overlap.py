@@ -3,10 +3,15 @@ under staggered arrivals, stops, cancellations and slot reuse, alone and with th
 the step stats; nothing compiles in steady state; bad values refused; the field flips by config and
 is kept by a saved plan's fields."""
 
+import jax.numpy as jnp
 import pytest
 
+from experiments.bench import bench_engine
+from specpilot.agent import space as sp
 from specpilot.decoding import ar, spec
+from specpilot.harness.config_schema import ConfigValueError, build_plans, validate
 from specpilot.models import drafter as dr
+from specpilot.models import hybrid
 from specpilot.plan import Batching, Plan, PlanError
 from specpilot.serving import Engine, Request
 from specpilot.serving.overlap import Overlap
@@ -120,8 +125,6 @@ def test_bad_overlap_values_are_refused(params, block_drafter):
 
 def test_overlap_flips_by_config_and_a_saved_plan_keeps_it():
     from agent_helpers import toy_cfg
-    from specpilot.agent import space as sp
-    from specpilot.harness.config_schema import ConfigValueError, build_plans, validate
 
     cfg = toy_cfg("decoding.plans.stock.batching.overlap=halves")
     validate(cfg)
@@ -142,9 +145,7 @@ def test_overlap_flips_by_config_and_a_saved_plan_keeps_it():
 def test_bench_engine_smoke_compares_overlaps(tmp_path):
     """experiments/bench/bench_engine.py --overlap none,halves on the tiny pair: a row per overlap, with the
     halves row verifying and drafting at most one half (one of the 2 slots) per decode step."""
-    from test_engine_bench import _load
-
-    record = _load().main(["--smoke", "--plans", "stock", "--overlap", "none,halves",
+    record = bench_engine.main(["--smoke", "--plans", "stock", "--overlap", "none,halves",
                            "--out", str(tmp_path / "engine.json")])
     rows = {r["overlap"]: r for r in record["rows"]}
     assert set(rows) == {"none", "halves"}
@@ -159,9 +160,6 @@ def test_bench_engine_smoke_compares_overlaps(tmp_path):
 def test_hybrid_target_halves_equal_ar():
     """Recurrent state rows slice into halves like attention rows: a hybrid target under halves, every
     slot reset and reused, outputs equal `ar.generate`'s."""
-    import jax.numpy as jnp
-
-    from specpilot.models import hybrid
     from test_engine_hybrid import ARRIVALS as H_ARRIVALS, BUDGETS as H_BUDGETS
     from test_hybrid_spec import CFG as HCFG, hybrid_params
 

@@ -9,9 +9,8 @@ from jax.sharding import PartitionSpec as P
 from specpilot import sharding
 from specpilot.models import dense
 from specpilot.models import drafter as dr
-from specpilot.serving import Engine
+from specpilot.serving import Engine, Request
 from engine_helpers import CFG, run_staggered
-from helpers import random_params
 from test_engine import params, reference  # noqa: F401 (the same module fixtures)
 from test_engine import ARRIVALS, CANCELS, check_outputs, requests_with_stops
 
@@ -29,7 +28,6 @@ def test_sharded_engine_equals_one_device_ar(params, reference, data, tensor, ch
                     prefill_chunk=8, sampling=False)
     requests = requests_with_stops(reference)
     if chain:
-        from specpilot.serving import Request
         requests = [Request(r.prompt_ids, r.max_new_tokens, stop_token=r.stop_token,
                             draft_reference=list(r.prompt_ids) + reference[i]) for i, r in enumerate(requests)]
     handles = run_staggered(engine, requests, ARRIVALS, CANCELS)

@@ -8,14 +8,14 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from specpilot import sharding
 from specpilot.decoding import ar, tree
 from specpilot.decoding.sampling import SamplingConfig
-from specpilot.models import dense
+from specpilot.models import dense, hybrid
 from specpilot.models import drafter as dr
 from specpilot.plan import Batching, Plan, PlanError, TreeShape, TwoLevel
 from specpilot.serving import Engine, Request, check_plan
 from engine_helpers import CAP, CFG, PROMPTS, TARGET, run_staggered
-from helpers import random_params
 from test_engine import ARRIVALS, CANCELS, check_no_compiles, check_outputs, requests_with_stops
 from test_engine import block_drafter, params, reference  # noqa: F401 (the same module fixtures)
 
@@ -94,7 +94,6 @@ def test_tree_no_compiles_in_steady_state(params, reference, block_drafter):
 def test_hybrid_tree_engine_equals_ar():
     """Gated DeltaNet layers: each node's recurrent state from its parent's, the accepted path's last
     node's state committed, per-slot resets; chunks of 5 keep per-token prefill states."""
-    from specpilot.models import hybrid
     from test_hybrid_spec import CFG as HCFG, hybrid_params
 
     target = hybrid.target(HCFG, jnp.float32, max_block_size=8)
@@ -115,7 +114,6 @@ def test_hybrid_tree_engine_equals_ar():
 def test_sharded_tree_engine_equals_one_device_ar(params, reference):
     """Slots over the mesh's data axis, heads over its tensor axis: the tree step needs nothing of its own."""
     from jax.sharding import PartitionSpec as P
-    from specpilot import sharding
 
     mesh = sharding.make_mesh(sharding.MeshShape(data=2, tensor=2))
     target = dense.target(CFG, jnp.float32, mesh)

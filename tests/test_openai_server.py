@@ -15,9 +15,17 @@ import urllib.request
 import jax.numpy as jnp
 import pytest
 
+from specpilot.data.prompt_sets import load_model_text
+from specpilot.decoding.ar import generate
+from specpilot.models import dense
+from specpilot.models.checkpoint import load_hf
+from specpilot.serving import Engine, Request
+from specpilot.serving.driver import EngineDriver
+
 openai = pytest.importorskip("openai")
 pytest.importorskip("fastapi")
 pytest.importorskip("uvicorn")
+from specpilot.serving.openai_server import ServedModel, create_app, serve_in_thread  # noqa: E402
 
 FOLDERS = glob.glob("/tmp/smolcache/gguf/*/tokenizer_config.json") + glob.glob(
     os.path.expanduser("~/.cache/specpilot/gguf/*/tokenizer_config.json"))
@@ -31,10 +39,6 @@ QUESTIONS = ["What is 2+2?", "Name a colour.", "Say hello in French.", "What is 
 @pytest.fixture(scope="module")
 def pair():
     transformers = pytest.importorskip("transformers")
-    from specpilot.data.prompt_sets import load_model_text
-    from specpilot.models import dense
-    from specpilot.models.checkpoint import load_hf
-
     folder = FOLDERS[0].rsplit("/", 1)[0]
     params, cfg = load_hf(folder, dtype=jnp.float32)
     text = load_model_text(folder)
@@ -46,8 +50,6 @@ def pair():
 def refs(pair):
     """ar.generate's greedy tokens for each question's chat prompt (16 tokens, cut after the end-of-turn
     token): one batch, one compile. A shorter budget's reply is a prefix of these."""
-    from specpilot.decoding.ar import generate
-
     eos = pair["text"].tokenizer.eos_id
     out = generate(pair["target"], pair["params"], [_prompt(pair, q) for q in QUESTIONS], 16, stop_token=eos)
     rows = [[int(t) for t in row] for row in out.tokens]
@@ -56,11 +58,6 @@ def refs(pair):
 
 @pytest.fixture(scope="module")
 def server(pair):
-    from specpilot.serving.driver import EngineDriver
-    from specpilot.serving.engine import Engine
-    from specpilot.serving.openai_server import ServedModel, create_app, serve_in_thread
-    from specpilot.serving.request import Request
-
     engine = Engine(pair["target"], pair["params"], slots=SLOTS, context_len=CONTEXT, prefill_chunk=32)
     engine.submit(Request([1, 2, 3], 2))
     engine.run()  # compiles the greedy executables before the server takes requests
@@ -254,8 +251,6 @@ def test_stop_strings_and_stop_token_ids_cut_the_reply(server):
 def test_a_sampled_reply_is_the_engines_for_its_seed(server, pair):
     """temperature, top_p and seed reach the engine: the reply equals the engine's own for that Request
     (slow: the sampling steps compile, ~27 s on 2 cores)."""
-    from specpilot.serving.request import Request
-
     q = QUESTIONS[2]
     kw = dict(model="smollm2", messages=[{"role": "user", "content": q}], max_tokens=8, temperature=0.9,
               top_p=0.8, seed=7, extra_body={"return_token_ids": True})

@@ -4,8 +4,16 @@ import importlib.util
 from pathlib import Path
 
 import pytest
+from hydra import compose, initialize_config_dir
+
+from specpilot.data.chat import render_chat
+from specpilot.decoding.ar import generate
+from specpilot.harness import config_schema
+from specpilot.harness.config_schema import ConfigValueError
 
 pytest.importorskip("fastapi")
+from specpilot.serving.openai_server import serve_in_thread  # noqa: E402
+
 ROOT = Path(__file__).resolve().parents[1]
 
 
@@ -17,10 +25,6 @@ def _serve_module():
 
 
 def _compose(overrides):
-    from hydra import compose, initialize_config_dir
-
-    from specpilot.harness import config_schema
-
     config_schema.register()
     with initialize_config_dir(config_dir=str(ROOT / "conf"), version_base=None):
         return compose(config_name="config", overrides=list(overrides))
@@ -30,8 +34,6 @@ TINY = ["target=tiny_random", "drafter=none", "decoding=ar", "bench=default"]
 
 
 def test_serve_options_take_defaults_and_refuse_unknown_ones():
-    from specpilot.harness.config_schema import ConfigValueError
-
     serve = _serve_module()
     opts, cfg = serve.serve_options(_compose(TINY + ["+serve.port=0", "+serve.slots=2"]))
     assert (opts["port"], opts["slots"], opts["context_len"], opts["plan"]) == (0, 2, 2048, None)
@@ -41,8 +43,6 @@ def test_serve_options_take_defaults_and_refuse_unknown_ones():
 
 
 def test_a_plan_the_run_lacks_and_a_target_without_text_are_refused():
-    from specpilot.harness.config_schema import ConfigValueError
-
     serve = _serve_module()
     opts, cfg = serve.serve_options(_compose(TINY + ["+serve.plan=stock"]))
     with pytest.raises(ConfigValueError, match=r"serve.plan: 'stock' is not a plan of this run \(decoding=ar: ar\)"):
@@ -57,8 +57,6 @@ def test_the_default_deployment_serves_a_chat_reply_equal_to_its_engine():
     """The stock plan (SmolLM2 + shipped drafter) behind the server: its greedy reply equals the AR plan's
     tokens from ar.generate, which is what the engine promises for a lossless plan."""
     openai = pytest.importorskip("openai")
-    from specpilot.decoding.ar import generate
-    from specpilot.serving.openai_server import serve_in_thread
 
     serve = _serve_module()
     opts, cfg = serve.serve_options(_compose(["+serve.context_len=256", "+serve.warm_up=false",
@@ -71,8 +69,6 @@ def test_the_default_deployment_serves_a_chat_reply_equal_to_its_engine():
         messages = [{"role": "user", "content": "What does Python's len() do?"}]
         r = client.chat.completions.create(model=served.name, messages=messages, max_tokens=16, temperature=0,
                                            extra_body={"return_token_ids": True})
-        from specpilot.data.chat import render_chat
-
         prompt = served.tokenizer.encode(render_chat(served.chat_template, messages))
         engine = driver.engine
         ref = generate(engine.setup.target, engine.target_params, [prompt], 16,

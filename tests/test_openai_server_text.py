@@ -5,7 +5,11 @@ import os
 
 import pytest
 
+from specpilot.data.tokenizer import load_tokenizer
+
 pytest.importorskip("fastapi")
+from specpilot.serving.openai_server import Detokenizer  # noqa: E402
+
 FOLDERS = glob.glob("/tmp/smolcache/gguf/*/tokenizer.json") + glob.glob(
     os.path.expanduser("~/.cache/specpilot/gguf/*/tokenizer.json"))
 pytestmark = pytest.mark.skipif(not FOLDERS, reason="no converted SmolLM2-135M-Instruct folder with a tokenizer")
@@ -15,8 +19,6 @@ TEXT = "héllo 🙂 wörld — 日本語のテキスト, naïve café 🎉🎉 e
 
 @pytest.fixture(scope="module")
 def tok():
-    from specpilot.data.tokenizer import load_tokenizer
-
     return load_tokenizer(FOLDERS[0], eos_token="<|im_end|>")
 
 
@@ -30,8 +32,6 @@ def _pieces(detok, ids):
 
 
 def test_pieces_are_utf8_safe_and_add_up_to_the_decode(tok):
-    from specpilot.serving.openai_server import Detokenizer
-
     ids = tok.encode(TEXT) + [tok.eos_id]
     # some token of the emoji or CJK text ends inside a character: its prefix decodes to U+FFFD
     assert any(tok.decode(ids[:i]).endswith("\ufffd") for i in range(1, len(ids)))
@@ -41,8 +41,6 @@ def test_pieces_are_utf8_safe_and_add_up_to_the_decode(tok):
 
 
 def test_a_stop_string_cuts_the_text_and_is_never_sent(tok):
-    from specpilot.serving.openai_server import Detokenizer
-
     ids = tok.encode(TEXT)
     detok = Detokenizer(tok, stops=("wörld", "zzz"))
     pieces = []

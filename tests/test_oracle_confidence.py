@@ -3,18 +3,19 @@
 budget equal to AR per request, and config errors naming their key."""
 
 import dataclasses
-import importlib.util
 import json
-import sys
 from pathlib import Path
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from hydra import compose, initialize_config_dir
 from scipy import stats
 
+from experiments.bench import record_trace
 from specpilot.decoding import ar
+from specpilot.harness import config_schema, deploy
 from specpilot.models import dense
 from specpilot.models import drafter as dr
 from specpilot.models.confidence_trace import (GRID, OUTCOMES, Calibration, confidence_table, load_calibration,
@@ -64,15 +65,6 @@ def test_recorded_tables_round_trip():
 def test_recorder_tables_count_every_draft_position(tiny_cfg, tiny_params):
     """A tiny random pair's chain run through experiments/bench/record_trace.py's `record`: the three tables'
     counts sum to the steps taken x (Bs - 1), and the step trace is the run's."""
-    from specpilot.harness import config_schema, deploy
-
-    path = ROOT / "experiments" / "bench" / "record_trace.py"
-    spec = importlib.util.spec_from_file_location("record_trace", path)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module
-    spec.loader.exec_module(module)
-    from hydra import compose, initialize_config_dir
-
     with initialize_config_dir(config_dir=str(ROOT / "conf"), version_base=None):
         cfg = config_schema.typed(compose(config_name="config", overrides=[
             "target=tiny_random", "drafter=random", "drafter.block_size=4", "decoding=stock", "bench=default",
@@ -81,7 +73,7 @@ def test_recorder_tables_count_every_draft_position(tiny_cfg, tiny_params):
     plans = config_schema.build_plans(cfg)
     dep = deploy.build(cfg, plans)
     plan = next(p for p in plans if p.verify == "chain")
-    accepted, table = module.record(dep, plan)
+    accepted, table = record_trace.record(dep, plan)
     assert sum(table["counts"].values()) == len(accepted) * (plan.block_size - 1)
     assert set(OUTCOMES) <= set(table) and table["grid"] == GRID.size
     for name in OUTCOMES:

@@ -16,7 +16,8 @@ from specpilot import plan as plan_mod
 from specpilot import state as st
 from specpilot.decoding import ar, tree, two_level
 from specpilot.decoding import token_tree as tt
-from specpilot.models import dense, hybrid
+from specpilot.decoding.sampling import SamplingConfig
+from specpilot.models import dense
 from specpilot.models import drafter as dr
 from helpers import random_params
 from test_tree import CFG, PROMPTS, TARGET
@@ -246,7 +247,6 @@ def test_first_level_fields_belong_to_two_level_plans():
 def test_two_level_sampling_matches_target_distribution_end_to_end(first, exit_layer):
     """Sampled two-level output's joint distribution of 3 tokens equals the target's exact one (the
     first level chooses which siblings the recursive rejection sees, never what it accepts)."""
-    from specpilot.decoding.sampling import SamplingConfig
     from test_rejection import SMALL, _exact_joint, assert_distributed_as
 
     params = random_params(dense.param_shapes(SMALL), 0.3, 3)

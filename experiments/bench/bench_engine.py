@@ -1,5 +1,7 @@
 """Continuous batching: Poisson arrivals (throughput, TTFT, TPOT, KV in use) and fixed batches (steady-state
 decode throughput, speedup over AR), for AR and speculative plans, through `specpilot.serving.Engine`.
+Every row also counts the requests whose tokens differ from the AR reference's (0: lossless). What the
+workloads, flags and rows mean: docs/design/bench.md.
 
     PYTHONPATH=. python experiments/bench/bench_engine.py [--shape smollm2|tiny] [--m 4] [--rates 0.5,2,8]
         [--requests 16] [--new-tokens 64] [--plans ar,stock] [--out engine.json]
@@ -7,62 +9,8 @@ decode throughput, speedup over AR), for AR and speculative plans, through `spec
     PYTHONPATH=. python experiments/bench/bench_engine.py --deployment "<run.py overrides>" --plans ar,stock ...
     PYTHONPATH=. python experiments/bench/bench_engine.py --smoke     # tiny random pair, a few seconds
 
-Where the target and drafter come from:
-- `--deployment "<overrides>"`: the config groups of experiments/run.py, composed with Hydra (space
-  separated, e.g. `experiment=stock_qwen3_8b_h200`, `target=qwen3_8b drafter=oracle gpu=h200 decoding=w12`).
-  `--plans` names plans of that config (`ar`, `stock`, `ar_w12`, `stock_w12`, the gpu's AR baselines such as
-  `ar_mosaic` on the H200, tree plans such as `tree_n16` of `decoding=tree`); each is built as
-  `Engine.from_plan` builds it (its target, weights, kernels, drafter and tree shape; a tree plan runs only
-  --batching fixed --overlap none). Prompts are the deployment's (`bench.prompts`, `bench.prompt_len`:
-  random ids at a random-weight shape); `bench.num_prompts` is raised to the requests needed and
-  `bench.batch_size` set to the smallest slot count. An oracle drafter (`drafter=oracle`: `drafter.tau`,
-  `drafter.acceptance` or `drafter.acceptance_trace`) replays each request's reference: the prompt and the
-  target's own greedy continuation, taken from the AR reference plan (the config's first AR baseline, run
-  first at every slot count, added to --plans if missing) on the same requests (`Request.draft_reference`).
-  Rows of such a run are oracle-acceptance results (the record's notes say so). `drafter=oracle_trace` does
-  not run through the engine. Without --batching / --overlap a plan keeps its own `batching` fields; with
-  them, each given value replaces the plan's draft budget, verification, token budget and overlap (policy
-  kept).
-- `--shape smollm2`: the real SmolLM2-135M-Instruct pair (target converted from its GGUF, the packaged block
-  drafter at --block), chat prompts of at most --prompt-len tokens, each request stopping at the model's
-  end-of-turn token or after --new-tokens. `--shape tiny` (and --smoke): a 2-layer random target with a
-  random block drafter, random prompts.
-
---batching (speculative plans): `fixed` verifies every row's full block, `budget` chooses each row's draft
-count per step from the drafter's confidence under --token-budget (mechanism 1; default half of slots x
-block), `budget+packed` also packs only the kept candidates into the verify forward (mechanism 2).
---overlap: `halves` verifies one half of the slots per step while drafting the other in the same program
-(mechanism 3; a step then verifies half the slots, so the default budget is half of slots/2 x block).
---step-cost model (--deployment): a budget over packed verification weighs expected accepted tokens against
-the cost model's step time of the token count (`budget.StepCost.from_predict`, the gpu's calibrated rates)
-instead of filling the token budget (padded verification computes the whole block either way).
-
-Workloads, per slot count of --m and per (plan, batching, overlap), one engine compiled before any clock
-starts (`Engine.warm_up`; its seconds are each row's `compile_s`, for budgeting device time):
-- a rate > 0: --requests requests (budgets drawn in [1, --new-tokens]) arrive as a Poisson process at that
-  many requests per second (wall clock, seeded) and the engine steps while any is in flight. TTFT counts
-  from arrival, TPOT per request after its first token; throughput is output tokens over the time from
-  the first arrival to the last token.
-- rate 0 (`--rates 0`, or `0,2,8` beside Poisson rates): a fixed batch. As many requests as slots (the
-  first `slots` prompts), each of exactly --new-tokens tokens and no stop token, are submitted at t=0. The
-  steady state is the decode steps during which every slot decodes (no prefill, no row finished yet):
-  `decode_tok_s` is the output tokens those steps emit over their time, `step_ms` a step's mean time,
-  `tokens_per_step` the tokens one emits over the batch. `speedup` = the row's decode_tok_s over the
-  fastest AR baseline plan's at the same slot count in the same run (DESIGN.md: AR baseline, speedup).
-With --deployment, each AR baseline plan is also timed in the harness's own loop on the same fixed batch
-(`<plan>_lockstep`: `ar.generate`, the whole decode in one jitted loop; --lockstep-ar off skips it), and
-speedups are over the fastest AR row of the slot count, engine or lockstep.
-Every row reports `mismatched_requests`: requests whose tokens differ from the AR reference's on the same
-requests at the same slot count (0 is the lossless check; oracle acceptance must not change a token).
-The JSON record (--out) is rewritten after every row, so a run cut short keeps what it measured.
-
-Oracle drafters: `drafter=oracle` drafts one-hot, all equally confident, so `budget` (mechanism 1) has no
-signal under it; `drafter=oracle_calibrated` draws each draft's confidence from a trained pair's recorded
-ones (`specpilot.models.confidence_trace`).
-
-H200, Qwen3-8B shape (random bf16 weights, oracle at GSM8K's tau 6.27, block 16, 512-token random prompts;
-numbers and where the time goes: docs/performance.md). Each (plan, slot count, batching) is one engine
-compiled first (~20-30 s); past the per-command limit, split --m over commands with one --compile-cache:
+H200, Qwen3-8B shape (random bf16 weights, oracle acceptance; past the per-command limit, split --m over
+commands with one --compile-cache):
 
     PYTHONPATH=. python experiments/bench/bench_engine.py \\
         --deployment "experiment=stock_qwen3_8b_h200 drafter=oracle_calibrated" --plans ar,stock \\
@@ -76,288 +24,21 @@ compiled first (~20-30 s); past the per-command limit, split --m over commands w
 
 from __future__ import annotations
 
-import dataclasses
 import json
-import shlex
+import tempfile
 import time
 from pathlib import Path
-from typing import Callable
 
 import jax
-import jax.numpy as jnp
-import numpy as np
 
+from experiments.bench.engine_report import (HEAD, add_speedups, print_fixed_summary, print_kernels,
+                                             print_row)
+from experiments.bench.engine_setup import (BATCHINGS, PlanRun, Setup, batching_label, batchings, check_grid,
+                                            deployment_setup, shape_setup, with_reference)
+from specpilot.decoding import ar
 from specpilot.harness import bench
 from specpilot.serving import Engine, Request
 from specpilot.serving.workloads import run_fixed, run_workload
-
-DEFAULT_SMOLLM2_DIRS = ("~/.cache/specpilot/gguf", "/tmp/smolcache/gguf")
-CONF = Path(__file__).resolve().parents[2] / "conf"
-
-
-BATCHINGS = {"fixed": {}, "budget": {"draft_budget": "confidence"},
-             "budget+packed": {"draft_budget": "confidence", "verify": "packed"}}
-
-
-def batching_for(name: str, slots: int, block: int, token_budget: int, overlap: str = "none"):
-    """The plan.Batching of a --batching name and --overlap value (budgeted ones at token_budget, default
-    rows x block / 2 over the rows one step verifies: the slots, or half of them under halves)."""
-    from specpilot.plan import Batching
-
-    fields = BATCHINGS[name]
-    if not fields:
-        return Batching(overlap=overlap)
-    rows = slots // 2 if overlap == "halves" else slots
-    return Batching(**fields, token_budget=token_budget or max(2 * rows, rows * block // 2), overlap=overlap)
-
-
-def batching_label(b) -> str:
-    """A Batching as --batching names it (+halves, /static where they apply); None (AR): fixed."""
-    if b is None:
-        return "fixed"
-    name = {("fixed", "padded"): "fixed", ("confidence", "padded"): "budget",
-            ("confidence", "packed"): "budget+packed"}.get((b.draft_budget, b.verify), f"{b.draft_budget}+{b.verify}")
-    return name + ("+halves" if b.overlap == "halves" else "") + ("/static" if b.policy == "static" else "")
-
-
-@dataclasses.dataclass
-class PlanRun:
-    """One plan of the bench: `make(slots, batching or None, context_len, prefill_chunk)` builds its engine."""
-
-    name: str
-    make: Callable[..., Engine]
-    block: int = 1  # 1: AR
-    ar_baseline: bool = False  # one of the AR baselines speedups are measured against (the fastest)
-    replays: bool = False  # an oracle drafter: requests carry the AR reference's continuation
-    batching: object = None  # the plan's own plan.Batching (deployment plans)
-    lockstep: tuple | None = None  # (target, params) of an AR plan also timed in the harness's loop
-    tree: bool = False  # a tree plan: the chain-only mechanisms (--batching budget*, --overlap halves) refused
-
-    @property
-    def speculative(self) -> bool:
-        return self.block > 1
-
-
-@dataclasses.dataclass
-class Setup:
-    label: str
-    plans: list[PlanRun]  # the reference first, where there is one
-    prompts: list[list[int]]
-    poisson: list[Request]  # the Poisson workload's requests
-    context: int
-    notes: list[str] = dataclasses.field(default_factory=list)
-    has_own_batching: bool = False  # deployment plans keep their batching unless --batching / --overlap
-
-    @property
-    def reference(self) -> PlanRun | None:
-        """The AR plan whose tokens every plan is checked against (and an oracle drafter replays)."""
-        return self.plans[0] if self.plans[0].ar_baseline else None
-
-
-def tiny_pair(block: int):
-    from specpilot.models import dense
-    from specpilot.models import drafter as dr
-    from specpilot.models.config import ModelConfig
-
-    cfg = ModelConfig(vocab_size=128, hidden_size=64, intermediate_size=128, num_layers=2, num_heads=4,
-                      num_kv_heads=2, head_dim=16, qk_norm=True, tap_layers=(0, 1))
-    params = dense.init(jax.random.key(0), cfg, dtype=jnp.float32, std=0.5)
-    dcfg = dr.DrafterConfig.for_target(cfg, num_layers=1, block_size=block)
-    return dense.target(cfg, jnp.float32), params, dr.BlockDrafter(dcfg, cfg), dr.init(jax.random.key(1), dcfg,
-                                                                                       jnp.float32)
-
-
-def random_budgets(prompts, new_tokens: int, seed: int, stop=None) -> list[Request]:
-    rng = np.random.default_rng(seed)
-    return [Request(p, int(rng.integers(1, new_tokens + 1)), stop_token=stop) for p in prompts]
-
-
-def smollm2_folder(given: str) -> Path:
-    if given:
-        return Path(given).expanduser()
-    for root in DEFAULT_SMOLLM2_DIRS:
-        found = sorted(Path(root).expanduser().glob("SmolLM2-135M-Instruct*/config.json"))
-        if found:
-            return found[0].parent
-    raise SystemExit(f"no converted SmolLM2 folder under {DEFAULT_SMOLLM2_DIRS}; run experiments/run.py "
-                     f"target=smollm2 once, or pass --model-dir")
-
-
-def smollm2_pair(folder: Path, block: int, num: int, prompt_len: int):
-    from specpilot.data import prompt_sets
-    from specpilot.models import dense
-    from specpilot.models import drafter as dr
-    from specpilot.models.checkpoint import load_hf
-
-    params, cfg = load_hf(folder, dtype=jnp.float32)
-    dparams, dcfg = dr.load_drafter(dr.PACKAGED / "smollm2-135m-instruct-dflash-b8", dtype=jnp.float32)
-    dcfg = dataclasses.replace(dcfg, block_size=block)
-    cfg = cfg.with_taps(dcfg.tap_layers)
-    prompts, _ = prompt_sets.build("chat", prompt_sets.load_model_text(folder), num, prompt_len)
-    return (dense.target(cfg, jnp.float32), params, dr.BlockDrafter(dcfg, cfg), dparams, prompts,
-            prompt_sets.eos_token_id(folder))
-
-
-def context_for(prompts, new_tokens: int) -> int:
-    return -(-(max(len(p) for p in prompts) + new_tokens) // 64) * 64
-
-
-def shape_setup(args, n_prompts: int) -> Setup:
-    """--shape tiny | smollm2: the pair built here, plans ar and stock (at --block)."""
-    wanted = bench.comma_list(args.plans)
-    if not wanted or set(wanted) - {"ar", "stock"}:
-        raise ValueError(f"--plans takes ar and/or stock with --shape {args.shape}, got {args.plans!r}")
-    block = args.block or (4 if args.shape == "tiny" else 8)
-    prompt_len = args.prompt_len or (12 if args.shape == "tiny" else 192)
-    if args.shape == "tiny":
-        target, params, drafter, dparams = tiny_pair(block)
-        rng = np.random.default_rng(args.seed)
-        prompts = [rng.integers(0, target.vocab_size, rng.integers(1, prompt_len + 1)).tolist()
-                   for _ in range(n_prompts)]
-        stop = None
-    else:
-        target, params, drafter, dparams, prompts, stop = smollm2_pair(
-            smollm2_folder(args.model_dir), block, n_prompts, prompt_len)
-
-    def make(d, dp, bs):
-        return lambda slots, batching, context_len, prefill_chunk: Engine(
-            target, params, d, dp, block_size=bs, slots=slots, context_len=context_len,
-            prefill_chunk=prefill_chunk, sampling=False, batching=batching)
-
-    plans = {"ar": PlanRun("ar", make(None, None, None), ar_baseline=True),
-             "stock": PlanRun("stock", make(drafter, dparams, block), block=block)}
-    if "ar" not in wanted and 0.0 in args.rates:  # fixed batches report speedups over AR
-        wanted = ["ar"] + wanted
-    runs = [plans["ar"]] * ("ar" in wanted) + [plans[p] for p in wanted if p != "ar"]
-    poisson = (random_budgets(prompts[: args.requests], args.new_tokens, args.seed) if args.shape == "tiny"
-               else [Request(p, args.new_tokens, stop_token=stop) for p in prompts[: args.requests]])
-    return Setup(args.shape, runs, prompts, poisson, context_for(prompts, args.new_tokens))
-
-
-def compose_config(overrides: str, n_prompts: int, batch: int):
-    """run.py's config with `overrides` (space separated), bench.num_prompts >= n_prompts, typed and
-    validated; a bad override or value raises ValueError naming it."""
-    from hydra import compose, initialize_config_dir
-    from hydra.errors import HydraException
-    from omegaconf import open_dict
-    from omegaconf.errors import OmegaConfBaseException
-
-    from specpilot.harness import config_schema
-
-    config_schema.register()
-    try:
-        with initialize_config_dir(config_dir=str(CONF), version_base=None):
-            cfg = compose(config_name="config", overrides=shlex.split(overrides))
-    except (HydraException, OmegaConfBaseException) as e:
-        why = " ".join(f"{e} {e.__cause__ or ''}".split())
-        raise ValueError(f"--deployment {overrides!r}: {why}") from None
-    with open_dict(cfg):
-        cfg.bench.num_prompts = max(int(cfg.bench.num_prompts), n_prompts, batch)
-        cfg.bench.batch_size = batch
-    cfg = config_schema.typed(cfg)
-    config_schema.validate(cfg)
-    return cfg
-
-
-def deployment_engine(dep, plan, slots: int, batching, context_len: int, prefill_chunk: int,
-                      cost_setting=None) -> Engine:
-    """`Engine.from_plan(dep, plan, ...)` with the bench's engine settings (greedy). With `cost_setting` (a
-    `prediction.Setting`), a confidence budget over packed verification prices its token counts by the cost
-    model's step time at the rows one step verifies (`budget.StepCost.from_predict`); padded verification
-    computes every row's whole block whatever it keeps, so its step cost stays flat, as without."""
-    from specpilot.serving.budget import StepCost
-
-    batching = batching or plan.batching
-    cost = None
-    if cost_setting is not None and batching.draft_budget == "confidence" and batching.verify == "packed":
-        rows = slots // 2 if batching.overlap == "halves" else slots
-        cost = StepCost.from_predict(plan, cost_setting, rows)
-    return Engine.from_plan(dep, plan, slots=slots, context_len=context_len, prefill_chunk=prefill_chunk,
-                            sampling=False, batching=batching, step_cost=cost)
-
-
-def deployment_setup(args, n_prompts: int) -> Setup:
-    """--deployment: run.py's config groups; --plans names the config's plans (the AR reference first)."""
-    from specpilot import plan as plan_mod
-    from specpilot.harness import config_schema, deploy, devices
-
-    for flag, value in (("--prompt-len", args.prompt_len), ("--block", args.block), ("--model-dir", args.model_dir)):
-        if value:
-            raise ValueError(f"{flag} belongs to --shape; with --deployment set it in the config "
-                             f"(bench.prompt_len, drafter.block_size, target.path)")
-    cfg = compose_config(args.deployment, n_prompts, min(args.m))
-    if cfg.drafter.source == "oracle_trace":
-        raise ValueError("drafter=oracle_trace: its per-plan step traces do not run through the engine; use "
-                         "drafter=oracle (drafter.tau, drafter.acceptance or drafter.acceptance_trace)")
-    devices.setup(cfg)
-    plans = config_schema.build_plans(cfg)
-    by_name = {p.name: p for p in plans}
-    wanted = bench.comma_list(args.plans)
-    unknown = [n for n in wanted if n not in by_name]
-    if not wanted or unknown:
-        raise ValueError(f"--plans: {', '.join(unknown) or repr(args.plans)} not a plan of this config "
-                         f"(decoding={cfg.decoding.name}: {', '.join(by_name)})")
-    for name in wanted:
-        if by_name[name].verify not in ("ar", "chain", "tree"):
-            raise ValueError(f"--plans: {name!r} is a {by_name[name].verify} plan; the engine runs ar, chain and "
-                             f"tree plans")
-    reference = plans[0]  # the run harness's reference: the device's first AR baseline candidate
-    oracle = cfg.drafter.source == "oracle" and any(by_name[n].uses_drafter for n in wanted)
-    if reference.name not in wanted and (oracle or 0.0 in args.rates):
-        wanted = [reference.name] + wanted
-    selected = [reference] * (reference.name in wanted) + [by_name[n] for n in wanted if n != reference.name]
-    for p in selected:
-        for m in args.m:
-            if m % p.mesh.data:
-                raise ValueError(f"--m: {m} slots do not divide over decoding.plans.{p.name}.mesh.data={p.mesh.data}")
-    dep = deploy.build(cfg, selected)
-    cost_setting = None
-    if args.step_cost == "model":
-        from specpilot.costmodel import prediction
-
-        cost_setting = prediction.Setting.from_deployment(dep, cfg.gpu)
-    runs = [PlanRun(p.name, lambda s, b, c, ch, p=p: deployment_engine(dep, p, s, b, c, ch, cost_setting),
-                    block=p.block_size,
-                    ar_baseline=plan_mod.is_ar_baseline_candidate(p), replays=oracle and p.uses_drafter,
-                    batching=p.batching, tree=p.verify == "tree",
-                    lockstep=((dep.target_for(p), dep.params_for(p)) if args.lockstep_ar == "on"
-                              and plan_mod.is_ar_baseline_candidate(p) and p.mesh.is_single else None))
-            for p in selected]
-    prompts = [list(p) for p in dep.prompts]
-    poisson = random_budgets(prompts[: args.requests], args.new_tokens, args.seed, dep.stop_token)
-    context = context_for(prompts, args.new_tokens)
-    if context > dep.cfg.max_position_embeddings:
-        raise ValueError(f"prompts of up to {max(map(len, prompts))} tokens + --new-tokens {args.new_tokens} need "
-                         f"{context} positions, past the target's max_position_embeddings "
-                         f"({dep.cfg.max_position_embeddings})")
-    return Setup(args.deployment, runs, prompts, poisson, context, list(dep.notes), has_own_batching=True)
-
-
-def batchings(setup: Setup, run: PlanRun, args, slots: int) -> list:
-    """The plan.Batching values to run `run` with at `slots` (None: the engine's default, AR)."""
-    if not run.speculative:
-        return [None]
-    if setup.has_own_batching and args.batching is None and args.overlap is None:
-        return [run.batching]
-    out = []
-    for name in bench.comma_list(args.batching or "fixed"):
-        for overlap in bench.comma_list(args.overlap or "none"):
-            b = batching_for(name, slots, run.block, args.token_budget, overlap)
-            out.append(dataclasses.replace(b, policy=run.batching.policy) if run.batching is not None else b)
-    return out
-
-
-def check_grid(setup: Setup, args) -> None:
-    """Slot counts the mechanisms cannot split, before anything compiles."""
-    for slots in args.m:
-        for run in setup.plans:
-            for b in batchings(setup, run, args, slots):
-                if b is not None and run.tree and (b.draft_budget, b.verify, b.overlap) != ("fixed", "padded", "none"):
-                    raise ValueError(f"--plans {run.name} is a tree plan: --batching {batching_label(b)} is "
-                                     f"chain-only; give --batching fixed --overlap none")
-                if b is not None and b.overlap == "halves" and (slots < 2 or slots % 2):
-                    raise ValueError(f"--m {slots} with --overlap halves: halves splits the slots in two equal "
-                                     f"halves; give even slot counts")
 
 
 def lockstep_ar_row(run: PlanRun, requests: list[Request], context: int) -> tuple[dict, list[list[int]]]:
@@ -365,8 +46,6 @@ def lockstep_ar_row(run: PlanRun, requests: list[Request], context: int) -> tupl
     one jitted loop, no host work between steps), compiled by a first call and timed by a second -> (a
     fixed-batch row named `<plan>_lockstep`, each request's tokens). An AR baseline beside the engine's
     AR: speedups are taken over the faster (DESIGN.md, AR baseline)."""
-    from specpilot.decoding import ar
-
     target, params = run.lockstep
     prompts = [r.prompt_ids for r in requests]
     new = requests[0].max_new_tokens
@@ -390,74 +69,11 @@ def trace_decode(engine: Engine, calls: int, top: int) -> dict | None:
     """`engine.device_step_ms(calls)` under the JAX profiler -> the device kernels per decode call
     (`bench.kernel_summary`: busy time, categories, the `top` kernels; None where the device has no
     kernel trace, as on a CPU). The calls commit nothing, so the engine is left as it was."""
-    import tempfile
-
     with tempfile.TemporaryDirectory() as d:
         with jax.profiler.trace(d, create_perfetto_trace=True):
             engine.device_step_ms(calls)
             jax.effects_barrier()
         return bench.kernel_summary(d, calls + 1, top=top)  # device_step_ms runs one call before its clock
-
-
-def print_kernels(row: dict) -> None:
-    k = row.get("kernels")
-    if not k or "top" not in k:
-        return
-    cats = ", ".join(f"{c} {ms:.2f}" for c, ms in k["category_ms_per_step"].items())
-    print(f"    device busy {k['busy_ms_per_step']:.2f} ms per decode call, {k['kernels_per_step']:.0f} kernels; {cats}")
-    for t in k["top"]:
-        print(f"    {t['ms_per_step']:7.3f} ms {t['calls_per_step']:6.1f}x {t['us_median']:8.1f} us  {t['name'][:90]}")
-
-
-def with_reference(requests: list[Request], tokens: list[list[int]]) -> list[Request]:
-    return [dataclasses.replace(r, draft_reference=list(r.prompt_ids) + list(t)) for r, t in zip(requests, tokens)]
-
-
-def add_speedups(rows: list[dict]) -> None:
-    """Fixed-batch rows: speedup = decode_tok_s over the fastest AR baseline's at the same slot count."""
-    fixed = [r for r in rows if r["rate"] == 0]
-    for r in fixed:
-        base = [b for b in fixed if b["ar_baseline"] and b["slots"] == r["slots"]
-                and b["decode_tok_s"] == b["decode_tok_s"]]
-        if base:
-            best = max(base, key=lambda b: b["decode_tok_s"])
-            r["speedup"], r["baseline"] = r["decode_tok_s"] / best["decode_tok_s"], best["plan"]
-
-
-HEAD = f"{'plan':>30} {'slots':>5} {'rate':>6} {'diff':>4} {'tau':>5} {'tok/dec':>7} {'ver/dec':>7} {'fwd/dec':>7}"
-
-
-def print_row(row: dict) -> None:
-    label = row["plan"] + ("/" + row["batching"] if row["speculative"] else "")
-    common = (f"{label:>30} {row['slots']:>5} {row['rate']:>6.2f} {str(row['mismatched_requests']):>4} "
-              f"{row['tokens_per_row_step']:>5.2f} {row['tokens_per_decode']:>7.2f} "
-              f"{row['verify_tokens_per_decode']:>7.2f} {row['forward_tokens_per_decode']:>7.1f}")
-    if row["rate"] == 0:
-        print(f"{common}   fixed: {row['decode_tok_s']:.1f} tok/s, {row['step_ms']:.2f} ms/step "
-              f"(device {row.get('device_step_ms', float('nan')):.2f}), "
-              f"{row['tokens_per_step']:.2f} tok/step over {row['decode_steps']} steps, prefill "
-              f"{row['prefill_s']:.2f} s, compile {row['compile_s']:.1f} s", flush=True)
-    else:
-        print(f"{common}   {row['throughput_tok_s']:.1f} tok/s, ttft {row['ttft_p50_s']:.3f}/{row['ttft_p99_s']:.3f} s,"
-              f" tpot {row['tpot_p50_s']:.4f}/{row['tpot_p99_s']:.4f} s, slots {row['slots_in_use_mean']:.2f}, kv max "
-              f"{row['kv_tokens_max']}, rows V/D {row['rows_verified_per_decode']:.2f}/"
-              f"{row['rows_drafted_per_decode']:.2f}, both {row['both_halves_busy_fraction']:.2f}, compile "
-              f"{row['compile_s']:.1f} s", flush=True)
-
-
-def print_fixed_summary(rows: list[dict]) -> None:
-    fixed = [r for r in rows if r["rate"] == 0]
-    if not fixed:
-        return
-    print(f"\nfixed batches (steady-state decode; speedup over the fastest AR baseline at the same slots)\n"
-          f"{'plan':>30} {'slots':>5} {'tok/s':>9} {'ms/step':>8} {'device':>7} {'tok/step':>8} {'ms/tok':>7} "
-          f"{'speedup':>7} {'diff':>4}")
-    for r in fixed:
-        label = r["plan"] + ("/" + r["batching"] if r["speculative"] else "")
-        print(f"{label:>30} {r['slots']:>5} {r['decode_tok_s']:>9.1f} {r['step_ms']:>8.2f} "
-              f"{r.get('device_step_ms', float('nan')):>7.2f} {r['tokens_per_step']:>8.2f} {r['ms_per_token']:>7.3f} "
-              f"{r.get('speedup', float('nan')):>7.2f} "
-              f"{str(r['mismatched_requests']):>4}")
 
 
 def parse_args(argv=None):

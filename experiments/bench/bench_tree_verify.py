@@ -5,29 +5,7 @@ Pallas tree kernels, at the Qwen3-8B shape and the Qwen3.5-27B hybrid shape (ran
     PYTHONPATH=. python3 experiments/bench/bench_tree_verify.py --shapes qwen3_5_27b --layers 16 --out t27.csv
     PYTHONPATH=. python3 experiments/bench/bench_tree_verify.py --smoke --out /tmp/tree.csv               # CPU
 
-Design choices:
-- What is timed is `tree.verify_phase`'s forward: `target.forward` over the N nodes of a drafted tree
-  (`token_tree.build_tree` from random draft log-probabilities, depth `--depth`, branching
-  `--branching`) at rotary positions lengths + depth, under `state.tree_mask`, with the tree's parents,
-  jitted with the state donated, as inside the decoding loop. The committed context is `--context`
-  slots of pseudo-random K/V (and recurrent states) in a cache of `--cache-len` slots: no prefill is
-  compiled. XLA's attention reads the whole cache; the kernel reads each row's committed prefix.
-- Implementations (`--impls`): "xla" (the plan defaults: full-mask attention, the jnp per-node
-  recurrence), "triton" (every tree op through its Pallas kernel, XLA where a kernel does not
-  apply: `kernels.tree_attention`, and for hybrids `kernels.tree_gated_delta_rule`), or one op's name
-  (that op alone through its kernel, to split the gain); `--config op.key=value` sets a kernel's
-  settings (`dispatch.choice` checks them). They differ only in the target config's op choices, so
-  each row's logits are compared to the xla row's on the device (max abs difference, argmax
-  agreement): a fast row that computes something else shows.
-- Timing: `--calls` forwards issued back to back (each feeds its state to the next; the slots written
-  are the same), one sync, divided by calls; median (and min) over `--trials` passes, in ms. Compiles
-  are timed apart (`compile_s`); one compile per (shape, nodes, impl), reused by every pass.
-- One GPU call is 10 minutes: compiles of an unrolled 36- or 64-layer forward dominate, so the run
-  stops starting new rows once the next one would pass `--budget-s` (rows so far are written; the CSV
-  is rewritten after every row). `--layers` truncates the stack (same layer shapes; the hybrid keeps
-  its 3:1 pattern) to fit a call: step time grows by about one layer's time per layer.
-- `--smoke` runs tiny dense and hybrid shapes with the kernels interpreted (any backend): it checks the
-  script, not the speed. Without a GPU the kernels always run interpreted.
+Design notes: docs/design/bench.md.
 """
 
 from __future__ import annotations
@@ -41,7 +19,6 @@ from pathlib import Path
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 from omegaconf import OmegaConf
 
 from pallas_kernels import dispatch

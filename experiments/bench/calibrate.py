@@ -9,13 +9,7 @@ several deployments accumulates their shapes); `+calibrate.out=<file>` writes el
 Options: `+calibrate.repeats=7`, `+calibrate.min_bytes=<bytes of weight copies per timed call>`
 (default 256 MB: more than the caches hold, as a decode step streams its weights),
 `+calibrate.grid=[1,16]` (the M values measured besides those the plans use; default 1, 2, 4, ... 128).
-A matmul's time per launch is the difference of two calls, timed in alternation, that run its dependent
-chain over the weight copies once and many times in an on-device loop (`per_launch_s`): a call's fixed cost
-(about 65 us on the H200, more than a 4096x4096 product) cancels. Dividing one call by its launches, as an
-earlier version did, put the H200's launches at 40-250 us and predicted AR at the Qwen3-8B shape 12x too slow.
-Each (K, N, M) is one compile: on the H200 a shape's 10 M values took 11-14 s, so a deployment with a
-dozen shapes and two implementations needs several minutes; a shorter grid keeps it inside one call.
-No step time is measured here: the rates never see what they later predict.
+How a launch is timed, and why: docs/design/bench.md.
 """
 
 from __future__ import annotations
@@ -31,12 +25,13 @@ from pathlib import Path
 import hydra
 import jax
 import jax.numpy as jnp
-import numpy as np
 from omegaconf import DictConfig, open_dict
 
+from pallas_kernels import dispatch
 from specpilot.costmodel import counts
-from specpilot.harness import config_schema, deploy
 from specpilot.costmodel.rates import RATES_DIR, MatmulTable, Rates
+from specpilot.formats import w12
+from specpilot.harness import config_schema, deploy
 
 config_schema.register()
 log = logging.getLogger("calibrate")
@@ -127,9 +122,6 @@ def _weight(impl: str, k: int, n: int, m: int, key):
 
 
 def _layout(impl: str, w, dtype, m: int):
-    from pallas_kernels import dispatch
-    from specpilot.formats import w12
-
     name, storage = impl.split("/")
     tied = name == "xla-tied"
     if tied:  # the tied head: an einsum against the embedding [V, H]

@@ -7,28 +7,7 @@
 Prints a summary, writes the whole report as JSON to --out, and exits 1 (FAILURE printed) when a
 mismatch is not a near-tie: the reference's top-1 minus top-2 logit there is at least --margin.
 
-Design choices:
-- The prompts are a bench text prompt set built by the deployment's own code path
-  (`deploy.text_prompts` with `conf/bench/<set>.yaml`'s settings, by default the chat set: 16 requests,
-  at most 256 tokens, 128 new tokens), and generation stops at the folder's end-of-sequence token
-  (`deploy.eos_token_id`, `<|im_end|>` for SmolLM2's chat model), as a `bench.stop_at_eos` run does.
-- One model folder is loaded twice by `load_hf`, in float32 and in bfloat16 (the bf16 run rounds the
-  weights as well as the activations); each dtype generates greedily (AR, `ar.generate`).
-- Two directions, each a `forcing.force_paired` run with one-token chunks (AR decode numerics):
-  bfloat16 forced on float32's tokens (reference float32), and float32 forced on bfloat16's tokens
-  (reference bfloat16). The reference is the dtype whose output is forced; its margin decides.
-- Near-tie or failure: a mismatch (or a reference that disagrees with its own output) whose reference
-  margin is below --margin is a near-tie, reported and accepted; at or above it, a failure. Non-finite
-  logits always fail. The default margin, 1.0, comes from bf16's precision at these logits: SmolLM2-135M's
-  top-1 logits sit around 29 (median; up to ~50), where one bf16 step is 0.125 (0.25 above 32), and a
-  bf16 forward's logits differ from float32's by up to 0.93 at a position (largest over the vocabulary;
-  p99 0.70, median 0.33, over 1722 positions of the chat set). A flip needs the gap to be smaller than
-  the difference of the two leading tokens' errors: at most twice the largest error, in practice far
-  less (that run's mismatches all had gaps below 0.16). 1.0, 8 bf16 steps at these magnitudes and above
-  the largest single-logit error seen, is the line past which a flip is not put down to rounding. Every
-  report prints the measured differences next to the margin, so the claim is checked on every run.
-- The margin histogram counts every checked position (not only mismatches) whose reference margin is
-  below 0.01, 0.1, 0.5 and 1.0 (cumulative): how many positions could flip at all.
+Design notes: docs/design/bench.md.
 """
 
 from __future__ import annotations
@@ -42,20 +21,25 @@ from pathlib import Path
 
 import jax.numpy as jnp
 import numpy as np
+from omegaconf import OmegaConf
 
 from specpilot import forcing
+from specpilot.data import prompt_sets
 from specpilot.decoding import ar
+from specpilot.harness.config_schema import ConfigValueError
+from specpilot.harness.deploy import eos_token_id, text_prompts
+from specpilot.models import dense
+from specpilot.models.checkpoint import CheckpointError, load_hf
+from specpilot.models.config import ModelConfig
 
 ROOT = Path(__file__).resolve().parents[2]
-DEFAULT_MARGIN = 1.0  # logits; see the module docstring
+DEFAULT_MARGIN = 1.0  # logits; why: docs/design/bench.md (near_ties.py)
 MARGIN_BINS = (0.01, 0.1, 0.5, 1.0)
 DTYPES = ("float32", "bfloat16")
 
 
 def bench_settings(prompt_set: str) -> dict:
     """prompts, num_prompts, prompt_len and new_tokens of `conf/bench/<prompt_set>.yaml`."""
-    from omegaconf import OmegaConf
-
     path = ROOT / "conf" / "bench" / f"{prompt_set}.yaml"
     if not path.is_file():
         raise SystemExit(f"error: no bench config {path} for prompt set {prompt_set!r}")
@@ -83,10 +67,6 @@ def parse_args(argv=None):
 
 def load_models(folder) -> tuple[dict, object]:
     """{dtype name: (params, target)} for both dtypes of one folder, and its config."""
-    from specpilot.models import dense
-    from specpilot.models.checkpoint import CheckpointError, load_hf
-    from specpilot.models.config import ModelConfig
-
     models, cfg = {}, None
     for name in DTYPES:
         try:
@@ -101,12 +81,6 @@ def load_models(folder) -> tuple[dict, object]:
 
 def load_prompts(folder, settings: dict) -> tuple[list[list[int]], list[str]]:
     """The bench prompt set through the deployment's code path (`deploy.text_prompts`)."""
-    from omegaconf import OmegaConf
-
-    from specpilot.data import prompt_sets
-    from specpilot.harness.config_schema import ConfigValueError
-    from specpilot.harness.deploy import text_prompts
-
     if not prompt_sets.has_tokenizer(folder):
         raise SystemExit(f"error: {folder} has no tokenizer.json; text prompts need one")
     try:
@@ -252,8 +226,6 @@ def main(argv=None) -> int:
     prompts, notes = load_prompts(folder, settings)
     stop = None
     if not args.no_stop:
-        from specpilot.harness.deploy import eos_token_id
-
         stop = eos_token_id(folder)
         if stop is None:
             raise SystemExit(f"error: {folder} names no end-of-sequence token; pass --no-stop")

@@ -20,7 +20,9 @@ import hydra
 import numpy as np
 from omegaconf import DictConfig
 
+from specpilot.decoding import tree, two_level
 from specpilot.harness import config_schema, deploy
+from specpilot.models.confidence_trace import confidence_table
 
 config_schema.register()
 logging.getLogger("jax._src.xla_bridge").setLevel(logging.WARNING)
@@ -31,9 +33,6 @@ OVERRIDES: list[str] = []
 def record(dep, plan) -> tuple[list[int], dict | None]:
     """Per-step accepted drafts of `plan` over the deployment's batches (rows in order, steps in order),
     and for a chain plan the confidence table of its draft positions (else None)."""
-    from specpilot.decoding import tree, two_level
-    from specpilot.models.confidence_trace import confidence_table
-
     target, params = dep.target_for(plan), dep.params_for(plan)
     drafter, dparams = dep.drafter_for(plan)
     kw = dict(sampling=dep.sampling, key=dep.key, cache_len=dep.cache_len, stop_token=dep.stop_token,

@@ -1,19 +1,5 @@
 """The engine's driver thread: the one thread that touches the Engine, fed through a thread-safe inbox.
-
-Design choices:
-- The engine is single-threaded, so exactly one thread (`EngineDriver`) calls its `submit`, `step` and
-  `cancel`. Other threads (the server's event loop) only put operations in a `queue.SimpleQueue`; an
-  idle driver blocks on that queue instead of spinning.
-- `submit` answers through a `concurrent.futures.Future`: the engine's own check runs in the driver
-  thread, and a refused request's `RequestError` comes back to the caller alone, never reaching a slot.
-- Tokens leave through a per-request `sink(tokens, finish_reason)` callable, called in the driver
-  thread after each step with the tokens that step committed (finish_reason None), then once more
-  with the reason ("stop", "length", "cancelled" or "error") when the request ends. The sink decides
-  how to cross threads (the server's posts to its event loop with `call_soon_threadsafe`).
-- `cancel` is asynchronous too: it takes effect between two steps, and the slot is free for the next
-  admission.
-- A step that raises ends every live request with "error" (the exception is kept in `last_error`);
-  the driver goes on serving new requests.
+Design notes: docs/design/serving.md.
 """
 
 from __future__ import annotations
@@ -25,7 +11,8 @@ import queue
 import threading
 from typing import Callable
 
-from specpilot.serving.engine import Engine, Handle
+from specpilot.serving.engine import Engine
+from specpilot.serving.handles import Handle
 from specpilot.serving.request import Request
 
 log = logging.getLogger(__name__)

@@ -1,61 +1,16 @@
-"""Continuous batching: requests arrive and leave between steps, over S slots of one preallocated state.
-
-Design choices:
-- The host owns the schedule, the device the numbers. `Engine.step()` admits waiting requests into
-  free slots (FIFO; one `reset_slots` call for all of them), feeds every prefilling slot its next
-  `prefill_chunk` prompt tokens (one forward for all of them, so a long prompt never stalls the
-  decoding rows for more than a chunk per step), then runs one decode step for the decoding slots
-  (AR: one token; chain: draft, verify, accept). Each executable is compiled ahead of time for the
-  engine's fixed shapes (`warm_up` compiles every one): which slots take part, their budgets, stop
-  tokens and sampling settings are arrays, so nothing compiles in steady state.
-- One deliberate host sync per step: the step's first tokens and emitted tokens come back together,
-  which streaming needs anyway; budgets and stop tokens are applied there (a chain step may accept
-  past either: the extra tokens are dropped and the row leaves), and a finished row's slot is free for
-  the next admissions. `batching.dispatch="pipelined"` (the default) enqueues step n+1 before reading
-  step n's tokens: the device always holds a row's newest token, so the host needs nothing from step
-  n to launch n+1, and its work (launching the step's kernels, reading tokens, bookkeeping: measured
-  on the H200 at 2-4 ms a step, `device_step_ms`) overlaps the device's. A row whose prompt ends in a
-  step decodes from the next; a row that finished in step n runs in n+1 too, its tokens dropped (the
-  results are routed to the handles a step was dispatched for, so a finished or cancelled request never
-  receives them); a freed slot is admitted into one step later. `sync` reads every step's tokens before
-  the next is enqueued.
-- A request is checked when submitted (`request.check_request`): a bad one raises `RequestError`
-  naming its field and never takes a slot, so the others go on.
-- `stream(handle)` yields a request's tokens as they commit, driving `step()` itself (the engine is
-  single-threaded); `cancel(handle)` frees its slot at once, between steps.
-- Replaying drafters (`ReplayDrafter`, `OracleDrafter`: oracle acceptance) read a per-row reference
-  from their params; the engine keeps that table `[S, max_len]` and writes a newcomer's row from its
-  `Request.draft_reference` at admission.
-- Attention reads each row's own committed length: every forward's mask is built from the rows'
-  `lengths` (`state.causal_mask`, `state.prompt_mask`), so a row never sees another request's K/V or
-  its own stale slots. That is masking by length over the preallocated cache, the reference of
-  `pallas_kernels/ragged_attention.py`, whose kernel reads only a row's own blocks.
-- Batching (`plan.Batching`, read by `from_plan`): `policy="static"` admits a new wave only into an
-  empty batch; `draft_budget="confidence"` lets each row verify a draft count chosen per step from the
-  drafter's confidence under `token_budget` and the step cost (`budget.StepCost`, from the cost
-  model); `verify="packed"` sends only the kept candidates through the target (`packed`);
-  `overlap="halves"` verifies one half of the slots per step while drafting the other (`overlap`).
-  Stats count the tokens rows sent to verification, the tokens the verify forward computed, the rows
-  each decode verified and drafted, and (halves) the decodes that had both halves busy.
-- A row whose prompt ends in a step decodes from the next (its first token is already on the device);
-  the host applies its budget and stop token to that first token when it reads the step.
-- Tree plans (`tree=` a `plan.TreeShape`; `from_plan` passes a tree plan's) decode with
-  `tree_slots.decode_tree`: each step drafts a token tree per row, verifies its nodes in one forward,
-  and emits up to depth + 1 tokens per row. The batching mechanisms above are chain-only: a tree engine
-  refuses them (NotImplementedError naming the field); two_level plans are refused.
-- Sharded targets (a plan's mesh) need nothing of their own here: the slot state is a batch like any
-  other, so its rows spread over the mesh's data axis and heads over its tensor axis by the target's state
-  specs (`specpilot.sharding`), and the AOT cache compiles each step for those shardings. The slots must
-  divide over the data axis.
+"""The serving engine: continuous batching of requests that arrive and leave between steps, over the rows (slots)
+of one preallocated target state. The host loop here admits, prefills a chunk and decodes one step per
+`step()`, reading each step's tokens once; the compiled step programs are `slots` (AR and chain), `tree_slots`
+and `overlap`.
+Design notes: docs/design/serving.md.
 """
 
 from __future__ import annotations
 
 import collections
-import dataclasses
 import itertools
 import time
-from typing import Any, Iterator
+from typing import Iterator
 
 import jax
 import jax.numpy as jnp
@@ -63,7 +18,6 @@ import numpy as np
 
 from specpilot import sharding
 from specpilot.decoding.sampling import RequestSampling
-from specpilot.decoding.tree import check_depth
 from specpilot.models.drafter import ReplayDrafter
 from specpilot.models.oracle import OracleDrafter
 from specpilot.plan import Batching, TreeShape
@@ -71,156 +25,9 @@ from specpilot.serving import overlap as ov
 from specpilot.serving import slots as sl
 from specpilot.serving import tree_slots
 from specpilot.serving.budget import StepCost
-from specpilot.serving.packed import check_packable
+from specpilot.serving.engine_checks import check_plan, check_tree_batching, token_budget, tree_block_size
+from specpilot.serving.handles import DECODING, DONE, PREFILL, WAITING, EngineStats, Handle, PendingStep
 from specpilot.serving.request import Request, RequestError, check_request
-
-WAITING, PREFILL, DECODING, DONE = "waiting", "prefill", "decoding", "done"
-
-
-@dataclasses.dataclass(eq=False)
-class Handle:
-    """One submitted request: its tokens so far, status and timestamps (time.perf_counter seconds)."""
-
-    id: int
-    request: Request
-    submitted_s: float
-    status: str = WAITING
-    slot: int | None = None
-    tokens: list = dataclasses.field(default_factory=list)
-    token_s: list = dataclasses.field(default_factory=list)  # when each token reached the host
-    finish_reason: str | None = None  # "length", "stop" or "cancelled"
-    prefilled: int = 0  # prompt tokens fed so far
-    admitted_s: float | None = None
-    finished_s: float | None = None
-    unread: collections.deque = dataclasses.field(default_factory=collections.deque, repr=False)
-
-    @property
-    def done(self) -> bool:
-        return self.status == DONE
-
-    @property
-    def ttft_s(self) -> float | None:
-        return self.token_s[0] - self.submitted_s if self.token_s else None
-
-    @property
-    def tpot_s(self) -> float | None:
-        """Mean time per output token after the first."""
-        if len(self.token_s) < 2:
-            return None
-        return (self.token_s[-1] - self.token_s[0]) / (len(self.token_s) - 1)
-
-
-@dataclasses.dataclass(frozen=True)
-class _Pending:
-    """A dispatched step: the handles it serves and its device outputs (None where it ran no such call)."""
-
-    final: list  # handles whose prompt ended in this step's prefill (their first token is `first`)
-    decoding: list  # handles this step's decode verified
-    first: Any
-    emitted: Any
-    n_new: Any
-    verified: Any
-
-    @property
-    def live(self) -> bool:
-        """Some request it serves is still open (else its tokens would all be dropped)."""
-        return any(not h.done for h in self.final + self.decoding)
-
-
-@dataclasses.dataclass
-class EngineStats:
-    steps: int = 0
-    prefill_calls: int = 0
-    decode_calls: int = 0
-    decode_row_steps: int = 0  # (active row, decode step) pairs
-    decode_tokens: int = 0  # tokens those row-steps emitted (kept or not)
-    verify_tokens: int = 0  # tokens those row-steps sent to verification (last token + kept drafts; tree: nodes)
-    forward_tokens: int = 0  # tokens the decode calls' verify forwards computed (padded: slots x block; tree:
-    # slots x nodes)
-    rows_drafted: int = 0  # (row, decode call) pairs drafted (overlap none: the verified rows themselves)
-    both_halves_busy: int = 0  # overlap halves: decode calls that verified one half and drafted the other
-
-    @property
-    def tokens_per_row_step(self) -> float:
-        """Mean tokens a decoding row gains per step (AR: 1; chain: the acceptance length tau)."""
-        return self.decode_tokens / self.decode_row_steps if self.decode_row_steps else float("nan")
-
-    @property
-    def tokens_per_decode(self) -> float:
-        """Mean tokens one decode call emits over the batch."""
-        return self.decode_tokens / self.decode_calls if self.decode_calls else float("nan")
-
-    @property
-    def rows_verified_per_decode(self) -> float:
-        return self.decode_row_steps / self.decode_calls if self.decode_calls else float("nan")
-
-    @property
-    def rows_drafted_per_decode(self) -> float:
-        return self.rows_drafted / self.decode_calls if self.decode_calls else float("nan")
-
-    @property
-    def both_halves_busy_fraction(self) -> float:
-        """The share of decode calls in which both halves had work (halves; 0 under overlap none)."""
-        return self.both_halves_busy / self.decode_calls if self.decode_calls else float("nan")
-
-    @property
-    def verify_tokens_per_decode(self) -> float:
-        """Mean tokens one decode call sends to verification over the batch."""
-        return self.verify_tokens / self.decode_calls if self.decode_calls else float("nan")
-
-
-def check_plan(plan) -> None:
-    """Plans the engine cannot run yet are refused, naming the plan and field."""
-    if plan.verify == "two_level":
-        raise NotImplementedError(f"decoding.plans.{plan.name}.verify: two_level plans do not run through the "
-                                  f"engine yet; use an ar, chain or tree plan")
-
-
-TREE_BATCHING = (("draft_budget", "fixed"), ("verify", "padded"), ("overlap", "none"))  # what a tree step runs
-
-
-def check_tree_batching(b: Batching, where: str = "the engine's") -> None:
-    """A tree engine verifies every row's whole tree each step: the chain-only mechanisms are refused
-    (a tree plan's own batching cannot hold them, `Plan`; an engine's batching argument may)."""
-    for field, plain in TREE_BATCHING:
-        if getattr(b, field) != plain:
-            raise NotImplementedError(f"{where}.batching.{field}: {getattr(b, field)!r} is not implemented for "
-                                      f"tree plans (every row verifies its whole tree); use {field}: {plain}")
-
-
-def _token_budget(b: Batching, slots: int, bs: int, target) -> int:
-    """The verification tokens one decode may check over the batch; a batching the engine cannot run
-    raises ValueError (NotImplementedError for packed hybrid or sharded targets) naming the field."""
-    if not isinstance(b, Batching):
-        raise ValueError(f"batching must be a plan.Batching, got {type(b).__name__}")
-    if bs == 1:
-        for field, plain in (("draft_budget", "fixed"), ("verify", "padded")):
-            if getattr(b, field) != plain:
-                raise ValueError(f"batching.{field}: {getattr(b, field)!r} needs a drafter (block_size >= 2)")
-        return slots
-    full = slots * bs
-    budget = full if b.token_budget is None else int(b.token_budget)
-    if b.draft_budget == "fixed" and budget < full:
-        raise ValueError(f"batching.token_budget: {budget} is less than the {slots} slots x block {bs} = {full} "
-                         f"tokens fixed draft counts verify; give >= {full} or draft_budget: confidence")
-    if budget < 2 * slots:
-        raise ValueError(f"batching.token_budget: {budget} leaves some of the {slots} slots without a draft "
-                         f"(each verifies its last token and >= 1 draft: >= {2 * slots})")
-    if b.verify == "packed":
-        check_packable(target)
-    return min(budget, full)
-
-
-def _tree_block_size(tree: TreeShape, drafter, block_size: int | None) -> int:
-    """A tree engine's drafter block, depth + 1; `block_size` may be left out or be the plan's (the tree's
-    width max(nodes, depth + 1))."""
-    if drafter is None:
-        raise ValueError("a tree engine needs a drafter")
-    if block_size not in (None, tree.width):
-        raise ValueError(f"block_size {block_size}: a tree engine's is its width max(nodes, depth + 1) = "
-                         f"{tree.width} (or leave it out)")
-    check_depth(drafter, tree.depth)
-    return tree.depth + 1
 
 
 def _replays(drafter) -> bool:
@@ -242,7 +49,7 @@ class Engine:
                  tree: TreeShape | None = None):
         bs = 1 if drafter is None else (block_size or drafter.block_size)
         if tree is not None:
-            bs = _tree_block_size(tree, drafter, block_size)
+            bs = tree_block_size(tree, drafter, block_size)
         for name, value, low in (("slots", slots, 1), ("context_len", context_len, 2),
                                  ("prefill_chunk", prefill_chunk, 1), ("block_size", bs, 1)):
             if not isinstance(value, (int, np.integer)) or value < low:
@@ -269,7 +76,7 @@ class Engine:
         if tree is not None:
             check_tree_batching(self.batching)
         rows = ov.check_overlap(self.batching.overlap, int(slots), int(bs), target)  # verified per decode
-        budget = _token_budget(self.batching, rows, int(bs) if tree is None else tree.nodes, target)
+        budget = token_budget(self.batching, rows, int(bs) if tree is None else tree.nodes, target)
         args = (target, drafter if bs > 1 else None, int(bs), int(context_len),
                 int(prefill_chunk), int(top_k), self.batching.draft_budget, self.batching.verify, budget,
                 step_cost or StepCost(), self.batching.overlap)
@@ -293,7 +100,7 @@ class Engine:
         self.stats = EngineStats()
         self._ids = itertools.count()
         self._exes: dict = {}
-        self._pending: _Pending | None = None  # pipelined dispatch: the step whose tokens are unread
+        self._pending: PendingStep | None = None  # pipelined dispatch: the step whose tokens are unread
 
     @classmethod
     def from_plan(cls, deployment, plan, **kwargs) -> "Engine":
@@ -465,7 +272,7 @@ class Engine:
         previous, self._pending = self._pending, dispatched
         return self._collect(previous)
 
-    def _dispatch(self) -> "_Pending | None":
+    def _dispatch(self) -> "PendingStep | None":
         """Enqueue one step's prefill and decode on the device; nothing waits for them here."""
         c = self.setup.prefill_chunk
         prefilling = [h for h in self.table if h is not None and h.status == PREFILL]
@@ -506,9 +313,9 @@ class Engine:
             h.status = DECODING
         if first is None and emitted is None:
             return None
-        return _Pending(final, decoding, first, emitted, n_new, verified)
+        return PendingStep(final, decoding, first, emitted, n_new, verified)
 
-    def _collect(self, pending: "_Pending | None") -> list[Handle]:
+    def _collect(self, pending: "PendingStep | None") -> list[Handle]:
         """Read a dispatched step's tokens (the step's one host sync) and hand them to their requests;
         a request that ended meanwhile (finished by an earlier step, cancelled) drops them."""
         if pending is None or not pending.live:

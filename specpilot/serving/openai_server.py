@@ -1,29 +1,5 @@
 """An OpenAI-compatible HTTP server over the serving engine: chat and text completions, streamed or not.
-
-Design choices:
-- FastAPI (on Starlette, served by uvicorn): `POST /v1/chat/completions`, `POST /v1/completions`,
-  `GET /v1/models`, the request and response shapes of OpenAI's API, so its official client and
-  anything built on it talk to a deployment unchanged. `stream: true` answers as server-sent events
-  (`data: {chunk}` lines, then `data: [DONE]`); `stream_options.include_usage` adds the usage chunk.
-- The engine lives in one `EngineDriver` thread (`specpilot.serving.driver`); a request handler only
-  submits a `Request` to it and reads that request's tokens from its own asyncio queue, which the
-  driver fills with `call_soon_threadsafe`. Handlers never block the event loop, and many streams
-  share the engine's slots through continuous batching.
-- A bad request is refused alone with status 400 and OpenAI's error body (`error.param` names the
-  field): malformed JSON, a known field of the wrong type, `n` other than 1, empty messages, a prompt
-  that fills the context, out-of-range `temperature` / `top_p` / `seed`. The engine's own check
-  (`RequestError`) is mapped onto the API's field names (`prompt_ids` -> `messages` / `prompt`,
-  `max_new_tokens` -> `max_tokens`). Fields of the API this server does not implement (`logprobs`,
-  `tools`, penalties, ...) are refused unless they ask for nothing; fields it does not know are ignored.
-- Every request stops at the model's end-of-turn token (the engine's `stop_token`, kept out of the
-  text). `stop` strings and `stop_token_ids` (vLLM's extension) are matched here, on the host: the
-  text is cut before the stop string, the request is cancelled in the engine and its slot freed.
-- Detokenizing is incremental and UTF-8 safe: the reply's tokens are decoded whole and only the text
-  past what was sent goes out, held back while it ends in an incomplete character (U+FFFD) or could be
-  the start of a stop string.
-- A client that disconnects mid-stream cancels its request (the streaming generator's `finally`).
-- `return_token_ids: true` (an extension) adds the reply's token ids to each choice, which lets tests
-  compare the server's output with `ar.generate`'s tokens.
+Design notes: docs/design/serving.md.
 """
 
 from __future__ import annotations
@@ -37,7 +13,7 @@ import time
 import uuid
 from typing import Any, Literal
 
-from fastapi import FastAPI, Request as HTTPRequest
+from fastapi import FastAPI
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, StreamingResponse
 from pydantic import BaseModel, ConfigDict, StrictBool, StrictFloat, StrictInt, StrictStr

@@ -1,16 +1,5 @@
 """Workloads that drive a serving engine and measure it: Poisson arrivals, and a fixed batch's steady state.
-
-Design choices:
-- The engine's own step is the unit: each `Engine.step()` ends in one host sync (its own step's tokens,
-  or under pipelined dispatch the step before's, while its own runs), so in a steady state a host clock
-  around it reads the time per step, prefill and decode included.
-- Poisson arrivals are submitted once their (wall clock) arrival time has passed; TTFT counts from the
-  arrival, TPOT per request after its first token.
-- A fixed batch submits one request per slot at t=0; its steady state is the steps that start with every
-  slot decoding (no row prefilling, none finished), so prefill and the tail in which rows leave one by
-  one are outside it. Those steps give the decode throughput, the time per step and tokens per step.
-- Both return the handles too: callers compare each request's tokens across plans (lossless checks) and
-  read continuations from them (an oracle drafter's references).
+Design notes: docs/design/serving.md.
 """
 
 from __future__ import annotations
@@ -19,7 +8,8 @@ import time
 
 import numpy as np
 
-from specpilot.serving.engine import DECODING, Engine
+from specpilot.serving.engine import Engine
+from specpilot.serving.handles import DECODING
 from specpilot.serving.request import Request
 
 
