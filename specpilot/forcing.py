@@ -1,32 +1,5 @@
 """Token forcing: check a candidate method against the reference's output, position by position.
-
-Design choices:
-- The reference's output tokens are forced as inputs to both methods, so one divergence cannot
-  cascade: at every position the candidate's own choice is compared with the reference's token, and
-  all positions of all prompts are checked, not just the first mismatch.
-- A method under forcing is a `Scorer`: `scorer(prompt_tokens [B, T], prompt_lengths [B], forced [B, N])
-  -> [B, N, V] logits or [B, N] int choices`, row i being the method's prediction of forced[:, i]
-  given the prompt and forced[:, :i]. Anything that can be phrased that way plugs in: a target
-  forward with another weight format or kernel, a verification step of another block size, tree
-  verification. `chunked_scorer` builds one from any target (the target protocol: `init_state`,
-  `forward`), feeding the forced tokens `chunk` at a time as chains: chunk=1 reproduces AR decode
-  numerics, chunk=Bs a block verification's. `tree_scorer` reproduces a tree verification's: each
-  forward is an N-node tree (`token_tree.build_tree`, the plan's shape) whose first root path carries
-  the next depth + 1 forced tokens, the other nodes being the builder's other candidates; its logits
-  along that path are the predictions, and the path is committed by `gather_path`, as a tree step does.
-- Mismatches are never dropped. Each carries the reference's top-1/top-2 logit margin at that
-  position; those with margin < `tie_margin` are counted as near-ties, separately from the hard ones.
-  Whether near-ties are acceptable is the caller's decision (`passed` vs `passed_up_to_ties`).
-- The reference's own choices under forcing are compared with the forced tokens too: a reference that
-  disagrees with its own output (`reference_self_mismatches`) makes the comparison meaningless.
-- Non-finite logits fail a position whatever the tokens say: a NaN checkpoint makes both sides argmax
-  to token 0 and agree. Each such position is reported (`NonFinite`: position, which side) and no
-  report with one passes.
-- Forced tokens < 0 (unfilled output, e.g. a sequence stopped at capacity) end that prompt's check.
-- `force_paired` keeps per-position numbers of both sides (choices, top-1/top-2 margins, the largest
-  logit difference over the vocabulary), reduced row by row so [B, N, V] logits are never held in
-  float64: what a study of near-ties between two numerics (e.g. float32 and bfloat16) needs beyond the
-  mismatch list.
+Design notes: docs/design/decoding.md.
 """
 
 from __future__ import annotations

@@ -1,29 +1,5 @@
 """The plan: every choice a deployment makes about how it decodes, one field each.
-
-Design choices:
-- A `Plan` is a frozen, hashable dataclass. It names what verifies (`ar`: one token per target step;
-  `chain`: a drafted block checked in one target forward; `tree`: a token tree of `tree.nodes` nodes
-  drafted from one block-drafter forward and checked in one target forward; `two_level`: such a tree cut
-  to `two_level.keep` nodes by a cheap first level, `drafter_confidence` or `early_exit` at
-  `two_level.exit_layer`, before the target checks the kept nodes),
-  the weight format (`bf16`, `w12`), the kernel implementation per op with a frozen config of its block
-  sizes and options (`Kernels`), the block size, the tree shape, and how the serving engine batches
-  (`Batching`: admission policy, per-request draft budget, padded or packed verification, the batch's
-  verification token budget). The
-  runner and the results read everything from the plan, never from its name, so a loop that rewrites a
-  deployment flips one field at a time.
-- A run's `decoding.plans` is a mapping name -> plan fields (Hydra: `decoding.plans.stock.weights=w12`,
-  multirun `-m decoding.plans.stock.block_size=4,8,16`). Fields a plan leaves unset take the deployment's
-  defaults: the block size is the drafter's, a kernel implementation left `null` is the `gpu` group's
-  default (`gpu.matmul` per weight format, `gpu.<op>` for the others).
-- The baselines are plans too: "AR" is the fastest bf16 `ar` plan the run measured for the device (the
-  `gpu` group lists the candidates), "stock" is `chain` with bf16 weights and the default kernels.
-- A tree plan's `block_size` is its verification width, max(nodes, depth + 1): the tokens one step
-  writes past the committed length and multiplies per call, which is what the deployment sizes caches,
-  kernel layouts and a hybrid target's per-token states by; a given block_size must equal it. Its
-  drafter runs at block depth + 1.
-- Reserved kinds and fields fail when a plan is built, with an error naming the field, rather than
-  running something else.
+Design notes: docs/design/decoding.md.
 """
 
 from __future__ import annotations

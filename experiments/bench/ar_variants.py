@@ -1,22 +1,6 @@
 """Decode-step variants of the dense decoder, for measuring where AR decode time goes.
 
-Design choices:
-- "stock" runs `specpilot.models.dense.forward` itself: the baseline is the library's model, not a copy.
-- Every other variant is one `Variant` (a frozen dataclass, so it can be a static jit argument) flipping
-  one mechanism at a time against a re-implementation of the same layer: fused q/k/v and gate/up
-  matrices, weight layout [in, out] vs [out, in], attention or not, norms/RoPE or not, one norm + RoPE
-  over q and k heads together ("lean"), one jitted step per token or the whole generation inside one jit.
-- Every product goes through `pallas_kernels.dispatch.matmul` with the variant's `matmul` choice (None:
-  each weight's own implementation) and its role ("qkv", "o", "gate_up", "down", "lm_head"), so a W12 or
-  twin layout made by `dispatch.prepare_params` runs its kernel with that choice's settings, the fused qkv
-  product materialized as the runs do (the Mosaic config's `qkv_barrier`). Weights in the twin layout
-  (bf16 tiled once for the W12 kernel's bf16 twin) compute the same logits as W12 weights, bit for bit:
-  the lossless check. XLA's dot sums in another order, so greedy tokens of XLA bf16 and W12 may part at
-  near-ties.
-- Ablations (no attention, no norms) keep the K/V cache writes: without a consumer, XLA would delete
-  the k and v matmuls and the ablation would read fewer weights than it claims.
-- Variant params are derived on the device from the stock params (concatenate / transpose), so every
-  variant computes the same function of the same weights and their logits can be compared.
+Design notes: docs/design/bench.md.
 """
 
 from __future__ import annotations

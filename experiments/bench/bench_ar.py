@@ -9,30 +9,7 @@ The last one: at batch 1, XLA's bf16 step ("fused"), bf16 weights through the Mo
 ("fused@twin", tiled once) and W12 weights through the kernel ("fused@w12"); the W12 row must equal the
 twin row bit for bit.
 
-Design choices:
-- Random weights are made on the device layer by layer by one jitted initializer, so a 16 GB target
-  never exists on the host and the initializer compiles once.
-- The context is a real prefill (`dense.prefill`) of random prompt tokens; its time is reported apart.
-  Each variant starts from a device copy of that prefilled cache, and rewinds by resetting lengths
-  (positions past a length are masked and overwritten, so no clearing is needed).
-- Per token: the median over new_tokens individually synced steps after warm-up (latency, dispatch
-  included); generation: new_tokens steps issued back to back with the sampled token fed back on the
-  device, one sync at the end, divided by new_tokens, over `--trials` passes (their median). "fori"
-  variants generate inside one jit, so only the generation number exists for them.
-- The card's copy bandwidth is measured in the same run; % of copy bandwidth = bytes per step (every
-  weight once + K/V over the whole cache + logits) / time / copy bandwidth.
-- Variants (experiments/bench/ar_variants.py) are named; `--variants` picks them. Every variant's first
-  logits and generated tokens are compared to the first row's, so a fast variant that computes something
-  else shows up in the record.
-- Weight formats (`--weights`): "bf16" (XLA's dot), "w12" (`formats.encode_params`, then
-  `dispatch.prepare_params` for the `--kernel` choice, matrices the encoder kept bf16 left to XLA; timed
-  cold and warm; bits/weight and exceptions recorded) and "twin" (bf16 tiled once for the Mosaic kernel's
-  twin: `--kernel mosaic`). Every product of a non-stock variant runs `dispatch.matmul` with that choice
-  (`--kernel-config`: its settings); stock runs `dense.forward`, whose products take each prepared weight's
-  own kernel at its defaults. A @w12 row records `vs_twin` against the @twin row of its variant (bit-equal
-  first logits and the same tokens: `exact`), and, with `--kernel xla`, `vs_bf16` against the bf16 row
-  (decode + XLA's dot is the bf16 dot). Bandwidth of @w12 rows counts the W12 bytes a step reads instead
-  of the bf16 weights.
+Design notes: docs/design/bench.md.
 """
 
 from __future__ import annotations

@@ -4,21 +4,7 @@
     PYTHONPATH=. python3 experiments/bench/bench_gated_delta_rule.py --configs 32:4:1,64:8:2  # block_v:warps:stages
     PYTHONPATH=. python3 experiments/bench/bench_gated_delta_rule.py --smoke --out /tmp/g.csv # CPU: tiny, interpreted
 
-Design choices:
-- Each measurement is `--calls` calls of one implementation inside one jit (a `fori_loop`), so host
-  dispatch is not timed (at B = 1, T = 1 a call moves ~6 MB, ~1.5 us at the card's bandwidth). Each call
-  feeds the next through g + 1e-30 * o[..., 0] (numerically g itself, but a data dependency XLA cannot
-  fold away), so no call is merged or hoisted; every call's full (o, states) is the loop's carry, so
-  neither the kernel's nor the reference's per-token states can be dropped as dead. Time per call = loop
-  time / calls, launch gaps included (as in a verification step); median over `--trials` runs.
-- Bytes counted per call: the initial state read once, T states written, q, k, v, g, beta read and o
-  written, all float32 (`bytes_moved`); GB/s and % of `--peak-gbs` (4280: the H200's measured copy
-  bandwidth) from that. The reference moves more (its scan reads and writes the state at every token),
-  which the kernel avoids; its row uses the same count, so the GB/s columns compare times.
-- Every kernel config is checked against the reference on the device itself (max abs error of o and of
-  the states, one call each on the same inputs): the compiled kernel, not the interpreter.
-- `--smoke` runs a tiny shape with the kernel interpreted, on any backend, so the script is checked on a
-  CPU; without a GPU the kernel always runs interpreted (its times then mean nothing).
+Design notes: docs/design/bench.md.
 """
 
 from __future__ import annotations

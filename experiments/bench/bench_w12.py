@@ -5,22 +5,7 @@
     PYTHONPATH=. python3 experiments/bench/bench_w12.py --shape tiny --m 1,16              # CPU smoke (interpreters)
     PYTHONPATH=. python3 experiments/bench/bench_w12.py --table mg68.json,mg69.json        # a markdown table
 
-Design choices:
-- Each measurement is a chain of products over `n` distinct matrices of one shape inside one jit, each
-  output (cut or tiled back to K, rescaled) feeding the next: distinct matrices keep the L2 from serving
-  repeats, the dependency matches a decode step, and XLA cannot merge the products. Time per matrix =
-  chain time / n (launch gaps included, as in a real step); median over `--trials` pipelined runs.
-- One random N(0, 0.02) bf16 matrix per shape is encoded on the device (`w12.encode_device`); its
-  exception rate, ~7e-5, is close to trained weights'. The chain's other matrices are device copies:
-  distinct buffers, same content. Each kernel's rows take the layouts `dispatch.prepare_weight` makes for
-  the largest M timed (the step the runs would pick), and the run's settings (`--kernel-config`, for the
-  first implementation of `--kernel`; the others at their defaults).
-- Rows per implementation: `twin_<impl>` (bf16 through the kernel's bf16 twin) and `w12_<impl>`; and
-  `xla_bf16`, XLA's dot of the bf16 matrix. Every W12 row is checked against its twin bit for bit (NaN as
-  NaN) on the device itself, and every row against XLA's product (relative error), so a GPU run doubles as
-  the losslessness test of compiled code.
-- Bandwidth counts the bytes each row reads: 2 per weight for bf16, what the kernel's layout stores for
-  W12. "bf16-eq" is 2 bytes/weight over W12's time: the speed-up as a bandwidth.
+Design notes: docs/design/bench.md.
 """
 
 from __future__ import annotations

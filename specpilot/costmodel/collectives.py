@@ -1,22 +1,5 @@
 """What a sharded step sends between devices: its collectives and their bytes over the interconnect.
-
-Design choices:
-- Counted from the sharding layout (`specpilot.sharding`), not measured: a tensor-parallel forward of
-  R = batch x tokens rows all-reduces R x H activations once after the vocabulary-split embedding
-  gather and twice per layer (after the row-split o / out and down products); data parallelism alone
-  sends nothing in a forward. The tests compile sharded forwards on simulated devices and read the
-  collectives out of the HLO, so this count is checked against what XLA actually emits.
-- The greedy choice over vocabulary-split logits reduces one (value, index) pair per row and device:
-  counted, though tiny.
-- `per_device` turns a step's counts (`counts.step_counts`) into one device's share: split matmuls,
-  attention, K/V writes and the delta rule over tensor (a dense plan's fused q/k/v and gate/up are
-  unfused before they are split, so their total is what divides); every row-proportional byte and FLOP
-  over data; replicated work (norms, residuals, the Gated DeltaNet's in_proj_qkv and convolution)
-  stays whole. First-order: it assumes the compiler inserts nothing beyond the counted collectives,
-  which the HLO test checks for these layouts.
-- Bytes over the interconnect per device use the ring algorithm's volume: an all-reduce of S bytes over
-  n devices moves 2 (n - 1) / n x S into and out of each device; time is that over the link bandwidth
-  plus a latency per collective (`gpu` config: `interconnect_gbs`, `collective_latency_us`).
+Design notes: docs/design/costmodel.md.
 """
 
 from __future__ import annotations

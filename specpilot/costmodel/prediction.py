@@ -1,24 +1,5 @@
 """Predicted step time per stage from the counts and a device's measured rates, and gap attribution.
-
-Design choices:
-- `predict(plan, deployment, tau)`: every kernel of the step (`counts.step_counts`) is timed from the
-  device's `Rates`: a matmul launch by the table of its implementation (interpolated in M; a shape the
-  table lacks at the table's effective bandwidth), every other kernel as its launches times the
-  per-launch cost plus max(bytes / copy bandwidth, dot FLOPs / peak matmul rate); each step adds the host
-  cost of one while-loop iteration (class `host`, in the accept stage). AR emits one token per step,
-  a chain, tree or two-level plan tau (at most block size, or a tree's depth + 1).
-- Floors use the gpu config's bandwidth and peak (the numbers the "% of ceiling" column uses): per stage
-  max(floor bytes / bandwidth, floor FLOPs / peak), so floor <= prediction wherever the rates stay below
-  the datasheet.
-- `attribute(plan, deployment, measurement)`: the measured step (time per token x tau) split over the
-  stages by the profiled pass's fractions (`stats.time_split`: draft / verify / bookkeeping = accept),
-  each stage against its floor and its prediction, then each kernel class's predicted time against its
-  floor, sorted by lost time. A class has no measured time of its own: the profiled split stops at stages.
-- Sharded plans (`plan.mesh`): one device's share of every kernel (`collectives.per_device`) plus a class
-  `interconnect` per stage, the ring volume of the step's collectives over the gpu config's
-  `interconnect_gbs` plus `collective_latency_us` each (`collectives.step_collectives`).
-- `Setting` is the value the engine builds without a harness deployment: a `counts.Shape`, the device's
-  `Rates` and its datasheet `Hardware`.
+Design notes: docs/design/costmodel.md.
 """
 
 from __future__ import annotations

@@ -1,20 +1,5 @@
 """Measured rates of one device, the cost model's only inputs besides the counts: stored with the gpu config.
-
-Design choices:
-- One `Rates` record per device, in `conf/gpu/rates/<gpu.name>.yaml` (beside the gpu group's files, not
-  one of its options), written by `experiments/bench/calibrate.py` on that device and read by `Rates.for_gpu`.
-  Fields: copy bandwidth (read + write bytes per second of a large elementwise pass), per-launch cost (a
-  chain of dependent tiny ops), host cost per step (one iteration of an on-device while loop, what each
-  decode step pays besides its kernels) and per dispatched-and-synced call (the profiled split pays one per
-  phase), and matmul time by M for each implementation at the (K, N) shapes the calibrated deployments
-  multiply.
-- A matmul table holds measured seconds per launch (inside a jitted chain of launches over more weight
-  copies than the caches hold, so weights come from memory as in a decode step) on an M grid per shape.
-  A lookup interpolates linearly in M between grid points; a shape the table lacks takes the effective
-  bandwidth (bytes / time) the table measured at that M, the median over its shapes. No rate is ever
-  derived from a step time: nothing a prediction is compared with enters calibration.
-- Without a rates file a device falls back to the gpu config's datasheet numbers (bandwidth, peak
-  matmul rate) with zero launch and host costs: the floor, labelled as such by the caller.
+Design notes: docs/design/costmodel.md.
 """
 
 from __future__ import annotations

@@ -1,13 +1,5 @@
 """Roofline ceilings for decode, draft and verify steps, and the gap between a measurement and them.
-
-Design choices:
-- A step's floor is max(bytes it must read / memory bandwidth, FLOPs / matmul rate), with the two
-  rates taken from the `gpu` config (measured on the lent H200, datasheet leads elsewhere).
-- "Bytes it must read" counts every weight once per step (the weight format's bits per weight), the
-  embedding rows gathered, and the K/V of the committed context — not what an implementation happens
-  to read (ours reads the whole preallocated cache; that difference is a gap the loop may close).
-- Speculative decoding's ceiling per output token is (draft + verify floors) / tau: the number the agent
-  loop compares with the measured time to find the largest gap.
+Design notes: docs/design/costmodel.md.
 """
 
 from __future__ import annotations

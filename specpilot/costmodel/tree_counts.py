@@ -1,29 +1,5 @@
 """Bytes and FLOPs of one tree step (`decoding.tree`) and one two-level step (`decoding.two_level`), per stage.
-
-Design choices:
-- Built from the chain's pieces in `counts` at the tree's sizes, so both kinds price a kernel alike.
-  Draft: the block drafter's forward at depth + 1 positions (the target's head on depth rows), then the
-  builder: a log-softmax over those rows, `top_k_by_argmax`'s `branching` argmax passes and the beam over
-  (nodes - 1) x branching candidates per depth. The tree is built from the drafter's log-probabilities
-  whatever the sampling, so the draft's passes do not depend on it.
-- Verify: one target forward over the `nodes` tokens with `StepCounter.tree` set: attention over the cache
-  under the tree mask (the XLA path reads every slot; a plan whose `tree_attention` runs the Triton
-  kernel reads the committed prefix and the tree block), and on hybrid targets the per-node recurrence
-  (each node's conv window gathered along its ancestors, each node's state read from its parent's and
-  written as its snapshot).
-- Accept: the tree acceptance over the nodes' logits (greedy: one argmax pass; sampled: the target's
-  probabilities, then recursive rejection over siblings level by level), the path commit (attention
-  layers move the path's depth + 1 K/V rows to consecutive slots: a gather and a scatter, no floor, a
-  path-indexed cache would not move them; recurrent layers select the last node's snapshot) and the
-  drafter's context extended by the depth + 1 tapped rows of the path.
-- Two-level: the first level is verification's cheap half and sits in the verify stage. Both first
-  levels cost the path scores and the subtree selection ([B, N, N] comparisons) beyond the builder;
-  `early_exit` adds the target's first `exit_layer` layers over all N nodes (a tree forward: their K/V
-  and snapshots are written, then rewritten by the full forward), the final norm, the LM head on N rows
-  and a log-softmax over them. The full forward, the acceptance and the commit then see `keep` nodes.
-- Shapes no step can run are refused naming the plan field: a tree deeper than the drafter's block
-  (`tree.depth`), a hybrid tree wider than its per-node snapshots (`tree.nodes`), an exit layer at or
-  past the target's depth (`two_level.exit_layer`).
+Design notes: docs/design/costmodel.md.
 """
 
 from __future__ import annotations

@@ -1,18 +1,5 @@
 """Ahead-of-time compiled executables, kept by call signature, so a timed call never compiles.
-
-Design choices:
-- The signature is the function, its static arguments, the arguments' tree structure and every leaf's
-  shape and dtype (values never matter), which is exactly what `jit(...).lower(...)` specializes on.
-- Least recently used executables are dropped past `max_size`: a sweep over many deployments in one
-  process must not grow memory without bound.
-- Sharded runs (a static argument whose target carries a mesh, `specpilot.sharding`): every
-  ShapeDtypeStruct leaf is given its sharding before lowering (a TargetState's by `state_specs`, other
-  leaves replicated), leaf shardings join the signature, and a call reshards any argument whose
-  sharding differs from what the executable takes (small arrays such as logits or tokens the compiler
-  chose to split; states keep their specs, so they are never moved). Unsharded runs are unchanged.
-- Output shapes (`out_shapes`, what `jax.eval_shape` gives) are kept by the same signature: tracing a
-  model's prefill for them cost each generate call 0.5 s on the CPU (SmolLM2-135M), more than AR's
-  whole prefill, and that host time lands on every request.
+Design notes: docs/design/decoding.md.
 """
 
 from __future__ import annotations

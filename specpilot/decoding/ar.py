@@ -1,35 +1,5 @@
 """Autoregressive (AR) generation: the baseline every speedup is measured against.
-
-Design choices:
-- The target is an argument (`dense.target(cfg, dtype)` or any value with the target protocol:
-  `init_state`, `forward`, `check_params`, `vocab_size`, `max_positions`), as the drafter is for
-  speculative decoding; every forward goes through `target.forward` with chain positions and a causal
-  mask (`state.chain_forward`); prefill hides each prompt's right padding (`state.prompt_forward`),
-  which recurrent layers need to end on their own prompt.
-- The default decode loop is one jitted `lax.fori_loop` over decode steps (state donated): no
-  per-token dispatch, which on a CPU or a small model would otherwise dominate the baseline and flatter
-  every speculative method. `loop="host"` keeps the one-jitted-step-per-token loop (`ar_step`); it never
-  reads a token back until the end, so steps queue asynchronously.
-- Per-request values are arrays, so changing them never recompiles: the new-token budget `[B]` (each
-  at most the static capacity `max_new_tokens`; the loop runs until the largest budget and row b keeps
-  its first budget[b] tokens, the rest read -1) and the temperature / top-p `[B]`
-  (`sampling.RequestSampling`). Shapes, the target and the greedy/sampled switch stay static.
-- Stop token (`stop_token=`, one id per deployment, e.g. a chat model's end-of-turn): a row is done
-  right after it emits it (kept as its last token; `num_generated` counts it, later positions read -1).
-  It is a static argument, so it compiles once per deployment; without one the loops are exactly the
-  budget-only ones. With one, the fori loop becomes a `lax.while_loop` that ends when every row is done
-  (finished rows ride along, their tokens discarded), so no step runs for finished rows only; the host
-  loop reads each token back one step behind the dispatch front and stops there (at most one extra,
-  discarded step, as the speculative host loop).
-- Every jitted piece is compiled ahead of time for the call's shapes, so timings exclude compiles.
-- Prompts are right-padded to a bucketed length (`pack_prompts`) so a new prompt length does not
-  recompile prefill; padding positions are written but never committed.
-- Checked on the host before anything runs: prompt + new tokens must fit the state
-  (`CacheOverflowError`) and the model's `max_position_embeddings` (`PositionLimitError`): past it a
-  model decodes garbage silently.
-- Timings: prefill (until its first token is ready) and decode (the remaining steps) separately; decode
-  time per output token = decode time / (largest budget - 1), since the first token comes from prefill;
-  with a stop token, / (largest `num_generated` - 1), the steps the loop ran.
+Design notes: docs/design/decoding.md.
 """
 
 from __future__ import annotations

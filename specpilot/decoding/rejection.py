@@ -1,27 +1,5 @@
 """Verification of a drafted chain: greedy prefix matching and lossless rejection sampling.
-
-Design choices:
-- All functions are batched and pure: inputs `[B, K]` drafts against `[B, K+1, V]` target scores,
-  outputs per-sequence `n_accepted [B]` (0..K) and the token that follows the accepted prefix
-  (`next_token [B]`: the correction on a rejection, the bonus token when all K drafts pass). Each
-  sequence therefore emits n_accepted + 1 tokens.
-- Greedy: accept the longest prefix on which the drafts equal the target's argmax (ties break to the
-  lowest id, as AR's `jnp.argmax` does), so greedy speculative output equals greedy AR output.
-- Sampling (Leviathan et al. / Chen et al.): accept draft x_i with probability min(1, p_i(x_i)/q_i(x_i));
-  at the first rejection sample from normalize(max(p_i - q_i, 0)); if all pass, sample the bonus from
-  p_K. This leaves the output distribution exactly p. `rejection_sample` works on explicit
-  probabilities so the statistics can be tested on hand-made (p, q); `accept_sampled` builds p and q
-  from logits with the SAME temperature/top-k/top-p transform (`sampling.probabilities`), which
-  losslessness requires.
-- Per-request values: `sampling` is a `RequestSampling` whose temperature / top-p are `[B]` arrays;
-  p and q of row b both use row b's values. A temperature-0 row's p and q are one-hots at their
-  argmax, so rejection sampling accepts exactly the drafts greedy matching accepts and emits the
-  target's argmax: such a row decodes exactly as greedy inside a sampled batch.
-- A per-row draft count `kept [B]` (the serving engine's per-request budget) verifies only each row's
-  first kept[b] drafts: later ones count as rejected and their q as zero, so a row that accepts all of
-  its kept drafts takes the bonus token from p at position kept[b], exactly as a chain of kept[b].
-- Randomness only from explicit keys: one key gives the uniforms for the K accept tests and one the
-  residual / bonus draw.
+Design notes: docs/design/decoding.md.
 """
 
 from __future__ import annotations

@@ -1,18 +1,5 @@
 """Token choice from logits: greedy, temperature, top-k, top-p, with explicit PRNG keys.
-
-Design choices:
-- Two values describe sampling. `SamplingConfig` (frozen, hashable) is a run's default.
-  `RequestSampling` is what jitted steps take: per-request `temperature` and `top_p` as `[B]` float32
-  arrays (traced: changing them never recompiles) and two static fields in its tree structure,
-  `greedy` (every row temperature 0: argmax, no PRNG work in the step) and `top_k` (an op's shape).
-  `SamplingConfig.for_requests(batch, temperature=, top_p=)` builds one, validated on the host.
-- `filtered_logprobs` is the one place where temperature / top-k / top-p are applied. Both AR sampling
-  and speculative rejection sampling use it, so the draft and target distributions are transformed
-  identically, row by row — a requirement for losslessness.
-- temperature == 0 means greedy (argmax); ties break to the lowest token id, as `jnp.argmax` does. In a
-  sampled batch a temperature-0 row's distribution is the one-hot at its argmax, so it samples, and
-  rejection-verifies, exactly as greedy decoding does. top_p == 1 leaves a row unfiltered exactly.
-- The functions also take a `SamplingConfig` (scalars for every row), for hand-made logits in tests.
+Design notes: docs/design/decoding.md.
 """
 
 from __future__ import annotations

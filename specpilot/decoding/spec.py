@@ -1,48 +1,5 @@
 """Stock speculative decoding: draft a block, verify it in one target forward, accept, commit, repeat.
-
-Design choices:
-- The target and the drafter are arguments (values with their protocols, static and hashable), and
-  `ChainSetup` bundles what is static about a run; the phase functions reach the target only through
-  `target.forward` (chain positions, causal mask: `state.chain_forward`; the prompt pass hides its
-  right padding, `state.prompt_forward`).
-- One loop-state pytree (`SpecState`) threads through pure phase functions: `draft_phase` (the drafter
-  proposes Bs-1 tokens after the last accepted one), `verify_phase` (one target forward over
-  `[last, d_1 .. d_{Bs-1}]`, T = Bs) and `accept_phase` (prefix matching or rejection sampling, output
-  write, commits). `spec_step` fuses them into one jitted step; the profiled host loop jits them apart
-  to time each.
-- Static shapes, per-sequence progress: every sequence in the batch verifies Bs tokens each step and
-  advances by its own accepted count through its state's `lengths` (target and draft context stay
-  equal). A sequence that is done keeps running inside the batch as a no-op: nothing committed,
-  nothing emitted.
-- Per-request values live in the loop state as arrays, so changing them never recompiles: the
-  new-token budget `[B]` (at most the static capacity `max_new_tokens`) and the sampling temperature /
-  top-p `[B]` (`sampling.RequestSampling`; greedy vs sampled stays a static switch).
-- Two loop drivers (`loop=`): "while" runs the whole decode in one `lax.while_loop` (one host sync at the
-  end); "host" dispatches jitted steps from Python, first the number of steps every sequence needs at
-  least, then one step ahead of each `done` read-back, so a sync never drains the queue (costing at most
-  one no-op step). Both give identical tokens. "while" is the default: on the CPU (tiny 2-layer target,
-  128 new tokens, block 4 and 16, oracle / mixed / random drafters, median of 7) it was faster in 11 of
-  12 cases — batch 1: 0.019-0.33 ms/token against the host loop's 0.031-0.54; batch 4: 0.08-2.4
-  against 0.10-2.6 (host 7% faster once, oracle drafter at block 16).
-- Capacity: a verification writes Bs positions at the committed length, so emitting N tokens after a
-  prompt of P needs P + N + Bs - 2 positions; `generate` checks this on the host before anything runs
-  (with P + N against the model's `max_position_embeddings`, `PositionLimitError`) and raises
-  `CacheOverflowError`, or with `stop_at_capacity=True` stops each sequence cleanly at the
-  last step that fits (`num_generated` says how far it got). The step itself also refuses to advance a
-  sequence whose next verification would not fit, so no write can ever pass the cache's end for a
-  sequence that still generates. A sequence stopped there still rides along in the batch: its no-op
-  writes are clamped by `dynamic_update_slice` into its own finished rows, which no output reads again.
-- Stop token (`stop_token=`, static in `ChainSetup`: one id per deployment, compiled once): a sequence
-  is done right after emitting it, kept as its last token. A step's accepted prefix may hold it
-  anywhere: the tokens after it are not emitted (not written as output, not counted in `n_out` or
-  tau's `emitted`); what the step committed past it does not matter, since the sequence is then
-  inactive (`stopped`, see `_active`) and the loop ends once every sequence is done. The host driver
-  then dispatches no blind steps beyond the first (any sequence may stop at any step).
-- Statistics: tau counts the tokens a step emits after truncation at the budget or the stop token;
-  the step's untruncated accepted + 1 (and its acceptance histogram entry) are counted apart, for the
-  acceptance length upstream DFlash reports (`stats.SpecStats`); upstream counts them so at its stop
-  tokens too.
-- Compilation is kept out of timings by compiling ahead of time (`jit(...).lower(...).compile()`).
+Design notes: docs/design/decoding.md.
 """
 
 from __future__ import annotations

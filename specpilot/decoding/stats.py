@@ -1,26 +1,5 @@
 """Speculative-decoding statistics, with the definitions of DESIGN.md.
-
-Design choices:
-- The decoding loop accumulates a few small device arrays and nothing else: `steps [B]` (verification
-  steps taken while the sequence was still generating), `emitted [B]` and `accepted [B]` (tokens
-  emitted, and accepted drafts + 1 untruncated) and `accept_hist [Bs]` (how many of those (sequence,
-  step) pairs accepted exactly k drafts). Every acceptance number derives from them on the host, so
-  collecting statistics costs no host sync inside the loop.
-- tau = tokens emitted by verification steps / verification steps, bonus included; the first token,
-  which prefill produces, is not a verification step's and is excluded (as in DFlash's own counts).
-  Tokens cut off at the budget (max_new_tokens), or after a stop token, are not counted as emitted.
-- `acceptance_length_upstream` is upstream DFlash's mean acceptance length: every verification
-  step's accepted drafts + 1, untruncated, over the steps. It differs from tau only in the last step
-  of a sequence whose accepted tokens run past the budget (upstream's benchmark counts them, then cuts
-  the output). Both are reported, named, so figures compare with published ones.
-- Per-position acceptance: `acceptance_rate[k-1]` = fraction of steps whose draft k was accepted
-  (needs drafts 1..k all accepted); `conditional_acceptance[k-1]` = the same given draft k-1 was.
-- Decode time per output token = decode time / (new tokens - 1): the first token comes from prefill,
-  exactly as the AR baseline counts it (`ar.GenerationResult.decode_time_per_token`). With a stop
-  token, new tokens are the longest sequence's (its stop may come before its budget).
-- Speedup over AR = AR's decode time per token / the method's, same prompts and token counts.
-- The draft / verify / bookkeeping split exists only for profiled runs (separately jitted phases with a
-  sync after each); fused runs leave those fields None rather than guess.
+Design notes: docs/design/decoding.md.
 """
 
 from __future__ import annotations

@@ -1,29 +1,5 @@
 """Token trees from a block drafter's one forward, and their acceptance against the target's scores.
-
-Design choices:
-- A block drafter gives a distribution at every block position from one forward, each independent of
-  the tokens chosen before it, so a tree node is a sequence of ranks (r_1 .. r_d) into the top-k
-  (`branching`) tokens of positions 1 .. d, scored by its path log-probability sum_j log q_j(r_j).
-  `build_tree` keeps the `nodes - 1` best-scoring sequences of depth <= `depth` (node 0 is the root,
-  the last accepted token). A beam of width nodes - 1 per depth finds them exactly: a node in the
-  best set has its parent in it too (the parent scores at least as high and ranks first on a tie),
-  so every depth's best nodes descend from the previous depth's beam. Ties rank shallower nodes first,
-  then by beam position and rank (`lax.top_k` keeps the lower index), which keeps the set a tree even
-  when a drafter's one-hot logits give many nodes the score 0.
-- Static shapes, built on the device inside the jitted step: `Tree` holds tokens, parent, depth
-  `[B, N]` and ancestors `[B, N, N]` (self included, what `state.tree_mask` takes). Nodes are in
-  topological order (by depth, then beam order), so a parent always precedes its children and
-  siblings come best first.
-- Greedy acceptance: node i (> 0) matches when its token is the target's argmax at its parent; the
-  accepted path is the longest root path of matching nodes (siblings hold distinct tokens, so at most
-  one child of a node matches), followed by the argmax at its last node (the bonus token), so the
-  output is greedy AR's.
-- Sampled acceptance: recursive rejection sampling over siblings (SpecInfer's rule) walking down from
-  the root. The top-k siblings are deterministic choices, so each sibling's draft distribution is the
-  point mass at its token: sibling c is accepted with probability p_res(c) / sum p_res, and a
-  rejection zeroes p_res(c); when every child is rejected the next token is drawn from p_res. That is
-  the chain rule of drawing from p itself, so the output distribution is exactly the target's,
-  whatever tree the drafter built. A temperature-0 row (p one-hot) accepts exactly the greedy path.
+Design notes: docs/design/decoding.md.
 """
 
 from __future__ import annotations

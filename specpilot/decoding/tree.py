@@ -1,34 +1,6 @@
-"""Tree speculative decoding: draft a token tree from one block-drafter forward, verify it in one target
-forward, accept a root path, commit it, repeat.
-
-Design choices:
-- The chain loop's shape (`decoding/spec.py`): one loop-state pytree (`spec.SpecState`, the same
-  fields) through pure phases `draft_phase` (the drafter's one forward at block size depth + 1, then
-  `token_tree.build_tree` on the device), `verify_phase` (one target forward over the N nodes) and
-  `accept_phase` (greedy path matching or recursive rejection sampling, output write, commits), fused
-  into one jitted step and run as one `lax.while_loop`, compiled ahead of time; prefill is the chain's.
-- Verification: node i sits at slot lengths + i and rotary position lengths + depth_i and sees the
-  committed prefix and its ancestors (`state.tree_mask`). The tree's parents go to `target.forward`
-  too (`parents=`): attention layers need only the mask, recurrent layers compute each node's state
-  from its parent's (`gated_deltanet`). A target that carries a mesh keeps its state constraints,
-  since every state change goes through `target.forward` / `init_state`.
-- Commit: the accepted path (root first, count = accepted + 1 nodes) moves to consecutive slots
-  (`TargetState.gather_path`, which also takes the recurrent snapshot of the path's last node), and the
-  drafter's context is extended with the target's taps gathered along the same path, so both stay at
-  equal lengths, as in the chain loop.
-- `TreeSetup.block_size` is depth + 1: the drafter's block and the most tokens one step emits (the
-  output slack and the acceptance histogram take it); `width` = max(nodes, depth + 1) is what a step
-  writes past the committed length, which capacity checks use. A chain of block Bs is the tree with
-  nodes = Bs, depth = Bs - 1, branching = 1, at the same verification width.
-- The phases are made of four functions over plain states (`propose_tree`, `tree_forward`,
-  `path_tokens`, `commit_path`), which the serving engine's tree step reuses over its slots
-  (`serving.tree_slots`); they read only the setup's target, drafter and tree shape.
-- The loop calls `setup.step`, so a setup subclass changes the step and keeps prefill, loop, checks and
-  statistics (`decoding.two_level`); `run(setup, ...)` is that shared driver. `record_steps` runs the
-  steps one call each and keeps every step's accepted drafts (an acceptance trace, `models.oracle_trace`)
-  and the drafter's top-1 probability at each block position (a confidence calibration,
-  `models.confidence_trace`): the drafter's propose is a pure function of the pre-step state, so it is
-  evaluated beside the step in the same jitted call (the same logits the step drafts from).
+"""Tree speculative decoding: draft a token tree from one block-drafter forward, verify it in one target forward,
+accept a root path, commit it, repeat.
+Design notes: docs/design/decoding.md.
 """
 
 from __future__ import annotations

@@ -1,28 +1,6 @@
-"""Two-level tree verification: a cheap first level shrinks the drafted tree to `keep` nodes, then the
-full target verifies the kept nodes (`decoding.tree`'s verify and accept phases).
-
-Design choices:
-- Lossless by construction: the first level only chooses which candidates the full target sees; what
-  is committed is decided by the full target's scores alone (greedy path matching, or recursive
-  rejection over the kept siblings, which is lossless for any tree chosen without the acceptance's
-  random draws). A greedy two-level run's output is AR's token for token.
-- First levels (`FIRST_LEVELS`): `drafter_confidence` scores a node by its drafter path
-  log-probability (the builder's own score: on an N-node tree it keeps what an M-node tree would have
-  drafted, up to ties); `early_exit` runs the target's first `exit_layer` layers over the N nodes (tree
-  mask, depth positions, per-node recurrent states on a hybrid target, the parents passed as in
-  verification), applies the final norm and head to that hidden state and scores a node by the
-  early-exit path log-probability sum_j log p_exit(token_j | parent_j). The early forward's state is
-  dropped: the full forward rewrites the same slots (the first L layers' K/V writes may cost XLA a copy of
-  those caches; the kept nodes' first-L-layer work is not reused by the full forward).
-- Static shapes: `select_subtree` keeps exactly `keep` nodes. Path scores never rise down a path
-  (each term is clamped to <= 0, and any score is first replaced by its ancestors' minimum), and
-  nodes rank by (score desc, depth asc, index asc), so a kept node's parent ranks ahead of it: the
-  `keep` best nodes form a rooted subtree, which is also the best-scoring rooted subtree of that size.
-  Compaction keeps the original (topological) order and remaps parents; the ancestor matrix is the
-  kept rows and columns of the original.
-- `TwoLevelSetup` is a `TreeSetup` whose `step` inserts the first level, so prefill, the loop, the
-  capacity checks (width = max(nodes, depth + 1): the early forward writes N slots) and the statistics
-  are the tree loop's.
+"""Two-level tree verification: a cheap first level shrinks the drafted tree to `keep` nodes, then the full
+target verifies the kept nodes (`decoding.tree`'s verify and accept phases).
+Design notes: docs/design/decoding.md.
 """
 
 from __future__ import annotations

@@ -1,19 +1,5 @@
 """Per-request speculation budget: each step, each row's draft count from the drafter's confidence.
-
-Design choices:
-- A row's drafts are verified as a prefix, so its j-th draft (0-based) is accepted only with every
-  earlier one: with the drafter's top-1 probabilities p_0, p_1, ... as acceptance estimates, draft j
-  adds prod_{l <= j} p_l expected accepted tokens (`marginal_gains`), and k drafts add their sum
-  (`expected_accepted`). The gains never grow with j, so for any total token count the best split over
-  the rows is the largest gains taken greedily (a row's prefix each time); only the total is searched.
-- The objective is expected emitted tokens per unit step time: (rows + accepted) / step_s(tokens),
-  tokens = sum over rows of (k_i + 1) (each row's last token plus its drafts), subject to tokens <=
-  the batch's token budget and 1 <= k_i <= block_size - 1. `StepCost` is the step time of a token
-  count, a line `fixed_s + per_token_s * tokens` whose numbers come from the cost model
-  (`StepCost.from_predict`: `harness.prediction.predict` at the smallest and the plan's block size);
-  the default is flat (a memory-bound step), where the chooser fills the budget.
-- Everything is jnp over fixed shapes (sorting the [S, K-1] extra gains once): it runs inside the
-  engine's jitted step, so the choice costs no host sync and no recompile.
+Design notes: docs/design/serving.md.
 """
 
 from __future__ import annotations

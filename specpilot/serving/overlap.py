@@ -1,37 +1,5 @@
 """Drafting off the critical path (mechanism 3): verify one half of the slots while drafting the other.
-
-Design choices:
-- `batching.overlap="halves"` splits the engine's S slots into two fixed halves, rows [0, S/2) and
-  [S/2, S). Decode call k runs ONE program (`decode_halves`) that verifies half k % 2 with the drafts
-  prepared for it by call k - 1 and, in the same program, drafts the other half from its committed
-  state. The draft reads nothing the verification writes (other rows, the state before this call), so
-  it is off the verification's critical path: the compiler may schedule the two side by side. The
-  next call swaps the halves. The parity is static (two executables), so each half is a static slice
-  of the slot state and the drafts are verified without a dynamic gather.
-- The prepared drafts (`Prepared`: tokens and their logits, which sampled verification and the
-  confidence budget read) live beside the slot state. They stay valid because nothing changes a
-  decoding row between the call that drafts it and the next one, which verifies it: admission,
-  reset and prefill touch only rows that are not decoding, and a row that finishes its prompt in a
-  step is drafted in that step's call if its half drafts (the prefill runs first), or else in the next
-  call, which is the next that drafts its half. So every decoding row of the verified half holds a
-  draft of its current state (`Overlap.prepared` tracks it on the host and the engine refuses to
-  verify a row without one), and each request's output is the one decode_chain gives: AR's, greedy.
-- A row's keys follow `decode_chain`'s order (split for the draft, split for the verification): the
-  draft's split happens one call earlier and is carried in the row's key, so sampled rows draw what a
-  single-request run draws.
-- Under halves a step verifies S/2 rows: `token_budget` counts those (null: S/2 x block), the packed
-  stream is that long, and the confidence budget chooses among that half.
-- Cost: a row advances every other call; a call verifies S/2 rows and drafts S/2. Whether that pays
-  depends on how much the target's verify forward costs at S/2 rows against S (weight-bound: nearly
-  the same) and how much of the draft the device overlaps with it. Slicing a half out of the slot
-  state may copy that half's cache rows (the compiler decides).
-- A prepared draft for the full-accept outcome (Saguaro's speculation on the verification result) is
-  not built: this block drafter's next block starts with the bonus token and reads the target's
-  tapped states of the accepted tokens (`drafter.extend_context`), both outputs of the verify
-  forward, so no draft for any outcome can start before that forward ends. A drafter that kept its
-  own state (an autoregressive head) could; ours cannot.
-- Needs a drafter, an even slot count and one device (a sharded state spreads rows over the data
-  axis, where a static half would reshard); refused otherwise, naming the field.
+Design notes: docs/design/serving.md.
 """
 
 from __future__ import annotations

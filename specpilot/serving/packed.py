@@ -1,25 +1,5 @@
 """Packed verification: only each row's kept candidates enter the verify forward, in one token stream.
-
-Design choices:
-- Row b sends counts[b] tokens (its last token and its first kept drafts; 0 for a row not decoding).
-  They are packed back to back, without padding, into one `[1, N]` stream whose size N is static (the
-  batch's token budget); the tail past sum(counts) is idle (`packed_layout`).
-- Each packed token keeps its row's rotary position (the row's committed length plus its offset in
-  the row's segment) and writes its K/V into its own row's next slot of the state's own cache
-  `[S_rows, KVH, max_len, D]`, as the padded forward does (idle tokens: dropped).
-- The projections, norms, rope and MLP run on the N packed tokens (`dense.decoder_layer` itself, over a
-  K/V view, `_RowKV`). Attention alone runs by row: the view's `attend` gathers each row's segment of
-  queries into `[S_rows, Bs, H, D]` and runs the chain attention the padded forward runs (the row's
-  committed slots and its earlier candidates, through `kernels.attention`'s choice, so the ragged kernel
-  reads only the row's own slots), then packs the outputs back. Attention thus costs what the padded
-  forward's does, and every matrix product N tokens instead of S_rows x Bs. (The first version read the
-  cache as one flat sequence under a block-diagonal mask: every token scored every row's slots, and the
-  flat view copied each layer's cache in and out; on the H200 that made packing 1.9x slower than padding
-  at 16 slots.)
-- The logits and taps come back unpacked as `[S, T, ...]` (rows past counts[b] are filler the caller
-  never accepts), so verification and the drafter's context update are the padded ones.
-- Dense single-device targets only: a hybrid target's recurrent layers would need a segmented scan,
-  and a sharded state spreads rows over the data axis (the engine refuses both, naming the field).
+Design notes: docs/design/serving.md.
 """
 
 from __future__ import annotations

@@ -1,14 +1,5 @@
 """A serving request and its validation: every bad field is refused on its own, naming the field.
-
-Design choices:
-- `Request` is plain data (prompt ids, new-token budget, temperature, top-p, seed, stop token and,
-  for oracle-acceptance runs, the reference a replaying drafter proposes from). It is checked once, on
-  the host, when it is submitted (`check_request`): a refused request raises `RequestError` naming
-  its field and never reaches a slot, so the requests already running go on untouched.
-- The limits come from the engine, not the request: the vocabulary, the context a slot serves
-  (prompt + budget, which also keeps every position under the model's `max_position_embeddings`) and
-  whether the engine samples at all (a greedy-only engine compiles no sampling step).
-- Ids must be Python or NumPy integers (bools, floats and strings are refused, not rounded or cast).
+Design notes: docs/design/serving.md.
 """
 
 from __future__ import annotations

@@ -1,37 +1,5 @@
 """The engine's device side: S request slots over one preallocated target state and drafter context.
-
-Design choices:
-- One `SlotState` pytree holds every slot's row: the target state and the drafter's context (the
-  `state.TargetState` rows with their own committed `lengths [S]`), the newest emitted token (not yet
-  cached), the tokens emitted so far and each row's PRNG key. The jitted functions below take it
-  donated and return it; which rows take part is an argument (`active [S]`, prefill `counts [S]`),
-  never a shape, so arrivals, departures and setting changes reuse the same executables.
-- Slot reset (`reset_slots`): a newcomer's row gets length 0, zero recurrent state (conv and matrix),
-  a key from its seed; attention K/V are not cleared, since masks hide every slot at or past a row's
-  committed length and the row's next writes overwrite them (rollback by not committing, as in
-  `decoding/spec.py`).
-- Chunked prefill (`prefill_chunk`): one target forward over `[S, C]` tokens where row b feeds its
-  next `counts[b] <= C` prompt tokens (right-padded, `state.prompt_mask`) and commits them; the other
-  rows ride along under a plain causal mask (so no query is left without a visible slot, which would
-  make a softmax of -inf only and write NaN K/V) and commit nothing. Rows whose prompt ends in this
-  chunk (`final`) sample their first token from the last prompt position.
-- Decode (`decode_ar`: one token; `decode_chain`: draft a block, verify it in one forward, accept a
-  prefix + one token) runs every row and commits only the active ones. Rows idle or still prefilling
-  write uncommitted K/V that their next forward overwrites.
-- Per-request budget (`draft_budget="confidence"`, `budget.choose_draft_lengths`): row b verifies only
-  its first kept[b] drafts, chosen in the step from the drafter's confidence under the token budget;
-  the rest count as rejected (`rejection.verify_chain(kept=...)`), so outputs stay those of AR.
-  `verify="packed"` sends only those candidates through the target (`packed.packed_forward`); padded
-  runs the full block and masks. Each decode also returns the tokens each row sent to verification.
-- Capacity: every forward writes T = C or Bs slots at each row's committed length, for every row,
-  so the state holds `context_len + max(C, Bs)` slots: no write of any row (idle ones included) can
-  run past the end, where `dynamic_update_slice` would clamp it back onto committed K/V.
-- Sampling reproduces a single-request run of `ar.generate` / `spec.generate` with the same seed,
-  row by row: each row draws as a batch of one with its own key (`vmap` over rows). AR's token n uses
-  `split(key, N)[n]`, which under jax's partitionable threefry (the default) does not depend on N, so
-  the engine takes it from `split(key, context_len)`; the chain loop carries each row's key and splits
-  it per phase, as `spec.generate`'s loop state does. Greedy vs sampled is a static switch (two
-  executables); rows of temperature 0 inside a sampled step decode exactly as greedy ones.
+Design notes: docs/design/serving.md.
 """
 
 from __future__ import annotations

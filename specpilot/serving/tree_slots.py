@@ -1,28 +1,6 @@
-"""The engine's tree step: draft a token tree for every slot, verify its nodes in one target forward,
-accept a root path, commit it for the active rows.
-
-Design choices:
-- The slots are `slots.py`'s (`SlotState`, reset, chunked prefill, keys); only the decode step differs.
-  `TreeEngineSetup` is an `EngineSetup` with the tree shape added: `block_size` is depth + 1 (the
-  drafter's block and the most tokens one step emits), and `max_len` covers the widest write, a tree
-  step's `width` = max(nodes, depth + 1) past the committed length (the verify forward's N nodes, the
-  drafter's block), or a prefill chunk.
-- The step is `decoding/tree.py`'s, over the slots: `tree.propose_tree` (the drafter's one forward,
-  `token_tree.build_tree` from its log-probabilities), `tree.tree_forward` (positions lengths +
-  depths, `state.tree_mask`, `parents=`, so a hybrid target's recurrent layers take each node's state
-  from its parent's), `tree.path_tokens` and `tree.commit_path` (`TargetState.gather_path`, the
-  drafter extended with the taps along the path). Every row runs it; only active rows commit
-  (count 0 elsewhere: gather_path writes nothing and keeps recurrent state, as `commit(0)` does). Rows
-  idle or still prefilling write uncommitted K/V that their next forward overwrites; each node sees at
-  least itself, so no query's softmax is over -inf only.
-- Acceptance: greedy path matching over the whole batch (`token_tree.accept_tree_greedy`); sampled
-  steps run the recursive rejection row by row, each row a batch of one with its own key and settings
-  (`verify_tree_rows`, as `slots.verify_rows` does for chains). Keys follow `tree.generate`'s loop
-  state: prefill splits once (`slots.prefill_chunk`), each step splits once for verification and the
-  draft draws nothing, so a sampled request reproduces `tree.generate` of it alone with its seed.
-- Each step returns up to depth + 1 tokens per row; the host applies budgets and stop tokens, as for
-  chains. A row verifies all N nodes (the tree has no per-row budget): the engine's batching
-  mechanisms (confidence budget, packed verify, halves) are chain-only and refused for tree plans.
+"""The engine's tree step: draft a token tree for every slot, verify its nodes in one target forward, accept a
+root path, commit it for the active rows.
+Design notes: docs/design/serving.md.
 """
 
 from __future__ import annotations
