@@ -7,27 +7,25 @@ Progress goes to the console as it happens; the output directory gets `round_<i>
 """
 
 import logging
-import os
-import sys
 from pathlib import Path
 
-import hydra
+import jax
 from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig, OmegaConf
 
-from specpilot.harness import config_schema, devices
+from specpilot.agent import loop
+from specpilot.harness import config_schema, devices, entry, fit
 
 config_schema.register()
-for noisy in ("jax._src.xla_bridge", "absl", "orbax", "distributed", "optuna"):
+NOISY = ("jax._src.xla_bridge", "absl", "orbax", "distributed", "optuna")
+for noisy in NOISY:
     logging.getLogger(noisy).setLevel(logging.WARNING)
 
 
-@hydra.main(version_base=None, config_path="../conf", config_name="agent")
+@entry.app(config_path="../conf", config_name="agent")
 def main(cfg: DictConfig) -> None:
-    from specpilot.agent import loop
-
     hydra_dir = Path(HydraConfig.get().runtime.output_dir)
-    for noisy in ("distributed", "optuna", "jax._src.xla_bridge"):  # after Hydra has configured logging
+    for noisy in NOISY:  # again, after Hydra has configured logging
         logging.getLogger(noisy).setLevel(logging.WARNING)
     try:
         agent = loop.agent_conf(cfg.get("agent"))
@@ -36,19 +34,14 @@ def main(cfg: DictConfig) -> None:
         run_cfg = config_schema.typed(OmegaConf.create(rest))
         devices.setup(run_cfg)
         config_schema.validate(run_cfg)
+        fit.preflight(run_cfg, config_schema.build_plans(run_cfg))  # the device and its memory, before any round
         out_dir = run_cfg.output_dir or str(hydra_dir)
         if run_cfg.compile_cache:  # the gate's references compile once per deployment too
-            import jax
-
             jax.config.update("jax_compilation_cache_dir", str(Path(run_cfg.cache_dir).expanduser() / "xla"))
             jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
         summary = loop.Loop(run_cfg, agent, out_dir, progress=lambda m: print(m, flush=True)).run()
     except Exception as e:
-        if os.environ.get("HYDRA_FULL_ERROR") == "1":
-            raise
-        print(f"error: {type(e).__name__}: {e}", file=sys.stderr)
-        print("(set HYDRA_FULL_ERROR=1 for the traceback)", file=sys.stderr)
-        sys.exit(1)
+        entry.report(e)
     for r in summary["rounds"]:
         best = r["best_s_per_token"]
         print(f"round {r['index']}: best {'-' if best is None else f'{1e3 * best:.3f}'} ms/token")

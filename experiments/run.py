@@ -1,22 +1,20 @@
 """Run one deployment with every plan of its run: `python experiments/run.py target=... gpu=...`.
 
 Hydra composes `conf/config.yaml`; sweeps use multirun (`-m decoding.plans.stock.block_size=4,8,16`).
-Results go to `results.jsonl` / `results.csv` in the run's output directory, and a table is printed.
-A run that fails prints its error in one line (the traceback with HYDRA_FULL_ERROR=1) and leaves no
-output folder of its own behind.
+Results go to `results.jsonl` / `results.csv` in the run's output directory, and a table is printed. A
+mistake or a failed run prints one line (the traceback with HYDRA_FULL_ERROR=1) and leaves no output
+folder of its own behind.
 """
 
 import logging
-import os
 import shutil
-import sys
 from pathlib import Path
 
-import hydra
+import jax
 from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig
 
-from specpilot.harness import config_schema, devices, runner
+from specpilot.harness import config_schema, devices, entry, runner
 
 config_schema.register()
 for noisy in ("jax._src.xla_bridge", "absl", "orbax"):  # "no TPU" and per-checkpoint INFO lines
@@ -29,7 +27,7 @@ def _discard_if_empty(folder: Path) -> None:
         shutil.rmtree(folder, ignore_errors=True)
 
 
-@hydra.main(version_base=None, config_path="../conf", config_name="config")
+@entry.app(config_path="../conf", config_name="config")
 def main(cfg: DictConfig) -> None:
     hydra_dir = Path(HydraConfig.get().runtime.output_dir)
     out_dir = None
@@ -39,22 +37,16 @@ def main(cfg: DictConfig) -> None:
         out_dir = cfg.output_dir or str(hydra_dir)
         if cfg.compile_cache:
             devices.enable_compile_cache(Path(cfg.cache_dir).expanduser() / "xla")
-        records = runner.run(cfg, out_dir)
+        records = runner.run(cfg, out_dir)  # the device, memory and drafter checks run before the build
     except Exception as e:
         _discard_if_empty(hydra_dir)
         if out_dir is not None:
             _discard_if_empty(Path(out_dir))
-        if os.environ.get("HYDRA_FULL_ERROR") == "1":
-            raise
-        print(f"error: {type(e).__name__}: {e}", file=sys.stderr)
-        print("(set HYDRA_FULL_ERROR=1 for the traceback)", file=sys.stderr)
-        sys.exit(1)
+        entry.report(e)
     print(runner.format_table(records))
     shown = runner.format_responses(records)
     if shown:
         print(shown)
-    import jax
-
     if jax.process_index() == 0:  # multi-host runs: process 0 writes the results
         print(f"results: {out_dir}/results.jsonl")
 

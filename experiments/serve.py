@@ -17,14 +17,16 @@ Options (this script's own, outside the run config's schema): `+serve.host=127.0
 from __future__ import annotations
 
 import logging
-import os
-import sys
 from pathlib import Path
 
-import hydra
+import uvicorn
 from omegaconf import DictConfig, open_dict
 
-from specpilot.harness import config_schema, devices
+from specpilot.harness import config_errors, config_schema, deploy, devices, entry, fit
+from specpilot.models.oracle import OracleDrafter
+from specpilot.serving import Engine
+from specpilot.serving.driver import EngineDriver
+from specpilot.serving.openai_server import ServedModel, create_app
 
 config_schema.register()
 log = logging.getLogger("serve")
@@ -39,19 +41,15 @@ def serve_options(cfg: DictConfig) -> tuple[dict, DictConfig]:
         given = dict(cfg.pop("serve", None) or {})
     unknown = sorted(set(given) - set(OPTIONS))
     if unknown:
-        raise config_schema.ConfigValueError(f"serve.{unknown[0]}: not an option of serve.py (options: "
-                                             f"{', '.join(OPTIONS)})")
+        close = config_errors.nearest(unknown[0], OPTIONS)
+        raise config_schema.ConfigValueError(f"serve.{unknown[0]}: not an option of serve.py"
+                                             + (f"; did you mean '{close[0]}'?" if close else "")
+                                             + f" (options: {', '.join(OPTIONS)})")
     return {**OPTIONS, **given}, config_schema.typed(cfg)
 
 
 def build(cfg: DictConfig, opts: dict):
     """-> (the ASGI app, its started EngineDriver, the ServedModel) of the config's deployment."""
-    from specpilot.harness import deploy
-    from specpilot.models.oracle import OracleDrafter
-    from specpilot.serving import Engine
-    from specpilot.serving.driver import EngineDriver
-    from specpilot.serving.openai_server import ServedModel, create_app
-
     config_schema.validate(cfg)
     plans = config_schema.build_plans(cfg)
     has_drafter = cfg.drafter.source != "none"
@@ -61,6 +59,10 @@ def build(cfg: DictConfig, opts: dict):
         raise config_schema.ConfigValueError(f"serve.plan: {name!r} is not a plan of this run "
                                              f"(decoding={cfg.decoding.name}: {', '.join(by_name)})")
     plan = by_name[name]
+    for key in ("slots", "context_len", "prefill_chunk", "port"):
+        if not isinstance(opts[key], int) or opts[key] < (0 if key == "port" else 1):
+            raise config_schema.ConfigValueError(f"serve.{key}: must be a positive integer, got {opts[key]!r}")
+    fit.preflight(cfg, [plan], batch=opts["slots"], slots=opts["context_len"])  # the engine's slots x context
     dep = deploy.build(cfg, [plan])
     if dep.tokenizer is None:
         raise config_schema.ConfigValueError(f"target: {cfg.target.name!r} has no tokenizer (random weights?); "
@@ -68,9 +70,6 @@ def build(cfg: DictConfig, opts: dict):
     if plan.uses_drafter and isinstance(dep.drafter[0], OracleDrafter):
         raise config_schema.ConfigValueError("drafter: an oracle drafter replays a known continuation, which a "
                                              "served request does not have; serve a real drafter or plan ar")
-    for key in ("slots", "context_len", "prefill_chunk", "port"):
-        if not isinstance(opts[key], int) or opts[key] < (0 if key == "port" else 1):
-            raise config_schema.ConfigValueError(f"serve.{key}: must be a positive integer, got {opts[key]!r}")
     engine = Engine.from_plan(dep, plan, slots=opts["slots"], context_len=opts["context_len"],
                               prefill_chunk=opts["prefill_chunk"], top_k=dep.sampling.top_k)
     if opts["warm_up"]:
@@ -84,25 +83,16 @@ def build(cfg: DictConfig, opts: dict):
     return create_app(driver, served), driver, served
 
 
-@hydra.main(version_base=None, config_path="../conf", config_name="config")
+@entry.app(config_path="../conf", config_name="config", options="serve")
 def main(cfg: DictConfig) -> None:
     try:
         opts, cfg = serve_options(cfg)
         devices.setup(cfg)
         if cfg.compile_cache:
-            import jax
-
-            jax.config.update("jax_compilation_cache_dir", str(Path(cfg.cache_dir).expanduser() / "xla"))
-            jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.5)
+            devices.enable_compile_cache(Path(cfg.cache_dir).expanduser() / "xla")
         app, driver, served = build(cfg, opts)
     except Exception as e:
-        if os.environ.get("HYDRA_FULL_ERROR") == "1":
-            raise
-        print(f"error: {type(e).__name__}: {e}", file=sys.stderr)
-        print("(set HYDRA_FULL_ERROR=1 for the traceback)", file=sys.stderr)
-        sys.exit(1)
-    import uvicorn
-
+        entry.report(e)
     print(f"serving {served.name} on http://{opts['host']}:{opts['port']}/v1", flush=True)
     try:
         uvicorn.run(app, host=str(opts["host"]), port=int(opts["port"]), log_level="info")

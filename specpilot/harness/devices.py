@@ -1,23 +1,20 @@
-"""Device set-up before a run touches a device: simulated CPU devices, multi-host initialisation, the compile cache.
-
-Design choices:
-- Both must happen before jax creates its backends, so entry points call `setup(cfg)` first, right
-  after the config is validated; a call once the backends exist fails with an error that says so,
-  rather than running on a device set other than the one asked for.
-- `simulated_cpu_devices=N` sets jax's CPU device count (the `--xla_force_host_platform_device_count`
-  flag's config twin): sharded plans then run on a machine without accelerators, which is how the
-  tests check them.
-- `distributed.enabled` calls `jax.distributed.initialize`: with `auto` jax reads the cluster's
-  environment (SLURM, Open MPI, Kubernetes); otherwise the coordinator's host:port, the number of
-  processes and this process's id are given explicitly, as on hosts started by hand. Every process then
-  sees the global device list, so a plan's mesh may span hosts.
-"""
+"""Devices before a run builds anything: simulated CPU devices and multi-host initialisation (both before
+jax starts its backends), the persistent compile cache, and the check that the `gpu` config names the
+device jax sees (its rates, kernels and records are that device's)."""
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 import jax
+from jax._src import xla_bridge
+
+from specpilot.harness.config_errors import ConfigValueError
+
+
+class DeviceMismatchError(ConfigValueError):
+    """The `gpu` config describes another device than the one jax sees."""
 
 
 class DeviceSetupError(RuntimeError):
@@ -25,8 +22,6 @@ class DeviceSetupError(RuntimeError):
 
 
 def _backends_started() -> bool:
-    from jax._src import xla_bridge
-
     return bool(getattr(xla_bridge, "_backends", None))
 
 
@@ -75,3 +70,38 @@ def enable_compile_cache(folder: Path) -> None:
     jax.config.update("jax_compilation_cache_dir", str(folder))
     jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.5)
     jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
+
+
+def gpu_matches(name: str, platform: str, device_kind: str) -> bool:
+    """Whether a `gpu` config named `name` describes a device: `cpu` the CPU platform (simulated devices
+    included); another name a word of the device's kind (h200: "NVIDIA H200", not "NVIDIA GH200")."""
+    name = name.lower()
+    if platform == "cpu" or name == "cpu":
+        return platform == "cpu" and name == "cpu"
+    return re.search(rf"(?<![a-z0-9]){re.escape(name)}(?![a-z0-9])", device_kind.lower()) is not None
+
+
+def gpu_name_for(platform: str, device_kind: str) -> str | None:
+    """The `gpu=` option a device's kind suggests (NVIDIA H200 -> h200), or None."""
+    if platform == "cpu":
+        return "cpu"
+    m = re.search(r"(?<![a-z0-9])([a-z]{1,2}\d{2,4}[a-z]?)(?![a-z0-9])", device_kind.lower())
+    return m.group(1) if m else None
+
+
+def check_gpu(cfg) -> str | None:
+    """Refuse (DeviceMismatchError, one line) a `gpu` config that does not name the device jax sees,
+    unless `gpu.allow_mismatch`; then return the note a run's records carry. Call it after `setup`."""
+    dev = jax.devices()[0]
+    platform, kind = dev.platform, getattr(dev, "device_kind", "") or dev.platform
+    name = str(cfg.gpu.name)
+    if gpu_matches(name, platform, kind):
+        return None
+    count = jax.device_count()
+    seen = f"{'a CPU' if platform == 'cpu' else kind} ({platform}, {count} device{'s' if count > 1 else ''})"
+    if cfg.gpu.get("allow_mismatch"):
+        return f"the gpu={name} config on {seen} (gpu.allow_mismatch)"
+    fix = gpu_name_for(platform, kind)
+    fix = f"gpu={fix}" if fix else "the gpu config of this device"
+    raise DeviceMismatchError(f"gpu={name} but jax sees {seen}; use {fix}, or gpu.allow_mismatch=true to run "
+                              f"the {name} config on this device anyway")
