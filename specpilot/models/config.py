@@ -1,11 +1,7 @@
-"""Model configuration for dense decoder targets (Qwen3, Llama).
-
-Design choices:
-- `ModelConfig` is a frozen, hashable dataclass: it is passed to jitted functions as a static argument,
-  so changing it recompiles and nothing inside it may be an array.
-- It is built from a Hugging Face `config.json` (`from_hf_dict`) and written back (`to_hf_dict`), so a
-  checkpoint round-trips without transformers.
-- Every impossible value fails in `__post_init__` with a message naming the field.
+"""Model configuration for dense decoder targets (Qwen3, Llama), and what every target config shares:
+`ModelConfig` is a frozen dataclass read from and written back to a Hugging Face `config.json`;
+`DecoderConfigBase` holds the attention sizes, tap and JSON handling and the checks that the dense and
+hybrid (`hybrid_config.HybridConfig`) configs have in common. Design notes: docs/design/models.md.
 """
 
 from __future__ import annotations
@@ -35,8 +31,114 @@ class RopeScaling:
     original_max_position_embeddings: int
 
 
+# The Hugging Face keys every decoder config needs (a hybrid's under `text_config` in its multimodal layout).
+REQUIRED_HF_KEYS = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads")
+
+
+class DecoderConfigBase:
+    """What the dense and hybrid target configs share, over fields both define with the same names
+    (`num_heads`, `num_kv_heads`, `head_dim`, `tap_layers`, ...): derived sizes, taps, config.json
+    loading and the checks of those fields. Holds no fields itself, so each config's dataclass fields,
+    equality and hash are its own."""
+
+    @property
+    def q_size(self) -> int:
+        """Query channels of an attention layer: query heads x head dim (a hybrid's gated attention
+        projects twice that, the query and its output gate)."""
+        return self.num_heads * self.head_dim
+
+    @property
+    def kv_size(self) -> int:
+        """Key (and value) channels of an attention layer: KV heads x head dim."""
+        return self.num_kv_heads * self.head_dim
+
+    def with_taps(self, tap_layers):
+        """This config tapping each listed layer once, in layer order, whatever the listed order or
+        repeats: a drafter's `target_layer_ids` in any form can be passed as they are."""
+        return dataclasses.replace(self, tap_layers=tuple(sorted({int(t) for t in tap_layers})))
+
+    @classmethod
+    def from_json(cls, path: str | Path, tap_layers=()):
+        return cls.from_hf_dict(read_config_json(path), tap_layers)
+
+    # ---- checks, called by each config's __post_init__ in its own order ----
+
+    def _check_positive(self, names) -> None:
+        for name in names:
+            value = getattr(self, name)
+            if not isinstance(value, (int, np.integer)) or value <= 0:
+                raise ConfigError(f"{type(self).__name__}.{name} must be a positive integer, got {value!r}")
+
+    def _check_heads(self) -> None:
+        if self.num_heads % self.num_kv_heads:
+            raise ConfigError(
+                f"num_heads ({self.num_heads}) must be a multiple of num_kv_heads ({self.num_kv_heads})")
+
+    def _check_architecture(self, supported, kind: str = "") -> None:
+        if self.architecture not in supported:
+            raise ConfigError(f"unsupported {kind}architecture {self.architecture!r}; "
+                              f"supported: {', '.join(supported)}")
+
+    def _check_taps_and_rope(self) -> None:
+        for layer in self.tap_layers:
+            if not 0 <= layer < self.num_layers:
+                raise ConfigError(f"tap layer {layer} outside [0, {self.num_layers})")
+        if list(self.tap_layers) != sorted(set(self.tap_layers)):
+            # taps are concatenated in layer order, so the configured order must be that order
+            raise ConfigError(f"tap_layers must be strictly increasing (each layer once, in layer "
+                              f"order), got {self.tap_layers}; with_taps({self.tap_layers}) taps "
+                              f"{tuple(sorted(set(self.tap_layers)))}")
+        if self.rope_theta <= 0 or self.rms_norm_eps <= 0:
+            raise ConfigError("rope_theta and rms_norm_eps must be positive")
+
+    # ---- config.json ----
+
+    def _hf_sizes(self) -> dict[str, Any]:
+        """The attention and model sizes under their Hugging Face keys."""
+        return {"vocab_size": self.vocab_size, "hidden_size": self.hidden_size,
+                "intermediate_size": self.intermediate_size, "num_hidden_layers": self.num_layers,
+                "num_attention_heads": self.num_heads, "num_key_value_heads": self.num_kv_heads,
+                "head_dim": self.head_dim}
+
+    def _hf_token_ids(self) -> dict[str, int]:
+        return {name: value for name, value in (("bos_token_id", self.bos_token_id),
+                                                ("eos_token_id", self.eos_token_id)) if value is not None}
+
+
+def hf_architecture(hf: dict[str, Any], by_model_type: dict[str, str], supported, kind: str = "") -> str:
+    """config.json's architecture (its first `architectures` entry, else the one its `model_type`
+    names), refused unless `supported`."""
+    archs = hf.get("architectures") or []
+    arch = archs[0] if archs else by_model_type.get(hf.get("model_type", ""))
+    if arch not in supported:
+        raise ConfigError(f"unsupported {kind}architecture {arch!r} (model_type={hf.get('model_type')!r}); "
+                          f"supported: {', '.join(supported)}")
+    return arch
+
+
+def hf_sizes(hf: dict[str, Any], which: str = "") -> dict[str, int]:
+    """The seven size fields both configs take, from a config.json dict (`which` names the part of the
+    file they sit in, for the error): num_key_value_heads defaults to the query heads and head_dim to
+    hidden_size / heads, as in transformers."""
+    missing = [k for k in REQUIRED_HF_KEYS if k not in hf]
+    if missing:
+        raise ConfigError(f"config.json lacks required {which}keys: {', '.join(missing)}")
+    num_heads = hf["num_attention_heads"]
+    return dict(vocab_size=hf["vocab_size"], hidden_size=hf["hidden_size"],
+                intermediate_size=hf["intermediate_size"], num_layers=hf["num_hidden_layers"],
+                num_heads=num_heads, num_kv_heads=hf.get("num_key_value_heads") or num_heads,
+                head_dim=hf.get("head_dim") or hf["hidden_size"] // num_heads)
+
+
+def first_token_id(token_id):
+    """An `eos_token_id` as one id: a list gives its first entry (None when empty)."""
+    if isinstance(token_id, list):
+        return token_id[0] if token_id else None
+    return token_id
+
+
 @dataclasses.dataclass(frozen=True)
-class ModelConfig:
+class ModelConfig(DecoderConfigBase):
     vocab_size: int
     hidden_size: int
     intermediate_size: int
@@ -75,38 +177,13 @@ class ModelConfig:
     attention: Any = None
 
     def __post_init__(self):
-        positive = ("vocab_size", "hidden_size", "intermediate_size", "num_layers", "num_heads",
-                    "num_kv_heads", "head_dim", "max_position_embeddings")
-        for name in positive:
-            value = getattr(self, name)
-            if not isinstance(value, (int, np.integer)) or value <= 0:
-                raise ConfigError(f"ModelConfig.{name} must be a positive integer, got {value!r}")
-        if self.num_heads % self.num_kv_heads:
-            raise ConfigError(
-                f"num_heads ({self.num_heads}) must be a multiple of num_kv_heads ({self.num_kv_heads})")
+        self._check_positive(("vocab_size", "hidden_size", "intermediate_size", "num_layers", "num_heads",
+                              "num_kv_heads", "head_dim", "max_position_embeddings"))
+        self._check_heads()
         if self.head_dim % 2:
             raise ConfigError(f"head_dim must be even for RoPE, got {self.head_dim}")
-        if self.architecture not in SUPPORTED_ARCHITECTURES:
-            raise ConfigError(f"unsupported architecture {self.architecture!r}; "
-                              f"supported: {', '.join(SUPPORTED_ARCHITECTURES)}")
-        for layer in self.tap_layers:
-            if not 0 <= layer < self.num_layers:
-                raise ConfigError(f"tap layer {layer} outside [0, {self.num_layers})")
-        if list(self.tap_layers) != sorted(set(self.tap_layers)):
-            # taps are concatenated in layer order, so the configured order must be that order
-            raise ConfigError(f"tap_layers must be strictly increasing (each layer once, in layer "
-                              f"order), got {self.tap_layers}; with_taps({self.tap_layers}) taps "
-                              f"{tuple(sorted(set(self.tap_layers)))}")
-        if self.rope_theta <= 0 or self.rms_norm_eps <= 0:
-            raise ConfigError("rope_theta and rms_norm_eps must be positive")
-
-    @property
-    def q_size(self) -> int:
-        return self.num_heads * self.head_dim
-
-    @property
-    def kv_size(self) -> int:
-        return self.num_kv_heads * self.head_dim
+        self._check_architecture(SUPPORTED_ARCHITECTURES)
+        self._check_taps_and_rope()
 
     def num_params(self) -> int:
         h, i, v = self.hidden_size, self.intermediate_size, self.vocab_size
@@ -139,75 +216,41 @@ class ModelConfig:
         medium = (wavelen >= high_wavelen) & (wavelen <= low_wavelen)
         return np.where(medium, smoothed, scaled)
 
-    def with_taps(self, tap_layers) -> "ModelConfig":
-        """This config tapping each listed layer once, in layer order, whatever the listed order or
-        repeats: a drafter's `target_layer_ids` in any form can be passed as they are."""
-        return dataclasses.replace(self, tap_layers=tuple(sorted({int(t) for t in tap_layers})))
-
     # ----------------------------------------------------------------------------------------------
     # Hugging Face config.json
 
     @classmethod
     def from_hf_dict(cls, hf: dict[str, Any], tap_layers=()) -> "ModelConfig":
-        archs = hf.get("architectures") or []
-        arch = archs[0] if archs else {"qwen3": "Qwen3ForCausalLM", "llama": "LlamaForCausalLM"}.get(
-            hf.get("model_type", ""), None)
-        if arch not in SUPPORTED_ARCHITECTURES:
-            raise ConfigError(f"unsupported architecture {arch!r} (model_type={hf.get('model_type')!r}); "
-                              f"supported: {', '.join(SUPPORTED_ARCHITECTURES)}")
-        required = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
-                    "num_attention_heads")
-        missing = [k for k in required if k not in hf]
-        if missing:
-            raise ConfigError(f"config.json lacks required keys: {', '.join(missing)}")
+        arch = hf_architecture(hf, {"qwen3": "Qwen3ForCausalLM", "llama": "LlamaForCausalLM"},
+                               SUPPORTED_ARCHITECTURES)
+        sizes = hf_sizes(hf)
         if hf.get("use_sliding_window"):
             raise ConfigError("sliding-window attention (use_sliding_window=true) is not supported")
-        num_heads = hf["num_attention_heads"]
         rope_scaling = _parse_rope_scaling(hf.get("rope_scaling") or hf.get("rope_parameters"))
         rope_theta = hf.get("rope_theta")
         if rope_theta is None and isinstance(hf.get("rope_parameters"), dict):
             rope_theta = hf["rope_parameters"].get("rope_theta")
-        eos = hf.get("eos_token_id")
-        if isinstance(eos, list):
-            eos = eos[0] if eos else None
-        is_qwen3 = arch == "Qwen3ForCausalLM"
         return cls(
-            vocab_size=hf["vocab_size"],
-            hidden_size=hf["hidden_size"],
-            intermediate_size=hf["intermediate_size"],
-            num_layers=hf["num_hidden_layers"],
-            num_heads=num_heads,
-            num_kv_heads=hf.get("num_key_value_heads") or num_heads,
-            head_dim=hf.get("head_dim") or hf["hidden_size"] // num_heads,
+            **sizes,
             rope_theta=float(rope_theta if rope_theta is not None else 10000.0),
             rope_scaling=rope_scaling,
             rms_norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
             tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
-            qk_norm=is_qwen3,
+            qk_norm=arch == "Qwen3ForCausalLM",
             attention_bias=bool(hf.get("attention_bias", False)),
             mlp_bias=bool(hf.get("mlp_bias", False)),
             max_position_embeddings=int(hf.get("max_position_embeddings", 32768)),
             architecture=arch,
             tap_layers=tuple(tap_layers),
             bos_token_id=hf.get("bos_token_id"),
-            eos_token_id=eos,
+            eos_token_id=first_token_id(hf.get("eos_token_id")),
         )
-
-    @classmethod
-    def from_json(cls, path: str | Path, tap_layers=()) -> "ModelConfig":
-        return cls.from_hf_dict(read_config_json(path), tap_layers)
 
     def to_hf_dict(self) -> dict[str, Any]:
         hf: dict[str, Any] = {
             "architectures": [self.architecture],
             "model_type": "qwen3" if self.architecture == "Qwen3ForCausalLM" else "llama",
-            "vocab_size": self.vocab_size,
-            "hidden_size": self.hidden_size,
-            "intermediate_size": self.intermediate_size,
-            "num_hidden_layers": self.num_layers,
-            "num_attention_heads": self.num_heads,
-            "num_key_value_heads": self.num_kv_heads,
-            "head_dim": self.head_dim,
+            **self._hf_sizes(),
             "rope_theta": self.rope_theta,
             "rms_norm_eps": self.rms_norm_eps,
             "tie_word_embeddings": self.tie_word_embeddings,
@@ -220,10 +263,7 @@ class ModelConfig:
             hf["mlp_bias"] = self.mlp_bias
         if self.rope_scaling is not None:
             hf["rope_scaling"] = {"rope_type": "llama3", **dataclasses.asdict(self.rope_scaling)}
-        if self.bos_token_id is not None:
-            hf["bos_token_id"] = self.bos_token_id
-        if self.eos_token_id is not None:
-            hf["eos_token_id"] = self.eos_token_id
+        hf.update(self._hf_token_ids())
         return hf
 
 

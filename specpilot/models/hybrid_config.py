@@ -1,39 +1,24 @@
-"""Configuration of hybrid recurrent targets (Qwen3.5 text model: Gated DeltaNet + gated attention).
-
-Design choices:
-- `HybridConfig` is a frozen, hashable dataclass like `ModelConfig` (a jit static argument). It keeps
-  the field names `ModelConfig` uses for what both have (`hidden_size`, `num_heads`, `head_dim`,
-  `tap_layers`, `tie_word_embeddings`, ...), so code that only reads those (the block drafter's
-  `DrafterConfig.for_target`, `check_compatible`, `dense.lm_head`) takes either config.
-- `layer_types[i]` is "linear_attention" (a Gated DeltaNet layer) or "full_attention" (gated softmax
-  attention). At least one full-attention layer is required: its K/V slots give the state its slot
-  capacity (`TargetState.max_len`), which the decoding loops check writes against.
-- Built from a Hugging Face config (`from_hf_dict`) of either layout: `Qwen3_5ForCausalLM` (text
-  fields at the top level) or `Qwen3_5ForConditionalGeneration` (text fields under `text_config`; the
-  vision tower's fields are ignored). Defaults are those of transformers' `Qwen3_5TextConfig`:
-  rope_theta 10000, partial_rotary_factor 0.25, every fourth layer full attention when
-  `layer_types` is absent.
-- Text-only multimodal RoPE (`mrope_section`) gives every section the same position, so it is plain
-  RoPE over the first `rotary_dim = int(head_dim * partial_rotary_factor)` channels of each head.
-- Every impossible value fails in `__post_init__` with a message naming the field.
+"""Configuration of hybrid recurrent targets (Qwen3.5 text model: Gated DeltaNet layers and gated
+attention layers): `HybridConfig`, a frozen dataclass with `ModelConfig`'s names for what both have, so
+code that reads only those takes either config. Design notes: docs/design/models.md.
 """
 
 from __future__ import annotations
 
 import dataclasses
-from pathlib import Path
 from typing import Any
 
 import numpy as np
 
-from specpilot.models.config import ConfigError, read_config_json
+from specpilot.models.config import (ConfigError, DecoderConfigBase, first_token_id, hf_architecture,
+                                     hf_sizes)
 
 ARCHITECTURES = ("Qwen3_5ForCausalLM", "Qwen3_5ForConditionalGeneration")
 LAYER_TYPES = ("linear_attention", "full_attention")
 
 
 @dataclasses.dataclass(frozen=True)
-class HybridConfig:
+class HybridConfig(DecoderConfigBase):
     vocab_size: int
     hidden_size: int
     intermediate_size: int
@@ -75,14 +60,10 @@ class HybridConfig:
     rope_scaling = None  # no rope scaling type is supported; read by drafter configs built from this
 
     def __post_init__(self):
-        positive = ("vocab_size", "hidden_size", "intermediate_size", "num_layers", "num_heads",
-                    "num_kv_heads", "head_dim", "linear_conv_kernel_dim", "linear_key_head_dim",
-                    "linear_value_head_dim", "linear_num_key_heads", "linear_num_value_heads",
-                    "max_position_embeddings")
-        for name in positive:
-            value = getattr(self, name)
-            if not isinstance(value, (int, np.integer)) or value <= 0:
-                raise ConfigError(f"HybridConfig.{name} must be a positive integer, got {value!r}")
+        self._check_positive(("vocab_size", "hidden_size", "intermediate_size", "num_layers", "num_heads",
+                              "num_kv_heads", "head_dim", "linear_conv_kernel_dim", "linear_key_head_dim",
+                              "linear_value_head_dim", "linear_num_key_heads", "linear_num_value_heads",
+                              "max_position_embeddings"))
         object.__setattr__(self, "layer_types", tuple(self.layer_types))
         object.__setattr__(self, "tap_layers", tuple(int(t) for t in self.tap_layers))
         if len(self.layer_types) != self.num_layers:
@@ -94,9 +75,7 @@ class HybridConfig:
         if "full_attention" not in self.layer_types:
             raise ConfigError("a hybrid target needs at least one full_attention layer (its K/V slots "
                               "bound the sequence length the decoding loops check against)")
-        if self.num_heads % self.num_kv_heads:
-            raise ConfigError(f"num_heads ({self.num_heads}) must be a multiple of num_kv_heads "
-                              f"({self.num_kv_heads})")
+        self._check_heads()
         if self.linear_num_value_heads % self.linear_num_key_heads:
             raise ConfigError(f"linear_num_value_heads ({self.linear_num_value_heads}) must be a "
                               f"multiple of linear_num_key_heads ({self.linear_num_key_heads})")
@@ -105,17 +84,8 @@ class HybridConfig:
         if self.rotary_dim < 2 or self.rotary_dim % 2:
             raise ConfigError(f"rotary_dim = int(head_dim {self.head_dim} * partial_rotary_factor "
                               f"{self.partial_rotary_factor}) = {self.rotary_dim} must be even and >= 2")
-        if self.architecture not in ARCHITECTURES:
-            raise ConfigError(f"unsupported hybrid architecture {self.architecture!r}; supported: "
-                              f"{', '.join(ARCHITECTURES)}")
-        for layer in self.tap_layers:
-            if not 0 <= layer < self.num_layers:
-                raise ConfigError(f"tap layer {layer} outside [0, {self.num_layers})")
-        if list(self.tap_layers) != sorted(set(self.tap_layers)):
-            raise ConfigError(f"tap_layers must be strictly increasing (each layer once, in layer "
-                              f"order), got {self.tap_layers}")
-        if self.rope_theta <= 0 or self.rms_norm_eps <= 0:
-            raise ConfigError("rope_theta and rms_norm_eps must be positive")
+        self._check_architecture(ARCHITECTURES, "hybrid ")
+        self._check_taps_and_rope()
 
     # ----------------------------------------------------------------------------------------------
     # Derived sizes
@@ -123,14 +93,6 @@ class HybridConfig:
     @property
     def rotary_dim(self) -> int:
         return int(self.head_dim * self.partial_rotary_factor)
-
-    @property
-    def q_size(self) -> int:
-        return self.num_heads * self.head_dim
-
-    @property
-    def kv_size(self) -> int:
-        return self.num_kv_heads * self.head_dim
 
     @property
     def key_dim(self) -> int:
@@ -154,39 +116,27 @@ class HybridConfig:
         d = self.rotary_dim
         return 1.0 / (self.rope_theta ** (np.arange(0, d, 2, dtype=np.float64) / d))
 
-    def with_taps(self, tap_layers) -> "HybridConfig":
-        """This config tapping each listed layer once, in layer order (as ModelConfig.with_taps)."""
-        return dataclasses.replace(self, tap_layers=tuple(sorted({int(t) for t in tap_layers})))
-
     # ----------------------------------------------------------------------------------------------
     # Hugging Face config.json
 
     @classmethod
     def from_hf_dict(cls, hf: dict[str, Any], tap_layers=()) -> "HybridConfig":
-        archs = hf.get("architectures") or []
-        arch = archs[0] if archs else {"qwen3_5": "Qwen3_5ForConditionalGeneration",
-                                       "qwen3_5_text": "Qwen3_5ForCausalLM"}.get(hf.get("model_type", ""))
-        if arch not in ARCHITECTURES:
-            raise ConfigError(f"unsupported hybrid architecture {arch!r} (model_type="
-                              f"{hf.get('model_type')!r}); supported: {', '.join(ARCHITECTURES)}")
+        arch = hf_architecture(hf, {"qwen3_5": "Qwen3_5ForConditionalGeneration",
+                                    "qwen3_5_text": "Qwen3_5ForCausalLM"}, ARCHITECTURES, "hybrid ")
         text = hf
         if arch == "Qwen3_5ForConditionalGeneration":
             text = hf.get("text_config")
             if not isinstance(text, dict):
                 raise ConfigError("a Qwen3_5ForConditionalGeneration config.json needs a text_config "
                                   "object holding the language model's fields")
-        required = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
-                    "num_attention_heads")
-        missing = [k for k in required if k not in text]
-        if missing:
-            raise ConfigError(f"config.json lacks required text-model keys: {', '.join(missing)}")
+        sizes = hf_sizes(text, "text-model ")
         rope = text.get("rope_parameters") or text.get("rope_scaling") or {}
         rope_type = rope.get("rope_type", rope.get("type", "default"))
         if rope_type not in ("default", None):
             raise ConfigError(f"unsupported rope type {rope_type!r} for a hybrid target; supported: default")
         rope_theta = rope.get("rope_theta", text.get("rope_theta", 10000.0))
         partial = rope.get("partial_rotary_factor", text.get("partial_rotary_factor", 0.25))
-        n_layers = text["num_hidden_layers"]
+        n_layers = sizes["num_layers"]
         layer_types = text.get("layer_types")
         if layer_types is None:
             interval = int(text.get("full_attention_interval", 4))
@@ -194,17 +144,10 @@ class HybridConfig:
                            for i in range(n_layers)]
         if text.get("hidden_act", "silu") != "silu":
             raise ConfigError(f"hidden_act {text['hidden_act']!r} is not supported; only silu")
-        num_heads = text["num_attention_heads"]
-        eos = text.get("eos_token_id", hf.get("eos_token_id"))
-        if isinstance(eos, list):
-            eos = eos[0] if eos else None
+        eos = first_token_id(text.get("eos_token_id", hf.get("eos_token_id")))
         tie = hf.get("tie_word_embeddings", text.get("tie_word_embeddings", False))
         return cls(
-            vocab_size=text["vocab_size"], hidden_size=text["hidden_size"],
-            intermediate_size=text["intermediate_size"], num_layers=n_layers, num_heads=num_heads,
-            num_kv_heads=text.get("num_key_value_heads") or num_heads,
-            head_dim=text.get("head_dim") or text["hidden_size"] // num_heads,
-            layer_types=tuple(layer_types),
+            **sizes, layer_types=tuple(layer_types),
             linear_conv_kernel_dim=int(text.get("linear_conv_kernel_dim", 4)),
             linear_key_head_dim=int(text.get("linear_key_head_dim", 128)),
             linear_value_head_dim=int(text.get("linear_value_head_dim", 128)),
@@ -217,18 +160,11 @@ class HybridConfig:
             architecture=arch, tap_layers=tuple(tap_layers),
             bos_token_id=text.get("bos_token_id", hf.get("bos_token_id")), eos_token_id=eos)
 
-    @classmethod
-    def from_json(cls, path: str | Path, tap_layers=()) -> "HybridConfig":
-        return cls.from_hf_dict(read_config_json(path), tap_layers)
-
     def to_hf_dict(self) -> dict[str, Any]:
         """A `Qwen3_5ForCausalLM` config.json (the text model's layout)."""
         hf: dict[str, Any] = {
             "architectures": ["Qwen3_5ForCausalLM"], "model_type": "qwen3_5_text",
-            "vocab_size": self.vocab_size, "hidden_size": self.hidden_size,
-            "intermediate_size": self.intermediate_size, "num_hidden_layers": self.num_layers,
-            "num_attention_heads": self.num_heads, "num_key_value_heads": self.num_kv_heads,
-            "head_dim": self.head_dim, "layer_types": list(self.layer_types),
+            **self._hf_sizes(), "layer_types": list(self.layer_types),
             "linear_conv_kernel_dim": self.linear_conv_kernel_dim,
             "linear_key_head_dim": self.linear_key_head_dim,
             "linear_value_head_dim": self.linear_value_head_dim,
@@ -240,8 +176,5 @@ class HybridConfig:
             "attention_bias": self.attention_bias,
             "max_position_embeddings": self.max_position_embeddings, "hidden_act": "silu",
         }
-        if self.bos_token_id is not None:
-            hf["bos_token_id"] = self.bos_token_id
-        if self.eos_token_id is not None:
-            hf["eos_token_id"] = self.eos_token_id
+        hf.update(self._hf_token_ids())
         return hf
