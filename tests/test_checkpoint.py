@@ -19,7 +19,7 @@ import numpy as np
 import pytest
 from safetensors.numpy import load_file, save_file
 
-from specpilot.models import checkpoint, dense
+from specpilot.models import checkpoint, dense, hf_files
 from specpilot.models.checkpoint import CheckpointError, load_hf, save_hf
 from specpilot.models.config import ModelConfig, RopeScaling
 
@@ -144,7 +144,7 @@ def test_rotary_inv_freq_buffers_are_ignored(good):
 def no_tensor_reads(monkeypatch):
     def fail(*_):
         raise AssertionError("tensor data was read before the checkpoint was validated")
-    monkeypatch.setattr(checkpoint, "_read_tensors", fail)
+    monkeypatch.setattr(hf_files, "read_tensors", fail)
 
 
 def test_missing_path(tmp_path):

@@ -1,29 +1,7 @@
-"""Import a llama or qwen3 GGUF file (llama.cpp's format) as a Hugging Face directory `load_hf` reads.
-
-Design choices:
-- Read with the `gguf` package (llama.cpp's own reader) and dequantize with its
-  `gguf.quants.dequantize`, the code llama.cpp's Python tools and transformers' GGUF loader use, so the
-  float32 weights are those every other reader of the file sees.
-- Everything checkable from the header is checked before any tensor is dequantized or anything is
-  written: the file is GGUF (magic, readable to its last tensor), the architecture is supported,
-  every metadata key needed is there, the config it describes is valid (`ModelConfig`), every tensor
-  name is known, every tensor type is one we dequantize, every shape is the one the config implies,
-  and nothing expected is missing. Each failure is one `GGUFImportError` naming the file and problem.
-- llama.cpp's converter permutes the rows of Llama's q and k projections (weights and biases) so
-  that its RoPE rotates adjacent pairs instead of the two halves of each head; the import undoes it
-  per head (`unpermute_rope_rows`). Qwen3 files are stored unpermuted (llama.cpp's NEOX rope).
-- Config comes from metadata only, with llama.cpp's meaning of each key: head_dim is
-  `attention.key_length` if present, else hidden / heads; a rotary width other than head_dim,
-  RoPE scaling and per-layer head counts are refused rather than approximated. Biases and tied
-  embeddings follow the tensors present (`output.weight` absent = tied, as llama.cpp writes it).
-- Written through `ModelConfig.to_hf_dict` and safetensors (float32), so the folder is what
-  `checkpoint.save_hf` would write for the same model, plus the tokenizer files
-  (`gguf_tokenizer`) and `gguf_source.json`.
-- Cached by content: `gguf_source.json` (written last) records the file's size and SHA-256 and the
-  importer version; a folder whose record matches is returned as is. Writing goes to a temporary
-  sibling folder renamed into place, so a failed or interrupted import leaves no folder behind and
-  a half-written folder is never mistaken for a finished one. A folder that holds something other
-  than a conversion is never replaced.
+"""Import a llama or qwen3 GGUF file (llama.cpp's format) as the Hugging Face directory `load_hf` reads:
+every header check before anything is dequantized or written, llama.cpp's q/k row permutation undone,
+the tokenizer rebuilt from metadata, and the result cached by the file's content and written atomically.
+Design notes: docs/design/models.md.
 """
 
 from __future__ import annotations
@@ -40,8 +18,9 @@ from typing import Any
 import numpy as np
 from safetensors.numpy import save_file
 
-from specpilot.models import checkpoint
+from specpilot.models.checkpoint import TOP_KEYS, hf_key_map
 from specpilot.models.config import ConfigError, ModelConfig
+from specpilot.models.hf_files import ATTENTION_MLP_KEYS, CONFIG_FILE, SINGLE_FILE, hf_shape, listing
 from specpilot.models.gguf_tokenizer import (TOKENIZER_CONFIG_FILE, TOKENIZER_FILE, TokenizerMetadataError,
                                              build_tokenizer, tokenizer_config)
 
@@ -53,20 +32,12 @@ ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen3": "Qwen3ForCausalLM"}
 TENSOR_TYPES = ("F32", "F16", "BF16", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0",
                 "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K")
 
-# GGUF tensor name -> Hugging Face name (per layer: under blk.{i}. / model.layers.{i}.).
-_TOP_NAMES = {"token_embd.weight": "model.embed_tokens.weight", "output_norm.weight": "model.norm.weight",
-              "output.weight": "lm_head.weight"}
-_LAYER_NAMES = {
-    "attn_norm.weight": "input_layernorm.weight", "ffn_norm.weight": "post_attention_layernorm.weight",
-    "attn_q.weight": "self_attn.q_proj.weight", "attn_k.weight": "self_attn.k_proj.weight",
-    "attn_v.weight": "self_attn.v_proj.weight", "attn_output.weight": "self_attn.o_proj.weight",
-    "attn_q.bias": "self_attn.q_proj.bias", "attn_k.bias": "self_attn.k_proj.bias",
-    "attn_v.bias": "self_attn.v_proj.bias", "attn_output.bias": "self_attn.o_proj.bias",
-    "attn_q_norm.weight": "self_attn.q_norm.weight", "attn_k_norm.weight": "self_attn.k_norm.weight",
-    "ffn_gate.weight": "mlp.gate_proj.weight", "ffn_up.weight": "mlp.up_proj.weight",
-    "ffn_down.weight": "mlp.down_proj.weight", "ffn_gate.bias": "mlp.gate_proj.bias",
-    "ffn_up.bias": "mlp.up_proj.bias", "ffn_down.bias": "mlp.down_proj.bias",
-}
+# GGUF tensor name -> our param name (per layer: the stem of the name under blk.{i}., for .weight and,
+# on the projections, .bias); the Hugging Face name is then ours (`checkpoint.TOP_KEYS`, `ATTENTION_MLP_KEYS`).
+_TOP_NAMES = {"token_embd.weight": "embed", "output_norm.weight": "final_norm", "output.weight": "lm_head"}
+_LAYER_STEMS = {"attn_norm": "attn_norm", "ffn_norm": "mlp_norm", "attn_q_norm": "q_norm",
+                "attn_k_norm": "k_norm", "attn_q": "q", "attn_k": "k", "attn_v": "v", "attn_output": "o",
+                "ffn_gate": "gate", "ffn_up": "up", "ffn_down": "down"}
 _KNOWN_UNSUPPORTED = {
     "rope_freqs.weight": "per-frequency RoPE scaling factors (llama.cpp's form of Llama 3.1 rope "
                         "scaling) are not supported",
@@ -208,18 +179,26 @@ def read_config(meta: dict[str, Any], tensor_names, path: Path) -> ModelConfig:
 def hf_name(gguf_name: str) -> str | None:
     """The Hugging Face name of a GGUF tensor name, or None for an unknown one."""
     if gguf_name in _TOP_NAMES:
-        return _TOP_NAMES[gguf_name]
-    parts = gguf_name.split(".", 2)
-    if len(parts) == 3 and parts[0] == "blk" and parts[1].isdigit() and parts[2] in _LAYER_NAMES:
-        return f"model.layers.{int(parts[1])}.{_LAYER_NAMES[parts[2]]}"
-    return None
+        return TOP_KEYS[_TOP_NAMES[gguf_name]]
+    parts = gguf_name.split(".")
+    if len(parts) != 4 or parts[0] != "blk" or not parts[1].isdigit() or parts[2] not in _LAYER_STEMS:
+        return None
+    ours = _LAYER_STEMS[parts[2]] + {"weight": "", "bias": "_bias"}.get(parts[3], ".")
+    hf = ATTENTION_MLP_KEYS.get(ours)
+    return None if hf is None else f"model.layers.{int(parts[1])}.{hf}"
+
+
+def known_names(layer: int) -> list[str]:
+    """Every GGUF tensor name the import reads: the top-level ones and those of block `layer`."""
+    layer_names = [f"blk.{layer}.{stem}.{kind}" for stem in _LAYER_STEMS for kind in ("weight", "bias")]
+    return [*_TOP_NAMES, *(name for name in layer_names if hf_name(name) is not None)]
 
 
 def _plan(path: Path) -> _Plan:
     reader = _open(path)
     meta = _metadata(reader)
     cfg = read_config(meta, [t.name for t in reader.tensors], path)
-    expected = checkpoint.hf_key_map(cfg)
+    expected = hf_key_map(cfg)
     problems, tensors = [], {}
     for t in reader.tensors:
         if t.name in _KNOWN_UNSUPPORTED:
@@ -232,15 +211,14 @@ def _plan(path: Path) -> _Plan:
             raise GGUFImportError(f"{path}: tensor {t.name} has unsupported tensor type "
                                   f"{t.tensor_type.name}; supported: {', '.join(TENSOR_TYPES)}")
         _, shape, transpose = expected[name]
-        want = tuple(reversed(shape)) if transpose else tuple(shape)
+        want = hf_shape(tuple(shape), transpose)
         got = tuple(int(n) for n in reversed(t.shape))  # GGUF lists dimensions innermost first
         if got != want:
             problems.append(f"tensor {t.name} has shape {got}, the metadata implies {want}")
         tensors[name] = t
-    missing = sorted(set(expected) - set(tensors))
+    missing = set(expected) - set(tensors)
     if missing:
-        more = " ..." if len(missing) > 8 else ""
-        problems.append("missing tensor(s) for " + ", ".join(missing[:8]) + more)
+        problems.append(f"missing tensor(s) for {listing(missing)}")
     if problems:
         raise GGUFImportError(f"{path} does not match its metadata ({cfg.architecture}, {cfg.num_layers} "
                               f"layers): " + "; ".join(problems))
@@ -305,19 +283,19 @@ def _recorded_key(out: Path) -> dict[str, Any] | None:
 def is_converted(out: str | Path, key: dict[str, Any]) -> bool:
     """Whether `out` holds a finished import of the file with this `file_key`."""
     out = Path(out)
-    needed = (checkpoint.CONFIG_FILE, checkpoint.SINGLE_FILE, TOKENIZER_FILE, TOKENIZER_CONFIG_FILE)
+    needed = (CONFIG_FILE, SINGLE_FILE, TOKENIZER_FILE, TOKENIZER_CONFIG_FILE)
     return _recorded_key(out) == key and all((out / name).is_file() for name in needed)
 
 
 def _write(plan: _Plan, path: Path, key: dict[str, Any], tmp: Path) -> None:
     tensors = {name: _dequantized(plan, name, path) for name in plan.tensors}
-    save_file(tensors, str(tmp / checkpoint.SINGLE_FILE), metadata={"format": "pt"})
+    save_file(tensors, str(tmp / SINGLE_FILE), metadata={"format": "pt"})
     hf = plan.cfg.to_hf_dict()
     hf["torch_dtype"] = hf["dtype"] = "float32"
     pad = plan.meta.get("tokenizer.ggml.padding_token_id")
     if pad is not None:
         hf["pad_token_id"] = int(pad)
-    (tmp / checkpoint.CONFIG_FILE).write_text(json.dumps(hf, indent=2, sort_keys=True) + "\n")
+    (tmp / CONFIG_FILE).write_text(json.dumps(hf, indent=2, sort_keys=True) + "\n")
     plan.tokenizer.save(str(tmp / TOKENIZER_FILE))
     (tmp / TOKENIZER_CONFIG_FILE).write_text(json.dumps(plan.tokenizer_config, indent=2,
                                                         ensure_ascii=False) + "\n")
