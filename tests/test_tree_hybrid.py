@@ -7,31 +7,15 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from specpilot import forcing
 from specpilot import state as st
 from specpilot.decoding import ar, spec, tree
 from specpilot.decoding import token_tree as tt
 from specpilot.models import drafter as dr
 from specpilot.models import hybrid
-from test_hybrid_spec import CFG, PROMPTS, hybrid_params
-
-TARGET = hybrid.target(CFG, jnp.float32)
-N = 24
-EXTRA = 17
-
-
-@pytest.fixture(scope="module")
-def target():
-    return hybrid_params(CFG, 0)
-
-
-@pytest.fixture(scope="module")
-def ar_tokens(target):
-    return ar.generate(TARGET, target, PROMPTS, N + EXTRA).tokens
-
-
-@pytest.fixture(scope="module")
-def reference(ar_tokens):
-    return jnp.asarray(dr.replay_reference(PROMPTS, ar_tokens.tolist()))
+# The hybrid target, its prompts and the fixtures over them are test_hybrid_spec's (target, ar_tokens and
+# reference are fixtures: pytest finds them by these names).
+from test_hybrid_spec import CFG, EXTRA, N, PROMPTS, TARGET, ar_tokens, reference, target  # noqa: F401
 
 
 def _prefilled(params, prompts, cache_len=64):
@@ -114,8 +98,6 @@ def test_a_tree_past_the_targets_snapshots_is_refused(target, reference):
 def test_tree_forcing_agrees_with_ar_steps(target, ar_tokens):
     """Forced AR output scored by tree forwards (the forced path inside a 12-node tree, per-node
     recurrent states, path commits) against AR steps, at every position."""
-    from specpilot import forcing
-
     report = forcing.force(forcing.chunked_scorer(target, TARGET, chunk=1),
                            forcing.tree_scorer(target, TARGET, 12, 5, 3), PROMPTS, ar_tokens[:, :N])
     assert report.passed, report.summary()

@@ -1,26 +1,7 @@
-"""Dense decoder (Qwen3, Llama) as pure functions over a parameter pytree.
-
-Design choices:
-- Params are plain nested dicts: `{"embed", "layers": (per-layer dict, ...), "final_norm", "lm_head"?}`
-  with linear weights stored `[in, out]`. Layers are a tuple of per-layer arrays and the layer loop is
-  unrolled: scanning over stacked weights made XLA copy per-layer slices (29% of bandwidth vs 79%).
-- The target protocol: a target is its config, params and pure functions. `init_state(cfg, batch,
-  max_len, dtype)` and `forward(params, cfg, tokens, positions, state, mask) -> (logits, taps, state)`
-  serve prefill (T = prompt length), AR decode (T = 1), block verification (T = k) and trees: the T
-  tokens' K/V go to slots `lengths[b] + i`, rotated by `positions [B, T]`, each query seeing the slots
-  `mask [B, T, S]` allows (`state.chain_positions` / `causal_mask` build the chain case,
-  `state.tree_mask` a tree's). Nothing is committed: callers commit what they accept
-  (`TargetState.commit`, `gather_path`). `prefill`, `step` and `decode_step` are the jitted chain
-  wrappers most users want. `Target` bundles the config and the state dtype with these functions as
-  one hashable value (a jit static argument), as the drafter objects are; decoding loops take it.
-- The state's dtype is the target's activation dtype (`target(cfg, params['embed'].dtype)`), never a
-  fixed default: a bf16 default put errors near 1e-2 (relative) into a float32 model's logits.
-- `taps` are the outputs of the layers in `cfg.tap_layers`, concatenated on the feature axis
-  `[B, T, n_taps * H]` — exactly what a DFlash-style drafter projects.
-- `fuse_projections` turns a layer's q/k/v into one `qkv` matrix and gate/up into one `gate_up` matrix
-  (checkpoints keep the separate names). At batch 1 on an H200 this took a Qwen3-8B-shaped step from
-  7.2 to 5.1 ms/token: XLA rewrote the N=1024 k/v matmuls into multiply + reduce through f32
-  temporaries and ran the N=12288 gate/up dots at 2.4 TB/s (docs/performance.md).
+"""Dense decoder (Qwen3, Llama) as pure functions over a parameter pytree, and the target protocol every
+target follows: `init_state` and `forward(params, cfg, tokens, positions, state, mask) -> (logits, taps,
+state)` serve prefill, decode, chain and tree verification and commit nothing; `Target` bundles them
+as one hashable value. Design notes: docs/design/models.md.
 """
 
 from __future__ import annotations
@@ -232,16 +213,27 @@ def hidden_forward(params: Params, cfg: ModelConfig, x: jax.Array, positions: ja
 
     Returns (final-normed hidden [B, T, H], taps [B, T, n_taps*H], state with K/V written, uncommitted).
     """
-    b, t, _ = x.shape
     cos, sin = rope_tables(positions, cfg.inv_freq())
+    lengths = state.lengths
+    x, taps, state = run_layers(
+        params, cfg, x, state, exit_layer,
+        lambda i, p, x, kv: decoder_layer(p, cfg, x, cos, sin, kv, lengths, mask, parents))
+    return rms_norm(x, params["final_norm"], cfg.rms_norm_eps), taps, state
+
+
+def run_layers(params: Params, cfg, x: jax.Array, state: TargetState, exit_layer: int | None, layer):
+    """The layer loop every target runs: x [B, T, H] through `params["layers"][:exit_layer]`, layer i by
+    `layer(i, params_i, x, state_i) -> (x, new state_i)`, the outputs of `cfg.tap_layers` kept.
+    Returns (x before the final norm, taps [B, T, n_taps*H], state with the run layers' new states and
+    the later layers' unchanged, nothing committed)."""
+    b, t, _ = x.shape
     layers, taps = [], []
     for i, p in enumerate(params["layers"][:exit_layer]):
-        x, kv = decoder_layer(p, cfg, x, cos, sin, state.layers[i], state.lengths, mask, parents)
-        layers.append(kv)
+        x, layer_state = layer(i, p, x, state.layers[i])
+        layers.append(layer_state)
         if i in cfg.tap_layers:
             taps.append(x)
     taps_arr = jnp.concatenate(taps, axis=-1) if taps else jnp.zeros((b, t, 0), x.dtype)
-    x = rms_norm(x, params["final_norm"], cfg.rms_norm_eps)
     layers = tuple(layers) + tuple(state.layers[len(layers):])
     return x, taps_arr, TargetState(layers=layers, lengths=state.lengths)
 

@@ -1,31 +1,7 @@
-"""Hybrid recurrent target (Qwen3.5 text model) as pure functions over a parameter pytree.
-
-Design choices:
-- The dense model's layout and protocol (`dense.py`): params `{"embed", "layers": (per-layer dict,
-  ...), "final_norm", "lm_head"?}` with `[in, out]` weights, an unrolled layer loop, `init_state(cfg,
-  batch, max_len, dtype)` and `forward(params, cfg, tokens, positions, state, mask) -> (logits, taps,
-  state)`, nothing committed by a forward; `Target` is the hashable value decoding loops take.
-- `cfg.layer_types` picks each layer's token mixer: "linear_attention" is a Gated DeltaNet layer
-  (`gated_deltanet.py`, a `RecurrentState`), "full_attention" gated softmax attention (an
-  `AttentionState`). Every layer has the dense SwiGLU MLP. Layer l's param dict holds its mixer's
-  names plus `attn_norm`, `mlp_norm`, `gate`, `up`, `down`.
-- Gated attention: `q` [H, heads * 2 * head_dim] holds, per head, the query then the output gate
-  (transformers' q_proj layout); the attention output is multiplied by sigmoid(gate) before `o`.
-  q/k RMSNorms over head_dim; RoPE on the first `rotary_dim` channels of each head only.
-- Every main RMSNorm (input, post-attention, q/k, final) multiplies by (1 + w), in float32 before the
-  cast back (transformers' Qwen3_5RMSNorm); `init` therefore draws those weights around 0. The
-  Gated DeltaNet's output norm is the plain-weight gated norm.
-- Recurrent state per linear layer: conv state [B, W-1, C] (activation dtype), matrix state
-  [B, HV, DK, DV] float32, and `Target.max_block_size` per-token snapshots of each: a verification
-  of up to that many tokens keeps the state after every position (`TargetState.commit(n)` takes
-  snapshot n-1); longer forwards (prefill) keep only the state after the tokens they fed.
-  `spec.generate` refuses larger blocks. A row's fed tokens come from the mask
-  (`gated_deltanet.fed_tokens`): prefill through `state.prompt_forward` hides right padding.
-- Trees: `forward(..., parents=)` gives the linear layers a tree's parent indices, and each node's
-  conv and recurrent state is computed from its parent's (`gated_deltanet.tree_gated_delta_rule`);
-  attention layers read the tree from the mask. Snapshot i is node i's state, so
-  `TargetState.gather_path` commits the accepted path's last node. Without parents, recurrent layers
-  read the mask as a chain (or a right-padded prompt).
+"""Hybrid recurrent target (Qwen3.5 text model) as pure functions over a parameter pytree, on the dense
+model's layout and target protocol: each layer's token mixer is a Gated DeltaNet layer or gated softmax
+attention, with per-token recurrent snapshots so verification commits the state after any accepted
+token (or tree node). Design notes: docs/design/models.md.
 """
 
 from __future__ import annotations
@@ -180,19 +156,13 @@ def forward(params: Params, cfg: HybridConfig, tokens: jax.Array, positions: jax
     (None: a chain or prompt) -> (logits [B, T, V] float32, taps [B, T, n_taps*H], state with K/V and
     recurrent snapshots written). Nothing is committed. exit_layer: logits from the first that many
     layers (an early exit; the later layers' state is returned unchanged)."""
-    b, t = tokens.shape
     x = dense.embed(params, tokens)
     cos, sin = rope_tables(positions, cfg.inv_freq())  # [B, T, rotary_dim]
-    layers, taps = [], []
-    for i, p in enumerate(params["layers"][:exit_layer]):
-        x, layer_state = decoder_layer(p, cfg, i, x, cos, sin, state.layers[i], state.lengths, mask, parents)
-        layers.append(layer_state)
-        if i in cfg.tap_layers:
-            taps.append(x)
-    taps_arr = jnp.concatenate(taps, axis=-1) if taps else jnp.zeros((b, t, 0), x.dtype)
-    x = rms_norm(x, params["final_norm"], cfg.rms_norm_eps)
-    layers = tuple(layers) + tuple(state.layers[len(layers):])
-    return dense.lm_head(params, cfg, x), taps_arr, TargetState(layers, state.lengths)
+    lengths = state.lengths
+    x, taps, state = dense.run_layers(
+        params, cfg, x, state, exit_layer,
+        lambda i, p, x, layer_state: decoder_layer(p, cfg, i, x, cos, sin, layer_state, lengths, mask, parents))
+    return dense.lm_head(params, cfg, rms_norm(x, params["final_norm"], cfg.rms_norm_eps)), taps, state
 
 
 @dataclasses.dataclass(frozen=True)
