@@ -1,13 +1,7 @@
-"""Pallas GPU kernels of specpilot, behind one dispatch.
-
-- `dispatch`: chooses an implementation per op (`matmul`, `gated_delta_rule`, `tree_gated_delta_rule`,
-  `tree_attention`, `prepare_params`, `choice`, `OpChoice`).
-- `gated_delta_rule`: linear attention's recurrence token by token on Pallas' Triton backend, and its reference.
-- `tree_gated_delta_rule`: the same recurrence over a token tree (each node from its parent), and its
-  reference.
-- `tree_attention`: tree-verification attention (prefix split over the cache + the masked tree block) on
-  Pallas' Triton backend, and its reference (the model's attention).
-- `w12_mosaic`: the W12 decode-matmul kernel and its bf16 twin on Mosaic GPU (Hopper), the runs' kernel.
-- `w12_matmul`: the same product on Pallas' Triton backend, any CUDA GPU.
-- `common`: what both share (the fixed-order split sum, exception-list operands).
+"""Pallas GPU kernels of specpilot, behind one dispatch (`dispatch`: an implementation per op). The
+kernels: the gated delta rule token by token (`gated_delta_rule`) and over a tree
+(`tree_gated_delta_rule`), tree-verification attention (`tree_attention`), ragged chain attention
+(`ragged_attention`), and the W12 decode-matmul on Mosaic GPU (`w12_mosaic`, the runs' kernel) and on
+the Triton backend (`w12_matmul`), with what those two share (`common`). Design notes:
+docs/design/kernels.md.
 """

@@ -1,11 +1,5 @@
 """What the W12 kernels share: the device's SM count, the fixed-order split sum, the exception-list
-operands and power-of-two helpers.
-
-Design choices:
-- The split sum is written out as one chain of adds (`sum_splits`): an XLA reduce picks its order by
-  fusion context, and a kernel and its bf16 twin must agree bit for bit wherever they are called.
-- Zero-size operands do not lower, so a matrix without exceptions passes one sentinel exception at
-  row -1 that matches nothing (`no_exception_lists`).
+operands and power-of-two helpers. Design notes: docs/design/kernels.md.
 """
 
 from __future__ import annotations

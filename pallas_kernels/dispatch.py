@@ -1,59 +1,8 @@
-"""The one place that chooses how an op is computed: `matmul` (and `prepare_params`, which puts a model's
-weights into the layout the chosen implementation multiplies), `gated_delta_rule` (linear attention's
-recurrence, token by token), `tree_gated_delta_rule` (the recurrence over a token tree, node from parent),
-`tree_attention` (attention of a tree verification's nodes) and `attention` (chain attention: decode,
-chain verification, prefill chunks, the serving engine's steps).
-
-Design choices (tokamax's op API):
-- A choice (`OpChoice`) names implementations in order of preference and carries the first one's
-  settings as a frozen, hashable config dataclass; the others run at their defaults. `matmul` tries
-  them in order and falls through on NotImplementedError (a weight layout, shape, dtype or backend an
-  implementation does not take), so ("mosaic", "xla") runs the Mosaic kernel where it applies and XLA
-  elsewhere. "xla" takes every weight: W12 layouts are decoded to bf16 exactly, then XLA's dot.
-- Settings ride as static arguments (the jit cache key); no module state is read while tracing.
-- `choice(op, implementation, config)` builds a choice from plain values (a plan's YAML), with errors
-  naming the unknown implementation or key.
-- With choice=None, `matmul` does what model code did before choices existed: bf16 arrays through XLA's
-  dot, W12NK / TwinNK through the Mosaic kernel, a W12 through the implementation it was prepared for.
-- Kernel variants (`variant:<hash>`, modules the optimization loop writes and checks against the op's
-  reference, `specpilot.agent.variants`) are implementations too: any such name passes `choice` (a plan
-  naming one is built where the module is never imported), and the process that runs the plan registers
-  the function first (`register_variant`); running an unregistered one is a LookupError, never a silent
-  fall-through to another implementation. A variant takes the op's arguments (matmul: x [..., K] and the
-  weight as the plan holds it; gated_delta_rule: q, k, v, g, beta, s0; attention: q, k_cache, v_cache,
-  lengths, counts) and may raise NotImplementedError.
-
-Implementations of "matmul":
-- "xla": x @ W in float32 accumulation by XLA; W12, W12NK and TwinNK decoded exactly first.
-- "triton": the fused W12 decode-matmul kernel on Pallas' Triton backend (`w12_matmul`), W12 weights.
-- "mosaic": the Mosaic GPU W12 kernel (`w12_mosaic`) on its W12NK layout, and its bf16 twin on TwinNK
-  tiles (plain bf16 arrays are refused, so unprepared weights fall through).
-
-Implementations of "gated_delta_rule" (o and every per-token state; choice=None: "xla"):
-- "xla": the jnp reference (`gated_delta_rule.gated_delta_rule_reference`, a `lax.scan` over tokens).
-- "triton": the Pallas Triton-backend kernel (`gated_delta_rule.gated_delta_rule`): power-of-two head
-  dims, float32, a GPU (or interpret mode); anything else falls through.
-
-Implementations of "tree_gated_delta_rule" (o and every node's state; choice=None: "xla"):
-- "xla": the jnp reference (`tree_gated_delta_rule.tree_gated_delta_rule_reference`, a scan over nodes).
-- "triton": the Pallas Triton-backend kernel (`tree_gated_delta_rule.tree_gated_delta_rule`), on the
-  gated_delta_rule kernel's terms and config.
-
-Implementations of "tree_attention" (the nodes' attention over the committed prefix and their ancestors;
-choice=None: "xla"):
-- "xla": the model's attention under the full tree mask (`tree_attention.tree_attention_reference`).
-- "triton": the Pallas Triton-backend kernel (`tree_attention.tree_attention`): the prefix split over
-  the cache up to each row's length, plus the masked tree block; power-of-two head dims, a GPU (or
-  interpret mode); anything else falls through.
-
-Implementations of "attention" (row b's T queries over its committed slots < lengths[b] and its own
-counts[b] new tokens; choice=None: "xla"):
-- "xla": the model's attention under the mask that lengths and counts describe
-  (`tree_attention.cache_attention` over `ragged_attention.visible_mask`): the masked attention over the
-  whole preallocated cache, exactly as before the op existed.
-- "triton": the Pallas Triton-backend ragged kernel (`ragged_attention.ragged_attention`): each row
-  reads only its own blocks of slots; S a multiple of its block_s, power-of-two head dims, a GPU (or
-  interpret mode); anything else falls through.
+"""The one place that chooses how an op is computed: `matmul` (with `prepare_params`), `gated_delta_rule`,
+`tree_gated_delta_rule`, `tree_attention` and `attention`. A choice (`OpChoice`) names implementations in
+order of preference with the first one's settings; one that cannot take a call raises
+NotImplementedError and the next runs. Each op's implementations and the design notes:
+docs/design/kernels.md.
 """
 
 from __future__ import annotations

@@ -1,27 +1,6 @@
-"""Ragged attention: each row's queries read only that row's committed K/V (and its own new tokens),
-a Pallas Triton-backend kernel and its pure-jnp reference.
-
-Row b has `lengths[b]` committed slots and feeds `counts[b]` (1..T) new tokens at slots lengths[b] ..
-lengths[b]+counts[b]-1, written into the cache before the call; query t (t < T) sees slots
-< lengths[b] + min(t + 1, counts[b]). counts = T is a chain (decode, verification: the causal mask);
-counts < T a right-padded prompt chunk (`state.prompt_mask`: padding queries see the whole chunk).
-
-Design choices:
-- The reference masks by length over the whole preallocated cache (`[B, T, S]` mask, one softmax):
-  exactly `models.layers.attention` under `state.causal_mask` / `state.prompt_mask`, which the tests
-  check. It pays for S slots per row; the kernel does not.
-- Kernel: one program per (row, KV head) holds that head's T x G queries (G = heads per KV head,
-  rows padded to a power of two >= 16 for `tl.dot`) and loops over key blocks of `block_s` slots up
-  to the row's own end, lengths[b] + counts[b] (a `fori_loop` with a per-row trip count), with an
-  online softmax in float32: a row of committed length L reads ceil((L + counts) / block_s) blocks,
-  whatever the cache's S. Scores past a query's limit are -inf; the running max starts at a large
-  finite negative, so a block a query sees nothing of leaves its sums unchanged (no NaN).
-- Paged layouts are not here: the cache is the engine's `[B, KVH, S, D]` state as it is.
-- What the kernel cannot take (S not a multiple of block_s, head_dim not a power of two, more than
-  MAX_ROWS query rows: a prompt chunk, a CPU backend when not interpreting) raises
-  NotImplementedError, so a caller falls through to the reference.
-  Inconsistent shapes are a ValueError.
-- Settings: one frozen `RaggedAttentionConfig` (block_s, num_warps, num_stages, interpret), static.
+"""Ragged attention: each row's queries read only that row's committed K/V and its own new tokens (row b:
+`lengths[b]` committed slots, `counts[b]` new ones), as a Pallas Triton-backend kernel with an online
+softmax, and its pure-jnp reference over the whole cache. Design notes: docs/design/kernels.md.
 """
 
 from __future__ import annotations

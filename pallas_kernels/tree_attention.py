@@ -1,34 +1,6 @@
-"""Tree-verification attention (the committed prefix split over the cache plus the tree block under its
-ancestor mask), Pallas Triton backend, and its jnp reference.
-
-A verification forward over N tree nodes writes their K/V at slots lengths[b] .. lengths[b] + N - 1 of a
-[B, KVH, S, D] cache; node i then sees every committed slot (< lengths[b]) and the nodes j with
-ancestors[b, i, j] (itself included), nothing else (`specpilot.state.tree_mask`). A chain is the tree
-whose ancestors are lower-triangular.
-
-Design choices:
-- Flash-decoding over the prefix: grid (batch row, KV head, block of query rows, split). The prefix
-  is cut into `splits` equal ranges of `block_k`-slot blocks; split s's program streams its range with
-  an online softmax and stops at the row's committed length (a dynamic trip count), so a short row
-  reads only its own prefix, not the whole cache as the XLA path does. One more program per
-  (row, head, query block), split index `splits`, computes the tree block: the N nodes' K/V (sliced out
-  of the cache by the wrapper, padded to a power of two) under the ancestor mask. Each program writes
-  its partial (o unnormalised, running max m, sum l) and a jnp combine folds the splits + 1 partials,
-  as jax's decode_attention does.
-- GQA: a KV head's G query heads and the N nodes form the query rows (N x G, node-major), so each K/V
-  block is loaded once for all of them and `tl.dot` sees M = N G rows (padded to >= 16): at N = 16,
-  G = 4 that is 64 rows; `block_m` caps the rows per program (registers), more rows re-read K/V.
-- Numerics as the model's attention (`specpilot.models.layers.attention`): scores in float32 from
-  the cache dtype's products, softmax statistics in float32, probabilities cast to V's dtype before
-  the PV product, float32 accumulation, result in q's dtype. Float32 inputs multiply without TF32.
-  Partial sums run in another order than XLA's, so kernel and reference agree to rounding.
-- The reference is the model's own path: the full mask built as `state.tree_mask` builds it and the
-  model's attention over the whole cache, so the "xla" implementation is exactly what the model ran
-  before this op existed.
-- What the kernel cannot take (a head dim that is not a power of two, a cache length with no
-  power-of-two divisor >= 16 up to `block_k`, a CPU backend when not interpreting) raises
-  NotImplementedError, so `dispatch.tree_attention` falls through. Inconsistent shapes are a ValueError.
-- Settings: one frozen `TreeAttentionTritonConfig` (block_m, block_k, splits, warps, stages, interpret).
+"""Tree-verification attention: the committed prefix split over the cache (flash-decoding) plus the tree
+block under its ancestor mask, as a Pallas Triton-backend kernel, and its jnp reference (the model's
+attention under the full tree mask). Design notes: docs/design/kernels.md.
 """
 
 from __future__ import annotations

@@ -1,34 +1,6 @@
-"""Fused W12 decode + matmul at decode / verify shapes (M = 1..64 rows), Pallas Triton backend.
-
-y[M, N] = x[M, K] @ W[K, N] with W stored as W12 (`specpilot.formats.w12`), float32 accumulation.
-
-Design choices:
-- One body, two weight loaders: `_w12_loader` decodes each weight tile in registers, the twin
-  (`_bf16_kernel`) loads the same tile from the original bf16 matrix; both hand a bf16 [block_k, block_n]
-  pair to `_matmul_body`, which owns the tiling and the accumulation order. The W12 path is lossless iff
-  the two agree bit for bit, which the tests check (neither can agree with XLA's dot: different summation
-  order). `w12_decode_tiles` writes the loader's tiles out, so tests check it on every bit pattern.
-- Tensor cores for every M: x is padded to Mp = max(16, 2^ceil(log2 M)) rows (`tl.dot` wants >= 16) and the
-  MMA does the multiply-adds, leaving the CUDA cores to decoding. Padded rows are never stored (masked
-  store), so split-K partials cost M rows of traffic, not Mp.
-- K is processed as two halves side by side (rows k and Kh + k), matching the nibble plane where those
-  rows share a byte: a nibble tile gives both code tiles with one AND and one SHIFT, no interleave.
-- Decode per weight: sign-extended `sm` & 0x807F (sign to bit 15, mantissa bits 0..6) OR (code + base) << 7.
-  Compiled kernels run it as PTX on packed registers (`_DECODE_PTX`: PRMT with sign replication and
-  byte-wise exponent adds, ~2.5 instructions per weight); interpret mode runs the same formula in jnp.
-  Loads are plain uint8 / int8 tiles, contiguous along N.
-- Register prefetch (`W12Blocks.prefetch`): a step's planes and CSR ranges are loaded during the previous
-  step and carried through the K loop. Measured on the H200 (docs/performance.md), this overlap was the
-  largest gain.
-- Exceptions stay out of the decode: per step, scalar loads of the CSR offsets give this tile's
-  exception range (~0.5 exceptions per 8192 weights on trained weights); each listed exception is one
-  `where` over the half tile that holds it. No gather (unsupported in Triton-backend kernels). Measured,
-  this patch loop is now the kernel's largest cost.
-- Split-K: each program writes its own partial [M, BN]; the fixed-order sum over splits is tiny. Grid
-  programs never accumulate into a shared output (they run in parallel on the GPU).
-- Shapes the kernel cannot tile (odd K, N without a 16-wide power-of-two block, non-bf16 x) raise
-  NotImplementedError, so `dispatch.matmul` falls through to the next implementation (decode + XLA dot).
-- Settings: one frozen `W12TritonConfig` (its blocks, decoder, interpret), a static argument.
+"""Fused W12 decode + matmul at decode / verify shapes (M = 1..64 rows) on Pallas' Triton backend, and its
+bf16 twin: both hand their weight tiles to one tiled body, so W12 is lossless iff the two agree bit for
+bit. Design notes: docs/design/kernels.md.
 """
 
 from __future__ import annotations

@@ -1,32 +1,7 @@
-"""Tensor and data parallelism with jax.sharding: a plan's mesh, and where every array of a step lives.
-
-Design choices (GSPMD, Megatron-style splits):
-- A plan's `MeshShape(data, tensor)` is plain data; `make_mesh` turns it into a `jax.sharding.Mesh` with
-  axes ("data", "tensor") over the first data * tensor devices. Batch rows go over "data", heads and
-  hidden features over "tensor"; the compiler inserts the collectives (`jit` propagates the shardings of
-  the params and the state it is given, and of the constraints below).
-- Params by name (`param_spec`): matrices whose outputs are per head or per feature (q, k, v, gate, up,
-  and the Gated DeltaNet's z, b, a) are split by columns; those that sum over heads or features (o,
-  down, out) by rows, so each layer needs one all-reduce after its mixer and one after its MLP. The
-  embedding and the LM head are split over the vocabulary. Everything else is replicated: norms, the
-  drafter's fc, the Gated DeltaNet's conv, A_log and dt_bias, and its in_proj_qkv, whose [q | k | v]
-  columns are not grouped by head (a column split would cut across heads and make the compiler
-  reshard q, k and v; replicating it costs that one matrix's memory on every device).
-- Fused projections (`qkv`, `gate_up` of `dense.fuse_projections`) are not head-aligned either:
-  `unfuse_projections` splits them back before a tensor-parallel plan shards them.
-- State (`state_specs`): K/V split over KV heads, recurrent matrix states (and their per-token
-  snapshots) over value heads, convolution states replicated over "tensor"; every batch axis over
-  "data". Targets and drafters built with a mesh constrain the state they create
-  (`constrain_state`), inside or outside jit, so a decoding loop's carried state keeps these shardings.
-- Where propagation alone picks a costly layout, model code gives hints (`hint(x, spec)`): no-ops
-  unless a sharded target is tracing its forward (`active(mesh)`), so the pure functions stay
-  mesh-free. The Gated DeltaNet layer keeps q, k, v replicated after the convolution and splits them
-  by value head only once they are reshaped to heads: without the hints the compiler split the
-  convolution's channels and then moved q, k, v between devices (collective-permutes and an all-gather
-  of the conv snapshots per layer). With them a tensor-parallel forward runs exactly the Megatron
-  all-reduces (one after the embedding gather, two per layer), checked on compiled HLO in the tests.
-- A mesh that does not divide what it splits fails before anything runs (`check_mesh`), naming the
-  quantity: GSPMD would pad uneven splits silently.
+"""Tensor and data parallelism with jax.sharding: a plan's mesh (`make_mesh`), where every param and state
+array lives (`param_spec`, `state_specs`: Megatron-style splits that GSPMD completes with collectives),
+the layout hints model code gives while a sharded target traces, and the check that a mesh divides what
+it splits. Design notes: docs/design/models.md.
 """
 
 from __future__ import annotations

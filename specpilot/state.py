@@ -1,35 +1,7 @@
-"""Per-layer decoding state: attention K/V written by slot, recurrent state with per-token snapshots.
-
-Design choices (gpt-fast style, generalised for trees and recurrent layers):
-- `TargetState` holds one state per layer and the committed `lengths [B]`. An attention layer's
-  `AttentionState` is a `[B, KVH, S, D]` array for K and one for V (heads before slots: the attention
-  products batch over (B, KVH), so this layout feeds them as it is; slots before heads made XLA
-  transpose every layer's whole cache in and out of a step compiled on its own, 4 cache-sized copies
-  per layer, measured on the H200 as 40% of a batch-32 engine step); the layers are a tuple, not one
-  stacked array, so a jitted step with the state donated updates each in place (a stacked array made
-  XLA materialize per-layer slices). A recurrent layer's `RecurrentState` holds its convolution state
-  `[B, W-1, C]` and matrix state `[B, NH, DK, DV]`, plus one snapshot of each per token of the last
-  forward (`[B, T, ...]`): which token's state survives is known only after verification.
-- Slots and positions are apart. A forward writes its T new tokens' K/V at slots `lengths[b] ..
-  lengths[b]+T-1` (the uncommitted tail, one `dynamic_update_slice` per layer) and rotates them by
-  the rotary `positions [B, T]` it is given; the mask `[B, T, S]` says which slots each query sees.
-  For a chain, slot and position coincide (`chain_positions`, `causal_mask`). A tree's nodes sit at
-  consecutive slots while their positions are the committed length plus their depth, which repeats
-  across siblings (`tree_mask`); accepting a path then moves its nodes' K/V to consecutive slots
-  (`gather_path`), where slot and position coincide again, so nothing is rotated twice.
-- Committing is the only way tokens become visible. `commit(n)` (chains) advances `lengths` by n and
-  makes each recurrent layer's snapshot n-1 its state; `gather_path` (trees) moves the accepted nodes'
-  K/V and takes the snapshot of the path's last node. Rejected slots are never cleared: masks hide
-  every slot at or past the committed length except the forward's own, and the next forward
-  overwrites them.
-- Prompts are right-padded. `prompt_forward` runs them with `prompt_mask` (the causal mask with
-  each row's padding slots hidden) and commits each row's length: attention layers never read the
-  padding anyway, and a recurrent layer learns from the mask how many tokens its row feeds (what
-  the last query sees), so its state ends on the prompt whatever the padding.
-- Capacity is checked on the host before a jitted call (`check_capacity`): `dynamic_update_slice`
-  would otherwise clamp an out-of-range write silently.
-- The state's dtype is always given by the caller (a target carries its activation dtype): there is
-  no default, because a bf16 default silently truncated a float32 model's K/V.
+"""Per-layer decoding state: attention K/V written by slot (`AttentionState`), recurrent state with
+per-token snapshots (`RecurrentState`), and `TargetState` with the committed lengths, where committing
+(`commit`, `gather_path`) is the only way tokens become visible; plus the masks and capacity checks of
+chains, prompts and trees. Design notes: docs/design/models.md.
 """
 
 from __future__ import annotations

@@ -1,11 +1,7 @@
-"""W12 decode + matmul on the Mosaic GPU backend (Hopper: TMA, wgmma), and its bf16 twin: exact against the
-twin in the Mosaic GPU interpreter and compiled on the H200, the runs' fastest W12 and bf16 decode paths
-(docs/performance.md). `dispatch.matmul` calls it as implementation "mosaic".
-
-- `layout`: the weight layouts (`W12NK`, `TwinNK`), built once, and their exact decodes.
-- `ptx`: the compiled decode and patches (inline PTX on the plane registers).
-- `kernel`: the kernel body both share and its `plgpu.kernel` call.
-- `api`: the config, step / split rules, public functions and pure-jnp references.
+"""W12 decode + matmul on the Mosaic GPU backend (Hopper: TMA, wgmma), and its bf16 twin, exact against the
+twin, the runs' fastest W12 and bf16 decode paths (`dispatch.matmul`'s "mosaic"): weight layouts
+(`layout`), the compiled decode (`ptx`), the kernel body and call (`kernel`), and the public functions
+and references (`api`). Design notes: docs/design/kernels.md.
 """
 
 from pallas_kernels.w12_mosaic.api import (DEFAULT, W12MosaicConfig, bf16_mosaic_partials, default_block_k,

@@ -1,20 +1,6 @@
 """Public functions of the Mosaic GPU W12 kernel: its config, the step / stage / split rules, the partial
-products of W12 (`w12_mosaic_partials`) and of its bf16 twin (`bf16_mosaic_partials`), the product as
-runs take it (`mosaic_matmul`), the layouts for a model's weights (`prepare_w12`, `prepare_twin`) and
-the pure-jnp references.
-
-Design choices (measurements: docs/notes_w12.md):
-- Every setting is a field of one frozen `W12MosaicConfig`, passed as a static argument (the jit cache
-  key); its defaults are the runs' settings.
-- x's rows are padded to the least of `mp_choices` that holds them (8-row tiles at M <= 8 took AR decode
-  from 4.35 to 4.27 ms per token), then folded: a step's lower and upper K-half tiles side by side, one
-  copy per step. More rows than the largest choice loop over blocks of that many (one call in a
-  `lax.map`, so a prefill's program holds one call per matrix).
-- Steps (`default_block_k`): 128 half-rows at the LM head (N >= large_n) for up to 16 rows per call, 64
-  elsewhere; 2 stages at steps of 128 and from 32 rows, else `small_m_stages`.
-- The K split (`default_split`): 2 programs per SM, unless that needs a second wave of programs.
-- The splits are added in index order before the transpose (`sum_rows`): the W12 path and the twin take
-  the same route, so they agree bit for bit at any number of rows.
+products of W12 and of its bf16 twin, the product as runs take it (`mosaic_matmul`), the layouts for a
+model's weights (`prepare_w12`, `prepare_twin`) and the pure-jnp references. Design notes: docs/design/kernels.md.
 """
 
 from __future__ import annotations

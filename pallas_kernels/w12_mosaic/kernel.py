@@ -1,24 +1,6 @@
-"""The Mosaic GPU kernel body shared by W12 and its bf16 twin, and its `plgpu.kernel` call (`kernel_call`).
-
-y^T = W^T x^T: a program owns 64 W^T rows (wgmma's M) and one split of K; x's rows, padded to Mp, are
-wgmma's N. `plgpu.emit_pipeline` streams, per step of block_k half-rows, x's folded tile (both K halves in
-one [Mp, 2 block_k] copy) and the weight's step tile by TMA, `stages` steps deep.
-
-Design choices (measurements: docs/notes_w12.md):
-- W12: the step's packed [64, 3 block_k] plane tile (`layout.to_nk`) and its slot-table row. Steps of 64
-  are copied plain (one contiguous box) and loaded by the PTX decode itself from the chunk-ordered tile;
-  steps of 128 (the LM head at few rows) are copied 128-byte swizzled and loaded in the upcast layout.
-  The rows' bases are copied alongside the pipeline's first steps and waited for in the first step.
-  The decoded tiles go to wgmma from registers.
-- The twin: the bf16 tiles of the same step (`layout.tile_twin`) streamed by the same pipeline straight
-  to the same wgmma calls from shared memory: same products in the same order, so W12 is lossless iff the
-  two agree bit for bit.
-- No automatic warpgroup barriers (`unsafe_no_auto_barriers`): no thread writes shared memory that it or
-  another reads (tiles arrive by TMA, W12's A operand lives in registers), and a slot is refilled only after
-  the step's `wgmma_wait(0)`, which completes once all four warps issued it after their loads from that
-  slot. (A reading of wgmma's warpgroup-wide issue, checked bit for bit against the twin on the H200.)
-- The interpreter (CPU) has no PTX, layouts or transposed refs: it decodes with jnp, patches with `where`
-  against a packed iota, undoes the mma and chunk orders with jnp and transposes x by copies.
+"""The Mosaic GPU kernel body shared by W12 and its bf16 twin, and its `plgpu.kernel` call (`kernel_call`):
+y^T = W^T x^T, one program per 64 W^T rows and split of K, the steps streamed by TMA through
+`plgpu.emit_pipeline`. Design notes: docs/design/kernels.md.
 """
 
 from __future__ import annotations

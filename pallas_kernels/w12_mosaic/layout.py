@@ -1,20 +1,5 @@
 """The Mosaic GPU W12 kernel's weight layouts, built once offline: `W12NK` (a W12 matrix) and `TwinNK` (a
-bf16 matrix for the bf16 twin), and their exact inverses (`decode_nk`, `untile_twin`).
-
-Design choices (measurements: docs/notes_w12.md):
-- The kernel computes y^T = W^T x^T, so planes are stored N-major: a tile of W^T is [64, block_k].
-- Each step of block_k half-rows holds three plane tiles side by side (`pack_planes`): sm^T of the lower
-  K half's rows, sm^T of the upper half's rows (rows k and K/2 + k share a nibble byte) and the nibble
-  bytes, each tile's columns in the wgmma register order (`mma_order`), so the decode writes its registers
-  straight into the WGMMA layout.
-- Tile by tile (`tile_rows`): each step's [64, 3 block_k] tile is one contiguous run of memory, copied by
-  one TMA box per step. At steps of 64 each tile's rows are stored in `chunk_order` (a 16-byte chunk XOR),
-  so that the decode's own shared-memory loads hit distinct banks.
-- Exceptions: one int32 slot-table row per step (`exception_slots`), streamed with the planes. A matrix
-  with a step of more than 255 exceptions has no table and no W12NK layout (`to_nk` raises
-  NotImplementedError; `dispatch.prepare_params` keeps its plain W12).
-- The twin's bf16 W^T is tiled the same way (`tile_twin`): per step, the lower and upper [64, block_k]
-  tiles side by side, each step's tile contiguous.
+bf16 matrix for the bf16 twin), and their exact inverses (`decode_nk`, `untile_twin`). Design notes: docs/design/kernels.md.
 """
 
 from __future__ import annotations

@@ -1,18 +1,5 @@
 """The PTX the Mosaic GPU W12 kernel decodes with when compiled: plane registers to bf16 pairs, and the
-slot-table patches, as one `plgpu.inline_mgpu` function (`ptx_decode`).
-
-Design choices (measurements: docs/notes_w12.md):
-- A register of the upcast layout holds four consecutive K elements of one W^T row; `prmt` with sign
-  replication, one AND, one `mad` (the code shifted to << 7 plus the row's base << 7) and one `lop3`
-  decode a pair per 16-bit half: 19 instructions per 8 weights. No carry crosses the halves (each half's
-  exponent sum stays below 2^16), so the bits are the jnp decode's.
-- Planes in mma order: a register's two decoded words are two registers of the WGMMA layout, so no
-  layout change follows the decode.
-- Patches: each slot-table entry branches on which of the thread's two rows holds it, then on its K
-  half, and compares only those 4 registers (a predicated bit-select each): threads that hold no
-  exception's row pay a few instructions per entry.
-- Steps of 64 (planes stored in `chunk_order`): the function loads each register's bytes from the
-  shared-memory tile itself, one conflict-free 32-bit load per plane.
+slot-table patches, as one `plgpu.inline_mgpu` function (`ptx_decode`). Design notes: docs/design/kernels.md.
 """
 
 from __future__ import annotations

@@ -1,38 +1,7 @@
-"""W12: a lossless 12-bit storage format for bf16 weight matrices, encoded once offline.
-
-A bf16 value is sign (1) | exponent (8) | mantissa (7). Trained weights use few exponents (all-MiniLM-L6-v2:
-entropy ~2.6 bits, 16 consecutive exponents cover 99.99%), so W12 keeps sign and mantissa verbatim and
-replaces the exponent by a 4-bit code relative to a per-column base:
-
-    bf16 bits = (sign << 15) | ((base[n] + code) << 7) | mantissa          (code in 0..15)
-
-Layout of a [K, N] matrix (`[in, out]`, as `specpilot.models` stores linear weights):
-- `sm`   int8  [K, N]   sign << 7 | mantissa. int8 on purpose: sign extension to int32 puts the sign at
-                        bit 15, so the kernel builds bf16 bits with one AND/OR, no shift.
-- `nib`  uint8 [Kh, N]  Kh = ceil(K / 2); code[k] | code[Kh + k] << 4. Rows k and Kh + k share a byte, so
-                        a [bk, BN] nibble tile expands to two [bk, BN] code tiles (AND, SHIFT) with no
-                        interleaving shuffle; the kernel runs the two K halves side by side.
-- `base` uint8 [N]      per output column: the start of the 16-exponent window covering most of that
-                        column (one byte per column is ~0.002 bits/weight at K = 4096).
-- exceptions            every value whose exponent falls outside its column's window (zeros, -0,
-                        subnormals, Inf, NaN payloads, outliers): `exc_row`, `exc_col` (int32) and the full
-                        bf16 bits `exc_val` (uint16). Their dense slots hold code 0, and the decoder
-                        overwrites them. All 16 codes are real exponents (no escape code): listing positions
-                        explicitly halves the exception rate of a 15-code window plus escape.
-- `exc_ptr` int32 [n_cb * n_g + 1]  CSR offsets: exceptions are sorted by column block (`group_n`
-                        columns), then by paired-row group (`group_k` rows of the Kh half-index k mod Kh),
-                        so a kernel tile finds its exceptions with two scalar loads and patches only tiles
-                        that have any. Kernel block sizes need not match the groups: positions are global
-                        and a superset range is harmless.
-
-Exactness holds for every bf16 bit pattern (tested over all 65,536): sign and mantissa are stored
-verbatim; the exponent is either base + code or listed. Encoding runs once: `encode` (numpy) is the
-reference, `encode_device` gives the same fields bit for bit with jitted ops on the weight's device
-(`encode_params` uses it). Tensors are stored with safetensors (`save`/`load`), so loading is a memory
-map.
-
-This module is a leaf: it imports no kernel. The layouts kernels multiply (the Mosaic kernel's W12NK,
-its twin's TwinNK) are built from a W12 by `pallas_kernels.dispatch.prepare_params`.
+"""W12: a lossless 12-bit storage format for bf16 weight matrices, encoded once offline: sign and mantissa
+kept verbatim, the exponent as a 4-bit code from a per-column base, every other value listed as an
+exception (CSR by tile). `encode` (numpy) is the reference, `encode_device` the same bits on device;
+stored with safetensors. It imports no kernel. Design notes: docs/design/kernels.md.
 """
 
 from __future__ import annotations
@@ -45,6 +14,8 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
+from safetensors import safe_open
+from safetensors.numpy import load_file, save_file
 
 WINDOW = 16  # exponents one 4-bit code reaches
 DEFAULT_GROUP_N = 128  # CSR column block; 128 divides every Qwen3 / Llama dim incl. vocab 151936
@@ -315,8 +286,6 @@ def stats(w: W12) -> dict[str, float]:
 def save(path: str, tensors: dict[str, Any]) -> None:
     """Write {name: W12 | array} to a safetensors file; W12 fields become `name.w12.<field>` tensors and
     their static fields go to the header metadata."""
-    from safetensors.numpy import save_file
-
     flat, meta = {}, {}
     for name, t in tensors.items():
         if isinstance(t, W12):
@@ -330,9 +299,6 @@ def save(path: str, tensors: dict[str, Any]) -> None:
 
 def load(path: str) -> dict[str, Any]:
     """Inverse of `save` (numpy arrays; `jax.device_put` the result to move it)."""
-    from safetensors import safe_open
-    from safetensors.numpy import load_file
-
     with safe_open(path, "np") as f:
         meta = json.loads((f.metadata() or {}).get("w12", "{}"))
     flat = load_file(path)

@@ -1,24 +1,7 @@
-"""Drafter confidence by outcome: recorded from a trained pair, replayed by the oracle drafter.
-
-A trained chain pair's recording run (`experiments/bench/record_trace.py`) keeps, for every verification step
-and draft position k = 1..Bs-1, the drafter's top-1 probability (softmax of its draft logits, float32)
-and the position's outcome: `accepted` (k <= the step's accepted drafts), `first_rejected` (k = accepted
-+ 1) or `after` (k > accepted + 1). The oracle drafter (`models.oracle`) draws each of its drafts'
-confidence from the table of that draft's own outcome, so the serving engine's per-request budget
-(`serving.budget`) reads a signal calibrated on a real pair at shapes where only oracle acceptance exists.
-
-Design choices:
-- A table is a fixed grid of quantiles (`GRID`, 101 points 0..1, numpy's linear interpolation) of one
-  outcome's probabilities, so a trace file stays small whatever the run's length. Draws are inverse-CDF
-  through the grid with linear interpolation (`sample`): the piecewise-uniform distribution whose
-  quantiles are the table's, exact at the grid points.
-- Positions are pooled within an outcome: the oracle replays acceptance at another block size and tau
-  than the recorded pair's, so what carries over is how confident the drafter is when it is right, when
-  it is first wrong and after that, not where in the block. The per-outcome counts and means are kept
-  beside the tables as the calibration's summary.
-- Rows that did not step (-1 in the accepted trace) contribute nothing.
-- A table is stored under its method in the trace file (`"confidence"` beside `"accepted"`), the
-  same file `drafter.confidence_trace` names; `load_calibration` refuses a file or method without one.
+"""Drafter confidence by outcome: a trained pair's top-1 draft probabilities, recorded per draft outcome
+(accepted, first rejected, after) as quantile tables, and replayed by the oracle drafter, so the serving
+engine's confidence budget reads a calibrated signal at shapes where only oracle acceptance exists.
+Design notes: docs/design/models.md.
 """
 
 from __future__ import annotations

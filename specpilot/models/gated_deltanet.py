@@ -1,43 +1,7 @@
-"""Gated DeltaNet layer (Qwen3.5's linear attention) and its two forms of the gated delta rule.
-
-The rule, per value head, with state S [DK, DV]:
-  S_t = e^{g_t} S_{t-1} + beta_t k_t (v_t - (e^{g_t} S_{t-1})^T k_t)^T,   o_t = S_t^T q_t.
-
-Design choices:
-- Two forms with one signature each, the shape of fla-org/flash-linear-attention's ops, so a kernel
-  can replace either: `recurrent_gated_delta_rule(q, k, v, g, beta, initial_state)` -> (o, the
-  state after every token) and `chunk_gated_delta_rule(q, k, v, g, beta, initial_state,
-  chunk_size)` -> (o, final state). Inputs are float32 `[B, T, HV, D*]` with q/k already
-  L2-normalised, q scaled and key heads repeated to the value heads: the layer does that once.
-- The recurrent form (`lax.scan` over T) serves decode and verification and writes every
-  per-token state, so accepting n tokens takes snapshot n-1 with no re-run. It lives in
-  `pallas_kernels.gated_delta_rule` as its Pallas kernel's reference; the layer calls
-  `dispatch.gated_delta_rule` with the config's choice (`HybridConfig.gated_delta_rule`).
-- The chunked form serves prefill: within a chunk the cumulative log-decay G, the UT transform (a
-  unit lower-triangular solve turning C delta updates into matmuls), the intra-chunk attention; one
-  state update per chunk.
-- Tokens a row does not feed (right padding of a prompt: those the mask hides from the forward's last
-  query, `fed_tokens`) are skipped exactly: beta = 0 and g = 0 leave S unchanged, and the
-  convolution state is read at the row's own end. So the state after the forward is the state after
-  the row's own tokens, whatever the padding.
-- Snapshots: a forward of T <= `RecurrentState.max_snapshots` tokens uses the recurrent form and
-  writes snapshot t = the state after token t; a longer one (prefill) uses the chunked form and
-  writes its final state into every snapshot, so committing the tokens it fed (a prompt's length)
-  selects it. Committing fewer tokens of such a forward is not meaningful (no per-token states).
-- Trees (`parents` given, `decoding.tree`): every node's state comes from its parent's, by a per-node
-  recurrence in topological order (`tree_gated_delta_rule`: node i's state = the rule applied to
-  state[parent[i]] and token i, the committed state for the root) and a convolution over each node's
-  ancestor chain (`_tree_conv`: the window is the node, its W-1 nearest ancestors, and before the root
-  the committed conv state). Snapshot i is node i's state, so committing a path takes the snapshot of
-  its last node (`TargetState.gather_path`). Every node is fed (a tree has no padding). The recurrence
-  runs through `dispatch.tree_gated_delta_rule` (`HybridConfig.tree_gated_delta_rule`: the jnp
-  reference or its Pallas kernel); on a chain (parent i-1) it computes what the recurrent form does.
-- Numerics follow transformers' Qwen3.5: the rule in float32 (products at HIGHEST precision, not
-  a GPU's TF32 default), g = -exp(A_log) softplus(a + dt_bias)
-  in float32, the convolution accumulated in float32, the gated RMSNorm `w * norm(o) * silu(z)`
-  (plain weight), results cast to the activation dtype.
-- Param names (`[in, out]` weights): `qkv` (in_proj_qkv, output [q | k | v]), `z`, `b`, `a`,
-  `conv` [W, C] (conv1d.weight [C, 1, W] transposed), `A_log`, `dt_bias`, `out_norm`, `out`.
+"""Gated DeltaNet layer (Qwen3.5's linear attention) and its forms of the gated delta rule: recurrent
+(every per-token state, for decode and verification, through `dispatch.gated_delta_rule`), chunked
+(prefill) and over a tree (each node from its parent, through `dispatch.tree_gated_delta_rule`).
+Design notes: docs/design/models.md.
 """
 
 from __future__ import annotations

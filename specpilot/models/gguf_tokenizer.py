@@ -1,31 +1,6 @@
-"""A Hugging Face `tokenizer.json` + `tokenizer_config.json` rebuilt from a GGUF file's tokenizer metadata.
-
-Design choices:
-- Only GPT-2-style byte-level BPE (`tokenizer.ggml.model == "gpt2"`) is built, with `tokenizers`
-  directly: the vocabulary (`tokenizer.ggml.tokens`, id = position), the merges, a ByteLevel decoder.
-  SentencePiece and other vocabularies are refused by name.
-- The pre-tokenizer follows what the metadata's `tokenizer.ggml.pre` names, as llama.cpp splits text
-  for it. Each known name maps to one of four splits; any other name is refused, since a wrong split
-  silently changes token ids:
-  - `smollm` / `starcoder` / `refact` / `codeshell`: every digit on its own, then GPT-2's split
-    (`Digits(individual_digits)` + `ByteLevel(use_regex)`, the SmolLM2 and StarCoder tokenizer.json).
-    transformers' GGUF loader has no entry for these and splits them as plain GPT-2, which differs
-    where a run of whitespace precedes a digit ("x =  1"); we follow llama.cpp and the model's own
-    tokenizer there.
-  - `gpt2` / `mpt` / `olmo`: GPT-2's split.
-  - `llama-bpe` (and the Llama-3 regex family) and `qwen2` (and its family): the model's split regex
-    (`Split(isolated)`), then byte-level mapping without a second regex, as transformers does.
-- Vocabulary spelling: byte-level files spell ordinary tokens in GPT-2's byte alphabet. A token with
-  any character outside it (stored raw) is respelled as the bytes of its UTF-8. Control tokens
-  (token type 3) spelled in the alphabet become special added tokens, user-defined ones (type 4)
-  plain added tokens, so both are matched whole in text; a control token stored raw is not added
-  (it would get a new id past the model's vocabulary). This is transformers' GGUF reading as well.
-- `ignore_merges` stays off (transformers' choice; llama.cpp sets it for the Llama-3 split, where it
-  only matters for a word that is in the vocabulary but not reachable through the merges).
-- BOS / EOS are added on encode only when the metadata's `add_bos_token` / `add_eos_token` say so
-  (a TemplateProcessing post-processor); llama.cpp's default for byte-level vocabularies is not to.
-- `tokenizer_config.json` carries the special tokens' strings, those flags and the chat template
-  (`tokenizer.chat_template`), so transformers' `apply_chat_template` renders it from our folder.
+"""A Hugging Face `tokenizer.json` + `tokenizer_config.json` rebuilt from a GGUF file's tokenizer metadata:
+byte-level BPE only, text split as llama.cpp splits it for the named pre-tokenizer, special tokens and
+the chat template carried over. Design notes: docs/design/models.md.
 """
 
 from __future__ import annotations

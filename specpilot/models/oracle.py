@@ -1,44 +1,21 @@
-"""Oracle-acceptance drafter: the real drafter forward runs (timing is real), the drafts follow a profile.
-
-With random target weights tau is meaningless, so for speed work at real shapes a drafter may replay a
-stated acceptance profile against the target's own greedy continuation (DESIGN.md, "oracle acceptance").
-
-Design choices:
-- Wraps any drafter with the loop's interface (`init_state`, `extend`, `propose`): the wrapped drafter's
-  forward still runs at its real shape every step; a zero-weighted term (non-finite values zeroed
-  first) keeps the compiler from removing the work being timed, while no real value reaches a draft.
-- The profile is a list of conditional acceptance probabilities c_k = P(draft k right | drafts < k
-  right), k = 1..Bs-1, or a target tau, from which one constant c is solved so that the expected tokens
-  per verification, sum_{k<Bs} c^k, equals tau. Each step draws how many leading drafts are right; those
-  copy the reference continuation, the next one is made wrong (shifted by one id), so the target's
-  chain verification accepts exactly that many whenever the target's argmax equals the reference.
-- Randomness comes from `fold_in(fold_in(key, row salt), committed length)`: reproducible, and no key in
-  the loop state. The row salt is a hash of the reference tokens the step drafts (the row's continuation
-  at these positions, read anyway), so rows of one batch at the same length draw apart (equal-length
-  prompts would otherwise accept alike every step), and a request draws the same wherever it sits (a
-  batch row, an engine slot). Any salt leaves the draws uniform, so the profile holds.
-- Confidence: without a calibration the drafts are one-hot logits of a constant height (`confidence`).
-  With one (`models.confidence_trace.Calibration`, a trained pair's recorded top-1 probabilities by
-  outcome), each draft's top-1 probability is drawn from the table of its own outcome (the oracle knows
-  its leading right run, its first wrong draft and the ones after), inverse-CDF from a uniform drawn
-  from the step's key with `CONFIDENCE_STREAM` folded in: independent of the acceptance draw, as
-  reproducible and row-independent. The chosen token's logit is L = log(p (V-1) / (1-p)) and every
-  other logit 0, so softmax's top-1 is p and the argmax token is the oracle's (p clipped to
-  [(1 + 1e-3)/V, 1 - 1e-6] keeps L > 0 and finite): outputs and acceptance are unchanged, only the
-  serving engine's confidence budget (`serving.budget.confidence_of`) reads a realistic signal.
-- Greedy decoding only: the drafts carry one token's mass above a flat rest, which would distort a
-  sampled q.
-- Results produced with it are labelled "oracle acceptance" by the runner.
+"""Oracle-acceptance drafter: wraps a real drafter, whose forward still runs at its real shape (timing is
+real), and makes its drafts follow a stated acceptance profile against the target's own greedy
+continuation, for speed work with random target weights. Results made with it are labelled oracle
+acceptance. Design notes: docs/design/models.md.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import json
+from pathlib import Path
 from typing import Any
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+
+from specpilot.models.confidence_trace import sample
 
 
 def constant_acceptance_for_tau(tau: float, block_size: int) -> float:
@@ -82,9 +59,6 @@ def conditional_from_marginal(marginal) -> np.ndarray:
 def load_trace(path, method: str = "stock") -> np.ndarray:
     """The per-position acceptance recorded by a run (`results.jsonl`, or the folder holding it) for
     `method`, averaged over its records, as conditional probabilities."""
-    import json
-    from pathlib import Path
-
     p = Path(path).expanduser()
     if p.is_dir():
         p = p / "results.jsonl"
@@ -180,8 +154,6 @@ class OracleDrafter:
 
     def draft_confidence(self, key_data, lengths, salt, right) -> jax.Array:
         """[B, K] float32: each draft's top-1 probability, drawn from its outcome's table."""
-        from specpilot.models.confidence_trace import sample
-
         u = step_uniforms(key_data, lengths, right.shape[1], salt, stream=CONFIDENCE_STREAM)
         tables = self.calibration.tables()  # [3, G]
         return sample(tables[draft_outcomes(right)], u)

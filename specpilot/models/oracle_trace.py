@@ -1,24 +1,6 @@
-"""Oracle acceptance from a recorded per-step trace, for chain and tree verification at real shapes.
-
-A trained pair's tree run (`experiments/bench/record_trace.py`) records how many drafts every verification step
-accepted. At a shape whose trained weights cannot be had here, this drafter replays that trace against the
-target's own greedy continuation, while the real drafter forward, tree builder and verifier run at the
-real shape, so step times are real and tau is the trained pair's (DESIGN.md, "oracle acceptance").
-
-Design choices:
-- Wraps any drafter with the loop's interface; the wrapped drafter's real logits are the draft: at a step
-  whose trace entry is a, the reference continuation's tokens are raised to the top of draft positions
-  1..a (their log-probability ~0, so the builder's best path holds them, for a chain its argmax), the
-  reference token at position a + 1 is pushed to the bottom (no candidate holds it), and every other
-  candidate is the real drafter's. The target's argmax follows the reference, so exactly a drafts are
-  accepted (a tree's other nodes differ from the path at some depth, or sit past a + 1): tau is
-  mean(trace) + 1, the bonus token included, whenever the steps use whole passes over the trace.
-- The trace is a plan's: a run file holds one per recorded method (`load_traces`), and `for_plan` picks the
-  plan's by name (a plan `oracle_<method>` replays `<method>`, so the label is in the method's name),
-  checking that its shape can hold the longest accepted path.
-- Each row walks the trace from its own start (spread over the trace by row and batch) with a step count
-  kept in the drafter state; no randomness.
-- Greedy decoding only; results produced with it are labelled "oracle acceptance" by the deployment.
+"""Oracle acceptance from a recorded per-step trace: replays how many drafts each verification step of a
+trained pair accepted, for chain and tree verification at real shapes, while the real drafter forward,
+tree builder and verifier run. Design notes: docs/design/models.md.
 """
 
 from __future__ import annotations
