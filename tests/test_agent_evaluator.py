@@ -7,6 +7,7 @@ from pathlib import Path
 import pytest
 
 from specpilot.agent import evaluator as ev
+from specpilot.sharding import MeshError, MeshShape
 
 # candidate programs speaking the evaluator's protocol without building a deployment (fast)
 HONEST = """
@@ -116,8 +117,6 @@ json.dump({"tokens": tokens, "spans": spans, "devices": jax.device_count(), "pla
 
 
 def test_device_groups_of_a_mesh_and_their_environment():
-    from specpilot.sharding import MeshError, MeshShape
-
     assert ev.device_group_labels(MeshShape(1, 2), list(range(5))) == ["cpu:0,1", "cpu:2,3"]  # 4 is left over
     assert ev.group_env("gpu:2,3")["CUDA_VISIBLE_DEVICES"] == "2,3"
     env = ev.group_env("cpu:4,5,6")
@@ -141,8 +140,6 @@ def test_device_groups_of_a_mesh_and_their_environment():
 def test_each_candidate_sees_only_its_group(tmp_path):
     """Four simulated CPU devices in groups of two (a 1x2 mesh): two timing workers, each candidate process
     sees its group's two devices, and a check stage runs on a CPU-only worker."""
-    from specpilot.sharding import MeshShape
-
     program = tmp_path / "grouped.py"
     program.write_text(GROUPED)
     groups = ev.device_group_labels(MeshShape(1, 2), list(range(4)))

@@ -13,7 +13,9 @@ from specpilot.agent import kernel_proposers as kp
 from specpilot.agent import proposers as props
 from specpilot.agent import space as sp
 from specpilot.agent import templates
-from specpilot.agent import variants as va
+from specpilot.agent import loop as loop_mod
+from specpilot.agent.gate import Verdict
+from specpilot.harness import kernel_variants as va
 
 INCUMBENT = {"verify": "chain", "weights": "bf16", "block_size": 4}
 SHAPES = {"weights": "bf16", "matmul": [[4, 64, 128]], "gated_delta_rule": [[2, 3, 2, 16, 32]]}
@@ -191,8 +193,6 @@ class _InProcessEvaluator:
 
 class _AcceptingGate:
     def check(self, result, plan, incumbent):
-        from specpilot.agent.gate import Verdict
-
         ok = result["status"] == "ok"
         return Verdict(ok, [] if ok else [f"{result['status']}: {result['reason']}"], speedup=2.0 if ok else None)
 
@@ -202,7 +202,6 @@ def test_the_loop_records_rejected_replies_and_goes_on(replay_server, tmp_path):
     check on the CPU check stage, the correct one reaches the full stage; each is recorded with why."""
     import types
 
-    from specpilot.agent import loop as loop_mod
 
     server, handler = replay_server
     handler.replies, handler.seen = [(200, MALFORMED), (200, WRONG), (200, GOOD)], []

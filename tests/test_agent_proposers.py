@@ -5,6 +5,9 @@ from agent_helpers import toy_cfg
 
 from specpilot.agent import proposers as props
 from specpilot.agent import space as sp
+from specpilot.agent.loop import agent_conf
+from specpilot.harness import deploy
+from specpilot.harness.config_schema import build_plans
 from specpilot.costmodel import roofline, counts, prediction
 from specpilot.costmodel.rates import Rates
 
@@ -40,11 +43,7 @@ def test_guided_targets_the_largest_gap_first(gpu_space):
 def test_guided_reads_a_real_attribution():
     cfg = toy_cfg()
     space = sp.build_space(cfg)
-    from specpilot.harness.config_schema import build_plans
-
     plan = build_plans(cfg)[-1]
-    from specpilot.harness import deploy
-
     dep = deploy.build(cfg, build_plans(cfg))
     setting = prediction.Setting(counts.Shape.from_deployment(dep, 40), Rates.for_gpu(cfg.gpu),
                                  roofline.Hardware.from_conf(cfg.gpu))
@@ -109,8 +108,6 @@ def test_integrate_combines_compatible_survivors(gpu_space):
 
 
 def test_agent_block_errors_name_the_key():
-    from specpilot.agent.loop import agent_conf
-
     assert agent_conf({"rounds": 3}).rounds == 3
     with pytest.raises(ValueError, match="agent.roundz"):
         agent_conf({"roundz": 3})

@@ -5,6 +5,8 @@ from agent_helpers import toy_cfg
 
 from specpilot import plan as plan_mod
 from specpilot.agent import space as sp
+from specpilot.agent import proposers as props
+from specpilot.agent.loop import distinct_plans
 from specpilot.harness.config_schema import build_plans
 
 
@@ -95,9 +97,6 @@ def test_tree_two_level_and_batching_fields_round_trip():
 def test_rewrites_reaching_the_same_plan_run_once(toy):
     """Optuna may pair verify=ar with any block_size: the plans are one AR plan, timed once per round
     (measured on the CPU, two such candidates timed 20.45 and 22.88 ms/token: noise, not a finding)."""
-    from specpilot.agent import proposers as props
-    from specpilot.agent.loop import distinct_plans
-
     _, space = toy
     incumbent = {"verify": "chain", "block_size": 4}
     runnable = []

@@ -12,7 +12,8 @@ import numpy as np
 import pytest
 
 from pallas_kernels import dispatch
-from specpilot.agent import variants as va
+from specpilot.agent import evaluator as ev
+from specpilot.harness import kernel_variants as va
 
 SHAPES = {"weights": "bf16", "matmul": [[4, 32, 48], [3, 48, 32]], "gated_delta_rule": [[2, 3, 2, 16, 32]]}
 
@@ -181,8 +182,6 @@ def _candidate_spec(tmp_path, name, source, stage="full"):
 def test_a_sleeping_or_wrong_variant_loses_only_itself(tmp_path):
     """In the candidate process (check stage): a sleeping variant loses itself to the deadline, a wrong one
     is rejected with why, before any deployment is built."""
-    from specpilot.agent import evaluator as ev
-
     work = str(tmp_path / "work")
     slept = ev.evaluate_candidate(_candidate_spec(tmp_path, "sleeps", SLEEPS, "check"), timeout_s=6,
                                   memory_mb=None, workdir=work)
@@ -194,8 +193,6 @@ def test_a_sleeping_or_wrong_variant_loses_only_itself(tmp_path):
 
 def test_the_candidate_process_times_a_checked_variant_in_its_plan(tmp_path):
     """A correct variant runs in the plan (first in its implementation list) and gives the xla plan's tokens."""
-    from specpilot.agent import evaluator as ev
-
     with ev.Evaluator(2, timeout_s=120, memory_mb=None, workdir=str(tmp_path / "work")) as e:
         stock, good = e.evaluate([_candidate_spec(tmp_path, "xla", None), _candidate_spec(tmp_path, "good", GOOD)])
     assert stock["status"] == good["status"] == ev.OK, (stock["reason"], good["reason"])

@@ -11,7 +11,9 @@ import pytest
 import yaml
 
 from specpilot.agent import report
-from specpilot.agent import variants as va
+from specpilot.harness import kernel_variants as va
+from specpilot.harness import plan_variants
+from specpilot.plan import Plan
 
 ROOT = Path(__file__).resolve().parents[1]
 GOOD = """import jax.numpy as jnp
@@ -71,8 +73,6 @@ def test_a_wrong_variant_stops_the_run_naming_it(tmp_path):
 def test_a_carried_variant_no_plan_names_is_refused(tmp_path):
     from omegaconf import OmegaConf
 
-    from specpilot.harness import plan_variants
-    from specpilot.plan import Plan
 
     v = va.Variant("matmul", GOOD)
     cfg = OmegaConf.create({"cache_dir": str(tmp_path), "decoding": {"variants": [{"op": "matmul", "source": GOOD}]}})

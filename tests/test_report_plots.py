@@ -66,23 +66,62 @@ def test_ar_and_spec_runs_of_a_block_sweep_stay_apart(drawn):
     _, bars, labels = _bars(drawn(records)["tpot_per_method.png"])
     assert len(bars) == 4 and len(set(labels)) == 4, labels
     assert labels[1] == "stock, block 4" and labels[3] == "stock, block 8"
-    assert "drafter.block_size=4" in labels[0] and "drafter.block_size=8" in labels[2]
+    # the AR bars are AR's: the runs differ only in the speculative plan's settings, which say nothing of AR
+    assert labels[0] == "ar, #1" and labels[2] == "ar, #2"
+
+
+def test_a_block_sweep_over_a_plan_override_labels_ar_as_ar(drawn):
+    # `-m decoding.plans.stock.block_size=4,8`: each run's AR record carries the stock plan's override
+    records = []
+    for block, tpot in ((4, 0.5), (8, 0.4)):
+        for method in ("ar", "stock"):
+            rec = _record(method, block, tpot=1.0 if method == "ar" else tpot)
+            rec["config"]["decoding"] = {"plans": {"ar": {"verify": "ar"}, "stock": {"block_size": block}}}
+            records.append(rec)
+    _, _, labels = _bars(drawn(records)["tpot_per_method.png"])
+    assert labels == ["ar, #1", "stock, block 4", "ar, #2", "stock, block 8"]
+    assert not any("block_size" in label for label in labels)
+
+
+def test_ar_runs_that_differ_in_their_own_settings_are_labelled_by_them(drawn):
+    records = [_record("ar", None, tpot=1.0), _record("ar", None, tpot=1.2)]
+    records[1]["config"]["seed"] = 1
+    _, _, labels = _bars(drawn(records)["tpot_per_method.png"])
+    assert labels == ["seed=0", "seed=1"]
 
 
 def test_batch_and_block_are_spelled_out_and_every_plot_has_a_title(drawn):
     records = [_record("stock", b, batch=n, tpot=1.0 / (b * n)) for n in (1, 4) for b in (4, 8)]
     figs = drawn(records)
-    assert set(figs) == {"tpot_per_method.png", "speedup_vs_block.png", "tau_per_prompt_set.png",
+    assert set(figs) == {"tpot_per_method.png", "speedup_vs_block.png", "tau_per_method.png",
                          "time_split.png"}
     for name, fig in figs.items():
         assert fig.axes[0].get_title(), f"{name} has no title"
-    for name in ("tpot_per_method.png", "tau_per_prompt_set.png", "time_split.png"):
+    for name in ("tpot_per_method.png", "tau_per_method.png", "time_split.png"):
         _, bars, labels = _bars(figs[name])
         assert len(set(labels)) == 4, (name, labels)
         assert all(re.fullmatch(r"batch \d+, block \d+", label) for label in labels), (name, labels)
-    lines = figs["speedup_vs_block.png"].axes[0].get_lines()
+    lines = [ln for ln in figs["speedup_vs_block.png"].axes[0].get_lines() if ln.get_label() != "AR (1.0x)"]
     assert sorted(line.get_label() for line in lines) == ["batch 1", "batch 4"]  # one line per batch
     assert all(list(line.get_xdata()) == [4, 8] for line in lines)
+
+
+def test_speedup_plot_has_the_ar_reference_line(drawn):
+    records = [_record("ar", None), _record("stock", 4, tpot=0.5), _record("stock", 8, tpot=0.4)]
+    ax = drawn(records)["speedup_vs_block.png"].axes[0]
+    reference = [ln for ln in ax.get_lines() if ln.get_label() == "AR (1.0x)"]
+    assert len(reference) == 1 and set(reference[0].get_ydata()) == {1.0}
+    assert "AR (1.0x)" in [t.get_text() for t in ax.get_legend().get_texts()]
+    assert ax.get_ylim()[0] == 0
+
+
+def test_tau_plot_draws_tau_per_plan_and_says_so(drawn):
+    records = [_record("ar", None), _record("stock", 4, tpot=0.5), _record("stock", 8, tpot=0.4)]
+    figs = drawn(records)
+    assert "tau_per_prompt_set.png" not in figs
+    ax, bars, labels = _bars(figs["tau_per_method.png"])
+    assert labels == ["block 4", "block 8"] and [b.get_width() for b in bars] == [2.0, 4.0]
+    assert ax.get_xlabel().startswith("tau") and ax.get_title().startswith("Tokens per verification (tau)")
 
 
 def test_records_nothing_tells_apart_are_numbered(drawn):
@@ -117,10 +156,8 @@ def test_stage_plot_draws_measured_predicted_and_floor_per_stage(drawn):
 
 
 def test_prediction_error_is_signed_against_the_measurement():
-    from specpilot.harness.report import markdown_table, prediction_error
-
-    assert prediction_error({"predicted_ms_per_token": 0.9, "decode_ms_per_token": 1.0}) == "-10%"
-    assert prediction_error({"predicted_ms_per_token": 6.0, "decode_ms_per_token": 5.0}) == "+20%"
-    assert prediction_error({"predicted_ms_per_token": None, "decode_ms_per_token": 5.0}) is None
-    table = markdown_table([{"method": "ar", "predicted_ms_per_token": 3.3, "decode_ms_per_token": 3.0}])
+    assert report.prediction_error({"predicted_ms_per_token": 0.9, "decode_ms_per_token": 1.0}) == "-10%"
+    assert report.prediction_error({"predicted_ms_per_token": 6.0, "decode_ms_per_token": 5.0}) == "+20%"
+    assert report.prediction_error({"predicted_ms_per_token": None, "decode_ms_per_token": 5.0}) is None
+    table = report.markdown_table([{"method": "ar", "predicted_ms_per_token": 3.3, "decode_ms_per_token": 3.0}])
     assert "| +10% |" in table and "prediction_error" in table.splitlines()[0]

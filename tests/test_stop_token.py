@@ -13,8 +13,12 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from specpilot.data.prompt_sets import eos_token_id
 from specpilot.decoding import ar, spec
 from specpilot.decoding.sampling import SamplingConfig
+from specpilot.harness import config_schema, deploy, methods, runner
+from specpilot.harness.config_schema import ConfigValueError, build_plans, validate
+from specpilot.models.checkpoint import save_hf
 from specpilot.models import dense
 from specpilot.models import drafter as dr
 from specpilot.models.config import ModelConfig
@@ -235,8 +239,6 @@ def _word_tokenizer(folder, vocab_size: int, eos: str | None):
 
 
 def test_eos_token_id_reads_the_folder(tmp_path):
-    from specpilot.harness.deploy import eos_token_id
-
     assert eos_token_id(tmp_path) is None
     (tmp_path / "config.json").write_text(json.dumps({"eos_token_id": [9, 3]}))
     assert eos_token_id(tmp_path) == 9
@@ -254,7 +256,6 @@ def test_eos_token_id_of_smollm2_is_im_end():
     if not folders:
         pytest.skip("no converted SmolLM2 folder under /tmp/smolcache/gguf")
     transformers = pytest.importorskip("transformers")
-    from specpilot.harness.deploy import eos_token_id
 
     folder = folders[0].rsplit("/", 1)[0]
     tok = transformers.AutoTokenizer.from_pretrained(folder)
@@ -266,8 +267,6 @@ def _compose(overrides):
 
     from hydra import compose, initialize_config_dir
 
-    from specpilot.harness import config_schema
-
     config_schema.register()
     conf = Path(__file__).resolve().parents[1] / "conf"
     with initialize_config_dir(config_dir=str(conf), version_base=None):
@@ -275,9 +274,6 @@ def _compose(overrides):
 
 
 def test_stop_at_eos_without_a_tokenizer_is_refused(tmp_path, params):
-    from specpilot.harness.config_schema import ConfigValueError, validate
-    from specpilot.models.checkpoint import save_hf
-
     cfg = _compose(["target=tiny_random", "drafter=none", "decoding=ar", "bench=default", "bench.stop_at_eos=true"])
     with pytest.raises(ConfigValueError, match="bench.stop_at_eos: a random-weight target has no tokenizer"):
         validate(cfg)
@@ -292,10 +288,6 @@ def test_harness_stops_every_method_at_the_eos(tmp_path, params):
     """An hf folder whose tokenizer names as its eos a token the AR run emits mid-way: AR and stock both
     stop there, token forcing checks each row up to its end, and decode tokens count the longest row's
     steps."""
-    from specpilot.harness import deploy, methods, runner
-    from specpilot.harness.config_schema import build_plans, validate
-    from specpilot.models.checkpoint import save_hf
-
     save_hf(params, CFG, tmp_path)
     overrides = ["target=hf", f"target.path={tmp_path}", "target.dtype=float32", "drafter=oracle",
                  "drafter.num_layers=1", "drafter.block_size=4", "drafter.tau=2.5", "drafter.num_taps=2",

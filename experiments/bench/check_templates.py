@@ -13,7 +13,7 @@ import time
 import jax
 
 from specpilot.agent import templates
-from specpilot.agent import variants as va
+from specpilot.harness import kernel_variants as va
 
 SHAPES = {"matmul": [[16, 4096, 12288], [16, 12288, 4096]], "gated_delta_rule": [[1, 16, 48, 128, 128]]}
 

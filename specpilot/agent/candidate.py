@@ -1,25 +1,8 @@
 """One candidate plan in its own process: `python -m specpilot.agent.candidate <spec.json> <out.json>`.
 
-Design choices:
-- The process builds the deployment from the composed config in the spec (`decoding.plans` = the one
-  plan under test; the device's AR reference is built too when an oracle drafter replays its tokens),
-  on the prompts the spec gives (the gate's fresh draw), warms the plan up, and then runs it once per
-  "go" line the evaluator writes on its stdin, answering "done" on its stdout: the evaluator holds the
-  clock, around each go/done pair, so nothing this process reports about time is used to accept it.
-- The protocol owns the original stdout; everything else the process prints goes to stderr.
-- `out.json` gets the tokens of every timed run (the gate checks those very tokens), the times the
-  process measured itself (reported, never trusted) and the plan's stats (tau, and the draft / verify /
-  accept split of one profiled pass after the timed runs).
-- Kernel variants named by the spec (`variants`: op, name, sandbox path) are loaded and checked
-  against their op's reference (`variants.load_and_check`, on the evaluator's fresh seed) before the
-  deployment is built; a failing one ends the process with "variant-rejected: <why>" on stderr (exit 3).
-  A "check" stage stops there (no deployment, no timed runs).
-- `workload: "engine"` (`agent.workload`) runs the prompts as requests through the serving engine
-  (`engine_workload.EngineWorkload`: the plan's `batching` fields take effect) instead of the run
-  harness's fixed batch; the out.json is the same, so the gate and the evaluator do not change.
-- Memory and time limits are set from outside (the evaluator's `setrlimit` in the child, its deadline),
-  and so are the devices it sees (its device group: `CUDA_VISIBLE_DEVICES`, or on the CPU the group's
-  count of simulated devices, which replaces the driver's `simulated_cpu_devices`).
+It builds the spec's deployment on the gate's prompts, warms the plan up, then runs it once per "go" line
+on stdin and answers "done" on stdout, so the evaluator holds the clock; the tokens of every timed run go
+to out.json for the gate. Design notes: docs/design/agent.md.
 """
 
 from __future__ import annotations
@@ -30,16 +13,19 @@ import sys
 import time
 from pathlib import Path
 
+import jax
+from omegaconf import OmegaConf
+
+from specpilot.agent.engine_workload import PREFILL_CHUNK, EngineWorkload
+from specpilot.harness import config_schema, deploy, devices, kernel_variants, methods  # tests patch methods.run_plan
+from specpilot.models.oracle import OracleDrafter
+
 PROTOCOL_READY, PROTOCOL_GO, PROTOCOL_DONE, PROTOCOL_END = "ready", "go", "done", "end"
 VARIANT_REJECTED = "variant-rejected"  # the last stderr line of a candidate whose kernel variant failed
 
 
 def configure(spec: dict):
     """The spec's composed config with its plan and prompts, typed; the process's devices set up."""
-    from omegaconf import OmegaConf
-
-    from specpilot.harness import config_schema, devices
-
     cfg = OmegaConf.create(spec["config"])
     group = os.environ.get("SPECPILOT_DEVICE_GROUP", "")
     if group.startswith("cpu:"):  # the evaluator's group of simulated CPU devices, not the driver's count
@@ -54,8 +40,6 @@ def configure(spec: dict):
     cfg = config_schema.typed(cfg)
     devices.setup(cfg)
     if spec.get("compile_cache"):
-        import jax
-
         jax.config.update("jax_compilation_cache_dir", str(spec["compile_cache"]))
         jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
         jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
@@ -64,8 +48,6 @@ def configure(spec: dict):
 
 def build(spec: dict, cfg=None):
     """(deployment, plan, plans) of a spec: the composed config with the spec's plan and prompts."""
-    from specpilot.harness import config_schema, deploy
-
     cfg = configure(spec) if cfg is None else cfg
     prompts = [list(map(int, p)) for p in spec["prompts"]]
     config_schema.validate(cfg)
@@ -86,12 +68,10 @@ def main(spec_path: str, out_path: str) -> int:
     cfg = configure(spec)
     checked = []
     if spec.get("variants"):  # kernel variants: loaded from the sandbox and checked before anything runs
-        from specpilot.agent import variants
-
         try:
-            checked = variants.load_and_check(spec["variants"], spec["variant_check"]["shapes"],
-                                              int(spec["variant_check"]["seed"]))
-        except variants.VariantRejected as e:
+            checked = kernel_variants.load_and_check(spec["variants"], spec["variant_check"]["shapes"],
+                                                     int(spec["variant_check"]["seed"]))
+        except kernel_variants.VariantRejected as e:
             print(f"{VARIANT_REJECTED}: {e}", file=sys.stderr, flush=True)
             return 3
     if spec.get("stage") == "check":
@@ -101,19 +81,14 @@ def main(spec_path: str, out_path: str) -> int:
                 break
         Path(out_path).write_text(json.dumps({"name": spec["name"], "checked": checked, "tokens": []}))
         return 0
-    from specpilot.harness.methods import run_plan
-    from specpilot.models.oracle import OracleDrafter
-
     dep, plan, plans = build(spec, cfg)
     if plan.uses_drafter and isinstance(dep.drafter[0], OracleDrafter):
-        dep.reference_tokens = run_plan(dep, plans[0]).tokens  # the oracle replays the AR reference
+        dep.reference_tokens = methods.run_plan(dep, plans[0]).tokens  # the oracle replays the AR reference
     if spec.get("workload", "harness") == "engine":
-        from specpilot.agent.engine_workload import PREFILL_CHUNK, EngineWorkload
-
         workload = EngineWorkload(dep, plan, prefill_chunk=int(spec.get("prefill_chunk") or PREFILL_CHUNK))
         run = workload.run
     elif spec.get("workload", "harness") == "harness":
-        run = lambda: run_plan(dep, plan)  # noqa: E731
+        run = lambda: methods.run_plan(dep, plan)  # noqa: E731
     else:
         raise ValueError(f"agent.workload: {spec['workload']!r} is not one of harness, engine")
     warm = run()  # compiles every step
@@ -133,7 +108,7 @@ def main(spec_path: str, out_path: str) -> int:
     stats = dict(runs[-1].stats) if runs else {}
     if runs and plan.uses_drafter and spec.get("workload", "harness") == "harness":
         dep.profile_split = True  # one profiled pass, outside the timed runs, for the stage split
-        stats = dict(run_plan(dep, plan).stats)
+        stats = dict(methods.run_plan(dep, plan).stats)
     out = {"name": plan.name, "plan": plan.describe(), "tokens": [r.tokens for r in runs],
            "self_reported_s": self_times, "decode_s": [r.decode_s for r in runs],
            "decode_tokens": [r.decode_tokens for r in runs], "stats": stats,

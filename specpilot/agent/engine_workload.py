@@ -1,21 +1,7 @@
-"""A candidate's workload through the serving engine (`agent.workload: engine`), so batching fields count.
-
-Design choices:
-- The run harness decodes a fixed batch in its own loop and never reads a plan's `batching` fields;
-  under `agent.workload=engine` the candidate process runs the same prompts as requests through
-  `serving.engine.Engine.from_plan` instead: `bench.batch_size` slots, every prompt submitted at once
-  (continuous admission refills a slot as a request finishes), greedy, each request's budget the
-  spec's new tokens and its stop token the deployment's. A run returns what `methods.run_plan` returns
-  (`MethodRun`: tokens per prompt in prompt order, the rows past a stop token read -1 as the
-  harness's do), so the gate checks the engine's tokens exactly as it checks the harness's.
-- The engine is built and compiled once per process (`warm_up`, then one untimed run); each timed run
-  submits the prompts afresh. Oracle drafters replay the AR reference's continuation of each prompt
-  (the deployment's `reference_tokens`), as the harness's oracle runs do.
-- `decode_s` is the time from the first submission until every request is done, less the time until
-  each request's first token is a prefill cost it pays once: the host clock, reported for the cheap
-  stage's ranking only, never used by the gate (the evaluator times the whole run from outside).
-- Stats: `tau` is the tokens a decoding row gains per step (`EngineStats.tokens_per_row_step`), and the
-  engine's counts (verified and computed tokens per decode) go along for the report.
+"""A candidate's workload through the serving engine (`agent.workload: engine`), so batching fields count:
+the deployment's prompts run as requests over `bench.batch_size` slots, and a run returns what
+`methods.run_plan` returns, so the gate checks the engine's tokens as it checks the harness's. Design
+notes: docs/design/agent.md.
 """
 
 from __future__ import annotations
@@ -23,6 +9,8 @@ from __future__ import annotations
 import time
 
 from specpilot.harness.methods import MethodRun
+from specpilot.serving.engine import Engine
+from specpilot.serving.request import Request
 
 PREFILL_CHUNK = 64  # prompt tokens a prefilling row is fed per engine step (agent.prefill_chunk)
 
@@ -31,8 +19,6 @@ class EngineWorkload:
     """One plan's engine over a deployment; `run()` decodes the deployment's prompts as requests."""
 
     def __init__(self, dep, plan, *, prefill_chunk: int = PREFILL_CHUNK):
-        from specpilot.serving.engine import Engine
-
         if float(dep.sampling.temperature) != 0.0:
             raise ValueError("agent.workload=engine: the gate checks greedy outputs; give a greedy deployment "
                              f"(decoding.temperature: 0, got {dep.sampling.temperature})")
@@ -46,8 +32,6 @@ class EngineWorkload:
         self.engine.warm_up()
 
     def requests(self) -> list:
-        from specpilot.serving.request import Request
-
         replay = self.engine.reference is not None
         out = []
         for i, prompt in enumerate(self.prompts):

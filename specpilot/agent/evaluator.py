@@ -1,35 +1,15 @@
 """Candidates evaluated in parallel on Dask distributed, each in its own limited process, timed from outside.
 
-Design choices:
-- A Dask `LocalCluster` (worker processes, one thread each) runs `evaluate_candidate` tasks; each task
-  starts `python -m specpilot.agent.candidate <spec.json> <out.json>` (or a spec's own `program`, which
-  tests use for adversarial candidates) in a new session, with `resource.setrlimit` on its address space
-  in the child (before it execs the candidate), and a deadline. A crash, a hang, an out-of-memory or a
-  `kill -9` ends that process only: the task returns a result with the status and the reason (the tail
-  of its stderr), never raises.
-- Device groups: each timing worker owns one group of devices (`sharding.device_groups` of the
-  deployment's mesh over the machine's devices), named in its environment (`SPECPILOT_DEVICE_GROUP`,
-  "gpu:0,1" / "cpu:2"), and one unit of the worker resource `device_group`; a timing task asks for one
-  unit, so each group runs one timing job at a time. The candidate process sees only its group's
-  devices: `CUDA_VISIBLE_DEVICES` on GPUs; on the CPU the host-platform device count in `XLA_FLAGS`
-  (simulated devices). Workers without a group (the CPU, one device shared) get `timing_slots` units.
-  CPU-only workers (`check_workers`, resource `cpu_check`) take the cheap checks that need no
-  accelerator (a kernel variant against its reference: `stage == "check"`).
-- Workers that share one physical device (the CPU, simulated groups included) build and warm up
-  candidates in parallel and take a cluster-wide lock (`timing_lock`) for the timed runs, so no two
-  candidates are timed at once; GPU groups are timed in parallel, each on its own devices.
-- The evaluator holds the clock: after the candidate reports ready (warmed up), it writes "go" per
-  repeat and times each go/done pair itself. Time per token is that wall time over the output tokens
-  the spec asked for (batches x new tokens), whatever the process reports about itself.
-- A candidate whose kernel variant fails its check ends with "variant-rejected: <why>" (exit 3): status
-  `variant_rejected` with that reason. The check's inputs come from a seed drawn here per candidate.
-- Results are plain dicts (they cross process boundaries): status, reason, the evaluator's times, the
-  median, the candidate's tokens per timed run and its stats.
+Each task starts a candidate process (memory limit, deadline, its device group's devices only), sends it
+one "go" per timed repeat and times each answer itself; a crash, hang or out-of-memory loses that
+candidate only, reported as a status with a reason, never raised. Dask's own INFO lines are silenced in
+the driver and in the worker processes (`log_level`). Design notes: docs/design/agent.md.
 """
 
 from __future__ import annotations
 
 import json
+import logging
 import os
 import secrets
 import selectors
@@ -41,6 +21,12 @@ import time
 from pathlib import Path
 from typing import Callable, Iterable
 
+import dask
+import distributed  # noqa: F401  (registers the nanny's configuration with dask.config)
+from dask.distributed import Client, Lock, Nanny, Scheduler, SpecCluster, as_completed, get_worker
+
+from specpilot import sharding
+
 OK, CRASHED, TIMEOUT, OOM, KILLED, BAD_OUTPUT = "ok", "crashed", "timeout", "oom", "killed", "bad_output"
 VARIANT_REJECTED = "variant_rejected"  # a kernel variant failed its reference check (or its source check)
 TIMING, CHECK = "device_group", "cpu_check"  # worker resources: a timing job's group, a CPU check
@@ -50,6 +36,26 @@ OOM_MARKERS = ("MemoryError", "RESOURCE_EXHAUSTED", "std::bad_alloc", "Cannot al
 # RESOURCE_EXHAUSTED that is a kernel's launch limit, not memory running out: the config is invalid there
 LAUNCH_LIMIT_MARKERS = ("Shared memory size limit exceeded", "out of resource: shared memory",
                         "registers exceeded")
+
+
+# a worker process reads Dask's log level for its `distributed` loggers from this as it imports distributed
+DASK_LOG_ENV = "DASK_LOGGING__DISTRIBUTED"
+
+
+def log_level(level: str | int) -> int:
+    """A logging level from its name ("warning", "INFO") or number; ValueError naming the valid names."""
+    if isinstance(level, int):
+        return level
+    value = logging.getLevelName(str(level).upper())
+    if not isinstance(value, int):
+        raise ValueError(f"agent.dask_log_level: {level!r} is not a logging level (DEBUG, INFO, WARNING, ERROR)")
+    return value
+
+
+def set_dask_log_level(level: int) -> None:
+    """Every `distributed.*` logger of this process at `level` (per-connection INFO lines drown the progress)."""
+    for name in [n for n in logging.root.manager.loggerDict if n.startswith("distributed")] + ["distributed"]:
+        logging.getLogger(name).setLevel(level)
 
 
 # Runs first in the child: the address-space limit, then exec of the candidate (a preexec_fn would make
@@ -150,13 +156,7 @@ def group_env(label: str | None) -> dict:
 def nanny_injected() -> dict:
     """The variables a Dask nanny sets in its worker's environment (`distributed.nanny.pre-spawn-environ`:
     MALLOC_TRIM_THRESHOLD_=65536 and one thread for OpenMP, MKL and OpenBLAS by default)."""
-    try:
-        import dask
-        import distributed  # noqa: F401  (registers the nanny's configuration)
-
-        return {k: str(v) for k, v in (dask.config.get("distributed.nanny.pre-spawn-environ") or {}).items()}
-    except Exception:  # no dask (a candidate run by hand): nothing was injected
-        return {}
+    return {k: str(v) for k, v in (dask.config.get("distributed.nanny.pre-spawn-environ") or {}).items()}
 
 
 def candidate_env(group: str | None, base: dict | None = None) -> dict:
@@ -173,8 +173,6 @@ def candidate_env(group: str | None, base: dict | None = None) -> dict:
 
 def device_group_labels(mesh, devices) -> list[str]:
     """One label per group of `sharding.device_groups(mesh, devices)` (jax devices, or ints for ids)."""
-    from specpilot import sharding
-
     groups = sharding.device_groups(mesh, devices)
     platform = "cpu" if all(getattr(d, "platform", "cpu") == "cpu" for d in devices) else "gpu"
     return [group_label(platform, [getattr(d, "id", d) for d in g]) for g in groups]
@@ -193,10 +191,8 @@ def _timing_lock(name: str | None):
     if not name:
         return _NoLock()
     try:
-        from dask.distributed import Lock, get_worker
-
         get_worker()
-    except (ImportError, ValueError):
+    except ValueError:
         return _NoLock()
     return Lock(name)
 
@@ -312,13 +308,12 @@ class Evaluator:
     def __init__(self, workers: int = 2, *, timeout_s: float = 300.0, memory_mb: int | None = 4096,
                  workdir: str | Path, timing_slots: int = 1, address: str | None = None,
                  timing_lock: str | None = "specpilot-timing", groups: list[str] | None = None,
-                 check_workers: int = 0):
-        import logging
-
-        from dask.distributed import Client
-
-        for name in [n for n in logging.root.manager.loggerDict if n.startswith("distributed")] + ["distributed"]:
-            logging.getLogger(name).setLevel(logging.WARNING)  # per-connection INFO lines drown the progress
+                 check_workers: int = 0, dask_log_level: str | int = "WARNING"):
+        level = log_level(dask_log_level)
+        set_dask_log_level(level)
+        # local workers are processes spawned from this one: they inherit the level through the environment
+        self._saved_env = os.environ.get(DASK_LOG_ENV)
+        os.environ[DASK_LOG_ENV] = logging.getLevelName(level).lower()
         self.timeout_s, self.memory_mb, self.timing_lock = float(timeout_s), memory_mb, timing_lock
         self.workdir = Path(workdir)
         self.workdir.mkdir(parents=True, exist_ok=True)
@@ -327,13 +322,11 @@ class Evaluator:
         if address:  # an existing scheduler (SPECPILOT_DEVICE_GROUP=gpu:0 dask-worker --resources device_group=1)
             self.cluster, self.client = None, Client(address)
         else:
-            self.cluster = _cluster(self.groups, int(workers), int(timing_slots), self.checks)
+            self.cluster = _cluster(self.groups, int(workers), int(timing_slots), self.checks, level)
             self.client = Client(self.cluster)
 
     def evaluate(self, specs: Iterable[dict], progress: Callable[[dict], None] | None = None) -> list[dict]:
         """Every spec's result, in the order given; `progress(result)` hears each as it finishes."""
-        from dask.distributed import as_completed
-
         specs = list(specs)
         futures = [self.client.submit(evaluate_candidate, s, timeout_s=self.timeout_s, memory_mb=self.memory_mb,
                                       workdir=str(self.workdir), timing_lock=self.timing_lock,
@@ -360,6 +353,10 @@ class Evaluator:
         self.client.close()
         if self.cluster is not None:
             self.cluster.close()
+        if self._saved_env is None:
+            os.environ.pop(DASK_LOG_ENV, None)
+        else:
+            os.environ[DASK_LOG_ENV] = self._saved_env
 
     def __enter__(self):
         return self
@@ -368,16 +365,13 @@ class Evaluator:
         self.close()
 
 
-def _cluster(groups: list[str] | None, workers: int, timing_slots: int, checks: int):
+def _cluster(groups: list[str] | None, workers: int, timing_slots: int, checks: int, level: int = logging.WARNING):
     """A local Dask cluster of worker processes (one thread each): a timing worker per device group
     (its group in its environment), else `workers` timing workers; and `checks` CPU-only workers."""
-    import logging
-
-    from dask.distributed import Nanny, Scheduler, SpecCluster
 
     def worker(resources: dict, env: dict | None = None) -> dict:
         return {"cls": Nanny, "options": {"nthreads": 1, "memory_limit": 0, "resources": resources,
-                                          "env": env or {}}}
+                                          "env": env or {}, "silence_logs": level}}
 
     if groups:
         specs = {f"group-{i}": worker({TIMING: 1}, {GROUP_ENV: g}) for i, g in enumerate(groups)}
@@ -385,4 +379,4 @@ def _cluster(groups: list[str] | None, workers: int, timing_slots: int, checks: 
         specs = {f"worker-{i}": worker({TIMING: timing_slots}) for i in range(workers)}
     specs.update({f"check-{i}": worker({CHECK: 1}, {GROUP_ENV: "cpu:"}) for i in range(checks)})
     return SpecCluster(workers=specs, scheduler={"cls": Scheduler, "options": {"dashboard_address": None}},
-                       silence_logs=logging.WARNING)
+                       silence_logs=level)

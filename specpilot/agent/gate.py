@@ -1,21 +1,9 @@
 """The gate: what a candidate must pass to replace the incumbent, checked in the driver, never in a candidate.
 
-Design choices:
-- The gate owns a held-out prompt pool the proposers never see (random prompts: token ids drawn from a
-  seed made here, per session; text sets: the deployment's own prompt set, `agent.heldout` of them) and
-  draws each round's prompts fresh from it, so no candidate can have seen them or the reference's
-  outputs for them before the round.
-- It builds its own deployment (the same composed config) for two references we did not rewrite: the
-  device's AR reference (XLA's bf16 step, as in `harness.runner`) and stock (the chain plan with bf16
-  weights and default kernels; AR where the run has none).
-- A candidate is accepted only if all of these hold: every timed run produced the same tokens;
-  forcing-clean (the tokens of the timed run forced into stock's scorer: stock chooses the candidate's
-  token at every position, 0 mismatches; near-ties are reported with their margins, and they fail too);
-  reference-clean (the tokens equal the AR reference's greedy output on the same prompts); not faster
-  than the cost model's ceiling (its floor per token at tau = the block size, the most any drafter can
-  accept: a candidate below it skipped work or lied, and is flagged); and faster than the incumbent,
-  measured in the same session, by the noise margin.
-- Times are the evaluator's (`evaluator.timing`), never the candidate's.
+On prompts drawn fresh each round from a held-out pool the proposers never see, a candidate's timed tokens
+must be identical across runs, forcing-clean against stock, equal to the AR reference's, not faster than
+the cost model's ceiling, and faster than the incumbent measured in the same session by the noise margin.
+Design notes: docs/design/agent.md.
 """
 
 from __future__ import annotations

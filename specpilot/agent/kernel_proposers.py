@@ -1,24 +1,13 @@
-"""Proposers that write kernel variants: template expansion of the Pallas kernels, and an LLM endpoint.
-
-Design choices:
-- Both aim where the cost model says time is lost (the attribution's kernel classes: "recurrence" ->
-  gated_delta_rule, "matmul" / "lm_head" -> matmul, largest first) and propose a rewrite that puts the
-  variant first in the op's implementation list, XLA after it (`[variant:<hash>, xla]`): a variant
-  that declines a shape falls through. An op the deployment does not have (the gated delta rule of a
-  dense target) has no implementation choice in the space and gets no variant.
-- `template`: the next expansions of `templates` not tried here; only where the space offers the op's
-  Pallas kernels (a GPU), since interpreted kernels on a CPU time the interpreter, not the kernel.
-- `llm`: any OpenAI-compatible endpoint (`agent.llm`: url, model, api_key_env; off by default), over
-  the stdlib (urllib: POST <url>/chat/completions). The prompt: the cost model's report of the
-  incumbent, memory's mechanisms, the op's signature, the rules of a variant (allowed imports, the
-  written tolerance) and the op's pure-jnp reference source. The first ```python block of the reply
-  is the variant; a reply without one, or an endpoint that fails, is a dropped proposal with the
-  reason, and the loop goes on. The model never sees the gate's prompts or any candidate's tokens.
+"""Proposers that write kernel variants: template expansion of the Pallas kernels (`template`, on GPUs),
+and any OpenAI-compatible endpoint (`llm`, off by default). Both aim at the kernel classes where the cost
+model says time is lost and put the variant first in the op's implementation list, XLA after it. Design
+notes: docs/design/agent.md.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import importlib
 import inspect
 import json
 import os
@@ -28,8 +17,9 @@ import urllib.request
 
 from specpilot.agent import space as sp
 from specpilot.agent import templates
-from specpilot.agent import variants as va
+from specpilot.harness import kernel_variants as va
 from specpilot.agent.proposers import Context, GuidedProposer, Proposal, Proposer, register
+from specpilot.costmodel.prediction import format_attribution
 
 OP_OF_CLASS = {"recurrence": "gated_delta_rule", "matmul": "matmul", "lm_head": "matmul"}
 PALLAS = ("triton", "mosaic")
@@ -101,8 +91,6 @@ CODE_BLOCK = re.compile(r"```(?:python|py)?[ \t]*\n(.*?)```", re.S)
 
 
 def reference_source(op: str, weights: str = "bf16") -> str:
-    import importlib
-
     table = REFERENCES[op]
     module, fn = table.get(weights) or next(iter(table.values()))
     return inspect.getsource(getattr(importlib.import_module(module), fn))
@@ -114,8 +102,6 @@ def build_prompt(ctx: Context, op: str) -> str:
     rows = [f"- stage {r['stage']}: {r['lost_ms']:.3f} ms lost per step" for r in att.get("stages", [])]
     rows += [f"- kernel class {r['class']}: {r['lost_ms']:.3f} ms lost per step" for r in att.get("classes", [])]
     if att.get("measured_ms_per_step") is not None:  # a full `prediction.attribute` report
-        from specpilot.costmodel.prediction import format_attribution
-
         rows = format_attribution("incumbent", att, top=5) + rows
     memory = [f"- {json.dumps(rw, sort_keys=True)}" for rw in ctx.seeds[:8]]
     signature = f"def {op}({', '.join(va.SIGNATURES[op])})"

@@ -1,44 +1,38 @@
 """The optimization loop: rounds of propose -> evaluate in isolation -> gate -> remember, for one deployment.
 
-Design choices:
-- A round: the gate draws fresh prompts; the proposers see the cost model's attribution of the
-  incumbent's last measured run (measured first when there is none: the first round, a resume) and
-  memory's mechanisms; impossible rewrites are dropped with their reason; proposals that ask for it
-  run a short cheap stage first (the Optuna proposer's pruner decides); the rest run in full, in
-  parallel, next to the incumbent re-measured in the same session; the gate judges each against that
-  measurement; the fastest accepted candidate becomes the incumbent.
-- Kernel variants (template or LLM proposers): the source is checked statically here, written into the
-  sandbox folder of its round and candidate (`sandbox/<candidate>/<digest>.py`) for every spec whose
-  plan names it (the incumbent too, once a variant wins), and checked against its op's reference in the
-  candidate process; with `check_workers`, first in a "check" stage on CPU-only workers, so a wrong
-  variant costs no device time. A resumed run finds its variants in the sandbox.
-- Everything is recorded as it happens (`memory`): candidates one transaction each, the round at its
-  end. A run is keyed by the deployment's features and its starting plan, so the same command after
-  an interrupt resumes after the last finished round.
-- Outputs in the output directory: `round_<i>.md` per round, `best_by_round.png` (the best time per
-  token by round), `summary.json`, and the winning plan as `decoding/<name>.yaml`, a decoding config
-  any run takes (`decoding=<name>` once copied into conf/decoding/).
+Each round the proposers read the cost model's attribution of the incumbent's measured run and memory's
+mechanisms, the candidates run in parallel next to the incumbent re-measured in the same session, and the
+gate's fastest accepted candidate becomes the incumbent; everything is recorded as it happens, so the same
+command resumes after an interrupt. Design notes: docs/design/agent.md.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import importlib.metadata as md
 import json
 import logging
 import platform as platform_mod
 from pathlib import Path
 from typing import Any, Callable
 
+import jax
 from omegaconf import DictConfig, OmegaConf
+from omegaconf.errors import OmegaConfBaseException
+
+from pallas_kernels.dispatch import is_variant
 
 from specpilot.agent import evaluator as ev
 from specpilot.agent import memory as mem
 from specpilot.agent import proposers as props
 from specpilot.agent import report
 from specpilot.agent import space as sp
-from specpilot.agent import variants as va
+from specpilot.harness import kernel_variants as va
 from specpilot.agent.gate import Gate
-from specpilot.agent.kernel_proposers import LLMConf
+from specpilot.agent.kernel_proposers import LLMConf  # its import registers "template" and "llm"
+from specpilot.costmodel import counts, prediction, roofline
+from specpilot.costmodel.rates import Rates
+from specpilot.sharding import MeshShape
 
 log = logging.getLogger(__name__)
 
@@ -72,6 +66,7 @@ class AgentConf:
     # requests through the serving engine, bench.batch_size slots: the plans' batching fields join the space)
     workload: str = "harness"
     prefill_chunk: int = 64  # workload=engine: prompt tokens a prefilling row is fed per engine step
+    dask_log_level: str = "WARNING"  # Dask's own log lines (driver and workers); INFO brings them back
 
 
 def features(cfg: DictConfig, plan_fields: dict, workload: str = "harness") -> dict:
@@ -87,8 +82,6 @@ def features(cfg: DictConfig, plan_fields: dict, workload: str = "harness") -> d
 
 
 def versions() -> dict:
-    import importlib.metadata as md
-
     out = {"python": platform_mod.python_version()}
     for pkg in ("jax", "jaxlib", "optuna", "dask", "sqlalchemy"):
         try:
@@ -112,8 +105,6 @@ def initial_plan(cfg: DictConfig, space: sp.Space) -> dict:
 class Loop:
     def __init__(self, cfg: DictConfig, agent: AgentConf, out_dir: str | Path,
                  progress: Callable[[str], None] = log.info):
-        import jax
-
         self.cfg, self.agent, self.progress = cfg, agent, progress
         self.out = Path(out_dir)
         self.out.mkdir(parents=True, exist_ok=True)
@@ -123,8 +114,6 @@ class Loop:
         self.avoid: dict[str, str] = {}  # plans memory saw lose clearly nearby (`Memory.losses`)
         self.groups = None  # one timing worker per device group of the incumbent's mesh
         if dev[0].platform == "gpu" or len(dev) > 1:
-            from specpilot.sharding import MeshShape
-
             mesh = MeshShape(**(self.incumbent.get("mesh") or {}))
             self.groups = ev.device_group_labels(mesh, dev)
             self.space = sp.build_space(cfg, platform=dev[0].platform, devices=mesh.size, workload=agent.workload)
@@ -181,7 +170,7 @@ class Loop:
         inc_result, att, survivors = None, None, []
         with ev.Evaluator(a.workers, timeout_s=a.timeout_s, memory_mb=a.memory_mb, workdir=str(self.out / "candidates"),
                           timing_slots=a.timing_slots, address=a.scheduler, groups=self.groups,
-                          check_workers=a.check_workers) as evaluator:
+                          check_workers=a.check_workers, dask_log_level=a.dask_log_level) as evaluator:
             for r in range(start, a.rounds):
                 prompts = gate.draw(r)
                 self.progress(f"round {r}: {len(prompts)} fresh prompts; incumbent {json.dumps(self.incumbent)}")
@@ -223,9 +212,6 @@ class Loop:
         return summary
 
     def _attribution(self, gate: Gate, fields: dict, result: dict) -> dict | None:
-        from specpilot.costmodel import roofline, counts, prediction
-        from specpilot.costmodel.rates import Rates
-
         plan = self.space.check("incumbent", fields)
         if isinstance(plan, str):
             return None
@@ -376,8 +362,6 @@ def distinct_plans(runnable: list) -> tuple[list, list]:
 
 def variant_names(fields: dict) -> list[str]:
     """The kernel variants a plan's fields name (`variant:<hash>` implementations)."""
-    from pallas_kernels.dispatch import is_variant
-
     kernels = fields.get("kernels") or {}
     return [i for op in sorted(kernels) for i in ((kernels[op] or {}).get("implementation") or []) if is_variant(i)]
 
@@ -396,8 +380,6 @@ def recover_variants(sandbox: Path) -> dict[str, va.Variant]:
 
 def agent_conf(node: Any) -> AgentConf:
     """The `agent` block of a composed config, typed (an unknown key or a wrong type fails naming it)."""
-    from omegaconf.errors import OmegaConfBaseException
-
     try:
         given = node if isinstance(node, dict) else OmegaConf.to_container(node or OmegaConf.create({}), resolve=True)
         merged = OmegaConf.merge(OmegaConf.structured(AgentConf), given)
@@ -418,6 +400,7 @@ def agent_conf(node: Any) -> AgentConf:
             raise ValueError(f"agent.{key}: must be >= 1, got {getattr(a, key)}")
     if a.workload not in sp.WORKLOADS:
         raise ValueError(f"agent.workload: {a.workload!r} is not one of {', '.join(sp.WORKLOADS)}")
+    ev.log_level(a.dask_log_level)  # a name logging knows, or ValueError naming agent.dask_log_level
     if a.prefill_chunk < 1:
         raise ValueError(f"agent.prefill_chunk: must be >= 1, got {a.prefill_chunk}")
     if not 0 <= a.noise_margin < 1:

@@ -1,21 +1,9 @@
 """The loop's memory: runs, rounds, candidates and validated mechanisms in a SQL database (SQLAlchemy).
 
-Design choices:
-- Any SQLAlchemy URL; the default is an SQLite file in the cache directory (`agent_memory.db`), so
-  several drivers can share one server database and one machine needs nothing installed.
-- Every candidate's outcome is committed in its own transaction as it arrives, and a round is marked
-  done (with its incumbent) in one transaction at its end: a driver killed at any point leaves the
-  last done round and every finished candidate on disk, and a restart with the same deployment
-  continues from there (`last_round`, and `tried` so nothing already judged is proposed again).
-- A validated mechanism (an accepted rewrite) is keyed by the deployment's features: the target's
-  shape, the drafter, the gpu, the batch and the plan it improved; with its measured gain, the runs
-  behind it and the software versions. `retrieve` orders mechanisms by a distance between feature
-  sets (log ratios of the shape's sizes and the batch, a step for another gpu or drafter), nearest
-  first, which seeds a new round and a new deployment.
-- Clear losses travel too: `losses` names the plans the gate rejected at a near deployment (distance <=
-  3: the Qwen3-8B and 4B shapes are 1.0 apart) as more than 2x slower than their incumbent, and the
-  proposers do not propose them again there (an AR plan judged at 0.28x of stock at 8B is not
-  re-timed at 4B). Near misses are re-judged: a 0.9x can be a win on another shape.
+Any SQLAlchemy URL (default: an SQLite file in the cache directory); every candidate is committed as it
+arrives and a round at its end, so an interrupted run resumes after its last finished round. Validated
+mechanisms and clear losses are keyed by the deployment's features and retrieved nearest first. Design
+notes: docs/design/agent.md.
 """
 
 from __future__ import annotations
@@ -28,6 +16,8 @@ from pathlib import Path
 
 from sqlalchemy import JSON, Boolean, Float, Integer, String, create_engine, select
 from sqlalchemy.orm import DeclarativeBase, Mapped, Session, mapped_column
+
+from specpilot.agent.space import rewrite_key
 
 
 class Base(DeclarativeBase):
@@ -183,8 +173,6 @@ class Memory:
         """{plan key: why} of the plans rejected at deployments within `max_distance` of `features` at a gain
         under `below` (the key: `space.rewrite_key` of the candidate's full plan fields), the nearest run's
         verdict kept."""
-        from specpilot.agent.space import rewrite_key
-
         with Session(self.engine, expire_on_commit=False) as s:
             runs = {r.key: r.features for r in s.scalars(select(Run))}
             rows = list(s.scalars(select(Candidate).where(Candidate.status == "rejected")))

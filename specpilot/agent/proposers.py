@@ -1,32 +1,17 @@
-"""Proposers: where a round's rewrites come from. Cost-model-guided, Optuna search, memory; a registry for more.
-
-Design choices:
-- A proposer sees a `Context` (the rewrite space, the incumbent's plan fields, the cost model's
-  attribution of the incumbent's measured run, the rewrites already tried at this deployment, the
-  rewrites memory retrieved, the plans memory saw lose clearly at a near deployment) and returns
-  `Proposal`s; it never sees the gate's prompts. `observe` hears each outcome (the gate's time per
-  token, or a failure).
-- `guided`: the stages and kernel classes of the attribution, largest lost time first; for each, the
-  space's choices that act on it (`Choice.targets`: verify-bound -> block size and verification kind,
-  matmul-bound -> weight format and kernels), one-field rewrites of the incumbent not yet tried.
-- `optuna`: ask/tell over the whole space with a TPE sampler, and successive-halving pruning on a cheap
-  stage (`Proposal.cheap`: the loop first runs a short run, reports it to the trial, and runs the full
-  one only if the pruner keeps it). Categorical values travel as JSON strings (Optuna's choices are
-  scalars).
-- `memory`: the mechanisms memory validated at the nearest deployments, nearest first.
-- `integrate`: the other candidates the gate accepted last round, applied to the new incumbent (all of
-  them combined when they set different fields, then each alone), so compatible gains add up.
-- `template` and `llm` (`kernel_proposers`) write kernel variants: a Proposal then carries the variant,
-  and its rewrite names it as the op's first implementation.
-- `REGISTRY` maps names (the `agent.proposers` list) to factories; `register` adds one.
+"""Proposers: where a round's rewrites come from (`guided` by the cost model, `optuna` search, `memory`,
+`integrate`), and a registry for more. A proposer sees the space, the incumbent, the cost model's
+attribution and memory, never the gate's prompts. Design notes: docs/design/agent.md.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import inspect
 import json
 import logging
 from typing import Any, Callable
+
+import optuna
 
 from specpilot.agent import space as sp
 
@@ -89,8 +74,6 @@ def register(name: str):
 
 def make(names, seed: int = 0, **options) -> list[Proposer]:
     """The named proposers; each factory gets the `options` its signature names (`llm=`: agent.llm)."""
-    import inspect
-
     unknown = [n for n in names if n not in REGISTRY]
     if unknown:
         raise ValueError(f"agent.proposers: unknown {', '.join(map(repr, unknown))}; known: {', '.join(REGISTRY)}")
@@ -190,8 +173,6 @@ class OptunaProposer(Proposer):
     name = "optuna"
 
     def __init__(self, seed: int = 0, min_resource: int = 1, reduction_factor: int = 2):
-        import optuna
-
         optuna.logging.set_verbosity(optuna.logging.WARNING)
         self.optuna = optuna
         self.study = optuna.create_study(
@@ -243,6 +224,3 @@ class OptunaProposer(Proposer):
             self.study.tell(trial, state=states.FAIL)
         else:
             self.study.tell(trial, s_per_token)
-
-
-from specpilot.agent import kernel_proposers  # noqa: E402,F401  (registers "template" and "llm")

@@ -1,11 +1,6 @@
-"""What the loop writes for people: a markdown report per round, a plot of the best time by round, the plan.
-
-Design choices:
-- The round report lists every candidate with its proposer, rewrite, status and the gate's reasons,
-  the incumbent's re-measurement and the cost model's ceiling, so a rejected candidate says why.
-- The plot is the best time per token after each round (matplotlib, Agg backend).
-- The winning plan is a decoding config file (`decoding_schema` defaults, one plan), ready to copy into
-  conf/decoding/ and run with `decoding=<name>`.
+"""What the loop writes for people: a markdown report per round (every candidate with its proposer, rewrite,
+status and the gate's reasons), a plot of the best time per token from the start through each round, and
+the winning plan as a decoding config file ready for `experiments/run.py decoding=<name>`.
 """
 
 from __future__ import annotations
@@ -14,6 +9,7 @@ import json
 from pathlib import Path
 
 import yaml
+from matplotlib.figure import Figure
 
 
 def _ms(s) -> str:
@@ -39,24 +35,29 @@ def write_round(out: Path, index: int, old: dict, new: dict, incumbent: dict, ro
 
 
 def plot_best(out: Path, rounds) -> Path | None:
-    points = [(r.index, r.best_s_per_token) for r in rounds if r.best_s_per_token is not None]
+    """best_by_round.png: the incumbent before the loop ("start": round 0's re-measurement of it), then the
+    best time per token after each round."""
+    points = [(f"round {r.index}", r.best_s_per_token) for r in rounds if r.best_s_per_token is not None]
     if not points:
         return None
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, ax = plt.subplots(figsize=(5, 3.2))
-    ax.plot([p[0] for p in points], [1e3 * p[1] for p in points], marker="o")
-    ax.set_xlabel("round")
+    if rounds[0].index == 0 and rounds[0].incumbent_s_per_token is not None:
+        points.insert(0, ("start", rounds[0].incumbent_s_per_token))
+    fig = Figure(figsize=(5, 3.2))
+    ax = fig.subplots()
+    pos = list(range(len(points)))
+    ax.plot(pos, [1e3 * p[1] for p in points], marker="o", label="best ms per token")
+    if points[0][0] == "start":
+        ax.axhline(1e3 * points[0][1], color="0.4", linestyle="--", linewidth=1, label="start")
+    ax.set_xticks(pos, [p[0] for p in points])
+    ax.set_xlim(-0.5, len(points) - 0.5)
+    ax.set_ylim(bottom=0)
     ax.set_ylabel("best ms per token")
-    ax.set_title("best time per token by round")
+    ax.set_title("best time per token, from the start through each round")
     ax.grid(alpha=0.3)
+    ax.legend(fontsize=7)
     fig.tight_layout()
     path = out / "best_by_round.png"
     fig.savefig(path, dpi=100)
-    plt.close(fig)
     return path
 
 
@@ -70,7 +71,7 @@ _LiteralDumper.add_representer(str, lambda d, v: d.represent_scalar(
 
 def write_plan(out: Path, plan_name: str, fields: dict, run_key: str, variants=()) -> Path:
     """The plan as conf/decoding/<name>.yaml: `decoding=<name>` runs it next to the AR baseline. The kernel
-    variants it names (`agent.variants.Variant`) travel inline (`variants: [{op, source}]`), so the one
+    variants it names (`harness.kernel_variants.Variant`) travel inline (`variants: [{op, source}]`), so the one
     file is the whole plan; the run checks them against their references before timing
     (`harness.plan_variants`)."""
     name = f"agent_{run_key}"

@@ -1,27 +1,9 @@
 """The rewrite space: typed choices over a plan's fields, and rewrites applied to an incumbent plan.
 
-Design choices:
-- A plan is handled as its config mapping (`decoding.plans.<name>`: verify, weights, block_size,
-  kernels.<op>.implementation / config, mesh), the form `experiments/run.py` reads, so a found plan is a
-  YAML file any run can use. A `Choice` is one dotted field (`block_size`, `kernels.matmul.implementation`,
-  `kernels.matmul.config.num_warps`) with its typed values; a rewrite is a dict of such fields applied to
-  the incumbent's mapping.
-- The serving engine's `batching` fields (policy, draft budget and its token budget, packed
-  verification, overlap, dispatch) are choices only when candidates are timed through the engine
-  (`workload="engine"`, `agent.workload`): the run harness decodes a fixed batch in its own loop and
-  never reads them, so there such a rewrite would be measured as its incumbent. They apply to chain
-  plans; the token budget only under the confidence draft budget, at a quarter, half and three
-  quarters of the slots x the drafter's block (the tokens a padded step verifies).
-- The space derives from the deployment: block sizes up to the drafter's, kernel implementations the
-  device can run (Pallas backends only on a GPU), each implementation's config fields read from its
-  frozen config dataclass (`dispatch.CONFIGS`: powers of two halved and doubled, booleans both ways),
-  the gated delta rule only for hybrid targets, chain attention (`kernels.attention`) only on a GPU
-  (tree kernels are left out: no tree plans in this space), meshes only where more than one device is visible.
-  A config field applies only under its own implementation (`Choice.when`).
-- `check` composes the config with the rewritten plan and runs the harness's own validation
-  (`config_schema.validate`, which builds the plan): an impossible rewrite (w12 weights on a float32
-  target, a block size an oracle drafter has no profile for) is dropped with the error as its reason;
-  `feasible` leaves out the values that fail on their own at the deployment, before any proposer runs.
+A plan is handled as its config mapping (`decoding.plans.<name>`), so a found plan is a YAML file any run
+can use; the choices derive from the deployment (block sizes, the kernels the device runs, their config
+fields, meshes, the engine's batching fields under `workload=engine`), and every rewrite is checked by
+the harness's own validation. Design notes: docs/design/agent.md.
 """
 
 from __future__ import annotations
@@ -29,12 +11,15 @@ from __future__ import annotations
 import copy
 import dataclasses
 import json
+from pathlib import Path
 from typing import Any, Mapping
 
 from omegaconf import DictConfig, OmegaConf
 
 from pallas_kernels import dispatch
 from specpilot import plan as plan_mod
+from specpilot.harness.config_schema import ConfigValueError, build_plans, typed, validate
+from specpilot.models.checkpoint import HYBRID_ARCHITECTURES
 
 BLOCK_SIZES = (2, 3, 4, 6, 8, 12, 16, 24, 32)
 PALLAS_ON_GPU = {"matmul": ("triton", "mosaic"), "gated_delta_rule": ("triton",), "attention": ("triton",)}
@@ -158,12 +143,10 @@ class Space:
 
     def check(self, name: str, fields: Mapping) -> plan_mod.Plan | str:
         """The plan of `fields` if the deployment can run it, else the reason it cannot."""
-        from specpilot.harness.config_schema import ConfigValueError, build_plans, validate
-
         cfg = OmegaConf.create(OmegaConf.to_container(self.base_cfg, resolve=True))
         cfg.decoding.plans = {name: dict(fields)}
         try:
-            cfg = _typed(cfg)
+            cfg = typed(cfg)
             validate(cfg)
             return next(p for p in build_plans(cfg) if p.name == name)
         except (ConfigValueError, plan_mod.PlanError, ValueError, TypeError, KeyError) as e:
@@ -223,12 +206,6 @@ def plan_fields(plan: plan_mod.Plan) -> dict:
 def _is_config_field(dotted: str) -> bool:
     parts = dotted.split(".")
     return len(parts) == 4 and parts[0] == "kernels" and parts[1] in plan_mod.KERNEL_OPS and parts[2] == "config"
-
-
-def _typed(cfg: DictConfig) -> DictConfig:
-    from specpilot.harness.config_schema import typed
-
-    return typed(cfg)
 
 
 def kernel_config_choices(op: str, implementation: str) -> list[Choice]:
@@ -305,10 +282,6 @@ def build_space(cfg: DictConfig, *, platform: str = "cpu", devices: int = 1, wor
 
 def _is_hybrid(tconf) -> bool:
     """Whether the target has linear-attention layers (a random target's shape, or a checkpoint's config.json)."""
-    from pathlib import Path
-
-    from specpilot.models.checkpoint import HYBRID_ARCHITECTURES
-
     hf = OmegaConf.to_container(tconf.model, resolve=True) if tconf.get("model") else {}
     if tconf.source == "hf" and tconf.path and (Path(str(tconf.path)).expanduser() / "config.json").is_file():
         hf = json.loads((Path(str(tconf.path)).expanduser() / "config.json").read_text())

@@ -1,19 +1,6 @@
-"""Template expansion: kernel variants written as source modules from the existing Pallas kernels' templates.
-
-Design choices:
-- One template per op, a complete module with `$`-placeholders (`string.Template`), so a variant is its
-  own readable source: what is timed is exactly what the sandbox file says.
-- gated_delta_rule: the Triton-backend kernel of `pallas_kernels.gated_delta_rule` written out, with
-  the value columns per program (`block_v`), warps, pipeline stages and the token loop's unrolling
-  (`unroll`, a loop schedule the kernel's config does not expose) as constants. It declines (raises
-  NotImplementedError) what the kernel does not take, so a plan falls through to the reference.
-- matmul: the W12 / bf16-twin Triton kernel of `pallas_kernels.w12_matmul` with its tiling
-  (`W12Blocks`: block_n, block_k, split_k, block_m, num_warps, num_stages, prefetch, exceptions) as
-  overrides of the shape's default blocks, and the operand order (`swapped`). Shapes the overridden
-  tiling cannot cover are declined.
-- Both run interpreted on a CPU backend (checks on CPU workers), compiled on a GPU.
-- `expansions(op)` enumerates a template's knobs, the kernel's default first changed one knob at a time,
-  then pairs; the proposer takes them in order and skips what was tried.
+"""Template expansion: kernel variants written as complete source modules from the Pallas kernels'
+templates (gated delta rule, W12 / bf16-twin matmul) with their tilings, warps, stages and loop schedule
+as constants, so what is timed is exactly what the sandbox file says. Design notes: docs/design/agent.md.
 """
 
 from __future__ import annotations
@@ -21,7 +8,7 @@ from __future__ import annotations
 import itertools
 import string
 
-from specpilot.agent.variants import Variant
+from specpilot.harness.kernel_variants import Variant
 
 GDR_TEMPLATE = '''"""gated_delta_rule, template expansion of pallas_kernels.gated_delta_rule: block_v=$block_v,
 num_warps=$num_warps, num_stages=$num_stages, unroll=$unroll."""

@@ -1,24 +1,6 @@
-"""Timing and byte accounting for decode benchmarks, on any JAX device.
-
-Design choices:
-- Every timed region ends in `jax.block_until_ready`: device work is asynchronous, so a host clock read
-  without a sync measures dispatch, not the device.
-- Two clocks per loop: `per_call` syncs after each call (the latency one step costs, dispatch included),
-  `pipelined` issues n calls and syncs once (the device's throughput, dispatch hidden behind the device
-  when the host keeps ahead). The gap between them is the host's share.
-- Medians, never means, for per-call times: a single page fault or compile outlier cannot move them.
-- Copy bandwidth is measured in the same process on the same device (an elementwise XOR over a few GiB
-  of random words, counting bytes read plus written), because the % of peak that decode reaches is only
-  meaningful against what this card moves today.
-- Bytes per step are counted from the config (`step_bytes`): every weight matrix once, the embedding
-  rows actually gathered, and K/V over the whole preallocated cache (what masked attention reads), with
-  the committed-length minimum beside it.
-- `kernel_summary` reads the Perfetto trace that `jax.profiler.trace(..., create_perfetto_trace=True)`
-  writes and sums kernel durations per name on the device's streams: busy time vs wall time per step
-  is the launch-gap share, and the per-name table says which ops hold the rest.
-- The benchmark scripts (experiments/bench_*.py) share one argument schema (`common_parser`): --shape,
-  --m, --trials, --out, --profile, and the kernel choice (--kernel, --kernel-config), which
-  `matmul_choice` turns into a `pallas_kernels.dispatch.OpChoice` as a plan would.
+"""Timing and byte accounting for decode benchmarks on any JAX device: synced per-call and pipelined clocks,
+copy bandwidth, bytes per decode step, profiler-trace kernel summaries, and the argument schema the lab
+benchmarks under experiments/bench/ share. Design notes: docs/design/harness.md.
 """
 
 from __future__ import annotations
@@ -38,6 +20,7 @@ from typing import Any, Callable
 
 import jax
 import jax.numpy as jnp
+import jaxlib
 import numpy as np
 
 from pallas_kernels import dispatch
@@ -129,11 +112,7 @@ def device_info() -> dict[str, Any]:
 
 
 def _jaxlib_version() -> str | None:
-    try:
-        import jaxlib
-        return jaxlib.__version__
-    except Exception:  # noqa: BLE001 - informational only
-        return None
+    return getattr(jaxlib, "__version__", None)
 
 
 def bandwidth_fields(nbytes: int, seconds: float, copy_bw: float | None) -> dict[str, float]:

@@ -1,17 +1,6 @@
-"""Kernel variants a decoding config carries (`decoding.variants`), loaded and checked before a run.
-
-Design choices:
-- The optimization loop writes a winning plan that names a kernel variant (`variant:<hash>`) with the
-  variant's source inline (`decoding.variants: [{op, source}]`), so the one file copied into
-  conf/decoding/ is the whole plan. The name is the source's digest (`agent.variants.Variant`): a plan
-  names exactly the source it carries, and an edited source is a different variant.
-- `load` runs the same static check the loop's candidates pass (allowed imports, no dunder walks), writes
-  the module under `cache_dir/variants/` and registers it with the dispatch; `check` compares every
-  variant with its op's reference at the deployment's shapes (`agent.variants.check_shapes`: each plan
-  that names it, at its batch, block and weight format) on fresh inputs from an unpredictable seed,
-  before anything is timed. A variant that fails either stops the run with its name and the first bad
-  value. The run's token forcing then checks the plan that runs it, as any plan.
-- A plan that names a variant the config does not carry fails at dispatch with a LookupError naming it.
+"""Kernel variants a decoding config carries (`decoding.variants`, the optimization loop's winning plan
+with its variants' sources inline), loaded and checked against their ops' references at the deployment's
+shapes before a run times anything. Design notes: docs/design/harness.md.
 """
 
 from __future__ import annotations
@@ -22,6 +11,9 @@ from pathlib import Path
 
 from omegaconf import DictConfig
 
+from pallas_kernels.dispatch import is_variant
+from specpilot.harness import kernel_variants as va
+
 
 class VariantError(ValueError):
     """A decoding config's kernel variant that cannot run: rejected by its static check, by its
@@ -29,8 +21,6 @@ class VariantError(ValueError):
 
 
 def _plan_variant_names(plan) -> set[str]:
-    from pallas_kernels.dispatch import is_variant
-
     names = set()
     for field in dataclasses.fields(plan.kernels):
         for impl in getattr(plan.kernels, field.name).implementation:
@@ -41,8 +31,6 @@ def _plan_variant_names(plan) -> set[str]:
 
 def load(cfg: DictConfig) -> dict:
     """name -> (op, function) for every variant of `cfg.decoding.variants`, registered with the dispatch."""
-    from specpilot.agent import variants as va
-
     out = {}
     for i, entry in enumerate(cfg.decoding.get("variants") or ()):
         try:
@@ -57,8 +45,6 @@ def load(cfg: DictConfig) -> dict:
 def check(loaded: dict, plans, model_cfg, batch_size: int) -> list[str]:
     """Every loaded variant against its op's reference at the shapes of the plans that name it; returns
     one note per variant. A variant no plan names is refused (a config that carries dead code)."""
-    from specpilot.agent import variants as va
-
     notes = []
     for name, (op, fn) in loaded.items():
         users = [p for p in plans if name in _plan_variant_names(p)]

@@ -2,8 +2,8 @@
 
 On a terminal each phase is a tqdm bar on stderr whose elapsed time keeps ticking while a single long call
 (a build, a compile) runs; elsewhere (logs, tests, CI) a phase is log lines: one as it starts, one every
-`HEARTBEAT_S` while it runs, one with its elapsed time as it ends ("<phase> in 12.3 s"). `SPECPILOT_PROGRESS=1` forces the bars,
-`=0` turns them off.
+`HEARTBEAT_S` while it runs, one with its elapsed time as it ends ("<phase> in 12.3 s").
+`SPECPILOT_PROGRESS=1` forces the bars, `=0` turns them off. Design notes: docs/design/harness.md.
 """
 
 from __future__ import annotations
@@ -71,14 +71,15 @@ class Phase:
 
 
 @contextlib.contextmanager
-def phase(name: str, total: int | None = None, logger: logging.Logger | None = None,
-          stream=None) -> Iterator[Phase]:
-    """A phase of long work named `name` (with `total` steps, if known); its end is logged with its time."""
+def phase(name: str, total: int | None = None, logger: logging.Logger | None = None, stream=None,
+          unit: str = "batch") -> Iterator[Phase]:
+    """A phase of long work named `name` (with `total` steps of `unit`, if known); its end is logged with
+    its time."""
     logger = logger or log
     stream = sys.stderr if stream is None else stream
     bar, console = None, contextlib.nullcontext()
     if bars_enabled(stream):
-        bar = tqdm(total=total, desc=name, file=stream, leave=False, dynamic_ncols=True,
+        bar = tqdm(total=total, desc=name, file=stream, leave=False, dynamic_ncols=True, unit=unit,
                    bar_format=None if total else "{desc}: {elapsed}{postfix}")
         console = logging_redirect_tqdm()  # log lines printed above the bar, not through it
     else:

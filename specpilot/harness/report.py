@@ -1,17 +1,8 @@
 """Turn a run or multirun folder of `results.jsonl` files into a markdown table and plots.
 
-Design choices:
-- Records are found recursively, so one function serves a single run, a multirun sweep folder, or a
-  folder of several sweeps; duplicates (same file read twice) cannot occur since each file is read once.
-- Labels in the table repeat each record's notes ("random weights", "oracle acceptance"), so a number is
-  never shown without what it rests on.
-- Plots use matplotlib's Agg backend (no display) and are skipped, not faked, when their data are
-  absent (e.g. no speculative method -> no tau plot).
-- One bar per record, at its own position, so records can never be drawn over each other. A bar is
-  labelled by the axes whose values differ across the plotted records ("batch 4, block 8", the words
-  spelled out); what they all share goes into the plot's title. Records that the axes cannot tell apart
-  (AR measured in each run of a block-size sweep) are told apart by the config settings that differ
-  between them, and failing that by a number.
+Records are found recursively (one run, a sweep, or several sweeps); every plot draws one bar or point per
+record, labelled by what varies across the records, with what they share in the title and each record's
+notes kept in the table. Design notes: docs/design/harness.md.
 """
 
 from __future__ import annotations
@@ -19,6 +10,8 @@ from __future__ import annotations
 import json
 from collections import Counter, defaultdict
 from pathlib import Path
+
+from matplotlib.figure import Figure
 
 COLUMNS = ("target", "drafter", "gpu", "batch_size", "prompts", "method", "block_size",
            "decode_ms_per_token", "speedup_vs_ar", "tau", "ceiling_ms_per_token", "pct_of_ceiling",
@@ -83,6 +76,17 @@ def _flat(tree: dict, prefix: str = "") -> dict:
     return out
 
 
+def own_settings(rec: dict) -> dict:
+    """A record's config settings that bear on its own plan: no other plan's fields (a sweep over
+    `decoding.plans.stock.block_size` says nothing about the AR plan of each run), and for an AR plan
+    nothing of the drafter's."""
+    method = rec.get("method")
+    ar = rec.get("verify") == "ar" or method == "ar"
+    return {k: v for k, v in _flat(rec.get("config") or {}).items()
+            if not (k.startswith("decoding.plans.") and not k.startswith(f"decoding.plans.{method}."))
+            and not (ar and k.startswith("drafter."))}
+
+
 def describe(records: list[dict], x_axis: str | None = None) -> tuple[list[str], str]:
     """(a distinct label per record, the values all records share) for a plot of `records`.
 
@@ -100,7 +104,7 @@ def describe(records: list[dict], x_axis: str | None = None) -> tuple[list[str],
     for (label, _), members in groups.items():
         if len(members) < 2:
             continue
-        flats = [_flat(records[i].get("config") or {}) for i in members]
+        flats = [own_settings(records[i]) for i in members]
         # members share the x value too, so a setting that restates the x axis never differs here
         settings = sorted(k for k in set().union(*flats)
                           if k not in IGNORED_SETTINGS and len({repr(f.get(k)) for f in flats}) > 1)
@@ -128,12 +132,10 @@ def _barh(ax, labels: list[str], values: list[float], left=None, **kw) -> None:
     ax.set_ylim(len(labels) - 0.5, -0.5)
 
 
+SPEEDUP_REFERENCE = {"color": "0.4", "linestyle": "--", "linewidth": 1, "label": "AR (1.0x)"}
+
+
 def plot_all(records: list[dict], out_dir: str | Path) -> list[Path]:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     written = []
@@ -142,11 +144,11 @@ def plot_all(records: list[dict], out_dir: str | Path) -> list[Path]:
         path = out_dir / name
         fig.tight_layout()
         fig.savefig(path, dpi=120)
-        plt.close(fig)
         written.append(path)
 
     def figure(n_bars):
-        return plt.subplots(figsize=(7, 1.6 + 0.3 * n_bars))
+        fig = Figure(figsize=(7, 1.6 + 0.3 * n_bars))
+        return fig, fig.subplots()
 
     labels, shared = describe(records)
     fig, ax = figure(len(records))
@@ -162,15 +164,17 @@ def plot_all(records: list[dict], out_dir: str | Path) -> list[Path]:
         series = defaultdict(list)
         for name, r in zip(names, spec):
             series[name].append((r["block_size"], r["speedup_vs_ar"]))
-        fig, ax = plt.subplots(figsize=(6, 4))
+        fig = Figure(figsize=(6, 4))
+        ax = fig.subplots()
+        ax.axhline(1.0, **SPEEDUP_REFERENCE)  # at or under it, the plan is no faster than AR
         for name, pts in series.items():
             pts.sort()
             ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=name)
         ax.set_xticks(sorted({r["block_size"] for r in spec}))
         ax.set_xlabel("block size")
         ax.set_ylabel("speedup over AR")
-        if len(series) > 1:
-            ax.legend(fontsize=7)
+        ax.set_ylim(bottom=0)
+        ax.legend(fontsize=7)
         _title(ax, "Speedup over AR by block size", shared)
         save(fig, "speedup_vs_block.png")
 
@@ -181,7 +185,7 @@ def plot_all(records: list[dict], out_dir: str | Path) -> list[Path]:
         _barh(ax, labels, [r["tau"] for r in with_tau])
         ax.set_xlabel("tau (tokens per verification)")
         _title(ax, "Tokens per verification (tau)", shared)
-        save(fig, "tau_per_prompt_set.png")
+        save(fig, "tau_per_method.png")
 
     split = [r for r in records if (r.get("stats") or {}).get("time_split")]
     if split:
@@ -200,16 +204,17 @@ def plot_all(records: list[dict], out_dir: str | Path) -> list[Path]:
 
     attributed = [r for r in records if r.get("attribution")]
     if attributed:
-        save(_stage_plot(plt, attributed), "stages_vs_prediction.png")
+        save(_stage_plot(attributed), "stages_vs_prediction.png")
     return written
 
 
-def _stage_plot(plt, records: list[dict]):  # -> Figure
+def _stage_plot(records: list[dict]) -> Figure:
     """Per record and stage, three bars: measured, the cost model's prediction, its floor (ms per step)."""
     labels, shared = describe(records)
     rows = [(f"{label}: {st['stage']}", st) for label, r in zip(labels, records)
             for st in sorted(r["attribution"]["stages"], key=lambda s: s["stage"])]
-    fig, ax = plt.subplots(figsize=(7, 1.6 + 0.45 * len(rows)))
+    fig = Figure(figsize=(7, 1.6 + 0.45 * len(rows)))
+    ax = fig.subplots()
     pos = list(range(len(rows)))
     for j, (key, name) in enumerate((("measured_ms", "measured"), ("predicted_ms", "predicted"),
                                      ("floor_ms", "floor"))):

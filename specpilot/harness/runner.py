@@ -1,9 +1,8 @@
 """Run one deployment with every plan of its run and write its results.
 
-Every plan is measured in one process, the device's AR baseline candidates first; "AR" is the fastest of
-them as measured here, "stock" the chain plan with bf16 weights and default kernels, and every plan but
-the reference is checked against the reference's tokens by token forcing. The run folder gets
-`results.jsonl`, `results.csv`, `summary.md` (the printed table) and `run.log`. Design notes:
+Every plan is measured in one process, the device's AR baselines first ("AR" is the fastest of them here),
+and each plan but the reference is checked against the reference's tokens by token forcing. The run
+folder gets `results.jsonl`, `results.csv`, `summary.md` (the printed table) and `run.log`. Design notes:
 docs/design/harness.md.
 """
 
@@ -78,8 +77,9 @@ def run(cfg: DictConfig, out_dir: str | Path) -> list[dict]:
 def timed_runs(dep, plan: Plan, repeats: int) -> MethodRun:
     """`plan`'s median run of `repeats`, with a progress bar over its batches (the first one compiles)."""
     batches = len(dep.batches())
-    name = f"{plan.name}: {repeats} timed run{'s' if repeats > 1 else ''} of {batches} batch{'es' if batches > 1 else ''}"
-    with progress.phase(name, total=repeats * batches, logger=log) as ph:
+    runs_of = f"{repeats} timed run{'s' if repeats > 1 else ''} of {batches} batch{'es' if batches > 1 else ''}"
+    with progress.phase(f"{plan.name}: {runs_of}", total=repeats * batches, logger=log) as ph:
+        ph.advance(0, "the first batch compiles")
         def on_batch(decode_s: float, decode_tokens: int) -> None:
             ph.advance(1, f"{1e3 * decode_s / decode_tokens:.2f} ms/token" if decode_tokens else None)
 

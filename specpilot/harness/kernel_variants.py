@@ -1,33 +1,7 @@
-"""Kernel variants: source modules with an op's signature, written into a sandbox, checked against the op's reference.
-
-Design choices:
-- A variant is (op, source); its name is `variant:<16 hex digits of sha256(op, source)>`, so the same
-  source is the same variant everywhere (the plan's implementation list, de-duplication, memory). The
-  loop writes it into the round's sandbox folder (`<sandbox>/<hex>.py`); only the candidate process ever
-  imports it (importlib from that path), and registers its function with `dispatch.register_variant`.
-- The signature is the op's (`SIGNATURES`): `matmul(x, w)` -> float32 [..., N] (x [..., K] bf16, w the
-  weight as the plan's format holds it: a bf16 [K, N] array or a W12), `gated_delta_rule(q, k, v, g, beta,
-  s0)` -> (o, states), as `gated_delta_rule_reference`. NotImplementedError falls through to the plan's
-  next implementation, as for every implementation.
-- `static_check` runs before any import, in the driver and again in the candidate: the source parses,
-  defines the op's function at top level, imports only `ALLOWED_IMPORTS` (jax, numpy, math, functools,
-  time, the project's kernels in `pallas_kernels`, its weight formats in `specpilot.formats`; no os,
-  sys, io, subprocess, importlib, the agent's gate or data), calls none of `FORBIDDEN_NAMES` (open, exec, eval, __import__, ...) and touches no
-  dunder attribute (no walking to a caller's frame or globals). This keeps proposers to the op; the
-  isolation itself is the candidate's own process (limits, a deadline, none of the gate's data in it).
-- Calling the op's reference (or `dispatch` itself) is allowed: such a variant computes the right answer
-  at the reference's cost, is timed honestly as part of the plan, and wins nothing; forbidding it would
-  forbid the fall-through that every implementation list ends with.
-- `check` runs in the candidate process before the deployment is built, on fresh inputs from a seed the
-  evaluator draws per candidate (`secrets`), at the deployment's shapes, with two draws (a variant that
-  remembers an earlier answer fails the second), eagerly and under jit. Written tolerances per op:
-  * matmul, both formats: rows of x that are one-hot must give W's rows exactly (a correct product of a
-    one-hot row adds one exact product to zeros, in any order: this is the exact check of a W12 decode);
-    random rows within 2 K 2^-24 (|x| @ |w|) of XLA's float32-accumulated dot (each side's float32
-    summation error is at most K u (|x| @ |w|), u = 2^-24, in any order).
-  * gated_delta_rule: 1e-5 absolute plus 1e-5 relative on o and every state, inputs as the layer feeds
-    them (the Pallas kernel's own written tolerance, tests/test_gated_delta_rule_kernel.py).
-  A failure raises `VariantRejected` naming the draw, the array, the first bad element and both values.
+"""Kernel variants: source modules with an op's signature (`matmul(x, w)`, `gated_delta_rule(q, k, v, g,
+beta, s0)`), named by their digest, statically checked, loaded into the dispatch and checked against the
+op's pure-jnp reference at a deployment's shapes. The optimization loop proposes them and a run that
+names one loads it (`plan_variants`). Design notes: docs/design/harness.md.
 """
 
 from __future__ import annotations
@@ -39,7 +13,13 @@ import importlib.util
 import sys
 from pathlib import Path
 
+import jax
+import jax.numpy as jnp
 import numpy as np
+
+from pallas_kernels import dispatch
+from pallas_kernels.gated_delta_rule import gated_delta_rule_reference
+from specpilot.formats import w12 as w12_format
 
 OPS = ("matmul", "gated_delta_rule")
 SIGNATURES = {"matmul": ("x", "w"), "gated_delta_rule": ("q", "k", "v", "g", "beta", "s0")}
@@ -119,8 +99,6 @@ def static_check(op: str, source: str) -> None:
 
 def load(op: str, name: str, path: str | Path):
     """The function of the variant module at `path` (after `static_check`), registered with the dispatch."""
-    from pallas_kernels import dispatch
-
     path = Path(path)
     source = path.read_text()
     static_check(op, source)
@@ -169,11 +147,6 @@ def _first_bad(got, want, tol, what: str, draw: int) -> str | None:
 
 
 def _matmul_case(rng, m: int, k: int, n: int, weights: str):
-    import jax
-    import jax.numpy as jnp
-
-    from specpilot.formats import w12 as w12_format
-
     w = jnp.asarray(rng.normal(size=(k, n)), jnp.bfloat16)
     x = rng.normal(size=(m, k))
     onehot = rng.permutation(m)[: max(1, m // 2)]  # these rows of x select one row of W each
@@ -190,10 +163,6 @@ def _matmul_case(rng, m: int, k: int, n: int, weights: str):
 
 
 def _gdr_case(rng, b: int, t: int, h: int, dk: int, dv: int):
-    import jax.numpy as jnp
-
-    from pallas_kernels.gated_delta_rule import gated_delta_rule_reference
-
     def unit(a):
         return a / np.linalg.norm(a, axis=-1, keepdims=True)
 
@@ -210,8 +179,6 @@ def check(op: str, fn, shapes: dict, seed: int, draws: int = 2) -> dict:
     """VariantRejected unless `fn` (a variant of `op`) agrees with the op's reference within the written
     tolerance on `draws` fresh draws at each of `shapes[op]` (`check_shapes`); eagerly, and under jit on
     the last draw. Returns what was checked."""
-    import jax
-
     cases = shapes.get(op) or []
     if not cases:
         raise VariantRejected(f"the deployment has no {op} to check a variant of")
