@@ -9,7 +9,6 @@ from pathlib import Path
 from typing import Any
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 from omegaconf import DictConfig, OmegaConf
 
