@@ -81,18 +81,3 @@ def test_the_default_deployment_serves_a_chat_reply_equal_to_its_engine():
         thread.join(10)
         driver.stop()
 
-
-def test_the_readme_serve_commands_compose_and_validate():
-    import re
-    import shlex
-
-    from specpilot.harness.config_schema import build_plans, validate
-
-    serve = _serve_module()
-    lines = [m.group(1) for line in (ROOT / "README.md").read_text().splitlines()
-             if (m := re.match(r"\s+python experiments/serve\.py(.*)", line))]
-    assert len(lines) >= 2
-    for line in lines:
-        opts, cfg = serve.serve_options(_compose(shlex.split(line.split("#")[0])))
-        validate(cfg)
-        assert build_plans(cfg) and set(opts) == set(serve.OPTIONS)
