@@ -378,5 +378,7 @@ def _cluster(groups: list[str] | None, workers: int, timing_slots: int, checks: 
     else:
         specs = {f"worker-{i}": worker({TIMING: timing_slots}) for i in range(workers)}
     specs.update({f"check-{i}": worker({CHECK: 1}, {GROUP_ENV: "cpu:"}) for i in range(checks)})
-    return SpecCluster(workers=specs, scheduler={"cls": Scheduler, "options": {"dashboard_address": None}},
+    # no dashboard, and the scheduler's HTTP server on any free local port: no "port 8787 in use" warning
+    scheduler = {"cls": Scheduler, "options": {"dashboard": False, "dashboard_address": "127.0.0.1:0"}}
+    return SpecCluster(workers=specs, scheduler=scheduler,
                        silence_logs=level)

@@ -52,7 +52,7 @@ def plot_best(out: Path, rounds) -> Path | None:
     ax.set_xlim(-0.5, len(points) - 0.5)
     ax.set_ylim(bottom=0)
     ax.set_ylabel("best ms per token")
-    ax.set_title("best time per token, from the start through each round")
+    ax.set_title("best time per token: the start, then each round", fontsize=10)
     ax.grid(alpha=0.3)
     ax.legend(fontsize=7)
     fig.tight_layout()
