@@ -10,8 +10,9 @@ import time
 from pathlib import Path
 
 import pytest
+from hydra import compose, initialize_config_dir
 
-from specpilot.harness import progress, spread
+from specpilot.harness import config_schema, progress, runner, spread
 
 ROOT = Path(__file__).resolve().parents[1]
 TINY = ("target=tiny_random", "drafter=none", "decoding=ar", "bench=default")
@@ -114,3 +115,22 @@ def test_phase_that_raises_logs_no_time(monkeypatch, caplog):
         with progress.phase("forcing", logger=logger, stream=io.StringIO()):
             raise RuntimeError("boom")
     assert [r.getMessage() for r in caplog.records] == ["forcing ..."]
+
+
+def test_a_noisy_ar_baseline_is_flagged_in_the_log_and_every_record(tmp_path, monkeypatch, caplog):
+    config_schema.register()
+    with initialize_config_dir(config_dir=str(ROOT / "conf"), version_base=None):
+        cfg = config_schema.typed(compose(config_name="config", overrides=[
+            *TINY, "bench.num_prompts=2", "bench.new_tokens=4", f"cache_dir={tmp_path / 'cache'}"]))
+    noisy = {"over": "repeats", "n": 4, "range": 0.3, "min_ms": 1.0, "max_ms": 1.3}
+    monkeypatch.setattr(runner, "timing_spread", lambda repeat_times, batch_times: noisy)
+    with caplog.at_level(logging.INFO):
+        records = runner.run(cfg, tmp_path / "out")
+    warning = "noisy machine: AR timings spread 30% over 4 repeats (more than 10%); speedups below 1.30x are within noise"
+    assert [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING] == [warning]
+    assert all(warning in r["notes"] for r in records) and records[0]["spread_pct"] == pytest.approx(30.0)
+    assert "- note: random weights" in (tmp_path / "out" / "summary.md").read_text()
+    log = (tmp_path / "out" / "run.log").read_text()
+    assert warning in log and "| 30% |" not in log and "30%" in log  # the console table, not the markdown one
+    handlers = logging.getLogger().handlers + runner.summary_log.handlers
+    assert not any(getattr(h, "baseFilename", "").endswith("run.log") for h in handlers)  # removed after the run
