@@ -269,7 +269,7 @@ def _check_make(c: Command) -> None:
 def test_the_pages_document_commands():
     """The reader finds what a user copies: the quick start, run.py lines and every entry point's page."""
     readme = [c for c in COMMANDS if c.doc == "README.md"]
-    assert [c.args for c in readme if c.program == "make"][:2] == [("run",), ("test",)]
+    assert {("run",), ("test",)} <= {c.args for c in readme if c.program == "make"}
     assert sum(c.program == "experiments/run.py" for c in readme) >= 5
     assert any(_runs_here(c) for c in COMMANDS)
     for c in COMMANDS:
