@@ -10,16 +10,18 @@ device, so GPU lines (`experiment=*_h200`, `gpu=h200`) compose on a CPU without 
 
 Run end to end in the default suite (the rule):
 - `run.py` lines on a tiny target (`target=tiny_random`, `target=tiny_hybrid`, or `target.path=` a listed
-  placeholder, which becomes a tiny checkpoint) without `experiment=`, `gpu=` or `-m`, in a subprocess with
-  `bench.num_prompts=<batch> bench.new_tokens=4 bench.repeats=1` and a temporary run folder appended;
-- `report.py` lines, on a run folder made here;
-- `generate.py` and `export.py` lines, on stand-ins: `~/.cache/specpilot` becomes a cache directory holding
-  one pair of a tiny target, its drafter and tokenizer (make run's SmolLM2 needs a download), `DIR` and
-  `runs/pair` that pair's folder, output folders fresh temporary ones.
-Slow (`-m slow`): `agent.py` lines on a tiny target (a Dask cluster per run), and the `generate.py` /
-`export.py` lines on the real cache of `make run` (fetched and converted into a temporary cache when
-~/.cache/specpilot has none). Everything else is composed only: the default deployment and the pair
-trained here (downloads, training), GPU lines, experiments/bench/, serve.py (a server), train.py.
+  placeholder, which becomes a tiny checkpoint) without `experiment=`, `gpu=`, `-m` or simulated devices:
+  the composed config measured in this process (`runner.run`) with `_budget` appended (one prompt per
+  batch row, 4 new tokens, one repeat, no separately compiled profiling pass);
+- `report.py` lines, on the folder those runs wrote;
+- `generate.py` and `export.py` lines, in this process, on stand-ins: `~/.cache/specpilot` becomes a cache
+  directory holding one pair of a tiny target, its drafter and tokenizer (make run's SmolLM2 needs a
+  download), `DIR` and `runs/pair` that pair's folder, output folders fresh temporary ones.
+Slow (`-m slow`): tiny `run.py` lines on simulated devices and `agent.py` lines on a tiny target (a Dask
+cluster per run), each in its own process as written; the `generate.py` / `export.py` lines on the real
+cache of `make run` (fetched and converted into a temporary cache when ~/.cache/specpilot has none). Everything
+else is composed only: the default deployment and the pair trained here (a download, training), GPU
+lines, experiments/bench/, serve.py (a server), train.py (training).
 """
 
 import argparse
