@@ -11,6 +11,11 @@ import sys
 from omegaconf import OmegaConf
 
 from specpilot.harness import devices
+from specpilot import sharding
+from specpilot.decoding import ar, spec
+from specpilot.models import dense
+from specpilot.models import drafter as dr
+from specpilot.models.config import ModelConfig
 
 
 def main(pid: int, port: int, out: str) -> None:
@@ -21,11 +26,6 @@ def main(pid: int, port: int, out: str) -> None:
     import jax.numpy as jnp
 
     from helpers import random_params
-    from specpilot import sharding
-    from specpilot.decoding import ar, spec
-    from specpilot.models import dense
-    from specpilot.models import drafter as dr
-    from specpilot.models.config import ModelConfig
 
     cfg = ModelConfig(vocab_size=128, hidden_size=64, intermediate_size=128, num_layers=2, num_heads=4,
                       num_kv_heads=2, head_dim=16, qk_norm=True, tap_layers=(0, 1))

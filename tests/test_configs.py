@@ -11,6 +11,9 @@ from omegaconf.errors import ValidationError
 from pallas_kernels.w12_mosaic import W12MosaicConfig
 from specpilot.harness import config_schema
 from specpilot.harness.config_schema import ConfigValueError, build_plans, typed, validate
+from specpilot import plan as plan_mod
+from specpilot.harness.deploy import build_target
+from specpilot.models.config import ConfigError
 
 CONF = Path(__file__).resolve().parents[1] / "conf"
 config_schema.register()
@@ -183,7 +186,6 @@ def test_ar_baselines_are_the_devices_candidates_and_plans_can_be_one():
 
 
 def test_reserved_plan_fields_fail_naming_the_field():
-    from specpilot import plan as plan_mod
 
     kw = dict(drafter_block_size=4, default_matmul={"bf16": ["xla"], "w12": ["xla"]})
     with pytest.raises(plan_mod.PlanError, match="decoding.plans.t.tree: tree shapes belong to tree verification"):
@@ -216,8 +218,6 @@ def test_multirun_sweeps_one_plan_axis():
 
 
 def test_heads_not_dividing_fail_clearly():
-    from specpilot.harness.deploy import build_target
-    from specpilot.models.config import ConfigError
 
     cfg = _compose(["target.model.num_key_value_heads=3"])
     with pytest.raises(ConfigError, match="num_kv_heads"):

@@ -16,6 +16,8 @@ from specpilot.models import drafter as dr
 from specpilot.models.config import ConfigError, ModelConfig
 from specpilot.training.drafter import regenerate
 from tests.test_data import write_tree
+from specpilot.harness import config_schema
+from specpilot.harness.config_schema import ConfigValueError, typed, validate
 
 SHIPPED = "smollm2-135m-instruct-dflash-b8"
 # SmolLM2-135M-Instruct as its GGUF's metadata gives it (tests/test_gguf_import.py checks the reader).
@@ -68,9 +70,6 @@ def test_ragged_regeneration_with_a_stop_token_equals_one_prompt_at_a_time():
 
 def test_an_unknown_packaged_drafter_is_refused_naming_the_key():
     from hydra import compose, initialize_config_dir
-
-    from specpilot.harness import config_schema
-    from specpilot.harness.config_schema import ConfigValueError, typed, validate
 
     config_schema.register()
     conf = Path(__file__).resolve().parents[1] / "conf"

@@ -17,6 +17,10 @@ from pallas_kernels import w12_mosaic as mk
 from specpilot import formats
 from specpilot.formats import w12
 from w12_helpers import adversarial_weights, assert_same_bits
+from specpilot.models import dense
+from specpilot.models.config import ModelConfig
+from specpilot.models.layers import rope_tables
+from specpilot.state import AttentionState
 
 
 def _bf16_dot(x, w):
@@ -153,11 +157,6 @@ def test_dense_layer_passes_its_plan_choice_and_roles():
     """dense's layer multiplies through `cfg.matmul` and names each product: the Mosaic kernel's qkv product
     is materialized once (its config's qkv_barrier), a bf16 layer through XLA has no barrier."""
     import dataclasses as dc
-
-    from specpilot.models import dense
-    from specpilot.models.config import ModelConfig
-    from specpilot.models.layers import rope_tables
-    from specpilot.state import AttentionState
 
     cfg = ModelConfig(vocab_size=64, hidden_size=256, intermediate_size=256, num_layers=1, num_heads=2,
                       num_kv_heads=1, head_dim=128, qk_norm=True)

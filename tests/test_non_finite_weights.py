@@ -19,6 +19,7 @@ from specpilot.models import drafter as dr
 from specpilot.models.checkpoint import CheckpointError, load_hf, save_hf
 from specpilot.models.config import ModelConfig
 from specpilot.training.checkpointing import load_model, save_model
+from specpilot.models import dense
 
 TARGET = ModelConfig(vocab_size=64, hidden_size=32, intermediate_size=48, num_layers=2, num_heads=4,
                      num_kv_heads=2, head_dim=8, qk_norm=True)
@@ -48,7 +49,6 @@ def _poison(path, key, value, dtype=None):
 
 @pytest.fixture
 def target_dir(tmp_path):
-    from specpilot.models import dense
 
     save_hf(_params(dense.param_shapes(TARGET)), TARGET, tmp_path / "target")
     return tmp_path / "target"
@@ -92,7 +92,6 @@ def test_drafter_with_a_non_finite_weight_is_refused(tmp_path, key, value):
 
 
 def test_model_folder_with_a_nan_weight_is_refused(tmp_path):
-    from specpilot.models import dense
 
     params = _params(dense.param_shapes(TARGET))
     save_model(tmp_path / "model", params, TARGET)

@@ -13,6 +13,7 @@ from specpilot.models import dense
 from specpilot.models import drafter as dr
 from specpilot.models.oracle import (OracleDrafter, conditional_profile, constant_acceptance_for_tau,
                                      conditional_from_marginal, expected_tau, leading_right, load_trace)
+from specpilot.models.oracle import reference_salt
 
 
 def test_constant_acceptance_solves_tau():
@@ -135,7 +136,6 @@ def test_rows_at_the_same_length_draw_apart_and_a_request_draws_alike_anywhere()
     committed length: two different references at equal lengths disagree on some of 200 steps' draws (with
     c = 0.5 per position, all 200 agreeing by chance has probability below 2^-200); the same reference
     draws the same in any row. Each salted row still follows the profile (z-test at 4 sigma)."""
-    from specpilot.models.oracle import reference_salt
 
     c = conditional_profile(8, tau=3.0)
     key = OracleDrafter.make_params(None, np.zeros((1, 1), np.int32), seed=0)["key"]

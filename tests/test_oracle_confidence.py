@@ -22,6 +22,11 @@ from specpilot.models.confidence_trace import (GRID, OUTCOMES, Calibration, conf
                                                outcomes, sample)
 from specpilot.models.oracle import OracleDrafter, conditional_profile, leading_right, reference_salt
 from specpilot.serving.budget import confidence_of
+from specpilot.plan import Batching
+from specpilot.serving import Engine, Request
+from specpilot.serving.budget import StepCost
+from specpilot.harness import config_schema
+from specpilot.harness.config_schema import ConfigValueError, validate
 
 ROOT = Path(__file__).resolve().parents[1]
 RECORDED = "docs/results/confidence_smollm2_chat.json"
@@ -163,9 +168,6 @@ def test_engine_confidence_budget_with_the_calibrated_oracle_equals_ar(recorded)
     everywhere) verifies every draft, the calibrated one fewer, and its drafts are still accepted."""
     from engine_helpers import BUDGETS, CAP, CFG, PROMPTS, TARGET, run_staggered
     from helpers import random_params
-    from specpilot.plan import Batching
-    from specpilot.serving import Engine, Request
-    from specpilot.serving.budget import StepCost
 
     params = random_params(dense.param_shapes(CFG), 0.5, 0)
     reference = [row.tolist() for row in ar.generate(TARGET, params, PROMPTS, CAP + 8).tokens]
@@ -193,15 +195,12 @@ CONFIG_BASE = ["target=tiny_random", "drafter=oracle_calibrated", "drafter.block
 def _compose(overrides):
     from hydra import compose, initialize_config_dir
 
-    from specpilot.harness import config_schema
-
     config_schema.register()
     with initialize_config_dir(config_dir=str(ROOT / "conf"), version_base=None):
         return config_schema.typed(compose(config_name="config", overrides=overrides))
 
 
 def test_config_builds_the_calibrated_oracle_and_notes_it():
-    from specpilot.harness import config_schema, deploy
 
     cfg = _compose(CONFIG_BASE)
     config_schema.validate(cfg)
@@ -226,7 +225,6 @@ def test_config_builds_the_calibrated_oracle_and_notes_it():
     (["drafter.source=random"], r"^drafter\.confidence_trace: a recorded confidence calibrates an oracle"),
 ])
 def test_config_errors_name_their_key(overrides, match):
-    from specpilot.harness.config_schema import ConfigValueError, validate
 
     with pytest.raises(ConfigValueError, match=match) as err:
         validate(_compose(CONFIG_BASE + overrides))

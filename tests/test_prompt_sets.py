@@ -29,6 +29,7 @@ from specpilot.data.chat import ChatTemplateError, render_chat  # noqa: E402
 from specpilot.harness import config_schema, deploy, runner  # noqa: E402
 from specpilot.harness.config_schema import ConfigValueError, build_plans, typed, validate  # noqa: E402
 from specpilot.models.gguf_import import import_gguf  # noqa: E402
+from specpilot.data.corpus import load_corpus
 
 CONF = Path(__file__).resolve().parents[1] / "conf"
 config_schema.register()
@@ -211,7 +212,6 @@ def test_sets_cut_by_length_then_pick_evenly(tiny_dir):
 def test_chat_set_is_the_stdlib_requests(tiny_dir):
     text = prompt_sets.load_model_text(tiny_dir)
     prompts, where = prompt_sets.build("chat", text, 8, 10**6)
-    from specpilot.data.corpus import load_corpus
 
     requests = chat.stdlib_requests(load_corpus(None), "heldout", 8)
     assert where == [r.where for r in requests]

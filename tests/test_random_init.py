@@ -15,6 +15,9 @@ import pytest
 from specpilot.decoding.ar import generate
 from specpilot.models import dense
 from specpilot.models.config import ModelConfig
+from specpilot import state as st
+from specpilot.models import hybrid
+from specpilot.models.hybrid_config import HybridConfig
 
 CFG = ModelConfig(vocab_size=2048, hidden_size=256, intermediate_size=512, num_layers=4, num_heads=4,
                   num_kv_heads=2, head_dim=64, rope_theta=1e6, qk_norm=True, tie_word_embeddings=False)
@@ -78,8 +81,6 @@ HYBRID = dict(architectures=["Qwen3_5ForCausalLM"], model_type="qwen3_5_text", v
 def _hybrid_greedy(params, cfg, n):
     """Greedy tokens [B][n] by the AR loop, and the top-1/top-2 logit gap at every generated position
     (one prompt forward over prompt + generated tokens)."""
-    from specpilot import state as st
-    from specpilot.models import hybrid
 
     target = hybrid.target(cfg, params["embed"].dtype)
     out = [list(map(int, r[:n])) for r in generate(target, params, PROMPTS, n).tokens]
@@ -98,8 +99,6 @@ def _hybrid_greedy(params, cfg, n):
 @pytest.mark.slow  # over ~15 s on 2 cores; the default suite keeps its faster siblings
 def test_hybrid_wide_margin_greedy_is_robust_to_precision():
     """The hybrid init's recipe is the dense one: same check, same thresholds."""
-    from specpilot.models import hybrid
-    from specpilot.models.hybrid_config import HybridConfig
 
     cfg = HybridConfig.from_hf_dict(HYBRID)
     params = hybrid.init_wide_margin(jax.random.key(0), cfg, dtype=jnp.bfloat16)

@@ -6,6 +6,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from specpilot.harness.methods import MethodRun, median_run
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -230,7 +231,6 @@ def test_w12_methods_are_checked_by_forcing(tmp_path):
 
 def test_median_run_keeps_the_middle_run_and_the_faster_of_two():
     """median_run keeps the run with the median decode time; of an even count, the faster middle one."""
-    from specpilot.harness.methods import MethodRun, median_run
 
     for times, kept in (([3.0, 1.0, 2.0], 2.0), ([5.0, 4.0], 4.0), ([4.0, 1.0, 3.0, 2.0], 2.0), ([7.0], 7.0)):
         it = iter(times)

@@ -17,6 +17,8 @@ from hypothesis import strategies as st
 from specpilot import formats
 from specpilot.formats import w12
 from specpilot.models import dense
+from pallas_kernels import dispatch
+from specpilot.models import drafter as dr
 
 ALL_BITS = np.arange(65536, dtype=np.uint16)
 
@@ -271,7 +273,6 @@ def test_encode_params_replaces_linear_weights(tiny_cfg):
 def test_xla_choice_decodes_w12_to_the_bf16_dot():
     """W12 through implementation "xla" decodes exactly, then uses XLA's dot: bit-identical to the bf16
     weight's own dot, on any backend."""
-    from pallas_kernels import dispatch
 
     rng = np.random.default_rng(1)
     w = jnp.asarray(rng.standard_normal((64, 96)) * 0.05, jnp.bfloat16)
@@ -322,7 +323,6 @@ def test_real_trained_weights_all_minilm():
 def test_drafter_weights_encode_and_draft_identically(tiny_cfg):
     """A drafter's layers and `fc` in W12 (kernel "xla": decode, then XLA's dot) draft bit-identically to
     its bf16 weights; the target's embedding and head stay the target's."""
-    from specpilot.models import drafter as dr
 
     dcfg = dr.DrafterConfig.for_target(tiny_cfg, num_layers=1, block_size=4)
     target_cfg = tiny_cfg.with_taps(dcfg.tap_layers)
@@ -334,7 +334,6 @@ def test_drafter_weights_encode_and_draft_identically(tiny_cfg):
     rng = np.random.default_rng(3)
     tparams = bf16(random_params(dense.param_shapes(target_cfg), 0.3, 1))
     dparams = bf16(random_params(dr.param_shapes(dcfg), 0.3, 2))
-    from pallas_kernels import dispatch
 
     enc = dispatch.prepare_params(formats.encode_params(dparams, "w12", extra=("fc",)),
                                   dispatch.choice("matmul", "xla"), extra=("fc",))
