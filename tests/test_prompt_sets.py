@@ -3,7 +3,7 @@
 Design choices:
 - HumanEval's problems are checked against the package's data file read here with gzip + json alone.
 - Chat rendering is checked against transformers' `apply_chat_template`: on a converted tiny GGUF
-  (built with test_gguf_import's writer, carrying SmolLM2's own template, copied below as data) read
+  (built with gguf_helpers' writer, carrying SmolLM2's own template, copied below as data) read
   back by `AutoTokenizer`, and on templates that use a system message, `raise_exception`, special
   tokens, loop controls, `tojson` and `tools`.
 - The harness runs a tiny GGUF target on the HumanEval chat set in process (runner.run), and the
@@ -20,7 +20,7 @@ from pathlib import Path
 import pytest
 
 transformers = pytest.importorskip("transformers")
-gg = pytest.importorskip("test_gguf_import")  # the tiny GGUF writer (tests/test_gguf_import.py)
+gg = pytest.importorskip("gguf_helpers")  # the tiny GGUF writer (tests/gguf_helpers.py)
 
 from hydra import compose, initialize_config_dir  # noqa: E402
 
