@@ -25,7 +25,8 @@ class W12MosaicConfig:
     large_n: int = 32768  # N from which a matrix is stepped 128 half-rows at a time (the LM head)...
     large_step_max_rows: int = 16  # ...for products of up to this many rows per call
     small_m_stages: int = 2  # pipeline depth at steps of 64 for up to 16 rows
-    wave_programs_per_sm: int = 3  # the most programs per SM the default split may ask for in one wave
+    programs_per_sm: int = 2  # the default split's target: the smallest split giving this many programs per SM...
+    wave_programs_per_sm: int = 3  # ...unless that needs more than this many per SM (one wave)
     qkv_barrier: bool = True  # materialize the fused qkv product (`dispatch.matmul(role="qkv")`)
     # products of more rows are refused (NotImplementedError: a choice's next implementation takes them):
     # the K-split partials are [splits, rows, N] float32, 85 GB at a 32 x 512-token prefill's LM head on
@@ -39,8 +40,9 @@ class W12MosaicConfig:
             raise ValueError(f"mp_choices must be increasing multiples of 8 in [8, 64], got {self.mp_choices}")
         if self.max_rows < 1:
             raise ValueError(f"max_rows must be >= 1, got {self.max_rows}")
-        if self.small_m_stages < 1 or self.wave_programs_per_sm < 1 or self.large_step_max_rows < 0:
-            raise ValueError(f"small_m_stages and wave_programs_per_sm must be >= 1, large_step_max_rows >= 0: {self}")
+        if min(self.small_m_stages, self.programs_per_sm, self.wave_programs_per_sm) < 1 or self.large_step_max_rows < 0:
+            raise ValueError(f"small_m_stages, programs_per_sm and wave_programs_per_sm must be >= 1, "
+                             f"large_step_max_rows >= 0: {self}")
 
 
 DEFAULT = W12MosaicConfig()
@@ -71,9 +73,10 @@ def _split(kh: int, block_k: int, n: int, target_programs: int, max_programs: in
 
 
 def default_split(k: int, n: int, block_k: int, config: W12MosaicConfig = DEFAULT) -> int:
-    """The K split of a [K, N] weight at a step of block_k half-rows: the smallest giving 2 programs per
-    SM, unless that needs more than one wave (`wave_programs_per_sm`)."""
-    return _split(k // 2, block_k, n, 2 * NUM_SMS_H200, config.wave_programs_per_sm * NUM_SMS_H200)
+    """The K split of a [K, N] weight at a step of block_k half-rows: the smallest giving `programs_per_sm`
+    programs per SM, unless that needs more than one wave (`wave_programs_per_sm`)."""
+    return _split(k // 2, block_k, n, config.programs_per_sm * NUM_SMS_H200,
+                  config.wave_programs_per_sm * NUM_SMS_H200)
 
 
 def fold_x(x_p: jax.Array, block_k: int) -> jax.Array:
