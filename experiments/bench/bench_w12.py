@@ -247,7 +247,7 @@ def profile_table(paths: list[str], kernel: str = "mosaic") -> list[str]:
 
 def parse_shapes(p, text: str) -> dict:
     """"all" -> Qwen3-8B's matrices; "tiny"; or a comma list of shape sets ("qwen3-8b", "qwen3-4b": the
-    products runs make, q/k/v and gate/up fused), Qwen3-8B's names and KxN shapes."""
+    products runs make, q/k/v and gate/up fused), single names of any set ("4b.o") and KxN shapes."""
     if text == "tiny":
         return dict(TINY)
     out = {}
@@ -255,8 +255,9 @@ def parse_shapes(p, text: str) -> dict:
         if item in SHAPE_SETS:
             out.update(SHAPE_SETS[item])
             continue
-        if item in QWEN3_8B:
-            out[item] = QWEN3_8B[item]
+        named = next((d for d in (QWEN3_8B, QWEN3_8B_RUN, QWEN3_4B_RUN) if item in d), None)
+        if named is not None:
+            out[item] = named[item]
             continue
         try:
             k, n = (int(v) for v in item.split("x"))
