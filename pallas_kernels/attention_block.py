@@ -1,0 +1,364 @@
+"""A chain forward's attention block in one Pallas Triton-backend kernel: from the fused qkv projection's
+output to the attention output, with qk-norm, RoPE and the K/V cache write folded in (XLA leaves about
+a dozen small kernels there per layer), and its pure-jnp reference, the model's own expressions.
+Design notes: docs/design/kernels.md.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as plt
+
+from pallas_kernels.common import NUM_SMS_H200, largest_pow2_divisor, pow2
+from pallas_kernels.ragged_attention import visible_mask
+from pallas_kernels.tree_attention import cache_attention
+
+MIN_ROWS = 16  # tl.dot's smallest M (and N, K)
+MAX_ROWS = 256  # query rows (T x heads per KV head) one program holds, as the ragged kernel
+TARGET_PROGRAMS = 2 * NUM_SMS_H200  # the automatic split fills about two waves of SMs
+_NEG = -0.7 * float(np.finfo(np.float32).max)  # the running max's start: finite, so exp(_NEG - _NEG) = 1
+
+
+# ---- the reference: the model's path, written from the same jnp expressions ----------------------------
+
+def split_heads(qkv, num_heads: int, num_kv_heads: int, head_dim: int):
+    """qkv [B, T, (H + 2 KVH) D] -> q [B, T, H, D], k, v [B, T, KVH, D] (as `dense.decoder_layer`)."""
+    b, t, _ = qkv.shape
+    q, k, v = jnp.split(qkv, [num_heads * head_dim, (num_heads + num_kv_heads) * head_dim], axis=-1)
+    return (q.reshape(b, t, num_heads, head_dim), k.reshape(b, t, num_kv_heads, head_dim),
+            v.reshape(b, t, num_kv_heads, head_dim))
+
+
+def rms_norm(x, weight, eps: float):
+    """`specpilot.models.layers.rms_norm`."""
+    dtype = x.dtype
+    xf = x.astype(jnp.float32)
+    xf = xf * jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + eps)
+    return weight * xf.astype(dtype)
+
+
+def apply_rope(x, cos, sin):
+    """`specpilot.models.layers.apply_rope`: x [B, T, N, D], cos/sin [B, T, D]."""
+    half = x.shape[-1] // 2
+    rotated = jnp.concatenate([-x[..., half:], x[..., :half]], axis=-1)
+    cos, sin = cos[:, :, None, :].astype(x.dtype), sin[:, :, None, :].astype(x.dtype)
+    return x * cos + rotated * sin
+
+
+def write_slots(cache, new, start):
+    """`specpilot.state.write_slots`: new [B, T, KVH, D] into cache [B, KVH, S, D] at slots start[b] + t."""
+    def one(c, n, s):
+        return jax.lax.dynamic_update_slice(c, jnp.swapaxes(n, 0, 1).astype(c.dtype), (0, s, 0))
+    return jax.vmap(one)(cache, new, start)
+
+
+def attention_block_reference(qkv, q_norm, k_norm, cos, sin, k_cache, v_cache, lengths, counts, *,
+                              num_heads: int, num_kv_heads: int, head_dim: int, eps: float):
+    """What `dense.decoder_layer` computes between the qkv and o products of a chain forward:
+    -> (attn [B, T, H D] in qkv's dtype, k_cache, v_cache with the T new tokens at slots lengths[b] + t)."""
+    check_shapes(qkv, q_norm, k_norm, cos, sin, k_cache, v_cache, lengths, counts, num_heads, num_kv_heads,
+                 head_dim)
+    b, t, _ = qkv.shape
+    q, k, v = split_heads(qkv, num_heads, num_kv_heads, head_dim)
+    if q_norm is not None:
+        q = rms_norm(q, q_norm, eps)
+    if k_norm is not None:
+        k = rms_norm(k, k_norm, eps)
+    q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+    k_cache, v_cache = write_slots(k_cache, k, lengths), write_slots(v_cache, v, lengths)
+    mask = visible_mask(lengths, counts, t, k_cache.shape[2])
+    attn = cache_attention(q, k_cache.astype(q.dtype), v_cache.astype(q.dtype), mask)
+    return attn.reshape(b, t, num_heads * head_dim), k_cache, v_cache
+
+
+def check_shapes(qkv, q_norm, k_norm, cos, sin, k_cache, v_cache, lengths, counts, num_heads, num_kv_heads,
+                 head_dim) -> None:
+    """ValueError unless the arrays have the op's consistent shapes (see the reference)."""
+    if qkv.ndim != 3 or qkv.shape[2] != (num_heads + 2 * num_kv_heads) * head_dim:
+        raise ValueError(f"qkv {qkv.shape} must be [B, T, (H + 2 KVH) D] with H, KVH, D = "
+                         f"{(num_heads, num_kv_heads, head_dim)}")
+    b, t, _ = qkv.shape
+    if num_heads % num_kv_heads:
+        raise ValueError(f"{num_heads} query heads are not a multiple of {num_kv_heads} KV heads")
+    for name, w in (("q_norm", q_norm), ("k_norm", k_norm)):
+        if w is not None and w.shape != (head_dim,):
+            raise ValueError(f"{name} {w.shape} must be [D] = ({head_dim},) or None")
+    for name, x in (("cos", cos), ("sin", sin)):
+        if x.shape != (b, t, head_dim):
+            raise ValueError(f"{name} {x.shape} must be [B, T, D] = {(b, t, head_dim)}")
+    if k_cache.ndim != 4 or k_cache.shape != v_cache.shape or k_cache.shape[:2] != (b, num_kv_heads) \
+            or k_cache.shape[3] != head_dim:
+        raise ValueError(f"k_cache {k_cache.shape} and v_cache {v_cache.shape} must both be [B, KVH, S, D] "
+                         f"with B, KVH, D = {(b, num_kv_heads, head_dim)}")
+    if t > k_cache.shape[2]:
+        raise ValueError(f"{t} new tokens do not fit a cache of {k_cache.shape[2]} slots")
+    for name, x in (("lengths", lengths), ("counts", counts)):
+        if x.shape != (b,):
+            raise ValueError(f"{name} {x.shape} must be [B] = ({b},)")
+
+
+# ---- the kernel ----------------------------------------------------------------------------------------
+
+def _mul(a, b, dtype):
+    # a * b rounded once to dtype: the float32 product of two bf16 (or f16) values is exact, so this is the
+    # activation dtype's own product, and no backend can fuse it into a differently rounded FMA
+    return (a.astype(jnp.float32) * b.astype(jnp.float32)).astype(dtype)
+
+
+def _add(a, b, dtype):
+    # a + b rounded to dtype; for bf16 operands the float32 sum rounds to the same bf16 value as the exact sum
+    return (a.astype(jnp.float32) + b.astype(jnp.float32)).astype(dtype)
+
+
+def _norm_rope(x_ref, w_ref, cos, sin, *, normed: bool, eps: float):
+    """The model's qk-norm and RoPE of a block x_ref [T, N, D] (N heads) -> both halves [T, N, D/2] in
+    x's dtype; cos, sin: (first half, second half), each [T, 1, D/2] in x's dtype."""
+    dtype = x_ref.dtype
+    half = x_ref.shape[-1] // 2
+    x1, x2 = x_ref[:, :, :half], x_ref[:, :, half:]
+    if normed:
+        xf = x_ref[...].astype(jnp.float32)
+        factor = jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + eps)  # [T, N, 1] over the whole row
+        x1 = _mul(w_ref[:half], (x1.astype(jnp.float32) * factor).astype(dtype), dtype)
+        x2 = _mul(w_ref[half:], (x2.astype(jnp.float32) * factor).astype(dtype), dtype)
+    (c1, c2), (s1, s2) = cos, sin
+    # rotate_half: (x1, x2) -> (-x2, x1); out = x * cos + rotated * sin, each op rounded as the reference's
+    return _add(_mul(x1, c1, dtype), _mul(-x2, s1, dtype), dtype), _add(_mul(x2, c2, dtype), _mul(x1, s2, dtype), dtype)
+
+
+def _pad_rows(x, rows: int):
+    """x [M, N] -> [rows, N] by repeating it (rows a power-of-two multiple of M): tl.dot needs >= 16 rows,
+    and Triton cannot concatenate along rows. The copies' results are identical, and masked where they count."""
+    m = x.shape[0]
+    if m == rows:
+        return x
+    return jnp.broadcast_to(x[None], (rows // m, m, x.shape[1])).reshape(rows, x.shape[1])
+
+
+def _first_copy(x, m: int):
+    """The first m rows of x [R, ...] built by `_pad_rows` (all copies hold the same values)."""
+    if x.shape[0] == m:
+        return x
+    return jnp.max(x.reshape((x.shape[0] // m, m) + x.shape[1:]), axis=0)
+
+
+def _kernel(lengths_ref, counts_ref, q_ref, k_ref, v_ref, cos_ref, sin_ref, qw_ref, kw_ref, kc_ref, vc_ref,
+            kc_out, vc_out, *out_refs, q_normed: bool, k_normed: bool, eps: float, block_s: int, splits: int):
+    # lengths_ref, counts_ref: [] this row's committed slots and the new tokens its queries see
+    # q_ref: [T, G, D] this KV head's query heads; k_ref, v_ref: [T, 1, D] its new K/V (projection outputs)
+    # cos_ref, sin_ref: [T, D] float32; qw_ref, kw_ref: [D] norm weights (unread without the norm)
+    # kc_ref, vc_ref: [S, D] this row's cache for this KV head, read below `length` only; kc_out, vc_out: the
+    # same buffers (aliased), where the last split writes the T new tokens at slots length .. length + T - 1
+    # out_refs: splits == 1: attn [T, G, D]; else this split's partial o [T, G, D] (unnormalised), m, l [T, G]
+    split = pl.program_id(2)
+    length, count = lengths_ref[()], counts_ref[()]
+    t, g, d = q_ref.shape
+    s_len, half, dtype, cache_dtype = kc_ref.shape[0], d // 2, q_ref.dtype, kc_ref.dtype
+    tg = t * g
+    rows, cols = max(MIN_ROWS, tg), max(MIN_ROWS, t)
+    scale = 1.0 / float(np.sqrt(d))
+    last = splits - 1
+
+    halves = (slice(0, half), slice(half, d))
+    cos = tuple(cos_ref[:, h].astype(dtype)[:, None, :] for h in halves)  # [T, 1, D/2] each
+    sin = tuple(sin_ref[:, h].astype(dtype)[:, None, :] for h in halves)
+    q1, q2 = _norm_rope(q_ref, qw_ref, cos, sin, normed=q_normed, eps=eps)  # [T, G, D/2] each
+    q1, q2 = (_pad_rows(x.reshape(tg, half), rows) for x in (q1, q2))  # [R, D/2]; row r: token (r % TG) // G
+    k1, k2 = (x.reshape(t, half) for x in _norm_rope(k_ref, kw_ref, cos, sin, normed=k_normed, eps=eps))
+    v_new = v_ref[...].reshape(t, d)
+
+    @pl.when(split == last)
+    def _write():
+        start = jnp.minimum(length, s_len - t)  # write_slots' clamp (callers keep lengths + T <= S)
+        kc_out[pl.ds(start, t), pl.ds(0, half)] = k1.astype(cache_dtype)
+        kc_out[pl.ds(start, t), pl.ds(half, half)] = k2.astype(cache_dtype)
+        vc_out[pl.ds(start, t), :] = v_new.astype(cache_dtype)
+
+    def dot(a, b, trans_b=False):
+        return plt.dot(a, b, trans_b=trans_b, allow_tf32=False if dtype == jnp.float32 else None)
+
+    def scores(key1, key2):  # [R, K] float32 from the halves of K keys [K, D/2]
+        return (dot(q1, key1, trans_b=True) + dot(q2, key2, trans_b=True)) * scale
+
+    def absorb(carry, s, vals):  # online softmax: fold scores s [R, K] over values vals [K, D]
+        o, m, l = carry
+        m_next = jnp.maximum(m, s.max(axis=-1))
+        correction = jnp.exp(m - m_next)
+        p = jnp.exp(s - m_next[:, None])
+        o = correction[:, None] * o + dot(p.astype(vals.dtype), vals)
+        return o, m_next, correction * l + p.sum(axis=-1)
+
+    # the committed slots: this split's contiguous share of the row's own ceil(length / block_s) blocks
+    num_blocks = pl.cdiv(length, block_s)
+    per_split = pl.cdiv(num_blocks, splits)
+    first = split * per_split
+    offsets = jax.lax.broadcasted_iota(jnp.int32, (block_s,), 0)
+
+    def body(i, carry):
+        start = pl.multiple_of(i * block_s, block_s)
+        valid = start + offsets < length  # [BS]; slots past it are never loaded (other programs write there)
+
+        def load(ref, cols_slice, width):  # [BS, width] in the activation dtype, zeros past length
+            mask = jnp.broadcast_to(valid[:, None], (block_s, width))
+            return plt.load(ref.at[pl.ds(start, block_s), cols_slice], mask=mask, other=0).astype(dtype)
+
+        s = scores(load(kc_ref, pl.ds(0, half), half), load(kc_ref, pl.ds(half, half), half))
+        s = jnp.where(valid[None, :], s, -jnp.inf)
+        return absorb(carry, s, load(vc_ref, slice(None), d))
+
+    init = (jnp.zeros((rows, d), jnp.float32), jnp.full((rows,), _NEG, jnp.float32),
+            jnp.zeros((rows,), jnp.float32))
+    carry = jax.lax.fori_loop(first, jnp.minimum(first + per_split, num_blocks), body, init)
+
+    # the T new tokens, from registers as the cache would return them (the last split's share)
+    def as_read(x):
+        return x.astype(cache_dtype).astype(dtype)
+
+    token = (jax.lax.broadcasted_iota(jnp.int32, (rows, cols), 0) % tg) // g
+    col = jax.lax.broadcasted_iota(jnp.int32, (rows, cols), 1)
+    seen = (col < t) & (col <= token) & (col < count) & (split == last)  # col >= T: a padding copy
+    s = scores(as_read(_pad_rows(k1, cols)), as_read(_pad_rows(k2, cols)))
+    o, m, l = absorb(carry, jnp.where(seen, s, -jnp.inf), as_read(_pad_rows(v_new, cols)))
+
+    o, m, l = _first_copy(o, tg), _first_copy(m, tg), _first_copy(l, tg)
+    if splits == 1:
+        (attn_ref,) = out_refs
+        attn_ref[...] = (o / l[:, None]).reshape(t, g, d).astype(attn_ref.dtype)
+    else:
+        o_ref, m_ref, l_ref = out_refs
+        o_ref[...] = o.reshape(t, g, d)
+        m_ref[...] = m.reshape(t, g)
+        l_ref[...] = l.reshape(t, g)
+
+
+def combine(o, m, l):
+    """The splits' partials o [P, B, T, H, D], m, l [P, B, T, H] -> the normalised output [B, T, H, D] float32."""
+    m_all = m.max(axis=0)
+    correction = jnp.exp(m - m_all[None])
+    return (o * correction[..., None]).sum(axis=0) / (l * correction).sum(axis=0)[..., None]
+
+
+@functools.partial(jax.jit, static_argnames=("num_heads", "num_kv_heads", "head_dim", "eps", "block_s", "splits",
+                                             "num_warps", "num_stages", "interpret"))
+def attention_block_pallas(qkv, q_norm, k_norm, cos, sin, k_cache, v_cache, lengths, counts, *, num_heads: int,
+                           num_kv_heads: int, head_dim: int, eps: float, block_s: int, splits: int,
+                           num_warps: int = 4, num_stages: int = 1, interpret: bool = False):
+    """The pallas_call (and with splits > 1 the combine) on any backend the caller asks for: same arguments
+    and results as `attention_block_reference` (block_s must divide the cache's S)."""
+    b, t, _ = qkv.shape
+    h, kvh, d, s_len = num_heads, num_kv_heads, head_dim, k_cache.shape[2]
+    g = h // kvh
+    heads = qkv.reshape(b, t, h + 2 * kvh, d)  # q heads, then k heads, then v heads
+    unused = jnp.zeros((d,), qkv.dtype)
+    kernel = functools.partial(_kernel, q_normed=q_norm is not None, k_normed=k_norm is not None,
+                               eps=float(eps), block_s=block_s, splits=splits)
+    scalar = pl.BlockSpec((None,), lambda i, j, p: (i,))
+    table = pl.BlockSpec((None, t, d), lambda i, j, p: (i, 0, 0))
+    weight = pl.BlockSpec((d,), lambda i, j, p: (0,))
+    cache = pl.BlockSpec((None, None, s_len, d), lambda i, j, p: (i, j, 0, 0))
+    in_specs = [scalar, scalar,
+                pl.BlockSpec((None, t, g, d), lambda i, j, p: (i, 0, j, 0)),  # query heads j*G .. j*G + G - 1
+                pl.BlockSpec((None, t, 1, d), lambda i, j, p: (i, 0, h + j, 0)),
+                pl.BlockSpec((None, t, 1, d), lambda i, j, p: (i, 0, h + kvh + j, 0)),
+                table, table, weight, weight, cache, cache]
+    caches = [jax.ShapeDtypeStruct(k_cache.shape, k_cache.dtype), jax.ShapeDtypeStruct(v_cache.shape, v_cache.dtype)]
+    if splits == 1:
+        out_specs = [cache, cache, pl.BlockSpec((None, t, g, d), lambda i, j, p: (i, 0, j, 0))]
+        out_shape = caches + [jax.ShapeDtypeStruct((b, t, h, d), qkv.dtype)]
+    else:
+        stats = pl.BlockSpec((None, None, t, g), lambda i, j, p: (p, i, 0, j))
+        out_specs = [cache, cache, pl.BlockSpec((None, None, t, g, d), lambda i, j, p: (p, i, 0, j, 0)), stats, stats]
+        out_shape = caches + [jax.ShapeDtypeStruct((splits, b, t, h, d), jnp.float32),
+                              jax.ShapeDtypeStruct((splits, b, t, h), jnp.float32),
+                              jax.ShapeDtypeStruct((splits, b, t, h), jnp.float32)]
+    outs = pl.pallas_call(
+        kernel,
+        grid=(b, kvh, splits),
+        in_specs=in_specs,
+        out_specs=out_specs,
+        out_shape=out_shape,
+        input_output_aliases={9: 0, 10: 1},  # the caches: updated in place inside a jit or loop carry
+        compiler_params=plt.CompilerParams(num_warps=num_warps, num_stages=num_stages),
+        interpret=interpret,
+        name="attention_block",
+    )(lengths.astype(jnp.int32), counts.astype(jnp.int32), heads, heads, heads, cos.astype(jnp.float32),
+      sin.astype(jnp.float32), unused if q_norm is None else q_norm, unused if k_norm is None else k_norm,
+      k_cache, v_cache)
+    attn = outs[2] if splits == 1 else combine(*outs[2:]).astype(qkv.dtype)
+    return attn.reshape(b, t, h * d), outs[0], outs[1]
+
+
+# ---- public API ----------------------------------------------------------------------------------------
+
+@dataclasses.dataclass(frozen=True)
+class AttentionBlockConfig:
+    """The kernel's settings: cache slots per inner step (`block_s`; the largest power of two dividing the
+    cache length up to this is used), splits of each row's committed slots (0: automatic, `auto_splits`;
+    1: no combine, the kernel writes the output itself), the launch's warps and pipeline stages, and
+    interpret (Pallas' interpreter: CPU tests; False on a CPU backend raises NotImplementedError)."""
+
+    block_s: int = 64
+    splits: int = 0
+    num_warps: int = 4
+    num_stages: int = 1
+    interpret: bool = False
+
+    def __post_init__(self):
+        for name in ("block_s", "num_warps"):
+            value = getattr(self, name)
+            if not (isinstance(value, int) and pow2(value)):
+                raise ValueError(f"{name} must be a power of two, got {value!r}")
+        if self.block_s < MIN_ROWS:
+            raise ValueError(f"block_s must be >= {MIN_ROWS} (tl.dot), got {self.block_s}")
+        if not (isinstance(self.splits, int) and self.splits >= 0):
+            raise ValueError(f"splits must be a non-negative integer (0: automatic), got {self.splits!r}")
+        if not (isinstance(self.num_stages, int) and self.num_stages >= 1):
+            raise ValueError(f"num_stages must be a positive integer, got {self.num_stages!r}")
+
+
+def auto_splits(batch: int, kv_heads: int, slots: int, block_s: int) -> int:
+    """Splits per (row, KV head) so the grid has about TARGET_PROGRAMS programs, at most one per block of
+    the cache (a row's blocks are shared out among the splits at run time, by its own length)."""
+    return max(1, min(-(-TARGET_PROGRAMS // (batch * kv_heads)), slots // block_s))
+
+
+def attention_block(qkv, q_norm, k_norm, cos, sin, k_cache, v_cache, lengths, counts, *, num_heads: int,
+                    num_kv_heads: int, head_dim: int, eps: float,
+                    config: AttentionBlockConfig = AttentionBlockConfig()):
+    """The attention block through the kernel: same arguments and results as `attention_block_reference`
+    (lengths[b] + T <= S). Raises NotImplementedError where the kernel does not apply (shape, dtype or
+    backend), so the caller runs the unfused path."""
+    check_shapes(qkv, q_norm, k_norm, cos, sin, k_cache, v_cache, lengths, counts, num_heads, num_kv_heads,
+                 head_dim)
+    b, t, _ = qkv.shape
+    g, s_len = num_heads // num_kv_heads, k_cache.shape[2]
+    if not (pow2(t) and pow2(g)):
+        raise NotImplementedError(f"the kernel tiles power-of-two token counts and heads per KV head, got T {t}, "
+                                  f"{g} heads per KV head")
+    if not pow2(head_dim) or head_dim < 2 * MIN_ROWS:
+        raise NotImplementedError(f"the kernel takes power-of-two head dims >= {2 * MIN_ROWS} (RoPE's halves feed "
+                                  f"tl.dot), got {head_dim}")
+    if max(MIN_ROWS, t * g) > MAX_ROWS:
+        raise NotImplementedError(f"{t} tokens x {g} heads per KV head need {t * g} query rows in one program; "
+                                  f"the kernel holds at most {MAX_ROWS}")
+    for name, w in (("q_norm", q_norm), ("k_norm", k_norm)):
+        if w is not None and w.dtype != qkv.dtype:
+            raise NotImplementedError(f"{name} is {w.dtype} but qkv {qkv.dtype}; the kernel norms in one dtype")
+    block_s = largest_pow2_divisor(s_len, config.block_s)
+    if block_s < MIN_ROWS:
+        raise NotImplementedError(f"the cache length {s_len} has no power-of-two divisor >= {MIN_ROWS} up to "
+                                  f"block_s {config.block_s}")
+    backend = jax.default_backend()
+    if not config.interpret and backend != "gpu":
+        raise NotImplementedError(f"the Triton-backend kernel runs on GPUs (or interpreted), not {backend!r}")
+    splits = config.splits or auto_splits(b, num_kv_heads, s_len, block_s)
+    return attention_block_pallas(qkv, q_norm, k_norm, cos, sin, k_cache, v_cache, lengths, counts,
+                                  num_heads=num_heads, num_kv_heads=num_kv_heads, head_dim=head_dim, eps=float(eps),
+                                  block_s=block_s, splits=splits, num_warps=config.num_warps,
+                                  num_stages=config.num_stages, interpret=config.interpret)
