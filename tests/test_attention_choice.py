@@ -117,8 +117,8 @@ def test_dispatch_falls_through_where_the_kernel_refuses():
                                       np.asarray(dispatch.attention(*args)))
     with pytest.raises(NotImplementedError, match=r"no attention implementation of \('triton',\).*runs on GPUs"):
         dispatch.attention(*x, choice=dispatch.choice("attention", "triton"))
-    with pytest.raises(ValueError, match="unknown key.*'splits'.*attention 'triton' config"):
-        dispatch.choice("attention", "triton", {"splits": 2})
+    with pytest.raises(ValueError, match="unknown key.*'block_k'.*attention 'triton' config"):
+        dispatch.choice("attention", "triton", {"block_k": 2})
 
 
 def test_the_xla_choice_is_the_masked_attention_bit_for_bit():
