@@ -15,6 +15,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
+from pallas_kernels import attention_block as ab
 from pallas_kernels import gated_delta_rule as gdr
 from pallas_kernels import ragged_attention as ra
 from pallas_kernels import tree_attention as ta
@@ -43,7 +44,8 @@ CONFIGS: dict[str, dict[str, type]] = {
     "gated_delta_rule": {"triton": gdr.GatedDeltaRuleTritonConfig, "xla": XlaConfig},
     "tree_gated_delta_rule": {"triton": gdr.GatedDeltaRuleTritonConfig, "xla": XlaConfig},
     "tree_attention": {"triton": ta.TreeAttentionTritonConfig, "xla": XlaConfig},
-    "attention": {"triton": ra.RaggedAttentionConfig, "xla": XlaConfig},
+    # triton_block: the fused attention block of a dense layer (`attention_block`); chain forwards only
+    "attention": {"triton": ra.RaggedAttentionConfig, "triton_block": ab.AttentionBlockConfig, "xla": XlaConfig},
 }
 IMPLEMENTATIONS: dict[str, tuple[str, ...]] = {op: tuple(impls) for op, impls in CONFIGS.items()}
 VARIANT = re.compile(r"variant:[0-9a-f]{8,64}")
@@ -308,7 +310,13 @@ def _attention_xla(q, k_cache, v_cache, lengths, counts, config: XlaConfig):
     return ta.cache_attention(q, k_cache.astype(q.dtype), v_cache.astype(q.dtype), mask)
 
 
-_ATTENTIONS = {"xla": _attention_xla, "triton": ra.ragged_attention}
+def _attention_block_only(q, k_cache, v_cache, lengths, counts, config):
+    del q, k_cache, v_cache, lengths, counts, config
+    raise NotImplementedError("triton_block computes a layer's whole attention block (dispatch.attention_block), "
+                              "not attention alone")
+
+
+_ATTENTIONS = {"xla": _attention_xla, "triton": ra.ragged_attention, "triton_block": _attention_block_only}
 
 
 def attention(q, k_cache, v_cache, lengths, counts, *, choice: OpChoice | None = None):
@@ -318,6 +326,22 @@ def attention(q, k_cache, v_cache, lengths, counts, *, choice: OpChoice | None =
     `choice.implementation` in order (None: the reference), falling through on NotImplementedError."""
     return _first_taking("attention", _ATTENTIONS, (q, k_cache, v_cache, lengths, counts),
                          choice, lambda: f"q {q.shape} over a cache {k_cache.shape} {k_cache.dtype}")
+
+
+def attention_block(qkv, q_norm, k_norm, cos, sin, k_cache, v_cache, lengths, counts, *, num_heads: int,
+                    num_kv_heads: int, head_dim: int, eps: float, choice: OpChoice | None):
+    """A dense layer's attention block in one kernel when `choice` (the plan's `attention`) names
+    "triton_block" first: the fused q/k/v product's output -> q/k norm, RoPE, the new K/V written to the
+    caches, chain attention (`attention_block.attention_block_reference` gives the arguments). Returns
+    (attn [B, T, H*D], k_cache, v_cache). Raises NotImplementedError otherwise, or where the kernel does
+    not take the call: the caller then runs the unfused path, whose attention takes the choice's next
+    implementation."""
+    if choice is None or not choice.implementation or choice.implementation[0] != "triton_block":
+        raise NotImplementedError("the plan's attention does not name triton_block first")
+    _check_choice(choice, "attention")
+    return ab.attention_block(qkv, q_norm, k_norm, cos, sin, k_cache, v_cache, lengths, counts,
+                              num_heads=num_heads, num_kv_heads=num_kv_heads, head_dim=head_dim, eps=eps,
+                              config=_config(choice, "attention", "triton_block"))
 
 
 # ---- weight layouts ----------------------------------------------------------------------------------

@@ -22,7 +22,8 @@ from specpilot.harness.config_schema import ConfigValueError, build_plans, typed
 from specpilot.models.checkpoint import HYBRID_ARCHITECTURES
 
 BLOCK_SIZES = (2, 3, 4, 6, 8, 12, 16, 24, 32)
-PALLAS_ON_GPU = {"matmul": ("triton", "mosaic"), "gated_delta_rule": ("triton",), "attention": ("triton",)}
+PALLAS_ON_GPU = {"matmul": ("triton", "mosaic"), "gated_delta_rule": ("triton",),
+                 "attention": ("triton", "triton_block")}
 OP_TARGETS = {"matmul": ("matmul", "lm_head"), "attention": ("attention",)}  # others: the recurrence
 
 
@@ -261,7 +262,7 @@ def build_space(cfg: DictConfig, *, platform: str = "cpu", devices: int = 1, wor
         if op == "gated_delta_rule" and not hybrid or op.startswith("tree_"):
             continue  # no recurrence in a dense target; no tree plans in this space
         if op == "attention" and platform != "gpu":
-            continue  # the ragged kernel runs on GPUs only: elsewhere the op has XLA alone
+            continue  # the attention kernels run on GPUs only: elsewhere the op has XLA alone
         lists = [("xla",)]
         if platform == "gpu":
             lists += [(impl, "xla") for impl in PALLAS_ON_GPU[op]]

@@ -18,7 +18,7 @@ from pallas_kernels import dispatch
 from specpilot import sharding
 from specpilot import state as st
 from specpilot.models.config import ModelConfig
-from specpilot.models.layers import apply_rope, cache_attention, linear, rms_norm, rope_tables
+from specpilot.models.layers import apply_rope, cache_attention, chain_counts, linear, rms_norm, rope_tables
 from specpilot.state import AttentionState, TargetState
 
 Params = dict
@@ -153,12 +153,31 @@ def fuse_projections(params: Params) -> Params:
     return {**params, "layers": tuple(fuse(p) for p in params["layers"])}
 
 
-def _projections(p: dict, cfg: ModelConfig, h: jax.Array, fused: str, sizes: tuple[int, ...]):
-    """The outputs of _FUSED[fused]'s matrices for h, from the fused matrix when present."""
+def _projections(p: dict, cfg: ModelConfig, h: jax.Array, fused: str, sizes: tuple[int, ...], y=None):
+    """The outputs of _FUSED[fused]'s matrices for h, from the fused matrix when present (y: its product,
+    already computed)."""
     if fused in p:
-        y = linear(h, p[fused], p.get(fused + "_bias"), choice=cfg.matmul, role=fused)
+        if y is None:
+            y = linear(h, p[fused], p.get(fused + "_bias"), choice=cfg.matmul, role=fused)
         return jnp.split(y, list(np.cumsum(sizes)[:-1]), axis=-1)
     return [linear(h, p[n], p.get(n + "_bias"), choice=cfg.matmul, role=n) for n in _FUSED[fused]]
+
+
+def _attention_block(p: dict, cfg: ModelConfig, qkv: jax.Array, cos, sin, kv, start, mask, parents):
+    """(attn [B, T, q_size], kv) from the fused attention-block kernel when the plan's chain attention names
+    it (`dispatch.attention_block`) and it takes this forward, else None (the unfused path runs)."""
+    choice = cfg.attention
+    if (choice is None or choice.implementation[0] != "triton_block" or parents is not None or start is None
+            or not isinstance(kv, AttentionState)):
+        return None
+    norms = (p["q_norm"], p["k_norm"]) if cfg.qk_norm else (None, None)
+    try:
+        attn, k_cache, v_cache = dispatch.attention_block(
+            qkv, *norms, cos, sin, kv.k, kv.v, start, chain_counts(mask, start), num_heads=cfg.num_heads,
+            num_kv_heads=cfg.num_kv_heads, head_dim=cfg.head_dim, eps=cfg.rms_norm_eps, choice=choice)
+    except NotImplementedError:
+        return None
+    return attn, AttentionState(k_cache, v_cache)
 
 
 def embed(params: Params, tokens: jax.Array) -> jax.Array:
@@ -172,14 +191,11 @@ def lm_head(params: Params, cfg: ModelConfig, x: jax.Array) -> jax.Array:
     return dispatch.matmul(x, params["lm_head"], choice=cfg.matmul, role="lm_head", out_dtype=jnp.float32)
 
 
-def decoder_layer(p: dict, cfg: ModelConfig, x: jax.Array, cos, sin, kv: AttentionState,
-                  start: jax.Array, mask: jax.Array, parents: jax.Array | None = None):
-    """One pre-norm decoder layer. x: [B, T, H]; K/V written at slots start[b] + i; returns (x, kv).
-    parents (a tree's): attention goes through cfg.tree_attention when set; without parents (a chain's),
-    through cfg.attention when set (`layers.cache_attention`)."""
-    b, t, _ = x.shape
-    h = rms_norm(x, p["attn_norm"], cfg.rms_norm_eps)
-    q, k, v = _projections(p, cfg, h, "qkv", (cfg.q_size, cfg.kv_size, cfg.kv_size))
+def _attention(p: dict, cfg: ModelConfig, h: jax.Array, qkv, cos, sin, kv: AttentionState, start, mask, parents):
+    """The unfused attention block: projections (qkv: the fused product, if computed), q/k norms, RoPE, the
+    K/V write and attention as the plan's choices say -> (attn [B, T, q_size], kv)."""
+    b, t, _ = h.shape
+    q, k, v = _projections(p, cfg, h, "qkv", (cfg.q_size, cfg.kv_size, cfg.kv_size), qkv)
     q = q.reshape(b, t, cfg.num_heads, cfg.head_dim)
     k = k.reshape(b, t, cfg.num_kv_heads, cfg.head_dim)
     v = v.reshape(b, t, cfg.num_kv_heads, cfg.head_dim)
@@ -189,6 +205,22 @@ def decoder_layer(p: dict, cfg: ModelConfig, x: jax.Array, cos, sin, kv: Attenti
     q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
     kv = kv.write(k, v, start)
     attn = cache_attention(q, kv, start, mask, parents, tree=cfg.tree_attention, chain=cfg.attention)
+    return attn.reshape(b, t, cfg.q_size), kv
+
+
+def decoder_layer(p: dict, cfg: ModelConfig, x: jax.Array, cos, sin, kv: AttentionState,
+                  start: jax.Array, mask: jax.Array, parents: jax.Array | None = None):
+    """One pre-norm decoder layer. x: [B, T, H]; K/V written at slots start[b] + i; returns (x, kv).
+    parents (a tree's): attention goes through cfg.tree_attention when set; without parents (a chain's),
+    through cfg.attention when set (`layers.cache_attention`)."""
+    b, t, _ = x.shape
+    h = rms_norm(x, p["attn_norm"], cfg.rms_norm_eps)
+    qkv = linear(h, p["qkv"], p.get("qkv_bias"), choice=cfg.matmul, role="qkv") if "qkv" in p else None
+    block = None if qkv is None else _attention_block(p, cfg, qkv, cos, sin, kv, start, mask, parents)
+    if block is not None:
+        attn, kv = block
+    else:
+        attn, kv = _attention(p, cfg, h, qkv, cos, sin, kv, start, mask, parents)
     x = x + linear(attn.reshape(b, t, cfg.q_size), p["o"], p.get("o_bias"), choice=cfg.matmul, role="o")
     h = rms_norm(x, p["mlp_norm"], cfg.rms_norm_eps)
     g, u = _projections(p, cfg, h, "gate_up", (cfg.intermediate_size, cfg.intermediate_size))
