@@ -107,3 +107,72 @@ def test_kernel_lowers_for_cuda():
     lowered = jax.jit(lambda *a: ra.ragged_attention_pallas(*a, block_s=64)).trace(*args).lower(
         lowering_platforms=("cuda",))
     assert "triton" in lowered.as_text().lower()
+
+
+# ---- the split over the cache ---------------------------------------------------------------------------
+
+def kernel_vs_reference(b, t, h, kvh, d, s, lengths, counts, *, block_s, splits, seed=3):
+    q, k, v = arrays(b, t, h, kvh, d, s, seed=seed)
+    lengths, counts = jnp.asarray(lengths, jnp.int32), jnp.asarray(counts, jnp.int32)
+    config = ra.RaggedAttentionConfig(block_s=block_s, splits=splits, interpret=True)
+    got = ra.ragged_attention(q, k, v, lengths, counts, config)
+    np.testing.assert_allclose(got, ra.ragged_attention_reference(q, k, v, lengths, counts), rtol=2e-5, atol=2e-5)
+
+
+@pytest.mark.parametrize("splits", [1, 2, 4, 0])
+def test_splits_with_row_ends_inside_and_at_split_edges(splits):
+    # 8 blocks of 16 slots; a row's blocks are shared out by its own end (lengths + counts): 32 ends at a
+    # block edge, 33 one slot into the next block, 50 inside one, 128 is the full cache, 5 leaves most
+    # splits past the row's end (their neutral partials must not count)
+    kernel_vs_reference(5, 4, 8, 2, 16, 128, [28, 29, 46, 124, 1], [4, 4, 4, 4, 4], block_s=16, splits=splits)
+
+
+@pytest.mark.parametrize("splits", [1, 3, 0])
+def test_counts_zero_to_t_per_row(splits):
+    # row r feeds r new tokens (0: its queries see the committed slots alone), different lengths per row
+    t = 4
+    kernel_vs_reference(t + 1, t, 4, 2, 16, 64, [7, 16, 30, 1, 59], list(range(t + 1)), block_s=16, splits=splits)
+
+
+@pytest.mark.parametrize("case", [(3, 4, 2), (2, 6, 2), (5, 9, 3)])  # (T, H, KVH): the padded-rows layout
+def test_split_padded_layout(case):
+    t, h, kvh = case
+    kernel_vs_reference(2, t, h, kvh, 16, 64, [0, 40], [t, max(1, t - 1)], block_s=16, splits=0)
+
+
+def test_natural_layout_has_no_layout_pass():
+    # T and G powers of two: q and the output are blocks of [B, T, H, D] itself (no transpose or pad
+    # around the call); otherwise the queries are gathered into padded rows first
+    def ops(t, h, kvh, splits):
+        q, k, v = arrays(2, t, h, kvh, 16, 64)
+        one = jnp.ones((2,), jnp.int32)
+        jaxpr = jax.make_jaxpr(lambda *a: ra.ragged_attention_pallas(*a, block_s=16, splits=splits, interpret=True))
+        return str(jaxpr(q, k, v, one, one))
+    for splits in (1, 4):
+        natural = ops(8, 8, 2, splits)
+        assert "transpose" not in natural and " pad " not in natural and "pad[" not in natural
+    assert "transpose" in ops(3, 6, 2, 1)
+
+
+def test_auto_splits_rule():
+    assert ra.auto_splits(1, 8, 1024, 64, sms=132) == 16  # 33 wanted, one block per split at most
+    assert ra.auto_splits(1, 8, 1024, 16, sms=132) == 33  # ~2 programs per SM
+    assert ra.auto_splits(16, 8, 1024, 64, sms=132) == 3
+    assert ra.auto_splits(64, 8, 1024, 64, sms=132) == 1
+    assert ra.auto_splits(1, 2, 32, 16, sms=132) == 2  # a 2-block cache: 2 splits
+    with pytest.raises(ValueError, match="splits must be a non-negative integer"):
+        ra.RaggedAttentionConfig(splits=-1)
+    with pytest.raises(ValueError, match="block_s must be >= 16"):
+        ra.RaggedAttentionConfig(block_s=8)
+
+
+def test_split_kernel_reads_only_the_rows_own_blocks():
+    b, t, h, kvh, d, s = 2, 2, 4, 2, 16, 128
+    q, k, v = arrays(b, t, h, kvh, d, s, seed=4)
+    lengths, counts = jnp.asarray([3, 50], jnp.int32), jnp.asarray([2, 2], jnp.int32)
+    blocks_end = -(-np.asarray(lengths + counts) // 16) * 16
+    poison = np.arange(s)[None, None, :, None] >= blocks_end[:, None, None, None]
+    k_bad, v_bad = (jnp.where(poison, jnp.nan, x) for x in (k, v))
+    config = ra.RaggedAttentionConfig(block_s=16, splits=4, interpret=True)
+    got = ra.ragged_attention(q, k_bad, v_bad, lengths, counts, config)
+    np.testing.assert_allclose(got, ra.ragged_attention_reference(q, k, v, lengths, counts), rtol=2e-5, atol=2e-5)
