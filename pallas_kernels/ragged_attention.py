@@ -134,11 +134,20 @@ def _kernel(lengths_ref, counts_ref, q_ref, k_ref, v_ref, *out_refs, block_s: in
         l_ref[...] = l.reshape(l_ref.shape)
 
 
-def combine(o, m, l):
-    """The splits' partials o [P, ..., D], m, l [P, ...] -> the normalised output [..., D] float32 (a log-sum-exp
-    merge: each split's sums rescaled to the common max)."""
-    correction = jnp.exp(m - m.max(axis=0)[None])
-    return (o * correction[..., None]).sum(axis=0) / jnp.maximum((l * correction).sum(axis=0), TINY)[..., None]
+def _combine_kernel(o_ref, m_ref, l_ref, out_ref, *, splits: int):
+    # o_ref [P, *Q, D], m_ref, l_ref [P, *Q]: one (row, KV head)'s partials, Q its query rows ([T, G] or [R]);
+    # out_ref [*Q, D]. A log-sum-exp merge, split by split: each split's sums rescaled to the running max
+    def body(p, carry):
+        m, l, acc = carry
+        m_p = m_ref[p]
+        m_new = jnp.maximum(m, m_p)
+        old, new = jnp.exp(m - m_new), jnp.exp(m_p - m_new)
+        return m_new, old * l + new * l_ref[p], old[..., None] * acc + new[..., None] * o_ref[p]
+
+    shape = out_ref.shape
+    init = (jnp.full(shape[:-1], NEG, jnp.float32), jnp.zeros(shape[:-1], jnp.float32), jnp.zeros(shape, jnp.float32))
+    _, l, acc = jax.lax.fori_loop(0, splits, body, init)
+    out_ref[...] = (acc / jnp.maximum(l, TINY)[..., None]).astype(out_ref.dtype)
 
 
 def natural_layout(t: int, group: int) -> bool:
@@ -150,43 +159,54 @@ def natural_layout(t: int, group: int) -> bool:
 @functools.partial(jax.jit, static_argnames=("block_s", "splits", "num_warps", "num_stages", "interpret"))
 def ragged_attention_pallas(q, k, v, lengths, counts, *, block_s: int = 64, splits: int = 1, num_warps: int = 4,
                             num_stages: int = 1, interpret: bool = False):
-    """The pallas_call (and with splits > 1 the combine): same arguments and result as
+    """The pallas_call (and with splits > 1 the combine kernel): same arguments and result as
     `ragged_attention_reference` (block_s must divide the cache's S)."""
     b, t, h, d = q.shape
     kvh, s = k.shape[1], k.shape[2]
     group = h // kvh
     if natural_layout(t, group):  # blocks of q [B, T, H, D] itself: no layout pass before or after
         queries = q
-        q_spec = pl.BlockSpec((None, t, group, d), lambda i, j, p: (i, 0, j, 0))
-        o_part = pl.BlockSpec((None, None, t, group, d), lambda i, j, p: (p, i, 0, j, 0))  # [P, B, T, H, D]
-        stat_part = pl.BlockSpec((None, None, t, group), lambda i, j, p: (p, i, 0, j))  # [P, B, T, H]
+        block, at = (None, t, group, d), (lambda i, j: (i, 0, j, 0))
     else:  # [B, KVH, R, D]: row r = token r // G, head r % G of the KV head, padded to R rows
         rows = query_rows(t, group)
         queries = q.reshape(b, t, kvh, group, d).transpose(0, 2, 1, 3, 4).reshape(b, kvh, t * group, d)
         queries = jnp.pad(queries, ((0, 0), (0, 0), (0, rows - t * group), (0, 0)))
-        q_spec = pl.BlockSpec((None, None, rows, d), lambda i, j, p: (i, j, 0, 0))
-        o_part = pl.BlockSpec((None, None, None, rows, d), lambda i, j, p: (p, i, j, 0, 0))  # [P, B, KVH, R, D]
-        stat_part = pl.BlockSpec((None, None, None, rows), lambda i, j, p: (p, i, j, 0))  # [P, B, KVH, R]
-    if splits == 1:
-        out_specs, out_shape = [q_spec], [jax.ShapeDtypeStruct(queries.shape, q.dtype)]
-    else:
-        part = (splits,) + queries.shape[:-1]
-        out_specs = [o_part, stat_part, stat_part]
-        out_shape = [jax.ShapeDtypeStruct(part + (d,), jnp.float32), jax.ShapeDtypeStruct(part, jnp.float32),
-                     jax.ShapeDtypeStruct(part, jnp.float32)]
+        block, at = (None, None, rows, d), (lambda i, j: (i, j, 0, 0))
+    q_spec = pl.BlockSpec(block, lambda i, j, p: at(i, j))
+    # a split's partials: o [P, *queries.shape] float32, m and l the same less D
+    o_part = pl.BlockSpec((None,) + block, lambda i, j, p: (p,) + at(i, j))
+    stat_part = pl.BlockSpec((None,) + block[:-1], lambda i, j, p: (p,) + at(i, j)[:-1])
+    part = (splits,) + queries.shape[:-1]
     cache = pl.BlockSpec((None, None, s, d), lambda i, j, p: (i, j, 0, 0))
     scalars = pl.BlockSpec((b,), lambda i, j, p: (0,))
+    params = plt.CompilerParams(num_warps=num_warps, num_stages=num_stages)
     outs = pl.pallas_call(
         functools.partial(_kernel, block_s=block_s, group=group, splits=splits, scale=1.0 / float(np.sqrt(d))),
         grid=(b, kvh, splits),
         in_specs=[scalars, scalars, q_spec, cache, cache],
-        out_specs=out_specs,
-        out_shape=out_shape,
-        compiler_params=plt.CompilerParams(num_warps=num_warps, num_stages=num_stages),
+        out_specs=[q_spec] if splits == 1 else [o_part, stat_part, stat_part],
+        out_shape=([jax.ShapeDtypeStruct(queries.shape, q.dtype)] if splits == 1 else
+                   [jax.ShapeDtypeStruct(part + (d,), jnp.float32), jax.ShapeDtypeStruct(part, jnp.float32),
+                    jax.ShapeDtypeStruct(part, jnp.float32)]),
+        compiler_params=params,
         interpret=interpret,
         name="ragged_attention",
     )(lengths.astype(jnp.int32), counts.astype(jnp.int32), queries, k, v)
-    out = outs[0] if splits == 1 else combine(*outs).astype(q.dtype)
+    if splits == 1:
+        out = outs[0]
+    else:  # the combine as one more small kernel: XLA's reduces over the split axis took three on the H200
+        all_parts = pl.BlockSpec((splits,) + block, lambda i, j: (0,) + at(i, j))
+        all_stats = pl.BlockSpec((splits,) + block[:-1], lambda i, j: (0,) + at(i, j)[:-1])
+        out = pl.pallas_call(
+            functools.partial(_combine_kernel, splits=splits),
+            grid=(b, kvh),
+            in_specs=[all_parts, all_stats, all_stats],
+            out_specs=pl.BlockSpec(block, at),
+            out_shape=jax.ShapeDtypeStruct(queries.shape, q.dtype),
+            compiler_params=params,
+            interpret=interpret,
+            name="ragged_attention_combine",
+        )(*outs)
     if natural_layout(t, group):
         return out
     out = out[:, :, : t * group].reshape(b, kvh, t, group, d).transpose(0, 2, 1, 3, 4)

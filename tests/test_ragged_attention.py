@@ -99,14 +99,19 @@ def test_unsupported_falls_through_and_bad_shapes_refused():
         ra.RaggedAttentionConfig(block_s=48)
 
 
-def test_kernel_lowers_for_cuda():
-    # GPU-free check that every op of the kernel has a Triton lowering (bf16 cache, SmolLM2's groups of 3)
+@pytest.mark.parametrize("splits", [1, 3])
+@pytest.mark.parametrize("heads", [(4, 9, 3), (16, 32, 8)])  # (T, H, KVH): SmolLM2's groups of 3; Qwen3-8B's
+def test_kernel_lowers_for_cuda(heads, splits):
+    # GPU-free check that every op of the kernels (and the combine's) has a Triton lowering (bf16 cache)
+    t, h, kvh = heads
     args = [jax.ShapeDtypeStruct(shape, dtype) for shape, dtype in
-            (((2, 4, 9, 64), jnp.bfloat16), ((2, 3, 128, 64), jnp.bfloat16), ((2, 3, 128, 64), jnp.bfloat16),
+            (((2, t, h, 64), jnp.bfloat16), ((2, kvh, 128, 64), jnp.bfloat16), ((2, kvh, 128, 64), jnp.bfloat16),
              ((2,), jnp.int32), ((2,), jnp.int32))]
-    lowered = jax.jit(lambda *a: ra.ragged_attention_pallas(*a, block_s=64)).trace(*args).lower(
+    lowered = jax.jit(lambda *a: ra.ragged_attention_pallas(*a, block_s=64, splits=splits)).trace(*args).lower(
         lowering_platforms=("cuda",))
-    assert "triton" in lowered.as_text().lower()
+    text = lowered.as_text()
+    assert text.count("stablehlo.custom_call") == (1 if splits == 1 else 2)  # the kernel (and the combine's)
+    assert ("ragged_attention_combine" in text) == (splits > 1)
 
 
 # ---- the split over the cache ---------------------------------------------------------------------------
