@@ -116,17 +116,18 @@ def _add(a, b, dtype):
     return (a.astype(jnp.float32) + b.astype(jnp.float32)).astype(dtype)
 
 
-def _norm_rope(x_ref, w_ref, cos, sin, *, normed: bool, eps: float):
-    """The model's qk-norm and RoPE of a block x_ref [T, N, D] (N heads) -> both halves [T, N, D/2] in
-    x's dtype; cos, sin: (first half, second half), each [T, 1, D/2] in x's dtype."""
-    dtype = x_ref.dtype
-    half = x_ref.shape[-1] // 2
-    x1, x2 = x_ref[:, :, :half], x_ref[:, :, half:]
+def _norm_rope(load, d: int, w_ref, cos, sin, *, normed: bool, eps: float):
+    """The model's qk-norm and RoPE of one head's rows (load(columns) -> [T, columns] of it) -> its halves,
+    each [T, D/2] in its dtype; cos, sin: (first half, second half), each [T, D/2] in that dtype. Everything
+    stays 2D: on the H200 the same steps over [T, G, D] values (3D, size-1 dims) cost tens of microseconds."""
+    half = d // 2
+    x1, x2 = load(slice(0, half)), load(slice(half, d))
+    dtype = x1.dtype
     if normed:
-        xf = x_ref[...].astype(jnp.float32)
-        factor = jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + eps)  # [T, N, 1] over the whole row
-        x1 = _mul(w_ref[:half], (x1.astype(jnp.float32) * factor).astype(dtype), dtype)
-        x2 = _mul(w_ref[half:], (x2.astype(jnp.float32) * factor).astype(dtype), dtype)
+        xf = load(slice(None)).astype(jnp.float32)
+        factor = jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + eps)  # [T, 1] over the whole row
+        x1 = _mul(w_ref[:half][None, :], (x1.astype(jnp.float32) * factor).astype(dtype), dtype)
+        x2 = _mul(w_ref[half:][None, :], (x2.astype(jnp.float32) * factor).astype(dtype), dtype)
     (c1, c2), (s1, s2) = cos, sin
     # rotate_half: (x1, x2) -> (-x2, x1); out = x * cos + rotated * sin, each op rounded as the reference's
     return _add(_mul(x1, c1, dtype), _mul(-x2, s1, dtype), dtype), _add(_mul(x2, c2, dtype), _mul(x1, s2, dtype), dtype)
@@ -149,45 +150,48 @@ def _first_copy(x, m: int):
 
 
 def _kernel(lengths_ref, counts_ref, q_ref, k_ref, v_ref, cos_ref, sin_ref, qw_ref, kw_ref, kc_ref, vc_ref,
-            kc_out, vc_out, *out_refs, q_normed: bool, k_normed: bool, eps: float, block_s: int, splits: int):
+            kc_out, vc_out, *out_refs, q_normed: bool, k_normed: bool, eps: float,
+            block_s: int, splits: int):
     # lengths_ref, counts_ref: [] this row's committed slots and the new tokens its queries see
-    # q_ref: [T, G, D] this KV head's query heads; k_ref, v_ref: [T, 1, D] its new K/V (projection outputs)
-    # cos_ref, sin_ref: [T, D] float32; qw_ref, kw_ref: [D] norm weights (unread without the norm)
-    # kc_ref, vc_ref: [S, D] this row's cache for this KV head, read below `length` only; kc_out, vc_out: the
-    # same buffers (aliased), where the last split writes the T new tokens at slots length .. length + T - 1
-    # out_refs: splits == 1: attn [T, G, D]; else this split's partial o [T, G, D] (unnormalised), m, l [T, G]
+    # q_ref: [T, G, D] this KV head's query heads (read head by head, as 2D [T, D] values); k_ref, v_ref:
+    # [T, D] its new K/V (projection outputs); cos_ref, sin_ref: [T, D] float32; qw_ref, kw_ref: [D] norm
+    # weights (unread without the norm); kc_ref, vc_ref: [S, D] this row's cache for this KV head, read below
+    # `length` only; kc_out, vc_out: the same buffers (aliased), where the last split writes the T new tokens
+    # at slots length .. length + T - 1; out_refs: splits == 1: attn [T, G, D]; else this split's partial
+    # o [T, G, D] (unnormalised) and its m, l [T, G] float32
     split = pl.program_id(2)
     length, count = lengths_ref[()], counts_ref[()]
-    t, g, d = q_ref.shape
-    s_len, half, dtype, cache_dtype = kc_ref.shape[0], d // 2, q_ref.dtype, kc_ref.dtype
-    tg = t * g
-    rows, cols = max(MIN_ROWS, tg), max(MIN_ROWS, t)
+    t, d = k_ref.shape
+    s_len, half, dtype, cache_dtype = kc_ref.shape[0], d // 2, k_ref.dtype, kc_ref.dtype
+    rows = max(MIN_ROWS, t)  # query rows and new-token columns per dot; past T: repeated, masked
     scale = 1.0 / float(np.sqrt(d))
     last = splits - 1
 
-    halves = (slice(0, half), slice(half, d))
-    cos = tuple(cos_ref[:, h].astype(dtype)[:, None, :] for h in halves)  # [T, 1, D/2] each
-    sin = tuple(sin_ref[:, h].astype(dtype)[:, None, :] for h in halves)
-    q1, q2 = _norm_rope(q_ref, qw_ref, cos, sin, normed=q_normed, eps=eps)  # [T, G, D/2] each
-    q1, q2 = (_pad_rows(x.reshape(tg, half), rows) for x in (q1, q2))  # [R, D/2]; row r: token (r % TG) // G
-    k1, k2 = (x.reshape(t, half) for x in _norm_rope(k_ref, kw_ref, cos, sin, normed=k_normed, eps=eps))
-    v_new = v_ref[...].reshape(t, d)
+    cos = (cos_ref[:, :half].astype(dtype), cos_ref[:, half:].astype(dtype))  # [T, D/2] each
+    sin = (sin_ref[:, :half].astype(dtype), sin_ref[:, half:].astype(dtype))
+    group = q_ref.shape[1]
+    queries = [tuple(_pad_rows(x, rows) for x in _norm_rope(lambda c, e=e: q_ref[:, e, c], d, qw_ref, cos, sin,
+                                                               normed=q_normed, eps=eps))
+               for e in range(group)]  # per head: halves [R, D/2]
+    k1, k2 = _norm_rope(lambda c: k_ref[:, c], d, kw_ref, cos, sin, normed=k_normed, eps=eps)  # [T, D/2] each
+    v_new = v_ref[...]  # [T, D]
 
     @pl.when(split == last)
     def _write():
         start = jnp.minimum(length, s_len - t)  # write_slots' clamp (callers keep lengths + T <= S)
-        kc_out[pl.ds(start, t), pl.ds(0, half)] = k1.astype(cache_dtype)
-        kc_out[pl.ds(start, t), pl.ds(half, half)] = k2.astype(cache_dtype)
-        vc_out[pl.ds(start, t), :] = v_new.astype(cache_dtype)
+        plt.store(kc_out.at[pl.ds(start, t), pl.ds(0, half)], k1.astype(cache_dtype))
+        plt.store(kc_out.at[pl.ds(start, t), pl.ds(half, half)], k2.astype(cache_dtype))
+        plt.store(vc_out.at[pl.ds(start, t), :], v_new.astype(cache_dtype))
 
     def dot(a, b, trans_b=False):
         return plt.dot(a, b, trans_b=trans_b, allow_tf32=False if dtype == jnp.float32 else None)
 
-    def scores(key1, key2):  # [R, K] float32 from the halves of K keys [K, D/2]
-        return (dot(q1, key1, trans_b=True) + dot(q2, key2, trans_b=True)) * scale
-
-    def absorb(carry, s, vals):  # online softmax: fold scores s [R, K] over values vals [K, D]
+    def absorb(carry, query, key1, key2, vals, visible):
+        # online softmax of one head: fold the scores of query (halves [R, D/2]) against K keys (halves
+        # [K, D/2]) where visible ([R, K] or [1, K]) over values vals [K, D]
         o, m, l = carry
+        s = (dot(query[0], key1, trans_b=True) + dot(query[1], key2, trans_b=True)) * scale
+        s = jnp.where(visible, s, -jnp.inf)  # -inf: exp gives 0 against the finite running max
         m_next = jnp.maximum(m, s.max(axis=-1))
         correction = jnp.exp(m - m_next)
         p = jnp.exp(s - m_next[:, None])
@@ -200,41 +204,38 @@ def _kernel(lengths_ref, counts_ref, q_ref, k_ref, v_ref, cos_ref, sin_ref, qw_r
     first = split * per_split
     offsets = jax.lax.broadcasted_iota(jnp.int32, (block_s,), 0)
 
-    def body(i, carry):
+    def body(i, carries):
         start = pl.multiple_of(i * block_s, block_s)
-        valid = start + offsets < length  # [BS]; slots past it are never loaded (other programs write there)
+        valid = start + offsets < length  # [BS]; slots past it are never loaded (another program writes there)
 
-        def load(ref, cols_slice, width):  # [BS, width] in the activation dtype, zeros past length
+        def load(ref, cols, width):  # [BS, width] in the activation dtype, zeros past length
             mask = jnp.broadcast_to(valid[:, None], (block_s, width))
-            return plt.load(ref.at[pl.ds(start, block_s), cols_slice], mask=mask, other=0).astype(dtype)
+            return plt.load(ref.at[pl.ds(start, block_s), cols], mask=mask, other=0).astype(dtype)
 
-        s = scores(load(kc_ref, pl.ds(0, half), half), load(kc_ref, pl.ds(half, half), half))
-        s = jnp.where(valid[None, :], s, -jnp.inf)
-        return absorb(carry, s, load(vc_ref, slice(None), d))
+        key1, key2 = load(kc_ref, pl.ds(0, half), half), load(kc_ref, pl.ds(half, half), half)
+        vals = load(vc_ref, slice(None), d)
+        return tuple(absorb(c, q, key1, key2, vals, valid[None, :]) for c, q in zip(carries, queries))
 
-    init = (jnp.zeros((rows, d), jnp.float32), jnp.full((rows,), _NEG, jnp.float32),
-            jnp.zeros((rows,), jnp.float32))
-    carry = jax.lax.fori_loop(first, jnp.minimum(first + per_split, num_blocks), body, init)
+    init = (jnp.zeros((rows, d), jnp.float32), jnp.full((rows,), _NEG, jnp.float32), jnp.zeros((rows,), jnp.float32))
+    carries = jax.lax.fori_loop(first, jnp.minimum(first + per_split, num_blocks), body, (init,) * group)
 
     # the T new tokens, from registers as the cache would return them (the last split's share)
     def as_read(x):
-        return x.astype(cache_dtype).astype(dtype)
+        return _pad_rows(x.astype(cache_dtype).astype(dtype), rows)
 
-    token = (jax.lax.broadcasted_iota(jnp.int32, (rows, cols), 0) % tg) // g
-    col = jax.lax.broadcasted_iota(jnp.int32, (rows, cols), 1)
-    seen = (col < t) & (col <= token) & (col < count) & (split == last)  # col >= T: a padding copy
-    s = scores(as_read(_pad_rows(k1, cols)), as_read(_pad_rows(k2, cols)))
-    o, m, l = absorb(carry, jnp.where(seen, s, -jnp.inf), as_read(_pad_rows(v_new, cols)))
-
-    o, m, l = _first_copy(o, tg), _first_copy(m, tg), _first_copy(l, tg)
-    if splits == 1:
-        (attn_ref,) = out_refs
-        attn_ref[...] = (o / l[:, None]).reshape(t, g, d).astype(attn_ref.dtype)
-    else:
-        o_ref, m_ref, l_ref = out_refs
-        o_ref[...] = o.reshape(t, g, d)
-        m_ref[...] = m.reshape(t, g)
-        l_ref[...] = l.reshape(t, g)
+    token = jax.lax.broadcasted_iota(jnp.int32, (rows, rows), 0) % t
+    col = jax.lax.broadcasted_iota(jnp.int32, (rows, rows), 1)
+    seen = (col < t) & (col <= token) & (col < count) & (split == last)  # col >= T: a repeated copy
+    own1, own2, own_v = as_read(k1), as_read(k2), as_read(v_new)
+    for e, (carry, query) in enumerate(zip(carries, queries)):
+        o, m, l = (_first_copy(x, t) for x in absorb(carry, query, own1, own2, own_v, seen))
+        if splits == 1:
+            plt.store(out_refs[0].at[:, np.int32(e), :], (o / l[:, None]).astype(out_refs[0].dtype))
+        else:
+            o_ref, m_ref, l_ref = out_refs
+            plt.store(o_ref.at[:, np.int32(e), :], o)
+            plt.store(m_ref.at[:, np.int32(e)], m)
+            plt.store(l_ref.at[:, np.int32(e)], l)
 
 
 def combine(o, m, l):
@@ -258,14 +259,15 @@ def attention_block_pallas(qkv, q_norm, k_norm, cos, sin, k_cache, v_cache, leng
     unused = jnp.zeros((d,), qkv.dtype)
     kernel = functools.partial(_kernel, q_normed=q_norm is not None, k_normed=k_norm is not None,
                                eps=float(eps), block_s=block_s, splits=splits)
+
     scalar = pl.BlockSpec((None,), lambda i, j, p: (i,))
     table = pl.BlockSpec((None, t, d), lambda i, j, p: (i, 0, 0))
     weight = pl.BlockSpec((d,), lambda i, j, p: (0,))
     cache = pl.BlockSpec((None, None, s_len, d), lambda i, j, p: (i, j, 0, 0))
     in_specs = [scalar, scalar,
-                pl.BlockSpec((None, t, g, d), lambda i, j, p: (i, 0, j, 0)),  # query heads j*G .. j*G + G - 1
-                pl.BlockSpec((None, t, 1, d), lambda i, j, p: (i, 0, h + j, 0)),
-                pl.BlockSpec((None, t, 1, d), lambda i, j, p: (i, 0, h + kvh + j, 0)),
+                pl.BlockSpec((None, t, g, d), lambda i, j, p: (i, 0, j, 0)),  # query heads j G .. j G + G - 1
+                pl.BlockSpec((None, t, None, d), lambda i, j, p: (i, 0, h + j, 0)),
+                pl.BlockSpec((None, t, None, d), lambda i, j, p: (i, 0, h + kvh + j, 0)),
                 table, table, weight, weight, cache, cache]
     caches = [jax.ShapeDtypeStruct(k_cache.shape, k_cache.dtype), jax.ShapeDtypeStruct(v_cache.shape, v_cache.dtype)]
     if splits == 1:
@@ -290,7 +292,7 @@ def attention_block_pallas(qkv, q_norm, k_norm, cos, sin, k_cache, v_cache, leng
     )(lengths.astype(jnp.int32), counts.astype(jnp.int32), heads, heads, heads, cos.astype(jnp.float32),
       sin.astype(jnp.float32), unused if q_norm is None else q_norm, unused if k_norm is None else k_norm,
       k_cache, v_cache)
-    attn = outs[2] if splits == 1 else combine(*outs[2:]).astype(qkv.dtype)
+    attn = outs[2] if splits == 1 else combine(*outs[2:5]).astype(qkv.dtype)
     return attn.reshape(b, t, h * d), outs[0], outs[1]
 
 
