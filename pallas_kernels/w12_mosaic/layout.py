@@ -5,6 +5,7 @@ bf16 matrix for the bf16 twin), and their exact inverses (`decode_nk`, `untile_t
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import Any
 
 import jax
@@ -187,23 +188,52 @@ def xor_tile_chunks(tiles: jax.Array) -> jax.Array:
     return out
 
 
+@functools.partial(jax.jit, static_argnames=("block_k",))
+def packed_planes(sm: jax.Array, nib: jax.Array, block_k: int) -> jax.Array:
+    """W12's planes (sm [K, N], nib [Kh, N]) -> the packed, tiled planes of W12NK in one jitted pass:
+    `tile_rows(pack_planes(sm^T, nib^T))`, chunk-ordered (`xor_tile_chunks`) at steps of 64, as reshapes and
+    transposes alone (the mma order swaps bits 1 and 3 of a column, the chunk order flips chunk bits where
+    the row's key bits are set), so XLA makes it one copy."""
+    k, n = sm.shape
+    kh, steps = k // 2, k // 2 // block_k
+    planes = jnp.stack([sm[:kh], sm[kh:], jax.lax.bitcast_convert_type(nib, jnp.int8)])  # [3, Kh, N]
+    # [part, kb, column / 16, column bits 3, 2, 1, 0, jb, row in block] -> [jb, kb, row, part, column / 16,
+    # bits 1, 2, 3, 0]: stored column bits (3, 2, 1, 0) hold the true column's (1, 2, 3, 0) (`mma_order`)
+    planes = planes.reshape(3, steps, block_k // 16, 2, 2, 2, 2, n // BN, BN).transpose(7, 1, 8, 0, 2, 5, 4, 3, 6)
+    packed = planes.reshape(n * steps, 3 * block_k)
+    if block_k != XOR_STEP:
+        return packed
+    # `chunk_order`: row 8a + 4 t1 + 2 t0 + p stores chunk (c1, c0) of each plane at (c1 ^ t1, c0 ^ t0)
+    x = packed.reshape(n * steps // 8, 2, 2, 2, 3, 2, 2, 16)
+    t1 = jax.lax.broadcasted_iota(jnp.int32, x.shape, 1) == 1
+    t0 = jax.lax.broadcasted_iota(jnp.int32, x.shape, 2) == 1
+    x = jnp.where(t0, jnp.flip(x, axis=6), x)
+    x = jnp.where(t1, jnp.flip(x, axis=5), x)
+    return x.reshape(n * steps, 3 * block_k)
+
+
 def to_nk(w: W12, block_k: int) -> W12NK:
     """W12 [K, N] -> W12NK at a step of `block_k` half-rows (offline, like encoding): planes transposed,
-    packed, tiled (chunk-ordered at steps of 64) and the exceptions tabulated per step. Raises
-    NotImplementedError where the kernel does not take the matrix: a shape its tiles do not fit, or a step
-    of more than 255 exceptions (no slot row holds them)."""
+    packed, tiled (chunk-ordered at steps of 64) in one jitted pass on the planes' device, and the
+    exceptions tabulated per step on the host (only the lists travel). Raises NotImplementedError where
+    the kernel does not take the matrix: a shape its tiles do not fit, or a step of more than 255
+    exceptions (no slot row holds them)."""
     k, n = w.shape
     check_shape(k, n, block_k)
     slots = exception_slots(w, block_k)
     if slots is None:
         raise NotImplementedError(f"a step of {block_k} half-rows of this [{k}, {n}] matrix holds more than "
                                   f"{MAX_SLOTS - 1} exceptions: the Mosaic kernel's slot table cannot list them")
-    sm_t, nib_t = jnp.asarray(w.sm).T, jnp.asarray(w.nib).T
-    packed = tile_rows(pack_planes(sm_t, nib_t, block_k), block_k, 3 * block_k)
-    if block_k == XOR_STEP:
-        packed = xor_tile_chunks(packed)
-    return W12NK(packed=packed, base7=jnp.asarray(w.base).astype(jnp.int32) << 7, slots=jnp.asarray(slots),
+    sm, nib, base = (a if isinstance(a, jax.Array) else jnp.asarray(a) for a in (w.sm, w.nib, w.base))
+    devices = sm.devices()
+    device = next(iter(devices)) if len(devices) == 1 else None
+    return W12NK(packed=packed_planes(sm, nib, block_k), base7=_base7(base), slots=jax.device_put(slots, device),
                  shape=(k, n), slot_k=block_k)
+
+
+@jax.jit
+def _base7(base: jax.Array) -> jax.Array:
+    return base.astype(jnp.int32) << 7
 
 
 def _decoded_planes(w: W12NK) -> tuple[jax.Array, jax.Array, jax.Array]:

@@ -136,7 +136,7 @@ def _csr(rows, cols, vals, k: int, n: int, group_n: int, group_k: int):
             np.asarray(vals)[order].astype(np.uint16))
 
 
-# ---- device encoder: same fields as `encode`, dense work on the device -------------------------------
+# ---- device encoder: same fields as `encode`, every pass over the matrix on the device ----------------
 
 def _device_bits(w) -> jax.Array:
     a = w if isinstance(w, jax.Array) else jnp.asarray(w)
@@ -152,8 +152,8 @@ def _device_bits(w) -> jax.Array:
 
 
 def _exceptions_mask(e: jax.Array, base: jax.Array) -> tuple[jax.Array, jax.Array]:
-    """(code [K, N] int32 with exceptions set to 0, exception mask [K, N]) for exponents e and bases."""
-    code = e - base.astype(jnp.int32)[None, :]
+    """(code with exceptions set to 0, exception mask) for exponents e and their columns' bases (broadcast)."""
+    code = e - base.astype(jnp.int32)
     exc = (code < 0) | (code >= WINDOW)
     return jnp.where(exc, 0, code), exc
 
@@ -162,9 +162,29 @@ def _exponents(bits: jax.Array) -> jax.Array:
     return (bits.astype(jnp.int32) >> 7) & 0xFF
 
 
-@jax.jit
-def _device_planes(bits: jax.Array):
-    """uint16 [K, N] -> (sm int8 [K, N], nib uint8 [Kh, N], base uint8 [N], exception count int32 [])."""
+def _cell_geometry(k: int, n: int, group_n: int, group_k: int) -> tuple[int, int, int]:
+    """(Kh, paired-row groups n_g, column blocks n_cb) of a [K, N] matrix."""
+    kh = (k + 1) // 2
+    return kh, -(-kh // group_k), -(-n // group_n)
+
+
+def _by_cell(a: jax.Array, group_n: int, group_k: int) -> jax.Array:
+    """[K, N] -> [n_cb, n_g, 2, group_k, group_n], zero-padded: the CSR's order (column block, paired-row
+    group, then row-major inside a cell, which is K half, row, column: every lower-half row of a cell
+    precedes its upper-half rows)."""
+    k, n = a.shape
+    kh, n_g, n_cb = _cell_geometry(k, n, group_n, group_k)
+    rows, cols = n_g * group_k, n_cb * group_n
+    lo = jnp.pad(a[:kh], ((0, rows - kh), (0, cols - n)))
+    hi = jnp.pad(a[kh:], ((0, rows - (k - kh)), (0, cols - n)))
+    return jnp.stack([lo, hi]).reshape(2, n_g, group_k, n_cb, group_n).transpose(3, 1, 0, 2, 4)
+
+
+@functools.partial(jax.jit, static_argnames=("group_n", "group_k"))
+def _device_planes(bits: jax.Array, group_n: int, group_k: int):
+    """uint16 [K, N] -> (sm int8 [K, N], nib uint8 [Kh, N], base uint8 [N], exc_ptr int32 [n_cb n_g + 1],
+    exceptions per block int32 [n_cb n_g 2 group_k] (a block: one row's group_n columns of a cell, in CSR
+    order), [exceptions, blocks holding any] int32 [2])."""
     k, n = bits.shape
     kh = (k + 1) // 2
     e = _exponents(bits)
@@ -174,61 +194,78 @@ def _device_planes(bits: jax.Array):
     cs = jnp.concatenate([jnp.zeros((n, 1), jnp.int32), jnp.cumsum(counts, axis=1)], axis=1)  # [N, 257]
     win = cs[:, WINDOW:] - cs[:, :257 - WINDOW]  # [N, 241]: values in [b, b + 15]
     base = jnp.argmax(win, axis=1).astype(jnp.uint8)  # first maximum, as np.argmax
-    code, exc = _exceptions_mask(e, base)
+    code, exc = _exceptions_mask(e, base[None, :])
     b32 = bits.astype(jnp.int32)
     sm = jax.lax.bitcast_convert_type((((b32 >> 8) & 0x80) | (b32 & 0x7F)).astype(jnp.uint8), jnp.int8)
     hi = jnp.pad(code[kh:], ((0, 2 * kh - k), (0, 0)))
     nib = (code[:kh] | (hi << 4)).astype(jnp.uint8)
-    return sm, nib, base, jnp.sum(exc, dtype=jnp.int32)
+    per_block = jnp.sum(_by_cell(exc, group_n, group_k), axis=-1, dtype=jnp.int32).reshape(-1)
+    per_cell = per_block.reshape(-1, 2 * group_k).sum(axis=1)
+    exc_ptr = jnp.concatenate([jnp.zeros(1, jnp.int32), jnp.cumsum(per_cell, dtype=jnp.int32)])
+    sizes = jnp.stack([exc_ptr[-1], jnp.sum(per_block > 0, dtype=jnp.int32)])
+    return sm, nib, base, exc_ptr, per_block, sizes
 
 
-@functools.partial(jax.jit, static_argnames=("size",))
-def _device_exceptions(bits: jax.Array, base: jax.Array, size: int):
-    """The exceptions in row-major order (np.nonzero's): (per-row counts int32 [K], columns int32 [size],
-    bf16 bits uint16 [size]); slots past the count are 0. Each exception scatters to its rank (row offset
-    + rank in its row); every other entry gets the out-of-range slot `size` and is dropped, so no index
-    exceeds the exception count, whatever K * N."""
-    _, n = bits.shape
-    _, exc = _exceptions_mask(_exponents(bits), base)
-    exc32 = exc.astype(jnp.int32)
-    in_row = jnp.cumsum(exc32, axis=1)  # [K, N] inclusive rank inside the row
-    row_cnt = in_row[:, -1]
-    row_off = jnp.cumsum(row_cnt) - row_cnt  # exclusive
-    slot = jnp.where(exc, row_off[:, None] + in_row - 1, size).reshape(-1)
-    cols = jnp.broadcast_to(jnp.arange(n, dtype=jnp.int32)[None, :], bits.shape).reshape(-1)
-    out_col = jnp.zeros(size, jnp.int32).at[slot].set(cols, mode="drop")
-    out_val = jnp.zeros(size, jnp.uint16).at[slot].set(bits.reshape(-1), mode="drop")
-    return row_cnt, out_col, out_val
+@functools.partial(jax.jit, static_argnames=("size", "blocks", "group_n", "group_k"))
+def _device_exceptions(bits: jax.Array, base: jax.Array, per_block: jax.Array, size: int, blocks: int,
+                       group_n: int, group_k: int) -> jax.Array:
+    """The exceptions in CSR order, as int32 [3, size] (rows, columns, bf16 bits; slots past the count 0).
+
+    Only blocks that hold an exception are read (at most `blocks` of them): their indices are compacted by
+    one scatter over the blocks, their values gathered and their exceptions found again; each exception
+    then scatters to its block's offset plus its rank inside the block. No pass touches all K * N values."""
+    k, n = bits.shape
+    kh, n_g, _ = _cell_geometry(k, n, group_n, group_k)
+    n_blocks = per_block.shape[0]
+    held = per_block > 0
+    rank = jnp.cumsum(held, dtype=jnp.int32) - 1
+    chosen = jnp.full(blocks, n_blocks, jnp.int32).at[jnp.where(held, rank, blocks)].set(
+        jnp.arange(n_blocks, dtype=jnp.int32), mode="drop")  # [blocks]: held blocks in order, then n_blocks
+    start = (jnp.cumsum(per_block, dtype=jnp.int32) - per_block).at[chosen].get(mode="fill", fill_value=0)
+    r, half = chosen % group_k, (chosen // group_k) % 2
+    g, cb = (chosen // (2 * group_k)) % n_g, chosen // (2 * group_k * n_g)
+    row = jnp.where(chosen < n_blocks, half * kh + g * group_k + r, k)  # k: a padding slot, out of range
+    col = cb[:, None] * group_n + jnp.arange(group_n, dtype=jnp.int32)[None, :]  # [blocks, group_n]
+    inside = (row[:, None] < k) & (col < n)
+    val = bits.at[jnp.minimum(row, k - 1)[:, None], jnp.minimum(col, n - 1)].get(mode="clip")
+    _, exc = _exceptions_mask(_exponents(val), base.at[jnp.minimum(col, n - 1)].get(mode="clip"))
+    exc = exc & inside
+    slot = jnp.where(exc, start[:, None] + jnp.cumsum(exc, axis=1, dtype=jnp.int32) - 1, size).reshape(-1)
+    fields = jnp.stack([jnp.broadcast_to(row[:, None], col.shape), col, val.astype(jnp.int32)]).reshape(3, -1)
+    return jnp.zeros((3, size), jnp.int32).at[:, slot].set(fields, mode="drop")
+
+
+def _bucket(count: int, limit: int) -> int:
+    """A power of two >= count (at least 256, at most `limit` where that holds count): few distinct compiles."""
+    return max(count, min(limit, max(256, 1 << (count - 1).bit_length())))
 
 
 def encode_device(w, group_n: int = DEFAULT_GROUP_N, group_k: int = DEFAULT_GROUP_K) -> W12:
     """`encode` on the weight's device: bf16 [K, N] (or [N], one row) jax array -> W12 with jax arrays on
     that device, equal to `encode(w)` field by field.
 
-    The dense planes, the per-column bases (same window counts and first-maximum tie-break) and the
-    exception count come from one jitted call; a second one lists the exceptions (about 1e-4 of trained
-    weights) in row-major order, and only those come to the host, where the CSR order and offsets are
-    built with numpy exactly as `encode` builds them. Device memory beyond the planes is a few int32
-    [K, N] temporaries and N * 256 int32 histogram bins; no 64-bit types (x64 may stay off)."""
+    One jitted call makes the dense planes, the per-column bases (same window counts and first-maximum
+    tie-break), the CSR offsets and each block's exception count; one small sync reads the exception count,
+    and a second jitted call lists the exceptions in CSR order from the blocks that hold them. Each call
+    compiles once per shape (and power-of-two bucket of the counts); only the lists, about 1e-4 of trained
+    weights, pass through the host, to be cut to their length. No 64-bit types (x64 may stay off)."""
     bits = _device_bits(w)
     k, n = bits.shape
-    if n * 256 >= 2**31:
-        raise ValueError(f"N = {n} columns overflow the int32 histogram index")
+    kh, n_g, n_cb = _cell_geometry(k, n, group_n, group_k)
+    if n * 256 >= 2**31 or 2 * n_g * group_k * n_cb * group_n >= 2**31:
+        raise ValueError(f"a [{k}, {n}] matrix overflows the encoder's int32 indices")
     devices = bits.devices()
     device = next(iter(devices)) if len(devices) == 1 else None
-    sm, nib, base, count = _device_planes(bits)
-    count = int(count)
+    sm, nib, base, exc_ptr, per_block, sizes = _device_planes(bits, group_n=group_n, group_k=group_k)
+    count, held = (int(s) for s in jax.device_get(sizes))
+    lists = np.zeros((3, 0), np.int32)
     if count:
-        size = max(256, 1 << (count - 1).bit_length())  # power-of-two buckets: few distinct compiles
-        row_cnt, cols, vals = jax.device_get(_device_exceptions(bits, base, size))
-        rows = np.repeat(np.arange(k, dtype=np.int64), row_cnt)
-        cols, vals = cols[:count].astype(np.int64), vals[:count]
-    else:
-        rows = cols = np.zeros(0, np.int64)
-        vals = np.zeros(0, np.uint16)
-    small = jax.device_put(_csr(rows, cols, vals, k, n, group_n, group_k), device)
-    return W12(sm=sm, nib=nib, base=base, exc_ptr=small[0], exc_row=small[1], exc_col=small[2],
-               exc_val=small[3], shape=(k, n), group_n=group_n, group_k=group_k)
+        lists = _device_exceptions(bits, base, per_block, size=_bucket(count, 2**31 - 1),
+                                   blocks=_bucket(held, per_block.shape[0]), group_n=group_n, group_k=group_k)
+        lists = jax.device_get(lists)[:, :count]
+    rows, cols, vals = jax.device_put((lists[0], lists[1], lists[2].astype(np.uint16)), device)
+    return W12(sm=sm, nib=nib, base=base, exc_ptr=exc_ptr, exc_row=rows, exc_col=cols, exc_val=vals,
+               shape=(k, n), group_n=group_n, group_k=group_k)
 
 
 def decode_bits(w: W12) -> np.ndarray:
