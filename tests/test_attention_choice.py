@@ -167,9 +167,13 @@ def test_the_rewrite_space_lists_the_op():
     cpu = {c.field: c for c in build_space(cfg, platform="cpu").choices}
     gpu = {c.field: c for c in build_space(cfg, platform="gpu").choices}
     assert "kernels.attention.implementation" not in cpu  # the kernel runs on GPUs: XLA alone on a CPU
-    assert gpu["kernels.attention.implementation"].values == (("xla",), ("triton", "xla"))
+    assert gpu["kernels.attention.implementation"].values == (("xla",), ("triton", "xla"), ("triton_block", "xla"))
     assert gpu["kernels.attention.implementation"].targets == ("attention",)
-    assert gpu["kernels.attention.config.block_s"].when == ("kernels.attention.implementation", "triton")
+    # a config field both kernels have (same values) applies under either
+    block_s = gpu["kernels.attention.config.block_s"]
+    assert block_s.when == ("kernels.attention.implementation", ("triton", "triton_block"))
+    assert block_s.applies({"kernels": {"attention": {"implementation": ["triton_block", "xla"]}}})
+    assert not block_s.applies({"kernels": {"attention": {"implementation": ["xla"]}}})
 
 
 # --------------------------------------------------------------------------------------------------

@@ -36,7 +36,7 @@ class Choice:
     kind: str  # "categorical" | "int"
     targets: tuple[str, ...] = ()  # stages / kernel classes of the cost model this field acts on
     # a kernel config field applies only under one implementation: (its implementation field, the name)
-    when: tuple[str, str] | None = None
+    when: tuple[str, str | tuple[str, ...]] | None = None
 
     def applies(self, fields: Mapping) -> bool:
         """Whether this choice means anything for plan `fields` (a config field: its implementation first;
@@ -48,10 +48,12 @@ class Choice:
         return self.when is None or self.when_holds(current_value(fields, self.when[0]))
 
     def when_holds(self, value) -> bool:
-        """Whether `value` of the field this choice depends on (`when`) lets it apply."""
+        """Whether `value` of the field this choice depends on (`when`) lets it apply (`when[1]`: one
+        implementation, or a tuple of those sharing the config field)."""
         if isinstance(value, (list, tuple)):  # an implementation list: its first entry
             value = value[0] if value else None
-        return value == self.when[1]
+        allowed = self.when[1]
+        return value in allowed if isinstance(allowed, tuple) else value == allowed
 
     def __post_init__(self):
         if not self.values:
@@ -290,12 +292,16 @@ def _is_hybrid(tconf) -> bool:
 
 
 def _dedupe(choices: list[Choice]) -> list[Choice]:
-    seen, out = set(), []
+    """One choice per field; a config field two implementations share (same values) applies under either."""
+    out: dict[str, Choice] = {}
     for c in choices:
-        if c.field not in seen:
-            seen.add(c.field)
-            out.append(c)
-    return out
+        first = out.get(c.field)
+        if first is None:
+            out[c.field] = c
+        elif first.when and c.when and first.when[0] == c.when[0] and first.values == c.values:
+            names = first.when[1] if isinstance(first.when[1], tuple) else (first.when[1],)
+            out[c.field] = dataclasses.replace(first, when=(first.when[0], names + (c.when[1],)))
+    return list(out.values())
 
 
 def single_field_rewrites(space: Space, incumbent: Mapping, choice: Choice) -> list[dict]:
