@@ -73,8 +73,8 @@ def test_optuna_asks_distinct_rewrites_and_prunes(gpu_space):
     for p in got:
         for f in p.rewrite:
             if ".config." in f:
-                when_field, when_impl = space.choice(f).when
-                assert p.rewrite.get(when_field, ["xla"])[0] == when_impl
+                choice = space.choice(f)
+                assert choice.when_holds(p.rewrite.get(choice.when[0], ["xla"]))
 
 
 def test_registry_names_and_errors():
