@@ -5,14 +5,14 @@ from `pallas_kernels.dispatch.prepare_params`, applied to the encoded params."""
 
 from __future__ import annotations
 
-from specpilot.formats import w12
+from specpilot.formats import w12, w12_cache
 
 
 def _bf16(params: dict, **_) -> dict:
     return params
 
 
-ENCODERS = {"bf16": _bf16, "w12": w12.encode_params}
+ENCODERS = {"bf16": _bf16, "w12": w12_cache.encode_params}  # w12: cached under cache_dir= if given
 
 
 def encode_params(params: dict, fmt: str = "bf16", **kw) -> dict:

@@ -355,11 +355,23 @@ def encode_params(params: dict, names: tuple[str, ...] = LINEAR_NAMES, lm_head: 
     keyword arguments go to it). A matrix whose exception rate exceeds `max_exception_rate` stays bf16: its
     patch work would sit on a kernel's hot path and its storage would approach 16 bits."""
 
-    def enc(x):
-        w = encode_device(x, **kw)
-        return x if w.num_exceptions > max_exception_rate * x.size else w
+    return map_matrices(lambda x: encode_matrix(x, max_exception_rate, **kw), params, names, lm_head, extra)
 
-    return map_matrices(enc, params, names, lm_head, extra)
+
+def encode_matrix(x, max_exception_rate: float = 0.01, **kw):
+    """One matrix as `encode_params` stores it: W12 on its device, or `x` itself above `max_exception_rate`."""
+    w = encode_device(x, **kw)
+    return x if w.num_exceptions > max_exception_rate * x.size else w
+
+
+def matrix_names(params: dict, names: tuple[str, ...] = LINEAR_NAMES, lm_head: bool = True,
+                 extra: tuple[str, ...] = ()) -> list[str]:
+    """The paths (`layers.<i>.<name>`, `lm_head`, an extra's name) of the matrices `map_matrices` visits, in
+    the order it visits them."""
+    out = [f"layers.{i}.{k}" for i, layer in enumerate(params["layers"]) for k in layer if k in names]
+    if lm_head and "lm_head" in params:
+        out.append("lm_head")
+    return out + [name for name in extra if name in params]
 
 
 def map_matrices(fn, params: dict, names: tuple[str, ...] = LINEAR_NAMES, lm_head: bool = True,
