@@ -21,6 +21,8 @@ Written tolerances (attention output against the reference; q, k, v of unit scal
 """
 
 import functools
+import importlib.util
+import os
 
 import jax
 import jax.numpy as jnp
@@ -34,6 +36,7 @@ from specpilot.models import layers
 
 ATOL = RTOL = 1e-5
 EPS = 1e-6
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 # (B, T, H, KVH, D, S, lengths, counts, qk-norm, splits, block_s)
 CASES = [
@@ -235,3 +238,16 @@ def test_qwen3_8b_shape_lowers_for_cuda(b, splits):
     text = lowered.as_text()
     assert "triton" in text
     assert text.count("tf.aliasing_output") == 2
+
+
+@pytest.mark.slow
+def test_bench_runs_on_the_tiny_shape():
+    """The benchmark's CPU smoke run (interpreter): its rows agree with the reference within the bound."""
+    spec = importlib.util.spec_from_file_location(
+        "bench_attention_block", os.path.join(ROOT, "experiments", "bench", "bench_attention_block.py"))
+    bench_module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench_module)
+    record = bench_module.main(["--shape", "tiny", "--batch", "1", "--tokens", "4", "--splits", "1"])
+    kernels = [r for r in record["rows"] if r["impl"] != "xla"]
+    assert [r["impl"] for r in record["rows"]] == ["xla", "kernel splits=1 warps=4"]
+    assert all(r["attn_within_bound"] and r["v_same_bits"] == 1.0 for r in kernels)

@@ -1,6 +1,6 @@
 """The fused attention block (`pallas_kernels.attention_block`) against its reference jitted as one function
 (what XLA runs in the model between the qkv and o products), per call: device time and kernels per call,
-over a chain of distinct layers' caches (beyond L2), and the kernel's agreement with the reference.
+over 36 layers' distinct caches in turn (beyond L2), and the kernel's agreement with the reference.
 
     PYTHONPATH=. python3 experiments/bench/bench_attention_block.py                 # H200, Qwen3-8B shape
     PYTHONPATH=. python3 experiments/bench/bench_attention_block.py --splits 0,1,4,8,16 --out ab.json
@@ -15,7 +15,6 @@ import argparse
 import functools
 import json
 import tempfile
-import time
 
 import jax
 import jax.numpy as jnp
@@ -49,51 +48,42 @@ def layer_inputs(key, b: int, t: int, shape: dict, layers: int):
     return qkvs, caches, weights, (jnp.cos(emb), jnp.sin(emb)), lengths, jnp.full((b,), t, jnp.int32)
 
 
-def make_chain(block, qkvs, weights, tables, lengths, counts):
-    """A jitted chain over the layers' caches (donated, so each write is in place): block(qkv, caches) per
-    layer, the attention outputs summed into one [B, T, H D] float32 so none is dropped."""
-    @functools.partial(jax.jit, donate_argnums=(0,))
-    def chain(caches):
-        total, out = 0.0, []
+def profile(block, qkvs, weights, tables, caches, lengths, counts, reps: int):
+    """(caches, kernel summary per call from the device trace) of `reps` passes over the layers, one
+    jitted call per layer with its caches donated (each write in place, one compile for all layers)."""
+    step = jax.jit(block, donate_argnums=(5, 6))
+
+    def one_pass(caches):
+        out, new = None, []
         for qkv, (kc, vc) in zip(qkvs, caches):
-            attn, kc, vc = block(qkv, *weights, *tables, kc, vc, lengths, counts)
-            total = total + attn.astype(jnp.float32)
-            out.append((kc, vc))
-        return total, out
-    return chain
+            out, kc, vc = step(qkv, *weights, *tables, kc, vc, lengths, counts)
+            new.append((kc, vc))
+        return out, new
 
-
-def profile(chain, caches, layers: int, reps: int):
-    """(caches, kernel summary per call from the device trace, host seconds per chain)."""
-    total, caches = chain(caches)
-    jax.block_until_ready(total)
-    t0 = time.perf_counter()
-    for _ in range(reps):
-        total, caches = chain(caches)
-    jax.block_until_ready(total)
-    host = (time.perf_counter() - t0) / reps
+    out, caches = one_pass(caches)
+    jax.block_until_ready(out)
     with tempfile.TemporaryDirectory() as d:
         try:
             with jax.profiler.trace(d, create_perfetto_trace=True):
                 for _ in range(reps):
-                    total, caches = chain(caches)
-                jax.block_until_ready(total)
-            summary = bench.kernel_summary(d, reps * layers, top=4)
+                    out, caches = one_pass(caches)
+                jax.block_until_ready(out)
+            summary = bench.kernel_summary(d, reps * len(qkvs), top=4)
         except Exception as e:  # noqa: BLE001 - profiling is evidence, never fatal
             summary = {"error": repr(e)[:300]}
-    return caches, summary, host
+    return caches, summary
 
 
 def agreement(kernel, reference, qkv, weights, tables, caches, lengths, counts, dims: dict, context: int) -> dict:
     """One layer through both: the attention's max |difference| against the bound the tests hold
-    (tests/test_attention_block.py: 2^-7 (max|v| + |ref|)), and the written K/V's bit agreement."""
+    (tests/test_attention_block.py: 2^-7 (max|v| + |ref|) + 1e-5 max|v|), and the written K/V's bit agreement."""
     new_v = ab.split_heads(qkv, dims["num_heads"], dims["num_kv_heads"], dims["head_dim"])[2]
     v_max = max(float(jnp.abs(caches[1][:, :, :context].astype(jnp.float32)).max()),
                 float(jnp.abs(new_v.astype(jnp.float32)).max()))
-    got = kernel(qkv, *weights, *tables, *caches, lengths, counts)
-    ref = reference(qkv, *weights, *tables, *caches, lengths, counts)
+    got = jax.jit(kernel)(qkv, *weights, *tables, *caches, lengths, counts)
+    ref = jax.jit(reference)(qkv, *weights, *tables, *caches, lengths, counts)
     a, r = (np.asarray(x[0], np.float32) for x in (got, ref))
-    slack = np.abs(a - r) - 2.0 ** -7 * (v_max + np.abs(r))
+    slack = np.abs(a - r) - 2.0 ** -7 * (v_max + np.abs(r)) - 1e-5 * v_max
     return {"attn_max_abs_diff": float(np.abs(a - r).max()), "attn_within_bound": bool((slack <= 0).all()),
             "k_same_bits": float(np.mean(np.asarray(got[1]).view(np.uint16) == np.asarray(ref[1]).view(np.uint16))),
             "v_same_bits": float(np.mean(np.asarray(got[2]).view(np.uint16) == np.asarray(ref[2]).view(np.uint16)))}
@@ -104,27 +94,29 @@ def bench_case(shape_name: str, b: int, t: int, args, record: dict) -> None:
     layers, interpret = shape["layers"], jax.default_backend() == "cpu"
     dims = dict(num_heads=shape["heads"], num_kv_heads=shape["kv_heads"], head_dim=shape["head_dim"], eps=EPS)
     qkvs, caches, weights, tables, lengths, counts = layer_inputs(jax.random.key(0), b, t, shape, layers)
-    reference = jax.jit(functools.partial(ab.attention_block_reference, **dims))
+    reference = functools.partial(ab.attention_block_reference, **dims)
     variants = [("xla", reference)]
     for s in comma_ints(args.splits):
         for w in comma_ints(args.num_warps):
             config = ab.AttentionBlockConfig(splits=s, block_s=args.block_s, num_warps=w, interpret=interpret)
             resolved = s or ab.auto_splits(b, shape["kv_heads"], shape["slots"], args.block_s)
             name = f"kernel splits={resolved}{'(auto)' if s == 0 else ''} warps={w}"
-            variants.append((name, jax.jit(functools.partial(ab.attention_block, **dims, config=config))))
+            variants.append((name, functools.partial(ab.attention_block, **dims, config=config)))
     for name, block in variants:
         row = {"shape": shape_name, "batch": b, "tokens": t, "context": shape["context"], "impl": name}
         try:
             if name != "xla":
                 row.update(agreement(block, reference, qkvs[0], weights, tables, caches[0], lengths, counts, dims,
                                      shape["context"]))
-            chain = make_chain(block, qkvs, weights, tables, lengths, counts)
-            caches, summary, host = profile(chain, caches, layers, args.reps)
-            row["host_us_per_call"] = 1e6 * host / layers
+            caches, summary = profile(block, qkvs, weights, tables, caches, lengths, counts, args.reps)
             if summary and "busy_ms_per_step" in summary:
                 row.update(kernels_per_call=summary["kernels_per_step"], busy_us_per_call=1e3 * summary["busy_ms_per_step"],
                            top=[(k["name"][:60], round(k["calls_per_step"], 2), round(k["us_median"], 2))
                                 for k in summary["top"]])
+                xla = next((x for x in record["rows"] if x["impl"] == "xla" and x["batch"] == b and x["tokens"] == t
+                            and "busy_us_per_call" in x), None)
+                if xla and name != "xla":
+                    row["xla_over_kernel"] = xla["busy_us_per_call"] / row["busy_us_per_call"]
             elif summary:
                 row["profile"] = summary
         except Exception as e:  # noqa: BLE001 - one failing variant must not hide the others
@@ -146,8 +138,8 @@ def format_row(r: dict) -> str:
     if "attn_max_abs_diff" in r:
         check = (f"  |diff| {r['attn_max_abs_diff']:.2e} {'ok' if r['attn_within_bound'] else 'OUT OF BOUND'}"
                  f"  K bits {100 * r['k_same_bits']:.3f}%  V bits {100 * r['v_same_bits']:.1f}%")
-    return f"B={r['batch']:2d} T={r['tokens']:2d} {r['impl']:30s} {busy} us  {kernels} kernels  host " \
-           f"{r['host_us_per_call']:8.2f} us{check}"
+    ratio = f"  {r['xla_over_kernel']:5.2f}x" if "xla_over_kernel" in r else "       "
+    return f"B={r['batch']:2d} T={r['tokens']:2d} {r['impl']:30s} {busy} us{ratio}  {kernels} kernels{check}"
 
 
 def main(argv=None) -> dict:
