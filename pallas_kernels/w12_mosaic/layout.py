@@ -12,7 +12,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from specpilot.formats.w12 import Bf16Matrix, W12
+from specpilot.formats.w12 import W12, Bf16Matrix, placement
 
 BN = 64  # W^T rows (W columns) per program: one warpgroup's wgmma M
 MAX_SLOTS = 256  # a step's slot row is one TMA box (<= 256 elements): 1 count + up to 255 exceptions
@@ -225,10 +225,8 @@ def to_nk(w: W12, block_k: int) -> W12NK:
         raise NotImplementedError(f"a step of {block_k} half-rows of this [{k}, {n}] matrix holds more than "
                                   f"{MAX_SLOTS - 1} exceptions: the Mosaic kernel's slot table cannot list them")
     sm, nib, base = (a if isinstance(a, jax.Array) else jnp.asarray(a) for a in (w.sm, w.nib, w.base))
-    devices = sm.devices()
-    device = next(iter(devices)) if len(devices) == 1 else None
-    return W12NK(packed=packed_planes(sm, nib, block_k), base7=_base7(base), slots=jax.device_put(slots, device),
-                 shape=(k, n), slot_k=block_k)
+    return W12NK(packed=packed_planes(sm, nib, block_k), base7=_base7(base),
+                 slots=jax.device_put(slots, placement(sm)), shape=(k, n), slot_k=block_k)
 
 
 @jax.jit

@@ -240,6 +240,14 @@ def _bucket(count: int, limit: int) -> int:
     return max(count, min(limit, max(256, 1 << (count - 1).bit_length())))
 
 
+def placement(a: jax.Array):
+    """Where `jax.device_put` puts arrays made for `a`: on its device if `a` is committed there, else
+    uncommitted (the default device), as jit outputs of `a` are. A jit compiles anew for a change of
+    commitment, so a matrix's fields all follow its source."""
+    devices = a.devices()
+    return next(iter(devices)) if a.committed and len(devices) == 1 else None
+
+
 def encode_device(w, group_n: int = DEFAULT_GROUP_N, group_k: int = DEFAULT_GROUP_K) -> W12:
     """`encode` on the weight's device: bf16 [K, N] (or [N], one row) jax array -> W12 with jax arrays on
     that device, equal to `encode(w)` field by field.
@@ -254,8 +262,6 @@ def encode_device(w, group_n: int = DEFAULT_GROUP_N, group_k: int = DEFAULT_GROU
     kh, n_g, n_cb = _cell_geometry(k, n, group_n, group_k)
     if n * 256 >= 2**31 or 2 * n_g * group_k * n_cb * group_n >= 2**31:
         raise ValueError(f"a [{k}, {n}] matrix overflows the encoder's int32 indices")
-    devices = bits.devices()
-    device = next(iter(devices)) if len(devices) == 1 else None
     sm, nib, base, exc_ptr, per_block, sizes = _device_planes(bits, group_n=group_n, group_k=group_k)
     count, held = (int(s) for s in jax.device_get(sizes))
     lists = np.zeros((3, 0), np.int32)
@@ -263,7 +269,7 @@ def encode_device(w, group_n: int = DEFAULT_GROUP_N, group_k: int = DEFAULT_GROU
         lists = _device_exceptions(bits, base, per_block, size=_bucket(count, 2**31 - 1),
                                    blocks=_bucket(held, per_block.shape[0]), group_n=group_n, group_k=group_k)
         lists = jax.device_get(lists)[:, :count]
-    rows, cols, vals = jax.device_put((lists[0], lists[1], lists[2].astype(np.uint16)), device)
+    rows, cols, vals = jax.device_put((lists[0], lists[1], lists[2].astype(np.uint16)), placement(bits))
     return W12(sm=sm, nib=nib, base=base, exc_ptr=exc_ptr, exc_row=rows, exc_col=cols, exc_val=vals,
                shape=(k, n), group_n=group_n, group_k=group_k)
 

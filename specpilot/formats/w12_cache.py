@@ -123,9 +123,9 @@ def load(path: Path, key: str, sources: dict[str, Any]) -> dict[str, Any] | None
             if m is None:
                 out[name] = sources[name]
                 continue
-            devices = sources[name].devices() if isinstance(sources[name], jax.Array) else ()
-            fields = {f: tensors[f"{name}.{f}"] for f in w12.FIELDS}
-            fields = jax.device_put(fields, next(iter(devices)) if len(devices) == 1 else None)
+            src = sources[name]
+            fields = jax.device_put({f: tensors[f"{name}.{f}"] for f in w12.FIELDS},
+                                    w12.placement(src) if isinstance(src, jax.Array) else None)
             out[name] = w12.W12(**fields, shape=tuple(m["shape"]), group_n=m["group_n"], group_k=m["group_k"])
     except Exception as e:  # noqa: BLE001 - any unreadable entry is rebuilt, whatever broke it
         log.warning("W12 cache entry %s is not used and will be rebuilt: %s", path, e)

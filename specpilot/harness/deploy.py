@@ -53,6 +53,7 @@ class Deployment:
     stop_token: int | None = None  # bench.stop_at_eos: the target's end-of-sequence id, where rows stop
     prepared: dict = dataclasses.field(default_factory=dict, repr=False)  # (role, weights, kernels) -> params
     meshes: dict = dataclasses.field(default_factory=dict, repr=False)  # MeshShape -> jax Mesh
+    weight_cache: str | None = None  # the run's cache_dir: encoded weights kept on disk (formats.w12_cache)
 
     def _rows(self, plan: Plan) -> int:
         return self.batch_size * plan.block_size  # the most rows one of the plan's steps multiplies per call
@@ -64,7 +65,7 @@ class Deployment:
         kept bf16 (too many exceptions) stay plain arrays and go to XLA's dot."""
         key = (role, plan.weights, plan.kernels, self._rows(plan))
         if key not in self.prepared:
-            encoded = formats.encode_params(params, plan.weights, extra=extra)
+            encoded = formats.encode_params(params, plan.weights, extra=extra, cache_dir=self.weight_cache)
             self.prepared[key] = dispatch.prepare_params(encoded, plan.kernels.matmul, self._rows(plan), extra,
                                                          layout_bf16=plan.weights == "bf16")
         return self.prepared[key]
@@ -325,4 +326,5 @@ def build(cfg: DictConfig, plans: list[Plan]) -> Deployment:
         cache_len=int(cache_len), key=jax.random.key(int(cfg.seed)), drafter=drafter,
         tokenizer=None if text is None else text.tokenizer,
         chat_template=None if text is None else text.chat_template,
-        profile_split=bool(dec.profile_split), notes=notes, labels=labels(cfg), stop_token=stop)
+        profile_split=bool(dec.profile_split), notes=notes, labels=labels(cfg), stop_token=stop,
+        weight_cache=str(cfg.cache_dir))
