@@ -125,13 +125,14 @@ def check_against_reference(got, ref, k_cache, lengths, t, qk, v_max):
         assert same_bits(np.asarray(k_out)[row][:, outside], np.asarray(k_cache)[row][:, outside])
 
 
-def run_case(case, dtype, cache_dtype=None):
+def run_case(case, dtype, cache_dtype=None, interpret=True):
     b, t, h, kvh, d, s, lengths, counts, qk, splits, block_s = case
     args = make_inputs(b, t, h, kvh, d, s, lengths, qk, dtype, cache_dtype)
     counts = jnp.asarray(counts, jnp.int32)
-    config = ab.AttentionBlockConfig(block_s=block_s, splits=splits, interpret=True)
+    config = ab.AttentionBlockConfig(block_s=block_s, splits=splits, interpret=interpret)
     got = ab.attention_block(*args, counts, **dims(h, kvh, d), config=config)
-    ref = jax.jit(functools.partial(ab.attention_block_reference, **dims(h, kvh, d)))(*args, counts)
+    with jax.default_matmul_precision("highest"):  # no TF32 in a GPU's float32 reference
+        ref = jax.jit(functools.partial(ab.attention_block_reference, **dims(h, kvh, d)))(*args, counts)
     new_v = ab.split_heads(args[0], h, kvh, d)[2]
     v_max = max(float(jnp.abs(args[6].astype(jnp.float32)).max()), float(jnp.abs(new_v.astype(jnp.float32)).max()))
     check_against_reference(got, ref, args[5], args[7], t, qk, v_max)
@@ -151,6 +152,14 @@ def test_kernel_matches_reference_bfloat16(case):
 def test_bfloat16_activations_over_a_float32_cache():
     # the state's dtype may differ: new K/V are written in it and read back in the activation dtype
     run_case((2, 4, 8, 4, 32, 64, [9, 33], [4, 3], True, 0, 16), jnp.bfloat16, jnp.float32)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("b, splits", [(1, 0), (1, 1), (16, 0), (16, 1)])
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float32])
+def test_kernel_on_the_gpu_at_the_qwen3_8b_shape(b, splits, dtype):
+    lengths = [512 + 37 * r for r in range(b)]
+    run_case((b, 16, 32, 8, 128, 1024, lengths, [16] * b, True, splits, 64), dtype, interpret=False)
 
 
 def test_kernel_never_reads_past_a_rows_length():

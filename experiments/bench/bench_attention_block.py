@@ -110,7 +110,8 @@ def bench_case(shape_name: str, b: int, t: int, args, record: dict) -> None:
                                      shape["context"]))
             caches, summary = profile(block, qkvs, weights, tables, caches, lengths, counts, args.reps)
             if summary and "busy_ms_per_step" in summary:
-                row.update(kernels_per_call=summary["kernels_per_step"], busy_us_per_call=1e3 * summary["busy_ms_per_step"],
+                row.update(kernels_per_call=summary["kernels_per_step"],
+                           busy_us_per_call=1e3 * summary["busy_ms_per_step"],
                            top=[(k["name"][:60], round(k["calls_per_step"], 2), round(k["us_median"], 2))
                                 for k in summary["top"]])
                 xla = next((x for x in record["rows"] if x["impl"] == "xla" and x["batch"] == b and x["tokens"] == t
