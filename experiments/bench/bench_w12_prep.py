@@ -5,7 +5,7 @@ compiles included), encoding and layout per matrix shape (warm), and the encodin
     PYTHONPATH=. python3 experiments/bench/bench_w12_prep.py --shape tiny          # CPU smoke
     PYTHONPATH=. python3 experiments/bench/bench_w12_prep.py --layers 4 --out p.json     # fewer layers
 
-Design notes: docs/design/bench.md.
+Design notes and measurements: docs/w12.md ("Preparation and its cache").
 """
 
 from __future__ import annotations
