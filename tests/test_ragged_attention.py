@@ -99,37 +99,39 @@ def test_unsupported_falls_through_and_bad_shapes_refused():
         ra.RaggedAttentionConfig(block_s=48)
 
 
-@pytest.mark.parametrize("splits", [1, 3])
+@pytest.mark.parametrize("splits,merge", [(1, "xla"), (3, "xla"), (3, "kernel")])
 @pytest.mark.parametrize("heads", [(4, 9, 3), (16, 32, 8)])  # (T, H, KVH): SmolLM2's groups of 3; Qwen3-8B's
-def test_kernel_lowers_for_cuda(heads, splits):
-    # GPU-free check that every op of the kernels (and the combine's) has a Triton lowering (bf16 cache)
+def test_kernel_lowers_for_cuda(heads, splits, merge):
+    # GPU-free check that every op of the kernels (and the combine kernel's) has a Triton lowering (bf16 cache)
     t, h, kvh = heads
     args = [jax.ShapeDtypeStruct(shape, dtype) for shape, dtype in
             (((2, t, h, 64), jnp.bfloat16), ((2, kvh, 128, 64), jnp.bfloat16), ((2, kvh, 128, 64), jnp.bfloat16),
              ((2,), jnp.int32), ((2,), jnp.int32))]
-    lowered = jax.jit(lambda *a: ra.ragged_attention_pallas(*a, block_s=64, splits=splits)).trace(*args).lower(
-        lowering_platforms=("cuda",))
+    lowered = jax.jit(lambda *a: ra.ragged_attention_pallas(*a, block_s=64, splits=splits, merge=merge)).trace(
+        *args).lower(lowering_platforms=("cuda",))
     text = lowered.as_text()
-    assert text.count("stablehlo.custom_call") == (1 if splits == 1 else 2)  # the kernel (and the combine's)
-    assert ("ragged_attention_combine" in text) == (splits > 1)
+    combine_kernel = splits > 1 and merge == "kernel"
+    assert text.count("stablehlo.custom_call") == (2 if combine_kernel else 1)  # the kernel (and the combine's)
+    assert ("ragged_attention_combine" in text) == combine_kernel
 
 
 # ---- the split over the cache ---------------------------------------------------------------------------
 
-def kernel_vs_reference(b, t, h, kvh, d, s, lengths, counts, *, block_s, splits, seed=3):
+def kernel_vs_reference(b, t, h, kvh, d, s, lengths, counts, *, block_s, splits, seed=3, merge="xla"):
     q, k, v = arrays(b, t, h, kvh, d, s, seed=seed)
     lengths, counts = jnp.asarray(lengths, jnp.int32), jnp.asarray(counts, jnp.int32)
-    config = ra.RaggedAttentionConfig(block_s=block_s, splits=splits, interpret=True)
+    config = ra.RaggedAttentionConfig(block_s=block_s, splits=splits, merge=merge, interpret=True)
     got = ra.ragged_attention(q, k, v, lengths, counts, config)
     np.testing.assert_allclose(got, ra.ragged_attention_reference(q, k, v, lengths, counts), rtol=2e-5, atol=2e-5)
 
 
-@pytest.mark.parametrize("splits", [1, 2, 4, 0])
-def test_splits_with_row_ends_inside_and_at_split_edges(splits):
+@pytest.mark.parametrize("splits,merge", [(1, "xla"), (2, "xla"), (4, "xla"), (0, "xla"), (4, "kernel")])
+def test_splits_with_row_ends_inside_and_at_split_edges(splits, merge):
     # 8 blocks of 16 slots; a row's blocks are shared out by its own end (lengths + counts): 32 ends at a
     # block edge, 33 one slot into the next block, 50 inside one, 128 is the full cache, 5 leaves most
     # splits past the row's end (their neutral partials must not count)
-    kernel_vs_reference(5, 4, 8, 2, 16, 128, [28, 29, 46, 124, 1], [4, 4, 4, 4, 4], block_s=16, splits=splits)
+    kernel_vs_reference(5, 4, 8, 2, 16, 128, [28, 29, 46, 124, 1], [4, 4, 4, 4, 4], block_s=16, splits=splits,
+                        merge=merge)
 
 
 @pytest.mark.parametrize("splits", [1, 3, 0])
@@ -139,10 +141,10 @@ def test_counts_zero_to_t_per_row(splits):
     kernel_vs_reference(t + 1, t, 4, 2, 16, 64, [7, 16, 30, 1, 59], list(range(t + 1)), block_s=16, splits=splits)
 
 
-@pytest.mark.parametrize("case", [(3, 4, 2), (2, 6, 2), (5, 9, 3)])  # (T, H, KVH): the padded-rows layout
-def test_split_padded_layout(case):
+@pytest.mark.parametrize("case,merge", [((3, 4, 2), "xla"), ((2, 6, 2), "kernel"), ((5, 9, 3), "xla")])
+def test_split_padded_layout(case, merge):  # (T, H, KVH): the padded-rows layout
     t, h, kvh = case
-    kernel_vs_reference(2, t, h, kvh, 16, 64, [0, 40], [t, max(1, t - 1)], block_s=16, splits=0)
+    kernel_vs_reference(2, t, h, kvh, 16, 64, [0, 40], [t, max(1, t - 1)], block_s=16, splits=0, merge=merge)
 
 
 def test_natural_layout_has_no_layout_pass():
@@ -169,6 +171,8 @@ def test_auto_splits_rule():
         ra.RaggedAttentionConfig(splits=-1)
     with pytest.raises(ValueError, match="block_s must be >= 16"):
         ra.RaggedAttentionConfig(block_s=8)
+    with pytest.raises(ValueError, match="merge must be one of"):
+        ra.RaggedAttentionConfig(merge="cuda")
 
 
 def test_split_kernel_reads_only_the_rows_own_blocks():
