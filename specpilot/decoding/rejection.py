@@ -7,7 +7,8 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from specpilot.decoding.sampling import RequestSampling, as_request_sampling, probabilities, sample
+from specpilot.decoding.sampling import (RequestSampling, as_request_sampling, draw, filtered_logits, greedy_rows,
+                                         sample, with_greedy_rows)
 
 
 def choose_drafts(key: jax.Array, draft_logits: jax.Array, sampling: RequestSampling) -> jax.Array:
@@ -35,6 +36,20 @@ def accept_greedy(drafts: jax.Array, target_logits: jax.Array, kept: jax.Array |
     return n_acc, jnp.take_along_axis(choice, n_acc[:, None], axis=1)[:, 0]
 
 
+def accept_uniforms(key: jax.Array, batch: int, k: int) -> tuple[jax.Array, jax.Array]:
+    """The uniforms one chain verification consumes: [B, K] for the accept tests, [B] for the draw."""
+    key_accept, key_next = jax.random.split(key)
+    return (jax.random.uniform(key_accept, (batch, k), jnp.float32),
+            jax.random.uniform(key_next, (batch,), jnp.float32))
+
+
+def _residual_draw(u_next: jax.Array, p_at: jax.Array, q_at: jax.Array) -> jax.Array:
+    """The token after the accepted prefix from normalize(max(p - q, 0)) [B, V] (q = 0: the bonus)."""
+    residual = jnp.maximum(p_at - q_at, 0.0)
+    # the residual sums to 0 only when p == q, where a rejection cannot happen; p keeps it defined
+    return draw(u_next, jnp.where(jnp.sum(residual, axis=-1, keepdims=True) > 0, residual, p_at))
+
+
 def rejection_sample(key: jax.Array, drafts: jax.Array, q: jax.Array, p: jax.Array,
                      kept: jax.Array | None = None) -> tuple[jax.Array, jax.Array]:
     """Lossless chain verification on explicit distributions.
@@ -43,33 +58,68 @@ def rejection_sample(key: jax.Array, drafts: jax.Array, q: jax.Array, p: jax.Arr
     positions plus the bonus position. Returns (n_accepted [B], next_token [B]).
     """
     b, k = drafts.shape
-    key_accept, key_next = jax.random.split(key)
+    u, u_next = accept_uniforms(key, b, k)
     p = p.astype(jnp.float32)
     live = _live(drafts, kept)
     q = jnp.where(live[..., None], q.astype(jnp.float32), 0.0)
     p_x = jnp.take_along_axis(p[:, :k], drafts[..., None], axis=-1)[..., 0]  # [B, K]
     q_x = jnp.take_along_axis(q, drafts[..., None], axis=-1)[..., 0]  # [B, K]
-    u = jax.random.uniform(key_accept, (b, k), jnp.float32)
     # u < p/q written without the division: q(x) > 0 for a token drawn from q.
     n_acc = _accepted_prefix((u * q_x < p_x) & live)
     p_at = jnp.take_along_axis(p, n_acc[:, None, None], axis=1)[:, 0]  # [B, V]
     # Past the last draft q is zero, so the residual there is p itself: the bonus draw.
     q_pad = jnp.concatenate([q, jnp.zeros((b, 1, q.shape[-1]), q.dtype)], axis=1)
     q_at = jnp.take_along_axis(q_pad, n_acc[:, None, None], axis=1)[:, 0]  # [B, V]
-    residual = jnp.maximum(p_at - q_at, 0.0)
-    total = residual.sum(axis=-1, keepdims=True)
-    # total == 0 only when p == q, where a rejection cannot happen; fall back to p to stay defined.
-    residual = jnp.where(total > 0, residual / jnp.where(total > 0, total, 1.0), p_at)
-    next_token = jax.random.categorical(key_next, jnp.log(residual), axis=-1).astype(jnp.int32)
-    return n_acc, next_token
+    return n_acc, _residual_draw(u_next, p_at, q_at)
+
+
+def _at(x: jax.Array, index: jax.Array) -> jax.Array:
+    """x [B, T, ...] at position index [B] -> [B, ...]."""
+    return jnp.take_along_axis(x, index.reshape((-1,) + (1,) * (x.ndim - 1)), axis=1)[:, 0]
+
+
+def accept_sampled_uniform(u: jax.Array, u_next: jax.Array, drafts: jax.Array, draft_logits: jax.Array,
+                           target_logits: jax.Array, sampling: RequestSampling, kept: jax.Array | None = None
+                           ) -> tuple[jax.Array, jax.Array]:
+    """`rejection_sample` on logits, given its uniforms (u [B, K], u_next [B]): p and q under the same
+    sampling transform, each evaluated only where the test needs it (p(x), q(x) at the drafts through
+    one log-sum-exp per position, both rows in full only at the accepted prefix's end)."""
+    b, k = drafts.shape
+    live = _live(drafts, kept)
+    xq = filtered_logits(draft_logits, sampling)  # [B, K, V]
+    xp = filtered_logits(target_logits, sampling)  # [B, K+1, V]
+    lse_q = jax.nn.logsumexp(xq, axis=-1)  # [B, K]
+    lse_p = jax.nn.logsumexp(xp, axis=-1)  # [B, K+1]
+    q_x = jnp.exp(jnp.take_along_axis(xq, drafts[..., None], axis=-1)[..., 0] - lse_q)
+    p_x = jnp.exp(jnp.take_along_axis(xp[:, :k], drafts[..., None], axis=-1)[..., 0] - lse_p[:, :k])
+    greedy = greedy_rows(sampling, (b,))
+
+    def with_one_hots():
+        # a temperature-0 row's p and q are the one-hots at the argmax, and its next token p's argmax
+        choice = jnp.argmax(target_logits, axis=-1).astype(jnp.int32)  # [B, K+1]
+        g = greedy[:, None]
+        return (jnp.where(g, (drafts == choice[:, :k]).astype(jnp.float32), p_x),
+                jnp.where(g, (drafts == jnp.argmax(draft_logits, axis=-1)).astype(jnp.float32), q_x), choice)
+
+    p_x, q_x, choice = with_greedy_rows(greedy, with_one_hots, (p_x, q_x, jnp.zeros((b, k + 1), jnp.int32)))
+    q_x = jnp.where(live, q_x, 0.0)
+    n_acc = _accepted_prefix((u * q_x < p_x) & live)
+    p_at = jnp.exp(_at(xp, n_acc) - _at(lse_p, n_acc)[:, None])  # [B, V]
+    # q is zero past the row's last verified draft, so the residual there is p itself: the bonus draw.
+    q_at = jnp.zeros_like(p_at)
+    if k:
+        last = jnp.minimum(n_acc, k - 1)
+        q_live = n_acc < (k if kept is None else jnp.minimum(kept, k))
+        q_at = jnp.where(q_live[:, None], jnp.exp(_at(xq, last) - _at(lse_q, last)[:, None]), 0.0)
+    next_token = _residual_draw(u_next, p_at, q_at)
+    return n_acc, jnp.where(greedy, _at(choice, n_acc), next_token)
 
 
 def accept_sampled(key: jax.Array, drafts: jax.Array, draft_logits: jax.Array, target_logits: jax.Array,
                    sampling: RequestSampling, kept: jax.Array | None = None) -> tuple[jax.Array, jax.Array]:
     """Rejection sampling with p and q from logits under the same sampling transform."""
-    q = probabilities(draft_logits, sampling)  # [B, K, V]
-    p = probabilities(target_logits, sampling)  # [B, K+1, V]
-    return rejection_sample(key, drafts, q, p, kept)
+    u, u_next = accept_uniforms(key, *drafts.shape)
+    return accept_sampled_uniform(u, u_next, drafts, draft_logits, target_logits, sampling, kept)
 
 
 def verify_chain(key: jax.Array, drafts: jax.Array, draft_logits: jax.Array, target_logits: jax.Array,

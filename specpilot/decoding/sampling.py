@@ -80,32 +80,96 @@ def _rows(values: jax.Array, like: jax.Array) -> jax.Array:
     return values.reshape(values.shape + (1,) * (like.ndim - values.ndim))
 
 
+# The top-p cut-off is looked for among each row's most likely tokens first; only when these hold less
+# than top_p of the mass does the whole vocabulary get sorted (a CPU sort of 49152 logits costs ~10 ms).
+TOP_P_CANDIDATES = 256
+
+
+def _top_p_cutoff(x: jax.Array, top_p: jax.Array) -> jax.Array:
+    """The smallest logit top-p keeps, [..., 1] (-inf where top_p == 1): the smallest prefix of the
+    sorted logits whose mass reaches top_p, i.e. a token stays if the mass strictly before it is below
+    top_p (so the top token always stays); ties at the cut-off are all kept."""
+    v = x.shape[-1]
+    m = min(TOP_P_CANDIDATES, v)
+    lse = jax.nn.logsumexp(x, axis=-1, keepdims=True)
+
+    top = jax.lax.top_k(x, m)[0]  # descending, the sorted logits' first m
+    top_mass = jnp.exp(top - lse)
+    top_cum = jnp.cumsum(top_mass, axis=-1)
+
+    def full_sort():
+        # Row by row, so the sort's buffers stay one row long. The head's cumulative mass is the
+        # candidates' own, so a row they decide gets the same cut-off here.
+        def row(args):
+            x_row, lse_row, top_row, cum_row, mass_row, p_row = args
+            rest = jnp.sort(x_row)[::-1][m:]
+            rest_mass = jnp.exp(rest - lse_row)
+            rest_cum = cum_row[-1] + jnp.cumsum(rest_mass)
+            keep = jnp.concatenate([cum_row - mass_row, rest_cum - rest_mass]) < p_row
+            return jnp.min(jnp.where(keep, jnp.concatenate([top_row, rest]), jnp.inf))
+
+        flat = [a.reshape(-1, a.shape[-1]) for a in (x, lse, top, top_cum, top_mass, top_p)]
+        return jax.lax.map(row, flat).reshape(top_p.shape)
+
+    def from_candidates():
+        return jnp.min(jnp.where(top_cum - top_mass < top_p, top, jnp.inf), axis=-1, keepdims=True)
+
+    decided = (top_cum[..., -1:] >= top_p) | (top_p >= 1.0)
+    cutoff = jax.lax.cond(jnp.all(decided), from_candidates, full_sort)
+    return jnp.where(top_p < 1.0, cutoff, -jnp.inf)
+
+
+def _scaled(logits: jax.Array, s: RequestSampling) -> jax.Array:
+    """Logits at temperature (1 for a temperature-0 row) with top-k's removed tokens at -inf."""
+    temperature = _rows(s.temperature, logits)
+    x = logits.astype(jnp.float32) / jnp.where(temperature == 0, 1.0, temperature)
+    if s.top_k and s.top_k < x.shape[-1]:
+        kth = jax.lax.top_k(x, s.top_k)[0][..., -1:]
+        x = jnp.where(x < kth, -jnp.inf, x)
+    return x
+
+
+def filtered_logits(logits: jax.Array, sampling) -> jax.Array:
+    """Logits after temperature, top-k and top-p, [..., V] float32: removed tokens get -inf; the
+    sampling distribution is their softmax. A temperature-0 row is left at temperature 1 (its
+    distribution is the one-hot at its argmax: callers take that from the raw logits)."""
+    s = as_request_sampling(sampling)
+    if s.greedy:
+        raise ValueError("greedy decoding has no sampling distribution; use jnp.argmax")
+    top_p = jnp.broadcast_to(_rows(s.top_p, logits), logits.shape[:-1] + (1,))
+    # Without top-p (every row at 1, the usual case) nothing is sorted or ranked at all. The branch
+    # takes the raw logits, so the scaled ones stay fused into their consumers (never written out).
+    cutoff = jax.lax.cond(jnp.any(top_p < 1.0), lambda: _top_p_cutoff(_scaled(logits, s), top_p),
+                          lambda: jnp.full_like(top_p, -jnp.inf))
+    x = _scaled(logits, s)
+    return jnp.where(x < cutoff, -jnp.inf, x)
+
+
+def greedy_rows(sampling, shape: tuple[int, ...]) -> jax.Array:
+    """[*shape] bool: the temperature-0 rows, broadcast over the leading dimensions shape."""
+    t = jnp.asarray(as_request_sampling(sampling).temperature)
+    return jnp.broadcast_to(t.reshape(t.shape + (1,) * (len(shape) - t.ndim)), shape) == 0
+
+
+def with_greedy_rows(greedy: jax.Array, make, sampled):
+    """sampled where no row is greedy; else make() (which computes the argmax) decides those rows.
+    The argmax costs as much as a greedy accept, so a batch without temperature-0 rows skips it."""
+    return jax.lax.cond(jnp.any(greedy), make, lambda: sampled)
+
+
 def filtered_logprobs(logits: jax.Array, sampling) -> jax.Array:
     """Log-probabilities after temperature, top-k and top-p; removed tokens get -inf. [..., V] float32.
 
     A row of temperature 0 gets the one-hot at its argmax (log 0 elsewhere)."""
-    s = as_request_sampling(sampling)
-    if s.greedy:
-        raise ValueError("greedy decoding has no sampling distribution; use jnp.argmax")
-    temperature = _rows(s.temperature, logits)
-    greedy_row = temperature == 0
-    x = logits.astype(jnp.float32) / jnp.where(greedy_row, 1.0, temperature)
-    if s.top_k and s.top_k < x.shape[-1]:
-        kth = jax.lax.top_k(x, s.top_k)[0][..., -1:]
-        x = jnp.where(x < kth, -jnp.inf, x)
-    top_p = _rows(s.top_p, logits)
-    sorted_x = jnp.sort(x, axis=-1)[..., ::-1]
-    sorted_p = jax.nn.softmax(sorted_x, axis=-1)
-    # Keep the smallest prefix whose mass reaches top_p: a token stays if the mass strictly before
-    # it is below top_p (so the top token always stays). top_p == 1 filters nothing.
-    mass_before = jnp.cumsum(sorted_p, axis=-1) - sorted_p
-    keep_sorted = mass_before < top_p
-    # The cut-off value is the smallest kept logit; ties at the cut-off are all kept.
-    cutoff = jnp.min(jnp.where(keep_sorted, sorted_x, jnp.inf), axis=-1, keepdims=True)
-    x = jnp.where((top_p < 1.0) & (x < cutoff), -jnp.inf, x)
-    logp = jax.nn.log_softmax(x, axis=-1)
-    one_hot = jnp.arange(x.shape[-1]) == jnp.argmax(logits, axis=-1)[..., None]
-    return jnp.where(greedy_row, jnp.where(one_hot, 0.0, -jnp.inf), logp)
+    x = filtered_logits(logits, sampling)
+    logp = x - jax.nn.logsumexp(x, axis=-1, keepdims=True)
+    greedy = greedy_rows(sampling, logits.shape[:-1])[..., None]
+
+    def with_one_hots():
+        one_hot = jnp.arange(x.shape[-1]) == jnp.argmax(logits, axis=-1)[..., None]
+        return jnp.where(greedy, jnp.where(one_hot, 0.0, -jnp.inf), logp)
+
+    return with_greedy_rows(greedy, with_one_hots, logp)
 
 
 def probabilities(logits: jax.Array, sampling) -> jax.Array:
@@ -115,14 +179,58 @@ def probabilities(logits: jax.Array, sampling) -> jax.Array:
     return jnp.exp(filtered_logprobs(logits, sampling))
 
 
+def _chunk_size(v: int) -> int:
+    """Chunk width of `draw`'s two-level search: a power of two near sqrt(v) dividing v (1 at worst)."""
+    c = 1
+    while c * 2 <= 256 and v % (c * 2) == 0 and (c * 2) ** 2 <= 4 * v:
+        c *= 2
+    return c
+
+
+def _first_above(cum: jax.Array, r: jax.Array, positive: jax.Array) -> jax.Array:
+    """Index of the first positive entry with cum[..., i] > r (cum: running sums of the entries), or
+    the last positive entry where rounding left r at or past the total: never a zero entry."""
+    n = cum.shape[-1]
+    i = jnp.arange(n, dtype=jnp.int32)
+    first = jnp.min(jnp.where(positive & (cum > r[..., None]), i, n), axis=-1)
+    last_positive = jnp.max(jnp.where(positive, i, -1), axis=-1)
+    return jnp.where(first < n, first, last_positive).astype(jnp.int32)
+
+
+def draw(u: jax.Array, weights: jax.Array) -> jax.Array:
+    """Inverse-CDF draw: token ids [...] with probability weights / sum(weights) from uniforms u [...]
+    in [0, 1) and non-negative weights [..., V] with a positive sum. Two levels (the chunk, then the
+    token inside it) so no pass over the vocabulary is longer than one sum."""
+    lead, v = weights.shape[:-1], weights.shape[-1]
+    c = _chunk_size(v)
+    chunks = weights.astype(jnp.float32).reshape(lead + (v // c, c))
+    sums = jnp.sum(chunks, axis=-1)  # [..., n]
+    cum = jnp.cumsum(sums, axis=-1)
+    r = u * cum[..., -1]
+    chunk = _first_above(cum, r, sums > 0)
+    row = jnp.take_along_axis(chunks, chunk[..., None, None], axis=-2)[..., 0, :]  # [..., c]
+    before = jnp.take_along_axis(cum - sums, chunk[..., None], axis=-1)[..., 0]
+    inside = _first_above(jnp.cumsum(row, axis=-1), r - before, row > 0)
+    return chunk * c + inside
+
+
+def sample_uniform(u: jax.Array, logits: jax.Array, sampling) -> jax.Array:
+    """logits [..., V] -> token ids [...] (int32), drawn with the uniforms u [...] in [0, 1)."""
+    s = as_request_sampling(sampling)
+    if s.greedy:
+        return jnp.argmax(logits, axis=-1).astype(jnp.int32)
+    x = filtered_logits(logits, s)
+    drawn = draw(u, jnp.exp(x - jnp.max(x, axis=-1, keepdims=True)))
+    greedy = greedy_rows(s, drawn.shape)
+    return with_greedy_rows(greedy, lambda: jnp.where(greedy, jnp.argmax(logits, axis=-1).astype(jnp.int32),
+                                                      drawn), drawn)
+
+
 def sample(key: jax.Array, logits: jax.Array, sampling) -> jax.Array:
     """logits [..., V] -> token ids [...] (int32)."""
-    s = as_request_sampling(sampling)
-    greedy = jnp.argmax(logits, axis=-1).astype(jnp.int32)
-    if s.greedy:
-        return greedy
-    drawn = jax.random.categorical(key, filtered_logprobs(logits, s), axis=-1).astype(jnp.int32)
-    return jnp.where(_rows(s.temperature, greedy) == 0, greedy, drawn)
+    if as_request_sampling(sampling).greedy:
+        return jnp.argmax(logits, axis=-1).astype(jnp.int32)
+    return sample_uniform(jax.random.uniform(key, logits.shape[:-1], jnp.float32), logits, sampling)
 
 
 def resolve_key(key: jax.Array | None, sampling) -> jax.Array:

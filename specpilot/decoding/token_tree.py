@@ -9,7 +9,7 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 
-from specpilot.decoding.sampling import RequestSampling, as_request_sampling, probabilities
+from specpilot.decoding.sampling import RequestSampling, as_request_sampling, draw, probabilities
 from specpilot.plan import max_nodes
 
 
@@ -152,9 +152,28 @@ def sibling_ranks(tree: Tree) -> jax.Array:
     return jnp.sum(same & earlier, axis=-1).astype(jnp.int32)
 
 
+def tree_uniforms(key: jax.Array, b: int, depth: int, branching: int) -> tuple[jax.Array, jax.Array]:
+    """The uniforms one tree acceptance consumes: [B, depth, branching] for the sibling tests and
+    [B, depth + 1] for the draw at each level."""
+    def u(i):
+        return jax.random.uniform(jax.random.fold_in(key, i), (b,), jnp.float32)
+
+    tests = [[u(2 * (level * branching + r)) for r in range(branching)] for level in range(depth)]
+    draws = [u(2 * (level * branching + branching) + 1) for level in range(depth + 1)]
+    tests = jnp.stack([jnp.stack(t, -1) for t in tests], 1) if depth else jnp.zeros((b, 0, branching))
+    return tests, jnp.stack(draws, -1)
+
+
 def recursive_rejection(key: jax.Array, tree: Tree, p: jax.Array, depth: int, branching: int):
     """Lossless tree acceptance on explicit target distributions p [B, N, V] (p[:, i] = the target's
     next-token distribution after node i) -> (last node [B], accepted drafts [B], next token [B])."""
+    u_tests, u_draws = tree_uniforms(key, p.shape[0], depth, branching)
+    return recursive_rejection_uniform(u_tests, u_draws, tree, p, depth, branching)
+
+
+def recursive_rejection_uniform(u_tests: jax.Array, u_draws: jax.Array, tree: Tree, p: jax.Array, depth: int,
+                                branching: int):
+    """`recursive_rejection` given its uniforms (`tree_uniforms`)."""
     b, n, v = p.shape
     p = p.astype(jnp.float32)
     ranks = sibling_ranks(tree)
@@ -172,22 +191,27 @@ def recursive_rejection(key: jax.Array, tree: Tree, p: jax.Array, depth: int, br
             child = jnp.argmax(is_child, axis=1).astype(jnp.int32)
             tok = tree.tokens[rows, child]
             mass = residual[rows, tok]
-            u = jax.random.uniform(jax.random.fold_in(key, 2 * (level * branching + r)), (b,))
-            accept = exists & (u * residual.sum(axis=-1) < mass)
+            accept = exists & (u_tests[:, level, r] * residual.sum(axis=-1) < mass)
             moved = moved | accept
             new_cur = jnp.where(accept, child, new_cur)
             residual = jnp.where((exists & ~accept)[:, None], residual.at[rows, tok].set(0.0), residual)
         stop = walking & ~moved
         total = residual.sum(axis=-1, keepdims=True)
         # total == 0 only if the rejected siblings held all of p's mass, when a rejection cannot happen
-        dist = jnp.where(total > 0, residual / jnp.where(total > 0, total, 1.0), p[rows, cur])
-        draw = jax.random.categorical(jax.random.fold_in(key, 2 * (level * branching + branching) + 1),
-                                      jnp.log(dist), axis=-1).astype(jnp.int32)
-        next_token = jnp.where(stop, draw, next_token)
+        draw_token = draw(u_draws[:, level], jnp.where(total > 0, residual, p[rows, cur]))
+        next_token = jnp.where(stop, draw_token, next_token)
         walking = walking & moved
         cur = new_cur
     n_acc = jnp.take_along_axis(tree.depths, cur[:, None], axis=1)[:, 0]
     return cur, n_acc, next_token
+
+
+def accept_tree_sampled(u_tests: jax.Array, u_draws: jax.Array, tree: Tree, target_logits: jax.Array,
+                        sampling: RequestSampling, depth: int, branching: int):
+    """Recursive rejection sampling on the target's logits under the sampling transform, given its
+    uniforms (the serving engine draws them row by row from each row's key)."""
+    return recursive_rejection_uniform(u_tests, u_draws, tree, probabilities(target_logits, sampling), depth,
+                                       branching)
 
 
 def verify_tree(key: jax.Array, tree: Tree, target_logits: jax.Array, sampling: RequestSampling,
@@ -195,4 +219,5 @@ def verify_tree(key: jax.Array, tree: Tree, target_logits: jax.Array, sampling: 
     """The one entry the tree loop calls: greedy path matching or recursive rejection sampling."""
     if as_request_sampling(sampling).greedy:
         return accept_tree_greedy(tree, target_logits, depth)
-    return recursive_rejection(key, tree, probabilities(target_logits, sampling), depth, branching)
+    u_tests, u_draws = tree_uniforms(key, target_logits.shape[0], depth, branching)
+    return accept_tree_sampled(u_tests, u_draws, tree, target_logits, sampling, depth, branching)

@@ -12,8 +12,8 @@ import jax
 import jax.numpy as jnp
 
 from specpilot.decoding.aot import CompileCache
-from specpilot.decoding.rejection import accept_greedy, verify_chain
-from specpilot.decoding.sampling import RequestSampling, sample
+from specpilot.decoding.rejection import accept_greedy, accept_sampled_uniform, accept_uniforms
+from specpilot.decoding.sampling import RequestSampling, sample_uniform
 from specpilot.serving import budget as bd
 from specpilot.serving.packed import packed_forward
 from specpilot.state import (RecurrentState, TargetState, causal_mask, chain_forward, chain_positions,
@@ -93,29 +93,22 @@ def reset_slots(setup: EngineSetup, state: SlotState, mask: jax.Array, seeds: ja
 # Per-row sampling: row b draws as a batch of one with its own key
 
 
-def row_sampling(sampling: RequestSampling, t, p) -> RequestSampling:
-    """One row's temperature t and top-p p as the settings of a batch of one (the chain and tree steps)."""
-    return RequestSampling(t[None], p[None], greedy=False, top_k=sampling.top_k)
-
-
 def sample_rows(keys: jax.Array, logits: jax.Array, sampling: RequestSampling) -> jax.Array:
-    """keys [S] (typed), logits [S, ..., V] -> tokens [S, ...] int32."""
+    """keys [S] (typed), logits [S, ..., V] -> tokens [S, ...] int32. Row b's uniforms are those of a
+    batch of one with its own key; the draw itself is batched (no per-row branches under vmap)."""
     if sampling.greedy:
         return jnp.argmax(logits, axis=-1).astype(jnp.int32)
-    return jax.vmap(lambda k, x, t, p: sample(k, x[None], row_sampling(sampling, t, p))[0])(
-        keys, logits, sampling.temperature, sampling.top_p)
+    u = jax.vmap(lambda k: jax.random.uniform(k, (1,) + logits.shape[1:-1], jnp.float32)[0])(keys)
+    return sample_uniform(u, logits, sampling)
 
 
 def verify_rows(keys, drafts, draft_logits, target_logits, sampling: RequestSampling, kept):
-    """Chain verification row by row of each row's first kept [S] drafts -> (n_accepted [S], next_token [S])."""
+    """Chain verification row by row of each row's first kept [S] drafts -> (n_accepted [S], next_token [S]).
+    Row b's uniforms are those of a batch of one with its own key; the accept itself is batched."""
     if sampling.greedy:
         return accept_greedy(drafts, target_logits, kept)
-
-    def one(k, d, dl, tl, t, p, c):
-        n, nxt = verify_chain(k, d[None], dl[None], tl[None], row_sampling(sampling, t, p), c[None])
-        return n[0], nxt[0]
-
-    return jax.vmap(one)(keys, drafts, draft_logits, target_logits, sampling.temperature, sampling.top_p, kept)
+    u, u_next = jax.vmap(lambda k: accept_uniforms(k, 1, drafts.shape[1]))(keys)  # [S, 1, K], [S, 1]
+    return accept_sampled_uniform(u[:, 0], u_next[:, 0], drafts, draft_logits, target_logits, sampling, kept)
 
 
 def split_rows(key_data: jax.Array, sampling: RequestSampling):

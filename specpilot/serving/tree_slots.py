@@ -13,7 +13,7 @@ import jax.numpy as jnp
 
 from specpilot.decoding import tree as tree_loop
 from specpilot.decoding.sampling import RequestSampling
-from specpilot.decoding.token_tree import Tree, accept_tree_greedy, check_shape, verify_tree
+from specpilot.decoding.token_tree import Tree, accept_tree_greedy, accept_tree_sampled, check_shape, tree_uniforms
 from specpilot.serving import slots as sl
 
 
@@ -45,17 +45,12 @@ class TreeEngineSetup(sl.EngineSetup):
 def verify_tree_rows(keys: jax.Array, tree: Tree, target_logits: jax.Array, sampling: RequestSampling,
                      depth: int, branching: int):
     """Tree acceptance row by row -> (last accepted node [S], accepted drafts [S], next token [S]).
-    keys [S] (typed); target_logits [S, N, V]."""
+    keys [S] (typed); target_logits [S, N, V]. Row b's uniforms are those of a batch of one with its own
+    key; the acceptance itself is batched."""
     if sampling.greedy:
         return accept_tree_greedy(tree, target_logits, depth)
-
-    def one(k, t, logits, temp, top_p):
-        row = jax.tree.map(lambda x: x[None], t)
-        last, n_acc, nxt = verify_tree(k, row, logits[None], sl.row_sampling(sampling, temp, top_p), depth,
-                                       branching)
-        return last[0], n_acc[0], nxt[0]
-
-    return jax.vmap(one)(keys, tree, target_logits, sampling.temperature, sampling.top_p)
+    u_tests, u_draws = jax.vmap(lambda k: tree_uniforms(k, 1, depth, branching))(keys)
+    return accept_tree_sampled(u_tests[:, 0], u_draws[:, 0], tree, target_logits, sampling, depth, branching)
 
 
 def decode_tree(setup: TreeEngineSetup, target_params, draft_params, state: sl.SlotState, active: jax.Array,
