@@ -143,9 +143,11 @@ def untile_rows(tiles: jax.Array, n: int) -> jax.Array:
     return tiles.reshape(n // BN, steps, BN, width).transpose(0, 2, 1, 3).reshape(n, steps * width)
 
 
+@functools.partial(jax.jit, static_argnames=("block_k",))
 def tile_twin(w_t: jax.Array, block_k: int) -> jax.Array:
     """The twin's bf16 W^T [N, K] stored tile by tile: per step, the lower and upper tiles side by side
-    ([64, 2 block_k], as W12's packed planes pair them), each step's tile contiguous."""
+    ([64, 2 block_k], as W12's packed planes pair them), each step's tile contiguous. Jitted: one copy,
+    compiled once per shape."""
     n, k = w_t.shape
     kh, steps = k // 2, k // 2 // block_k
     paired = jnp.stack([w_t[:, :kh].reshape(n, steps, block_k), w_t[:, kh:].reshape(n, steps, block_k)],
