@@ -18,7 +18,8 @@ def _weights(kind: str, k: int, n: int, seed: int) -> np.ndarray:
     (2%, Inf and NaN payloads), dense (40% zeros and wild exponents: more than a slot row takes)."""
     rng = np.random.default_rng(seed)
     if kind == "none":
-        return ((0x3F << 8) | rng.integers(0, 256, (k, n))).astype(np.uint16) ^ (rng.integers(0, 2, (k, n)) << 15).astype(np.uint16)
+        sign = rng.integers(0, 2, (k, n)) << 15
+        return (sign | (0x3F << 8) | rng.integers(0, 256, (k, n))).astype(np.uint16)
     if kind == "normal":
         return (rng.standard_normal((k, n)) * 0.02).astype(jnp.bfloat16).view(np.uint16)
     if kind == "adversarial":

@@ -98,6 +98,12 @@ def whole_model(params: dict, rows: int, choice, record: dict) -> None:
         encoded, is_leaf=lambda x: isinstance(x, w12.W12)) if isinstance(w, w12.W12))
 
 
+def write_entry(path: Path, key: str, names: list[str], sources: list) -> float:
+    """Seconds to write the cache entry of the encoded matrices (the encodings are freed after)."""
+    entries = {name: w12.encode_matrix(x) for name, x in zip(names, sources)}
+    return seconds(lambda: w12_cache.save(path, key, entries))[1]
+
+
 def cache(params: dict, rows: int, choice, cache_dir: Path, record: dict) -> None:
     """A run with the cache, first (encode and write the entry) and second (load it): key, write and load
     timed apart, then the second run's whole preparation (`formats.encode_params` with cache_dir, layout)."""
@@ -107,9 +113,7 @@ def cache(params: dict, rows: int, choice, cache_dir: Path, record: dict) -> Non
     key, record["cache_key_s"] = seconds(lambda: w12_cache.cache_key(names, sources, {"max_exception_rate": 0.01}))
     print(f"  cache key (content digests)  {record['cache_key_s']:7.2f} s", flush=True)
     path = cache_dir / w12_cache.SUBDIR / f"{key[:40]}.safetensors"
-    entries = {name: w12.encode_matrix(x) for name, x in zip(names, sources)}
-    _, record["cache_write_s"] = seconds(lambda: w12_cache.save(path, key, entries))
-    del entries
+    record["cache_write_s"] = write_entry(path, key, names, sources)
     record["cache_bytes"] = path.stat().st_size
     print(f"  cache write                  {record['cache_write_s']:7.2f} s ({record['cache_bytes'] / 1e9:.2f} GB)",
           flush=True)
@@ -131,7 +135,8 @@ def parse(argv=None):
     p.add_argument("--layers", type=int, default=None, help="layers to build (default: the shape's)")
     p.add_argument("--rows", type=int, default=16, help="rows per product the layout is stepped for (batch x block)")
     p.add_argument("--skip-per-shape", action="store_true", help="leave out the per-shape split")
-    p.add_argument("--cache-dir", default="", help="where the temporary cache folder goes (default: the system temp folder); removed after")
+    p.add_argument("--cache-dir", default="",
+                   help="where the temporary cache folder goes (default: the system temp folder); removed after")
     p.add_argument("--out", default="", help="write the record as JSON here")
     args = p.parse_args(argv)
     if args.layers is not None and args.layers < 1:
