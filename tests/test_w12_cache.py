@@ -9,6 +9,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from safetensors import safe_open
 
 from specpilot import formats
 from specpilot.formats import w12, w12_cache
@@ -58,6 +59,9 @@ def test_second_encode_loads_the_entry(tmp_path, monkeypatch):
     assert all(isinstance(a, jax.Array) for a in jax.tree_util.tree_leaves(second))
     entries = list((tmp_path / w12_cache.SUBDIR).iterdir())
     assert len(entries) == 1 and entries[0].suffix == ".safetensors"  # no temporary file left
+    with safe_open(str(entries[0]), "np") as f:  # a standard safetensors file
+        sm = f.get_tensor("layers.1.qkv.sm")
+    np.testing.assert_array_equal(sm, np.asarray(want["layers"][1]["qkv"].sm))
 
 
 def test_other_weights_or_settings_get_their_own_entry(tmp_path, monkeypatch):

@@ -89,6 +89,7 @@ def per_shape(params: dict, rows: int, config, record: dict) -> None:
 
 def whole_model(params: dict, rows: int, choice, record: dict) -> None:
     """The run's preparation of every matrix (`formats.encode_params`, then `dispatch.prepare_params`)."""
+    print(f"  encoding {len(w12.matrix_names(params))} matrices, then their layout ...", flush=True)
     encoded, record["encode_s"] = seconds(lambda: formats.encode_params(params, "w12"))
     print(f"  encode (every matrix)        {record['encode_s']:7.2f} s", flush=True)
     _, record["layout_s"] = seconds(lambda: dispatch.prepare_params(encoded, choice, rows, layout_bf16=False))

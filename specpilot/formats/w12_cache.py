@@ -11,6 +11,7 @@ import concurrent.futures
 import hashlib
 import json
 import logging
+import math
 import os
 import time
 from pathlib import Path
@@ -19,7 +20,6 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
-from safetensors import safe_open
 
 from specpilot.formats import w12
 
@@ -100,6 +100,7 @@ def save(path: Path, key: str, entries: dict[str, Any]) -> None:
 
 
 _DTYPES = {np.dtype(np.int8): "I8", np.dtype(np.uint8): "U8", np.dtype(np.int32): "I32", np.dtype(np.uint16): "U16"}
+_NP_DTYPES = {name: dtype for dtype, name in _DTYPES.items()}
 
 
 def _write_safetensors(path: Path, tensors: dict[str, np.ndarray], metadata: dict[str, str]) -> None:
@@ -119,6 +120,31 @@ def _write_safetensors(path: Path, tensors: dict[str, np.ndarray], metadata: dic
             f.write(memoryview(a).cast("B"))  # no fsync: a file cut short by a crash fails its digests
 
 
+def _read_safetensors(path: Path) -> tuple[dict[str, str], dict[str, np.ndarray]]:
+    """A file `_write_safetensors` wrote: (metadata, {name: the tensor as a read-only view of a memory map}),
+    so hashing threads page the file in side by side and nothing is copied before the device. A header
+    that does not parse, or tensors out of the file, overlapping, of the wrong size or leaving bytes over,
+    raise ValueError."""
+    size = path.stat().st_size
+    with open(path, "rb") as f:
+        n = int.from_bytes(f.read(8), "little")
+        if not 2 <= n <= size - 8:
+            raise ValueError(f"its header length {n} does not fit the file's {size} bytes")
+        header = json.loads(f.read(n))
+    metadata = header.pop("__metadata__", {})
+    data = np.memmap(path, np.uint8, "r", offset=8 + n) if size > 8 + n else np.zeros(0, np.uint8)
+    tensors, end = {}, 0
+    for name, t in header.items():  # in the order written: each tensor right after the last
+        begin, stop = t["data_offsets"]
+        dtype = np.dtype(_NP_DTYPES[t["dtype"]])
+        if begin != end or stop > data.size or stop - begin != dtype.itemsize * math.prod(t["shape"]):
+            raise ValueError(f"tensor {name} is not where its header says")
+        tensors[name], end = data[begin:stop].view(dtype).reshape(t["shape"]), stop
+    if end != data.size:
+        raise ValueError(f"{data.size - end} bytes follow the last tensor")
+    return metadata, tensors
+
+
 def load(path: Path, key: str, sources: dict[str, Any]) -> dict[str, Any] | None:
     """The entries saved at `path` under `key`, each W12 on its source matrix's device (kept matrices: the
     source itself), or None if there is no entry. An entry with another key, other matrices, a digest
@@ -126,12 +152,10 @@ def load(path: Path, key: str, sources: dict[str, Any]) -> dict[str, Any] | None
     if not path.exists():
         return None
     try:
-        with safe_open(str(path), "np") as f:
-            md = f.metadata() or {}
-            if md.get("key") != key:
-                raise ValueError("it was written for other weights or settings")
-            meta, digests = json.loads(md["matrices"]), json.loads(md["sha256"])
-            tensors = {name: f.get_tensor(name) for name in f.keys()}
+        md, tensors = _read_safetensors(path)
+        if md.get("key") != key:
+            raise ValueError("it was written for other weights or settings")
+        meta, digests = json.loads(md["matrices"]), json.loads(md["sha256"])
         if list(meta) != list(sources) or set(digests) != set(tensors):
             raise ValueError("its matrices are not the source's")
         bad = [name for name, d in _digests(tensors).items() if d != digests[name]]
@@ -143,8 +167,8 @@ def load(path: Path, key: str, sources: dict[str, Any]) -> dict[str, Any] | None
                 out[name] = sources[name]
                 continue
             src = sources[name]
-            fields = jax.device_put({f: tensors[f"{name}.{f}"] for f in w12.FIELDS},
-                                    w12.placement(src) if isinstance(src, jax.Array) else None)
+            fields = jax.device_put({f: tensors[f"{name}.{f}"] for f in w12.FIELDS},  # copies: the map may go
+                                    w12.placement(src) if isinstance(src, jax.Array) else None, may_alias=False)
             out[name] = w12.W12(**fields, shape=tuple(m["shape"]), group_n=m["group_n"], group_k=m["group_k"])
     except Exception as e:  # noqa: BLE001 - any unreadable entry is rebuilt, whatever broke it
         log.warning("W12 cache entry %s is not used and will be rebuilt: %s", path, e)
