@@ -7,8 +7,8 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from specpilot.decoding.sampling import (RequestSampling, as_request_sampling, draw, filtered_logits, greedy_rows,
-                                         sample, with_greedy_rows)
+from specpilot.decoding.sampling import (Filter, RequestSampling, as_request_sampling, draw, filter_sum,
+                                         filter_weights, greedy_rows, sample, sampling_filter, with_greedy_rows)
 
 
 def choose_drafts(key: jax.Array, draft_logits: jax.Array, sampling: RequestSampling) -> jax.Array:
@@ -78,20 +78,29 @@ def _at(x: jax.Array, index: jax.Array) -> jax.Array:
     return jnp.take_along_axis(x, index.reshape((-1,) + (1,) * (x.ndim - 1)), axis=1)[:, 0]
 
 
+def _filter_at(f: Filter, index: jax.Array) -> Filter:
+    return Filter(*(_at(a, index) for a in f))
+
+
 def accept_sampled_uniform(u: jax.Array, u_next: jax.Array, drafts: jax.Array, draft_logits: jax.Array,
                            target_logits: jax.Array, sampling: RequestSampling, kept: jax.Array | None = None
                            ) -> tuple[jax.Array, jax.Array]:
     """`rejection_sample` on logits, given its uniforms (u [B, K], u_next [B]): p and q under the same
-    sampling transform, each evaluated only where the test needs it (p(x), q(x) at the drafts through
-    one log-sum-exp per position, both rows in full only at the accepted prefix's end)."""
+    sampling transform, each evaluated only where the test needs it (p(x), q(x) at the drafts from one
+    normalizing sum per position, full rows only at the accepted prefix's end)."""
     b, k = drafts.shape
     live = _live(drafts, kept)
-    xq = filtered_logits(draft_logits, sampling)  # [B, K, V]
-    xp = filtered_logits(target_logits, sampling)  # [B, K+1, V]
-    lse_q = jax.nn.logsumexp(xq, axis=-1)  # [B, K]
-    lse_p = jax.nn.logsumexp(xp, axis=-1)  # [B, K+1]
-    q_x = jnp.exp(jnp.take_along_axis(xq, drafts[..., None], axis=-1)[..., 0] - lse_q)
-    p_x = jnp.exp(jnp.take_along_axis(xp[:, :k], drafts[..., None], axis=-1)[..., 0] - lse_p[:, :k])
+    fq = sampling_filter(draft_logits, sampling)  # per position [B, K, 1]
+    fp = sampling_filter(target_logits, sampling)  # [B, K+1, 1]
+    z_q = filter_sum(draft_logits, fq)  # [B, K]
+    z_p = filter_sum(target_logits, fp)  # [B, K+1]
+
+    def at_drafts(logits, f):  # the filter's weight of each draft token, [B, K]
+        picked = jnp.take_along_axis(logits[:, :k], drafts[..., None], axis=-1)
+        return filter_weights(picked, Filter(*(a[:, :k] for a in f)))[..., 0]
+
+    q_x = at_drafts(draft_logits, fq) / z_q
+    p_x = at_drafts(target_logits, fp) / z_p[:, :k]
     greedy = greedy_rows(sampling, (b,))
 
     def with_one_hots():
@@ -104,13 +113,14 @@ def accept_sampled_uniform(u: jax.Array, u_next: jax.Array, drafts: jax.Array, d
     p_x, q_x, choice = with_greedy_rows(greedy, with_one_hots, (p_x, q_x, jnp.zeros((b, k + 1), jnp.int32)))
     q_x = jnp.where(live, q_x, 0.0)
     n_acc = _accepted_prefix((u * q_x < p_x) & live)
-    p_at = jnp.exp(_at(xp, n_acc) - _at(lse_p, n_acc)[:, None])  # [B, V]
+    p_at = filter_weights(_at(target_logits, n_acc), _filter_at(fp, n_acc)) / _at(z_p, n_acc)[:, None]
     # q is zero past the row's last verified draft, so the residual there is p itself: the bonus draw.
     q_at = jnp.zeros_like(p_at)
     if k:
         last = jnp.minimum(n_acc, k - 1)
         q_live = n_acc < (k if kept is None else jnp.minimum(kept, k))
-        q_at = jnp.where(q_live[:, None], jnp.exp(_at(xq, last) - _at(lse_q, last)[:, None]), 0.0)
+        q_row = filter_weights(_at(draft_logits, last), _filter_at(fq, last)) / _at(z_q, last)[:, None]
+        q_at = jnp.where(q_live[:, None], q_row, 0.0)
     next_token = _residual_draw(u_next, p_at, q_at)
     return n_acc, jnp.where(greedy, _at(choice, n_acc), next_token)
 

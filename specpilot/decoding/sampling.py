@@ -5,6 +5,7 @@ Design notes: docs/design/decoding.md.
 from __future__ import annotations
 
 import dataclasses
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -85,6 +86,19 @@ def _rows(values: jax.Array, like: jax.Array) -> jax.Array:
 TOP_P_CANDIDATES = 256
 
 
+def _top_values(x: jax.Array, m: int, chunk: int = 16) -> jax.Array:
+    """The m largest values of each row [..., m], descending: a top-k over the m chunks with the largest
+    maxima (they hold the m largest values: a chunk left out has m chunks' maxima at or above its
+    own), ~10x cheaper than a top-k over the row on the CPU."""
+    lead, v = x.shape[:-1], x.shape[-1]
+    if v % chunk or v // chunk < 4 * m:
+        return jax.lax.top_k(x, m)[0]
+    chunks = x.reshape(lead + (v // chunk, chunk))
+    best = jax.lax.top_k(jnp.max(chunks, axis=-1), m)[1]  # [..., m] chunk ids
+    candidates = jnp.take_along_axis(chunks, best[..., None], axis=-2).reshape(lead + (m * chunk,))
+    return jax.lax.top_k(candidates, m)[0]
+
+
 def _top_p_cutoff(x: jax.Array, top_p: jax.Array) -> jax.Array:
     """The smallest logit top-p keeps, [..., 1] (-inf where top_p == 1): the smallest prefix of the
     sorted logits whose mass reaches top_p, i.e. a token stays if the mass strictly before it is below
@@ -93,7 +107,7 @@ def _top_p_cutoff(x: jax.Array, top_p: jax.Array) -> jax.Array:
     m = min(TOP_P_CANDIDATES, v)
     lse = jax.nn.logsumexp(x, axis=-1, keepdims=True)
 
-    top = jax.lax.top_k(x, m)[0]  # descending, the sorted logits' first m
+    top = _top_values(x, m)  # descending, the sorted logits' first m
     top_mass = jnp.exp(top - lse)
     top_cum = jnp.cumsum(top_mass, axis=-1)
 
@@ -119,30 +133,65 @@ def _top_p_cutoff(x: jax.Array, top_p: jax.Array) -> jax.Array:
     return jnp.where(top_p < 1.0, cutoff, -jnp.inf)
 
 
-def _scaled(logits: jax.Array, s: RequestSampling) -> jax.Array:
-    """Logits at temperature (1 for a temperature-0 row) with top-k's removed tokens at -inf."""
-    temperature = _rows(s.temperature, logits)
-    x = logits.astype(jnp.float32) / jnp.where(temperature == 0, 1.0, temperature)
-    if s.top_k and s.top_k < x.shape[-1]:
-        kth = jax.lax.top_k(x, s.top_k)[0][..., -1:]
-        x = jnp.where(x < kth, -jnp.inf, x)
-    return x
+class Filter(NamedTuple):
+    """The sampling transform of logits [..., V] as per-row values [..., 1], so consumers fuse it into
+    their own passes over the raw logits (no transformed copy is written): token t of logits l keeps
+    x_t = l_t * inv_temperature if x_t >= cutoff, with weight exp((l_t - top) * inv_temperature)."""
+
+    inv_temperature: jax.Array  # 1 / temperature (1 for a temperature-0 row)
+    cutoff: jax.Array  # the smallest x kept by top-k / top-p (-inf: every token)
+    top: jax.Array  # the largest raw logit (always kept)
+
+
+def sampling_filter(logits: jax.Array, sampling) -> Filter:
+    s = as_request_sampling(sampling)
+    if s.greedy:
+        raise ValueError("greedy decoding has no sampling distribution; use jnp.argmax")
+    logits = logits.astype(jnp.float32)
+    t = jnp.broadcast_to(_rows(s.temperature, logits), logits.shape[:-1] + (1,))
+    inv = jnp.where(t == 0, 1.0, 1.0 / jnp.where(t == 0, 1.0, t))
+    none = jnp.full_like(inv, -jnp.inf)
+    kth = none
+    if s.top_k and s.top_k < logits.shape[-1]:
+        kth = jax.lax.top_k(logits * inv, s.top_k)[0][..., -1:]
+    top_p = jnp.broadcast_to(_rows(s.top_p, logits), inv.shape)
+
+    def with_top_p():
+        x = logits * inv
+        return _top_p_cutoff(jnp.where(x < kth, -jnp.inf, x), top_p)
+
+    # Without top-p (every row at 1, the usual case) nothing is sorted or ranked at all.
+    cutoff = jnp.maximum(kth, jax.lax.cond(jnp.any(top_p < 1.0), with_top_p, lambda: none))
+    return Filter(inv, cutoff, jnp.max(logits, axis=-1, keepdims=True))
+
+
+def filter_weights(logits: jax.Array, f: Filter, masked: bool = True) -> jax.Array:
+    """Unnormalized probabilities [..., V] of logits under the filter (0 for removed tokens).
+    masked=False skips the cut-off, for filters that keep every token."""
+    logits = logits.astype(jnp.float32)
+    w = jnp.exp((logits - f.top) * f.inv_temperature)
+    return jnp.where(logits * f.inv_temperature >= f.cutoff, w, 0.0) if masked else w
+
+
+def _if_filtering(f: Filter, fn):
+    """fn(masked=True) where some row has a cut-off, else fn(False): a reduction over the weights then
+    fuses into one pass over the raw logits (with the mask's select, XLA's CPU reductions take a
+    written-out copy: a 12 MB logits array costs ~2 ms more)."""
+    return jax.lax.cond(jnp.any(f.cutoff > -jnp.inf), lambda: fn(True), lambda: fn(False))
+
+
+def filter_sum(logits: jax.Array, f: Filter) -> jax.Array:
+    """[...]: the filter's normalizing sum (of `filter_weights`) per row."""
+    return _if_filtering(f, lambda masked: jnp.sum(filter_weights(logits, f, masked), axis=-1))
 
 
 def filtered_logits(logits: jax.Array, sampling) -> jax.Array:
     """Logits after temperature, top-k and top-p, [..., V] float32: removed tokens get -inf; the
     sampling distribution is their softmax. A temperature-0 row is left at temperature 1 (its
     distribution is the one-hot at its argmax: callers take that from the raw logits)."""
-    s = as_request_sampling(sampling)
-    if s.greedy:
-        raise ValueError("greedy decoding has no sampling distribution; use jnp.argmax")
-    top_p = jnp.broadcast_to(_rows(s.top_p, logits), logits.shape[:-1] + (1,))
-    # Without top-p (every row at 1, the usual case) nothing is sorted or ranked at all. The branch
-    # takes the raw logits, so the scaled ones stay fused into their consumers (never written out).
-    cutoff = jax.lax.cond(jnp.any(top_p < 1.0), lambda: _top_p_cutoff(_scaled(logits, s), top_p),
-                          lambda: jnp.full_like(top_p, -jnp.inf))
-    x = _scaled(logits, s)
-    return jnp.where(x < cutoff, -jnp.inf, x)
+    f = sampling_filter(logits, sampling)
+    x = logits.astype(jnp.float32) * f.inv_temperature
+    return jnp.where(x >= f.cutoff, x, -jnp.inf)
 
 
 def greedy_rows(sampling, shape: tuple[int, ...]) -> jax.Array:
@@ -157,26 +206,33 @@ def with_greedy_rows(greedy: jax.Array, make, sampled):
     return jax.lax.cond(jnp.any(greedy), make, lambda: sampled)
 
 
+def _one_hots_for_greedy_rows(logits: jax.Array, sampling, values: jax.Array, hot, cold) -> jax.Array:
+    greedy = greedy_rows(sampling, logits.shape[:-1])[..., None]
+
+    def with_one_hots():
+        one_hot = jnp.arange(logits.shape[-1]) == jnp.argmax(logits, axis=-1)[..., None]
+        return jnp.where(greedy, jnp.where(one_hot, hot, cold), values)
+
+    return with_greedy_rows(greedy, with_one_hots, values)
+
+
 def filtered_logprobs(logits: jax.Array, sampling) -> jax.Array:
     """Log-probabilities after temperature, top-k and top-p; removed tokens get -inf. [..., V] float32.
 
     A row of temperature 0 gets the one-hot at its argmax (log 0 elsewhere)."""
-    x = filtered_logits(logits, sampling)
-    logp = x - jax.nn.logsumexp(x, axis=-1, keepdims=True)
-    greedy = greedy_rows(sampling, logits.shape[:-1])[..., None]
+    return _one_hots_for_greedy_rows(logits, sampling, jnp.log(_normalized(logits, sampling)), 0.0, -jnp.inf)
 
-    def with_one_hots():
-        one_hot = jnp.arange(x.shape[-1]) == jnp.argmax(logits, axis=-1)[..., None]
-        return jnp.where(greedy, jnp.where(one_hot, 0.0, -jnp.inf), logp)
 
-    return with_greedy_rows(greedy, with_one_hots, logp)
+def _normalized(logits: jax.Array, sampling) -> jax.Array:
+    w = filter_weights(logits, sampling_filter(logits, sampling))
+    return w / jnp.sum(w, axis=-1, keepdims=True)
 
 
 def probabilities(logits: jax.Array, sampling) -> jax.Array:
     """The sampling distribution as probabilities [..., V]; greedy is a one-hot at the argmax."""
     if as_request_sampling(sampling).greedy:
         return jax.nn.one_hot(jnp.argmax(logits, axis=-1), logits.shape[-1], dtype=jnp.float32)
-    return jnp.exp(filtered_logprobs(logits, sampling))
+    return _one_hots_for_greedy_rows(logits, sampling, _normalized(logits, sampling), 1.0, 0.0)
 
 
 def _chunk_size(v: int) -> int:
@@ -199,19 +255,36 @@ def _first_above(cum: jax.Array, r: jax.Array, positive: jax.Array) -> jax.Array
 
 def draw(u: jax.Array, weights: jax.Array) -> jax.Array:
     """Inverse-CDF draw: token ids [...] with probability weights / sum(weights) from uniforms u [...]
-    in [0, 1) and non-negative weights [..., V] with a positive sum. Two levels (the chunk, then the
-    token inside it) so no pass over the vocabulary is longer than one sum."""
-    lead, v = weights.shape[:-1], weights.shape[-1]
+    in [0, 1) and non-negative weights [..., V] with a positive sum."""
+    return _draw(u, weights, lambda w, _: w)
+
+
+def _draw(u: jax.Array, values: jax.Array, weigh) -> jax.Array:
+    """`draw` over weigh(values, axes) (elementwise; axes: how many trailing axes values has past the
+    leading ones), in two levels (the chunk, then the token inside it) so no pass over the vocabulary
+    is longer than one sum, and the weights are recomputed where needed, never written out whole."""
+    lead, v = values.shape[:-1], values.shape[-1]
     c = _chunk_size(v)
-    chunks = weights.astype(jnp.float32).reshape(lead + (v // c, c))
-    sums = jnp.sum(chunks, axis=-1)  # [..., n]
+    chunks = values.reshape(lead + (v // c, c))
+    sums = jnp.sum(weigh(chunks, 2), axis=-1)  # [..., n]
     cum = jnp.cumsum(sums, axis=-1)
     r = u * cum[..., -1]
     chunk = _first_above(cum, r, sums > 0)
-    row = jnp.take_along_axis(chunks, chunk[..., None, None], axis=-2)[..., 0, :]  # [..., c]
+    row = weigh(jnp.take_along_axis(chunks, chunk[..., None, None], axis=-2)[..., 0, :], 1)  # [..., c]
     before = jnp.take_along_axis(cum - sums, chunk[..., None], axis=-1)[..., 0]
     inside = _first_above(jnp.cumsum(row, axis=-1), r - before, row > 0)
     return chunk * c + inside
+
+
+def draw_filtered(u: jax.Array, logits: jax.Array, f: Filter) -> jax.Array:
+    """A draw from logits [..., V] under the filter f, weighing only what the draw reads."""
+    def drawn(masked):
+        def weigh(values, axes):
+            return filter_weights(values, Filter(*(a.reshape(a.shape + (1,) * (axes - 1)) for a in f)), masked)
+
+        return _draw(u, logits, weigh)
+
+    return _if_filtering(f, drawn)
 
 
 def sample_uniform(u: jax.Array, logits: jax.Array, sampling) -> jax.Array:
@@ -219,8 +292,7 @@ def sample_uniform(u: jax.Array, logits: jax.Array, sampling) -> jax.Array:
     s = as_request_sampling(sampling)
     if s.greedy:
         return jnp.argmax(logits, axis=-1).astype(jnp.int32)
-    x = filtered_logits(logits, s)
-    drawn = draw(u, jnp.exp(x - jnp.max(x, axis=-1, keepdims=True)))
+    drawn = draw_filtered(u, logits, sampling_filter(logits, s))
     greedy = greedy_rows(s, drawn.shape)
     return with_greedy_rows(greedy, lambda: jnp.where(greedy, jnp.argmax(logits, axis=-1).astype(jnp.int32),
                                                       drawn), drawn)
