@@ -16,7 +16,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plt
 
 from pallas_kernels.common import NUM_SMS_H200, largest_pow2_divisor, pow2
-from pallas_kernels.ragged_attention import visible_mask
+from pallas_kernels.ragged_attention import first_copy, pad_rows, visible_mask
 from pallas_kernels.tree_attention import cache_attention
 
 MIN_ROWS = 16  # tl.dot's smallest M (and N, K)
@@ -133,22 +133,6 @@ def _norm_rope(load, d: int, w_ref, cos, sin, *, normed: bool, eps: float):
     return _add(_mul(x1, c1, dtype), _mul(-x2, s1, dtype), dtype), _add(_mul(x2, c2, dtype), _mul(x1, s2, dtype), dtype)
 
 
-def _pad_rows(x, rows: int):
-    """x [M, N] -> [rows, N] by repeating it (rows a power-of-two multiple of M): tl.dot needs >= 16 rows,
-    and Triton cannot concatenate along rows. The copies' results are identical, and masked where they count."""
-    m = x.shape[0]
-    if m == rows:
-        return x
-    return jnp.broadcast_to(x[None], (rows // m, m, x.shape[1])).reshape(rows, x.shape[1])
-
-
-def _first_copy(x, m: int):
-    """The first m rows of x [R, ...] built by `_pad_rows` (all copies hold the same values)."""
-    if x.shape[0] == m:
-        return x
-    return jnp.max(x.reshape((x.shape[0] // m, m) + x.shape[1:]), axis=0)
-
-
 def _kernel(lengths_ref, counts_ref, q_ref, k_ref, v_ref, cos_ref, sin_ref, qw_ref, kw_ref, kc_ref, vc_ref,
             kc_out, vc_out, *out_refs, q_normed: bool, k_normed: bool, eps: float,
             block_s: int, splits: int):
@@ -170,7 +154,7 @@ def _kernel(lengths_ref, counts_ref, q_ref, k_ref, v_ref, cos_ref, sin_ref, qw_r
     cos = (cos_ref[:, :half].astype(dtype), cos_ref[:, half:].astype(dtype))  # [T, D/2] each
     sin = (sin_ref[:, :half].astype(dtype), sin_ref[:, half:].astype(dtype))
     group = q_ref.shape[1]
-    queries = [tuple(_pad_rows(x, rows) for x in _norm_rope(lambda c, e=e: q_ref[:, e, c], d, qw_ref, cos, sin,
+    queries = [tuple(pad_rows(x, rows) for x in _norm_rope(lambda c, e=e: q_ref[:, e, c], d, qw_ref, cos, sin,
                                                                normed=q_normed, eps=eps))
                for e in range(group)]  # per head: halves [R, D/2]
     k1, k2 = _norm_rope(lambda c: k_ref[:, c], d, kw_ref, cos, sin, normed=k_normed, eps=eps)  # [T, D/2] each
@@ -221,14 +205,14 @@ def _kernel(lengths_ref, counts_ref, q_ref, k_ref, v_ref, cos_ref, sin_ref, qw_r
 
     # the T new tokens, from registers as the cache would return them (the last split's share)
     def as_read(x):
-        return _pad_rows(x.astype(cache_dtype).astype(dtype), rows)
+        return pad_rows(x.astype(cache_dtype).astype(dtype), rows)
 
     token = jax.lax.broadcasted_iota(jnp.int32, (rows, rows), 0) % t
     col = jax.lax.broadcasted_iota(jnp.int32, (rows, rows), 1)
     seen = (col < t) & (col <= token) & (col < count) & (split == last)  # col >= T: a repeated copy
     own1, own2, own_v = as_read(k1), as_read(k2), as_read(v_new)
     for e, (carry, query) in enumerate(zip(carries, queries)):
-        o, m, l = (_first_copy(x, t) for x in absorb(carry, query, own1, own2, own_v, seen))
+        o, m, l = (first_copy(x, t) for x in absorb(carry, query, own1, own2, own_v, seen))
         if splits == 1:
             plt.store(out_refs[0].at[:, np.int32(e), :], (o / l[:, None]).astype(out_refs[0].dtype))
         else:
