@@ -39,7 +39,7 @@ def _fixups(group, option):
         extra = ["drafter=random"]  # speculative methods need a drafter
         if "w12" in option:
             extra.append("target.dtype=bfloat16")  # the 12-bit format encodes bf16 weights
-        if "twin" in option:
+        if "twin" in option or option == "step":
             extra.append("target.dtype=bfloat16")  # the Mosaic kernel's bf16 twin multiplies bf16 weights
         return extra
     return []
