@@ -16,7 +16,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plt
 
 from pallas_kernels.common import NUM_SMS_H200, largest_pow2_divisor, pow2
-from pallas_kernels.ragged_attention import first_copy, pad_rows, visible_mask
+from pallas_kernels.ragged_attention import check_split_launch, first_copy, pad_rows, visible_mask
 from pallas_kernels.tree_attention import cache_attention
 
 MIN_ROWS = 16  # tl.dot's smallest M (and N, K)
@@ -296,16 +296,7 @@ class AttentionBlockConfig:
     interpret: bool = False
 
     def __post_init__(self):
-        for name in ("block_s", "num_warps"):
-            value = getattr(self, name)
-            if not (isinstance(value, int) and pow2(value)):
-                raise ValueError(f"{name} must be a power of two, got {value!r}")
-        if self.block_s < MIN_ROWS:
-            raise ValueError(f"block_s must be >= {MIN_ROWS} (tl.dot), got {self.block_s}")
-        if not (isinstance(self.splits, int) and self.splits >= 0):
-            raise ValueError(f"splits must be a non-negative integer (0: automatic), got {self.splits!r}")
-        if not (isinstance(self.num_stages, int) and self.num_stages >= 1):
-            raise ValueError(f"num_stages must be a positive integer, got {self.num_stages!r}")
+        check_split_launch(self)
 
 
 def auto_splits(batch: int, kv_heads: int, slots: int, block_s: int) -> int:

@@ -231,6 +231,21 @@ def ragged_attention_pallas(q, k, v, lengths, counts, *, block_s: int = 64, spli
 
 # ---- public API ----------------------------------------------------------------------------------------
 
+def check_split_launch(config) -> None:
+    """The settings the cache-split Triton kernels share (this one's and `attention_block`'s): block_s and
+    num_warps powers of two, block_s >= 16 (tl.dot), num_stages >= 1, splits >= 0 (0: automatic)."""
+    for name in ("block_s", "num_warps"):
+        value = getattr(config, name)
+        if not (isinstance(value, int) and pow2(value)):
+            raise ValueError(f"{name} must be a power of two, got {value!r}")
+    if config.block_s < MIN_ROWS:
+        raise ValueError(f"block_s must be >= {MIN_ROWS} (tl.dot), got {config.block_s}")
+    if not (isinstance(config.num_stages, int) and config.num_stages >= 1):
+        raise ValueError(f"num_stages must be a positive integer, got {config.num_stages!r}")
+    if not (isinstance(config.splits, int) and config.splits >= 0):
+        raise ValueError(f"splits must be a non-negative integer (0: automatic), got {config.splits!r}")
+
+
 @dataclasses.dataclass(frozen=True)
 class RaggedAttentionConfig:
     """The Triton-backend kernel's settings: slots per key block (`block_s`, a power of two >= 16 dividing
@@ -248,16 +263,7 @@ class RaggedAttentionConfig:
     interpret: bool = False
 
     def __post_init__(self):
-        for name in ("block_s", "num_warps"):
-            value = getattr(self, name)
-            if not (isinstance(value, int) and pow2(value)):
-                raise ValueError(f"{name} must be a power of two, got {value!r}")
-        if self.block_s < MIN_ROWS:
-            raise ValueError(f"block_s must be >= {MIN_ROWS} (tl.dot), got {self.block_s}")
-        if not (isinstance(self.num_stages, int) and self.num_stages >= 1):
-            raise ValueError(f"num_stages must be a positive integer, got {self.num_stages!r}")
-        if not (isinstance(self.splits, int) and self.splits >= 0):
-            raise ValueError(f"splits must be a non-negative integer (0: automatic), got {self.splits!r}")
+        check_split_launch(self)
         if self.merge not in MERGES:
             raise ValueError(f"merge must be one of {MERGES}, got {self.merge!r}")
 

@@ -11,25 +11,14 @@ The default deployment verifies block 4 of SmolLM2-135M (vocabulary 49152); Qwen
 """
 
 import argparse
-import statistics
-import time
 
 import jax
 import jax.numpy as jnp
 
 from specpilot.decoding.rejection import choose_drafts, verify_chain
 from specpilot.decoding.sampling import SamplingConfig
+from specpilot.harness.bench import median_ms
 from specpilot.serving.slots import verify_rows
-
-
-def median_ms(fn, *args, trials: int) -> float:
-    jax.block_until_ready(fn(*args))  # compile and warm up
-    times = []
-    for _ in range(trials):
-        t0 = time.perf_counter()
-        jax.block_until_ready(fn(*args))
-        times.append(time.perf_counter() - t0)
-    return 1e3 * statistics.median(times)
 
 
 def inputs(batch: int, block: int, vocab: int, seed: int = 0):

@@ -15,12 +15,10 @@ import argparse
 import json
 import math
 import statistics
-import tempfile
 import time
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 
 from pallas_kernels import ragged_attention as ra
 from pallas_kernels.tree_attention import cache_attention
@@ -62,15 +60,14 @@ def wall_us(chain, q, caches, calls: int, trials: int = 5, reps: int = 5) -> flo
 def profile(chain, q, caches, calls: int, reps: int = 3) -> dict:
     """Device kernels per attention call and their time (JAX profiler trace)."""
     jax.block_until_ready(chain(q, caches))
-    with tempfile.TemporaryDirectory() as d:
-        try:
-            with jax.profiler.trace(d, create_perfetto_trace=True):
-                for _ in range(reps):
-                    out = chain(q, caches)
-                jax.block_until_ready(out)
-            return bench.kernel_summary(d, reps * calls, top=4) or {}
-        except Exception as e:  # noqa: BLE001 - profiling is evidence, never fatal
-            return {"error": repr(e)[:300]}
+
+    def run():
+        out = None
+        for _ in range(reps):
+            out = chain(q, caches)
+        return out
+
+    return bench.traced_kernels(run, reps * calls)
 
 
 def kv_bytes(b: int, kvh: int, d: int, ends: int, itemsize: int) -> int:

@@ -14,7 +14,6 @@ from __future__ import annotations
 import argparse
 import functools
 import json
-import tempfile
 
 import jax
 import jax.numpy as jnp
@@ -62,16 +61,16 @@ def profile(block, qkvs, weights, tables, caches, lengths, counts, reps: int):
 
     out, caches = one_pass(caches)
     jax.block_until_ready(out)
-    with tempfile.TemporaryDirectory() as d:
-        try:
-            with jax.profiler.trace(d, create_perfetto_trace=True):
-                for _ in range(reps):
-                    out, caches = one_pass(caches)
-                jax.block_until_ready(out)
-            summary = bench.kernel_summary(d, reps * len(qkvs), top=4)
-        except Exception as e:  # noqa: BLE001 - profiling is evidence, never fatal
-            summary = {"error": repr(e)[:300]}
-    return caches, summary
+    carried = [caches]
+
+    def run():
+        out = None
+        for _ in range(reps):
+            out, carried[0] = one_pass(carried[0])
+        return out
+
+    summary = bench.traced_kernels(run, reps * len(qkvs))
+    return carried[0], summary
 
 
 def agreement(kernel, reference, qkv, weights, tables, caches, lengths, counts, dims: dict, context: int) -> dict:

@@ -10,25 +10,14 @@ converted SmolLM2 under cache_dir/gguf/.
 """
 
 import argparse
-import statistics
-import time
 
 import jax
 import jax.numpy as jnp
 
+from specpilot.harness.bench import median_ms
 from specpilot.models import dense
 from specpilot.models.checkpoint import load_hf
 from specpilot.state import causal_mask, chain_positions
-
-
-def median_ms(fn, *args, trials: int) -> float:
-    jax.block_until_ready(fn(*args))  # compile and warm up
-    times = []
-    for _ in range(trials):
-        t0 = time.perf_counter()
-        jax.block_until_ready(fn(*args))
-        times.append(time.perf_counter() - t0)
-    return 1e3 * statistics.median(times)
 
 
 def main(argv=None):

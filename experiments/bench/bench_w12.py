@@ -13,7 +13,6 @@ from __future__ import annotations
 import json
 import math
 import statistics
-import tempfile
 import time
 
 import jax
@@ -59,19 +58,18 @@ def timed(fn, reps: int, trials: int) -> float:
     return statistics.median(out)
 
 
-def profile_chain(chain, x, ws, count: int, reps: int = 3) -> dict | None:
+def profile_chain(chain, x, ws, count: int, reps: int = 3) -> dict:
     """Kernel durations on the device for `reps` runs of a compiled chain (JAX profiler, Perfetto trace),
     per matrix: busy (kernels) against span, and each kernel's min/median/max per call."""
     jax.block_until_ready(chain(x, ws))
-    with tempfile.TemporaryDirectory() as d:
-        try:
-            with jax.profiler.trace(d, create_perfetto_trace=True):
-                for _ in range(reps):
-                    out = chain(x, ws)
-                jax.block_until_ready(out)
-            return bench.kernel_summary(d, reps * count, top=6)
-        except Exception as e:  # noqa: BLE001 - profiling is evidence, never fatal
-            return {"error": repr(e)[:500]}
+
+    def run():
+        out = None
+        for _ in range(reps):
+            out = chain(x, ws)
+        return out
+
+    return bench.traced_kernels(run, reps * count, top=6)
 
 
 def copy_bandwidth(nbytes: int, reps: int = 10) -> float:

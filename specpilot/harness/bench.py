@@ -15,6 +15,7 @@ import os
 import re
 import math
 import statistics
+import tempfile
 import time
 from typing import Any, Callable
 
@@ -125,6 +126,30 @@ def bandwidth_fields(nbytes: int, seconds: float, copy_bw: float | None) -> dict
 
 # --------------------------------------------------------------------------------------------------
 # Profiler traces and compiled HLO
+
+
+def traced_kernels(run: Callable[[], Any], calls: int, top: int = 4) -> dict[str, Any]:
+    """Kernel summary per call (`kernel_summary`) of run() under the JAX profiler, which makes `calls`
+    calls of what is measured and returns an array to sync on; {"error": ...} if tracing fails
+    (profiling is evidence, never fatal)."""
+    with tempfile.TemporaryDirectory() as d:
+        try:
+            with jax.profiler.trace(d, create_perfetto_trace=True):
+                jax.block_until_ready(run())
+            return kernel_summary(d, calls, top=top) or {}
+        except Exception as e:  # noqa: BLE001
+            return {"error": repr(e)[:500]}
+
+
+def median_ms(fn: Callable, *args, trials: int) -> float:
+    """Median wall milliseconds of fn(*args) over `trials` synced calls, after one warm-up (the compile)."""
+    jax.block_until_ready(fn(*args))
+    times = []
+    for _ in range(trials):
+        t0 = time.perf_counter()
+        jax.block_until_ready(fn(*args))
+        times.append(time.perf_counter() - t0)
+    return 1e3 * statistics.median(times)
 
 
 def kernel_summary(trace_dir: str, steps: int, top: int = 25, window: str | None = None) -> dict[str, Any] | None:
