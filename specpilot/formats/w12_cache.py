@@ -167,8 +167,10 @@ def load(path: Path, key: str, sources: dict[str, Any]) -> dict[str, Any] | None
                 out[name] = sources[name]
                 continue
             src = sources[name]
-            fields = jax.device_put({f: tensors[f"{name}.{f}"] for f in w12.FIELDS},  # copies: the map may go
-                                    w12.placement(src) if isinstance(src, jax.Array) else None, may_alias=False)
+            # copied out of the file's map first: jax on a CPU keeps a pointer into host arrays it is given
+            # (may_alias=False included, jax 0.10), which would outlive the map
+            fields = jax.device_put({f: np.array(tensors[f"{name}.{f}"], copy=True) for f in w12.FIELDS},
+                                    w12.placement(src) if isinstance(src, jax.Array) else None)
             out[name] = w12.W12(**fields, shape=tuple(m["shape"]), group_n=m["group_n"], group_k=m["group_k"])
     except Exception as e:  # noqa: BLE001 - any unreadable entry is rebuilt, whatever broke it
         log.warning("W12 cache entry %s is not used and will be rebuilt: %s", path, e)
