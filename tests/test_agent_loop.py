@@ -13,6 +13,7 @@ from pathlib import Path
 from agent_helpers import ROOT, TOY, toy_cfg
 
 from specpilot.agent import memory as mem
+from specpilot.agent.loop import tried_before
 from specpilot.harness.config_schema import build_plans, validate
 
 
@@ -80,3 +81,14 @@ def test_two_rounds_a_crash_and_a_resume(tmp_path):
     validate(cfg)
     plan = next(p for p in build_plans(cfg) if p.name == "found")
     assert plan.verify == summary["incumbent"]["verify"]
+
+
+def test_a_resumed_round_counts_only_finished_rounds_as_tried(tmp_path):
+    memory = mem.Memory(f"sqlite:///{tmp_path / 'memory.db'}")
+    memory.start_run("k", {}, {})
+    for r, key, status in ((0, "a", "rejected"), (0, "i", "incumbent"), (1, "b", "failed")):
+        memory.record_candidate("k", r, name=f"r{r}-{key}", proposer="guided", rewrite_key=key, rewrite={},
+                                fields=None, status=status, reason="")
+    memory.finish_round("k", 0, {"verify": "ar"}, 1e-3, 1e-3)  # round 1 was interrupted after judging "b"
+    assert tried_before(memory, "k", 1) == {"a"}
+    assert tried_before(memory, "k", 2) == {"a", "b"}

@@ -230,7 +230,7 @@ class Loop:
     def _round(self, r: int, gate: Gate, evaluator: ev.Evaluator, proposers, prompts, att, seeds,
                survivors) -> dict:
         a, memory = self.agent, self.memory
-        ctx = props.Context(self.space, self.incumbent, att, memory.tried(self.key), seeds, survivors,
+        ctx = props.Context(self.space, self.incumbent, att, tried_before(memory, self.key, r), seeds, survivors,
                             self.avoid)
         proposals: list[props.Proposal] = []
         for p in proposers:
@@ -252,7 +252,7 @@ class Loop:
                 proposer.observe(prop, None, "dropped")
                 continue
             runnable.append((proposer, prop, name, out[0], out[1], None))
-        if r == 0 and not memory.candidates(self.key, 0):
+        if r == 0:  # round 0 runs again only when it never finished: its given candidates too
             for i, given in enumerate(a.candidates):
                 fields = dict(given.get("fields") or {})
                 name = f"r{r}-given{i}-{given.get('name', 'candidate')}"
@@ -343,6 +343,12 @@ class Loop:
                                      status=status, reason=row["reason"], s_per_token=s, gain=gain,
                                      verdict=verdict, folder=folder, versions=self.versions)
         return row
+
+
+def tried_before(memory: mem.Memory, key: str, round_index: int) -> set[str]:
+    """Rewrite keys judged in the rounds before `round_index` (all finished): candidates an interrupted run
+    of this round recorded are proposed again, not counted as tried."""
+    return {c.rewrite_key for c in memory.candidates(key) if c.status != "incumbent" and c.round < round_index}
 
 
 def distinct_plans(runnable: list) -> tuple[list, list]:
