@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+from pathlib import Path
 
 import jax
 import jax.numpy as jnp
@@ -230,6 +231,56 @@ def test_index_disagreeing_with_shard(tmp_path, no_tensor_reads):
     assert "index disagrees with shard" in _error(tmp_path)
     (tmp_path / checkpoint.INDEX_FILE).write_text("{")
     assert "malformed index" in _error(tmp_path)
+
+
+def _sharded_with(tmp_path, rename):
+    """A sharded checkpoint whose index names `rename(first shard's name)` for the first shard's keys."""
+    root = tmp_path / "ckpt"
+    save_hf(random_params(QWEN3, jnp.float32), QWEN3, root, max_shard_bytes=SHARD_BYTES)
+    index = json.loads((root / checkpoint.INDEX_FILE).read_text())
+    first = sorted(root.glob("model-*-of-*.safetensors"))[0]
+    name = rename(first)
+    index["weight_map"] = {k: name if v == first.name else v for k, v in index["weight_map"].items()}
+    (root / checkpoint.INDEX_FILE).write_text(json.dumps(index))
+    return root, first
+
+
+def test_index_may_not_name_files_outside_the_folder(tmp_path, no_tensor_reads):
+    def up_one(first):
+        first.rename(tmp_path / "outside.safetensors")
+        return "../outside.safetensors"
+
+    root, _ = _sharded_with(tmp_path, up_one)
+    msg = _error(root)
+    assert "outside the checkpoint folder" in msg and "../outside.safetensors" in msg
+    root, _ = _sharded_with(tmp_path / "abs", lambda first: str(first.rename(tmp_path / "abs.safetensors")))
+    assert "outside the checkpoint folder" in _error(root)
+
+
+def test_index_may_not_name_a_link_that_leaves_the_folder(tmp_path, no_tensor_reads):
+    def link_out(first):
+        target = first.rename(tmp_path / "elsewhere.safetensors")
+        first.symlink_to(target)
+        return first.name
+
+    root, _ = _sharded_with(tmp_path, link_out)
+    msg = _error(root)
+    assert "a link to" in msg and "elsewhere.safetensors" in msg
+
+
+def test_a_hub_snapshot_linking_into_its_blobs_loads(tmp_path):
+    """The Hugging Face hub cache's layout: snapshots/<rev>/<file> -> ../../blobs/<hash>."""
+    params = random_params(QWEN3, jnp.float32)
+    built = tmp_path / "built"
+    save_hf(params, QWEN3, built, max_shard_bytes=SHARD_BYTES)
+    blobs, snapshot = tmp_path / "hub" / "blobs", tmp_path / "hub" / "snapshots" / "0123abc"
+    blobs.mkdir(parents=True)
+    snapshot.mkdir(parents=True)
+    for i, f in enumerate(sorted(built.iterdir())):
+        f.rename(blobs / f"blob{i}")
+        (snapshot / f.name).symlink_to(Path("..") / ".." / "blobs" / f"blob{i}")
+    loaded, _ = load_hf(snapshot, dtype=None)
+    assert_bit_equal(loaded, params)
 
 
 def test_shards_without_index(tmp_path):

@@ -100,6 +100,8 @@ def shard_files(root: Path) -> dict[str, list[str] | None]:
         shards: dict[str, list[str]] = {}
         for key, shard in weight_map.items():
             shards.setdefault(str(shard), []).append(key)
+        for shard in shards:
+            check_inside(root, shard, index_path)
         missing = [s for s in shards if not (root / s).is_file()]
         if missing:
             raise CheckpointError(f"index {index_path} names missing shard file(s): {listing(missing)}")
@@ -111,6 +113,20 @@ def shard_files(root: Path) -> dict[str, list[str] | None]:
         raise CheckpointError(f"checkpoint {root} has safetensors files ({listing(others)}) but "
                               f"neither {SINGLE_FILE} nor {INDEX_FILE}")
     raise CheckpointError(f"checkpoint {root} has no {SINGLE_FILE} (and no {INDEX_FILE})")
+
+
+def check_inside(root: Path, name: str, index_path: Path) -> None:
+    """Refuse a shard name that leaves the checkpoint folder: absolute, with `..`, or a link that resolves
+    outside it (a Hugging Face hub snapshot's links into its own `../../blobs` are the one exception)."""
+    if not name or Path(name).is_absolute() or ".." in Path(name).parts:
+        raise CheckpointError(f"index {index_path} names shard {name!r} outside the checkpoint folder; "
+                              f"a shard must be a file name inside {root}")
+    real, allowed = (root / name).resolve(), [root.resolve()]
+    if root.resolve().parent.name == "snapshots":
+        allowed.append(root.resolve().parent.parent / "blobs")
+    if not any(real.is_relative_to(folder) for folder in allowed):
+        raise CheckpointError(f"index {index_path} names shard {name!r}, a link to {real} outside the "
+                              f"checkpoint folder; copy the file into {root}")
 
 
 def read_headers(root: Path, shards: dict[str, list[str] | None]):
