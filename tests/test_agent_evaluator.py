@@ -161,14 +161,18 @@ def test_each_candidate_sees_only_its_group(tmp_path):
     assert all(a1 <= b0 for (_, a1), (b0, _) in zip(spans, spans[1:]))  # one shared CPU: timed one at a time
 
 
-def test_a_candidate_runs_without_what_the_nanny_injected():
+def test_a_candidate_runs_without_what_the_nanny_injected_or_any_secret():
     injected = ev.nanny_injected()
     assert injected.get("MALLOC_TRIM_THRESHOLD_") == "65536"  # Dask's default, which slowed CPU steps 4x
-    base = {"PATH": "/usr/bin", "MALLOC_TRIM_THRESHOLD_": "65536", "OMP_NUM_THREADS": "4"}
+    base = {"PATH": "/opt/private/bin", "MALLOC_TRIM_THRESHOLD_": "65536", "OMP_NUM_THREADS": "4",
+            "OPENAI_API_KEY": "sk-test", "XLA_FLAGS": "--xla_dump_to=/x", "JAX_TOKEN": "t", "HOME": "/root"}
     env = ev.candidate_env("cpu:0", base)
     assert "MALLOC_TRIM_THRESHOLD_" not in env  # the nanny's value: dropped
     assert env["OMP_NUM_THREADS"] == "4"  # not the nanny's value (1): the user's own setting stays
-    assert env["PATH"] == "/usr/bin" and env["PYTHONUNBUFFERED"] == "1" and env["JAX_PLATFORMS"] == "cpu"
+    assert "OPENAI_API_KEY" not in env and "JAX_TOKEN" not in env  # built from scratch: no credential
+    assert "/opt/private/bin" not in env["PATH"] and env["HOME"] == "/tmp" and env["TMPDIR"] == "/tmp"
+    assert env["PYTHONUNBUFFERED"] == "1" and env["JAX_PLATFORMS"] == "cpu"
+    assert "--xla_dump_to=/x" in env["XLA_FLAGS"] and "device_count=1" in env["XLA_FLAGS"]
 
 
 def test_the_cheap_stage_ranks_by_the_candidates_decode_time():

@@ -60,27 +60,43 @@ def build(spec: dict, cfg=None):
     return dep, plan, plans
 
 
+def load_variants(spec: dict) -> list[dict] | None:
+    """The spec's kernel variants loaded and checked against their references (what was checked), or
+    None after printing why one was rejected (the last stderr line the evaluator reads)."""
+    if not spec.get("variants"):
+        return []
+    try:
+        return kernel_variants.load_and_check(spec["variants"], spec["variant_check"]["shapes"],
+                                              int(spec["variant_check"]["seed"]))
+    except kernel_variants.VariantRejected as e:
+        print(f"{VARIANT_REJECTED}: {e}", file=sys.stderr, flush=True)
+        return None
+
+
+def check_stage(spec: dict, proto, out_path: str) -> int:
+    """A "check" stage: the variants' reference checks only, on the CPU, no deployment (no config needed)."""
+    checked = load_variants(spec)
+    if checked is None:
+        return 3
+    proto.write(f"{PROTOCOL_READY} 0\n")
+    for line in sys.stdin:
+        if line.strip() == PROTOCOL_END:
+            break
+    Path(out_path).write_text(json.dumps({"name": spec["name"], "checked": checked, "tokens": []}))
+    return 0
+
+
 def main(spec_path: str, out_path: str) -> int:
     proto = os.fdopen(os.dup(1), "w", buffering=1)
     os.dup2(2, 1)  # anything else printed goes to stderr
     sys.stdout = sys.stderr
     spec = json.loads(Path(spec_path).read_text())
-    cfg = configure(spec)
-    checked = []
-    if spec.get("variants"):  # kernel variants: loaded from the sandbox and checked before anything runs
-        try:
-            checked = kernel_variants.load_and_check(spec["variants"], spec["variant_check"]["shapes"],
-                                                     int(spec["variant_check"]["seed"]))
-        except kernel_variants.VariantRejected as e:
-            print(f"{VARIANT_REJECTED}: {e}", file=sys.stderr, flush=True)
-            return 3
     if spec.get("stage") == "check":
-        proto.write(f"{PROTOCOL_READY} 0\n")
-        for line in sys.stdin:
-            if line.strip() == PROTOCOL_END:
-                break
-        Path(out_path).write_text(json.dumps({"name": spec["name"], "checked": checked, "tokens": []}))
-        return 0
+        return check_stage(spec, proto, out_path)
+    cfg = configure(spec)
+    checked = load_variants(spec)  # kernel variants: loaded and checked before anything runs
+    if checked is None:
+        return 3
     dep, plan, plans = build(spec, cfg)
     if plan.uses_drafter and isinstance(dep.drafter[0], OracleDrafter):
         dep.reference_tokens = methods.run_plan(dep, plans[0]).tokens  # the oracle replays the AR reference

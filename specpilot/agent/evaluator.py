@@ -1,18 +1,21 @@
-"""Candidates evaluated in parallel on Dask distributed, each in its own limited process, timed from outside.
+"""Candidates evaluated in parallel on Dask distributed (on loopback, or across hosts over TLS), each in
+its own sandboxed process (`sandbox`), timed from outside.
 
-Each task starts a candidate process (memory limit, deadline, its device group's devices only), sends it
-one "go" per timed repeat and times each answer itself; a crash, hang or out-of-memory loses that
-candidate only, reported as a status with a reason, never raised. Dask's own INFO lines are silenced in
-the driver and in the worker processes (`log_level`). Design notes: docs/design/agent.md.
+Each task starts a candidate process (limits, deadline, its device group's devices only), sends it one
+"go" per timed repeat and times each answer itself; a crash, hang, out-of-memory or escape attempt loses
+that candidate only, reported as a status with a reason, never raised. Design notes: docs/design/agent.md.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import ipaddress
 import json
 import logging
 import os
 import secrets
 import selectors
+import shutil
 import signal
 import subprocess
 import sys
@@ -23,9 +26,11 @@ from typing import Callable, Iterable
 
 import dask
 import distributed  # noqa: F401  (registers the nanny's configuration with dask.config)
-from dask.distributed import Client, Lock, Nanny, Scheduler, SpecCluster, as_completed, get_worker
+from dask.distributed import Client, Lock, Nanny, Scheduler, Security, SpecCluster, as_completed, get_worker
+from distributed.comm.addressing import parse_address, parse_host_port
 
 from specpilot import sharding
+from specpilot.agent import sandbox as sb
 
 OK, CRASHED, TIMEOUT, OOM, KILLED, BAD_OUTPUT = "ok", "crashed", "timeout", "oom", "killed", "bad_output"
 VARIANT_REJECTED = "variant_rejected"  # a kernel variant failed its reference check (or its source check)
@@ -58,12 +63,7 @@ def set_dask_log_level(level: int) -> None:
         logging.getLogger(name).setLevel(level)
 
 
-# Runs first in the child: the address-space limit, then exec of the candidate (a preexec_fn would make
-# Popen fork a multithreaded parent, e.g. a driver that has started jax).
-_LIMITED = ("import os, resource, sys\n"
-            "limit = int(sys.argv[1]) * 2**20\n"
-            "if limit > 0: resource.setrlimit(resource.RLIMIT_AS, (limit, limit))\n"
-            "os.execv(sys.argv[2], sys.argv[2:])\n")
+LOOPBACK = "127.0.0.1"
 
 
 class _Channel:
@@ -94,20 +94,23 @@ class _Channel:
         self.proc.stdin.flush()
 
 
-def _kill(proc: subprocess.Popen) -> None:
-    if proc.poll() is None:
-        try:
-            os.killpg(proc.pid, signal.SIGKILL)  # the child's own session: it and whatever it started
-        except ProcessLookupError:
-            pass
-    proc.wait()
+def _tail(path: Path, size: int = 2000) -> str:
+    """The end of a file that may be large (a candidate's stderr, capped by its file-size limit)."""
+    if not path.exists():
+        return ""
+    with open(path, "rb") as f:
+        f.seek(max(0, path.stat().st_size - size))
+        return f.read().decode(errors="replace")
 
 
-def _failure(proc: subprocess.Popen, err_path: Path, default: str) -> tuple[str, str]:
-    tail = err_path.read_text(errors="replace")[-2000:] if err_path.exists() else ""
+def _failure(proc: sb.Process, err_path: Path, default: str) -> tuple[str, str]:
+    tail = _tail(err_path)
     rc = proc.returncode
     if rc is not None and rc < 0 and -rc == signal.SIGKILL:
         return KILLED, f"killed by signal 9{': ' + tail.splitlines()[-1] if tail.strip() else ''}"
+    if rc is not None and rc < 0:
+        name = signal.Signals(-rc).name if -rc in signal.Signals._value2member_map_ else str(-rc)
+        return default, f"killed by {name}{': ' + tail.strip().splitlines()[-1] if tail.strip() else ''}"
     if any(m in tail for m in LAUNCH_LIMIT_MARKERS):
         last = next(ln for ln in reversed(tail.splitlines()) if any(m in ln for m in LAUNCH_LIMIT_MARKERS))
         return default, f"a kernel exceeds the device's launch limits (exit {rc}): {last.strip()}"
@@ -136,8 +139,9 @@ def parse_group(label: str) -> tuple[str, list[int]]:
         raise ValueError(f"{GROUP_ENV}={label!r}: device ids must be integers") from None
 
 
-def group_env(label: str | None) -> dict:
-    """The environment a candidate process of group `label` runs with: only its devices visible."""
+def group_env(label: str | None, base: dict | None = None) -> dict:
+    """The variables a candidate process of group `label` runs with: only its devices visible (a CPU
+    group's device count joins `base`'s XLA_FLAGS, default os.environ's)."""
     if not label:
         return {}
     platform, ids = parse_group(label)
@@ -147,7 +151,8 @@ def group_env(label: str | None) -> dict:
             raise ValueError(f"{GROUP_ENV}={label!r}: a GPU group names at least one device")
         env["CUDA_VISIBLE_DEVICES"] = ",".join(map(str, ids))
         return env
-    flags = [f for f in os.environ.get("XLA_FLAGS", "").split() if "xla_force_host_platform_device_count" not in f]
+    flags = [f for f in (os.environ if base is None else base).get("XLA_FLAGS", "").split()
+             if "xla_force_host_platform_device_count" not in f]
     env.update(JAX_PLATFORMS="cpu", CUDA_VISIBLE_DEVICES="",
                XLA_FLAGS=" ".join(flags + [f"--xla_force_host_platform_device_count={max(1, len(ids))}"]))
     return env
@@ -160,15 +165,16 @@ def nanny_injected() -> dict:
 
 
 def candidate_env(group: str | None, base: dict | None = None) -> dict:
-    """The environment of a candidate process: its worker's (`base`, default os.environ) less what the Dask
-    nanny injected (a variable still holding the value the nanny sets), plus its device group's.
-    A candidate is timed in the environment a deployment runs in: measured on the CPU, the nanny's
-    MALLOC_TRIM_THRESHOLD_ made a stock step of the default deployment 4.3x slower (decode 4.2 s vs 0.97 s)."""
+    """The environment of a candidate process, built from scratch (`sandbox.minimal_env`): from its worker's
+    (`base`, default os.environ) only device and XLA variables, less what the Dask nanny injected (a
+    variable still holding the value the nanny sets), plus its device group's. A candidate is timed in
+    the environment a deployment runs in: measured on the CPU, the nanny's MALLOC_TRIM_THRESHOLD_ made a
+    stock step of the default deployment 4.3x slower (decode 4.2 s vs 0.97 s)."""
     env = dict(os.environ if base is None else base)
     for key, value in nanny_injected().items():
         if env.get(key) == value:
             del env[key]
-    return {**env, "PYTHONUNBUFFERED": "1", **group_env(group)}
+    return sb.minimal_env(group_env(group, env), env)
 
 
 def device_group_labels(mesh, devices) -> list[str]:
@@ -197,15 +203,39 @@ def _timing_lock(name: str | None):
     return Lock(name)
 
 
+def _prepared(spec: dict, mode: str, folder: Path) -> dict:
+    """The spec as the sandboxed process reads it: fresh inputs for its variants' reference check, its own
+    compile cache in its scratch (never the shared one), the cache folder as an absolute path (its HOME
+    is its scratch)."""
+    if spec.get("variants"):  # the reference check's inputs: fresh, drawn here, per candidate
+        spec = {**spec, "variant_check": {**spec.get("variant_check", {}), "seed": secrets.randbits(63)}}
+    if spec.get("compile_cache"):
+        spec = {**spec, "compile_cache": f"{sb.SCRATCH}/xla" if mode == sb.BWRAP else str(folder / "xla")}
+    if (spec.get("config") or {}).get("cache_dir"):
+        spec = {**spec, "config": {**spec["config"], "cache_dir": str(Path(spec["config"]["cache_dir"]).expanduser())}}
+    return spec
+
+
+def _reads(spec: dict) -> list[str]:
+    """What a candidate must see of the file system beyond the project and Python: its program, its
+    variants' modules, the deployment's caches (weights, tokenizers; read-only)."""
+    paths = [spec.get("program"), *[v.get("path") for v in spec.get("variants") or []],
+             (spec.get("config") or {}).get("cache_dir")]
+    return [p for p in paths if p and Path(p).exists()]
+
+
 def evaluate_candidate(spec: dict, *, timeout_s: float, memory_mb: int | None, workdir: str,
                        python: str = sys.executable, timing_lock: str | None = None,
-                       group: str | None = None) -> dict:
-    """Run one candidate process and time it (a Dask task; also callable directly). Never raises.
+                       group: str | None = None, sandbox: str = sb.BWRAP) -> dict:
+    """Run one candidate process in the sandbox and time it (a Dask task; also callable directly). Never
+    raises.
 
     `timing_lock`: the name of a cluster-wide lock held around the timed runs, so candidates sharing one
     device build and compile in parallel but are timed one at a time (waiting for it does not count
     against the timeout; GPU groups take none). `group`: the device group the process may see (default:
-    the worker's, `SPECPILOT_DEVICE_GROUP`; none: every device)."""
+    the worker's, `SPECPILOT_DEVICE_GROUP`; none: every device). `sandbox`: bwrap, or none (no isolation
+    but the limits). The workdir (every candidate's folder) is hidden from the process; its spec is bound
+    read-only and its out.json writable."""
     group = group if group is not None else os.environ.get(GROUP_ENV) or None
     if spec.get("stage") == "check":
         group = "cpu:"  # checks need no accelerator
@@ -214,24 +244,40 @@ def evaluate_candidate(spec: dict, *, timeout_s: float, memory_mb: int | None, w
     Path(workdir).mkdir(parents=True, exist_ok=True)
     folder = Path(tempfile.mkdtemp(prefix=f"{spec['name']}-", dir=workdir))
     spec_path, out_path, err_path = folder / "spec.json", folder / "out.json", folder / "stderr.txt"
-    if spec.get("variants"):  # the reference check's inputs: fresh, drawn here, per candidate
-        spec = {**spec, "variant_check": {**spec.get("variant_check", {}), "seed": secrets.randbits(63)}}
-    spec_path.write_text(json.dumps(spec, default=list))
-    program = spec.get("program")
-    argv = [python, program] if program else [python, "-m", "specpilot.agent.candidate"]
     base = {"name": spec["name"], "stage": spec.get("stage", "full"), "folder": str(folder), "wall_s": [],
             "group": group}
+    spec = _prepared(spec, sandbox, folder)
+    spec_path.write_text(json.dumps(spec, default=list))
+    out_path.touch()
+    program = spec.get("program")
+    argv = [python, program] if program else [python, "-m", "specpilot.agent.candidate"]
+    try:
+        sb.require(sandbox, python=python)
+        cmd = sb.command([*argv, str(spec_path), str(out_path)], mode=sandbox, python=python,
+                         limits=sb.Limits.for_deadline(timeout_s, memory_mb), env=candidate_env(group),
+                         reads=[spec_path, *_reads(spec)], writes=[out_path], hide=[workdir])
+        sb.give(out_path, cmd.uid)
+    except (sb.SandboxUnavailable, ValueError, OSError) as e:
+        return {**base, "status": CRASHED, "reason": f"not started: {e}"}
     t_start = time.monotonic()
     with open(err_path, "wb") as err:
-        proc = subprocess.Popen([python, "-c", _LIMITED, str(int(memory_mb or 0)), *argv, str(spec_path),
-                                 str(out_path)], stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=err,
-                                start_new_session=True, env=candidate_env(group))
-    chan = _Channel(proc, t_start + timeout_s)
+        proc = sb.Process(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=err)
+    try:
+        return _drive(proc, spec, base, timeout_s, t_start, timing_lock, out_path, err_path)
+    finally:
+        proc.kill()  # whatever it left running: the whole sandbox
+        shutil.rmtree(folder / "xla", ignore_errors=True)  # sandbox=none: its own compile cache
+
+
+def _drive(proc: sb.Process, spec: dict, base: dict, timeout_s: float, t_start: float, timing_lock: str | None,
+           out_path: Path, err_path: Path) -> dict:
+    """The evaluator's side of the protocol: ready, one go/done per timed repeat (timed here), end."""
+    chan = _Channel(proc.proc, t_start + timeout_s)
     walls = []
     try:
         line = chan.readline()
         if line is None or not line.startswith("ready"):
-            proc.wait(timeout=max(1.0, chan.deadline - time.monotonic()))
+            proc.proc.wait(timeout=max(1.0, chan.deadline - time.monotonic()))
             status, reason = _failure(proc, err_path, CRASHED)
             return {**base, "status": status, "reason": f"before ready: {reason}"}
         waited = time.monotonic()
@@ -243,28 +289,27 @@ def evaluate_candidate(spec: dict, *, timeout_s: float, memory_mb: int | None, w
                 line = chan.readline()
                 walls.append(time.perf_counter() - t0)
                 if line != "done":
-                    proc.wait(timeout=max(1.0, chan.deadline - time.monotonic()))
+                    proc.proc.wait(timeout=max(1.0, chan.deadline - time.monotonic()))
                     status, reason = _failure(proc, err_path, CRASHED)
                     return {**base, "status": status, "reason": f"during timed run {len(walls)}: {reason}"}
         chan.send("end")
-        proc.wait(timeout=max(1.0, chan.deadline - time.monotonic()))
+        proc.proc.wait(timeout=max(1.0, chan.deadline - time.monotonic()))
     except (TimeoutError, subprocess.TimeoutExpired):
-        _kill(proc)
+        proc.kill()
         return {**base, "status": TIMEOUT, "reason": f"no answer within {timeout_s:.0f} s", "wall_s": walls}
     except (BrokenPipeError, OSError):
-        _kill(proc)
+        proc.kill()
         status, reason = _failure(proc, err_path, CRASHED)
         return {**base, "status": status, "reason": reason, "wall_s": walls}
-    finally:
-        if proc.poll() is None:
-            _kill(proc)
-    if proc.returncode != 0 or not out_path.exists():
+    if proc.returncode != 0 or out_path.stat().st_size == 0:
         status, reason = _failure(proc, err_path, CRASHED)
         return {**base, "status": status, "reason": f"after the timed runs: {reason}", "wall_s": walls}
     try:
         out = json.loads(out_path.read_text())
-    except json.JSONDecodeError as e:
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
         return {**base, "status": BAD_OUTPUT, "reason": f"out.json is not JSON: {e}", "wall_s": walls}
+    if not isinstance(out, dict):
+        return {**base, "status": BAD_OUTPUT, "reason": "out.json is not a JSON object", "wall_s": walls}
     if base["stage"] == "check":
         return {**base, "status": OK, "reason": "", "checked": out.get("checked") or []}
     return {**base, **timing(walls, spec, out)}
@@ -301,15 +346,78 @@ def self_reported_decode(out: dict) -> float | None:
     return per[(len(per) - 1) // 2] if per and per[0] > 0 else None
 
 
+@dataclasses.dataclass
+class TLSConf:
+    """`agent.tls`: PEM files for Dask over TLS (mutual: every scheduler, worker and client presents a
+    certificate the CA signed)."""
+
+    ca_file: str = ""
+    cert_file: str = ""
+    key_file: str = ""
+
+
+def security(tls: TLSConf | dict | None) -> Security | None:
+    """Dask's Security for `agent.tls` (None: none); ValueError naming a missing setting or file."""
+    if tls is None:
+        return None
+    tls = tls if isinstance(tls, TLSConf) else TLSConf(**tls)
+    files = {k: str(Path(getattr(tls, k)).expanduser()) if getattr(tls, k) else "" for k in ("ca_file", "cert_file",
+                                                                                               "key_file")}
+    for key, path in files.items():
+        if not path:
+            raise ValueError(f"agent.tls.{key} is not set: TLS needs ca_file, cert_file and key_file (PEM files)")
+        if not Path(path).is_file():
+            raise ValueError(f"agent.tls.{key}: no file {path}")
+    cert, key = files["cert_file"], files["key_file"]
+    return Security(tls_ca_file=files["ca_file"], tls_client_cert=cert, tls_client_key=key, tls_scheduler_cert=cert,
+                    tls_scheduler_key=key, tls_worker_cert=cert, tls_worker_key=key, require_encryption=True)
+
+
+def is_loopback(address: str) -> bool:
+    """Whether a Dask address ("tcp://127.0.0.1:8786", "localhost:8786", "tls://[::1]:8786") is on this
+    machine only; a host name other than localhost counts as elsewhere."""
+    try:
+        host, _ = parse_host_port(parse_address(address)[1])
+    except (ValueError, TypeError):
+        return False
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:
+        return False
+
+
+def check_scheduler(address: str, sec: Security | None) -> None:
+    """ValueError unless a scheduler at `address` is safe to send work to: on loopback, or over TLS."""
+    if is_loopback(address):
+        return
+    if sec is None:
+        raise ValueError(f"agent.scheduler={address!r} is not on this machine, and Dask runs the pickled functions of "
+                         f"any client that reaches it: set agent.tls.ca_file/cert_file/key_file and start the "
+                         f"scheduler and workers with the same certificates (a tls:// address), or use a "
+                         f"scheduler on 127.0.0.1")
+    if parse_address(address)[0] != "tls":
+        raise ValueError(f"agent.scheduler={address!r}: with agent.tls the scheduler's address is tls://host:port")
+
+
 class Evaluator:
     """A Dask cluster: one timing worker per device group (`groups`), or `workers` workers sharing the
-    devices with `timing_slots` timing units each; plus `check_workers` CPU-only workers for checks."""
+    devices with `timing_slots` timing units each; plus `check_workers` CPU-only workers for checks.
+    A local cluster listens on 127.0.0.1 only; `address` (an existing scheduler) elsewhere needs `tls`.
+    `sandbox`: how candidates are isolated (`sandbox.MODES`), checked here before any cluster starts."""
 
     def __init__(self, workers: int = 2, *, timeout_s: float = 300.0, memory_mb: int | None = 4096,
                  workdir: str | Path, timing_slots: int = 1, address: str | None = None,
                  timing_lock: str | None = "specpilot-timing", groups: list[str] | None = None,
-                 check_workers: int = 0, dask_log_level: str | int = "WARNING"):
+                 check_workers: int = 0, dask_log_level: str | int = "WARNING", sandbox: str = sb.BWRAP,
+                 tls: TLSConf | dict | None = None):
         level = log_level(dask_log_level)
+        sb.require(sandbox)  # no cluster, no candidate, on a host that cannot contain them
+        sec = security(tls)
+        if address:
+            check_scheduler(address, sec)
+        self.sandbox = sandbox
         set_dask_log_level(level)
         # local workers are processes spawned from this one: they inherit the level through the environment
         self._saved_env = os.environ.get(DASK_LOG_ENV)
@@ -320,7 +428,7 @@ class Evaluator:
         self.groups = [g for g in (groups or []) if parse_group(g)] or None
         self.checks = int(check_workers)
         if address:  # an existing scheduler (SPECPILOT_DEVICE_GROUP=gpu:0 dask-worker --resources device_group=1)
-            self.cluster, self.client = None, Client(address)
+            self.cluster, self.client = None, Client(address, security=sec)
         else:
             self.cluster = _cluster(self.groups, int(workers), int(timing_slots), self.checks, level)
             self.client = Client(self.cluster)
@@ -329,7 +437,7 @@ class Evaluator:
         """Every spec's result, in the order given; `progress(result)` hears each as it finishes."""
         specs = list(specs)
         futures = [self.client.submit(evaluate_candidate, s, timeout_s=self.timeout_s, memory_mb=self.memory_mb,
-                                      workdir=str(self.workdir), timing_lock=self.timing_lock,
+                                      workdir=str(self.workdir), timing_lock=self.timing_lock, sandbox=self.sandbox,
                                       resources={self._resource(s): 1}, pure=False,
                                       key=f"candidate-{i}-{s['name']}-{time.monotonic_ns()}")
                    for i, s in enumerate(specs)]
@@ -366,19 +474,21 @@ class Evaluator:
 
 
 def _cluster(groups: list[str] | None, workers: int, timing_slots: int, checks: int, level: int = logging.WARNING):
-    """A local Dask cluster of worker processes (one thread each): a timing worker per device group
-    (its group in its environment), else `workers` timing workers; and `checks` CPU-only workers."""
+    """A local Dask cluster of worker processes (one thread each) on loopback, no dashboards: a timing
+    worker per device group (its group in its environment), else `workers` timing workers; and `checks`
+    CPU-only workers."""
 
     def worker(resources: dict, env: dict | None = None) -> dict:
         return {"cls": Nanny, "options": {"nthreads": 1, "memory_limit": 0, "resources": resources,
-                                          "env": env or {}, "silence_logs": level}}
+                                          "env": env or {}, "silence_logs": level, "host": LOOPBACK,
+                                          "dashboard": False, "dashboard_address": f"{LOOPBACK}:0"}}
 
     if groups:
         specs = {f"group-{i}": worker({TIMING: 1}, {GROUP_ENV: g}) for i, g in enumerate(groups)}
     else:
         specs = {f"worker-{i}": worker({TIMING: timing_slots}) for i in range(workers)}
     specs.update({f"check-{i}": worker({CHECK: 1}, {GROUP_ENV: "cpu:"}) for i in range(checks)})
-    # no dashboard, and the scheduler's HTTP server on any free local port: no "port 8787 in use" warning
-    scheduler = {"cls": Scheduler, "options": {"dashboard": False, "dashboard_address": "127.0.0.1:0"}}
-    return SpecCluster(workers=specs, scheduler=scheduler,
-                       silence_logs=level)
+    # no dashboard, and the scheduler's HTTP server on a free loopback port: no "port 8787 in use" warning
+    scheduler = {"cls": Scheduler, "options": {"host": LOOPBACK, "dashboard": False,
+                                               "dashboard_address": f"{LOOPBACK}:0"}}
+    return SpecCluster(workers=specs, scheduler=scheduler, silence_logs=level)
