@@ -20,9 +20,11 @@ import numpy as np
 import pytest
 from safetensors.numpy import load_file, save_file
 
+from specpilot import atomic_io
 from specpilot.models import checkpoint, dense, hf_files
 from specpilot.models.checkpoint import CheckpointError, load_hf, save_hf
 from specpilot.models.config import ModelConfig, RopeScaling
+from specpilot.training.checkpointing import Checkpointer, abstract_of
 
 QWEN3 = ModelConfig(vocab_size=96, hidden_size=64, intermediate_size=128, num_layers=2, num_heads=4,
                     num_kv_heads=2, head_dim=32, qk_norm=True, architecture="Qwen3ForCausalLM",
@@ -301,3 +303,25 @@ def test_save_rejects_params_that_do_not_match_config(tmp_path):
 
 def test_error_is_a_value_error():
     assert issubclass(CheckpointError, ValueError)
+
+
+# ------------------------------------------------------------------------------------------------
+# Training checkpoints
+
+
+def test_a_damaged_training_step_is_removed_and_the_older_one_resumed(tmp_path):
+    state = {"w": jnp.arange(64.0), "step": jnp.zeros((), jnp.int32)}
+    with Checkpointer(tmp_path) as ckpt:
+        ckpt.save(1, state, {"seed": 0})
+        ckpt.save(2, {"w": state["w"] + 1, "step": state["step"] + 2}, {"seed": 0})
+    for f in (tmp_path / "2" / "state").rglob("*"):
+        if f.is_file() and f.parent.name == "d":
+            f.write_bytes(f.read_bytes()[:10])  # the array data cut short after orbax committed the step
+    with Checkpointer(tmp_path) as ckpt:
+        with pytest.raises(ValueError, match="different settings"):  # another experiment: never discarded
+            ckpt.restore_latest(abstract_of(state), {"seed": 1})
+        with pytest.warns(atomic_io.CacheRebuildWarning, match="step 2 .* is unreadable"):
+            step, restored, saved = ckpt.restore_latest(abstract_of(state), {"seed": 0})
+        assert step == 1 and saved == {"seed": 0} and ckpt.latest_step() == 1
+    np.testing.assert_array_equal(restored["w"], state["w"])
+    assert int(restored["step"]) == 0

@@ -80,6 +80,22 @@ def test_export_in_bfloat16(pair, tmp_path):
                                   np.asarray(params["embed"].astype(jnp.bfloat16)))
 
 
+def test_an_export_replaces_an_earlier_one_whole_and_refuses_a_folder_of_other_files(pair, tmp_path):
+    _, folder, params, _ = pair
+    out = tmp_path / "hf"
+    export_hf(folder / "target" / "model", out, max_shard_bytes=20_000)
+    assert len(list(out.glob("model-*-of-*.safetensors"))) > 1
+    export_hf(folder / "target" / "model", out)  # one file now: no shard of the sharded export stays behind
+    assert sorted(p.name for p in out.glob("*.safetensors")) == ["model.safetensors"]
+    assert not (out / "model.safetensors.index.json").exists()
+    np.testing.assert_array_equal(np.asarray(load_hf(out, dtype=None)[0]["embed"]), np.asarray(params["embed"]))
+    assert [p.name for p in tmp_path.iterdir()] == ["hf"]  # no temporary folder left beside it
+    (out / "notes.txt").write_text("mine")
+    with pytest.raises(ValueError, match="holds files an export does not write .*notes.txt"):
+        export_hf(folder / "target" / "model", out)
+    assert (out / "notes.txt").read_text() == "mine"
+
+
 @pytest.mark.parametrize("where", ["cache", "pair", "exported"])
 def test_generate_reads_the_cached_pair_or_its_export(pair, tmp_path, where):
     cache, folder, params, cfg = pair

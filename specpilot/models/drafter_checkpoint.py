@@ -14,6 +14,7 @@ import jax.numpy as jnp
 from safetensors import SafetensorError, safe_open
 from safetensors.flax import save_file
 
+from specpilot import atomic_io
 from specpilot.models.drafter_config import DrafterConfig, param_shapes
 from specpilot.models.hf_files import non_finite
 
@@ -59,19 +60,19 @@ def packaged_drafters() -> tuple[str, ...]:
 
 
 def save_drafter(path: str | Path, params: Params, cfg: DrafterConfig) -> None:
-    """Write config.json + model.safetensors in the DFlash layout (dtype kept as in params)."""
-    path = Path(path)
-    path.mkdir(parents=True, exist_ok=True)
+    """Write config.json + model.safetensors in the DFlash layout (dtype kept as in params), the folder
+    built under a temporary name and replacing any older one whole."""
     tensors = {}
     for hf, (where, transposed, _) in _flat_names(cfg).items():
         x = params
         for k in where:
             x = x[k]
         tensors[hf] = jnp.asarray(x.T if transposed else x)
-    save_file(tensors, str(path / "model.safetensors"), metadata={"format": "pt"})
     hf_cfg = cfg.to_hf_dict()
     hf_cfg["torch_dtype"] = jnp.dtype(params["fc"].dtype).name
-    (path / "config.json").write_text(json.dumps(hf_cfg, indent=2))
+    with atomic_io.temporary_directory(path) as tmp:
+        (tmp / "config.json").write_text(json.dumps(hf_cfg, indent=2))
+        save_file(tensors, str(tmp / "model.safetensors"), metadata={"format": "pt"})  # the marker, last
 
 
 def load_drafter(path: str | Path, dtype=None) -> tuple[Params, DrafterConfig]:

@@ -1,11 +1,13 @@
 """Checkpoints with orbax: resumable training state (any pytree plus a JSON record), finished model
 folders (config.json, orbax params, a dtype record), loading either kind of finished target, and
-exporting one as a Hugging Face folder that `load_hf` and transformers read (docs/design/data-training.md).
+exporting one as a Hugging Face folder that `load_hf` and transformers read. Every folder is written
+whole or not at all (`atomic_io`); docs/design/data-training.md.
 """
 
 from __future__ import annotations
 
 import json
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -14,8 +16,10 @@ import jax.numpy as jnp
 import numpy as np
 import orbax.checkpoint as ocp
 
+from specpilot import atomic_io
 from specpilot.models import dense
-from specpilot.models.checkpoint import CheckpointError, load_hf, non_finite, save_hf
+from specpilot.models.checkpoint import (CONFIG_FILE, INDEX_FILE, SINGLE_FILE, CheckpointError, load_hf,
+                                         non_finite, save_hf)
 from specpilot.models.config import ModelConfig
 
 MODEL_RECORD = "specpilot.json"  # marks a model folder written by `save_model`
@@ -51,6 +55,38 @@ class Checkpointer:
             state=ocp.args.StandardRestore(abstract_state), meta=ocp.args.JsonRestore()))
         return out["state"], dict(out["meta"])
 
+    def restore_latest(self, abstract_state: Any, meta: dict) -> tuple[int, Any, dict] | None:
+        """(step, state, saved meta) of the newest step that restores, or None when there is none.
+
+        A step saved with other `meta` values (other data or seed) is an error: resuming it would continue
+        a different experiment. A step whose state does not restore (a file damaged or cut short after
+        orbax committed it) is removed with a warning and the next older one tried, so a run resumes from
+        its last good step instead of failing on every start."""
+        for step in sorted(self._manager.all_steps(), reverse=True):
+            try:
+                saved = dict(self._manager.restore(step, args=ocp.args.Composite(
+                    meta=ocp.args.JsonRestore()))["meta"])
+            except Exception as e:  # orbax wraps a damaged file in errors of many kinds
+                self._discard(step, e)
+                continue
+            changed = {k: (saved.get(k), v) for k, v in meta.items() if saved.get(k) != v}
+            if changed:
+                raise ValueError(f"checkpoint in {self.directory} was made with different settings "
+                                 f"(saved, now): {changed}; use a fresh out_dir")
+            try:
+                state, _ = self.restore(step, abstract_state)
+            except Exception as e:  # a damaged array is a plain Exception
+                self._discard(step, e)
+                continue
+            return step, state, saved
+        return None
+
+    def _discard(self, step: int, error: Exception) -> None:
+        warnings.warn(f"training checkpoint step {step} in {self.directory} is unreadable "
+                      f"({type(error).__name__}: {str(error).strip()[:300]}); removing it",
+                      atomic_io.CacheRebuildWarning, stacklevel=3)
+        self._manager.delete(step)
+
     def close(self) -> None:
         self._manager.close()
 
@@ -67,7 +103,8 @@ def abstract_of(tree: Any) -> Any:
 
 
 def save_pytree(path: str | Path, tree: Any) -> Path:
-    """Write one pytree of arrays to a fresh orbax folder (overwriting an older one)."""
+    """Write one pytree of arrays to a fresh orbax folder (overwriting an older one; orbax writes it under
+    a temporary name and renames it)."""
     path = Path(path).absolute()
     with ocp.StandardCheckpointer() as ckptr:
         ckptr.save(path, tree, force=True)
@@ -82,15 +119,19 @@ def load_pytree(path: str | Path, abstract: Any) -> Any:
         return ckptr.restore(path, abstract)
 
 
-def save_model(directory: str | Path, params: dict, cfg: ModelConfig, extra: dict | None = None) -> Path:
-    """Finished dense-model weights: config.json + params/ + specpilot.json (dtype and `extra`)."""
+def save_model(directory: str | Path, params: dict, cfg: ModelConfig, extra: dict | None = None,
+               tokenizer: Any = None) -> Path:
+    """Finished dense-model weights: config.json + params/ (+ `tokenizer.save`'s tokenizer.json) +
+    specpilot.json (dtype and `extra`), the record last, the folder replacing any older one whole."""
     directory = Path(directory)
-    directory.mkdir(parents=True, exist_ok=True)
-    (directory / "config.json").write_text(json.dumps(cfg.to_hf_dict(), indent=2) + "\n")
-    dtype = str(jnp.asarray(params["embed"]).dtype)
-    record = {"dtype": dtype, "tap_layers": list(cfg.tap_layers), **(extra or {})}
-    (directory / MODEL_RECORD).write_text(json.dumps(record, indent=2) + "\n")
-    save_pytree(directory / "params", params)
+    with atomic_io.temporary_directory(directory) as tmp:
+        (tmp / "config.json").write_text(json.dumps(cfg.to_hf_dict(), indent=2) + "\n")
+        save_pytree(tmp / "params", params)
+        if tokenizer is not None:
+            tokenizer.save(tmp / TOKENIZER_FILE)
+        dtype = str(jnp.asarray(params["embed"]).dtype)
+        record = {"dtype": dtype, "tap_layers": list(cfg.tap_layers), **(extra or {})}
+        (tmp / MODEL_RECORD).write_text(json.dumps(record, indent=2) + "\n")  # the marker, last
     return directory
 
 
@@ -135,19 +176,31 @@ def export_hf(source: str | Path, out_dir: str | Path, dtype=None,
     """Write the target at `source` (a model folder or a HF directory) as a Hugging Face directory:
     config.json, model.safetensors (sharded with an index when max_shard_bytes is set), the source's
     tokenizer files (`TOKENIZER_FILES`: the chat template and special tokens among them) and its
-    config's special token ids. dtype None keeps the stored dtype."""
+    config's special token ids. dtype None keeps the stored dtype. The folder is built under a
+    temporary name and replaces `out_dir` whole: an earlier export there, or an empty folder."""
     source, out_dir = Path(source), Path(out_dir)
     if out_dir.exists() and out_dir.resolve() == source.resolve():
         raise ValueError(f"export target {out_dir} is the source folder; choose another")
     if is_model_folder(out_dir):
         raise ValueError(f"{out_dir} holds a model folder ({MODEL_RECORD}); export to a new folder")
+    foreign = sorted(p.name for p in out_dir.iterdir() if not _exported(p.name)) if out_dir.is_dir() else []
+    if foreign:
+        raise ValueError(f"{out_dir} holds files an export does not write ({', '.join(foreign[:5])}); "
+                         f"export to a new or empty folder")
     params, cfg = load_target(source, dtype=dtype)
-    save_hf(params, cfg, out_dir, max_shard_bytes=max_shard_bytes)
-    for name in TOKENIZER_FILES:
-        if (source / name).is_file():
-            (out_dir / name).write_bytes((source / name).read_bytes())
-    _keep_token_ids(source / "config.json", out_dir / "config.json")
+    with atomic_io.temporary_directory(out_dir) as tmp:
+        save_hf(params, cfg, tmp, max_shard_bytes=max_shard_bytes)
+        for name in TOKENIZER_FILES:
+            if (source / name).is_file():
+                (tmp / name).write_bytes((source / name).read_bytes())
+        _keep_token_ids(source / "config.json", tmp / "config.json")
     return out_dir
+
+
+def _exported(name: str) -> bool:
+    """Whether `export_hf` writes a file of this name (so replacing it loses nothing of the user's)."""
+    return (name in TOKENIZER_FILES or name in (CONFIG_FILE, SINGLE_FILE, INDEX_FILE)
+            or (name.startswith("model-") and name.endswith(".safetensors")))
 
 
 def _keep_token_ids(source_config: Path, out_config: Path) -> None:

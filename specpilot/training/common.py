@@ -16,6 +16,7 @@ import numpy as np
 import optax
 from tqdm.auto import tqdm
 
+from specpilot import atomic_io
 from specpilot.training.checkpointing import Checkpointer, abstract_of
 
 
@@ -32,7 +33,8 @@ def make_optimizer(learning_rate: float, steps: int, warmup_steps: int, weight_d
 
 
 class JsonlLog:
-    """Append-only JSON-lines log; `truncate_after(step)` drops records of steps a resume will redo."""
+    """Append-only JSON-lines log; `truncate_after(step)` drops records of steps a resume will redo (and a
+    torn last line), rewriting the file whole."""
 
     def __init__(self, path: str | Path):
         self.path = Path(path)
@@ -41,18 +43,24 @@ class JsonlLog:
     def truncate_after(self, step: int) -> None:
         if not self.path.exists():
             return
-        kept = [line for line in self.path.read_text().splitlines()
-                if line.strip() and json.loads(line).get("step", 0) <= step]
-        self.path.write_text("".join(line + "\n" for line in kept))
+        kept = [json.dumps(r) for r in self.read() if r.get("step", 0) <= step]
+        atomic_io.write_text(self.path, "".join(line + "\n" for line in kept))
 
     def write(self, record: dict) -> None:
         with self.path.open("a") as f:
             f.write(json.dumps(record) + "\n")
 
     def read(self) -> list[dict]:
+        """The records; a line cut short by a writer killed mid-append is skipped."""
         if not self.path.exists():
             return []
-        return [json.loads(line) for line in self.path.read_text().splitlines() if line.strip()]
+        out = []
+        for line in self.path.read_text(errors="replace").splitlines():
+            try:
+                out.append(json.loads(line))
+            except json.JSONDecodeError:
+                continue
+        return [r for r in out if isinstance(r, dict)]
 
 
 def cross_entropy(logits: jax.Array, labels: jax.Array, weights: jax.Array | None = None) -> jax.Array:
@@ -84,14 +92,9 @@ def run_training(state: Any, step_fn: Callable, batch_fn: Callable[[int], Any], 
     log = JsonlLog(out_dir / "log.jsonl")
     start = 0
     with Checkpointer(out_dir / "checkpoints", max_to_keep=max_to_keep) as ckpt:
-        latest = ckpt.latest_step()
-        if latest is not None:
-            state, saved = ckpt.restore(latest, abstract_of(state))
-            changed = {k: (saved.get(k), v) for k, v in meta.items() if saved.get(k) != v}
-            if changed:
-                raise ValueError(f"checkpoint in {out_dir} was made with different settings "
-                                 f"(saved, now): {changed}; use a fresh out_dir")
-            start = latest
+        restored = ckpt.restore_latest(abstract_of(state), meta)
+        if restored is not None:
+            start, state, _ = restored
         # Commit the state to the device: a fresh (uncommitted) state and the step's committed output
         # are different jit signatures, which would compile the step twice.
         state = jax.device_put(state, jax.devices()[0])

@@ -158,6 +158,6 @@ def train_target(cfg: TargetTrainConfig, corpus: Corpus, tokenizer: TextTokenize
     if done >= cfg.steps:
         save_model(out_dir / "model", state["params"], mcfg,
                    extra={"train": dataclasses.asdict(cfg), "tokenize_s": round(tokenize_s, 2),
-                          "train_windows": int(train.shape[0]), "heldout_windows": int(heldout.shape[0])})
-        tokenizer.save(out_dir / "model" / "tokenizer.json")
+                          "train_windows": int(train.shape[0]), "heldout_windows": int(heldout.shape[0])},
+                   tokenizer=tokenizer)
     return state["params"]
