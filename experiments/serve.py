@@ -11,11 +11,16 @@ answer on http://HOST:PORT/v1 (specpilot.serving.openai_server), e.g. with the o
 Options (this script's own, outside the run config's schema): `+serve.host=127.0.0.1`, `+serve.port=8000`,
 `+serve.slots=4` (requests decoded at once), `+serve.context_len=2048` (prompt + reply per request),
 `+serve.prefill_chunk=32`, `+serve.model=<name clients pass; default target.name>`,
-`+serve.warm_up=true` (compile every step before taking requests).
+`+serve.warm_up=true` (compile every step before taking requests), and the server's limits
+(specpilot.serving.http_limits.ServerLimits, each with its default there): `+serve.api_key_env=NAME`
+(clients must send `Authorization: Bearer $NAME`), `+serve.max_queue`, `+serve.default_max_tokens`,
+`+serve.max_body_bytes`, `+serve.max_connections`, `+serve.template_timeout_s`, the timeouts
+`+serve.header_timeout_s`, `+serve.body_timeout_s`, `+serve.keep_alive_s`, and more.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from pathlib import Path
 
@@ -26,12 +31,14 @@ from specpilot.harness import config_errors, config_schema, deploy, devices, ent
 from specpilot.models.oracle import OracleDrafter
 from specpilot.serving import Engine
 from specpilot.serving.driver import EngineDriver
+from specpilot.serving.http_limits import LimitError, ServerLimits, uvicorn_config
 from specpilot.serving.openai_server import ServedModel, create_app
 
 config_schema.register()
 log = logging.getLogger("serve")
+LIMITS = {f.name: f.default for f in dataclasses.fields(ServerLimits)}
 OPTIONS = {"host": "127.0.0.1", "port": 8000, "slots": 4, "context_len": 2048, "prefill_chunk": 32,
-           "model": None, "plan": None, "warm_up": True}
+           "model": None, "plan": None, "warm_up": True, **LIMITS}
 
 
 def serve_options(cfg: DictConfig) -> tuple[dict, DictConfig]:
@@ -48,9 +55,23 @@ def serve_options(cfg: DictConfig) -> tuple[dict, DictConfig]:
     return {**OPTIONS, **given}, config_schema.typed(cfg)
 
 
+def server_limits(opts: dict) -> ServerLimits:
+    """The server's limits from the options, the API key's variable checked; a bad one refused naming it."""
+    given = {k: opts[k] for k in LIMITS}
+    if given["api_key_env"] is not None:
+        given["api_key_env"] = str(given["api_key_env"])
+    try:
+        limits = ServerLimits(**given)
+        limits.api_key()
+    except LimitError as e:
+        raise config_schema.ConfigValueError(f"serve.{e.field}: {e.reason}") from None
+    return limits
+
+
 def build(cfg: DictConfig, opts: dict):
     """-> (the ASGI app, its started EngineDriver, the ServedModel) of the config's deployment."""
     config_schema.validate(cfg)
+    limits = server_limits(opts)
     plans = config_schema.build_plans(cfg)
     has_drafter = cfg.drafter.source != "none"
     name = opts["plan"] or ("stock" if has_drafter and any(p.name == "stock" for p in plans) else "ar")
@@ -80,7 +101,7 @@ def build(cfg: DictConfig, opts: dict):
     driver = EngineDriver(engine).start()
     log.info("serving %s (plan %s: %s) with %d slots of %d tokens", served.name, plan.name, plan.describe(),
              opts["slots"], opts["context_len"])
-    return create_app(driver, served), driver, served
+    return create_app(driver, served, limits), driver, served
 
 
 @entry.app(config_path="../conf", config_name="config", options="serve")
@@ -95,7 +116,8 @@ def main(cfg: DictConfig) -> None:
         entry.report(e)
     print(f"serving {served.name} on http://{opts['host']}:{opts['port']}/v1", flush=True)
     try:
-        uvicorn.run(app, host=str(opts["host"]), port=int(opts["port"]), log_level="info")
+        config = uvicorn_config(app, str(opts["host"]), int(opts["port"]), server_limits(opts), log_level="info")
+        uvicorn.Server(config).run()
     finally:
         driver.stop()
 

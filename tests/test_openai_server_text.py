@@ -8,7 +8,7 @@ import pytest
 from specpilot.data.tokenizer import load_tokenizer
 
 pytest.importorskip("fastapi")
-from specpilot.serving.openai_server import Detokenizer  # noqa: E402
+from specpilot.serving.detokenizer import Detokenizer  # noqa: E402
 
 FOLDERS = glob.glob("/tmp/smolcache/gguf/*/tokenizer.json") + glob.glob(
     os.path.expanduser("~/.cache/specpilot/gguf/*/tokenizer.json"))

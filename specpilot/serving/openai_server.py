@@ -1,10 +1,12 @@
-"""An OpenAI-compatible HTTP server over the serving engine: chat and text completions, streamed or not.
+"""An OpenAI-compatible HTTP server over the serving engine: chat and text completions, streamed or not,
+behind the HTTP gate of `http_limits` and with `/health` and Prometheus `/metrics`.
 Design notes: docs/design/serving.md.
 """
 
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import dataclasses
 import json
 import random
@@ -13,17 +15,25 @@ import time
 import uuid
 from typing import Any, Literal
 
+import uvicorn
 from fastapi import FastAPI
+from fastapi import Request as HttpRequest
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, StreamingResponse
+from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import BaseModel, ConfigDict, StrictBool, StrictFloat, StrictInt, StrictStr
+from starlette.exceptions import HTTPException
 
-from specpilot.data.chat import ChatTemplateError, render_chat
+from specpilot.serving.api_errors import APIError
+from specpilot.serving.detokenizer import Detokenizer, parse_stops
 from specpilot.serving.driver import EngineDriver
-from specpilot.serving.request import MAX_SEED, Request, RequestError
+from specpilot.serving.generation import Admissions, Generation, collect_text, events
+from specpilot.serving.http_limits import HttpGate, ServerLimits, uvicorn_config
+from specpilot.serving.metrics import ServerMetrics
+from specpilot.serving.prompt_text import PromptBuilder
+from specpilot.serving.request import MAX_SEED, Request
 
-MAX_STOP_STRINGS = 4  # OpenAI's limit
 UNION_ARMS = {"str", "int", "float", "bool", "none"}  # pydantic's names of a union's members in an error's loc
+CLIENT_GONE = 499  # nginx's status for a request whose client left before the reply (counted, never read)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -37,19 +47,6 @@ class ServedModel:
     context_len: int  # positions a slot holds: prompt + reply
     sampling: bool = True  # False: a greedy-only engine (temperature must be 0, the default)
     special_tokens: dict = dataclasses.field(default_factory=dict)  # {"bos_token": ...} for the template
-
-
-class APIError(Exception):
-    """An OpenAI-style error: HTTP status, message and the request field at fault."""
-
-    def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None):
-        super().__init__(message)
-        self.status, self.message, self.param, self.code = status, message, param, code
-
-    def response(self) -> JSONResponse:
-        kind = "invalid_request_error" if self.status < 500 else "server_error"
-        return JSONResponse({"error": {"message": self.message, "type": kind, "param": self.param,
-                                       "code": self.code}}, status_code=self.status)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -97,59 +94,7 @@ class CompletionBody(_Sampling):
 
 
 # --------------------------------------------------------------------------------------------------
-# Text out
-
-class Detokenizer:
-    """A reply's text as its tokens arrive: UTF-8 safe, cut at stop strings, special tokens left out."""
-
-    def __init__(self, tokenizer, stops: tuple[str, ...] = ()):
-        self.tokenizer, self.stops = tokenizer, stops
-        self.tokens: list[int] = []
-        self.text = ""  # the reply so far (cut at a stop string once one is found)
-        self.sent = 0  # characters of `text` handed out
-        self.stopped = False
-
-    def add(self, token: int) -> None:
-        self.tokens.append(int(token))
-        text = self.tokenizer.decode(self.tokens, skip_special_tokens=True)
-        for s in self.stops:
-            at = text.find(s, max(0, self.sent - len(s)))
-            if at >= 0:
-                text, self.stopped = text[:at], True
-        self.text = text
-
-    def delta(self, final: bool) -> str:
-        """Text not handed out yet that can no longer change (all of it when `final`)."""
-        end = len(self.text)
-        if not final and not self.stopped:
-            if self.text.endswith("\ufffd"):  # an incomplete UTF-8 character: wait for its other bytes
-                end = len(self.text.rstrip("\ufffd"))
-            for s in self.stops:  # the text could be the start of a stop string: wait
-                for k in range(min(len(s) - 1, end), 0, -1):
-                    if self.text[:end].endswith(s[:k]):
-                        end -= k
-                        break
-        end = max(end, self.sent)
-        out, self.sent = self.text[self.sent:end], end
-        return out
-
-
-# --------------------------------------------------------------------------------------------------
-# One generation
-
-def _parse_stops(body: _Sampling, vocab_size: int) -> tuple[tuple[str, ...], frozenset[int]]:
-    stops = body.stop
-    stops = () if stops is None else (stops,) if isinstance(stops, str) else tuple(stops)
-    if len(stops) > MAX_STOP_STRINGS:
-        raise APIError(400, f"at most {MAX_STOP_STRINGS} stop strings, got {len(stops)}", "stop")
-    if any(not s for s in stops):
-        raise APIError(400, "stop strings must not be empty", "stop")
-    ids = frozenset(body.stop_token_ids or ())
-    bad = sorted(t for t in ids if not 0 <= t < vocab_size)
-    if bad:
-        raise APIError(400, f"token ids {bad} are outside the vocabulary [0, {vocab_size})", "stop_token_ids")
-    return stops, ids
-
+# Request bodies to engine requests
 
 # Fields of OpenAI's API this server does not implement: accepted only at a value that asks for nothing.
 UNSUPPORTED = {"logprobs": (None, False), "top_logprobs": (None, 0), "echo": (None, False), "best_of": (None, 1),
@@ -164,7 +109,8 @@ def _refuse_unsupported(body: _Sampling) -> None:
             raise APIError(400, f"{field}={json.dumps(value)[:80]} is not supported by this server", field)
 
 
-def _engine_request(body: _Sampling, served: ServedModel, prompt: list[int], prompt_field: str) -> Request:
+def _engine_request(body: _Sampling, served: ServedModel, prompt: list[int], prompt_field: str,
+                    default_max_tokens: int) -> Request:
     _refuse_unsupported(body)
     if body.n is not None and body.n != 1:
         raise APIError(400, f"only n=1 is supported, got {body.n}", "n")
@@ -178,7 +124,7 @@ def _engine_request(body: _Sampling, served: ServedModel, prompt: list[int], pro
         else "max_tokens"
     budget = getattr(body, budget_field)
     if budget is None:
-        budget = room
+        budget = min(default_max_tokens, room)
     elif budget < 1:
         raise APIError(400, f"must be at least 1, got {budget}", budget_field)
     elif budget > room:
@@ -199,60 +145,6 @@ def _engine_request(body: _Sampling, served: ServedModel, prompt: list[int], pro
                    stop_token=served.stop_token)
 
 
-ENGINE_FIELDS = {"prompt_ids": None, "max_new_tokens": "max_tokens", "temperature": "temperature",
-                 "top_p": "top_p", "seed": "seed", "stop_token": "stop_token_ids"}
-
-
-class Generation:
-    """One request's reply as the driver hands out its tokens (read in the event loop)."""
-
-    def __init__(self, driver: EngineDriver, detok: Detokenizer, stop_ids: frozenset[int]):
-        self.driver, self.detok, self.stop_ids = driver, detok, stop_ids
-        self.queue: asyncio.Queue = asyncio.Queue()
-        self.loop = asyncio.get_running_loop()
-        self.ticket = None
-        self.finish_reason: str | None = None
-
-    def sink(self, tokens: list, reason: str | None) -> None:  # the driver thread
-        self.loop.call_soon_threadsafe(self.queue.put_nowait, (tokens, reason))
-
-    async def start(self, request: Request, prompt_field: str) -> None:
-        try:
-            self.ticket = await asyncio.wrap_future(self.driver.submit(request, self.sink))
-        except RequestError as e:
-            field = ENGINE_FIELDS.get(e.field, e.field) or prompt_field
-            raise APIError(400, str(e), field) from None
-
-    def cancel(self) -> None:
-        if self.ticket is not None and self.finish_reason is None:
-            self.driver.cancel(self.ticket)
-
-    async def pieces(self):
-        """Yield text pieces until the reply ends; then `finish_reason` is set."""
-        while self.finish_reason is None:
-            tokens, reason = await self.queue.get()
-            for t in tokens:
-                if self.detok.stopped:
-                    break
-                self.detok.add(t)
-                if t in self.stop_ids and not self.detok.stopped:
-                    self.detok.stopped = True
-            if self.detok.stopped and reason is None:
-                self.driver.cancel(self.ticket)
-                reason = "stop"
-            if reason is not None:
-                if reason == "error":
-                    self.finish_reason = "error"
-                    raise APIError(500, f"the engine failed: {self.driver.last_error!r}", None, "engine_error")
-                self.finish_reason = "stop" if self.detok.stopped else {"cancelled": "stop"}.get(reason, reason)
-            piece = self.detok.delta(final=self.finish_reason is not None)
-            if piece:
-                yield piece
-
-    def usage(self, prompt_len: int) -> dict:
-        n = len(self.detok.tokens)
-        return {"prompt_tokens": prompt_len, "completion_tokens": n, "total_tokens": prompt_len + n}
-
 
 # --------------------------------------------------------------------------------------------------
 # The app
@@ -263,14 +155,29 @@ def _message_text(m: ChatMessage) -> str:
     return "".join(p.text or "" for p in m.content if p.type == "text")
 
 
-def create_app(driver: EngineDriver, served: ServedModel) -> FastAPI:
-    """The ASGI app serving `served` through `driver` (already started, or started by the caller)."""
+def create_app(driver: EngineDriver, served: ServedModel, limits: ServerLimits = ServerLimits()) -> FastAPI:
+    """The ASGI app serving `served` through `driver` (already started, or started by the caller), under
+    `limits`; a key variable named by `limits.api_key_env` that is unset is refused here (ValueError)."""
     app = FastAPI(title="specpilot", docs_url=None, redoc_url=None)
     vocab = served.tokenizer.vocab_size
+    metrics = ServerMetrics(tau=lambda: driver.engine.stats.tokens_per_row_step)
+    admissions = Admissions(driver.engine.slots + limits.max_queue, metrics)
+    pool = concurrent.futures.ThreadPoolExecutor(limits.text_workers, thread_name_prefix="specpilot-text")
+    prompts = PromptBuilder(served.tokenizer, served.chat_template, served.special_tokens, served.context_len,
+                            limits.template_timeout_s)
+    app.add_middleware(HttpGate, limits=limits, api_key=limits.api_key(), on_status=metrics.count)
+    app.state.metrics, app.state.text_workers = metrics, pool
+
+    async def off_loop(fn, *args):
+        return await asyncio.get_running_loop().run_in_executor(pool, fn, *args)
 
     @app.exception_handler(APIError)
     async def _api_error(_, e: APIError):
         return e.response()
+
+    @app.exception_handler(HTTPException)
+    async def _http_error(_, e: HTTPException):  # Starlette's own (404, 405, unparsable bodies): OpenAI's shape
+        return APIError(e.status_code, str(e.detail), None, None, e.headers).response()
 
     @app.exception_handler(RequestValidationError)
     async def _invalid(_, e: RequestValidationError):
@@ -287,13 +194,23 @@ def create_app(driver: EngineDriver, served: ServedModel) -> FastAPI:
             raise APIError(404, f"the model {body.model!r} is not served here; this server serves "
                                 f"{served.name!r}", "model", "model_not_found")
 
+    @app.get("/health")
+    async def health():
+        if not driver.running:
+            return JSONResponse({"status": "engine stopped"}, status_code=503)
+        return {"status": "ok"}
+
+    @app.get("/metrics")
+    async def prometheus():
+        return Response(metrics.render(), media_type=metrics.content_type)
+
     @app.get("/v1/models")
     async def models():
         return {"object": "list", "data": [{"id": served.name, "object": "model", "created": 0,
                                             "owned_by": "specpilot"}]}
 
     @app.post("/v1/chat/completions")
-    async def chat(body: ChatBody):
+    async def chat(body: ChatBody, http: HttpRequest):
         check_model(body)
         if not body.messages:
             raise APIError(400, "messages is empty; a chat needs at least one message", "messages")
@@ -305,43 +222,47 @@ def create_app(driver: EngineDriver, served: ServedModel) -> FastAPI:
                 raise APIError(400, f"content parts of type {kinds} are not supported (text only)",
                                f"messages.{i}.content")
         messages = [{"role": m.role, "content": _message_text(m)} for m in body.messages]
-        try:
-            text = render_chat(served.chat_template, messages, add_generation_prompt=True,
-                               **served.special_tokens)
-        except ChatTemplateError as e:
-            raise APIError(400, str(e), "messages") from None
-        prompt = served.tokenizer.encode(text)
-        return await respond(body, prompt, "messages", "chat")
+        return await respond(body, http, lambda: prompts.chat_prompt(messages), "messages", "chat")
 
     @app.post("/v1/completions")
-    async def completions(body: CompletionBody):
+    async def completions(body: CompletionBody, http: HttpRequest):
         check_model(body)
         p = body.prompt
         if isinstance(p, list) and p and isinstance(p[0], str):
             if len(p) != 1:
                 raise APIError(400, f"one prompt per request, got {len(p)}", "prompt")
             p = p[0]
-        prompt = served.tokenizer.encode(p) if isinstance(p, str) else list(p)
-        bad = [t for t in prompt if not 0 <= t < vocab]
+        if isinstance(p, str):
+            return await respond(body, http, lambda: prompts.text_prompt(p), "prompt", "text")
+        if len(p) >= served.context_len:
+            raise APIError(400, f"the prompt is {len(p)} tokens; the model's context here is {served.context_len} "
+                                f"tokens (prompt + reply)", "prompt", "context_length_exceeded")
+        bad = [t for t in p if not 0 <= t < vocab]
         if bad:
             raise APIError(400, f"token ids {bad[:5]} are outside the vocabulary [0, {vocab})", "prompt")
-        return await respond(body, prompt, "prompt", "text")
+        return await respond(body, http, lambda: list(p), "prompt", "text")
 
-    async def respond(body: _Sampling, prompt: list[int], prompt_field: str, kind: Literal["chat", "text"]):
-        stops, stop_ids = _parse_stops(body, vocab)
-        request = _engine_request(body, served, prompt, prompt_field)
-        gen = Generation(driver, Detokenizer(served.tokenizer, stops), stop_ids)
-        await gen.start(request, prompt_field)
+    async def respond(body: _Sampling, http: HttpRequest, make_prompt, prompt_field: str,
+                      kind: Literal["chat", "text"]):
+        stops, stop_ids = parse_stops(body.stop, body.stop_token_ids, vocab)
+        admitted = admissions.admit()
+        try:
+            prompt = await off_loop(make_prompt)
+            request = _engine_request(body, served, prompt, prompt_field, limits.default_max_tokens)
+            gen = Generation(driver, Detokenizer(served.tokenizer, stops), stop_ids, pool, admitted)
+            await gen.start(request, prompt_field)
+        except BaseException:
+            admitted.release()
+            raise
         rid = f"{'chatcmpl' if kind == 'chat' else 'cmpl'}-{uuid.uuid4().hex[:24]}"
         head = {"id": rid, "created": int(time.time()), "model": served.name}
         if body.stream:
             usage = body.stream_options is not None and body.stream_options.include_usage
-            return StreamingResponse(_events(gen, head, kind, len(prompt), usage, body.return_token_ids),
+            return StreamingResponse(events(gen, head, kind, len(prompt), usage, body.return_token_ids),
                                      media_type="text/event-stream")
-        try:
-            text = "".join([piece async for piece in gen.pieces()])
-        finally:
-            gen.cancel()
+        text = await collect_text(gen, http)
+        if text is None:
+            return Response(status_code=CLIENT_GONE)
         choice = {"index": 0, "finish_reason": gen.finish_reason, "logprobs": None}
         if kind == "chat":
             choice["message"] = {"role": "assistant", "content": text}
@@ -355,56 +276,14 @@ def create_app(driver: EngineDriver, served: ServedModel) -> FastAPI:
     return app
 
 
-def _sse(obj: dict) -> str:
-    return f"data: {json.dumps(obj, ensure_ascii=False)}\n\n"
-
-
-async def _events(gen: Generation, head: dict, kind: str, prompt_len: int, usage: bool, token_ids: bool):
-    """The server-sent events of one streamed reply; a disconnect cancels the request (finally)."""
-    obj = "chat.completion.chunk" if kind == "chat" else "text_completion"
-
-    def chunk(text: str | None, finish: str | None, first: bool = False) -> dict:
-        if kind == "chat":
-            delta = {} if text is None else ({"role": "assistant", "content": text} if first else {"content": text})
-            choice = {"index": 0, "delta": delta, "finish_reason": finish, "logprobs": None}
-        else:
-            choice = {"index": 0, "text": text or "", "finish_reason": finish, "logprobs": None}
-        return dict(head, object=obj, choices=[choice])
-
-    try:
-        if kind == "chat":
-            yield _sse(chunk("", None, first=True))
-        sent = 0
-        try:
-            async for piece in gen.pieces():
-                out = chunk(piece, None)
-                if token_ids:
-                    out["choices"][0]["token_ids"] = gen.detok.tokens[sent:]
-                    sent = len(gen.detok.tokens)
-                yield _sse(out)
-        except APIError as e:
-            yield _sse({"error": {"message": e.message, "type": "server_error", "param": None, "code": e.code}})
-            return
-        last = chunk(None, gen.finish_reason)
-        if token_ids:
-            last["choices"][0]["token_ids"] = gen.detok.tokens[sent:]
-        yield _sse(last)
-        if usage:
-            yield _sse(dict(head, object=obj, choices=[], usage=gen.usage(prompt_len)))
-        yield "data: [DONE]\n\n"
-    finally:
-        gen.cancel()
-
-
 # --------------------------------------------------------------------------------------------------
 # Running it
 
-def serve_in_thread(app: FastAPI, host: str = "127.0.0.1", port: int = 0, timeout_s: float = 30.0):
-    """Start uvicorn on `app` in a daemon thread -> (server, thread, port); `server.should_exit = True`
-    stops it. Port 0: a free port."""
-    import uvicorn
-
-    server = uvicorn.Server(uvicorn.Config(app, host=host, port=port, log_level="warning", lifespan="off"))
+def serve_in_thread(app: FastAPI, host: str = "127.0.0.1", port: int = 0, timeout_s: float = 30.0,
+                    limits: ServerLimits = ServerLimits()):
+    """Start uvicorn on `app` under `limits` in a daemon thread -> (server, thread, port);
+    `server.should_exit = True` stops it. Port 0: a free port."""
+    server = uvicorn.Server(uvicorn_config(app, host, port, limits, log_level="warning"))
     thread = threading.Thread(target=server.run, name="uvicorn", daemon=True)
     thread.start()
     deadline = time.monotonic() + timeout_s
