@@ -1,7 +1,7 @@
 """The embedded pair: a tiny target and its block drafter trained here on data every machine has (the
 running interpreter's standard library), cached under `cache_dir` by a hash of everything that determines
 them, and reused; held-out prompts for the comparison come with it. Each stage resumes or is skipped when
-its output is present (docs/design/data-training.md).
+its output is present; an output that cannot be read is rebuilt with a warning (docs/design/data-training.md).
 """
 
 from __future__ import annotations
@@ -14,12 +14,13 @@ from pathlib import Path
 
 import jax.numpy as jnp
 
+from specpilot import atomic_io
 from specpilot.data.corpus import load_corpus
 from specpilot.data.prompts import PromptSet, make_prompts
 from specpilot.data.tokenizer import TextTokenizer, load_tokenizer, train_tokenizer
 from specpilot.models import drafter as dr
 from specpilot.models.config import ModelConfig
-from specpilot.training.checkpointing import MODEL_RECORD, load_model
+from specpilot.training.checkpointing import load_model
 from specpilot.training.drafter import DrafterTrainConfig, train_drafter
 from specpilot.training.locate import DRAFTER_MODEL, PAIR_PREFIX, TARGET_MODEL
 from specpilot.training.target import TargetTrainConfig, train_target
@@ -85,37 +86,39 @@ def ensure_pair(cache_dir: str | Path, cfg: EmbeddedConfig = EmbeddedConfig(), d
     t0 = time.perf_counter()
     corpus = load_corpus(cfg.corpus_root, heldout_fraction=cfg.heldout_fraction)
     directory = Path(cache_dir).expanduser() / f"{PAIR_PREFIX}{cfg.key(str(corpus.root))}"
-    directory.mkdir(parents=True, exist_ok=True)
-    (directory / "config.json").write_text(json.dumps(
-        {**dataclasses.asdict(cfg), "corpus_root": str(corpus.root)}, indent=2, default=str) + "\n")
+    record = {**dataclasses.asdict(cfg), "corpus_root": str(corpus.root)}
+    atomic_io.write_json(directory / "config.json", record, indent=2, default=str)
 
     tok_path = directory / "tokenizer.json"
-    if tok_path.exists():
-        tokenizer = load_tokenizer(tok_path)
-    else:
+    tokenizer = atomic_io.read_cache(tok_path, load_tokenizer, "the embedded tokenizer")
+    if tokenizer is None:
         _log(f"training a {cfg.vocab_size}-token BPE tokenizer on {corpus.root}")
         tokenizer = train_tokenizer(corpus.texts("train"), cfg.vocab_size, cfg.tokenizer_bytes)
-        tmp = tokenizer.save(directory / "tokenizer.tmp.json")  # a .json name: saved as this file itself
-        tmp.rename(tok_path)  # atomic: a half-written tokenizer is never picked up
+        tokenizer.save(tok_path)
 
     target_dir = directory / TARGET_MODEL.parent
-    if not (directory / TARGET_MODEL / MODEL_RECORD).exists():
+    target = atomic_io.read_cache(directory / TARGET_MODEL, lambda p: load_model(p, dtype=dtype),
+                                  "the embedded target")
+    if target is None:
         _log(f"training the target ({cfg.target.steps} steps) into {target_dir}")
         train_target(cfg.target, corpus, tokenizer, target_dir, progress=progress)
-    target_params, target_cfg = load_model(directory / TARGET_MODEL, dtype=dtype)
+        target = load_model(directory / TARGET_MODEL, dtype=dtype)
+    target_params, target_cfg = target
 
     drafter_dir = directory / DRAFTER_MODEL.parent
-    if not (directory / DRAFTER_MODEL / "model.safetensors").exists():
+    drafter = atomic_io.read_cache(directory / DRAFTER_MODEL, lambda p: dr.load_drafter(p, dtype=dtype),
+                                   "the embedded drafter")
+    if drafter is None:
         _log(f"training the drafter ({cfg.drafter.steps} steps) into {drafter_dir}")
         train_drafter(cfg.drafter, corpus, tokenizer, target_params, target_cfg, drafter_dir,
                       progress=progress)
-    drafter_params, drafter_cfg = dr.load_drafter(directory / DRAFTER_MODEL, dtype=dtype)
+        drafter = dr.load_drafter(directory / DRAFTER_MODEL, dtype=dtype)
+    drafter_params, drafter_cfg = drafter
     target_cfg = target_cfg.with_taps(drafter_cfg.tap_layers)
 
     prompts_path = directory / f"prompts-{cfg.prompt_kind}-{cfg.num_prompts}x{cfg.prompt_len}.json"
-    if prompts_path.exists():
-        prompts = PromptSet.load(prompts_path)
-    else:
+    prompts = atomic_io.read_cache(prompts_path, PromptSet.load, "the embedded prompt set")
+    if prompts is None:
         prompts = make_prompts(corpus, tokenizer, cfg.num_prompts, cfg.prompt_len, kind=cfg.prompt_kind)
         prompts.save(prompts_path)
     return EmbeddedPair(directory, tokenizer, target_params, target_cfg, drafter_params, drafter_cfg,

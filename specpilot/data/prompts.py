@@ -1,5 +1,5 @@
 """Held-out prompt sets for the embedded pair: prompts drawn deterministically from held-out files, cut at
-token boundaries, every prompt the same length, saved as JSON to pin a benchmark
+token boundaries, every prompt the same length, saved as JSON (whole or not at all) to pin a benchmark
 (docs/design/data-training.md).
 """
 
@@ -12,6 +12,7 @@ from pathlib import Path
 
 import numpy as np
 
+from specpilot import atomic_io
 from specpilot.data.corpus import Corpus, read_text
 from specpilot.data.tokenizer import TextTokenizer
 
@@ -34,12 +35,9 @@ class PromptSet:
         return [tokenizer.decode(row) for row in self.tokens]
 
     def save(self, path: str | Path) -> Path:
-        path = Path(path)
-        path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(json.dumps({"tokens": self.tokens.tolist(),
-                                    "continuations": self.continuations.tolist(),
-                                    "sources": list(self.sources)}) + "\n")
-        return path
+        return atomic_io.write_json(path, {"tokens": self.tokens.tolist(),
+                                           "continuations": self.continuations.tolist(),
+                                           "sources": list(self.sources)})
 
     @classmethod
     def load(cls, path: str | Path) -> "PromptSet":

@@ -10,6 +10,8 @@ from typing import Iterable, Sequence
 
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
+from specpilot import atomic_io
+
 EOS_TOKEN = "<|endoftext|>"
 MASK_TOKEN = "<|mask|>"
 PAD_TOKEN = "<|pad|>"
@@ -46,8 +48,7 @@ class TextTokenizer:
         path = Path(path)
         if path.suffix != ".json":
             path = path / "tokenizer.json"
-        path.parent.mkdir(parents=True, exist_ok=True)
-        self.tokenizer.save(str(path))
+        atomic_io.write_text(path, self.tokenizer.to_str(pretty=True))
         return path
 
 
@@ -107,4 +108,8 @@ def load_tokenizer(path: str | Path, eos_token: str | None = None, mask_token: s
         path = path / "tokenizer.json"
     if not path.is_file():
         raise FileNotFoundError(f"no tokenizer.json at {path}")
-    return from_tokenizer(Tokenizer.from_file(str(path)), eos_token, mask_token, pad_token)
+    try:
+        tokenizer = Tokenizer.from_file(str(path))
+    except Exception as e:  # the tokenizers library raises plain Exception for a file it cannot parse
+        raise ValueError(f"{path} is not a readable tokenizer.json: {e}") from e
+    return from_tokenizer(tokenizer, eos_token, mask_token, pad_token)

@@ -16,7 +16,9 @@ from typing import Sequence
 import jax
 import jax.numpy as jnp
 import numpy as np
+from tqdm.auto import tqdm
 
+from specpilot import atomic_io
 from specpilot.data.corpus import Corpus, batch_at, packed_split
 from specpilot.data.tokenizer import TextTokenizer
 from specpilot.decoding.ar import generate
@@ -288,12 +290,9 @@ def regenerated_data(cfg: DrafterTrainConfig, prompts: tuple, target_params: dic
     digest = hashlib.sha256(json.dumps([train_prompts, held_prompts]).encode()).hexdigest()[:16]
     key = json.dumps([digest, cfg.gen_len, stop_token,
                       float(sum(jnp.sum(x.astype(jnp.float32)) for x in jax.tree.leaves(target_params)))])
-    if path.exists():
-        data = np.load(path)
-        if str(data["key"]) == key:
-            return (Sequences(data["train"], data["train_starts"], data["train_ends"]),
-                    Sequences(data["heldout"], data["heldout_starts"], data["heldout_ends"]))
-    from tqdm.auto import tqdm
+    cached = load_sequences(path, key)
+    if cached is not None:
+        return cached
     bar = tqdm(total=len(train_prompts) + len(held_prompts), desc="regenerate", disable=not progress)
     t0 = time.perf_counter()
     train = regenerate(target_params, target_cfg, train_prompts, cfg.gen_len, cfg.gen_batch, stop_token,
@@ -301,11 +300,29 @@ def regenerated_data(cfg: DrafterTrainConfig, prompts: tuple, target_params: dic
     heldout = regenerate(target_params, target_cfg, held_prompts, cfg.gen_len, cfg.gen_batch, stop_token,
                          lambda n: bar.update(len(train_prompts) + n - bar.n))
     bar.close()
-    out_dir.mkdir(parents=True, exist_ok=True)
-    np.savez(path, train=train.tokens, train_starts=train.starts, train_ends=train.ends,
-             heldout=heldout.tokens, heldout_starts=heldout.starts, heldout_ends=heldout.ends, key=key,
-             seconds=time.perf_counter() - t0)
+    save_sequences(path, key, train, heldout, seconds=time.perf_counter() - t0)
     return train, heldout
+
+
+def save_sequences(path: Path, key: str, train: Sequences, heldout: Sequences, seconds: float) -> None:
+    """Write the regenerated (train, held-out) sequences and the `key` they were made for, whole or not at
+    all (a kill mid-write leaves no file)."""
+    with atomic_io.temporary_file(path) as tmp, open(tmp, "wb") as f:  # a file object: savez adds no suffix
+        np.savez(f, train=train.tokens, train_starts=train.starts, train_ends=train.ends,
+                 heldout=heldout.tokens, heldout_starts=heldout.starts, heldout_ends=heldout.ends, key=key,
+                 seconds=seconds)
+
+
+def load_sequences(path: Path, key: str) -> tuple[Sequences, Sequences] | None:
+    """The (train, held-out) sequences cached at `path` for `key`; None when absent, made for another key,
+    or unreadable (then removed with a warning, to be regenerated)."""
+    def load(p: Path):
+        with np.load(p) as data:
+            if str(data["key"]) != key:
+                return None
+            return (Sequences(data["train"], data["train_starts"], data["train_ends"]),
+                    Sequences(data["heldout"], data["heldout_starts"], data["heldout_ends"]))
+    return atomic_io.read_cache(path, load, "the regenerated drafter data")
 
 
 def train_drafter(cfg: DrafterTrainConfig, corpus: Corpus, tokenizer: TextTokenizer, target_params: dict,
