@@ -144,16 +144,14 @@ async def collect_text(gen: Generation, http: HttpRequest) -> str | None:
     collect = asyncio.ensure_future(join())
     gone = asyncio.ensure_future(_until_disconnect(http))
     try:
-        await asyncio.wait({collect, gone}, return_when=asyncio.FIRST_COMPLETED)
+        done, _ = await asyncio.wait({collect, gone}, return_when=asyncio.FIRST_COMPLETED)
     finally:
         gone.cancel()
         if not collect.done():
             collect.cancel()
         gen.cancel()
         gen.admitted.release()
-    if collect.cancelled():
-        return None
-    return collect.result()
+    return collect.result() if collect in done else None
 
 
 def _sse(obj: dict) -> str:

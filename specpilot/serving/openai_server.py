@@ -166,7 +166,8 @@ def create_app(driver: EngineDriver, served: ServedModel, limits: ServerLimits =
     prompts = PromptBuilder(served.tokenizer, served.chat_template, served.special_tokens, served.context_len,
                             limits.template_timeout_s)
     app.add_middleware(HttpGate, limits=limits, api_key=limits.api_key(), on_status=metrics.count)
-    app.state.metrics, app.state.text_workers = metrics, pool
+    app.state.limits, app.state.metrics, app.state.admissions, app.state.prompts = limits, metrics, admissions, prompts
+    app.state.text_workers = pool
 
     async def off_loop(fn, *args):
         return await asyncio.get_running_loop().run_in_executor(pool, fn, *args)
