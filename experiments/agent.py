@@ -13,7 +13,7 @@ import jax
 from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig, OmegaConf
 
-from specpilot.agent import loop
+from specpilot.agent import evaluator, loop, sandbox
 from specpilot.harness import config_schema, devices, entry, fit
 
 config_schema.register()
@@ -29,6 +29,9 @@ def main(cfg: DictConfig) -> None:
         logging.getLogger(noisy).setLevel(logging.WARNING)
     try:
         agent = loop.agent_conf(cfg.get("agent"))
+        sandbox.require(agent.sandbox)  # before any model is built: a host that cannot contain proposed code
+        if agent.scheduler:
+            evaluator.check_scheduler(agent.scheduler, evaluator.security(agent.tls))
         rest = OmegaConf.to_container(cfg, resolve=True)
         rest.pop("agent", None)
         run_cfg = config_schema.typed(OmegaConf.create(rest))

@@ -70,6 +70,30 @@ def test_a_wrong_variant_stops_the_run_naming_it(tmp_path):
     assert not (tmp_path / "out").exists()  # nothing half-done left behind
 
 
+# numpy re-exports os: the static check lets this through, the sandbox keeps the write from the host
+WRITES_AT_IMPORT = """import numpy.testing._private.utils as u
+import jax.numpy as jnp
+
+u.os.makedirs(MARKER, exist_ok=True)
+
+
+def matmul(x, w):
+    return jnp.einsum("...k,kn->...n", x, w, preferred_element_type=jnp.float32) + 1.0
+"""
+
+
+def test_a_plan_files_variant_runs_first_in_the_sandbox_never_in_the_run(tmp_path):
+    """The run's own process refuses a wrong variant before importing it: the module-level code ran only
+    in the sandboxed check, whose writes never reach the host."""
+    marker = tmp_path / "written-by-the-variant"
+    va.static_check("matmul", WRITES_AT_IMPORT.replace("MARKER", repr(str(marker))))
+    v, plan_file = _plan_file(tmp_path, WRITES_AT_IMPORT.replace("MARKER", repr(str(marker))), "writes")
+    proc = _run(tmp_path, plan_file, tmp_path / "out")
+    assert proc.returncode != 0 and f"kernel variant {v.name} (matmul) in plan 'found'" in proc.stderr, \
+        proc.stderr[-2000:]
+    assert not marker.exists()  # refused (its write denied, or its answers wrong) and never run here
+
+
 def test_a_carried_variant_no_plan_names_is_refused(tmp_path):
     from omegaconf import OmegaConf
 
@@ -80,7 +104,12 @@ def test_a_carried_variant_no_plan_names_is_refused(tmp_path):
     assert list(loaded) == [v.name]
     with pytest.raises(plan_variants.VariantError, match=f"{v.name} \\(matmul\\) is named by no plan"):
         plan_variants.check(loaded, [Plan(name="ar", verify="ar")], None, 1)
+    # before the run: refused with no code of the variant run, by the same static check and plan names
+    with pytest.raises(plan_variants.VariantError, match=f"{v.name} \\(matmul\\) is named by no plan"):
+        plan_variants.sandbox_checks(cfg, [Plan(name="ar", verify="ar")])
     bad = OmegaConf.create({"cache_dir": str(tmp_path), "decoding": {"variants": [{"op": "matmul",
                                                                                    "source": "import os\n"}]}})
     with pytest.raises(plan_variants.VariantError, match="decoding.variants.0"):
         plan_variants.load(bad)
+    with pytest.raises(plan_variants.VariantError, match="decoding.variants.0: line 1: imports 'os'"):
+        plan_variants.sandbox_checks(bad, [])

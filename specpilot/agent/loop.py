@@ -67,6 +67,8 @@ class AgentConf:
     workload: str = "harness"
     prefill_chunk: int = 64  # workload=engine: prompt tokens a prefilling row is fed per engine step
     dask_log_level: str = "WARNING"  # Dask's own log lines (driver and workers); INFO brings them back
+    sandbox: str = "bwrap"  # how proposed code is isolated (agent.sandbox: bwrap | none; evaluator, sandbox)
+    tls: ev.TLSConf | None = None  # Dask over TLS, required for a scheduler not on 127.0.0.1
 
 
 def features(cfg: DictConfig, plan_fields: dict, workload: str = "harness") -> dict:
@@ -170,7 +172,8 @@ class Loop:
         inc_result, att, survivors = None, None, []
         with ev.Evaluator(a.workers, timeout_s=a.timeout_s, memory_mb=a.memory_mb, workdir=str(self.out / "candidates"),
                           timing_slots=a.timing_slots, address=a.scheduler, groups=self.groups,
-                          check_workers=a.check_workers, dask_log_level=a.dask_log_level) as evaluator:
+                          check_workers=a.check_workers, dask_log_level=a.dask_log_level, sandbox=a.sandbox,
+                          tls=a.tls) as evaluator:
             for r in range(start, a.rounds):
                 prompts = gate.draw(r)
                 self.progress(f"round {r}: {len(prompts)} fresh prompts; incumbent {json.dumps(self.incumbent)}")

@@ -196,6 +196,8 @@ class DecodingConf:
     profile_split: bool = True
     # kernel variants the plans name (the optimization loop's found plans carry them; harness.plan_variants)
     variants: List[VariantConf] = dataclasses.field(default_factory=list)
+    # where they are checked before the run: bwrap (a sandbox: specpilot.agent.sandbox) or none (no sandbox)
+    variants_sandbox: str = "bwrap"
 
 
 @dataclasses.dataclass

@@ -1,5 +1,6 @@
 """Kernel variants a decoding config carries (`decoding.variants`, the optimization loop's winning plan
-with its variants' sources inline), loaded and checked against their ops' references at the deployment's
+with its variants' sources inline): the checks a sandboxed process runs before the run starts
+(`sandbox_checks`), then loaded and checked again against their ops' references at the deployment's
 shapes before a run times anything. Design notes: docs/design/harness.md.
 """
 
@@ -13,6 +14,7 @@ from omegaconf import DictConfig
 
 from pallas_kernels.dispatch import is_variant
 from specpilot.harness import kernel_variants as va
+from specpilot.harness import shapes as harness_shapes
 
 
 class VariantError(ValueError):
@@ -27,6 +29,48 @@ def _plan_variant_names(plan) -> set[str]:
             if is_variant(impl):
                 names.add(impl)
     return names
+
+
+def carried(cfg: DictConfig) -> dict:
+    """name -> Variant for every variant of `cfg.decoding.variants`, statically checked; no code of theirs runs."""
+    out = {}
+    for i, entry in enumerate(cfg.decoding.get("variants") or ()):
+        try:
+            v = va.Variant(str(entry.op), str(entry.source))
+            va.static_check(v.op, v.source)
+        except (ValueError, va.VariantRejected) as e:
+            raise VariantError(f"decoding.variants.{i}: {e}") from None
+        out[v.name] = v
+    return out
+
+
+def sandbox_checks(cfg: DictConfig, plans) -> list[dict]:
+    """The "check" specs (`agent.candidate`'s check stage) of every carried variant in every plan that
+    names it, at that plan's shapes: what a sandboxed process runs before the run's own process loads any
+    of them. A variant no plan names is refused here, before any of its code runs."""
+    variants = carried(cfg)
+    users = {name: [p for p in plans if name in _plan_variant_names(p)] for name in variants}
+    for name, used in users.items():
+        if not used:
+            raise VariantError(f"decoding.variants: {name} ({variants[name].op}) is named by no plan's kernels")
+    if not variants:
+        return []
+    model_cfg = harness_shapes.target_config(cfg)
+    if model_cfg is None:
+        raise VariantError(f"decoding.variants: the shape of target {cfg.target.name!r} ({cfg.target.source}) is "
+                           f"known only once it is built, so its kernel variants cannot be checked before the "
+                           f"run; run it once without them (a GGUF file is converted then) or use a target with "
+                           f"a shape (random, hf)")
+    folder = Path(str(cfg.cache_dir)).expanduser() / "variants"
+    specs = []
+    for name, v in variants.items():
+        for p in users[name]:
+            block = 1 if p.verify == "ar" else int(p.block_size)
+            specs.append({"name": f"check-{v.digest}", "stage": "check", "plan": p.name, "op": v.op, "variant": name,
+                          "variants": [v.spec_entry(folder)],
+                          "variant_check": {"shapes": va.check_shapes(model_cfg, int(cfg.bench.batch_size), block,
+                                                                      p.weights)}})
+    return specs
 
 
 def load(cfg: DictConfig) -> dict:
