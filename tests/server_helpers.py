@@ -27,8 +27,8 @@ TEMPLATE = ("{% for m in messages %}{% if m['role'] not in ['system', 'user', 'a
             "{{ raise_exception('unknown role ' + m['role']) }}{% endif %}"
             "<|{{ m['role'] }}|>{{ m['content'] }}\n{% endfor %}{% if add_generation_prompt %}<|assistant|>{% endif %}")
 QUESTIONS = ["Hi", "What is 2+2?", "Name a colour.", "Say hello in French.", "Count to three.", "Why?",
-             "Give me a fruit.", "Python or Rust?", "¿Qué tal?", "日本語で", "🙂 ok", "Tell me a joke about foxes.",
-             "The capital of Italy?", "def f(x):", "Last one.", "More, please."]
+             "Give me a fruit.", "Python or Rust?", "¿Qué tal?", "日本語で", "🙂 ok",
+             "Tell me a joke about foxes.", "The capital of Italy?", "def f(x):", "Last one.", "More, please."]
 
 
 def tiny_stack(slots: int, context_len: int, prefill_chunk: int = 16):
@@ -47,8 +47,13 @@ def tiny_stack(slots: int, context_len: int, prefill_chunk: int = 16):
                 params=params, tokenizer=tok)
 
 
+def chat_text(question: str) -> str:
+    """The text of a one-question chat under TEMPLATE (also a completions prompt with the same tokens)."""
+    return render_chat(TEMPLATE, [{"role": "user", "content": question}])
+
+
 def chat_prompt(stack, question: str) -> list[int]:
-    return stack["tokenizer"].encode(render_chat(TEMPLATE, [{"role": "user", "content": question}]))
+    return stack["tokenizer"].encode(chat_text(question))
 
 
 def references(stack, questions, budget: int) -> dict:

@@ -12,6 +12,7 @@ from specpilot.harness import config_schema
 from specpilot.harness.config_schema import ConfigValueError
 
 pytest.importorskip("fastapi")
+from specpilot.serving.http_limits import ServerLimits  # noqa: E402
 from specpilot.serving.openai_server import serve_in_thread  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -40,6 +41,23 @@ def test_serve_options_take_defaults_and_refuse_unknown_ones():
     assert "serve" not in cfg
     with pytest.raises(ConfigValueError, match="serve.slot: not an option of serve.py"):
         serve.serve_options(_compose(TINY + ["+serve.slot=2"]))
+
+
+def test_the_servers_limits_are_options_and_bad_ones_are_refused_naming_them(monkeypatch):
+    serve = _serve_module()
+    opts, _ = serve.serve_options(_compose(TINY + ["+serve.max_queue=3", "+serve.default_max_tokens=9",
+                                                   "+serve.header_timeout_s=2.5"]))
+    limits = serve.server_limits(opts)
+    assert (limits.max_queue, limits.default_max_tokens, limits.header_timeout_s) == (3, 9, 2.5)
+    assert limits.max_body_bytes == ServerLimits().max_body_bytes
+    with pytest.raises(ConfigValueError, match=r"serve.max_queue: must be a positive number, got 0"):
+        serve.server_limits(serve.serve_options(_compose(TINY + ["+serve.max_queue=0"]))[0])
+    monkeypatch.delenv("SPECPILOT_SERVE_KEY", raising=False)
+    opts, _ = serve.serve_options(_compose(TINY + ["+serve.api_key_env=SPECPILOT_SERVE_KEY"]))
+    with pytest.raises(ConfigValueError, match="serve.api_key_env: the variable 'SPECPILOT_SERVE_KEY' is unset"):
+        serve.server_limits(opts)
+    monkeypatch.setenv("SPECPILOT_SERVE_KEY", "k")
+    assert serve.server_limits(opts).api_key() == "k"
 
 
 def test_a_plan_the_run_lacks_and_a_target_without_text_are_refused():
