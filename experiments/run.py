@@ -40,7 +40,8 @@ def check_variants_sandboxed(cfg) -> None:
                                                workdir=work, sandbox=mode)
             what = f"kernel variant {spec['variant']} ({spec['op']}) in plan {spec['plan']!r}"
             if res["status"] != evaluator.OK:
-                reason = res["reason"].removeprefix("before ready: ").removeprefix(f"{spec['variant']} ({spec['op']}): ")
+                reason = res["reason"].removeprefix("before ready: ")
+                reason = reason.removeprefix(f"{spec['variant']} ({spec['op']}): ")
                 raise plan_variants.VariantError(f"{what}: {reason}")
             calls = sum(c.get("calls", 0) for c in res.get("checked") or [])
             log.info("%s matched its reference in %d checked calls in the sandbox (%s)", what, calls, mode)
