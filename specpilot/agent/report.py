@@ -11,6 +11,8 @@ from pathlib import Path
 import yaml
 from matplotlib.figure import Figure
 
+from specpilot import atomic_io
+
 
 def _ms(s) -> str:
     return "-" if s is None else f"{1e3 * s:.3f}"
@@ -30,7 +32,7 @@ def write_round(out: Path, index: int, old: dict, new: dict, incumbent: dict, ro
                      f"{_ms(row.get('s_per_token'))} | {gain} | {_ms(v.get('ceiling_s_per_token'))} | {reason} |")
     lines += ["", f"Incumbent after the round: `{json.dumps(new)}`", ""]
     path = out / f"round_{index}.md"
-    path.write_text("\n".join(lines))
+    atomic_io.write_text(path, "\n".join(lines))
     return path
 
 
@@ -83,5 +85,5 @@ def write_plan(out: Path, plan_name: str, fields: dict, run_key: str, variants=(
         body["variants"] = [{"op": v.op, "source": v.source} for v in variants]
     path = folder / f"{name}.yaml"
     header = f"# The plan found by the optimization loop (run {run_key}).\n"
-    path.write_text(header + yaml.dump(body, Dumper=_LiteralDumper, sort_keys=False))
+    atomic_io.write_text(path, header + yaml.dump(body, Dumper=_LiteralDumper, sort_keys=False))
     return path

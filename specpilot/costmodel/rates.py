@@ -11,6 +11,8 @@ from pathlib import Path
 
 import yaml
 
+from specpilot import atomic_io
+
 RATES_DIR = Path(__file__).resolve().parents[2] / "conf" / "gpu" / "rates"
 
 
@@ -136,8 +138,7 @@ class Rates:
                    str(d.get("source", "")))
 
     def save(self, path: str | Path) -> None:
-        Path(path).parent.mkdir(parents=True, exist_ok=True)
-        Path(path).write_text(yaml.safe_dump(self.to_dict(), sort_keys=False, width=120))
+        atomic_io.write_text(path, yaml.safe_dump(self.to_dict(), sort_keys=False, width=120))
 
     @classmethod
     def load(cls, path: str | Path) -> "Rates":
