@@ -16,6 +16,14 @@ $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install -q --upgrade pip
 
+# bubblewrap: the sandbox proposed code runs in (specpilot.agent.sandbox); without it, agent.sandbox=none
+BWRAP_SUDO := $(shell [ "$$(id -u)" -ne 0 ] && command -v sudo >/dev/null && echo "sudo -n")
+define install_bwrap
+	@command -v bwrap >/dev/null || $(BWRAP_SUDO) apt-get install -y -q bubblewrap >/dev/null 2>&1 || \
+		($(BWRAP_SUDO) apt-get update -q >/dev/null 2>&1 && $(BWRAP_SUDO) apt-get install -y -q bubblewrap >/dev/null 2>&1) || \
+		echo "warning: bubblewrap (bwrap) could not be installed: proposed code will be refused unless agent.sandbox=none"
+endef
+
 $(INSTALLED): pyproject.toml | $(BIN)/python
 	$(BIN)/python -m pip install -q -e .
 	touch $@
@@ -26,8 +34,10 @@ $(INSTALLED_TEST): pyproject.toml | $(BIN)/python
 	touch $@ $(INSTALLED)
 
 install: $(INSTALLED)
+	$(install_bwrap)
 
 install-test: $(INSTALLED_TEST)
+	$(install_bwrap)
 
 run: install
 	$(BIN)/python experiments/run.py
