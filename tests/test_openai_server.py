@@ -216,8 +216,10 @@ def test_malformed_requests_are_refused_alone_naming_the_field(server, refs):
         assert body["error"]["type"] == "invalid_request_error"
     status, body = _post(port, "/v1/completions", json.dumps({"model": "smollm2", "prompt": [1, 49152]}).encode())
     assert (status, body["error"]["param"]) == (400, "prompt")
-    ok = {"model": "smollm2", "prompt": "x", "max_tokens": 1, "logprobs": None, "presence_penalty": 0,
-          "echo": False, "user": "someone"}  # fields asking for nothing pass, unknown ones are ignored
+    # fields asking for nothing pass, unknown ones are ignored; greedy, since a sampled request would compile
+    # the sampling steps here (~30 s on a busy CPU, past _post's timeout)
+    ok = {"model": "smollm2", "prompt": "x", "max_tokens": 1, "temperature": 0, "logprobs": None,
+          "presence_penalty": 0, "echo": False, "user": "someone"}
     assert _post(port, "/v1/completions", json.dumps(ok).encode())[0] == 200
     status, body = _post(port, "/v1/completions", json.dumps({"model": "gpt-9", "prompt": "x"}).encode())
     assert (status, body["error"]["param"]) == (404, "model")

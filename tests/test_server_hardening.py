@@ -199,6 +199,23 @@ def test_a_non_streamed_request_is_cancelled_when_its_client_leaves(serve, stack
     assert "specpilot_requests_in_flight 0.0" in metrics
 
 
+def test_streams_whose_clients_leave_at_once_give_their_places_back(serve, stack):
+    s = serve(ServerLimits(max_queue=1))
+    body = b'{"model": "tiny", "prompt": "Once", "max_tokens": 300, "stream": true}'
+    request = (b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+               b"Content-Length: %d\r\n\r\n%s" % (len(body), body))
+    for pause in (0.0, 0.001, 0.005, 0.02, 0.0, 0.05):  # gone before, during and after the first event
+        with socket.create_connection(("127.0.0.1", s.port)) as sock:
+            sock.sendall(request)
+            time.sleep(pause)
+    deadline = time.monotonic() + 30
+    while s.app.state.admissions.count:
+        assert time.monotonic() < deadline, s.app.state.admissions.count
+        time.sleep(0.01)
+    wait_idle(stack["driver"])
+    assert post(s.port, "/v1/completions", {"model": "tiny", "prompt": "hi", "max_tokens": 2})[0] == 200
+
+
 def test_the_queue_is_bounded_and_answers_429(serve, stack):
     s = serve(ServerLimits(max_queue=1))  # 2 slots + 1 waiting
     held, opened = [], threading.Barrier(4)

@@ -12,6 +12,7 @@ import json
 import time
 
 from fastapi import Request as HttpRequest
+from fastapi.responses import StreamingResponse
 
 from specpilot.serving.api_errors import APIError
 from specpilot.serving.detokenizer import Detokenizer
@@ -152,6 +153,22 @@ async def collect_text(gen: Generation, http: HttpRequest) -> str | None:
         gen.cancel()
         gen.admitted.release()
     return collect.result() if collect in done else None
+
+
+class ReplyStream(StreamingResponse):
+    """A streamed reply that ends its request however the response ends: the events' own `finally` never
+    runs when the client leaves before the first event is asked for (the generator never started)."""
+
+    def __init__(self, gen: Generation, head: dict, kind: str, prompt_len: int, usage: bool, token_ids: bool):
+        super().__init__(events(gen, head, kind, prompt_len, usage, token_ids), media_type="text/event-stream")
+        self.gen = gen
+
+    async def __call__(self, scope, receive, send):
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            self.gen.cancel()
+            self.gen.admitted.release()
 
 
 def _sse(obj: dict) -> str:

@@ -19,14 +19,14 @@ import uvicorn
 from fastapi import FastAPI
 from fastapi import Request as HttpRequest
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.responses import JSONResponse, Response
 from pydantic import BaseModel, ConfigDict, StrictBool, StrictFloat, StrictInt, StrictStr
 from starlette.exceptions import HTTPException
 
 from specpilot.serving.api_errors import APIError
 from specpilot.serving.detokenizer import Detokenizer, parse_stops
 from specpilot.serving.driver import EngineDriver
-from specpilot.serving.generation import Admissions, Generation, collect_text, events
+from specpilot.serving.generation import Admissions, Generation, ReplyStream, collect_text
 from specpilot.serving.http_limits import HttpGate, ServerLimits, uvicorn_config
 from specpilot.serving.metrics import ServerMetrics
 from specpilot.serving.prompt_text import PromptBuilder
@@ -259,8 +259,7 @@ def create_app(driver: EngineDriver, served: ServedModel, limits: ServerLimits =
         head = {"id": rid, "created": int(time.time()), "model": served.name}
         if body.stream:
             usage = body.stream_options is not None and body.stream_options.include_usage
-            return StreamingResponse(events(gen, head, kind, len(prompt), usage, body.return_token_ids),
-                                     media_type="text/event-stream")
+            return ReplyStream(gen, head, kind, len(prompt), usage, body.return_token_ids)
         text = await collect_text(gen, http)
         if text is None:
             return Response(status_code=CLIENT_GONE)
