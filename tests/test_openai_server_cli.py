@@ -50,7 +50,7 @@ def test_the_servers_limits_are_options_and_bad_ones_are_refused_naming_them(mon
     limits = serve.server_limits(opts)
     assert (limits.max_queue, limits.default_max_tokens, limits.header_timeout_s) == (3, 9, 2.5)
     assert limits.max_body_bytes == ServerLimits().max_body_bytes
-    with pytest.raises(ConfigValueError, match=r"serve.max_queue: must be a positive number, got 0"):
+    with pytest.raises(ConfigValueError, match=r"serve.max_queue: must be a positive integer, got 0"):
         serve.server_limits(serve.serve_options(_compose(TINY + ["+serve.max_queue=0"]))[0])
     monkeypatch.delenv("SPECPILOT_SERVE_KEY", raising=False)
     opts, _ = serve.serve_options(_compose(TINY + ["+serve.api_key_env=SPECPILOT_SERVE_KEY"]))

@@ -47,10 +47,13 @@ class ServerLimits:
 
     def __post_init__(self):
         for field in dataclasses.fields(self):
-            value = getattr(self, field.name)
-            if field.name != "api_key_env" and (isinstance(value, bool) or not isinstance(value, (int, float))
-                                                or value <= 0):
-                raise LimitError(field.name, f"must be a positive number, got {value!r}")
+            value, kind = getattr(self, field.name), type(field.default)
+            if field.name == "api_key_env":
+                continue
+            if isinstance(value, bool) or not isinstance(value, (int,) if kind is int else (int, float)) \
+                    or value <= 0:
+                raise LimitError(field.name, f"must be a positive {'integer' if kind is int else 'number'}, "
+                                             f"got {value!r}")
 
     def api_key(self) -> str | None:
         """The bearer key clients must send, read from `api_key_env` (None when no key is asked for)."""
