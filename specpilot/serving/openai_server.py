@@ -157,7 +157,7 @@ def _message_text(m: ChatMessage) -> str:
 
 def create_app(driver: EngineDriver, served: ServedModel, limits: ServerLimits = ServerLimits()) -> FastAPI:
     """The ASGI app serving `served` through `driver` (already started, or started by the caller), under
-    `limits`; a key variable named by `limits.api_key_env` that is unset is refused here (ValueError)."""
+    `limits`; a key variable named by `limits.api_key_env` that is unset is refused here (LimitError)."""
     app = FastAPI(title="specpilot", docs_url=None, redoc_url=None)
     vocab = served.tokenizer.vocab_size
     metrics = ServerMetrics(tau=lambda: driver.engine.stats.tokens_per_row_step)
