@@ -183,6 +183,8 @@ def export_hf(source: str | Path, out_dir: str | Path, dtype=None,
         raise ValueError(f"export target {out_dir} is the source folder; choose another")
     if is_model_folder(out_dir):
         raise ValueError(f"{out_dir} holds a model folder ({MODEL_RECORD}); export to a new folder")
+    if out_dir.exists() and not out_dir.is_dir():
+        raise ValueError(f"export target {out_dir} is a file; export to a new or empty folder")
     foreign = sorted(p.name for p in out_dir.iterdir() if not _exported(p.name)) if out_dir.is_dir() else []
     if foreign:
         raise ValueError(f"{out_dir} holds files an export does not write ({', '.join(foreign[:5])}); "
