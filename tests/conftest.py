@@ -50,3 +50,30 @@ def pytest_collection_modifyitems(config, items):
         skip = pytest.mark.skip(reason="needs a CUDA GPU (jax finds none)")
         for item in gpu_items:
             item.add_marker(skip)
+
+
+# A worker that dies mid-test (a native crash) gets that test rescheduled once on a fresh worker, so an
+# intermittent crash in a native library does not fail the whole run; a test that crashes twice fails. Every
+# crash is listed in the run's summary, so none goes unseen.
+CRASHED_ONCE: list[str] = []
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_handlecrashitem(crashitem, report, sched):
+    if crashitem not in CRASHED_ONCE:
+        CRASHED_ONCE.append(crashitem)
+        sched.mark_test_pending(crashitem)
+        report.outcome = "rerun"
+
+
+def pytest_report_teststatus(report, config):
+    if report.outcome == "rerun":
+        return "rerun", "R", ("RERUN", {"yellow": True})
+    return None
+
+
+def pytest_terminal_summary(terminalreporter):
+    if CRASHED_ONCE:
+        terminalreporter.section("tests whose worker crashed (rescheduled once)", sep="-", yellow=True)
+        for nodeid in CRASHED_ONCE:
+            terminalreporter.line(f"CRASHED {nodeid}")
