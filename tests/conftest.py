@@ -13,6 +13,7 @@ if "xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", "")
 
 import jax.numpy as jnp  # noqa: E402
 import pytest  # noqa: E402
+from jax._src import compilation_cache  # noqa: E402
 
 from specpilot.models import dense  # noqa: E402
 from specpilot.models.config import ModelConfig  # noqa: E402
@@ -30,6 +31,23 @@ def tiny_cfg():
 def tiny_params():
     # A large init std makes logits peaked, so greedy choices are not near-ties between tokens.
     return dense.init(jax.random.key(0), TINY, dtype=jnp.float32, std=0.5)
+
+
+# jax's persistent compilation cache is process-wide: a test that runs a script in-process (run.py enables
+# the cache under cache_dir) would otherwise leave every later compile of that worker writing and loading
+# serialized executables. Each test starts and ends without it; the tests of the cache turn it on themselves.
+_CACHE_OPTIONS = ("jax_compilation_cache_dir", "jax_persistent_cache_min_compile_time_secs",
+                  "jax_persistent_cache_min_entry_size_bytes")
+
+
+@pytest.fixture(autouse=True)
+def _no_persistent_compile_cache_between_tests():
+    saved = {name: getattr(jax.config, name) for name in _CACHE_OPTIONS}
+    yield
+    if any(getattr(jax.config, name) != value for name, value in saved.items()):
+        for name, value in saved.items():
+            jax.config.update(name, value)
+        compilation_cache.reset_cache()
 
 
 def replace(cfg, **kw):
