@@ -184,3 +184,19 @@ def discard(path: str | Path, what: str, error: BaseException) -> None:
     warnings.warn(f"{what} at {path} is unreadable ({type(error).__name__}: {first[:300]}); "
                   f"removing it and rebuilding", CacheRebuildWarning, stacklevel=3)
     remove(path)
+
+
+def read_jsonl(path: str | Path) -> list[dict]:
+    """The records of an append-only JSON-lines file. A last line that does not parse (a writer killed
+    mid-append) is skipped with a warning; a bad line before it is damage, a ValueError naming the line."""
+    path = Path(path)
+    lines = [(i, ln) for i, ln in enumerate(path.read_text().splitlines(), 1) if ln.strip()]
+    records = []
+    for k, (i, line) in enumerate(lines):
+        try:
+            records.append(json.loads(line))
+        except json.JSONDecodeError as e:
+            if k < len(lines) - 1:
+                raise ValueError(f"{path}:{i} is not a JSON record ({e})") from e
+            warnings.warn(f"{path}:{i}: skipping a last line cut short ({e})", stacklevel=2)
+    return records

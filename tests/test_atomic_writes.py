@@ -88,3 +88,14 @@ def test_an_error_outside_the_listed_kinds_is_not_swallowed(tmp_path):
     with pytest.raises(TypeError):
         atomic_io.read_cache(path, broken_loader, "x")
     assert path.exists()
+
+
+def test_a_jsonl_file_cut_short_loses_only_its_last_record(tmp_path):
+    path = tmp_path / "results.jsonl"
+    whole = json.dumps({"method": "ar", "n": 1}) + "\n" + json.dumps({"method": "stock", "n": 2}) + "\n"
+    path.write_text(whole + '{"method": "sto')  # a writer killed mid-append
+    with pytest.warns(UserWarning, match="results.jsonl:3"):
+        assert atomic_io.read_jsonl(path) == [{"method": "ar", "n": 1}, {"method": "stock", "n": 2}]
+    path.write_text('{"method": "ar"\n' + whole)  # damage before the end is not a torn append
+    with pytest.raises(ValueError, match="results.jsonl:1"):
+        atomic_io.read_jsonl(path)

@@ -22,6 +22,7 @@ from omegaconf.errors import OmegaConfBaseException
 
 from pallas_kernels.dispatch import is_variant
 
+from specpilot import atomic_io
 from specpilot.agent import evaluator as ev
 from specpilot.agent import memory as mem
 from specpilot.agent import proposers as props
@@ -211,7 +212,7 @@ class Loop:
         summary = {"run": self.key, "memory": memory.url, "incumbent": self.incumbent, "plan_file": str(path),
                    "rounds": [{"index": x.index, "incumbent_s_per_token": x.incumbent_s_per_token,
                                "best_s_per_token": x.best_s_per_token} for x in memory.rounds(self.key)]}
-        (self.out / "summary.json").write_text(json.dumps(summary, indent=2))
+        atomic_io.write_json(self.out / "summary.json", summary, indent=2)
         return summary
 
     def _attribution(self, gate: Gate, fields: dict, result: dict) -> dict | None:

@@ -7,11 +7,12 @@ notes kept in the table. Design notes: docs/design/harness.md.
 
 from __future__ import annotations
 
-import json
 from collections import Counter, defaultdict
 from pathlib import Path
 
 from matplotlib.figure import Figure
+
+from specpilot import atomic_io
 
 COLUMNS = ("target", "drafter", "gpu", "batch_size", "prompts", "method", "block_size",
            "decode_ms_per_token", "speedup_vs_ar", "tau", "ceiling_ms_per_token", "pct_of_ceiling",
@@ -32,13 +33,11 @@ def load_records(folder: str | Path) -> list[dict]:
         raise FileNotFoundError(f"no such results folder: {folder}")
     records = []
     for path in sorted(folder.rglob("results.jsonl")):
-        for line in path.read_text().splitlines():
-            if line.strip():
-                rec = json.loads(line)
-                rec.setdefault("block_size", (rec.get("config") or {}).get("drafter", {}).get("block_size"))
-                if rec["method"] == "ar" or rec.get("verify") == "ar":  # one token per step: no block
-                    rec["block_size"] = None
-                records.append(rec)
+        for rec in atomic_io.read_jsonl(path):
+            rec.setdefault("block_size", (rec.get("config") or {}).get("drafter", {}).get("block_size"))
+            if rec["method"] == "ar" or rec.get("verify") == "ar":  # one token per step: no block
+                rec["block_size"] = None
+            records.append(rec)
     if not records:
         raise FileNotFoundError(f"no results.jsonl under {folder}")
     return records

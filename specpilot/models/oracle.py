@@ -7,7 +7,6 @@ acceptance. Design notes: docs/design/models.md.
 from __future__ import annotations
 
 import dataclasses
-import json
 from pathlib import Path
 from typing import Any
 
@@ -15,6 +14,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from specpilot import atomic_io
 from specpilot.models.confidence_trace import sample
 
 
@@ -64,7 +64,7 @@ def load_trace(path, method: str = "stock") -> np.ndarray:
         p = p / "results.jsonl"
     if not p.is_file():
         raise FileNotFoundError(f"no acceptance trace at {p} (expected a run's results.jsonl)")
-    rows = [json.loads(line) for line in p.read_text().splitlines() if line.strip()]
+    rows = atomic_io.read_jsonl(p)
     traces = [r["stats"]["acceptance_per_position"] for r in rows
               if r.get("method") == method and (r.get("stats") or {}).get("acceptance_per_position")]
     if not traces:
