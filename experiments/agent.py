@@ -13,7 +13,7 @@ import jax
 from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig, OmegaConf
 
-from specpilot.agent import evaluator, loop, sandbox
+from specpilot.agent import cluster_security, loop, sandbox
 from specpilot.harness import config_schema, devices, entry, fit
 
 config_schema.register()
@@ -31,7 +31,7 @@ def main(cfg: DictConfig) -> None:
         agent = loop.agent_conf(cfg.get("agent"))
         sandbox.require(agent.sandbox)  # before any model is built: a host that cannot contain proposed code
         if agent.scheduler:
-            evaluator.check_scheduler(agent.scheduler, evaluator.security(agent.tls))
+            cluster_security.check_scheduler(agent.scheduler, cluster_security.security(agent.tls))
         rest = OmegaConf.to_container(cfg, resolve=True)
         rest.pop("agent", None)
         run_cfg = config_schema.typed(OmegaConf.create(rest))

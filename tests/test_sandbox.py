@@ -9,6 +9,7 @@ import sys
 import psutil
 import pytest
 
+from specpilot.agent import cluster_security
 from specpilot.agent import evaluator as ev
 from specpilot.agent import sandbox as sb
 
@@ -76,21 +77,21 @@ def test_the_local_cluster_listens_on_loopback_only(tmp_path):
 
 def test_a_scheduler_elsewhere_needs_tls(tmp_path):
     for local in ("tcp://127.0.0.1:8786", "localhost:8786", "tls://[::1]:8786"):
-        assert ev.is_loopback(local)
-        ev.check_scheduler(local, None)
+        assert cluster_security.is_loopback(local)
+        cluster_security.check_scheduler(local, None)
     for remote in ("tcp://10.1.2.3:8786", "tcp://0.0.0.0:8786", "scheduler.example:8786"):
-        assert not ev.is_loopback(remote)
+        assert not cluster_security.is_loopback(remote)
         with pytest.raises(ValueError, match=f"agent.scheduler='{remote}' is not on this machine.*agent.tls"):
             ev.Evaluator(1, workdir=tmp_path, address=remote)  # refused before any connection
     files = {k: tmp_path / f"{k}.pem" for k in ("ca_file", "cert_file", "key_file")}
     with pytest.raises(ValueError, match="agent.tls.ca_file: no file"):
-        ev.security({k: str(p) for k, p in files.items()})
+        cluster_security.security({k: str(p) for k, p in files.items()})
     for p in files.values():
         p.write_text("-----BEGIN CERTIFICATE-----\n")
-    sec = ev.security({k: str(p) for k, p in files.items()})
+    sec = cluster_security.security({k: str(p) for k, p in files.items()})
     assert sec.require_encryption and sec.tls_ca_file == str(files["ca_file"])
-    ev.check_scheduler("tls://10.1.2.3:8786", sec)
+    cluster_security.check_scheduler("tls://10.1.2.3:8786", sec)
     with pytest.raises(ValueError, match="tls://host:port"):
-        ev.check_scheduler("tcp://10.1.2.3:8786", sec)
+        cluster_security.check_scheduler("tcp://10.1.2.3:8786", sec)
     with pytest.raises(ValueError, match="agent.tls.key_file is not set"):
-        ev.security({"ca_file": str(files["ca_file"]), "cert_file": str(files["cert_file"])})
+        cluster_security.security({"ca_file": str(files["ca_file"]), "cert_file": str(files["cert_file"])})

@@ -8,8 +8,6 @@ that candidate only, reported as a status with a reason, never raised. Design no
 
 from __future__ import annotations
 
-import dataclasses
-import ipaddress
 import json
 import logging
 import os
@@ -26,11 +24,11 @@ from typing import Callable, Iterable
 
 import dask
 import distributed  # noqa: F401  (registers the nanny's configuration with dask.config)
-from dask.distributed import Client, Lock, Nanny, Scheduler, Security, SpecCluster, as_completed, get_worker
-from distributed.comm.addressing import parse_address, parse_host_port
+from dask.distributed import Client, Lock, Nanny, Scheduler, SpecCluster, as_completed, get_worker
 
 from specpilot import sharding
 from specpilot.agent import sandbox as sb
+from specpilot.agent.cluster_security import TLSConf, check_scheduler, security
 
 OK, CRASHED, TIMEOUT, OOM, KILLED, BAD_OUTPUT = "ok", "crashed", "timeout", "oom", "killed", "bad_output"
 VARIANT_REJECTED = "variant_rejected"  # a kernel variant failed its reference check (or its source check)
@@ -344,61 +342,6 @@ def self_reported_decode(out: dict) -> float | None:
     except (TypeError, ValueError):
         return None
     return per[(len(per) - 1) // 2] if per and per[0] > 0 else None
-
-
-@dataclasses.dataclass
-class TLSConf:
-    """`agent.tls`: PEM files for Dask over TLS (mutual: every scheduler, worker and client presents a
-    certificate the CA signed)."""
-
-    ca_file: str = ""
-    cert_file: str = ""
-    key_file: str = ""
-
-
-def security(tls: TLSConf | dict | None) -> Security | None:
-    """Dask's Security for `agent.tls` (None: none); ValueError naming a missing setting or file."""
-    if tls is None:
-        return None
-    tls = tls if isinstance(tls, TLSConf) else TLSConf(**tls)
-    files = {k: str(Path(getattr(tls, k)).expanduser()) if getattr(tls, k) else "" for k in ("ca_file", "cert_file",
-                                                                                               "key_file")}
-    for key, path in files.items():
-        if not path:
-            raise ValueError(f"agent.tls.{key} is not set: TLS needs ca_file, cert_file and key_file (PEM files)")
-        if not Path(path).is_file():
-            raise ValueError(f"agent.tls.{key}: no file {path}")
-    cert, key = files["cert_file"], files["key_file"]
-    return Security(tls_ca_file=files["ca_file"], tls_client_cert=cert, tls_client_key=key, tls_scheduler_cert=cert,
-                    tls_scheduler_key=key, tls_worker_cert=cert, tls_worker_key=key, require_encryption=True)
-
-
-def is_loopback(address: str) -> bool:
-    """Whether a Dask address ("tcp://127.0.0.1:8786", "localhost:8786", "tls://[::1]:8786") is on this
-    machine only; a host name other than localhost counts as elsewhere."""
-    try:
-        host, _ = parse_host_port(parse_address(address)[1])
-    except (ValueError, TypeError):
-        return False
-    if host == "localhost":
-        return True
-    try:
-        return ipaddress.ip_address(host.strip("[]")).is_loopback
-    except ValueError:
-        return False
-
-
-def check_scheduler(address: str, sec: Security | None) -> None:
-    """ValueError unless a scheduler at `address` is safe to send work to: on loopback, or over TLS."""
-    if is_loopback(address):
-        return
-    if sec is None:
-        raise ValueError(f"agent.scheduler={address!r} is not on this machine, and Dask runs the pickled functions of "
-                         f"any client that reaches it: set agent.tls.ca_file/cert_file/key_file and start the "
-                         f"scheduler and workers with the same certificates (a tls:// address), or use a "
-                         f"scheduler on 127.0.0.1")
-    if parse_address(address)[0] != "tls":
-        raise ValueError(f"agent.scheduler={address!r}: with agent.tls the scheduler's address is tls://host:port")
 
 
 class Evaluator:

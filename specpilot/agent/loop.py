@@ -23,6 +23,7 @@ from omegaconf.errors import OmegaConfBaseException
 from pallas_kernels.dispatch import is_variant
 
 from specpilot import atomic_io
+from specpilot.agent import cluster_security
 from specpilot.agent import evaluator as ev
 from specpilot.agent import memory as mem
 from specpilot.agent import proposers as props
@@ -69,7 +70,7 @@ class AgentConf:
     prefill_chunk: int = 64  # workload=engine: prompt tokens a prefilling row is fed per engine step
     dask_log_level: str = "WARNING"  # Dask's own log lines (driver and workers); INFO brings them back
     sandbox: str = "bwrap"  # how proposed code is isolated (agent.sandbox: bwrap | none; evaluator, sandbox)
-    tls: ev.TLSConf | None = None  # Dask over TLS, required for a scheduler not on 127.0.0.1
+    tls: cluster_security.TLSConf | None = None  # Dask over TLS, required for a scheduler not on 127.0.0.1
 
 
 def features(cfg: DictConfig, plan_fields: dict, workload: str = "harness") -> dict:
