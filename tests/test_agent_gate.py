@@ -33,11 +33,12 @@ def patched(dep, plan):
     r.tokens[0][-1] = (r.tokens[0][-1] + 1) % dep.cfg.vocab_size
     return r
 """,
-    # replays the reference's outputs of an earlier round (leaked to a file) without computing anything
+    # replays the reference's outputs of an earlier round (leaked into its source: the sandbox hides the
+    # evaluator's files) without computing anything
     "reads_reference": """
 import json
 from specpilot.harness.methods import MethodRun
-LEAKED = json.load(open({leak!r}))
+LEAKED = json.loads({leak!r})
 def patched(dep, plan):
     return MethodRun([list(t) for t in LEAKED], 0.0, 1e-9, len(LEAKED) * dep.new_tokens)
 """,
@@ -80,7 +81,7 @@ def _judge(setting, name, fields=STOCK, repeats=2):
     program = None
     if name in PROGRAMS:
         program = tmp / f"{name}.py"
-        program.write_text(PATCH.format(body=textwrap.dedent(PROGRAMS[name]).format(leak=str(leak))))
+        program.write_text(PATCH.format(body=textwrap.dedent(PROGRAMS[name]).format(leak=leak.read_text())))
     res = ev.evaluate_candidate(spec(cfg, name, fields, prompts, repeats=repeats, program=program), timeout_s=240,
                                 memory_mb=None, workdir=str(tmp / "work"))
     assert res["status"] == ev.OK, res["reason"]
