@@ -10,6 +10,8 @@ import sys
 import time
 from pathlib import Path
 
+import pytest
+
 from agent_helpers import ROOT, TOY, toy_cfg
 
 from specpilot.agent import memory as mem
@@ -25,6 +27,7 @@ def _command(tmp_path, crash):
             f"cache_dir={tmp_path / 'cache'}", f"output_dir={tmp_path / 'out'}", f"hydra.run.dir={tmp_path / 'hydra'}"]
 
 
+@pytest.mark.slow
 def test_two_rounds_a_crash_and_a_resume(tmp_path):
     crash = tmp_path / "crash.py"
     crash.write_text("raise RuntimeError('injected crash')\n")

@@ -6,7 +6,6 @@ plan, where it is no faster than the reference it calls)."""
 
 import textwrap
 
-import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -191,6 +190,7 @@ def test_a_sleeping_or_wrong_variant_loses_only_itself(tmp_path):
     assert wrong["status"] == ev.VARIANT_REJECTED and "wrong at" in wrong["reason"], wrong
 
 
+@pytest.mark.slow
 def test_the_candidate_process_times_a_checked_variant_in_its_plan(tmp_path):
     """A correct variant runs in the plan (first in its implementation list) and gives the xla plan's tokens."""
     with ev.Evaluator(2, timeout_s=120, memory_mb=None, workdir=str(tmp_path / "work")) as e:

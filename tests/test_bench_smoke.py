@@ -75,6 +75,7 @@ def test_step_bytes_qwen3_8b(bench_ar):
     assert sb["embed_rows"] == 4096 * 2 and sb["logits"] == 151936 * 4
 
 
+@pytest.mark.slow
 def test_bench_ar_tiny_w12_rows(bench_ar, tmp_path):
     """bf16 vs W12 at batch 1 with `--kernel xla` (decode + XLA's dot): each @w12 row gives its bf16 row's
     logits and tokens bit for bit, and its bandwidth counts the W12 bytes."""

@@ -63,6 +63,7 @@ def test_the_stored_cpu_rates_load():
     assert r.copy_gbs > 0 and "xla/f32" in r.matmul
 
 
+@pytest.mark.slow
 def test_calibrate_measures_the_grid_it_is_given_and_the_plans_m(tmp_path):
     import subprocess
     import sys

@@ -99,6 +99,7 @@ def test_target_taps_each_layer_once_in_layer_order():
         ModelConfig(**{**TARGET.__dict__, "tap_layers": (1, 1)})
 
 
+@pytest.mark.slow
 def test_repeated_ids_decode_losslessly(target_params):
     dcfg = dr.DrafterConfig.for_target(TARGET, num_layers=1, block_size=4, tap_layers=(1, 1))
     target = TARGET.with_taps(dcfg.tap_layers)

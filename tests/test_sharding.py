@@ -104,6 +104,7 @@ def test_sharded_chain_equals_ar(dense_params, dense_ar):
     np.testing.assert_array_equal(res.tokens, dense_ar[:, :N])
 
 
+@pytest.mark.slow
 def test_sharded_hybrid_ar_and_chain_equal_one_device():
     params = hybrid.init_wide_margin(jax.random.key(0), HYBRID, dtype=jnp.float32)
     want = ar.generate(hybrid.target(HYBRID, jnp.float32), params, PROMPTS, N + 10).tokens

@@ -49,6 +49,7 @@ def test_all_stages_on_a_corpus_folder(tmp_path):
     assert dcfg.block_size == 4 and (tmp_path / "out" / "target" / "model" / "config.json").exists()
 
 
+@pytest.mark.slow
 def test_drafter_for_a_hugging_face_checkpoint(tmp_path):
     corpus = _corpus(tmp_path / "corpus")
     tok = train_tokenizer(load_corpus(corpus).texts("train"), vocab_size=300)
