@@ -1,0 +1,158 @@
+"""One stream's decode time, batch 1 and greedy, through run.py's stock (the harness's compiled loop), the
+serving engine and the OpenAI server on loopback, on the same deployment, prompts and new-token count:
+the engine's and the server's overhead over the harness. Compiles are excluded (each path runs once
+first); every figure is a median over `--repeats` runs per prompt. Tokens are checked equal to the
+harness's. docs/performance-engine.md has the measured table.
+
+    PYTHONPATH=. python experiments/bench/bench_stream_overhead.py [--deployment "<run.py overrides>"]
+        [--prompts 2] [--new-tokens 96] [--repeats 3] [--slots 1,4] [--context 0,2048] [--paths all]
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import http.client
+import json
+import statistics
+import time
+
+from experiments.bench.engine_setup import compose_config
+from specpilot.decoding import spec
+from specpilot.harness import bench, config_schema, deploy, devices
+from specpilot.serving import Engine, Request
+from specpilot.serving.driver import EngineDriver
+from specpilot.serving.http_limits import ServerLimits
+from specpilot.serving.openai_server import ServedModel, create_app, serve_in_thread
+
+PATHS = ("harness", "engine", "server")
+PREFILL_CHUNK = 32  # serve.py's default
+
+
+def harness_stream(dep, plan, prompt: list[int], new: int) -> tuple[float, list[int]]:
+    """run.py's stock on one prompt (its while loop, its cache length) -> (decode ms/token, tokens)."""
+    drafter, dparams = dep.drafter_for(plan)
+    res = spec.generate(dep.target_for(plan), dep.params_for(plan), drafter, dparams, [prompt], new,
+                        block_size=plan.block_size, sampling=dep.sampling, key=dep.key, cache_len=dep.cache_len)
+    return 1e3 * res.decode_time_per_token, [int(t) for t in res.tokens[0][:new]]
+
+
+def engine_stream(engine: Engine, prompt: list[int], new: int) -> tuple[float, list[int]]:
+    """One request through `engine.step()` -> (ms per token after its first, tokens)."""
+    handle = engine.submit(Request(prompt, new, temperature=0.0))
+    engine.run()
+    return 1e3 * handle.tpot_s, list(handle.tokens)
+
+
+def server_stream(port: int, model: str, prompt: list[int], new: int) -> tuple[float, list[int]]:
+    """One streamed /v1/completions request on loopback -> (ms per token after the first chunk's, tokens),
+    each chunk's tokens timed when the client reads it."""
+    body = json.dumps({"model": model, "prompt": prompt, "max_tokens": new, "temperature": 0, "stream": True,
+                       "return_token_ids": True})
+    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=600)
+    conn.request("POST", "/v1/completions", body, {"Content-Type": "application/json"})
+    reply = conn.getresponse()
+    if reply.status != 200:
+        raise RuntimeError(f"the server answered {reply.status}: {reply.read()[:200]!r}")
+    tokens, first_n, first_s, last_s = [], 0, None, None
+    for line in reply:
+        line = line.strip()
+        if not line.startswith(b"data: ") or line == b"data: [DONE]":
+            continue
+        ids = json.loads(line[6:])["choices"][0].get("token_ids") or []
+        if ids:
+            now = time.perf_counter()
+            tokens += ids
+            if first_s is None:
+                first_s, first_n = now, len(ids)
+            last_s = now
+    conn.close()
+    return 1e3 * (last_s - first_s) / max(1, len(tokens) - first_n), tokens
+
+
+def median_of(fn, repeats: int) -> tuple[float, list[int]]:
+    times, tokens = [], None
+    for _ in range(repeats):
+        ms, tokens = fn()
+        times.append(ms)
+    return statistics.median(times), tokens
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--deployment", default="", help="run.py's config overrides (default: run.py's default)")
+    ap.add_argument("--plan", default="stock")
+    ap.add_argument("--prompts", type=int, default=2, help="the deployment's first N prompts")
+    ap.add_argument("--new-tokens", type=int, default=96)
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--slots", default="1", help="engine slots (comma list; one stream uses one)")
+    ap.add_argument("--context", default="0", help="engine context_len (comma list; 0: the one whose slots "
+                                                   "equal the harness's cache length)")
+    ap.add_argument("--paths", default="all", help=f"comma list of {', '.join(PATHS)} (all)")
+    ap.add_argument("--dispatch", default="", help="engine dispatch (sync|pipelined; default the plan's)")
+    ap.add_argument("--out", default="", help="write the rows as JSON here")
+    args = ap.parse_args()
+    paths = PATHS if args.paths == "all" else tuple(bench.comma_list(args.paths))
+    cfg = compose_config(args.deployment, args.prompts, 1)
+    devices.setup(cfg)
+    plan = {p.name: p for p in config_schema.build_plans(cfg)}[args.plan]
+    dep = deploy.build(cfg, [plan])
+    prompts = [list(p) for p in dep.prompts[: args.prompts]]
+    new = args.new_tokens
+    rows, reference = [], {}
+    print(f"deployment {args.deployment or '(run.py default)'}, plan {plan.name} ({plan.describe()}), "
+          f"{len(prompts)} prompts of {[len(p) for p in prompts]} tokens, {new} new tokens, harness cache "
+          f"{dep.cache_len}, medians of {args.repeats}")
+
+    def record(path: str, slots, context, i: int, fn) -> None:
+        fn()  # compiles and warms this path's programs
+        ms, tokens = median_of(fn, args.repeats)
+        same = None if path == "harness" else tokens == reference[i]
+        rows.append({"path": path, "slots": slots, "context": context, "prompt": i, "ms_per_token": ms,
+                     "tokens": len(tokens), "same_tokens": same})
+        print(f"  {path:8s} slots={slots!s:4s} context={context!s:5s} prompt {i}: {ms:7.2f} ms/token"
+              + ("" if same is None else f"  tokens equal harness: {same}"), flush=True)
+
+    for i, p in enumerate(prompts):
+        reference[i] = harness_stream(dep, plan, p, new)[1]
+        if "harness" in paths:
+            record("harness", 1, dep.cache_len, i, lambda p=p: harness_stream(dep, plan, p, new))
+    for slots in (int(s) for s in bench.comma_list(args.slots)):
+        for context in (int(c) for c in bench.comma_list(args.context)):
+            context = context or dep.cache_len - max(PREFILL_CHUNK, plan.block_size)  # max_len == cache_len
+            batching = plan.batching
+            if args.dispatch:
+                batching = dataclasses.replace(batching, dispatch=args.dispatch)
+            engine = Engine.from_plan(dep, plan, slots=slots, context_len=context, prefill_chunk=PREFILL_CHUNK,
+                                      sampling=False, batching=batching)
+            engine.warm_up()
+            if "engine" in paths:
+                for i, p in enumerate(prompts):
+                    record("engine", slots, context, i, lambda p=p: engine_stream(engine, p, new))
+            if "server" in paths:
+                driver = EngineDriver(engine).start()
+                served = ServedModel("bench", dep.tokenizer, dep.chat_template, None, context, sampling=False)
+                server, thread, port = serve_in_thread(create_app(driver, served, ServerLimits()))
+                try:
+                    for i, p in enumerate(prompts):
+                        record("server", slots, context, i, lambda p=p: server_stream(port, "bench", p, new))
+                finally:
+                    server.should_exit = True
+                    thread.join(10)
+                    driver.stop()
+    print("\nmedian over prompts (ms/token):")
+    base = statistics.median(r["ms_per_token"] for r in rows if r["path"] == "harness") if "harness" in paths \
+        else None
+    keys = sorted({(r["path"], r["slots"], r["context"]) for r in rows}, key=lambda k: (PATHS.index(k[0]), k[1:]))
+    for path, slots, context in keys:
+        ms = statistics.median(r["ms_per_token"] for r in rows if (r["path"], r["slots"], r["context"])
+                               == (path, slots, context))
+        rel = f"  {ms / base:.2f}x harness" if base else ""
+        print(f"  {path:8s} slots={slots!s:4s} context={context!s:5s} {ms:7.2f}{rel}")
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump(rows, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
