@@ -21,6 +21,7 @@ from specpilot.decoding.sampling import RequestSampling
 from specpilot.models.drafter import ReplayDrafter
 from specpilot.models.oracle import OracleDrafter
 from specpilot.plan import Batching, TreeShape
+from specpilot.serving import compact as cp
 from specpilot.serving import overlap as ov
 from specpilot.serving import slots as sl
 from specpilot.serving import tree_slots
@@ -46,7 +47,7 @@ class Engine:
     def __init__(self, target, target_params, drafter=None, draft_params=None, *, block_size: int | None = None,
                  slots: int = 4, context_len: int = 256, prefill_chunk: int = 32, top_k: int = 0,
                  sampling: bool = True, batching: Batching | None = None, step_cost: StepCost | None = None,
-                 tree: TreeShape | None = None):
+                 tree: TreeShape | None = None, compact: bool | None = None):
         bs = 1 if drafter is None else (block_size or drafter.block_size)
         if tree is not None:
             bs = tree_block_size(tree, drafter, block_size)
@@ -83,6 +84,10 @@ class Engine:
         self.setup = sl.EngineSetup(*args) if tree is None else tree_slots.TreeEngineSetup(
             *args, nodes=tree.nodes, depth=tree.depth, branching=tree.branching)
         self.rows_per_verify = rows
+        # decode only the decoding rows over the cache slots they use (`compact`) where the step allows it;
+        # by default on the CPU, whose attention reads every slot (the GPU kernels read a row's own blocks)
+        compact = jax.default_backend() == "cpu" if compact is None else bool(compact)
+        self.compact = compact and tree is None and cp.supported(self.setup, target, self.setup.drafter)
         self.slots, self.sampling = int(slots), bool(sampling)
         self.target_params = target_params
         self._base_draft_params = draft_params
@@ -145,6 +150,10 @@ class Engine:
         if which == "prefill":
             return sl.compiled(sl.prefill_jit, setup, tp, dp, state, i32(s, setup.prefill_chunk), i32(s), flag,
                                self._sampling_shape(greedy))
+        if which.startswith("compact"):  # compact{rows}x{window}
+            rows, window = (int(x) for x in which.removeprefix("compact").split("x"))
+            return sl.compiled(cp.decode_compact_jit, cp.CompactShape(setup, rows, window), tp, dp, state, i32(rows),
+                               jax.ShapeDtypeStruct((rows,), jnp.bool_), self._sampling_shape(greedy))
         if which.startswith("halves"):  # halves0, halves1: the parity of the verified half
             return sl.compiled(ov.decode_halves_jit, (setup, int(which[-1])), tp, dp, state,
                                jax.eval_shape(lambda: self.prepared), flag, flag, self._sampling_shape(greedy))
@@ -163,6 +172,8 @@ class Engine:
             self._exe("prefill", greedy)
             for which in ("halves0", "halves1") if self.overlap is not None else ("decode",):
                 self._exe(which, greedy)
+            for rows, window in cp.shapes(self.slots, self.setup.max_len) if self.compact else ():
+                self._exe(f"compact{rows}x{window}", greedy)
 
     # ----------------------------------------------------------------------------------------------
     # Requests
@@ -277,7 +288,7 @@ class Engine:
         c = self.setup.prefill_chunk
         prefilling = [h for h in self.table if h is not None and h.status == PREFILL]
         decoding = [h for h in self.table if h is not None and h.status == DECODING]
-        first = emitted = n_new = verified = None
+        first = emitted = n_new = verified = overflow = None
         final = []
         if prefilling:
             tokens = np.zeros((self.slots, c), np.int32)
@@ -299,6 +310,8 @@ class Engine:
         if self.overlap is not None:
             if decoding or final:
                 emitted, n_new, verified, decoding = self._decode_halves(decoding, final)
+        elif decoding and (shape := self._compact_shape(decoding)) is not None:
+            emitted, n_new, verified, overflow = self._decode_compact(decoding, *shape)
         elif decoding:
             active = np.zeros(self.slots, bool)
             active[[h.slot for h in decoding]] = True
@@ -313,15 +326,17 @@ class Engine:
             h.status = DECODING
         if first is None and emitted is None:
             return None
-        return PendingStep(final, decoding, first, emitted, n_new, verified)
+        return PendingStep(final, decoding, first, emitted, n_new, verified, overflow)
 
     def _collect(self, pending: "PendingStep | None") -> list[Handle]:
         """Read a dispatched step's tokens (the step's one host sync) and hand them to their requests;
         a request that ended meanwhile (finished by an earlier step, cancelled) drops them."""
         if pending is None or not pending.live:
             return []
-        first, emitted, n_new, verified = jax.device_get((pending.first, pending.emitted, pending.n_new,
-                                                          pending.verified))
+        first, emitted, n_new, verified, overflow = jax.device_get(
+            (pending.first, pending.emitted, pending.n_new, pending.verified, pending.overflow))
+        if overflow:
+            raise RuntimeError("a compact decode wrote past its window: the host's bound on a row's length is wrong")
         now = time.perf_counter()
         got = []
         for h in pending.final:
@@ -346,6 +361,33 @@ class Engine:
         if self.setup.verify == "packed":
             return self.setup.token_budget
         return self.rows_per_verify * self.setup.block_size
+
+    def _compact_shape(self, decoding: list[Handle]) -> tuple[int, int] | None:
+        """(rows, window) of the compact decode for these rows, None for the plain decode. A row's
+        committed length is at most what the host read plus one step in flight; the step writes one block."""
+        if not self.compact:
+            return None
+        bs = self.setup.block_size
+        need = max(h.prefilled + max(len(h.tokens) - 1, 0) for h in decoding) + 2 * bs
+        return cp.choose(len(decoding), need, self.slots, self.setup.max_len)
+
+    def _decode_compact(self, decoding: list[Handle], rows: int, window: int):
+        """One compact decode of the decoding rows (padding entries repeat the first; all slots: in order)
+        -> (emitted, n_new, verified, overflow)."""
+        slots = [h.slot for h in decoding]
+        if rows == self.slots:  # every row, in order: nothing to gather
+            index, valid = np.arange(rows, dtype=np.int32), np.isin(np.arange(rows), slots)
+        else:
+            index = np.array(slots + [slots[0]] * (rows - len(slots)), np.int32)
+            valid = np.arange(rows) < len(slots)
+        sampling = self._sampling(decoding)
+        self.state, emitted, n_new, verified, overflow = self._exe(f"compact{rows}x{window}", sampling.greedy)(
+            self.target_params, self.draft_params, self.state, index, valid, sampling)
+        self.stats.decode_calls += 1
+        self.stats.compact_calls += 1
+        self.stats.rows_drafted += len(decoding) if self.setup.uses_drafter else 0
+        self.stats.forward_tokens += rows * self.setup.block_size
+        return emitted, n_new, verified, overflow
 
     def _decode_halves(self, decoding: list[Handle], final: list[Handle]):
         """One `overlap.decode_halves` call: verify this call's half, draft the other (the rows whose

@@ -57,6 +57,7 @@ class PendingStep:
     emitted: Any
     n_new: Any
     verified: Any
+    overflow: Any = None  # a compact decode's flag: a row's writes ran past its window (never, by the host's choice)
 
     @property
     def live(self) -> bool:
@@ -84,6 +85,7 @@ class EngineStats:
     # slots x nodes)
     rows_drafted: int = 0  # (row, decode call) pairs drafted (overlap none: the verified rows themselves)
     both_halves_busy: int = 0  # overlap halves: decode calls that verified one half and drafted the other
+    compact_calls: int = 0  # decode calls over the decoding rows and a window of the slots (`serving.compact`)
 
     tokens_per_row_step = _ratio("decode_tokens", "decode_row_steps",
                                  "Mean tokens a decoding row gains per step (AR: 1; chain: the acceptance length tau).")
