@@ -14,7 +14,7 @@ import jax.numpy as jnp
 from specpilot.decoding.sampling import RequestSampling
 from specpilot.models.drafter import BlockDrafter
 from specpilot.serving import slots as sl
-from specpilot.state import AttentionState, RecurrentState, TargetState
+from specpilot.state import AttentionState, TargetState
 
 WINDOW_MIN = 128  # the smallest window; windows double from here up to the state's slots
 
@@ -84,55 +84,50 @@ def _view(x, rows: jax.Array | None, window: int):
     if isinstance(x, TargetState):
         return TargetState(tuple(_view(layer, rows, window) for layer in x.layers), take(x.lengths))
     if isinstance(x, AttentionState):
-        return AttentionState(take(x.k)[:, :, :window], take(x.v)[:, :, :window])
+        return AttentionState(take(x.k[:, :, :window]), take(x.v[:, :, :window]))
     return jax.tree.map(take, x)
 
 
-def _put_row(full: jax.Array, part: jax.Array, a: int, row, valid, start=None, span: int = 0) -> jax.Array:
-    """full with part's row a written at row `row` where `valid` (an attention cache [S, KVH, M, D]: only
-    slots start .. start+span-1, the ones a step writes)."""
-    if start is None:
-        at, size = (row,) + (0,) * (full.ndim - 1), (1,) + full.shape[1:]
-        src = (a,) + (0,) * (full.ndim - 1)
-    else:
-        at, size = (row, 0, start, 0), (1, full.shape[1], span, full.shape[3])
-        src = (a, 0, start, 0)
-    new = jax.lax.dynamic_slice(part, src, size).astype(full.dtype)
-    cur = jax.lax.dynamic_slice(full, at, size)
-    return jax.lax.dynamic_update_slice(full, jnp.where(valid, new, cur), at)
+def _written(new, old, span: int):
+    """What a step changed in a view: each attention cache's block of `span` slots from the row's committed
+    length before the step (`old`'s), every other leaf whole."""
+    if new is None:
+        return None
+    if isinstance(new, TargetState):
+        blocks = tuple(_written(n, old.lengths, span) for n in new.layers)
+        return TargetState(blocks, new.lengths)
+    if isinstance(new, AttentionState):
+        def block(cache):
+            return jax.vmap(lambda c, at: jax.lax.dynamic_slice_in_dim(c, at, span, axis=1))(cache, old)
+        return AttentionState(block(new.k), block(new.v))
+    return new
 
 
-def _put_back(full, part, rows: jax.Array, valid: jax.Array, starts: jax.Array | None, span: int):
-    """full with each valid row a of part put back at rows[a], one row after the other (a padding entry
-    repeats a valid row and writes back what is there)."""
+def _put_back(full, written, rows: jax.Array, starts: jax.Array | None = None):
+    """full with each entry a of `written` put at row rows[a] (attention caches: its block at slot
+    starts[a], the row's committed length), last entry first: a padding entry repeats the first row,
+    which is written after it. An entry that decoded nothing changed only uncommitted slots."""
     if full is None:
         return None
     if isinstance(full, TargetState):
-        layers = tuple(_put_back(f, p, rows, valid, full.lengths[rows], span)
-                       for f, p in zip(full.layers, part.layers))
-        return TargetState(layers, _put_back(full.lengths, part.lengths, rows, valid, None, span))
+        layers = tuple(_put_back(f, w, rows, full.lengths[rows]) for f, w in zip(full.layers, written.layers))
+        return TargetState(layers, _put_back(full.lengths, written.lengths, rows))
     if isinstance(full, AttentionState):
-        k, v = full.k, full.v
-        for a in range(rows.shape[0]):
-            k = _put_row(k, part.k, a, rows[a], valid[a], starts[a], span)
-            v = _put_row(v, part.v, a, rows[a], valid[a], starts[a], span)
-        return AttentionState(k, v)
-
-    def whole(f, p):
-        for a in range(rows.shape[0]):
-            f = _put_row(f, p, a, rows[a], valid[a])
-        return f
-
-    return jax.tree.map(whole, full, part)
+        return AttentionState(_put_back(full.k, written.k, rows, starts), _put_back(full.v, written.v, rows, starts))
+    for a in range(rows.shape[0] - 1, -1, -1):
+        at = (rows[a],) + (0,) * (full.ndim - 1) if starts is None else (rows[a], 0, starts[a], 0)
+        full = jax.lax.dynamic_update_slice(full, written[a:a + 1].astype(full.dtype), at)
+    return full
 
 
 def decode_compact(static: CompactShape, target_params, draft_params, state: sl.SlotState, rows: jax.Array,
                    valid: jax.Array, sampling: RequestSampling):
     """The plain decode (`slots.decode_chain` / `decode_ar`) of rows [A] only (valid [A]: the entry is a
     decoding row; the others repeat one and commit nothing; A = S: rows are every slot in order, valid
-    the decoding ones, and nothing is gathered), attending over the first `window` slots ->
-    (state, emitted tokens [S, Bs], emitted [S], verified [S], overflow: a valid row's writes ran past
-    the window, which the host's choice of window rules out)."""
+    the decoding ones, and nothing is gathered), attending over the first `window` slots. The state is
+    only read: `put_back_jit` writes what changed -> (what changed (`_written`), emitted tokens [S, Bs],
+    emitted [S], verified [S], overflow: a valid row's writes ran past the window, which the host's
+    choice of window rules out)."""
     setup, window = static.setup, static.window
     s = state.last.shape[0]
     span = setup.block_size
@@ -146,16 +141,22 @@ def decode_compact(static: CompactShape, target_params, draft_params, state: sl.
     overflow = jnp.any(valid & (part.target_state.lengths + span > window))
     if setup.uses_drafter:
         overflow |= jnp.any(valid & (part.draft_state.lengths + span > window))
-    state = sl.SlotState(_put_back(state.target_state, new.target_state, rows, valid, None, span),
-                         _put_back(state.draft_state, new.draft_state, rows, valid, None, span),
-                         *(_put_back(f, p, rows, valid, None, span)
-                           for f, p in ((state.last, new.last), (state.n_out, new.n_out), (state.key, new.key))))
+    written = sl.SlotState(_written(new.target_state, part.target_state, span),
+                           _written(new.draft_state, part.draft_state, span), new.last, new.n_out, new.key)
 
     def spread(x):  # [A, ...] -> [S, ...]; padding entries add nothing
         mask = valid.reshape((-1,) + (1,) * (x.ndim - 1))
         return jnp.zeros((s,) + x.shape[1:], x.dtype).at[rows].add(jnp.where(mask, x, 0))
 
-    return state, spread(emit), spread(n_new), spread(verified), overflow
+    return written, spread(emit), spread(n_new), spread(verified), overflow
 
 
-decode_compact_jit = jax.jit(decode_compact, static_argnums=0, donate_argnames=("state",))
+def put_back(state: sl.SlotState, written: sl.SlotState, rows: jax.Array) -> sl.SlotState:
+    """The state with a compact decode's changes written at rows [A] (in place: nothing else reads it)."""
+    return sl.SlotState(*(_put_back(f, w, rows) for f, w in zip(
+        (state.target_state, state.draft_state, state.last, state.n_out, state.key),
+        (written.target_state, written.draft_state, written.last, written.n_out, written.key))))
+
+
+decode_compact_jit = jax.jit(decode_compact, static_argnums=0)
+put_back_jit = jax.jit(put_back, donate_argnames=("state",))

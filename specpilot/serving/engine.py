@@ -150,10 +150,13 @@ class Engine:
         if which == "prefill":
             return sl.compiled(sl.prefill_jit, setup, tp, dp, state, i32(s, setup.prefill_chunk), i32(s), flag,
                                self._sampling_shape(greedy))
-        if which.startswith("compact"):  # compact{rows}x{window}
+        if which.startswith("compact"):  # compact{rows}x{window}: the decode, then its put-back
             rows, window = (int(x) for x in which.removeprefix("compact").split("x"))
-            return sl.compiled(cp.decode_compact_jit, cp.CompactShape(setup, rows, window), tp, dp, state, i32(rows),
-                               jax.ShapeDtypeStruct((rows,), jnp.bool_), self._sampling_shape(greedy))
+            args = (tp, dp, state, i32(rows), jax.ShapeDtypeStruct((rows,), jnp.bool_), self._sampling_shape(greedy))
+            shape = cp.CompactShape(setup, rows, window)
+            written = sl.CACHE.out_shapes(cp.decode_compact, shape, args)[0]
+            return (sl.compiled(cp.decode_compact_jit, shape, *args),
+                    sl.compiled(cp.put_back_jit, None, state, written, i32(rows)))
         if which.startswith("halves"):  # halves0, halves1: the parity of the verified half
             return sl.compiled(ov.decode_halves_jit, (setup, int(which[-1])), tp, dp, state,
                                jax.eval_shape(lambda: self.prepared), flag, flag, self._sampling_shape(greedy))
@@ -381,8 +384,10 @@ class Engine:
             index = np.array(slots + [slots[0]] * (rows - len(slots)), np.int32)
             valid = np.arange(rows) < len(slots)
         sampling = self._sampling(decoding)
-        self.state, emitted, n_new, verified, overflow = self._exe(f"compact{rows}x{window}", sampling.greedy)(
-            self.target_params, self.draft_params, self.state, index, valid, sampling)
+        decode, put_back = self._exe(f"compact{rows}x{window}", sampling.greedy)
+        written, emitted, n_new, verified, overflow = decode(self.target_params, self.draft_params, self.state,
+                                                             index, valid, sampling)
+        self.state = put_back(self.state, written, index)
         self.stats.decode_calls += 1
         self.stats.compact_calls += 1
         self.stats.rows_drafted += len(decoding) if self.setup.uses_drafter else 0
