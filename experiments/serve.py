@@ -11,7 +11,9 @@ answer on http://HOST:PORT/v1 (specpilot.serving.openai_server), e.g. with the o
 Options (this script's own, outside the run config's schema): `+serve.host=127.0.0.1`, `+serve.port=8000`,
 `+serve.slots=4` (requests decoded at once), `+serve.context_len=2048` (prompt + reply per request),
 `+serve.prefill_chunk=32`, `+serve.model=<name clients pass; default target.name>`,
-`+serve.warm_up=true` (compile every step before taking requests), and the server's limits
+`+serve.warm_up=true` (compile every step before taking requests; the compact decodes of
+`specpilot.serving.compact` compile in the background, steps running the plain decode meanwhile), and the
+server's limits
 (specpilot.serving.http_limits.ServerLimits, each with its default there): `+serve.api_key_env=NAME`
 (clients must send `Authorization: Bearer $NAME`), `+serve.max_queue`, `+serve.default_max_tokens`,
 `+serve.max_body_bytes`, `+serve.max_connections`, `+serve.template_timeout_s`, the timeouts
@@ -95,7 +97,7 @@ def build(cfg: DictConfig, opts: dict):
                               prefill_chunk=opts["prefill_chunk"], top_k=dep.sampling.top_k)
     if opts["warm_up"]:
         log.info("compiling the engine's steps (plan %s, %d slots)", plan.name, opts["slots"])
-        engine.warm_up()
+        engine.warm_up(compact_in_background=True)  # the many compact decodes: no step waits for them
     served = ServedModel(str(opts["model"] or cfg.target.name), dep.tokenizer, dep.chat_template,
                          dep.tokenizer.eos_id, opts["context_len"], sampling=engine.sampling)
     driver = EngineDriver(engine).start()

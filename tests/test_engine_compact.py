@@ -2,6 +2,8 @@
 use, and each request's tokens stay those of `ar.generate` for it alone, across window sizes, row counts,
 arrivals and departures; the plain decode is used where nothing is left to cut."""
 
+import time
+
 import numpy as np
 import pytest
 
@@ -67,3 +69,19 @@ def test_compact_off_decodes_every_slot(params, reference):
     engine.run()
     assert handle.tokens == reference[0][:20] and engine.stats.compact_calls == 0
     assert np.isclose(engine.stats.forward_tokens, 2 * engine.stats.decode_calls)
+
+
+def test_background_compiles_leave_steps_on_the_plain_decode_until_ready(params, reference):
+    engine = Engine(TARGET, params, slots=2, context_len=200, prefill_chunk=8, sampling=False, compact=True)
+    engine.warm_up(compact_in_background=True)
+    first = run_staggered(engine, [Request(p, 60) for p in PROMPTS[:3]], [0, 0, 5])  # while compiling
+    want = len(cp.shapes(2, engine.setup.max_len))
+    deadline = time.monotonic() + 120
+    while len(engine._compact_ready) < want and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert len(engine._compact_ready) == want
+    calls = engine.stats.compact_calls
+    again = run_staggered(engine, [Request(p, 60) for p in PROMPTS[:3]], [0, 0, 5])
+    for i, h in enumerate(first + again):
+        assert h.tokens == reference[i % 3][:60], i
+    assert engine.stats.compact_calls > calls  # once ready, the steps take them

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import collections
 import itertools
+import threading
 import time
 from typing import Iterator
 
@@ -97,6 +98,8 @@ class Engine:
             self.reference = jnp.zeros((self.slots, self.setup.max_len), jnp.int32)
             self.draft_params = _with_reference(drafter, draft_params, self.reference)
         self.state = sl.init_slots(self.setup, self.draft_params, self.slots)
+        self._state_shape = jax.eval_shape(lambda: self.state)  # fixed; read by compiles in any thread
+        self._compact_ready: set | None = None  # compact decodes a step may take (None: any, compiled on use)
         halves = self.batching.overlap == "halves"
         self.overlap = ov.Overlap(self.slots) if halves else None
         self.prepared = ov.init_prepared(self.setup, self.slots) if halves else None
@@ -141,7 +144,7 @@ class Engine:
         s = self.slots
         i32 = lambda *shape: jax.ShapeDtypeStruct(shape, jnp.int32)  # noqa: E731
         flag = jax.ShapeDtypeStruct((s,), jnp.bool_)
-        state = jax.eval_shape(lambda: self.state)
+        state = self._state_shape
         tp, dp, setup = self.target_params, self.draft_params, self.setup
         if which == "reset":
             return sl.compiled(sl.reset_jit, setup, state, flag, i32(s))
@@ -166,17 +169,34 @@ class Engine:
             decode = sl.decode_chain_jit if setup.uses_drafter else sl.decode_ar_jit
         return sl.compiled(decode, setup, tp, dp, state, flag, self._sampling_shape(greedy))
 
-    def warm_up(self) -> None:
-        """Compile every executable a step may call (both sampling variants where the engine samples)."""
+    def warm_up(self, compact_in_background: bool = False) -> None:
+        """Compile every executable a step may call (both sampling variants where the engine samples).
+        `compact_in_background`: the compact decodes (many on a long context) compile in a daemon thread,
+        fewest rows and smallest windows first; until one is ready, a step that would take it runs the
+        plain decode, so no step waits for a compile."""
         self._exe("reset")
         if self.reference is not None:
             self._exe("reference")
-        for greedy in (True, False) if self.sampling else (True,):
+        modes = (True, False) if self.sampling else (True,)
+        for greedy in modes:
             self._exe("prefill", greedy)
             for which in ("halves0", "halves1") if self.overlap is not None else ("decode",):
                 self._exe(which, greedy)
-            for rows, window in cp.shapes(self.slots, self.setup.max_len) if self.compact else ():
-                self._exe(f"compact{rows}x{window}", greedy)
+        compact = [(f"compact{rows}x{window}", greedy) for rows, window in
+                   cp.shapes(self.slots, self.setup.max_len) for greedy in modes] if self.compact else []
+        if not compact_in_background:
+            for key in compact:
+                self._exe(*key)
+            return
+        self._compact_ready = set()
+        threading.Thread(target=self._compile_compact, args=(compact,), name="engine-compile", daemon=True).start()
+
+    def _compile_compact(self, keys: list) -> None:
+        """The background compiles of `warm_up`: each executable is published once built."""
+        for key in keys:
+            if key not in self._exes:
+                self._exes[key] = self._build(*key)
+            self._compact_ready.add(key)
 
     # ----------------------------------------------------------------------------------------------
     # Requests
@@ -313,7 +333,7 @@ class Engine:
         if self.overlap is not None:
             if decoding or final:
                 emitted, n_new, verified, decoding = self._decode_halves(decoding, final)
-        elif decoding and (shape := self._compact_shape(decoding)) is not None:
+        elif decoding and (shape := self._compact_shape(decoding)) is not None:  # the decoding rows only
             emitted, n_new, verified, overflow = self._decode_compact(decoding, *shape)
         elif decoding:
             active = np.zeros(self.slots, bool)
@@ -372,7 +392,12 @@ class Engine:
             return None
         bs = self.setup.block_size
         need = max(h.prefilled + max(len(h.tokens) - 1, 0) for h in decoding) + 2 * bs
-        return cp.choose(len(decoding), need, self.slots, self.setup.max_len)
+        shape = cp.choose(len(decoding), need, self.slots, self.setup.max_len)
+        greedy = all(h.request.temperature == 0 for h in decoding)
+        if shape is not None and self._compact_ready is not None and \
+                (f"compact{shape[0]}x{shape[1]}", greedy) not in self._compact_ready:
+            return None  # still compiling in the background
+        return shape
 
     def _decode_compact(self, decoding: list[Handle], rows: int, window: int):
         """One compact decode of the decoding rows (padding entries repeat the first; all slots: in order)
