@@ -1,11 +1,11 @@
 """One stream's decode time, batch 1 and greedy, through run.py's stock (the harness's compiled loop), the
 serving engine and the OpenAI server on loopback, on the same deployment, prompts and new-token count:
 the engine's and the server's overhead over the harness. Compiles are excluded (each path runs once
-first); every figure is a median over `--repeats` runs per prompt. Tokens are checked equal to the
-harness's. docs/performance-engine.md has the measured table.
+first); every figure is a median over `--repeats` runs per prompt, the paths interleaved run by run.
+Tokens are checked equal to the harness's. docs/performance-engine.md has the measured table.
 
     PYTHONPATH=. python experiments/bench/bench_stream_overhead.py [--deployment "<run.py overrides>"]
-        [--prompts 2] [--new-tokens 96] [--repeats 3] [--slots 1,4] [--context 0,2048] [--paths all]
+        [--prompts 2] [--new-tokens 96] [--repeats 3] [--engines 1:0:off,1:0:auto,4:2048:auto] [--paths all]
 """
 
 from __future__ import annotations
@@ -70,14 +70,6 @@ def server_stream(port: int, model: str, prompt: list[int], new: int) -> tuple[f
     return 1e3 * (last_s - first_s) / max(1, len(tokens) - first_n), tokens
 
 
-def median_of(fn, repeats: int) -> tuple[float, list[int]]:
-    times, tokens = [], None
-    for _ in range(repeats):
-        ms, tokens = fn()
-        times.append(ms)
-    return statistics.median(times), tokens
-
-
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--deployment", default="", help="run.py's config overrides (default: run.py's default)")
@@ -85,9 +77,9 @@ def main() -> None:
     ap.add_argument("--prompts", type=int, default=2, help="the deployment's first N prompts")
     ap.add_argument("--new-tokens", type=int, default=96)
     ap.add_argument("--repeats", type=int, default=3)
-    ap.add_argument("--slots", default="1", help="engine slots (comma list; one stream uses one)")
-    ap.add_argument("--context", default="0", help="engine context_len (comma list; 0: the one whose slots "
-                                                   "equal the harness's cache length)")
+    ap.add_argument("--engines", default="1:0:auto,4:2048:auto",
+                    help="engines as SLOTS:CONTEXT:COMPACT, comma separated (CONTEXT 0: the context whose slots "
+                         "equal the harness's cache length; COMPACT on, off or auto: Engine(compact=...))")
     ap.add_argument("--paths", default="all", help=f"comma list of {', '.join(PATHS)} (all)")
     ap.add_argument("--dispatch", default="", help="engine dispatch (sync|pipelined; default the plan's)")
     ap.add_argument("--out", default="", help="write the rows as JSON here")
@@ -104,42 +96,55 @@ def main() -> None:
           f"{len(prompts)} prompts of {[len(p) for p in prompts]} tokens, {new} new tokens, harness cache "
           f"{dep.cache_len}, medians of {args.repeats}")
 
-    def record(path: str, slots, context, i: int, fn) -> None:
-        fn()  # compiles and warms this path's programs
-        ms, tokens = median_of(fn, args.repeats)
-        same = None if path == "harness" else tokens == reference[i]
-        rows.append({"path": path, "slots": slots, "context": context, "prompt": i, "ms_per_token": ms,
-                     "tokens": len(tokens), "same_tokens": same})
-        print(f"  {path:8s} slots={slots!s:4s} context={context!s:5s} prompt {i}: {ms:7.2f} ms/token"
-              + ("" if same is None else f"  tokens equal harness: {same}"), flush=True)
-
+    runs: dict = {}  # (path, slots label, context) -> {prompt: a run's () -> (ms/token, tokens)}
     for i, p in enumerate(prompts):
         reference[i] = harness_stream(dep, plan, p, new)[1]
         if "harness" in paths:
-            record("harness", 1, dep.cache_len, i, lambda p=p: harness_stream(dep, plan, p, new))
-    for slots in (int(s) for s in bench.comma_list(args.slots)):
-        for context in (int(c) for c in bench.comma_list(args.context)):
-            context = context or dep.cache_len - max(PREFILL_CHUNK, plan.block_size)  # max_len == cache_len
-            batching = plan.batching
-            if args.dispatch:
-                batching = dataclasses.replace(batching, dispatch=args.dispatch)
-            engine = Engine.from_plan(dep, plan, slots=slots, context_len=context, prefill_chunk=PREFILL_CHUNK,
-                                      sampling=False, batching=batching)
-            engine.warm_up()
-            if "engine" in paths:
-                for i, p in enumerate(prompts):
-                    record("engine", slots, context, i, lambda p=p: engine_stream(engine, p, new))
-            if "server" in paths:
-                driver = EngineDriver(engine).start()
-                served = ServedModel("bench", dep.tokenizer, dep.chat_template, None, context, sampling=False)
-                server, thread, port = serve_in_thread(create_app(driver, served, ServerLimits()))
-                try:
-                    for i, p in enumerate(prompts):
-                        record("server", slots, context, i, lambda p=p: server_stream(port, "bench", p, new))
-                finally:
-                    server.should_exit = True
-                    thread.join(10)
-                    driver.stop()
+            runs.setdefault(("harness", "1/loop", dep.cache_len), {})[i] = \
+                lambda p=p: harness_stream(dep, plan, p, new)
+    servers = []
+    for slots, context, compact in (e.split(":") for e in bench.comma_list(args.engines)):
+        slots, context = int(slots), int(context) or dep.cache_len - max(PREFILL_CHUNK, plan.block_size)
+        batching = plan.batching if not args.dispatch else dataclasses.replace(plan.batching, dispatch=args.dispatch)
+        engine = Engine.from_plan(dep, plan, slots=slots, context_len=context, prefill_chunk=PREFILL_CHUNK,
+                                  sampling=False, batching=batching,
+                                  compact={"on": True, "off": False, "auto": None}[compact])
+        label = f"{slots}/{'compact' if engine.compact else 'plain'}"
+        if "engine" in paths:
+            runs[("engine", label, context)] = {i: lambda p=p, e=engine: engine_stream(e, p, new)
+                                                for i, p in enumerate(prompts)}
+        if "server" in paths:
+            driver = EngineDriver(engine).start()
+            served = ServedModel("bench", dep.tokenizer, dep.chat_template, None, context, sampling=False)
+            server, thread, port = serve_in_thread(create_app(driver, served, ServerLimits()))
+            servers.append((server, thread, driver))
+            runs[("server", label, context)] = {i: lambda p=p, port=port: server_stream(port, "bench", p, new)
+                                                for i, p in enumerate(prompts)}
+    times: dict = {}
+    try:
+        for key, by_prompt in runs.items():  # a first run compiles and warms what each path calls
+            for i, fn in by_prompt.items():
+                t0 = time.perf_counter()
+                fn()
+                print(f"  first run {key[0]:8s} slots={key[1]:10s} prompt {i}: {time.perf_counter() - t0:.1f} s")
+        for _ in range(args.repeats):  # paths interleaved: drift on a shared machine hits each alike
+            for key, by_prompt in runs.items():
+                for i, fn in by_prompt.items():
+                    ms, tokens = fn()
+                    times.setdefault((key, i), []).append(ms)
+                    if key[0] != "harness" and tokens != reference[i]:
+                        raise SystemExit(f"{key[0]} {key[1]} prompt {i}: tokens differ from the harness's")
+    finally:
+        for server, thread, driver in servers:
+            server.should_exit = True
+            thread.join(10)
+            driver.stop()
+    for (key, i), ms in times.items():
+        rows.append({"path": key[0], "slots": key[1], "context": key[2], "prompt": i,
+                     "ms_per_token": statistics.median(ms), "runs_ms": ms})
+        print(f"  {key[0]:8s} slots={key[1]:10s} context={key[2]!s:5s} prompt {i}: {statistics.median(ms):7.2f} "
+              f"ms/token (runs {', '.join(f'{m:.1f}' for m in ms)})")
+    print("every engine and server stream emitted the harness's tokens")
     print("\nmedian over prompts (ms/token):")
     base = statistics.median(r["ms_per_token"] for r in rows if r["path"] == "harness") if "harness" in paths \
         else None
@@ -148,7 +153,7 @@ def main() -> None:
         ms = statistics.median(r["ms_per_token"] for r in rows if (r["path"], r["slots"], r["context"])
                                == (path, slots, context))
         rel = f"  {ms / base:.2f}x harness" if base else ""
-        print(f"  {path:8s} slots={slots!s:4s} context={context!s:5s} {ms:7.2f}{rel}")
+        print(f"  {path:8s} slots={slots!s:10s} context={context!s:5s} {ms:7.2f}{rel}")
     if args.out:
         with open(args.out, "w") as f:
             json.dump(rows, f, indent=1)

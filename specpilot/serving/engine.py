@@ -86,7 +86,7 @@ class Engine:
             *args, nodes=tree.nodes, depth=tree.depth, branching=tree.branching)
         self.rows_per_verify = rows
         # decode only the decoding rows over the cache slots they use (`compact`) where the step allows it;
-        # by default on the CPU, whose attention reads every slot (the GPU kernels read a row's own blocks)
+        # by default on the CPU, where it is measured (its attention reads every slot of every row)
         compact = jax.default_backend() == "cpu" if compact is None else bool(compact)
         self.compact = compact and tree is None and cp.supported(self.setup, target, self.setup.drafter)
         self.slots, self.sampling = int(slots), bool(sampling)
