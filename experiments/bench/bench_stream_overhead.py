@@ -106,15 +106,19 @@ def main() -> None:
     for slots, context, compact in (e.split(":") for e in bench.comma_list(args.engines)):
         slots, context = int(slots), int(context) or dep.cache_len - max(PREFILL_CHUNK, plan.block_size)
         batching = plan.batching if not args.dispatch else dataclasses.replace(plan.batching, dispatch=args.dispatch)
-        engine = Engine.from_plan(dep, plan, slots=slots, context_len=context, prefill_chunk=PREFILL_CHUNK,
-                                  sampling=False, batching=batching,
-                                  compact={"on": True, "off": False, "auto": None}[compact])
+
+        def make(compact=compact, slots=slots, context=context, batching=batching):
+            return Engine.from_plan(dep, plan, slots=slots, context_len=context, prefill_chunk=PREFILL_CHUNK,
+                                    sampling=False, batching=batching,
+                                    compact={"on": True, "off": False, "auto": None}[compact])
+
+        engine = make()  # the server's driver thread owns an engine of its own
         label = f"{slots}/{'compact' if engine.compact else 'plain'}"
         if "engine" in paths:
             runs[("engine", label, context)] = {i: lambda p=p, e=engine: engine_stream(e, p, new)
                                                 for i, p in enumerate(prompts)}
         if "server" in paths:
-            driver = EngineDriver(engine).start()
+            driver = EngineDriver(make()).start()
             served = ServedModel("bench", dep.tokenizer, dep.chat_template, None, context, sampling=False)
             server, thread, port = serve_in_thread(create_app(driver, served, ServerLimits()))
             servers.append((server, thread, driver))
