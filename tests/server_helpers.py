@@ -75,6 +75,18 @@ def wait_idle(driver, timeout_s: float = 30.0) -> dict:
     raise AssertionError(f"the engine still holds requests: {snap}")
 
 
+def detokenize_stream(detok, ids) -> list[str]:
+    """The pieces a stream sends for `ids` through `detok`: one per token until a stop string, then the rest."""
+    pieces = []
+    for t in ids:
+        detok.add(t)
+        pieces.append(detok.delta(final=False))
+        if detok.stopped:
+            break
+    pieces.append(detok.delta(final=True))
+    return pieces
+
+
 def post(port: int, path: str, body, headers: dict | None = None, timeout: float = 30.0):
     """-> (status, parsed JSON body or None); `body` a dict (sent as JSON) or raw bytes."""
     data = body if isinstance(body, bytes) else json.dumps(body).encode()

@@ -8,7 +8,6 @@ import glob
 import json
 import os
 import threading
-import time
 import urllib.error
 import urllib.request
 
@@ -25,6 +24,7 @@ from specpilot.serving.driver import EngineDriver
 openai = pytest.importorskip("openai")
 pytest.importorskip("fastapi")
 pytest.importorskip("uvicorn")
+from server_helpers import wait_idle  # noqa: E402
 from specpilot.serving.openai_server import ServedModel, create_app, serve_in_thread  # noqa: E402
 
 FOLDERS = glob.glob("/tmp/smolcache/gguf/*/tokenizer_config.json") + glob.glob(
@@ -76,16 +76,6 @@ def server(pair):
 def _prompt(pair, question):
     return pair["hf"].apply_chat_template([{"role": "user", "content": question}], add_generation_prompt=True,
                                           tokenize=True, return_dict=False)
-
-
-def _wait_idle(driver, timeout_s=30.0):
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        snap = driver.snapshot().result(5)
-        if snap["live"] == 0 and snap["slots_in_use"] == 0 and snap["waiting"] == 0:
-            return snap
-        time.sleep(0.05)
-    raise AssertionError(f"the engine still holds requests: {snap}")
 
 
 def test_models_lists_the_served_model(server):
@@ -142,7 +132,7 @@ def test_eight_concurrent_streams_each_equal_ar_generate(server, pair, refs):
         ref = refs[q][:n]
         assert ids == ref
         assert text == pair["hf"].decode(ref, skip_special_tokens=True)
-    _wait_idle(server["driver"])
+    wait_idle(server["driver"])
 
 
 def test_a_stream_closed_mid_way_frees_its_slot_and_others_finish(server, refs):
@@ -157,7 +147,7 @@ def test_a_stream_closed_mid_way_frees_its_slot_and_others_finish(server, refs):
                                       temperature=0, extra_body={"return_token_ids": True})
     assert driver.snapshot().result(5)["live"] == 1  # the long stream is still running
     long.close()
-    snap = _wait_idle(driver)
+    snap = wait_idle(driver)
     assert snap["steps"] < 200 + 100  # it was cancelled, not run to its 200 tokens
     assert other.choices[0].model_extra["token_ids"] == refs[q][:6]
 
@@ -228,7 +218,7 @@ def test_malformed_requests_are_refused_alone_naming_the_field(server, refs):
     assert e.value.param == "top_p"
     t.join(120)
     assert results["ids"] == refs[QUESTIONS[3]]
-    _wait_idle(server["driver"])
+    wait_idle(server["driver"])
 
 
 def test_stop_strings_and_stop_token_ids_cut_the_reply(server):
@@ -246,7 +236,7 @@ def test_stop_strings_and_stop_token_ids_cut_the_reply(server):
     kw["extra_body"] = {"return_token_ids": True, "stop_token_ids": [ids[3]]}
     by_id = c.completions.create(**kw).choices[0]
     assert by_id.model_extra["token_ids"] == ids[: ids.index(ids[3]) + 1] and by_id.finish_reason == "stop"
-    _wait_idle(server["driver"])
+    wait_idle(server["driver"])
 
 
 @pytest.mark.slow

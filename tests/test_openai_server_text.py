@@ -8,6 +8,7 @@ import pytest
 from specpilot.data.tokenizer import load_tokenizer
 
 pytest.importorskip("fastapi")
+from server_helpers import detokenize_stream  # noqa: E402
 from specpilot.serving.detokenizer import Detokenizer  # noqa: E402
 
 FOLDERS = glob.glob("/tmp/smolcache/gguf/*/tokenizer.json") + glob.glob(
@@ -22,20 +23,11 @@ def tok():
     return load_tokenizer(FOLDERS[0], eos_token="<|im_end|>")
 
 
-def _pieces(detok, ids):
-    out = []
-    for t in ids:
-        detok.add(t)
-        out.append(detok.delta(final=False))
-    out.append(detok.delta(final=True))
-    return out
-
-
 def test_pieces_are_utf8_safe_and_add_up_to_the_decode(tok):
     ids = tok.encode(TEXT) + [tok.eos_id]
     # some token of the emoji or CJK text ends inside a character: its prefix decodes to U+FFFD
     assert any(tok.decode(ids[:i]).endswith("\ufffd") for i in range(1, len(ids)))
-    pieces = _pieces(Detokenizer(tok), ids)
+    pieces = detokenize_stream(Detokenizer(tok), ids)
     assert all("\ufffd" not in p for p in pieces)
     assert "".join(pieces) == TEXT == tok.decode(ids, skip_special_tokens=True)
 
@@ -43,13 +35,7 @@ def test_pieces_are_utf8_safe_and_add_up_to_the_decode(tok):
 def test_a_stop_string_cuts_the_text_and_is_never_sent(tok):
     ids = tok.encode(TEXT)
     detok = Detokenizer(tok, stops=("wörld", "zzz"))
-    pieces = []
-    for t in ids:
-        detok.add(t)
-        pieces.append(detok.delta(final=False))
-        if detok.stopped:
-            break
-    pieces.append(detok.delta(final=True))
+    pieces = detokenize_stream(detok, ids)
     assert detok.stopped and "".join(pieces) == TEXT[: TEXT.index("wörld")]
     assert all("w" not in p for p in pieces[1:])  # the stop string's start was held back, not sent early
     assert tok.decode(detok.tokens).startswith(TEXT[: TEXT.index("wörld") + 1])

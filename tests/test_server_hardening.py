@@ -14,7 +14,7 @@ import pytest
 pytest.importorskip("fastapi")
 pytest.importorskip("uvicorn")
 pytest.importorskip("prometheus_client")
-from server_helpers import QUESTIONS, get, post, references, send_raw, stream, tiny_stack, wait_idle  # noqa: E402
+from server_helpers import QUESTIONS, detokenize_stream, get, post, references, send_raw, stream, tiny_stack, wait_idle  # noqa: E402
 
 from specpilot.serving.detokenizer import MAX_STOP_CHARS, Detokenizer  # noqa: E402
 from specpilot.serving.http_limits import LimitError, ServerLimits  # noqa: E402
@@ -168,13 +168,7 @@ def test_the_incremental_detokenizer_equals_a_whole_decode_cut_at_the_first_stop
         stops = tuple({whole[i:i + rng.randrange(1, 4)] for i in rng.sample(range(len(whole)), min(2, len(whole)))}
                       ) if trial % 2 and whole else ("never-there",)
         detok = Detokenizer(tok, stops)
-        pieces = []
-        for t in ids:
-            detok.add(t)
-            pieces.append(detok.delta(final=False))
-            if detok.stopped:
-                break
-        pieces.append(detok.delta(final=True))
+        pieces = detokenize_stream(detok, ids)
         cut = min((whole.find(s) for s in stops if s in whole), default=len(whole))
         assert "".join(pieces) == whole[:cut], (ids, stops)
 
