@@ -15,7 +15,6 @@ import jax
 from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig
 
-from specpilot.agent import evaluator, sandbox
 from specpilot.harness import config_schema, devices, entry, plan_variants, runner
 
 config_schema.register()
@@ -30,6 +29,7 @@ def check_variants_sandboxed(cfg) -> None:
     sandboxed process (`decoding.variants_sandbox`), before this process runs any of its code."""
     if not cfg.decoding.get("variants"):
         return
+    from specpilot.agent import evaluator, sandbox  # Dask and the sandbox only for a run that carries variants
     config_schema.validate(cfg)
     checks = plan_variants.sandbox_checks(cfg, config_schema.build_plans(cfg))
     mode = str(cfg.decoding.variants_sandbox)

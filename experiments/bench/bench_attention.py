@@ -103,11 +103,13 @@ def run_case(name, attn, shape, b, t, interpret, dtype) -> dict:
     return row
 
 
-def variants(splits: list[int], block_s: int, interpret: bool):
+def variants(splits: list[int], block_s: int, interpret: bool, merges: list[str]):
     out = [("xla", xla_attention)]
     for sp in splits:
-        config = ra.RaggedAttentionConfig(block_s=block_s, splits=sp, interpret=interpret)
-        out.append((f"kernel splits={sp or 'auto'}", lambda *a, c=config: ra.ragged_attention(*a, c)))
+        for merge in (merges if sp != 1 else merges[:1]):  # one split writes its output itself: no merge
+            config = ra.RaggedAttentionConfig(block_s=block_s, splits=sp, merge=merge, interpret=interpret)
+            tag = f" {merge}" if len(merges) > 1 and sp != 1 else ""
+            out.append((f"kernel{tag} splits={sp or 'auto'}", lambda *a, c=config: ra.ragged_attention(*a, c)))
     return out
 
 
@@ -117,12 +119,12 @@ def print_table(rows: list[dict], shape: dict, sms: int, block_s: int) -> None:
           f"auto splits = min(ceil(2 x {sms} SMs / (B x KVH)), slots / block_s))")
     print("kernel us: summed device kernel time per call (all kernels: mask, layout, combine); kernels: their "
           "count per call; wall us: host time per call, chains pipelined; err: max |out - reference| of one call")
-    print(f"{'B':>3} {'T':>3}  {'variant':<20} {'splits':>6} {'kernel us':>10} {'kernels':>8} {'own K/V TB/s':>12} "
+    print(f"{'B':>3} {'T':>3}  {'variant':<26} {'splits':>6} {'kernel us':>10} {'kernels':>8} {'own K/V TB/s':>12} "
           f"{'wall us':>9} {'err':>9}")
     for r in rows:
         def f(key, fmt):
             return format(r[key], fmt) if key in r else format("-", f">{fmt.split('.')[0]}")
-        print(f"{r['B']:>3} {r['T']:>3}  {r['variant']:<20} {r.get('splits', '-'):>6} {f('kernel_us_per_call', '10.1f')} "
+        print(f"{r['B']:>3} {r['T']:>3}  {r['variant']:<26} {r.get('splits', '-'):>6} {f('kernel_us_per_call', '10.1f')} "
               f"{f('kernels_per_call', '8.1f')} {f('own_kv_tb_per_s', '12.2f')} {f('wall_us_per_call', '9.1f')} "
               f"{r['max_abs_err_vs_reference']:9.1e}")
 
@@ -134,6 +136,7 @@ def main(argv=None) -> dict:
     p.add_argument("--tokens", default="", help="comma list of new tokens per row T (default: the shape's)")
     p.add_argument("--splits", default="1,0", help="comma list of kernel splits (0: automatic)")
     p.add_argument("--block-s", type=int, default=0, help="the kernel's block_s (default: the shape's)")
+    p.add_argument("--merge", default="xla", help=f"comma list of split merges, of {sorted(ra.MERGES)}")
     p.add_argument("--out", default="", help="write the JSON record here")
     args = p.parse_args(argv)
     shape = SHAPES[args.shape]
@@ -153,7 +156,7 @@ def main(argv=None) -> dict:
     t0 = time.perf_counter()
     for b in batches:
         for t in tokens:
-            for name, attn in variants(splits, args.block_s, interpret):
+            for name, attn in variants(splits, args.block_s, interpret, bench.comma_list(args.merge, str)):
                 row = run_case(name, attn, shape, b, t, interpret, dtype)
                 if name != "xla":
                     sp = int(name.split("=")[1]) if name[-1].isdigit() else ra.auto_splits(
