@@ -1,11 +1,13 @@
-"""One stream's decode time, batch 1 and greedy, through run.py's stock (the harness's compiled loop), the
+"""One stream's decode time, batch 1, greedy (and sampled with `--temperatures`), through run.py's stock (the harness's compiled loop), the
 serving engine and the OpenAI server on loopback, on the same deployment, prompts and new-token count:
 the engine's and the server's overhead over the harness. Compiles are excluded (each path runs once
 first); every figure is a median over `--repeats` runs per prompt, the paths interleaved run by run.
-Tokens are checked equal to the harness's. docs/performance-engine.md has the measured table.
+Greedy tokens are checked equal to the harness's (sampled streams draw their own tokens, so only their
+time is compared). docs/performance-engine.md has the measured table.
 
     PYTHONPATH=. python experiments/bench/bench_stream_overhead.py [--deployment "<run.py overrides>"]
         [--prompts 2] [--new-tokens 96] [--repeats 3] [--engines 1:0:off,1:0:auto,4:2048:auto] [--paths all]
+        [--temperatures 0,0.7]
 """
 
 from __future__ import annotations
@@ -37,17 +39,18 @@ def harness_stream(dep, plan, prompt: list[int], new: int) -> tuple[float, list[
     return 1e3 * res.decode_time_per_token, [int(t) for t in res.tokens[0][:new]]
 
 
-def engine_stream(engine: Engine, prompt: list[int], new: int) -> tuple[float, list[int]]:
+def engine_stream(engine: Engine, prompt: list[int], new: int, temperature: float = 0.0) -> tuple[float, list[int]]:
     """One request through `engine.step()` -> (ms per token after its first, tokens)."""
-    handle = engine.submit(Request(prompt, new, temperature=0.0))
+    handle = engine.submit(Request(prompt, new, temperature=temperature))
     engine.run()
     return 1e3 * handle.tpot_s, list(handle.tokens)
 
 
-def server_stream(port: int, model: str, prompt: list[int], new: int) -> tuple[float, list[int]]:
+def server_stream(port: int, model: str, prompt: list[int], new: int,
+                  temperature: float = 0.0) -> tuple[float, list[int]]:
     """One streamed /v1/completions request on loopback -> (ms per token after the first chunk's, tokens),
     each chunk's tokens timed when the client reads it."""
-    body = json.dumps({"model": model, "prompt": prompt, "max_tokens": new, "temperature": 0, "stream": True,
+    body = json.dumps({"model": model, "prompt": prompt, "max_tokens": new, "temperature": temperature, "stream": True,
                        "return_token_ids": True})
     conn = http.client.HTTPConnection("127.0.0.1", port, timeout=600)
     conn.request("POST", "/v1/completions", body, {"Content-Type": "application/json"})
@@ -82,6 +85,8 @@ def main() -> None:
                          "equal the harness's cache length; COMPACT on, off or auto: Engine(compact=...))")
     ap.add_argument("--paths", default="all", help=f"comma list of {', '.join(PATHS)} (all)")
     ap.add_argument("--dispatch", default="", help="engine dispatch (sync|pipelined; default the plan's)")
+    ap.add_argument("--temperatures", default="0", help="comma list of the engine's and server's request "
+                    "temperatures (the harness runs the deployment's own sampling)")
     ap.add_argument("--out", default="", help="write the rows as JSON here")
     args = ap.parse_args()
     paths = PATHS if args.paths == "all" else tuple(bench.comma_list(args.paths))
@@ -91,6 +96,8 @@ def main() -> None:
     dep = deploy.build(cfg, [plan])
     prompts = [list(p) for p in dep.prompts[: args.prompts]]
     new = args.new_tokens
+    temperatures = bench.comma_list(args.temperatures, float)
+    sampled = any(t > 0 for t in temperatures)
     rows, reference = [], {}
     print(f"deployment {args.deployment or '(run.py default)'}, plan {plan.name} ({plan.describe()}), "
           f"{len(prompts)} prompts of {[len(p) for p in prompts]} tokens, {new} new tokens, harness cache "
@@ -100,7 +107,7 @@ def main() -> None:
     for i, p in enumerate(prompts):
         reference[i] = harness_stream(dep, plan, p, new)[1]
         if "harness" in paths:
-            runs.setdefault(("harness", "1/loop", dep.cache_len), {})[i] = \
+            runs.setdefault(("harness", "1/loop", dep.cache_len, dep.sampling.temperature), {})[i] = \
                 lambda p=p: harness_stream(dep, plan, p, new)
     servers = []
     for slots, context, compact in (e.split(":") for e in bench.comma_list(args.engines)):
@@ -109,34 +116,37 @@ def main() -> None:
 
         def make(compact=compact, slots=slots, context=context, batching=batching):
             return Engine.from_plan(dep, plan, slots=slots, context_len=context, prefill_chunk=PREFILL_CHUNK,
-                                    sampling=False, batching=batching,
+                                    sampling=sampled, batching=batching,
                                     compact={"on": True, "off": False, "auto": None}[compact])
 
         engine = make()  # the server's driver thread owns an engine of its own
         label = f"{slots}/{'compact' if engine.compact else 'plain'}"
-        if "engine" in paths:
-            runs[("engine", label, context)] = {i: lambda p=p, e=engine: engine_stream(e, p, new)
-                                                for i, p in enumerate(prompts)}
+        for temp in temperatures if "engine" in paths else ():
+            runs[("engine", label, context, temp)] = {
+                i: lambda p=p, e=engine, t=temp: engine_stream(e, p, new, t) for i, p in enumerate(prompts)}
         if "server" in paths:
             driver = EngineDriver(make()).start()
-            served = ServedModel("bench", dep.tokenizer, dep.chat_template, None, context, sampling=False)
+            served = ServedModel("bench", dep.tokenizer, dep.chat_template, None, context, sampling=sampled)
             server, thread, port = serve_in_thread(create_app(driver, served, ServerLimits()))
             servers.append((server, thread, driver))
-            runs[("server", label, context)] = {i: lambda p=p, port=port: server_stream(port, "bench", p, new)
-                                                for i, p in enumerate(prompts)}
+            for temp in temperatures:
+                runs[("server", label, context, temp)] = {
+                    i: lambda p=p, port=port, t=temp: server_stream(port, "bench", p, new, t)
+                    for i, p in enumerate(prompts)}
     times: dict = {}
     try:
         for key, by_prompt in runs.items():  # a first run compiles and warms what each path calls
             for i, fn in by_prompt.items():
                 t0 = time.perf_counter()
                 fn()
-                print(f"  first run {key[0]:8s} slots={key[1]:10s} prompt {i}: {time.perf_counter() - t0:.1f} s")
+                print(f"  first run {key[0]:8s} slots={key[1]:10s} T={key[3]:g} prompt {i}: "
+                      f"{time.perf_counter() - t0:.1f} s")
         for _ in range(args.repeats):  # paths interleaved: drift on a shared machine hits each alike
             for key, by_prompt in runs.items():
                 for i, fn in by_prompt.items():
                     ms, tokens = fn()
                     times.setdefault((key, i), []).append(ms)
-                    if key[0] != "harness" and tokens != reference[i]:
+                    if key[0] != "harness" and key[3] == 0 == dep.sampling.temperature and tokens != reference[i]:
                         raise SystemExit(f"{key[0]} {key[1]} prompt {i}: tokens differ from the harness's")
     finally:
         for server, thread, driver in servers:
@@ -144,20 +154,21 @@ def main() -> None:
             thread.join(10)
             driver.stop()
     for (key, i), ms in times.items():
-        rows.append({"path": key[0], "slots": key[1], "context": key[2], "prompt": i,
+        rows.append({"path": key[0], "slots": key[1], "context": key[2], "temperature": key[3], "prompt": i,
                      "ms_per_token": statistics.median(ms), "runs_ms": ms})
-        print(f"  {key[0]:8s} slots={key[1]:10s} context={key[2]!s:5s} prompt {i}: {statistics.median(ms):7.2f} "
+        print(f"  {key[0]:8s} slots={key[1]:10s} context={key[2]!s:5s} T={key[3]:g} prompt {i}: {statistics.median(ms):7.2f} "
               f"ms/token (runs {', '.join(f'{m:.1f}' for m in ms)})")
-    print("every engine and server stream emitted the harness's tokens")
+    print("every greedy engine and server stream emitted the harness's tokens")
     print("\nmedian over prompts (ms/token):")
     base = statistics.median(r["ms_per_token"] for r in rows if r["path"] == "harness") if "harness" in paths \
         else None
-    keys = sorted({(r["path"], r["slots"], r["context"]) for r in rows}, key=lambda k: (PATHS.index(k[0]), k[1:]))
-    for path, slots, context in keys:
-        ms = statistics.median(r["ms_per_token"] for r in rows if (r["path"], r["slots"], r["context"])
-                               == (path, slots, context))
+    fields = ("path", "slots", "context", "temperature")
+    keys = sorted({tuple(r[f] for f in fields) for r in rows}, key=lambda k: (PATHS.index(k[0]), k[1:]))
+    for path, slots, context, temp in keys:
+        ms = statistics.median(r["ms_per_token"] for r in rows if tuple(r[f] for f in fields)
+                               == (path, slots, context, temp))
         rel = f"  {ms / base:.2f}x harness" if base else ""
-        print(f"  {path:8s} slots={slots!s:10s} context={context!s:5s} {ms:7.2f}{rel}")
+        print(f"  {path:8s} slots={slots!s:10s} context={context!s:5s} T={temp:<4g} {ms:7.2f}{rel}")
     if args.out:
         with open(args.out, "w") as f:
             json.dump(rows, f, indent=1)
