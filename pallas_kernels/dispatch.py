@@ -1,6 +1,6 @@
 """The one place that chooses how an op is computed: `matmul` (with `prepare_params`), `gated_delta_rule`,
-`tree_gated_delta_rule`, `tree_attention` and `attention`. A choice (`OpChoice`) names implementations in
-order of preference with the first one's settings; one that cannot take a call raises
+`tree_gated_delta_rule`, `tree_attention`, `attention` and `residual_norm`. A choice (`OpChoice`) names
+implementations in order of preference with the first one's settings; one that cannot take a call raises
 NotImplementedError and the next runs. Each op's implementations and the design notes:
 docs/design/kernels.md.
 """
@@ -18,6 +18,7 @@ import jax.numpy as jnp
 from pallas_kernels import attention_block as ab
 from pallas_kernels import gated_delta_rule as gdr
 from pallas_kernels import ragged_attention as ra
+from pallas_kernels import residual_norm as rn
 from pallas_kernels import tree_attention as ta
 from pallas_kernels import tree_gated_delta_rule as tgdr
 from pallas_kernels import w12_matmul, w12_mosaic
@@ -46,6 +47,8 @@ CONFIGS: dict[str, dict[str, type]] = {
     "tree_attention": {"triton": ta.TreeAttentionTritonConfig, "xla": XlaConfig},
     # triton_block: the fused attention block of a dense layer (`attention_block`); chain forwards only
     "attention": {"triton": ra.RaggedAttentionConfig, "triton_block": ab.AttentionBlockConfig, "xla": XlaConfig},
+    # a residual add and the RMSNorm that reads it (a dense layer's)
+    "residual_norm": {"triton": rn.ResidualNormConfig, "xla": XlaConfig},
 }
 IMPLEMENTATIONS: dict[str, tuple[str, ...]] = {op: tuple(impls) for op, impls in CONFIGS.items()}
 VARIANT = re.compile(r"variant:[0-9a-f]{8,64}")
@@ -342,6 +345,24 @@ def attention_block(qkv, q_norm, k_norm, cos, sin, k_cache, v_cache, lengths, co
     return ab.attention_block(qkv, q_norm, k_norm, cos, sin, k_cache, v_cache, lengths, counts,
                               num_heads=num_heads, num_kv_heads=num_kv_heads, head_dim=head_dim, eps=eps,
                               config=_config(choice, "attention", "triton_block"))
+
+
+# ---- residual_norm -----------------------------------------------------------------------------------
+
+def _residual_norm_xla(x, r, weight, eps, config: XlaConfig):
+    del config
+    return rn.residual_norm_reference(x, r, weight, eps)
+
+
+_RESIDUAL_NORMS = {"xla": _residual_norm_xla, "triton": rn.residual_norm}
+
+
+def residual_norm(x, r, weight, eps: float, *, choice: OpChoice | None = None):
+    """The residual add and the RMSNorm that reads it: x, r [..., D], weight [D] -> (h = x + r,
+    weight * rmsnorm(h)), each in x's dtype (`residual_norm.residual_norm_reference`). Tries
+    `choice.implementation` in order (None: the reference), falling through on NotImplementedError."""
+    return _first_taking("residual_norm", _RESIDUAL_NORMS, (x, r, weight, eps), choice,
+                         lambda: f"x {x.shape} {x.dtype} with a {weight.dtype} weight")
 
 
 # ---- weight layouts ----------------------------------------------------------------------------------

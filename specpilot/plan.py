@@ -22,7 +22,7 @@ OVERLAPS = ("none", "halves")  # halves: verify one half of the slots while draf
 DISPATCHES = ("sync", "pipelined")  # pipelined: the next step is enqueued before this one's tokens are read
 FIRST_LEVELS = ("drafter_confidence", "early_exit")  # what scores a two_level plan's drafted nodes
 KERNEL_OPS = ("matmul", "gated_delta_rule", "tree_gated_delta_rule", "tree_attention",
-              "attention")  # the fields of `Kernels`, each a `dispatch` op
+              "attention", "residual_norm")  # the fields of `Kernels`, each a `dispatch` op
 
 
 class PlanError(ValueError):
@@ -41,13 +41,16 @@ class Kernels:
     in decode and chain verification (dense targets have none), `tree_gated_delta_rule` for it over a tree
     (node from parent), `tree_attention` for the attention layers of a tree verification forward,
     `attention` for them in every other forward (decode, chain verification, prefill chunks, the serving
-    engine's steps: each row reads its committed slots and its own new tokens, `dispatch.attention`)."""
+    engine's steps: each row reads its committed slots and its own new tokens, `dispatch.attention`),
+    `residual_norm` for a dense layer's residual adds with the RMSNorm that reads each
+    (`dispatch.residual_norm`; only a choice naming "triton" first changes the forward)."""
 
     matmul: OpChoice = OpChoice(("xla",))
     gated_delta_rule: OpChoice = OpChoice(("xla",))
     tree_gated_delta_rule: OpChoice = OpChoice(("xla",))
     tree_attention: OpChoice = OpChoice(("xla",))
     attention: OpChoice = OpChoice(("xla",))
+    residual_norm: OpChoice = OpChoice(("xla",))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -258,13 +261,13 @@ def _op_choice(name: str, kernels, op: str, default) -> OpChoice:
 def build(name: str, fields: Mapping[str, Any], *, drafter_block_size: int | None,
           default_matmul: Mapping[str, Any], default_gated_delta_rule=("xla",),
           default_tree_gated_delta_rule=("xla",), default_tree_attention=("xla",),
-          default_attention=("xla",)) -> Plan:
+          default_attention=("xla",), default_residual_norm=("xla",)) -> Plan:
     """A Plan from a config mapping (the YAML's fields), with the deployment's defaults filled in.
 
     `default_matmul`: weight format -> implementation list; `default_gated_delta_rule`,
-    `default_tree_gated_delta_rule`, `default_tree_attention`, `default_attention`: implementation lists
-    (the `gpu` group's defaults, `gpu.<op>`). Each kernel config mapping becomes its first
-    implementation's typed config (`dispatch.choice`), so an unknown option fails here, naming the field.
+    `default_tree_gated_delta_rule`, `default_tree_attention`, `default_attention`, `default_residual_norm`:
+    implementation lists (the `gpu` group's defaults, `gpu.<op>`). Each kernel config mapping becomes its
+    first implementation's typed config (`dispatch.choice`), so an unknown option fails here, naming the field.
     """
     verify = str(fields.get("verify", "chain"))
     weights = str(fields.get("weights", "bf16"))
@@ -290,7 +293,7 @@ def build(name: str, fields: Mapping[str, Any], *, drafter_block_size: int | Non
     if not mesh.is_single:  # sharded plans compute through XLA unless a plan says otherwise
         default_matmul = {weights: ["xla"]}
         default_gated_delta_rule = default_tree_gated_delta_rule = default_tree_attention = ["xla"]
-        default_attention = ["xla"]
+        default_attention = default_residual_norm = ["xla"]
     matmul_fields = (kernels.get("matmul") or {}) if isinstance(kernels, Mapping) else {}
     if matmul_fields.get("implementation") is None and weights not in default_matmul:
         _fail(name, "kernels.matmul.implementation", f"the gpu config gives no default for {weights!r} weights")
@@ -299,7 +302,8 @@ def build(name: str, fields: Mapping[str, Any], *, drafter_block_size: int | Non
                      tree_gated_delta_rule=_op_choice(name, kernels, "tree_gated_delta_rule",
                                                       default_tree_gated_delta_rule),
                      tree_attention=_op_choice(name, kernels, "tree_attention", default_tree_attention),
-                     attention=_op_choice(name, kernels, "attention", default_attention))
+                     attention=_op_choice(name, kernels, "attention", default_attention),
+                     residual_norm=_op_choice(name, kernels, "residual_norm", default_residual_norm))
     return Plan(name=name, verify=verify, weights=weights, block_size=int(block), kernels=chosen,
                 tree=tree, two_level=_two_level(name, fields.get("two_level")),
                 batching=_batching(name, fields.get("batching")), mesh=mesh)

@@ -23,8 +23,9 @@ from specpilot.models.checkpoint import HYBRID_ARCHITECTURES
 
 BLOCK_SIZES = (2, 3, 4, 6, 8, 12, 16, 24, 32)
 PALLAS_ON_GPU = {"matmul": ("triton", "mosaic"), "gated_delta_rule": ("triton",),
-                 "attention": ("triton", "triton_block")}
-OP_TARGETS = {"matmul": ("matmul", "lm_head"), "attention": ("attention",)}  # others: the recurrence
+                 "attention": ("triton", "triton_block"), "residual_norm": ("triton",)}
+OP_TARGETS = {"matmul": ("matmul", "lm_head"), "attention": ("attention",),
+              "residual_norm": ("elementwise",)}  # others: the recurrence
 
 
 @dataclasses.dataclass(frozen=True)
@@ -263,8 +264,8 @@ def build_space(cfg: DictConfig, *, platform: str = "cpu", devices: int = 1, wor
     for op in plan_mod.KERNEL_OPS:
         if op == "gated_delta_rule" and not hybrid or op.startswith("tree_"):
             continue  # no recurrence in a dense target; no tree plans in this space
-        if op == "attention" and platform != "gpu":
-            continue  # the attention kernels run on GPUs only: elsewhere the op has XLA alone
+        if op in ("attention", "residual_norm") and platform != "gpu":
+            continue  # these kernels run on GPUs only: elsewhere the op has XLA alone
         lists = [("xla",)]
         if platform == "gpu":
             lists += [(impl, "xla") for impl in PALLAS_ON_GPU[op]]

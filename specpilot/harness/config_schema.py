@@ -28,6 +28,9 @@ DRAFTER_SOURCES = ("none", "random", "dflash", "packaged", "embedded", "oracle",
 # random token ids | heldout (embedded corpus) | text sets tokenized with the target's own tokenizer:
 # chat (held-out stdlib requests) | humaneval (plain completion) | humaneval_chat (specpilot.data.prompt_sets)
 PROMPT_SETS = ("random", "heldout", "chat", "humaneval", "humaneval_chat")
+# the kernel ops whose default is one implementation list of the gpu group (`gpu.<op>`); matmul's is per
+# weight format and gated_delta_rule's is kept apart (the AR baseline's own)
+DEFAULTED_OPS = ("tree_gated_delta_rule", "tree_attention", "attention", "residual_norm")
 
 
 @dataclasses.dataclass
@@ -99,6 +102,9 @@ class GpuConf:
     # steps) of a plan that names none. xla = the masked attention over the whole cache; triton = the
     # Pallas ragged kernel (`pallas_kernels.ragged_attention`: each row reads only its own slots)
     attention: List[str] = dataclasses.field(default_factory=lambda: ["xla"])
+    # defaults only: a dense layer's residual adds with the RMSNorm that reads each, of a plan that names
+    # none. xla = XLA's add and norm; triton = the fused Pallas kernel (`pallas_kernels.residual_norm`)
+    residual_norm: List[str] = dataclasses.field(default_factory=lambda: ["xla"])
     # the bf16 AR implementations the runner measures on this device; the fastest is the AR baseline
     ar_baselines: List[List[str]] = dataclasses.field(default_factory=lambda: [["xla"]])
 
@@ -118,6 +124,7 @@ class KernelsConf:
     tree_gated_delta_rule: OpConf = dataclasses.field(default_factory=OpConf)  # default: gpu.tree_gated_delta_rule
     tree_attention: OpConf = dataclasses.field(default_factory=OpConf)  # default: gpu.tree_attention
     attention: OpConf = dataclasses.field(default_factory=OpConf)  # default: gpu.attention
+    residual_norm: OpConf = dataclasses.field(default_factory=OpConf)  # default: gpu.residual_norm
 
 
 @dataclasses.dataclass
@@ -425,7 +432,7 @@ def build_plans(cfg: DictConfig) -> list[Plan]:
     _check_implementations("gpu.gated_delta_rule", cfg.gpu.gated_delta_rule, op="gated_delta_rule")
     gdr = tuple(str(i) for i in cfg.gpu.gated_delta_rule)
     op_defaults = {}
-    for op in ("tree_gated_delta_rule", "tree_attention", "attention"):
+    for op in DEFAULTED_OPS:
         _check_implementations(f"gpu.{op}", cfg.gpu[op], op=op)
         op_defaults[f"default_{op}"] = tuple(str(i) for i in cfg.gpu[op])
     try:
@@ -444,6 +451,7 @@ def build_plans(cfg: DictConfig) -> list[Plan]:
         if any(plan_mod.is_ar_baseline_candidate(p) and p.mesh.is_single and p.kernels.matmul.implementation == impl
                and p.kernels.gated_delta_rule.implementation == gdr
                and p.kernels.attention.implementation == op_defaults["default_attention"]
+               and p.kernels.residual_norm.implementation == op_defaults["default_residual_norm"]
                for p in given):  # the reference: one device, the default kernels (others are checked against it)
             continue
         name = "ar" if impl[0] == "xla" else f"ar_{impl[0]}"
@@ -451,7 +459,7 @@ def build_plans(cfg: DictConfig) -> list[Plan]:
             _fail(f"decoding.plans.{name}", f"the name is the AR baseline's on this gpu ({list(impl)}); rename it")
         kernels = plan_mod.Kernels(dispatch.choice("matmul", impl), dispatch.choice("gated_delta_rule", gdr),
                                    **{op: dispatch.choice(op, op_defaults[f"default_{op}"])
-                                      for op in ("tree_gated_delta_rule", "tree_attention", "attention")})
+                                      for op in DEFAULTED_OPS})
         baselines.append(plan_mod.Plan(name=name, verify="ar", kernels=kernels))
         names.add(name)
     plans = baselines + given

@@ -95,8 +95,8 @@ class Deployment:
 
     def cfg_for(self, plan: Plan) -> ModelConfig:
         """The target's static config for `plan`: its kernel choices ride in the config (a jit static): the
-        matmul's, the tree attention's, the chain attention's, and for a hybrid target the gated delta
-        rule's (token by token and over a tree)."""
+        matmul's, the tree attention's, the chain attention's, for a dense target the fused residual add
+        and norm's, and for a hybrid target the gated delta rule's (token by token and over a tree)."""
         if isinstance(self.cfg, HybridConfig):
             return dataclasses.replace(self.cfg, matmul=plan.kernels.matmul,
                                        gated_delta_rule=plan.kernels.gated_delta_rule,
@@ -104,7 +104,7 @@ class Deployment:
                                        tree_attention=plan.kernels.tree_attention,
                                        attention=plan.kernels.attention)
         return dataclasses.replace(self.cfg, matmul=plan.kernels.matmul, tree_attention=plan.kernels.tree_attention,
-                                   attention=plan.kernels.attention)
+                                   attention=plan.kernels.attention, residual_norm=plan.kernels.residual_norm)
 
     def target_for(self, plan: Plan):
         """The target (config, state and forward functions) as `plan` runs it: dense, or a hybrid's."""

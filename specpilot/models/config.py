@@ -175,6 +175,10 @@ class ModelConfig(DecoderConfigBase):
     # serving engine's steps): a plan's kernels.attention (`pallas_kernels.dispatch.OpChoice`), or None:
     # the attention over the full mask. Static; not a checkpoint field.
     attention: Any = None
+    # What computes each residual add with the RMSNorm that reads it: a plan's kernels.residual_norm
+    # (`pallas_kernels.dispatch.OpChoice`); the fused kernel runs only where it names "triton" first, else
+    # (None too) XLA's add and norm. Static; not a checkpoint field.
+    residual_norm: Any = None
 
     def __post_init__(self):
         self._check_positive(("vocab_size", "hidden_size", "intermediate_size", "num_layers", "num_heads",

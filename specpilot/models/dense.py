@@ -208,24 +208,50 @@ def _attention(p: dict, cfg: ModelConfig, h: jax.Array, qkv, cos, sin, kv: Atten
     return attn.reshape(b, t, cfg.q_size), kv
 
 
+def _fuses_residual_norm(cfg: ModelConfig) -> bool:
+    choice = cfg.residual_norm
+    return choice is not None and choice.implementation[0] == "triton"
+
+
+def _add_norm(cfg: ModelConfig, x: jax.Array, delta: jax.Array, weight: jax.Array):
+    """(x + delta, its RMSNorm by weight): through `dispatch.residual_norm` when the plan's residual_norm
+    names the fused kernel first, else XLA's add and norm as the model always computed them."""
+    if _fuses_residual_norm(cfg):
+        return dispatch.residual_norm(x, delta, weight, cfg.rms_norm_eps, choice=cfg.residual_norm)
+    x = x + delta
+    return x, rms_norm(x, weight, cfg.rms_norm_eps)
+
+
 def decoder_layer(p: dict, cfg: ModelConfig, x: jax.Array, cos, sin, kv: AttentionState,
                   start: jax.Array, mask: jax.Array, parents: jax.Array | None = None):
     """One pre-norm decoder layer. x: [B, T, H]; K/V written at slots start[b] + i; returns (x, kv).
     parents (a tree's): attention goes through cfg.tree_attention when set; without parents (a chain's),
     through cfg.attention when set (`layers.cache_attention`)."""
+    x, kv, _ = _layer(p, cfg, x, rms_norm(x, p["attn_norm"], cfg.rms_norm_eps), cos, sin, kv, start, mask,
+                      parents)
+    return x, kv
+
+
+def _layer(p: dict, cfg: ModelConfig, x: jax.Array, h: jax.Array, cos, sin, kv: AttentionState, start, mask,
+           parents, next_norm: jax.Array | None = None):
+    """`decoder_layer` given h, the input's norm (the layer before may have computed it with its residual
+    add), -> (x, kv, the RMSNorm of x by `next_norm`: that of the next layer's input, or the final norm;
+    None without next_norm). Each residual add and the norm after it go through `_add_norm`."""
     b, t, _ = x.shape
-    h = rms_norm(x, p["attn_norm"], cfg.rms_norm_eps)
     qkv = linear(h, p["qkv"], p.get("qkv_bias"), choice=cfg.matmul, role="qkv") if "qkv" in p else None
     block = None if qkv is None else _attention_block(p, cfg, qkv, cos, sin, kv, start, mask, parents)
     if block is not None:
         attn, kv = block
     else:
         attn, kv = _attention(p, cfg, h, qkv, cos, sin, kv, start, mask, parents)
-    x = x + linear(attn.reshape(b, t, cfg.q_size), p["o"], p.get("o_bias"), choice=cfg.matmul, role="o")
-    h = rms_norm(x, p["mlp_norm"], cfg.rms_norm_eps)
+    o = linear(attn.reshape(b, t, cfg.q_size), p["o"], p.get("o_bias"), choice=cfg.matmul, role="o")
+    x, h = _add_norm(cfg, x, o, p["mlp_norm"])
     g, u = _projections(p, cfg, h, "gate_up", (cfg.intermediate_size, cfg.intermediate_size))
-    x = x + linear(jax.nn.silu(g) * u, p["down"], p.get("down_bias"), choice=cfg.matmul, role="down")
-    return x, kv
+    down = linear(jax.nn.silu(g) * u, p["down"], p.get("down_bias"), choice=cfg.matmul, role="down")
+    if next_norm is None:
+        return x + down, kv, None
+    x, h_next = _add_norm(cfg, x, down, next_norm)
+    return x, kv, h_next
 
 
 def init_state(cfg: ModelConfig, batch_size: int, max_len: int, dtype=None) -> TargetState:
@@ -247,10 +273,31 @@ def hidden_forward(params: Params, cfg: ModelConfig, x: jax.Array, positions: ja
     """
     cos, sin = rope_tables(positions, cfg.inv_freq())
     lengths = state.lengths
+    if _fuses_residual_norm(cfg):
+        return _fused_hidden_forward(params, cfg, x, cos, sin, state, mask, parents, exit_layer)
     x, taps, state = run_layers(
         params, cfg, x, state, exit_layer,
         lambda i, p, x, kv: decoder_layer(p, cfg, x, cos, sin, kv, lengths, mask, parents))
     return rms_norm(x, params["final_norm"], cfg.rms_norm_eps), taps, state
+
+
+def _fused_hidden_forward(params: Params, cfg: ModelConfig, x: jax.Array, cos, sin, state: TargetState, mask,
+                          parents, exit_layer: int | None):
+    """`hidden_forward` with each layer's last residual add fused with the norm that reads it: the next
+    layer's input norm, or after the last run layer the final norm (`_add_norm`)."""
+    layers = params["layers"][:exit_layer]
+    norms = [p["attn_norm"] for p in layers[1:]] + [params["final_norm"]]
+    # normed[i]: layer i's input norm, which layer i - 1 computes with its add (the layer loop is unrolled
+    # at trace time, so the next call finds it here)
+    normed = {0: rms_norm(x, norms[0] if not layers else layers[0]["attn_norm"], cfg.rms_norm_eps)}
+
+    def layer(i, p, x, kv):
+        x, kv, normed[i + 1] = _layer(p, cfg, x, normed.pop(i), cos, sin, kv, state.lengths, mask, parents,
+                                      norms[i])
+        return x, kv
+
+    _, taps, state = run_layers(params, cfg, x, state, exit_layer, layer)
+    return normed.pop(len(layers)), taps, state
 
 
 def run_layers(params: Params, cfg, x: jax.Array, state: TargetState, exit_layer: int | None, layer):
