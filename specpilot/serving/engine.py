@@ -362,7 +362,7 @@ class Engine:
 
     def _grow_pages(self, prefilling: list[Handle], decoding: list[Handle]) -> None:
         """Paged K/V: pages for what this step writes, and the page table onto the device if it changed."""
-        self.paged.grow(prefilling, decoding, self.setup.prefill_chunk)
+        self.stats.add_pages(*self.paged.grow(prefilling, decoding, self.setup.prefill_chunk))
         table = self.paged.table_if_changed()
         if table is not None:
             self.state = dataclasses.replace(self.state, pages=jnp.asarray(table))

@@ -13,7 +13,7 @@ import numpy as np
 
 from specpilot.plan import Batching
 from specpilot.serving.request import Request, RequestError
-from specpilot.state import AttentionState, TargetState, init_paged_attention_state
+from specpilot.state import AttentionState, PagedAttentionState, TargetState, init_paged_attention_state
 
 
 @dataclasses.dataclass(frozen=True)
@@ -108,26 +108,6 @@ class PageAllocator:
         return int(self.held.sum())
 
 
-@dataclasses.dataclass
-class PageUsage:
-    """Pages held, sampled once per step after growth: the rows holding pages and the pages they hold."""
-
-    steps: int = 0
-    row_steps: int = 0  # sum over steps of the rows holding pages
-    page_steps: int = 0  # sum over steps of the pages held
-    peak_pages: int = 0
-
-    def add(self, rows: int, pages: int) -> None:
-        if rows:
-            self.steps, self.row_steps, self.page_steps = self.steps + 1, self.row_steps + rows, self.page_steps + pages
-            self.peak_pages = max(self.peak_pages, pages)
-
-    @property
-    def pages_per_row(self) -> float:
-        """Mean pages a row held over the steps it held any."""
-        return self.page_steps / self.row_steps if self.row_steps else float("nan")
-
-
 class PagedKV:
     """The engine's paged K/V bookkeeping: a request's reservation at admission, its row's pages grown
     before each step to cover what the step may write, freed when it ends; the table for the device."""
@@ -136,7 +116,6 @@ class PagedKV:
         self.layout, self.block, self.max_len = layout, block_size, max_len
         self.margin = margin  # slots a decoding row may write past what the host has read
         self.alloc = PageAllocator(layout, slots)
-        self.usage = PageUsage()
         self.deferred = 0  # admissions put off for want of pages (a slot was free)
 
     @classmethod
@@ -165,14 +144,15 @@ class PagedKV:
         self.deferred += 1
         return False
 
-    def grow(self, prefilling: list, decoding: list, chunk: int) -> None:
+    def grow(self, prefilling: list, decoding: list, chunk: int) -> tuple[int, int]:
         """Before a step: a prefilling row's pages cover the chunk it feeds, a decoding row's the slots it
-        may have committed (what the host read plus the step in flight) and the block this step writes."""
+        may have committed (what the host read plus the step in flight) and the block this step writes
+        -> (rows holding pages, pages held)."""
         for h in prefilling:
             self.alloc.grow(h.slot, h.prefilled + min(chunk, len(h.request.prompt_ids) - h.prefilled))
         for h in decoding:
             self.alloc.grow(h.slot, h.prefilled + max(len(h.tokens) - 1, 0) + self.margin)
-        self.usage.add(int((self.alloc.held > 0).sum()), self.alloc.in_use())
+        return int((self.alloc.held > 0).sum()), self.alloc.in_use()
 
     def table_if_changed(self) -> np.ndarray | None:
         if not self.alloc.changed:
@@ -184,10 +164,13 @@ class PagedKV:
         self.alloc.release(slot)
 
 
-def kv_bytes_per_page(state: TargetState) -> int:
-    """Bytes of K and V one page holds over every paged layer of `state`."""
+def kv_bytes_per_slot(state: TargetState) -> int:
+    """Bytes of K and V one cache slot (one position of one row) takes over the attention layers of
+    `state`, contiguous or paged (the drafter's context is not counted)."""
     total = 0
     for layer in state.layers:
-        pages = layer.k.shape[0]
-        total += (layer.k.size * layer.k.dtype.itemsize + layer.v.size * layer.v.dtype.itemsize) // pages
+        if isinstance(layer, PagedAttentionState):
+            total += 2 * int(np.prod(layer.k.shape[1:])) // layer.page_size * layer.k.dtype.itemsize
+        elif isinstance(layer, AttentionState):
+            total += 2 * int(np.prod(layer.k.shape)) // (layer.k.shape[0] * layer.max_len) * layer.k.dtype.itemsize
     return total
