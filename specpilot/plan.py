@@ -20,6 +20,7 @@ DRAFT_BUDGETS = ("fixed", "confidence")  # fixed: every row verifies block_size 
 VERIFY_LAYOUTS = ("padded", "packed")  # packed: only kept candidates enter the verify forward
 OVERLAPS = ("none", "halves")  # halves: verify one half of the slots while drafting the other
 DISPATCHES = ("sync", "pipelined")  # pipelined: the next step is enqueued before this one's tokens are read
+KV_LAYOUTS = ("contiguous", "paged")  # paged: K/V in pages of a shared pool, allocated as rows grow
 FIRST_LEVELS = ("drafter_confidence", "early_exit")  # what scores a two_level plan's drafted nodes
 KERNEL_OPS = ("matmul", "gated_delta_rule", "tree_gated_delta_rule", "tree_attention",
               "attention", "residual_norm")  # the fields of `Kernels`, each a `dispatch` op
@@ -116,7 +117,10 @@ class Batching:
     `dispatch`: `sync` reads each step's tokens before enqueueing the next; `pipelined` enqueues the
     next step first, so the host's work (launching a step's kernels, reading tokens, bookkeeping) runs
     while the device computes the step before (a finished row may run one extra step, its tokens
-    dropped; a freed slot is admitted into one step later)."""
+    dropped; a freed slot is admitted into one step later). `kv`: `contiguous` preallocates every slot's
+    K/V for the whole context, `paged` keeps it in a pool of `pages` pages of `page_size` slots, allocated
+    as a row grows and freed when its request ends (`specpilot.serving.pages`; None: enough pages for
+    every slot's whole context); dense AR and chain plans on one device, padded verification, no halves."""
 
     policy: str = "continuous"
     draft_budget: str = "fixed"
@@ -124,6 +128,9 @@ class Batching:
     token_budget: int | None = None
     overlap: str = "none"
     dispatch: str = "pipelined"
+    kv: str = "contiguous"
+    page_size: int = 16
+    pages: int | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -178,9 +185,11 @@ class Plan:
         if not isinstance(b, Batching):
             _fail(self.name, "batching", f"must be a Batching, got {type(b).__name__}")
         for field, known in (("policy", BATCHING_POLICIES), ("draft_budget", DRAFT_BUDGETS),
-                             ("verify", VERIFY_LAYOUTS), ("overlap", OVERLAPS), ("dispatch", DISPATCHES)):
+                             ("verify", VERIFY_LAYOUTS), ("overlap", OVERLAPS), ("dispatch", DISPATCHES),
+                             ("kv", KV_LAYOUTS)):
             if getattr(b, field) not in known:
                 _fail(self.name, f"batching.{field}", f"{getattr(b, field)!r} is not one of {known}")
+        self._check_paged()
         if self.verify != "chain":
             for field, plain in (("draft_budget", "fixed"), ("verify", "padded"), ("overlap", "none")):
                 if getattr(b, field) != plain:
@@ -193,6 +202,25 @@ class Plan:
                       f"token and one draft), got {t!r}")
             if self.verify != "chain":
                 _fail(self.name, "batching.token_budget", f"budgets chain verification, got verify={self.verify!r}")
+
+    def _check_paged(self):
+        b = self.batching
+        for field, value in (("page_size", b.page_size), ("pages", b.pages)):
+            if not (value is None and field == "pages") and (
+                    not isinstance(value, int) or isinstance(value, bool) or value < 1):
+                _fail(self.name, f"batching.{field}", f"must be a positive integer{' or null' * (field == 'pages')}, "
+                      f"got {value!r}")
+        if b.kv != "paged":
+            return
+        if self.verify not in ("ar", "chain"):
+            _fail(self.name, "batching.kv", f"paged K/V runs ar and chain plans, got verify={self.verify!r}; "
+                  f"use kv: contiguous")
+        for field, plain in (("verify", "padded"), ("overlap", "none")):
+            if getattr(b, field) != plain:
+                _fail(self.name, "batching.kv", f"paged K/V is not implemented with batching.{field}="
+                      f"{getattr(b, field)!r}; use {field}: {plain} or kv: contiguous")
+        if isinstance(self.mesh, MeshShape) and not self.mesh.is_single:
+            _fail(self.name, "batching.kv", "paged K/V runs on one device; a sharded plan needs kv: contiguous")
 
     def _check_tree(self):
         if not isinstance(self.tree, TreeShape):

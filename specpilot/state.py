@@ -1,7 +1,8 @@
-"""Per-layer decoding state: attention K/V written by slot (`AttentionState`), recurrent state with
-per-token snapshots (`RecurrentState`), and `TargetState` with the committed lengths, where committing
-(`commit`, `gather_path`) is the only way tokens become visible; plus the masks and capacity checks of
-chains, prompts and trees. Design notes: docs/design/models.md.
+"""Per-layer decoding state: attention K/V written by slot (`AttentionState`, or in pages of a shared pool
+through a page table, `PagedAttentionState`), recurrent state with per-token snapshots (`RecurrentState`),
+and `TargetState` with the committed lengths, where committing (`commit`, `gather_path`) is the only way
+tokens become visible; plus the masks and capacity checks of chains, prompts and trees. Design notes:
+docs/design/models.md.
 """
 
 from __future__ import annotations
@@ -81,7 +82,60 @@ class RecurrentState:
                                    matrix=pick(self.matrix, self.matrix_snapshots))
 
 
-LayerState = AttentionState | RecurrentState
+@dataclasses.dataclass(frozen=True)
+class PagedAttentionState:
+    """One attention layer's K/V in a pool of pages shared by the rows: row b's slot s lives in page
+    pages[b, s // page_size] at offset s % page_size. A page index >= the pool's size means no page: a
+    write there is dropped and a read gives zeros (the mask hides it). `pages` is None where the state is
+    stored apart from its page table (`with_pages` puts it in for a forward)."""
+
+    k: jax.Array  # [P, KVH, page_size, D]
+    v: jax.Array  # [P, KVH, page_size, D]
+    pages: jax.Array | None  # [B, pages_per_row] int32
+    pages_per_row: int  # static
+
+    @property
+    def page_size(self) -> int:
+        return self.k.shape[2]
+
+    @property
+    def max_len(self) -> int:
+        """Slots per row the page table can address."""
+        return self.pages_per_row * self.page_size
+
+    def _where(self, slots: jax.Array):
+        """slots [B, T] -> (page [B, T], offset [B, T]) in the pool (page >= P: none)."""
+        block = slots // self.page_size
+        page = jnp.take_along_axis(self.pages, jnp.clip(block, 0, self.pages_per_row - 1), axis=1)
+        page = jnp.where((block >= 0) & (block < self.pages_per_row), page, self.k.shape[0])
+        return page, slots % self.page_size
+
+    def write(self, k: jax.Array, v: jax.Array, start: jax.Array) -> "PagedAttentionState":
+        """k, v [B, T, KVH, D] written at row b's slots start[b] .. start[b]+T-1 (into their pages)."""
+        slots = start[:, None] + jnp.arange(k.shape[1], dtype=jnp.int32)[None, :]
+        page, offset = self._where(slots)
+
+        def put(pool, new):  # indexed as [B, T, KVH, D]: two advanced indices around a slice
+            return pool.at[page, :, offset].set(new.astype(pool.dtype), mode="drop")
+        return PagedAttentionState(put(self.k, k), put(self.v, v), self.pages, self.pages_per_row)
+
+    def gather(self) -> AttentionState:
+        """Every row's pages as one contiguous cache [B, KVH, max_len, D] (what attention reads)."""
+        def view(pool):
+            rows = jnp.take(pool, self.pages, axis=0, mode="fill", fill_value=0)  # [B, pages, KVH, ps, D]
+            b, n, kvh, ps, d = rows.shape
+            return jnp.swapaxes(rows, 1, 2).reshape(b, kvh, n * ps, d)
+        return AttentionState(view(self.k), view(self.v))
+
+    def gather_path(self, start, path, count):
+        raise NotImplementedError("batching.kv: paged K/V does not commit tree paths; tree plans need "
+                                  "kv: contiguous")
+
+
+jax.tree_util.register_dataclass(PagedAttentionState, data_fields=["k", "v", "pages"],
+                                 meta_fields=["pages_per_row"])
+
+LayerState = AttentionState | PagedAttentionState | RecurrentState
 
 
 @jax.tree_util.register_dataclass
@@ -101,7 +155,7 @@ class TargetState:
     def max_len(self) -> int:
         """Slots per sequence (that of the attention layers)."""
         for layer in self.layers:
-            if isinstance(layer, AttentionState):
+            if isinstance(layer, (AttentionState, PagedAttentionState)):
                 return layer.max_len
         raise ValueError("this state has no attention layer, so no slot capacity")
 
@@ -138,6 +192,31 @@ def init_attention_state(batch_size: int, max_len: int, num_kv_heads: int, head_
     _check_sizes(batch_size, max_len)
     shape = (batch_size, num_kv_heads, max_len, head_dim)
     return AttentionState(jnp.zeros(shape, _required_dtype(dtype)), jnp.zeros(shape, _required_dtype(dtype)))
+
+
+def init_paged_attention_state(num_pages: int, page_size: int, pages_per_row: int, num_kv_heads: int,
+                               head_dim: int, dtype) -> PagedAttentionState:
+    """An empty pool of num_pages pages, stored without a page table (`with_pages` adds one)."""
+    _check_sizes(num_pages, page_size)
+    shape = (num_pages, num_kv_heads, page_size, head_dim)
+    return PagedAttentionState(jnp.zeros(shape, _required_dtype(dtype)), jnp.zeros(shape, _required_dtype(dtype)),
+                               None, pages_per_row)
+
+
+def with_pages(state: TargetState, pages: jax.Array | None) -> TargetState:
+    """The state with page table `pages` [B, pages_per_row] in each paged layer (None: unchanged)."""
+    if pages is None:
+        return state
+    return TargetState(tuple(PagedAttentionState(layer.k, layer.v, pages, layer.pages_per_row)
+                             if isinstance(layer, PagedAttentionState) else layer for layer in state.layers),
+                       state.lengths)
+
+
+def without_pages(state: TargetState) -> TargetState:
+    """The state with its paged layers' page table taken out (as stored beside it)."""
+    return TargetState(tuple(PagedAttentionState(layer.k, layer.v, None, layer.pages_per_row)
+                             if isinstance(layer, PagedAttentionState) else layer for layer in state.layers),
+                       state.lengths)
 
 
 def init_recurrent_state(batch_size: int, conv_width: int, conv_channels: int, num_heads: int,

@@ -14,7 +14,7 @@ from specpilot.plan import Batching
 
 STOCK = {"verify": "chain", "block_size": 8}
 BATCHING_FIELDS = {"batching.policy", "batching.draft_budget", "batching.token_budget", "batching.verify",
-                   "batching.overlap", "batching.dispatch"}
+                   "batching.overlap", "batching.dispatch", "batching.kv"}
 
 
 def test_batching_fields_are_choices_only_when_the_engine_times_candidates():
@@ -33,6 +33,8 @@ def test_batching_fields_are_choices_only_when_the_engine_times_candidates():
         {"batching.draft_budget": "confidence", "batching.token_budget": 8}]
     assert sp.single_field_rewrites(engine, STOCK, engine.choice("batching.overlap")) == [
         {"batching.overlap": "halves"}]
+    fields, plan = engine.rewrite("c", STOCK, {"batching.kv": "paged"})
+    assert plan.batching == Batching(kv="paged") and fields["batching"]["kv"] == "paged"
     fields, plan = engine.rewrite("c", STOCK, {"batching.draft_budget": "confidence", "batching.token_budget": 8,
                                                "batching.verify": "packed"})
     assert plan.batching == Batching(draft_budget="confidence", verify="packed", token_budget=8)

@@ -90,6 +90,11 @@ def test_every_option_composes(group):
     ("decoding.plans.stock.batching.token_budget=1", "decoding.plans.stock.batching.token_budget: must be"),
     ("decoding.plans.stock.verify=ar decoding.plans.stock.batching.verify=packed",
      "decoding.plans.stock.batching.verify: 'packed' needs a chain plan"),
+    ("decoding.plans.stock.batching.kv=pages", "decoding.plans.stock.batching.kv: 'pages' is not one of"),
+    ("decoding.plans.stock.batching.kv=paged decoding.plans.stock.batching.page_size=0",
+     "decoding.plans.stock.batching.page_size: must be a positive integer"),
+    ("decoding.plans.stock.batching.kv=paged decoding.plans.stock.batching.overlap=halves",
+     "decoding.plans.stock.batching.kv: paged K/V is not implemented with batching.overlap"),
     ("decoding.plans.stock.kernels.matmul.implementation=[cuda]", "decoding.plans.stock.kernels.matmul"),
     ("decoding.plans.stock.kernels.matmul.implementation=[]", "decoding.plans.stock.kernels.matmul"),
     ("+decoding.plans.stock.kernels.matmul.config.block_k=64", "decoding.plans.stock.kernels.matmul: .*block_k"),
@@ -144,6 +149,9 @@ PLAN_FLIPS = [  # (override, plan field, value as the Plan holds it)
     ("decoding.plans.stock.batching.draft_budget=confidence", "batching.draft_budget", "confidence"),
     ("decoding.plans.stock.batching.verify=packed", "batching.verify", "packed"),
     ("decoding.plans.stock.batching.token_budget=24", "batching.token_budget", 24),
+    ("decoding.plans.stock.batching.kv=paged", "batching.kv", "paged"),
+    ("decoding.plans.stock.batching.page_size=32", "batching.page_size", 32),
+    ("decoding.plans.stock.batching.pages=4096", "batching.pages", 4096),
 ]
 
 

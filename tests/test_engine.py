@@ -18,6 +18,9 @@ from helpers import random_params
 
 ARRIVALS = [0, 0, 1, 3, 3, 4, 9, 10]  # more requests than slots: later ones wait for freed slots
 CANCELS = {4: 5}  # request 4 (budget 16) is cancelled after step 5
+# paged K/V in a pool too small for three whole contexts (3 x 15 pages of 4 slots): requests also wait for pages
+PAGED = {"kv": "paged", "page_size": 4, "pages": 20}
+LAYOUTS = [("pipelined", {}), ("sync", {}), ("pipelined", PAGED), ("sync", PAGED)]
 
 
 @pytest.fixture(scope="module")
@@ -57,15 +60,17 @@ def check_outputs(handles, requests, reference, cancelled=CANCELS):
             assert h.finish_reason == ("stop" if r.stop_token in want else "length"), i
 
 
-@pytest.mark.parametrize("dispatch", ["pipelined", "sync"])
-def test_ar_engine_equals_ar_per_request(params, reference, dispatch):
+@pytest.mark.parametrize("dispatch, kv", LAYOUTS)
+def test_ar_engine_equals_ar_per_request(params, reference, dispatch, kv):
     engine = Engine(TARGET, params, slots=3, context_len=48, prefill_chunk=8, sampling=False,
-                    batching=Batching(dispatch=dispatch))
+                    batching=Batching(dispatch=dispatch, **kv))
     requests = requests_with_stops(reference)
     handles = run_staggered(engine, requests, ARRIVALS, CANCELS)
     check_outputs(handles, requests, reference)
     assert engine.stats.tokens_per_row_step == 1.0
     assert engine.slots_in_use == 0 and engine.committed_tokens() == 0
+    if kv:  # every page back in the pool
+        assert engine.paged.alloc.in_use() == 0 and len(engine.paged.alloc.free) == PAGED["pages"]
 
 
 @pytest.fixture(scope="module")
@@ -74,14 +79,16 @@ def block_drafter():
     return dr.BlockDrafter(dcfg, CFG), random_params(dr.param_shapes(dcfg), 0.5, 1)
 
 
-@pytest.mark.parametrize("dispatch", ["pipelined", "sync"])
-def test_chain_block_drafter_equals_ar_per_request(params, reference, block_drafter, dispatch):
+@pytest.mark.parametrize("dispatch, kv", LAYOUTS)
+def test_chain_block_drafter_equals_ar_per_request(params, reference, block_drafter, dispatch, kv):
     drafter, dparams = block_drafter
     engine = Engine(TARGET, params, drafter, dparams, slots=3, context_len=48, prefill_chunk=8, sampling=False,
-                    batching=Batching(dispatch=dispatch))
+                    batching=Batching(dispatch=dispatch, **kv))
     requests = requests_with_stops(reference)
     handles = run_staggered(engine, requests, ARRIVALS, CANCELS)
     check_outputs(handles, requests, reference)
+    if kv:
+        assert engine.paged.alloc.in_use() == 0 and len(engine.paged.alloc.free) == PAGED["pages"]
 
 
 def test_pipelined_dispatch_reads_each_step_one_call_later(params, reference):
@@ -102,11 +109,12 @@ def test_pipelined_dispatch_reads_each_step_one_call_later(params, reference):
     assert engine.step() == [handle] and handle.tokens == reference[0][:1]
 
 
-@pytest.mark.parametrize("wrong_every", [0, 3])
-def test_chain_replay_drafter_accepts_blocks(params, reference, wrong_every):
+@pytest.mark.parametrize("wrong_every, kv", [(0, {}), (3, {}), (0, PAGED)])
+def test_chain_replay_drafter_accepts_blocks(params, reference, wrong_every, kv):
     # wrong_every 0: the exact continuation (every draft right); 3: every third position wrong
     drafter = dr.ReplayDrafter(CFG.vocab_size, 4, shift=1 if wrong_every else 0, wrong_every=wrong_every)
-    engine = Engine(TARGET, params, drafter, None, slots=3, context_len=48, prefill_chunk=8, sampling=False)
+    engine = Engine(TARGET, params, drafter, None, slots=3, context_len=48, prefill_chunk=8, sampling=False,
+                    batching=Batching(**kv))
     base = requests_with_stops(reference)
     requests = [Request(r.prompt_ids, r.max_new_tokens, stop_token=r.stop_token,
                         draft_reference=list(r.prompt_ids) + reference[i]) for i, r in enumerate(base)]
@@ -123,6 +131,8 @@ def test_no_compiles_in_steady_state(params, reference):
         jax.jit(lambda x: x * 3 + 1)(np.float32(2))
     assert probe
     check_no_compiles(Engine(TARGET, params, slots=3, context_len=48, prefill_chunk=8), reference)
+    check_no_compiles(Engine(TARGET, params, slots=3, context_len=48, prefill_chunk=8,
+                             batching=Batching(**PAGED)), reference)  # a new page table compiles nothing
 
 
 def check_no_compiles(engine, reference):

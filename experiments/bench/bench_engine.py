@@ -37,6 +37,7 @@ from experiments.bench.engine_setup import (BATCHINGS, PlanRun, Setup, batching_
                                             deployment_setup, shape_setup, with_reference)
 from specpilot.decoding import ar
 from specpilot.harness import bench
+from specpilot.plan import KV_LAYOUTS
 from specpilot.serving import Engine, Request
 from specpilot.serving.workloads import run_fixed, run_workload
 
@@ -95,6 +96,10 @@ def parse_args(argv=None):
     ap.add_argument("--batching", default=None, help=f"comma list of {', '.join(BATCHINGS)} (speculative plans; "
                     f"default fixed, or a --deployment plan's own batching)")
     ap.add_argument("--overlap", default=None, help="comma list of none, halves (speculative plans)")
+    ap.add_argument("--kv", default=None, help="comma list of contiguous, paged: the K/V layouts each plan runs "
+                    "with (default: the plan's own); rows report K/V bytes per slot")
+    ap.add_argument("--page-size", type=int, default=16, help="--kv paged: slots per page")
+    ap.add_argument("--pages", type=int, default=0, help="--kv paged: pages in the pool (0: every slot's whole context)")
     ap.add_argument("--token-budget", type=int, default=0, help="verification tokens per step (0: slots x block / 2)")
     ap.add_argument("--step-cost", default="flat", choices=("flat", "model"), help="what a confidence budget "
                     "takes a step's time to be: flat (fill the token budget) or model (the cost model's step time "
@@ -117,11 +122,13 @@ def parse_args(argv=None):
     except ValueError:
         ap.error(f"--rates takes a comma list of numbers, got {args.rates!r}")
     for flag, value, allowed in (("--batching", args.batching, BATCHINGS),
-                                 ("--overlap", args.overlap, ("none", "halves"))):
+                                 ("--overlap", args.overlap, ("none", "halves")), ("--kv", args.kv, KV_LAYOUTS)):
         if value is not None and (not bench.comma_list(value) or set(bench.comma_list(value)) - set(allowed)):
             ap.error(f"{flag} takes a comma list of {', '.join(allowed)}, got {value!r}")
     if not args.rates or min(args.rates) < 0:
         ap.error(f"--rates takes request rates >= 0 (0: a fixed batch), got {args.rates}")
+    if args.page_size < 1 or args.pages < 0:
+        ap.error("--page-size must be >= 1 and --pages >= 0")
     if args.requests < 1 or args.chunk < 1 or args.new_tokens < 1 or args.device_calls < 0 or args.trace_top < 0:
         ap.error("--requests, --chunk and --new-tokens must be >= 1, --device-calls and --trace-top >= 0")
     if args.trace_top and not args.device_calls:

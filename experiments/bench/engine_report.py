@@ -29,8 +29,12 @@ def add_speedups(rows: list[dict]) -> None:
 HEAD = f"{'plan':>30} {'slots':>5} {'rate':>6} {'diff':>4} {'tau':>5} {'tok/dec':>7} {'ver/dec':>7} {'fwd/dec':>7}"
 
 
+def _label(row: dict) -> str:
+    return row["plan"] + ("/" + row["batching"] if row["speculative"] or row["batching"].endswith("/paged") else "")
+
+
 def print_row(row: dict) -> None:
-    label = row["plan"] + ("/" + row["batching"] if row["speculative"] else "")
+    label = _label(row)
     common = (f"{label:>30} {row['slots']:>5} {row['rate']:>6.2f} {str(row['mismatched_requests']):>4} "
               f"{row['tokens_per_row_step']:>5.2f} {row['tokens_per_decode']:>7.2f} "
               f"{row['verify_tokens_per_decode']:>7.2f} {row['forward_tokens_per_decode']:>7.1f}")
@@ -45,6 +49,11 @@ def print_row(row: dict) -> None:
               f"{row['kv_tokens_max']}, rows V/D {row['rows_verified_per_decode']:.2f}/"
               f"{row['rows_drafted_per_decode']:.2f}, both {row['both_halves_busy_fraction']:.2f}, compile "
               f"{row['compile_s']:.1f} s", flush=True)
+    if row.get("kv") == "paged":
+        print(f"    K/V per slot {row['kv_bytes_per_slot'] / 2**10:.1f} KiB paged ({row['kv_pages_per_row_mean']:.2f} "
+              f"pages of {row['kv_page_size']} on average, peak {row['kv_pages_peak']} of {row['kv_pool_pages']}) "
+              f"against {row['kv_bytes_per_slot_contiguous'] / 2**10:.1f} KiB contiguous, mean length "
+              f"{row['kv_len_mean']:.1f}", flush=True)
 
 
 def print_fixed_summary(rows: list[dict]) -> None:
@@ -55,7 +64,7 @@ def print_fixed_summary(rows: list[dict]) -> None:
           f"{'plan':>30} {'slots':>5} {'tok/s':>9} {'ms/step':>8} {'device':>7} {'tok/step':>8} {'ms/tok':>7} "
           f"{'speedup':>7} {'diff':>4}")
     for r in fixed:
-        label = r["plan"] + ("/" + r["batching"] if r["speculative"] else "")
+        label = _label(r)
         print(f"{label:>30} {r['slots']:>5} {r['decode_tok_s']:>9.1f} {r['step_ms']:>8.2f} "
               f"{r.get('device_step_ms', float('nan')):>7.2f} {r['tokens_per_step']:>8.2f} {r['ms_per_token']:>7.3f} "
               f"{r.get('speedup', float('nan')):>7.2f} "

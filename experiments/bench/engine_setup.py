@@ -46,12 +46,13 @@ def batching_for(name: str, slots: int, block: int, token_budget: int, overlap: 
 
 
 def batching_label(b) -> str:
-    """A Batching as --batching names it (+halves, /static where they apply); None (AR): fixed."""
+    """A Batching as --batching names it (+halves, /static, /paged where they apply); None (AR): fixed."""
     if b is None:
         return "fixed"
     name = {("fixed", "padded"): "fixed", ("confidence", "padded"): "budget",
             ("confidence", "packed"): "budget+packed"}.get((b.draft_budget, b.verify), f"{b.draft_budget}+{b.verify}")
-    return name + ("+halves" if b.overlap == "halves" else "") + ("/static" if b.policy == "static" else "")
+    return (name + ("+halves" if b.overlap == "halves" else "") + ("/static" if b.policy == "static" else "")
+            + ("/paged" if b.kv == "paged" else ""))
 
 
 @dataclasses.dataclass
@@ -245,7 +246,17 @@ def deployment_setup(args, n_prompts: int) -> Setup:
 
 
 def batchings(setup: Setup, run: PlanRun, args, slots: int) -> list:
-    """The plan.Batching values to run `run` with at `slots` (None: the engine's default, AR)."""
+    """The plan.Batching values to run `run` with at `slots` (None: the engine's default, AR), each with
+    every K/V layout of --kv."""
+    layouts = bench.comma_list(getattr(args, "kv", None) or "")
+    if not layouts:
+        return _mechanisms(setup, run, args, slots)
+    pages = {"page_size": args.page_size, "pages": args.pages or None}
+    return [dataclasses.replace(b or run.batching or Batching(), kv=kv, **(pages if kv == "paged" else {}))
+            for b in _mechanisms(setup, run, args, slots) for kv in layouts]
+
+
+def _mechanisms(setup: Setup, run: PlanRun, args, slots: int) -> list:
     if not run.speculative:
         return [None]
     if setup.has_own_batching and args.batching is None and args.overlap is None:
@@ -266,6 +277,9 @@ def check_grid(setup: Setup, args) -> None:
                 if b is not None and run.tree and (b.draft_budget, b.verify, b.overlap) != ("fixed", "padded", "none"):
                     raise ValueError(f"--plans {run.name} is a tree plan: --batching {batching_label(b)} is "
                                      f"chain-only; give --batching fixed --overlap none")
+                if b is not None and b.kv == "paged" and (run.tree or (b.verify, b.overlap) != ("padded", "none")):
+                    raise ValueError(f"--kv paged runs ar and chain plans with padded verification and no halves; "
+                                     f"--plans {run.name} with --batching {batching_label(b)} needs --kv contiguous")
                 if b is not None and b.overlap == "halves" and (slots < 2 or slots % 2):
                     raise ValueError(f"--m {slots} with --overlap halves: halves splits the slots in two equal "
                                      f"halves; give even slot counts")

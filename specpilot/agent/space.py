@@ -240,7 +240,8 @@ def batching_choices(cfg: DictConfig) -> list[Choice]:
                    targets=("verify", "matmul", "attention")),
             Choice("batching.overlap", _first(b.overlap, plan_mod.OVERLAPS), "categorical", targets=("draft",)),
             Choice("batching.dispatch", _first(b.dispatch, plan_mod.DISPATCHES), "categorical",
-                   targets=("host", "accept"))]
+                   targets=("host", "accept")),
+            Choice("batching.kv", _first(b.kv, plan_mod.KV_LAYOUTS), "categorical", targets=("attention",))]
 
 
 def _first(default: str, known) -> tuple:

@@ -159,6 +159,9 @@ class BatchingConf:
     token_budget: Optional[int] = None  # verification tokens per step over the batch; null: no limit
     overlap: str = "none"  # none | halves (verify one half of the slots while drafting the other)
     dispatch: str = "pipelined"  # sync | pipelined (enqueue the next step before reading this one's tokens)
+    kv: str = "contiguous"  # contiguous | paged (K/V in pages of a pool, allocated as rows grow)
+    page_size: int = 16  # slots per page (paged)
+    pages: Optional[int] = None  # pages in the pool (paged); null: every slot's whole context
 
 
 @dataclasses.dataclass

@@ -12,6 +12,7 @@ import numpy as np
 
 from pallas_kernels import dispatch
 from pallas_kernels import tree_attention as _tree_attention
+from specpilot.state import PagedAttentionState
 
 
 def rms_norm(x: jax.Array, weight: jax.Array, eps: float) -> jax.Array:
@@ -70,10 +71,13 @@ def cache_attention(q: jax.Array, kv, start: jax.Array | None, mask: jax.Array,
     two per row. start None keeps the masked attention.
 
     A K/V view with an `attend(q, chain)` method brings its own layout and attention: packed verification's
-    stream (`serving.packed`) attends by row."""
+    stream (`serving.packed`) attends by row. Paged K/V (`state.PagedAttentionState`) is gathered into a
+    contiguous cache first, so every implementation reads it as it reads a preallocated one."""
     attend = getattr(kv, "attend", None)
     if attend is not None:
         return attend(q, chain)
+    if isinstance(kv, PagedAttentionState):
+        kv = kv.gather()
     if parents is not None:
         if tree is None:
             return attention(q, kv.k.astype(q.dtype), kv.v.astype(q.dtype), mask)

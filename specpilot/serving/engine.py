@@ -8,6 +8,7 @@ Design notes: docs/design/serving.md.
 from __future__ import annotations
 
 import collections
+import dataclasses
 import itertools
 import threading
 import time
@@ -24,6 +25,7 @@ from specpilot.models.oracle import OracleDrafter
 from specpilot.plan import Batching, TreeShape
 from specpilot.serving import compact as cp
 from specpilot.serving import overlap as ov
+from specpilot.serving import pages as pg
 from specpilot.serving import slots as sl
 from specpilot.serving import tree_slots
 from specpilot.serving.budget import StepCost
@@ -88,7 +90,8 @@ class Engine:
         # decode only the decoding rows over the cache slots they use (`compact`) where the step allows it;
         # by default on the CPU, where it is measured (its attention reads every slot of every row)
         compact = jax.default_backend() == "cpu" if compact is None else bool(compact)
-        self.compact = compact and tree is None and cp.supported(self.setup, target, self.setup.drafter)
+        self.paged = pg.PagedKV.of(self.batching, self.setup, int(slots), tree) if self.batching.kv == "paged" else None
+        self.compact = compact and tree is None and not self.paged and cp.supported(self.setup, target, self.setup.drafter)
         self.slots, self.sampling = int(slots), bool(sampling)
         self.target_params = target_params
         self._base_draft_params = draft_params
@@ -97,7 +100,7 @@ class Engine:
         if self.setup.uses_drafter and _replays(drafter):
             self.reference = jnp.zeros((self.slots, self.setup.max_len), jnp.int32)
             self.draft_params = _with_reference(drafter, draft_params, self.reference)
-        self.state = sl.init_slots(self.setup, self.draft_params, self.slots)
+        self.state = sl.init_slots(self.setup, self.draft_params, self.slots, self.paged and self.paged.layout)
         self._state_shape = jax.eval_shape(lambda: self.state)  # fixed; read by compiles in any thread
         self._compact_ready: set | None = None  # compact decodes a step may take (None: any, compiled on use)
         halves = self.batching.overlap == "halves"
@@ -213,6 +216,8 @@ class Engine:
                                "and its continuation")
         if self.reference is None and request.draft_reference is not None:
             raise RequestError("draft_reference", "this engine's drafter does not replay a reference")
+        if self.paged is not None:
+            self.paged.check(request)
         handle = Handle(next(self._ids), request, time.perf_counter())
         self.waiting.append(handle)
         return handle
@@ -228,6 +233,8 @@ class Engine:
     def _finish(self, handle: Handle, reason: str) -> None:
         if handle.slot is not None:
             self.table[handle.slot] = None
+            if self.paged is not None:  # a step still in flight may write them: it runs before any later step
+                self.paged.release(handle.slot)
         handle.status, handle.finish_reason, handle.finished_s = DONE, reason, time.perf_counter()
 
     @property
@@ -269,8 +276,8 @@ class Engine:
         seeds = np.zeros(self.slots, np.int32)
         rows = None if self.reference is None else np.zeros((self.slots, self.setup.max_len), np.int32)
         for slot in free:
-            if not self.waiting:
-                break
+            if not self.waiting or (self.paged is not None and not self.paged.admit(slot, self.waiting[0].request)):
+                break  # FIFO: a request waits for pages as it waits for a slot
             handle = self.waiting.popleft()
             handle.slot, handle.status, handle.admitted_s = slot, PREFILL, time.perf_counter()
             self.table[slot] = handle
@@ -313,6 +320,8 @@ class Engine:
         decoding = [h for h in self.table if h is not None and h.status == DECODING]
         first = emitted = n_new = verified = overflow = None
         final = []
+        if self.paged is not None:
+            self._grow_pages(prefilling, decoding)
         if prefilling:
             tokens = np.zeros((self.slots, c), np.int32)
             counts = np.zeros(self.slots, np.int32)
@@ -350,6 +359,13 @@ class Engine:
         if first is None and emitted is None:
             return None
         return PendingStep(final, decoding, first, emitted, n_new, verified, overflow)
+
+    def _grow_pages(self, prefilling: list[Handle], decoding: list[Handle]) -> None:
+        """Paged K/V: pages for what this step writes, and the page table onto the device if it changed."""
+        self.stats.add_pages(*self.paged.grow(prefilling, decoding, self.setup.prefill_chunk))
+        table = self.paged.table_if_changed()
+        if table is not None:
+            self.state = dataclasses.replace(self.state, pages=jnp.asarray(table))
 
     def _collect(self, pending: "PendingStep | None") -> list[Handle]:
         """Read a dispatched step's tokens (the step's one host sync) and hand them to their requests;

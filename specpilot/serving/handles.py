@@ -86,6 +86,9 @@ class EngineStats:
     rows_drafted: int = 0  # (row, decode call) pairs drafted (overlap none: the verified rows themselves)
     both_halves_busy: int = 0  # overlap halves: decode calls that verified one half and drafted the other
     compact_calls: int = 0  # decode calls over the decoding rows and a window of the slots (`serving.compact`)
+    page_row_steps: int = 0  # paged K/V: (row holding pages, step) pairs, sampled after each step's growth
+    page_steps: int = 0  # paged K/V: pages held, summed over those steps
+    peak_pages: int = 0  # paged K/V: the most pages held at once
 
     tokens_per_row_step = _ratio("decode_tokens", "decode_row_steps",
                                  "Mean tokens a decoding row gains per step (AR: 1; chain: the acceptance length tau).")
@@ -96,3 +99,11 @@ class EngineStats:
                                        "both halves had work (halves; 0 under overlap none).")
     verify_tokens_per_decode = _ratio("verify_tokens", "decode_calls",
                                       "Mean tokens one decode call sends to verification over the batch.")
+    def add_pages(self, rows: int, pages: int) -> None:
+        """Paged K/V after a step's growth: `rows` hold `pages` pages (a step with none is not counted)."""
+        if rows:
+            self.page_row_steps, self.page_steps = self.page_row_steps + rows, self.page_steps + pages
+            self.peak_pages = max(self.peak_pages, pages)
+
+    pages_per_row = _ratio("page_steps", "page_row_steps", "Paged K/V: mean pages a row held over the steps it "
+                           "held any (NaN for contiguous K/V).")

@@ -16,8 +16,9 @@ from specpilot.decoding.rejection import accept_greedy, accept_sampled_uniform, 
 from specpilot.decoding.sampling import RequestSampling, sample_uniform
 from specpilot.serving import budget as bd
 from specpilot.serving.packed import packed_forward
+from specpilot.serving.pages import PageLayout, init_paged_state
 from specpilot.state import (RecurrentState, TargetState, causal_mask, chain_forward, chain_positions,
-                             prompt_mask)
+                             prompt_mask, with_pages, without_pages)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -54,16 +55,26 @@ class SlotState:
     last: jax.Array  # [S] int32 newest emitted token, at position target_state.lengths, not cached yet
     n_out: jax.Array  # [S] int32 tokens emitted so far (AR's key index)
     key: jax.Array  # [S, 2] uint32 key data: AR's base key, the chain loop's running key
+    pages: jax.Array | None = None  # [S, pages_per_row] int32 page table of paged K/V (None: contiguous)
+
+    def target_view(self) -> TargetState:
+        """The target state as a forward reads it (paged layers with the page table in)."""
+        return with_pages(self.target_state, self.pages)
 
 
-def init_slots(setup: EngineSetup, draft_params, slots: int) -> SlotState:
+def init_slots(setup: EngineSetup, draft_params, slots: int, layout: PageLayout | None = None) -> SlotState:
+    """Empty slots; `layout`: the target's K/V in a pool of pages (`serving.pages`), no page allocated."""
     target = setup.target
-    ts = target.init_state(slots, setup.max_len, target.dtype)
+    if layout is None:
+        ts, pages = target.init_state(slots, setup.max_len, target.dtype), None
+    else:
+        ts = init_paged_state(target, slots, layout)
+        pages = jnp.full((slots, layout.pages_per_row), layout.num_pages, jnp.int32)
     ds = (setup.drafter.init_state(draft_params, slots, setup.max_len, target.dtype)
           if setup.uses_drafter else None)
     # separate buffers: the state is donated, and one buffer may not be donated twice
-    return SlotState(ts, ds, jnp.zeros((slots,), jnp.int32), jnp.zeros((slots,), jnp.int32),
-                     jnp.zeros((slots, 2), jnp.uint32))
+    return SlotState(ts, ds, jnp.zeros((slots,), jnp.int32),
+                     jnp.zeros((slots,), jnp.int32), jnp.zeros((slots, 2), jnp.uint32), pages)
 
 
 def reset_rows(x, mask: jax.Array):
@@ -86,7 +97,7 @@ def reset_slots(setup: EngineSetup, state: SlotState, mask: jax.Array, seeds: ja
     keys = jax.random.key_data(jax.vmap(jax.random.key)(seeds))
     ds = None if state.draft_state is None else reset_rows(state.draft_state, mask)
     return SlotState(reset_rows(state.target_state, mask), ds, jnp.where(mask, 0, state.last),
-                     jnp.where(mask, 0, state.n_out), jnp.where(mask[:, None], keys, state.key))
+                     jnp.where(mask, 0, state.n_out), jnp.where(mask[:, None], keys, state.key), state.pages)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -135,7 +146,7 @@ def prefill_chunk(setup: EngineSetup, target_params, draft_params, state: SlotSt
                   counts: jax.Array, final: jax.Array, sampling: RequestSampling):
     """tokens [S, C] (row b's next counts[b] prompt tokens, right-padded), final [S] bool (its prompt
     ends here) -> (state, first tokens [S]: meaningful where final)."""
-    ts = state.target_state
+    ts = state.target_view()
     positions = chain_positions(ts, tokens.shape[1])
     feeding = (counts > 0)[:, None, None]
     mask = jnp.where(feeding, prompt_mask(ts, positions, counts), causal_mask(ts, positions))
@@ -150,8 +161,8 @@ def prefill_chunk(setup: EngineSetup, target_params, draft_params, state: SlotSt
     else:  # ar.generate: token 0 takes split(key, N)[0]
         key, first_keys = state.key, _ar_keys(setup, state.key, jnp.zeros_like(counts))
     first = sample_rows(first_keys, last_logits, sampling)
-    state = SlotState(ts, ds, jnp.where(final, first, state.last), jnp.where(final, 1, state.n_out),
-                      jnp.where(final[:, None], key, state.key))
+    state = SlotState(without_pages(ts), ds, jnp.where(final, first, state.last), jnp.where(final, 1, state.n_out),
+                      jnp.where(final[:, None], key, state.key), state.pages)
     return state, first
 
 
@@ -159,11 +170,11 @@ def decode_ar(setup: EngineSetup, target_params, draft_params, state: SlotState,
               sampling: RequestSampling):
     """One token for every active row -> (state, tokens [S, 1], emitted [S], verified [S])."""
     del draft_params
-    logits, _, ts = chain_forward(setup.target, target_params, state.last[:, None], state.target_state)
+    logits, _, ts = chain_forward(setup.target, target_params, state.last[:, None], state.target_view())
     tok = sample_rows(_ar_keys(setup, state.key, state.n_out), logits[:, 0], sampling)
     n_new = active.astype(jnp.int32)
-    state = SlotState(ts.commit(n_new), state.draft_state, jnp.where(active, tok, state.last),
-                      state.n_out + n_new, state.key)
+    state = SlotState(without_pages(ts.commit(n_new)), state.draft_state, jnp.where(active, tok, state.last),
+                      state.n_out + n_new, state.key, state.pages)
     return state, tok[:, None], n_new, n_new
 
 
@@ -199,7 +210,7 @@ def verify_drafts(setup: EngineSetup, target_params, draft_params, state: SlotSt
         target_logits, taps, ts = packed_forward(setup.target, target_params, block, verified,
                                                  state.target_state, setup.token_budget)
     else:
-        target_logits, taps, ts = chain_forward(setup.target, target_params, block, state.target_state)
+        target_logits, taps, ts = chain_forward(setup.target, target_params, block, state.target_view())
     key, verify_keys = split_rows(state.key, sampling)
     n_acc, next_token = verify_rows(verify_keys, drafts, draft_logits, target_logits, sampling, kept)
     n_new = jnp.where(active, n_acc + 1, 0)
@@ -207,8 +218,8 @@ def verify_drafts(setup: EngineSetup, target_params, draft_params, state: SlotSt
     emit = jnp.where(idx < n_acc[:, None], jnp.concatenate([drafts, drafts[:, :1]], axis=1),
                      next_token[:, None])  # [S, Bs]: accepted drafts, then the next token
     ds = setup.drafter.extend(draft_params, target_params, state.draft_state, taps, n_new)
-    state = SlotState(ts.commit(n_new), ds, jnp.where(active, next_token, state.last), state.n_out + n_new,
-                      jnp.where(active[:, None], key, state.key))
+    state = SlotState(without_pages(ts.commit(n_new)), ds, jnp.where(active, next_token, state.last),
+                      state.n_out + n_new, jnp.where(active[:, None], key, state.key), state.pages)
     return state, emit, n_new, verified
 
 

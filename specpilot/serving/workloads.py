@@ -10,6 +10,7 @@ import numpy as np
 
 from specpilot.serving.engine import Engine
 from specpilot.serving.handles import DECODING
+from specpilot.serving.pages import kv_bytes_per_slot
 from specpilot.serving.request import Request
 
 
@@ -28,7 +29,26 @@ def stats_row(engine: Engine) -> dict:
             "rows_verified_per_decode": s.rows_verified_per_decode,
             "rows_drafted_per_decode": s.rows_drafted_per_decode,
             "both_halves_busy_fraction": s.both_halves_busy_fraction,
-            "forward_tokens_per_decode": _ratio(s.forward_tokens, s.decode_calls)}
+            "forward_tokens_per_decode": _ratio(s.forward_tokens, s.decode_calls), **kv_row(engine)}
+
+
+def kv_row(engine: Engine) -> dict:
+    """The target's K/V bytes reserved per slot: contiguous, every slot's max_len; paged, the pages a row held
+    on average over the steps it held any (the allocator's own counts, `EngineStats.pages_per_row`)."""
+    per_position = kv_bytes_per_slot(engine.state.target_state)
+    contiguous = per_position * engine.setup.max_len
+    row = {"kv": engine.batching.kv, "kv_bytes_per_slot_contiguous": contiguous, "kv_bytes_per_slot": contiguous}
+    if engine.paged is not None:
+        layout, s = engine.paged.layout, engine.stats
+        row.update(kv_bytes_per_slot=per_position * layout.page_size * s.pages_per_row, kv_page_size=layout.page_size,
+                   kv_pages_per_row_mean=s.pages_per_row, kv_pages_peak=s.peak_pages, kv_pool_pages=layout.num_pages)
+    return row
+
+
+def _mean_length(committed: list[int], slots: list[int]) -> float:
+    """Mean committed positions per slot in use over the sampled steps that had one."""
+    pairs = [(c, s) for c, s in zip(committed, slots) if s]
+    return float(np.mean([c / s for c, s in pairs])) if pairs else float("nan")
 
 
 def run_workload(engine: Engine, requests: list[Request], rate: float, seed: int):
@@ -59,6 +79,7 @@ def run_workload(engine: Engine, requests: list[Request], rate: float, seed: int
             "tpot_p50_s": percentile(tpot, 50), "tpot_p99_s": percentile(tpot, 99),
             "slots_in_use_mean": float(np.mean(slots_used)), "slots_in_use_max": int(np.max(slots_used)),
             "kv_tokens_mean": float(np.mean(kv_used)), "kv_tokens_max": int(np.max(kv_used)),
+            "kv_len_mean": _mean_length(kv_used, slots_used),
             "kv_tokens_capacity": engine.slots * engine.setup.max_len, **stats_row(engine)}, handles
 
 
@@ -72,6 +93,7 @@ def run_fixed(engine: Engine, requests: list[Request], device_calls: int = 0):
     t0 = time.perf_counter()
     handles = [engine.submit(r) for r in requests]
     window_s, window_steps, window_tokens, first_token_s = 0.0, 0, 0, None
+    kv_used, slots_used = [], []
     while engine.busy:
         # every slot decodes and has its first token (under pipelined dispatch a row is decoding from the
         # step its prompt ends in, and this call then reads that step's first tokens)
@@ -80,6 +102,8 @@ def run_fixed(engine: Engine, requests: list[Request], device_calls: int = 0):
         s = time.perf_counter()
         engine.step()  # ends in a host sync (this step's tokens, or pipelined: the step before's)
         dt = time.perf_counter() - s
+        kv_used.append(engine.committed_tokens())
+        slots_used.append(engine.slots_in_use)
         if first_token_s is None and all(h.tokens for h in handles):
             first_token_s = time.perf_counter() - t0
         if full:
@@ -95,4 +119,5 @@ def run_fixed(engine: Engine, requests: list[Request], device_calls: int = 0):
             "prefill_s": first_token_s, "decode_steps": window_steps, "decode_s": window_s,
             "decode_tok_s": _ratio(window_tokens, window_s), "step_ms": 1e3 * _ratio(window_s, window_steps),
             "tokens_per_step": _ratio(window_tokens, window_steps),
-            "ms_per_token": 1e3 * _ratio(window_s, window_tokens), **split, **stats_row(engine)}, handles
+            "ms_per_token": 1e3 * _ratio(window_s, window_tokens), "kv_len_mean": _mean_length(kv_used, slots_used),
+            **split, **stats_row(engine)}, handles
