@@ -7,7 +7,6 @@ folder of its own behind. Kernel variants a plan file carries are checked in a s
 """
 
 import logging
-import shutil
 import tempfile
 from pathlib import Path
 
@@ -47,12 +46,6 @@ def check_variants_sandboxed(cfg) -> None:
             log.info("%s matched its reference in %d checked calls in the sandbox (%s)", what, calls, mode)
 
 
-def _discard_if_empty(folder: Path) -> None:
-    """Remove a run's output folder if it holds nothing but Hydra's own bookkeeping."""
-    if folder.is_dir() and all(p.name in (".hydra", "run.log") for p in folder.iterdir()):
-        shutil.rmtree(folder, ignore_errors=True)
-
-
 @entry.app(config_path="../conf", config_name="config")
 def main(cfg: DictConfig) -> None:
     hydra_dir = Path(HydraConfig.get().runtime.output_dir)
@@ -66,9 +59,9 @@ def main(cfg: DictConfig) -> None:
             devices.enable_compile_cache(Path(cfg.cache_dir).expanduser() / "xla")
         records = runner.run(cfg, out_dir)  # the device, memory and drafter checks run before the build
     except Exception as e:
-        _discard_if_empty(hydra_dir)
+        entry.discard_if_empty(hydra_dir)
         if out_dir is not None:
-            _discard_if_empty(Path(out_dir))
+            entry.discard_if_empty(Path(out_dir))
         entry.report(e)
     print(runner.format_table(records))
     shown = runner.format_responses(records)

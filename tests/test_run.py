@@ -89,6 +89,30 @@ def test_misspelled_appended_key_fails(tmp_path):
         "config error: drafter has no key 'blok_size'; did you mean 'block_size'?"]
 
 
+def test_a_new_plan_from_the_command_line_runs(tmp_path):
+    """`+decoding.plans.NAME={...}` adds a plan (Hydra alone cannot add an entry to the typed mapping),
+    and a later override sets a field of it."""
+    out = tmp_path / "out"
+    proc = _run(f"output_dir={out}", "decoding=stock", "drafter=oracle", "drafter.num_layers=1",
+                "drafter.block_size=4", "drafter.tau=2.5", "bench.num_prompts=1", "bench.new_tokens=8",
+                "+decoding.plans.short={verify: ar, block_size: 4}", "decoding.plans.short.verify=chain",
+                f"hydra.run.dir={tmp_path / 'hydra'}", cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    records = {r["method"]: r for r in map(json.loads, (out / "results.jsonl").read_text().splitlines())}
+    short = records["short"]
+    assert short["verify"] == "chain" and short["block_size"] == 4 and short["mismatches"] == 0
+    assert "stock" in records
+
+
+def test_a_misspelled_field_of_a_new_plan_fails_in_one_line(tmp_path):
+    proc = _run("+decoding.plans.mine={verify: chain, blok_size: 4}", f"hydra.run.dir={tmp_path / 'hydra'}",
+                cwd=tmp_path)
+    assert proc.returncode == 2, proc.stderr[-3000:]
+    assert proc.stderr.strip().splitlines() == [
+        "config error: decoding.plans.mine has no key 'blok_size'; did you mean 'block_size'?"]
+    assert not (tmp_path / "hydra").exists()
+
+
 def test_a_gpu_config_for_another_device_fails_in_one_line(tmp_path):
     """gpu=h100 on this CPU is refused before anything is built, naming what jax sees and both fixes."""
     proc = _run("gpu=h100", f"hydra.run.dir={tmp_path / 'hydra'}", cwd=tmp_path)

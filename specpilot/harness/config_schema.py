@@ -189,8 +189,8 @@ class VariantConf:
 @dataclasses.dataclass
 class DecodingConf:
     name: str = "ar"
-    # the run's plans by name (every field overridable: `decoding.plans.stock.weights=w12`; new plans come
-    # in a conf/decoding/ file); the AR baseline candidates come from `gpu.ar_baselines`
+    # the run's plans by name (every field overridable: `decoding.plans.stock.weights=w12`; a new plan from
+    # the command line: `+decoding.plans.NAME={...}`, merged by `entry.app`); AR baselines: `gpu.ar_baselines`
     plans: Dict[str, PlanConf] = dataclasses.field(default_factory=dict)
     # sampling of every plan: temperature 0 is greedy (argmax); above 0, tokens are drawn from the
     # softmax at that temperature, restricted to the top_k most likely (0: all) and to the smallest set
