@@ -28,7 +28,7 @@ from specpilot.models.confidence_trace import load_calibration
 from specpilot.models.config import ModelConfig
 from specpilot.models.hybrid_config import HybridConfig
 from specpilot.models.oracle import OracleDrafter, conditional_profile, expected_tau, load_trace
-from specpilot.models.oracle_trace import OracleTraceDrafter, load_traces
+from specpilot.models.oracle_trace import OracleTraceDrafter, load_traces, trace_label
 from specpilot.plan import Plan
 
 
@@ -206,7 +206,9 @@ def build_drafter(dconf: DictConfig, target_cfg: ModelConfig, target_params, see
             OmegaConf.merge(dconf, {"source": "random"}), target_cfg, target_params, seed)
         methods = load_traces(dconf.step_trace)
         taus = ", ".join(f"{k} {np.mean(m['accepted']) + 1:.2f}" for k, m in methods.items())
-        note = (f"oracle acceptance (step trace {dconf.step_trace}, tau by plan: {taus}; real drafter "
+        label = trace_label(dconf.step_trace)
+        prefix = f"{label}, " if label else ""
+        note = (f"oracle acceptance ({prefix}step trace {dconf.step_trace}, tau by plan: {taus}; real drafter "
                 f"forward, tree builder and verifier at their shape, the target's greedy continuation placed "
                 f"in the draft to each step's recorded depth)")
         return OracleTraceDrafter.from_traces(inner, methods, str(dconf.step_trace)), params, target_cfg, [note]

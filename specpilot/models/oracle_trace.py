@@ -42,6 +42,12 @@ def load_traces(path) -> dict:
     return methods
 
 
+def trace_label(path) -> str:
+    """A trace file's label (what its acceptance is, e.g. "calibrated to DDTree (published)"), else ""."""
+    data = json.loads(trace_path(path).read_text())
+    return str(data.get("label") or "") if isinstance(data, dict) else ""
+
+
 def trace_method(plan_name: str) -> str:
     """The recorded method a plan replays: its own name, less an `oracle_` prefix (which labels it)."""
     return plan_name[len("oracle_"):] if plan_name.startswith("oracle_") else plan_name
