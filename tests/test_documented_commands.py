@@ -48,7 +48,7 @@ from omegaconf.errors import OmegaConfBaseException
 from documented_commands import ROOT, Command, all_commands
 from specpilot.data.registry_models import smollm2_gguf
 from specpilot.data.tokenizer import train_tokenizer
-from specpilot.harness import config_errors, config_schema, runner
+from specpilot.harness import config_errors, config_schema, entry, runner
 from specpilot.harness.config_schema import build_plans, typed, validate
 from specpilot.models import dense
 from specpilot.models import drafter as dr
@@ -147,8 +147,11 @@ def _substitute(c: Command, values: dict) -> list[str]:
 
 
 def _compose(config: str, overrides: list[str]):
+    """As the entry points compose: new plans (`+decoding.plans.NAME={...}`) merged after Hydra's overrides."""
+    overrides, plans = entry.split_new_plans(list(overrides))
     with initialize_config_dir(config_dir=str(ROOT / "conf"), version_base=None):
-        return compose(config_name=config, overrides=overrides)
+        cfg = compose(config_name=config, overrides=overrides)
+    return entry.add_plans(cfg, plans) if plans else cfg
 
 
 def _run_config(overrides: list[str]):
