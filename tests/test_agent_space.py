@@ -57,8 +57,11 @@ def test_impossible_rewrites_are_dropped_with_the_reason(toy):
     assert "changes nothing" in space.rewrite("cand", incumbent, {"block_size": 4}).reason
     assert "not in the rewrite space" in space.rewrite("cand", incumbent, {"tree": {"nodes": 8}}).reason
     oracle = toy_cfg("drafter=oracle", "drafter.num_layers=1", "drafter.block_size=4", "drafter.tau=2.0")
-    reason = sp.build_space(oracle).rewrite("cand", {"verify": "chain"}, {"block_size": 2}).reason
-    assert "replays a profile for block size 4" in reason
+    oracle_space = sp.build_space(oracle)
+    _, smaller = oracle_space.rewrite("cand", {"verify": "chain"}, {"block_size": 2})  # the profile's first draft
+    assert smaller.block_size == 2
+    larger = oracle_space.rewrite("cand", {"verify": "chain"}, {"block_size": 8})
+    assert isinstance(larger, sp.Dropped), larger
 
 
 def test_feasible_space_leaves_out_what_fails_alone(toy):

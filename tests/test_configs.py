@@ -112,7 +112,7 @@ def test_every_option_composes(group):
     ("bench=heldout", "bench.prompts"),
     ("decoding=stock", "needs a drafter"),
     ("decoding=ar_w12_twin target.dtype=float32", "the Mosaic GPU kernel multiplies bfloat16 weights"),
-    ("drafter=oracle decoding=stock decoding.plans.stock.block_size=4", "an oracle drafter replays a profile"),
+    ("drafter=oracle decoding=stock decoding.plans.stock.block_size=32", "an oracle drafter replays a profile"),
 ])
 def test_impossible_values_fail_clearly(override, match):
     base = [*TINY, "drafter=random"] if "decoding.plans." in override and "drafter=" not in override else TINY

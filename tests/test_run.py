@@ -64,6 +64,22 @@ def test_stock_run_is_checked_by_token_forcing(tmp_path):
     assert replay["stock"]["profile_tau"] == pytest.approx(expected)
 
 
+def test_an_oracle_plan_at_a_smaller_block_replays_the_profiles_first_drafts(tmp_path):
+    """Block sizes are searchable under an oracle: a plan's smaller block verifies the profile's first
+    block - 1 drafts, and its record's profile tau is that prefix's."""
+    from specpilot.models.oracle import conditional_profile, expected_tau
+
+    out = tmp_path / "out"
+    proc = _run(f"output_dir={out}", "decoding=stock", "drafter=oracle", "drafter.num_layers=1",
+                "drafter.block_size=6", "drafter.tau=3.5", "decoding.plans.stock.block_size=3",
+                "bench.num_prompts=2", "bench.new_tokens=12", f"hydra.run.dir={tmp_path / 'hydra'}", cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    stock = {r["method"]: r for r in map(json.loads, (out / "results.jsonl").read_text().splitlines())}["stock"]
+    assert stock["block_size"] == 3 and stock["mismatches"] == 0 and 1.0 <= stock["tau"] <= 3.0
+    want = expected_tau(conditional_profile(6, tau=3.5)[:2])
+    assert stock["profile_tau"] == pytest.approx(want) and want < 3.5
+
+
 def test_bad_override_fails_with_clear_message(tmp_path):
     proc = _run("drafter.block_size=0", f"hydra.run.dir={tmp_path / 'hydra'}", cwd=tmp_path)
     assert proc.returncode != 0

@@ -360,9 +360,11 @@ def validate(cfg: DictConfig) -> None:
             if d.source == "oracle" and plan.tree.depth + 1 != d.block_size:
                 _fail(f"{key}.tree.depth", f"an oracle drafter replays a profile for block size {d.block_size}; "
                       f"a tree over it takes depth {d.block_size - 1}, got {plan.tree.depth}")
-        elif plan.uses_drafter and d.source == "oracle" and plan.block_size != d.block_size:
+        elif plan.uses_drafter and d.source == "oracle" and plan.block_size > d.block_size:
+            # a smaller block verifies the profile's first drafts: the same drafter, fewer of its drafts
             _fail(f"{key}.block_size", f"an oracle drafter replays a profile for block size {d.block_size}; "
-                  f"got {plan.block_size} (set drafter.block_size instead)")
+                  f"a chain plan verifies at most that block, got {plan.block_size} (or raise "
+                  f"drafter.block_size)")
     if dec.temperature < 0 or not 0 < dec.top_p <= 1 or dec.top_k < 0:
         _fail("decoding", "temperature >= 0, top_k >= 0 and 0 < top_p <= 1 are required")
     for key in ("num_prompts", "prompt_len", "new_tokens", "batch_size", "repeats"):

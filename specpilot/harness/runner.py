@@ -146,7 +146,7 @@ def measure(cfg: DictConfig) -> list[dict]:
             speedup_vs_ar=ar_tpot / r.decode_time_per_token,
             speedup_vs_stock=None if stock_tpot is None else stock_tpot / r.decode_time_per_token,
             ar_ceiling_ms_per_token=1e3 * ar_floor,
-            **oracle_fields(dep, r, ar_tpot),
+            **oracle_fields(dep, r, ar_tpot, plan.block_size),
             ceiling_ms_per_token=None if ceiling is None else 1e3 * ceiling,
             pct_of_ceiling=None if ceiling is None else 100 * ceiling / r.decode_time_per_token,
             predicted_ms_per_token=None if att is None else att["prediction"]["ms_per_token"],
@@ -184,16 +184,16 @@ def decoded_responses(dep, run, n: int) -> list[dict]:
     return out
 
 
-def oracle_fields(dep, r, ar_tpot: float) -> dict:
+def oracle_fields(dep, r, ar_tpot: float, block_size: int) -> dict:
     """With oracle acceptance, tau is a sampled quantity (one draw per verification step), so a run's tau
     scatters around the profile's; the measured time per step does not depend on it. Records carry the
-    time per step and the speedup that time gives at the profile's expected tau, next to the measured
-    speedup."""
+    time per step and the speedup that time gives at the profile's expected tau (its first
+    block_size - 1 drafts: what the plan's block verifies), next to the measured speedup."""
     tau = r.stats.get("tau")
     if dep.drafter is None or tau is None or not isinstance(dep.drafter[0], OracleDrafter):
         return {}
     step_s = r.decode_time_per_token * tau
-    profile_tau = expected_tau(np.asarray(dep.drafter[0].conditional))
+    profile_tau = expected_tau(np.asarray(dep.drafter[0].conditional[: block_size - 1]))
     return {"ms_per_step": 1e3 * step_s, "step_vs_ar_step": step_s / ar_tpot,
             "profile_tau": profile_tau, "speedup_at_profile_tau": profile_tau * ar_tpot / step_s}
 
