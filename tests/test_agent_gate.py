@@ -98,10 +98,16 @@ def test_honest_candidate_is_clean(setting):
 
 
 def test_ar_rewrite_is_clean_and_can_win(setting):
+    cfg, gate, _, incumbent, *_ = setting
     res, v = _judge(setting, "ar", fields={"verify": "ar"}, repeats=3)
     assert v.mismatches == 0 and v.reference_equal and not v.flagged
-    # random drafts are never accepted, so a chain of 4 is slower than AR on every machine
-    assert v.speedup > 1 and v.accepted, v.reasons
+    # The verdict follows the measured times. Which plan is faster is a timing (random drafts are never
+    # accepted, so AR usually beats the chain of 4, but one loaded 2-core measurement fell inside the
+    # noise margin): the win is checked at a time the evaluator could have measured.
+    assert v.accepted == (v.speedup > 1 / (1 - gate.noise_margin)), (v.speedup, v.reasons)
+    plan = sp.build_space(cfg).check("ar", {"verify": "ar"})
+    quicker = gate.check({**res, "s_per_token": incumbent["s_per_token"] * 0.9}, plan, incumbent)
+    assert quicker.accepted and quicker.speedup == pytest.approx(1 / 0.9), quicker.reasons
 
 
 def test_late_token_change_is_rejected(setting):
