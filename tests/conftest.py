@@ -40,14 +40,23 @@ _CACHE_OPTIONS = ("jax_compilation_cache_dir", "jax_persistent_cache_min_compile
                   "jax_persistent_cache_min_entry_size_bytes")
 
 
-@pytest.fixture(autouse=True)
-def _no_persistent_compile_cache_between_tests():
-    saved = {name: getattr(jax.config, name) for name in _CACHE_OPTIONS}
-    yield
-    if any(getattr(jax.config, name) != value for name, value in saved.items()):
-        for name, value in saved.items():
+_CACHE_BASELINE = {name: getattr(jax.config, name) for name in _CACHE_OPTIONS}  # jax's own, at start-up
+
+
+def _restore_cache_baseline():
+    if any(getattr(jax.config, name) != value for name, value in _CACHE_BASELINE.items()):
+        for name, value in _CACHE_BASELINE.items():
             jax.config.update(name, value)
         compilation_cache.reset_cache()
+
+
+@pytest.fixture(autouse=True)
+def _no_persistent_compile_cache_between_tests():
+    # Before as well as after: a module-scoped fixture or an import may have changed the settings before
+    # this test's own setup.
+    _restore_cache_baseline()
+    yield
+    _restore_cache_baseline()
 
 
 def replace(cfg, **kw):
