@@ -110,7 +110,10 @@ class Batching:
     drafter's confidence under `token_budget` (mechanism 1). `verify`: `padded` runs every row's full
     block, `packed` only the kept candidates, packed into one stream of `token_budget` tokens
     (mechanism 2). `token_budget`: verification tokens (candidates plus each row's last token) one step
-    may check over the batch; None: slots x block_size (no limit). `overlap`: `none` drafts and verifies
+    may check over the batch; None: slots x block_size (no limit). `streams`: packed verification
+    compiles this many stream sizes, evenly spaced up to `token_budget`, and each step runs the smallest
+    that holds its kept candidates, so the products see only what the step verifies (rounded up to a
+    size); 1: always `token_budget`. `overlap`: `none` drafts and verifies
     every row in each step, `halves` verifies one half of the slots with the drafts prepared for it in
     the step before while drafting the other half in the same program (mechanism 3,
     `specpilot.serving.overlap`); a step then verifies half the slots, so `token_budget` counts those.
@@ -126,6 +129,7 @@ class Batching:
     draft_budget: str = "fixed"
     verify: str = "padded"
     token_budget: int | None = None
+    streams: int = 1
     overlap: str = "none"
     dispatch: str = "pipelined"
     kv: str = "contiguous"
@@ -195,6 +199,11 @@ class Plan:
                 if getattr(b, field) != plain:
                     _fail(self.name, f"batching.{field}", f"{getattr(b, field)!r} needs a chain plan "
                           f"(verify: chain), got verify={self.verify!r}")
+        if not isinstance(b.streams, int) or isinstance(b.streams, bool) or b.streams < 1:
+            _fail(self.name, "batching.streams", f"must be a positive integer, got {b.streams!r}")
+        if b.streams > 1 and b.verify != "packed":
+            _fail(self.name, "batching.streams", f"{b.streams} stream sizes need verify: packed (a padded step "
+                  f"computes every row's whole block), got verify={b.verify!r}")
         t = b.token_budget
         if t is not None:
             if not isinstance(t, int) or isinstance(t, bool) or t < 2:

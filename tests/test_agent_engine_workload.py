@@ -13,7 +13,7 @@ from specpilot.agent.loop import Loop, agent_conf
 from specpilot.plan import Batching
 
 STOCK = {"verify": "chain", "block_size": 8}
-BATCHING_FIELDS = {"batching.policy", "batching.draft_budget", "batching.token_budget", "batching.verify",
+BATCHING_FIELDS = {"batching.policy", "batching.draft_budget", "batching.token_budget", "batching.verify", "batching.streams",
                    "batching.overlap", "batching.dispatch", "batching.kv"}
 
 

@@ -11,21 +11,25 @@ import pytest
 from specpilot.costmodel.prediction import predict
 from specpilot.decoding.rejection import accept_greedy, rejection_sample
 from specpilot.models import dense
-from specpilot.serving.budget import StepCost, choose_draft_lengths, expected_accepted, marginal_gains
+from specpilot.plan import Batching
+from specpilot.serving.budget import StepCost, choose_draft_lengths, expected_accepted, marginal_gains, round_up
+from specpilot.serving.engine_checks import stream_sizes
 from specpilot.serving.packed import packed_forward, packed_layout
 from specpilot.state import causal_mask, chain_positions
 from engine_helpers import CFG, TARGET
 from helpers import random_params
 
 
-def _rate(conf, active, k, cost):
-    """(rows + expected accepted) / step time, computed directly from the definition."""
+def _rate(conf, active, k, cost, sizes=()):
+    """(rows + expected accepted) / step time, computed directly from the definition; with stream sizes
+    the step runs (and costs) the smallest size holding its tokens."""
     gain, tokens = 0.0, 0
     for b in range(conf.shape[0]):
         if active[b]:
             gain += 1.0 + sum(float(np.prod(conf[b, : j + 1])) for j in range(k[b]))
             tokens += k[b] + 1
-    return gain / (cost.fixed_s + cost.per_token_s * tokens), tokens
+    priced = min((n for n in sizes if n >= tokens), default=tokens)
+    return gain / (cost.fixed_s + cost.per_token_s * priced), tokens
 
 
 @pytest.mark.parametrize("seed", range(6))
@@ -50,6 +54,42 @@ def test_chooser_equals_brute_force(seed):
                 if t <= budget:
                     best = max(best, r)
             assert got == pytest.approx(best, rel=1e-5), (budget, cost, k)
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_chooser_with_stream_sizes_equals_brute_force(seed):
+    """Priced at the stream size the step runs, the chosen counts are the best of every combination."""
+    rng = np.random.default_rng(100 + seed)
+    s, kmax = 3, 4
+    conf = rng.uniform(0.05, 1.0, (s, kmax)).astype(np.float32)
+    active = np.ones(s, bool)
+    budget = s * (kmax + 1)
+    for streams in (2, 3, 5):
+        sizes = stream_sizes(Batching(verify="packed", draft_budget="confidence", streams=streams), budget)
+        for cost in (StepCost(1.0, 0.05), StepCost(1.0, 0.2), StepCost(1.0, 0.6)):
+            k = np.asarray(choose_draft_lengths(jnp.asarray(conf), jnp.asarray(active), budget, cost, sizes))
+            got, _ = _rate(conf, active, k, cost, sizes)
+            best = max(_rate(conf, active, np.asarray(ks), cost, sizes)[0]
+                       for ks in itertools.product(range(1, kmax + 1), repeat=s))
+            assert got == pytest.approx(best, rel=1e-5), (sizes, cost, k)
+
+
+def test_stream_sizes_and_rounding():
+    packed = lambda n: Batching(verify="packed", draft_budget="confidence", streams=n)  # noqa: E731
+    assert stream_sizes(packed(1), 24) == (24,)
+    assert stream_sizes(packed(3), 24) == (8, 16, 24)
+    assert stream_sizes(packed(4), 10) == (3, 5, 8, 10)
+    assert stream_sizes(packed(8), 4) == (2, 3, 4)  # never below a row's two tokens, no repeats
+    assert stream_sizes(Batching(), 24) == ()
+    assert round_up(jnp.asarray([1, 8, 9, 24, 30]), (8, 16, 24)).tolist() == [8, 8, 16, 24, 24]
+
+
+def test_measured_step_cost_interpolates_its_points():
+    cost = StepCost(points=((8, 2.0), (16, 3.0), (32, 7.0)))
+    np.testing.assert_allclose(cost.step_s(jnp.asarray([4, 8, 12, 16, 24, 40])), [2.0, 2.0, 2.5, 3.0, 5.0, 7.0])
+    for bad in (((8, 2.0), (8, 3.0)), ((16, 2.0), (8, 3.0)), ((8, 0.0),)):
+        with pytest.raises(ValueError, match="points"):
+            StepCost(points=bad)
 
 
 def test_expected_accepted_is_the_prefix_product_sum():

@@ -11,6 +11,7 @@ from specpilot.plan import Batching
 from specpilot.serving import Engine, Request
 from specpilot.serving.budget import StepCost
 from specpilot.serving.packed import check_packable
+from specpilot.serving.step_timing import measure_step_cost, spread
 from engine_helpers import BUDGETS, CFG, PROMPTS, TARGET
 from test_engine import block_drafter, params, reference  # noqa: F401 (the same module fixtures)
 
@@ -56,6 +57,42 @@ def test_block_drafter_equals_ar_per_request(params, reference, block_drafter, b
         assert 2 * engine.stats.decode_row_steps <= engine.stats.verify_tokens < 4 * engine.stats.decode_row_steps
     packed = batching.verify == "packed"
     assert engine.stats.forward_tokens == engine.stats.decode_calls * (budget if packed else 12)
+
+
+def test_packed_streams_run_the_smallest_size_that_holds_the_step(params, reference, block_drafter):
+    """Three compiled stream sizes (4, 8, 12) under a steep per-token cost: outputs equal AR's, and the
+    verify forwards compute fewer tokens than the budget each step."""
+    drafter, dparams = block_drafter
+    batching = Batching(draft_budget="confidence", verify="packed", token_budget=12, streams=3)
+    engine = Engine(TARGET, params, drafter, dparams, slots=3, context_len=48, prefill_chunk=8, sampling=False,
+                    batching=batching, step_cost=StepCost(1.0, 0.3))
+    assert engine.setup.stream_sizes == (4, 8, 12)
+    requests = [Request(p, b) for p, b in zip(PROMPTS, BUDGETS)]
+    handles, per_step = run_recording(engine, requests, ARRIVALS)
+    assert [h.tokens for h in handles] == [reference[i][:b] for i, b in enumerate(BUDGETS)]
+    assert max(per_step) <= 12
+    assert engine.stats.verify_tokens <= engine.stats.forward_tokens < 12 * engine.stats.decode_calls
+
+
+def test_measured_step_cost_prices_every_stream_size(params, reference, block_drafter):
+    """The measured cost has a point at each stream size, and the engine it prices decodes AR's tokens."""
+    drafter, dparams = block_drafter
+    batching = Batching(draft_budget="confidence", verify="packed", token_budget=12, streams=3)
+    engine = Engine(TARGET, params, drafter, dparams, slots=3, context_len=48, prefill_chunk=8, sampling=False,
+                    batching=batching)
+    cost = measure_step_cost(engine.setup, params, dparams, 3, context=20, repeats=2)
+    assert [n for n, _ in cost.points] == [4, 8, 12] and all(s > 0 for _, s in cost.points)
+    priced = Engine(TARGET, params, drafter, dparams, slots=3, context_len=48, prefill_chunk=8, sampling=False,
+                    batching=batching, step_cost=cost)
+    handle = priced.submit(Request(PROMPTS[0], 6))
+    priced.run()
+    assert handle.tokens == reference[0][:6]
+    with pytest.raises(ValueError, match="packed"):
+        measure_step_cost(Engine(TARGET, params, drafter, dparams, slots=3, context_len=48, prefill_chunk=8,
+                                 sampling=False).setup, params, dparams, 3, context=20)
+    assert spread(8, 3, 4).tolist() == [3, 3, 2]
+    with pytest.raises(ValueError, match="do not fit"):
+        spread(13, 3, 4)
 
 
 def test_replay_drafter_packed_budget_accepts_blocks(params, reference):

@@ -238,6 +238,8 @@ def batching_choices(cfg: DictConfig) -> list[Choice]:
                    when=("batching.draft_budget", "confidence")),
             Choice("batching.verify", _first(b.verify, plan_mod.VERIFY_LAYOUTS), "categorical",
                    targets=("verify", "matmul", "attention")),
+            Choice("batching.streams", (b.streams, 2, 4), "int", targets=("verify", "matmul"),
+                   when=("batching.verify", "packed")),
             Choice("batching.overlap", _first(b.overlap, plan_mod.OVERLAPS), "categorical", targets=("draft",)),
             Choice("batching.dispatch", _first(b.dispatch, plan_mod.DISPATCHES), "categorical",
                    targets=("host", "accept")),

@@ -14,17 +14,27 @@ from specpilot.costmodel.prediction import predict
 
 @dataclasses.dataclass(frozen=True)
 class StepCost:
-    """Predicted seconds of one decode step that verifies `tokens` tokens: fixed_s + per_token_s * tokens."""
+    """Seconds of one decode step that verifies `tokens` tokens: fixed_s + per_token_s * tokens, or, with
+    `points` ((tokens, seconds) pairs, measured), the line through the nearest two of them."""
 
     fixed_s: float = 1.0
     per_token_s: float = 0.0
+    points: tuple[tuple[int, float], ...] = ()
 
     def __post_init__(self):
         if not self.fixed_s > 0 or self.per_token_s < 0:
             raise ValueError(f"StepCost needs fixed_s > 0 and per_token_s >= 0, got {self.fixed_s}, "
                              f"{self.per_token_s}")
+        xs = [t for t, _ in self.points]
+        if xs != sorted(set(xs)) or any(not s > 0 for _, s in self.points):
+            raise ValueError(f"StepCost.points must be (tokens, seconds > 0) pairs in increasing token order, "
+                             f"got {self.points}")
 
     def step_s(self, tokens):
+        if self.points:
+            xs = jnp.asarray([t for t, _ in self.points], jnp.float32)
+            ys = jnp.asarray([s for _, s in self.points], jnp.float32)
+            return jnp.interp(jnp.asarray(tokens, jnp.float32), xs, ys)
         return self.fixed_s + self.per_token_s * tokens
 
     @classmethod
@@ -61,10 +71,17 @@ def confidence_of(draft_logits: jax.Array) -> jax.Array:
     return jnp.max(jax.nn.softmax(draft_logits.astype(jnp.float32), axis=-1), axis=-1)
 
 
+def round_up(tokens: jax.Array, sizes: tuple[int, ...]) -> jax.Array:
+    """The smallest of the ascending stream `sizes` holding `tokens` (the largest where none does)."""
+    table = jnp.asarray(sizes, jnp.int32)
+    return table[jnp.minimum(jnp.searchsorted(table, tokens, side="left"), len(sizes) - 1)]
+
+
 def choose_draft_lengths(confidence: jax.Array, active: jax.Array, token_budget: int,
-                         cost: StepCost = StepCost()) -> jax.Array:
+                         cost: StepCost = StepCost(), sizes: tuple[int, ...] = ()) -> jax.Array:
     """Each row's draft count k [S] int32 (1..K for active rows, 0 otherwise) maximising
-    (rows + expected accepted) / cost.step_s(sum (k + 1)) subject to sum (k + 1) <= token_budget.
+    (rows + expected accepted) / cost.step_s(n) subject to n = sum (k + 1) <= token_budget; with stream
+    `sizes` (ascending), the step computes, and is priced at, the smallest size holding n.
 
     confidence [S, K]; active [S] bool; token_budget >= 2 x active rows (every row verifies one draft).
     """
@@ -82,7 +99,8 @@ def choose_draft_lengths(confidence: jax.Array, active: jax.Array, token_budget:
     total_gain = base_gain + jnp.concatenate([jnp.zeros((1,), jnp.float32), jnp.cumsum(extra[order])])
     tokens = 2 * rows + e
     ok = (e <= rows * (kmax - 1)) & (tokens <= token_budget)
-    rate = jnp.where(ok, total_gain / cost.step_s(tokens.astype(jnp.float32)), -jnp.inf)
+    priced = round_up(tokens, sizes) if sizes else tokens
+    rate = jnp.where(ok, total_gain / cost.step_s(priced.astype(jnp.float32)), -jnp.inf)
     best = jnp.argmax(rate)  # the first maximum: the fewest tokens among equal rates
     rank = jnp.zeros((n,), jnp.int32).at[order].set(jnp.arange(n, dtype=jnp.int32))
     taken = (rank < best).reshape(s, kmax - 1)

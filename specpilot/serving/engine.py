@@ -29,7 +29,8 @@ from specpilot.serving import pages as pg
 from specpilot.serving import slots as sl
 from specpilot.serving import tree_slots
 from specpilot.serving.budget import StepCost
-from specpilot.serving.engine_checks import check_plan, check_tree_batching, token_budget, tree_block_size
+from specpilot.serving.engine_checks import (check_plan, check_tree_batching, stream_sizes, token_budget,
+                                             tree_block_size)
 from specpilot.serving.handles import DECODING, DONE, PREFILL, WAITING, EngineStats, Handle, PendingStep
 from specpilot.serving.request import Request, RequestError, check_request
 
@@ -83,7 +84,7 @@ class Engine:
         budget = token_budget(self.batching, rows, int(bs) if tree is None else tree.nodes, target)
         args = (target, drafter if bs > 1 else None, int(bs), int(context_len),
                 int(prefill_chunk), int(top_k), self.batching.draft_budget, self.batching.verify, budget,
-                step_cost or StepCost(), self.batching.overlap)
+                step_cost or StepCost(), self.batching.overlap, stream_sizes(self.batching, budget))
         self.setup = sl.EngineSetup(*args) if tree is None else tree_slots.TreeEngineSetup(
             *args, nodes=tree.nodes, depth=tree.depth, branching=tree.branching)
         self.rows_per_verify = rows
@@ -377,6 +378,10 @@ class Engine:
         if overflow:
             raise RuntimeError("a compact decode wrote past its window: the host's bound on a row's length is wrong")
         now = time.perf_counter()
+        sizes = self.setup.stream_sizes
+        if verified is not None and len(sizes) > 1:  # the stream the step ran: the smallest holding its tokens
+            total = int(np.sum(verified))
+            self.stats.forward_tokens += next((n for n in sizes if n >= total), sizes[-1])
         got = []
         for h in pending.final:
             if not h.done:
@@ -397,8 +402,8 @@ class Engine:
         """Tokens one decode's verify forward computes."""
         if isinstance(self.setup, tree_slots.TreeEngineSetup):
             return self.rows_per_verify * self.setup.nodes
-        if self.setup.verify == "packed":
-            return self.setup.token_budget
+        if self.setup.verify == "packed":  # several stream sizes: counted as each step's tokens are read
+            return self.setup.token_budget if len(self.setup.stream_sizes) <= 1 else 0
         return self.rows_per_verify * self.setup.block_size
 
     def _compact_shape(self, decoding: list[Handle]) -> tuple[int, int] | None:

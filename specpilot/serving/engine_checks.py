@@ -51,6 +51,14 @@ def token_budget(b: Batching, slots: int, bs: int, target) -> int:
     return min(budget, full)
 
 
+def stream_sizes(b: Batching, budget: int) -> tuple[int, ...]:
+    """Packed verification's stream sizes: `b.streams` sizes evenly spaced up to `budget` (each >= 2,
+    duplicates dropped); () for padded verification."""
+    if b.verify != "packed":
+        return ()
+    return tuple(sorted({max(2, -(-budget * i // b.streams)) for i in range(1, b.streams + 1)}))
+
+
 def tree_block_size(tree: TreeShape, drafter, block_size: int | None) -> int:
     """A tree engine's drafter block, depth + 1; `block_size` may be left out or be the plan's (the tree's
     width max(nodes, depth + 1))."""

@@ -36,6 +36,7 @@ class EngineSetup:
     token_budget: int = 0  # verification tokens per step over the batch (the packed stream's size)
     cost: bd.StepCost = bd.StepCost()  # step time of a token count (the confidence chooser's denominator)
     overlap: str = "none"  # none: draft and verify every row per step; halves: `serving.overlap`
+    stream_sizes: tuple[int, ...] = ()  # packed: the stream sizes a step may run (ascending, the last = budget)
 
     @property
     def max_len(self) -> int:
@@ -181,7 +182,8 @@ def decode_ar(setup: EngineSetup, target_params, draft_params, state: SlotState,
 def draft_counts(setup: EngineSetup, draft_logits: jax.Array, active: jax.Array) -> jax.Array:
     """[S] drafts each row verifies this step: block_size - 1, or chosen from the drafter's confidence."""
     if setup.draft_budget == "confidence":
-        return bd.choose_draft_lengths(bd.confidence_of(draft_logits), active, setup.token_budget, setup.cost)
+        return bd.choose_draft_lengths(bd.confidence_of(draft_logits), active, setup.token_budget, setup.cost,
+                                       setup.stream_sizes)
     return jnp.where(active, setup.block_size - 1, 0).astype(jnp.int32)
 
 
@@ -197,6 +199,17 @@ def draft_rows(setup: EngineSetup, target_params, draft_params, state: SlotState
     return state, drafts, draft_logits
 
 
+def packed_verify(setup: EngineSetup, target_params, block: jax.Array, verified: jax.Array, ts):
+    """The packed verify forward on the smallest stream size holding the verified tokens (one branch of a
+    switch runs: the products see that many tokens, not the whole budget)."""
+    sizes = setup.stream_sizes or (setup.token_budget,)
+    branches = [functools.partial(packed_forward, setup.target, n=n) for n in sizes]
+    if len(branches) == 1:
+        return branches[0](target_params, block, verified, ts)
+    which = jnp.searchsorted(jnp.asarray(sizes, jnp.int32), jnp.sum(verified), side="left")
+    return jax.lax.switch(jnp.minimum(which, len(sizes) - 1), branches, target_params, block, verified, ts)
+
+
 def verify_drafts(setup: EngineSetup, target_params, draft_params, state: SlotState, drafts: jax.Array,
                   draft_logits: jax.Array, active: jax.Array, sampling: RequestSampling):
     """Verify [last, first kept[b] drafts] in one forward, accept a prefix + one token, for every active
@@ -207,8 +220,7 @@ def verify_drafts(setup: EngineSetup, target_params, draft_params, state: SlotSt
     kept = draft_counts(setup, draft_logits, active)  # [S]
     verified = jnp.where(active, kept + 1, 0)
     if setup.verify == "packed":
-        target_logits, taps, ts = packed_forward(setup.target, target_params, block, verified,
-                                                 state.target_state, setup.token_budget)
+        target_logits, taps, ts = packed_verify(setup, target_params, block, verified, state.target_state)
     else:
         target_logits, taps, ts = chain_forward(setup.target, target_params, block, state.target_view())
     key, verify_keys = split_rows(state.key, sampling)

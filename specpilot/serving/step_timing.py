@@ -1,0 +1,67 @@
+"""A measured step cost for the confidence chooser: one decode's draft stage and its packed verify forward
+at each stream size, timed on this device with the engine's shapes, as `StepCost` points. Where the cost
+model is not calibrated (a CPU's products are not free at 4-16 rows), this prices what a step really
+costs at each size.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from specpilot.serving import slots as sl
+from specpilot.serving.budget import StepCost
+from specpilot.serving.packed import packed_forward
+
+
+def _median_s(fn, args, carry: int | None, repeats: int):
+    """-> (median wall seconds of fn(*args) after one warm call, the arguments after the last call);
+    `carry`: the argument fed back from the call's second output (a donated state), or None."""
+    args = list(args)
+    times = []
+    for i in range(repeats + 1):
+        start = time.perf_counter()
+        out = fn(*args)
+        jax.block_until_ready(out)
+        if i:
+            times.append(time.perf_counter() - start)
+        if carry is not None:
+            args[carry] = out[1]
+    return statistics.median(times), args
+
+
+def spread(total: int, rows: int, block: int) -> np.ndarray:
+    """`total` verification tokens over `rows` rows as evenly as the block allows (each row 1..block)."""
+    if not rows <= total <= rows * block:
+        raise ValueError(f"{total} tokens do not fit {rows} rows of 1..{block} tokens")
+    counts = np.full(rows, total // rows, np.int32)
+    counts[: total % rows] += 1
+    return counts
+
+
+def measure_step_cost(setup: sl.EngineSetup, target_params, draft_params, slots: int, context: int,
+                      repeats: int = 5) -> StepCost:
+    """StepCost points (n, draft + verify(n)) for each of the setup's packed stream sizes n (or its token
+    budget), with every row's committed context at `context` tokens."""
+    if setup.verify != "packed" or not setup.uses_drafter:
+        raise ValueError("a measured step cost prices packed verification of a drafted chain "
+                         "(batching.verify: packed)")
+    if not 0 <= context <= setup.context_len:
+        raise ValueError(f"context {context} is outside the engine's 0..{setup.context_len} positions")
+    state = sl.init_slots(setup, draft_params, slots)
+    ts = state.target_state.commit(jnp.full((slots,), context, jnp.int32))
+    propose = jax.jit(lambda dp, tp, ds, last: setup.drafter.propose(dp, tp, ds, last, setup.block_size)[0])
+    draft_s, _ = _median_s(propose, (draft_params, target_params, state.draft_state, state.last), None, repeats)
+    points = []
+    args = [target_params, jnp.zeros((slots, setup.block_size), jnp.int32), None, ts]
+    for n in setup.stream_sizes or (setup.token_budget,):
+        args[2] = jnp.asarray(spread(min(n, slots * setup.block_size), slots, setup.block_size))
+        forward = jax.jit(lambda tp, b, c, s, n=n: packed_forward(setup.target, tp, b, c, s, n)[::2],
+                          donate_argnums=3)
+        verify_s, args = _median_s(forward, args, 3, repeats)
+        points.append((int(n), draft_s + verify_s))
+    return StepCost(points=tuple(points))
