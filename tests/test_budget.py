@@ -15,6 +15,7 @@ from specpilot.plan import Batching
 from specpilot.serving.budget import StepCost, choose_draft_lengths, expected_accepted, marginal_gains, round_up
 from specpilot.serving.engine_checks import stream_sizes
 from specpilot.serving.packed import packed_forward, packed_layout
+from specpilot.serving.slots import EngineSetup, packed_verify
 from specpilot.state import causal_mask, chain_positions
 from engine_helpers import CFG, TARGET
 from helpers import random_params
@@ -182,6 +183,36 @@ def test_packed_verify_equals_padded():
             close(got.k[b, :, : ln + c], want.k[b, :, : ln + c])  # [B, KVH, S, D]
             close(got.v[b, :, : ln + c], want.v[b, :, : ln + c])
             np.testing.assert_array_equal(got.k[b, :, ln + c:], before.k[b, :, ln + c:])  # nothing past its candidates
+
+
+def test_switched_stream_sizes_equal_one_stream_and_never_copy_the_cache():
+    """packed_verify over stream sizes (4, 8, 12) gives one 12-token stream's logits and K/V at every total,
+    and its compiled program holds no copy of a layer's cache (the branches only read it)."""
+    params = random_params(dense.param_shapes(CFG), 0.5, 0)
+    s, t, max_len = 3, 4, 32
+    rng = np.random.default_rng(3)
+    state = TARGET.init_state(s, max_len, TARGET.dtype)
+    prompt = jnp.asarray(rng.integers(0, CFG.vocab_size, (s, 8)), jnp.int32)
+    positions = chain_positions(state, 8)
+    _, _, state = jax.jit(TARGET.forward)(params, prompt, positions, state, causal_mask(state, positions))
+    state = state.commit(jnp.asarray([8, 5, 2], jnp.int32))
+    block = jnp.asarray(rng.integers(0, CFG.vocab_size, (s, t)), jnp.int32)
+    setup = EngineSetup(TARGET, None, t, 24, 4, verify="packed", token_budget=12, stream_sizes=(4, 8, 12))
+    switched = jax.jit(lambda c, st: packed_verify(setup, params, block, c, st))
+    one = jax.jit(lambda c, st: packed_forward(TARGET, params, block, c, st, 12))
+    for counts in ([1, 1, 1], [2, 1, 1], [3, 2, 2], [4, 4, 4], [0, 4, 1]):
+        c = jnp.asarray(counts, jnp.int32)
+        got, want = switched(c, state), one(c, state)
+        for b, n in enumerate(counts):
+            close(got[0][b, :n], want[0][b, :n])
+            close(got[1][b, :n], want[1][b, :n])
+        for g, w in zip(got[2].layers, want[2].layers):
+            close(g.k, w.k)
+            close(g.v, w.v)
+    hlo = jax.jit(lambda c, st: packed_verify(setup, params, block, c, st), donate_argnums=1).lower(
+        jnp.asarray([1, 1, 1], jnp.int32), state).compile().as_text()
+    cache = "f32[%s]" % ",".join(map(str, state.layers[0].k.shape))
+    assert not [line for line in hlo.splitlines() if " copy(" in line and cache in line]
 
 
 def test_step_cost_from_the_cost_model():

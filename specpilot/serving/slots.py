@@ -15,7 +15,7 @@ from specpilot.decoding.aot import CompileCache
 from specpilot.decoding.rejection import accept_greedy, accept_sampled_uniform, accept_uniforms
 from specpilot.decoding.sampling import RequestSampling, sample_uniform
 from specpilot.serving import budget as bd
-from specpilot.serving.packed import packed_forward
+from specpilot.serving.packed import packed_forward, stream_forward, write_stream
 from specpilot.serving.pages import PageLayout, init_paged_state
 from specpilot.state import (RecurrentState, TargetState, causal_mask, chain_forward, chain_positions,
                              prompt_mask, with_pages, without_pages)
@@ -200,14 +200,24 @@ def draft_rows(setup: EngineSetup, target_params, draft_params, state: SlotState
 
 
 def packed_verify(setup: EngineSetup, target_params, block: jax.Array, verified: jax.Array, ts):
-    """The packed verify forward on the smallest stream size holding the verified tokens (one branch of a
-    switch runs: the products see that many tokens, not the whole budget)."""
+    """The packed verify forward on the smallest stream size holding the verified tokens: one branch of a
+    switch runs, so the products see that many tokens, not the whole budget. The branches only read the
+    cache; its K/V are written after the switch (a branch that wrote would copy the cache)."""
     sizes = setup.stream_sizes or (setup.token_budget,)
-    branches = [functools.partial(packed_forward, setup.target, n=n) for n in sizes]
-    if len(branches) == 1:
-        return branches[0](target_params, block, verified, ts)
+    if len(sizes) == 1:
+        return packed_forward(setup.target, target_params, block, verified, ts, sizes[0])
+
+    def branch(n):
+        def run(tp, b, c, state):
+            logits, taps, new = stream_forward(setup.target, tp, b, c, state, n)
+            pad = lambda x: jnp.pad(x, ((0, sizes[-1] - n),) + ((0, 0),) * (x.ndim - 1))  # noqa: E731
+            return logits, taps, [(pad(k), pad(v)) for k, v in new]
+        return run
+
     which = jnp.searchsorted(jnp.asarray(sizes, jnp.int32), jnp.sum(verified), side="left")
-    return jax.lax.switch(jnp.minimum(which, len(sizes) - 1), branches, target_params, block, verified, ts)
+    logits, taps, new = jax.lax.switch(jnp.minimum(which, len(sizes) - 1), [branch(n) for n in sizes],
+                                       target_params, block, verified, ts)
+    return logits, taps, write_stream(ts, new, verified)
 
 
 def verify_drafts(setup: EngineSetup, target_params, draft_params, state: SlotState, drafts: jax.Array,

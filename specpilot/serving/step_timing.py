@@ -1,5 +1,5 @@
 """A measured step cost for the confidence chooser: one decode's draft stage and its packed verify forward
-at each stream size, timed on this device with the engine's shapes, as `StepCost` points. Where the cost
+(`stream_forward`, the branch a step runs) at each stream size, timed on this device with the engine's shapes, as `StepCost` points. Where the cost
 model is not calibrated (a CPU's products are not free at 4-16 rows), this prices what a step really
 costs at each size.
 """
@@ -15,23 +15,18 @@ import numpy as np
 
 from specpilot.serving import slots as sl
 from specpilot.serving.budget import StepCost
-from specpilot.serving.packed import packed_forward
+from specpilot.serving.packed import stream_forward
 
 
-def _median_s(fn, args, carry: int | None, repeats: int):
-    """-> (median wall seconds of fn(*args) after one warm call, the arguments after the last call);
-    `carry`: the argument fed back from the call's second output (a donated state), or None."""
-    args = list(args)
+def _median_s(fn, args, repeats: int) -> float:
+    """Median wall seconds of fn(*args) after one warm call."""
     times = []
     for i in range(repeats + 1):
         start = time.perf_counter()
-        out = fn(*args)
-        jax.block_until_ready(out)
+        jax.block_until_ready(fn(*args))
         if i:
             times.append(time.perf_counter() - start)
-        if carry is not None:
-            args[carry] = out[1]
-    return statistics.median(times), args
+    return statistics.median(times)
 
 
 def spread(total: int, rows: int, block: int) -> np.ndarray:
@@ -55,13 +50,12 @@ def measure_step_cost(setup: sl.EngineSetup, target_params, draft_params, slots:
     state = sl.init_slots(setup, draft_params, slots)
     ts = state.target_state.commit(jnp.full((slots,), context, jnp.int32))
     propose = jax.jit(lambda dp, tp, ds, last: setup.drafter.propose(dp, tp, ds, last, setup.block_size)[0])
-    draft_s, _ = _median_s(propose, (draft_params, target_params, state.draft_state, state.last), None, repeats)
+    draft_s = _median_s(propose, (draft_params, target_params, state.draft_state, state.last), repeats)
     points = []
-    args = [target_params, jnp.zeros((slots, setup.block_size), jnp.int32), None, ts]
+    block = jnp.zeros((slots, setup.block_size), jnp.int32)
     for n in setup.stream_sizes or (setup.token_budget,):
-        args[2] = jnp.asarray(spread(min(n, slots * setup.block_size), slots, setup.block_size))
-        forward = jax.jit(lambda tp, b, c, s, n=n: packed_forward(setup.target, tp, b, c, s, n)[::2],
-                          donate_argnums=3)
-        verify_s, args = _median_s(forward, args, 3, repeats)
+        counts = jnp.asarray(spread(min(n, slots * setup.block_size), slots, setup.block_size))
+        forward = jax.jit(lambda tp, b, c, s, n=n: stream_forward(setup.target, tp, b, c, s, n))
+        verify_s = _median_s(forward, (target_params, block, counts, ts), repeats)
         points.append((int(n), draft_s + verify_s))
     return StepCost(points=tuple(points))
