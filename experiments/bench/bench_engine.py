@@ -5,7 +5,8 @@ workloads, flags and rows mean: docs/design/bench.md.
 
     PYTHONPATH=. python experiments/bench/bench_engine.py [--shape smollm2|tiny] [--m 4] [--rates 0.5,2,8]
         [--requests 16] [--new-tokens 64] [--plans ar,stock] [--out engine.json]
-        [--batching fixed,budget,budget+packed] [--token-budget N] [--overlap none,halves]
+        [--batching fixed,budget,budget+packed] [--token-budget N] [--streams K] [--step-cost measured]
+        [--overlap none,halves]
     PYTHONPATH=. python experiments/bench/bench_engine.py --deployment "<run.py overrides>" --plans ar,stock ...
     PYTHONPATH=. python experiments/bench/bench_engine.py --smoke     # tiny random pair, a few seconds
 
