@@ -36,7 +36,7 @@ def test_draw_edges_pick_positive_tokens():
 @pytest.mark.parametrize("top_p", [0.5, 0.9])
 def test_top_p_on_a_large_vocabulary_matches_bruteforce(scale, top_p):
     rng = np.random.default_rng(int(scale * 10))
-    v = 4096
+    v = 16384
     logits = (rng.normal(size=(3, v)) * scale).astype(np.float32)
     x = jnp.asarray(logits) * 1.25
     top = np.asarray(jax.lax.top_k(x, max(nucleus.TOP_P_CANDIDATES))[0])
