@@ -1,16 +1,19 @@
 """What the accept stage costs: greedy prefix matching against rejection sampling, jitted, on random logits.
 
     PYTHONPATH=. python experiments/bench/bench_accept.py [--vocab 49152,151936] [--blocks 4,8,16]
-        [--batch 1,16] [--trials 30]
+        [--batch 1,16] [--trials 30] [--settings 0.7:1:0,0.7:0.9:0,0.7:0.95:50]
 
 One chain verification's accept (`rejection.verify_chain`) over drafts [B, Bs-1], draft logits
 [B, Bs-1, V] and target logits [B, Bs, V], the drafts' own sampling (`rejection.choose_drafts`), and the
-serving engine's row-by-row accept (`slots.verify_rows`). Sampled at temperature 0.7, with top-p off
-(1.0) and at 0.9. Prints the median ms of each and the sampled accept as a multiple of the greedy one.
+serving engine's row-by-row accept (`slots.verify_rows`). Greedy, then each temperature:top_p:top_k
+setting. Greedy and sampled accepts are timed in turn within each trial (the machine may be shared), so
+"x greedy" is the median of the per-trial ratios, with its interquartile range; other columns are medians.
 The default deployment verifies block 4 of SmolLM2-135M (vocabulary 49152); Qwen3-8B's is 151936.
 """
 
 import argparse
+import statistics
+import time
 
 import jax
 import jax.numpy as jnp
@@ -30,19 +33,51 @@ def inputs(batch: int, block: int, vocab: int, seed: int = 0):
     return drafts, draft, target
 
 
+def parse_settings(text: str) -> dict[str, SamplingConfig]:
+    """"0.7:0.9:50,..." -> {"t0.7 p0.9 k50": SamplingConfig, ...} (top_p 1 and top_k 0 left out of names)."""
+    settings = {}
+    for item in text.split(","):
+        temperature, top_p, top_k = item.split(":")
+        name = f"t{float(temperature):g}" + (f" p{float(top_p):g}" if float(top_p) < 1 else "") + (
+            f" k{int(top_k)}" if int(top_k) else "")
+        settings[name] = SamplingConfig(temperature=float(temperature), top_p=float(top_p), top_k=int(top_k))
+    return settings
+
+
+def interleaved_ms(calls: list, trials: int) -> list[list[float]]:
+    """Wall ms of each call (a no-argument function) per trial, the calls timed in turn in every trial."""
+    for call in calls:
+        jax.block_until_ready(call())
+    times = [[] for _ in calls]
+    for _ in range(trials):
+        for call, out in zip(calls, times):
+            t0 = time.perf_counter()
+            jax.block_until_ready(call())
+            out.append(1e3 * (time.perf_counter() - t0))
+    return times
+
+
+def quartiles(values: list[float]) -> tuple[float, float, float]:
+    q1, q2, q3 = statistics.quantiles(values, n=4) if len(values) > 1 else values * 3
+    return q1, q2, q3
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--vocab", default="49152,151936", help="comma list of vocabulary sizes")
     ap.add_argument("--blocks", default="4,8,16", help="comma list of block sizes (drafts + 1)")
     ap.add_argument("--batch", default="1,16", help="comma list of batch sizes")
     ap.add_argument("--trials", type=int, default=30)
+    ap.add_argument("--settings", default="0.7:1:0,0.7:0.9:0",
+                    help="comma list of temperature:top_p:top_k sampled settings (greedy always runs first)")
+    ap.add_argument("--no-rows", action="store_true", help="skip the engine's row-by-row accept and the draws")
     args = ap.parse_args(argv)
 
     chain = jax.jit(verify_chain)
     drafting = jax.jit(choose_drafts)
     rows = jax.jit(verify_rows)
-    settings = {"greedy": (0.0, 1.0), "t0.7": (0.7, 1.0), "t0.7 p0.9": (0.7, 0.9)}
-    print(f"{'V':>7} {'Bs':>3} {'B':>3} {'sampling':>10} {'accept ms':>10} {'x greedy':>9} "
+    settings = {"greedy": SamplingConfig(), **parse_settings(args.settings)}
+    print(f"{'V':>7} {'Bs':>3} {'B':>3} {'sampling':>14} {'accept ms':>10} {'x greedy':>9} {'IQR':>11} "
           f"{'rows ms':>8} {'drafts ms':>10}")
     for vocab in (int(v) for v in args.vocab.split(",")):
         for block in (int(b) for b in args.blocks.split(",")):
@@ -51,17 +86,20 @@ def main(argv=None):
                 kept = jnp.full((batch,), block - 1, jnp.int32)
                 key = jax.random.key(1)
                 row_keys = jax.random.split(key, batch)
-                greedy_ms = None
-                for name, (temperature, top_p) in settings.items():
-                    s = SamplingConfig(temperature=temperature, top_p=top_p).for_requests(batch)
-                    accept = median_ms(chain, key, drafts, draft_logits, target_logits, s, kept,
-                                       trials=args.trials)
-                    by_row = median_ms(rows, row_keys, drafts, draft_logits, target_logits, s, kept,
-                                       trials=args.trials)
-                    draw = median_ms(drafting, key, draft_logits, s, trials=args.trials)
-                    greedy_ms = accept if greedy_ms is None else greedy_ms
-                    print(f"{vocab:>7} {block:>3} {batch:>3} {name:>10} {accept:>10.3f} "
-                          f"{accept / greedy_ms:>9.2f} {by_row:>8.3f} {draw:>10.3f}", flush=True)
+                per_row = {name: config.for_requests(batch) for name, config in settings.items()}
+                times = interleaved_ms(
+                    [lambda s=s: chain(key, drafts, draft_logits, target_logits, s, kept) for s in per_row.values()],
+                    args.trials)
+                for (name, s), accept in zip(per_row.items(), times):
+                    ratios = [a / g for a, g in zip(accept, times[0])]
+                    q1, ratio, q3 = quartiles(ratios)
+                    by_row = draw = float("nan")
+                    if not args.no_rows:
+                        by_row = median_ms(rows, row_keys, drafts, draft_logits, target_logits, s, kept,
+                                           trials=args.trials)
+                        draw = median_ms(drafting, key, draft_logits, s, trials=args.trials)
+                    print(f"{vocab:>7} {block:>3} {batch:>3} {name:>14} {statistics.median(accept):>10.3f} "
+                          f"{ratio:>9.2f} {q1:>5.2f}-{q3:<5.2f} {by_row:>8.3f} {draw:>10.3f}", flush=True)
 
 
 if __name__ == "__main__":

@@ -11,6 +11,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from specpilot.decoding.nucleus import top_k_threshold, top_p_cutoff
+
 
 @dataclasses.dataclass(frozen=True)
 class SamplingConfig:
@@ -81,58 +83,6 @@ def _rows(values: jax.Array, like: jax.Array) -> jax.Array:
     return values.reshape(values.shape + (1,) * (like.ndim - values.ndim))
 
 
-# The top-p cut-off is looked for among each row's most likely tokens first; only when these hold less
-# than top_p of the mass does the whole vocabulary get sorted (a CPU sort of 49152 logits costs ~10 ms).
-TOP_P_CANDIDATES = 256
-
-
-def _top_values(x: jax.Array, m: int, chunk: int = 16) -> jax.Array:
-    """The m largest values of each row [..., m], descending: a top-k over the m chunks with the largest
-    maxima (they hold the m largest values: a chunk left out has m chunks' maxima at or above its
-    own), ~10x cheaper than a top-k over the row on the CPU."""
-    lead, v = x.shape[:-1], x.shape[-1]
-    if v % chunk or v // chunk < 4 * m:
-        return jax.lax.top_k(x, m)[0]
-    chunks = x.reshape(lead + (v // chunk, chunk))
-    best = jax.lax.top_k(jnp.max(chunks, axis=-1), m)[1]  # [..., m] chunk ids
-    candidates = jnp.take_along_axis(chunks, best[..., None], axis=-2).reshape(lead + (m * chunk,))
-    return jax.lax.top_k(candidates, m)[0]
-
-
-def _top_p_cutoff(x: jax.Array, top_p: jax.Array) -> jax.Array:
-    """The smallest logit top-p keeps, [..., 1] (-inf where top_p == 1): the smallest prefix of the
-    sorted logits whose mass reaches top_p, i.e. a token stays if the mass strictly before it is below
-    top_p (so the top token always stays); ties at the cut-off are all kept."""
-    v = x.shape[-1]
-    m = min(TOP_P_CANDIDATES, v)
-    lse = jax.nn.logsumexp(x, axis=-1, keepdims=True)
-
-    top = _top_values(x, m)  # descending, the sorted logits' first m
-    top_mass = jnp.exp(top - lse)
-    top_cum = jnp.cumsum(top_mass, axis=-1)
-
-    def full_sort():
-        # Row by row, so the sort's buffers stay one row long. The head's cumulative mass is the
-        # candidates' own, so a row they decide gets the same cut-off here.
-        def row(args):
-            x_row, lse_row, top_row, cum_row, mass_row, p_row = args
-            rest = jnp.sort(x_row)[::-1][m:]
-            rest_mass = jnp.exp(rest - lse_row)
-            rest_cum = cum_row[-1] + jnp.cumsum(rest_mass)
-            keep = jnp.concatenate([cum_row - mass_row, rest_cum - rest_mass]) < p_row
-            return jnp.min(jnp.where(keep, jnp.concatenate([top_row, rest]), jnp.inf))
-
-        flat = [a.reshape(-1, a.shape[-1]) for a in (x, lse, top, top_cum, top_mass, top_p)]
-        return jax.lax.map(row, flat).reshape(top_p.shape)
-
-    def from_candidates():
-        return jnp.min(jnp.where(top_cum - top_mass < top_p, top, jnp.inf), axis=-1, keepdims=True)
-
-    decided = (top_cum[..., -1:] >= top_p) | (top_p >= 1.0)
-    cutoff = jax.lax.cond(jnp.all(decided), from_candidates, full_sort)
-    return jnp.where(top_p < 1.0, cutoff, -jnp.inf)
-
-
 class Filter(NamedTuple):
     """The sampling transform of logits [..., V] as per-row values [..., 1], so consumers fuse it into
     their own passes over the raw logits (no transformed copy is written): token t of logits l keeps
@@ -151,14 +101,15 @@ def sampling_filter(logits: jax.Array, sampling) -> Filter:
     t = jnp.broadcast_to(_rows(s.temperature, logits), logits.shape[:-1] + (1,))
     inv = jnp.where(t == 0, 1.0, 1.0 / jnp.where(t == 0, 1.0, t))
     none = jnp.full_like(inv, -jnp.inf)
-    kth = none
+    kth, head = none, None
     if s.top_k and s.top_k < logits.shape[-1]:
-        kth = jax.lax.top_k(logits * inv, s.top_k)[0][..., -1:]
+        kth, head = top_k_threshold(logits * inv, s.top_k)
     top_p = jnp.broadcast_to(_rows(s.top_p, logits), inv.shape)
 
     def with_top_p():
         x = logits * inv
-        return _top_p_cutoff(jnp.where(x < kth, -jnp.inf, x), top_p)
+        # the top-k values are the masked row's largest: the first top-p candidates
+        return top_p_cutoff(jnp.where(x < kth, -jnp.inf, x), top_p, head)
 
     # Without top-p (every row at 1, the usual case) nothing is sorted or ranked at all.
     cutoff = jnp.maximum(kth, jax.lax.cond(jnp.any(top_p < 1.0), with_top_p, lambda: none))

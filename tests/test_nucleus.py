@@ -1,0 +1,92 @@
+"""The fast top-k / top-p thresholds against their sort-based definitions: the same kept set, bit for bit,
+over many seeds, with ties, nuclei inside and beyond every candidate set, top_p 1 rows and top-k."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from specpilot.decoding import nucleus
+from specpilot.decoding.sampling import SamplingConfig, sampling_filter
+
+V = 32768  # the first candidates take the chunked path; nuclei reach past the last candidate set
+
+
+def _logits(seed: int, rows: int, v: int = V) -> np.ndarray:
+    """Rows from peaked to flat, rounded so that many values tie (at the cut-off too)."""
+    rng = np.random.default_rng(seed)
+    scale = rng.choice([0.5, 2.0, 4.0, 8.0], size=(rows, 1))
+    return np.round(rng.normal(size=(rows, v)) * scale, 1).astype(np.float32)
+
+
+def _nucleus_sizes(x: np.ndarray, top_p: np.ndarray) -> np.ndarray:
+    """How many tokens each row's sort-based top-p keeps."""
+    cutoff = np.asarray(jax.jit(nucleus.top_p_cutoff_sorted)(jnp.asarray(x), jnp.asarray(top_p)))
+    return (x >= cutoff).sum(-1)
+
+
+def test_top_values_and_k_threshold_equal_top_k_with_ties():
+    x = jnp.asarray(_logits(0, 6))
+    for k in (1, 20, 32, 50, 256):
+        want = jax.lax.top_k(x, k)[0]
+        np.testing.assert_array_equal(np.asarray(nucleus.top_values(x, k)), np.asarray(want))
+        kth, top = jax.jit(nucleus.top_k_threshold, static_argnums=1)(x, k)
+        np.testing.assert_array_equal(np.asarray(top), np.asarray(want))
+        np.testing.assert_array_equal(np.asarray(kth), np.asarray(want[:, -1:]))
+
+
+def test_fast_top_p_keeps_the_sorted_set_over_many_seeds():
+    fast = jax.jit(nucleus.top_p_cutoff)
+    sizes = []
+    for seed in range(24):
+        rng = np.random.default_rng(1000 + seed)
+        x = _logits(seed, 4)
+        top_p = rng.choice([0.3, 0.5, 0.9, 0.95, 0.99, 1.0], size=(4, 1)).astype(np.float32)
+        got = np.asarray(fast(jnp.asarray(x), jnp.asarray(top_p)))
+        want = np.asarray(jax.jit(nucleus.top_p_cutoff_sorted)(jnp.asarray(x), jnp.asarray(top_p)))
+        np.testing.assert_array_equal(x >= got, x >= want, err_msg=f"seed {seed}")
+        np.testing.assert_array_equal(got[top_p >= 1], -np.inf)
+        sizes += _nucleus_sizes(x, top_p)[top_p[:, 0] < 1].tolist()
+    sizes = np.asarray(sizes)
+    small, large = min(nucleus.TOP_P_CANDIDATES), max(nucleus.TOP_P_CANDIDATES)
+    # nuclei the first candidates decide, ones a later set decides, ones only a sort does
+    assert (sizes <= small).any() and ((sizes > small) & (sizes <= large)).any() and (sizes > large).any()
+
+
+_STAGES = (0,) + nucleus.TOP_P_CANDIDATES
+
+
+@pytest.mark.parametrize("nucleus_size", [(a + b) // 2 for a, b in zip(_STAGES, _STAGES[1:])] + [2 * _STAGES[-1]])
+def test_fast_top_p_at_each_candidate_size(nucleus_size):
+    """A batch whose widest nucleus is nucleus_size: decided by each candidate set in turn, or by the
+    sort, with a tie group at the cut-off."""
+    x = np.full((2, V), -30.0, np.float32)
+    x[:, :nucleus_size] = 0.0  # equal mass on nucleus_size tokens: any top_p < 1 keeps all of them
+    x[1, 3] = 1.0
+    top_p = np.asarray([[0.9], [0.5]], np.float32)
+    got = np.asarray(jax.jit(nucleus.top_p_cutoff)(jnp.asarray(x), jnp.asarray(top_p)))
+    want = np.asarray(jax.jit(nucleus.top_p_cutoff_sorted)(jnp.asarray(x), jnp.asarray(top_p)))
+    np.testing.assert_array_equal(x >= got, x >= want)
+    assert (x[0] >= got[0]).sum() == nucleus_size  # the tie group at the cut-off stays whole
+
+
+def _reference_cutoff(logits: np.ndarray, temperature: float, top_k: int, top_p: np.ndarray) -> np.ndarray:
+    """The filter's cut-off from a full top-k and a full sort: the definitions the fast path replaces."""
+    x = jnp.asarray(logits) * (1.0 / np.float32(temperature))
+    kth = jnp.full(x.shape[:-1] + (1,), -jnp.inf)
+    if top_k:
+        kth = jnp.min(jax.lax.top_k(x, top_k)[0], axis=-1, keepdims=True)
+    top_p_cut = nucleus.top_p_cutoff_sorted(jnp.where(x < kth, -jnp.inf, x), jnp.asarray(top_p))
+    return np.asarray(x), np.asarray(jnp.maximum(kth, top_p_cut))
+
+
+@pytest.mark.parametrize("top_k", [0, 20, 50, 300])
+def test_sampling_filter_keeps_the_reference_set_with_top_k(top_k):
+    filt = jax.jit(sampling_filter)
+    for seed in range(4):
+        logits = _logits(50 + seed, 3)
+        top_p = np.asarray([0.9, 1.0, 0.95], np.float32)
+        s = SamplingConfig(0.7, top_k, 1.0).for_requests(3, top_p=top_p)
+        f = filt(jnp.asarray(logits), s)
+        x, want = _reference_cutoff(logits, 0.7, top_k, top_p[:, None])
+        np.testing.assert_array_equal(x >= np.asarray(f.cutoff), x >= want, err_msg=f"seed {seed}")
