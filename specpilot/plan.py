@@ -18,6 +18,7 @@ WEIGHT_FORMATS = ("bf16", "w12")
 BATCHING_POLICIES = ("continuous", "static")  # static: a new wave is admitted only into an empty batch
 DRAFT_BUDGETS = ("fixed", "confidence")  # fixed: every row verifies block_size - 1 drafts
 VERIFY_LAYOUTS = ("padded", "packed")  # packed: only kept candidates enter the verify forward
+PRICINGS = ("flat", "measured")  # the confidence chooser's step cost: flat, or timed at each stream size
 OVERLAPS = ("none", "halves")  # halves: verify one half of the slots while drafting the other
 DISPATCHES = ("sync", "pipelined")  # pipelined: the next step is enqueued before this one's tokens are read
 KV_LAYOUTS = ("contiguous", "paged")  # paged: K/V in pages of a shared pool, allocated as rows grow
@@ -113,7 +114,9 @@ class Batching:
     may check over the batch; None: slots x block_size (no limit). `streams`: packed verification
     compiles this many stream sizes, evenly spaced up to `token_budget`, and each step runs the smallest
     that holds its kept candidates, so the products see only what the step verifies (rounded up to a
-    size); 1: always `token_budget`. `overlap`: `none` drafts and verifies
+    size); 1: always `token_budget`. `pricing`: what the confidence chooser takes a step to cost, `flat`
+    (fill the budget) or `measured` (packed: the engine times its draft and each stream size's verify
+    forward when it is built, `serving.step_timing`). `overlap`: `none` drafts and verifies
     every row in each step, `halves` verifies one half of the slots with the drafts prepared for it in
     the step before while drafting the other half in the same program (mechanism 3,
     `specpilot.serving.overlap`); a step then verifies half the slots, so `token_budget` counts those.
@@ -130,6 +133,7 @@ class Batching:
     verify: str = "padded"
     token_budget: int | None = None
     streams: int = 1
+    pricing: str = "flat"
     overlap: str = "none"
     dispatch: str = "pipelined"
     kv: str = "contiguous"
@@ -190,7 +194,7 @@ class Plan:
             _fail(self.name, "batching", f"must be a Batching, got {type(b).__name__}")
         for field, known in (("policy", BATCHING_POLICIES), ("draft_budget", DRAFT_BUDGETS),
                              ("verify", VERIFY_LAYOUTS), ("overlap", OVERLAPS), ("dispatch", DISPATCHES),
-                             ("kv", KV_LAYOUTS)):
+                             ("kv", KV_LAYOUTS), ("pricing", PRICINGS)):
             if getattr(b, field) not in known:
                 _fail(self.name, f"batching.{field}", f"{getattr(b, field)!r} is not one of {known}")
         self._check_paged()
@@ -204,6 +208,9 @@ class Plan:
         if b.streams > 1 and b.verify != "packed":
             _fail(self.name, "batching.streams", f"{b.streams} stream sizes need verify: packed (a padded step "
                   f"computes every row's whole block), got verify={b.verify!r}")
+        if b.pricing == "measured" and (b.verify, b.draft_budget) != ("packed", "confidence"):
+            _fail(self.name, "batching.pricing", f"measured prices packed steps for the confidence chooser: it "
+                  f"needs verify: packed and draft_budget: confidence, got {b.verify!r}, {b.draft_budget!r}")
         t = b.token_budget
         if t is not None:
             if not isinstance(t, int) or isinstance(t, bool) or t < 2:

@@ -14,6 +14,7 @@ from specpilot.plan import Batching
 
 STOCK = {"verify": "chain", "block_size": 8}
 BATCHING_FIELDS = {"batching.policy", "batching.draft_budget", "batching.token_budget", "batching.verify", "batching.streams",
+                   "batching.pricing",
                    "batching.overlap", "batching.dispatch", "batching.kv"}
 
 

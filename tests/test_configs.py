@@ -92,6 +92,8 @@ def test_every_option_composes(group):
      "decoding.plans.stock.batching.verify: 'packed' needs a chain plan"),
     ("decoding.plans.stock.batching.streams=0", "decoding.plans.stock.batching.streams: must be a positive"),
     ("decoding.plans.stock.batching.streams=3", "decoding.plans.stock.batching.streams: 3 stream sizes need verify: packed"),
+    ("decoding.plans.stock.batching.pricing=model", "decoding.plans.stock.batching.pricing: 'model' is not one of"),
+    ("decoding.plans.stock.batching.pricing=measured", "decoding.plans.stock.batching.pricing: measured prices packed"),
     ("decoding.plans.stock.batching.kv=pages", "decoding.plans.stock.batching.kv: 'pages' is not one of"),
     ("decoding.plans.stock.batching.kv=paged decoding.plans.stock.batching.page_size=0",
      "decoding.plans.stock.batching.page_size: must be a positive integer"),
@@ -152,6 +154,8 @@ PLAN_FLIPS = [  # (override, plan field, value as the Plan holds it)
     ("decoding.plans.stock.batching.verify=packed", "batching.verify", "packed"),
     ("decoding.plans.stock.batching.token_budget=24", "batching.token_budget", 24),
     ("decoding.plans.stock.batching.verify=packed decoding.plans.stock.batching.streams=4", "batching.streams", 4),
+    ("decoding.plans.stock.batching.draft_budget=confidence decoding.plans.stock.batching.verify=packed "
+     "decoding.plans.stock.batching.pricing=measured", "batching.pricing", "measured"),
     ("decoding.plans.stock.batching.kv=paged", "batching.kv", "paged"),
     ("decoding.plans.stock.batching.page_size=32", "batching.page_size", 32),
     ("decoding.plans.stock.batching.pages=4096", "batching.pages", 4096),

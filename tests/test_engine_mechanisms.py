@@ -2,6 +2,8 @@
 (mechanism 2) keep every request's greedy output equal to `ar.generate`'s under staggered arrivals, the
 chosen draft counts stay within the token budget, static waves, and refused batchings."""
 
+import dataclasses
+
 import jax.numpy as jnp
 import pytest
 
@@ -83,7 +85,8 @@ def test_measured_step_cost_prices_every_stream_size(params, reference, block_dr
     cost = measure_step_cost(engine.setup, params, dparams, 3, context=20, repeats=2)
     assert [n for n, _ in cost.points] == [4, 8, 12] and all(s > 0 for _, s in cost.points)
     priced = Engine(TARGET, params, drafter, dparams, slots=3, context_len=48, prefill_chunk=8, sampling=False,
-                    batching=batching, step_cost=cost)
+                    batching=dataclasses.replace(batching, pricing="measured"))  # the engine times its own
+    assert [n for n, _ in priced.setup.cost.points] == [4, 8, 12]
     handle = priced.submit(Request(PROMPTS[0], 6))
     priced.run()
     assert handle.tokens == reference[0][:6]

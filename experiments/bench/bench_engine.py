@@ -40,7 +40,6 @@ from specpilot.decoding import ar
 from specpilot.harness import bench
 from specpilot.plan import KV_LAYOUTS
 from specpilot.serving import Engine, Request
-from specpilot.serving.step_timing import measure_step_cost
 from specpilot.serving.workloads import run_fixed, run_workload
 
 
@@ -66,11 +65,6 @@ def lockstep_ar_row(run: PlanRun, requests: list[Request], context: int) -> tupl
            "tokens_per_row_step": 1.0, "tokens_per_decode": float(slots), "verify_tokens_per_decode": float(slots),
            "forward_tokens_per_decode": float(slots), "steps": steps}
     return row, res.as_lists()
-
-
-def typical_context(setup: Setup, new_tokens: int) -> int:
-    """A decoding row's committed length mid-reply: the mean prompt plus half the new tokens."""
-    return min(setup.context, sum(map(len, setup.prompts)) // len(setup.prompts) + new_tokens // 2)
 
 
 def trace_decode(engine: Engine, calls: int, top: int) -> dict | None:
@@ -110,8 +104,8 @@ def parse_args(argv=None):
     ap.add_argument("--token-budget", type=int, default=0, help="verification tokens per step (0: slots x block / 2)")
     ap.add_argument("--step-cost", default="flat", choices=("flat", "model", "measured"), help="what a confidence "
                     "budget takes a step's time to be: flat (fill the token budget), model (the cost model's step "
-                    "time of a token count, from the gpu's rates; --deployment only) or measured (packed: the draft "
-                    "and the verify forward timed at each stream size on this device, serving.step_timing)")
+                    "time of a token count, from the gpu's rates; --deployment only) or measured (packed: batching.pricing="
+                    "measured, the draft and the verify forward timed at each stream size when the engine is built)")
     ap.add_argument("--streams", type=int, default=1, help="budget+packed: stream sizes compiled up to the token "
                     "budget (batching.streams); each step runs the smallest that holds its kept tokens")
     ap.add_argument("--compile-cache", default="", help="jax's persistent compilation cache folder")
@@ -188,13 +182,7 @@ def main(argv=None):
         want = {}  # workload -> the reference plan's tokens per request, at this slot count
         for run in setup.plans:
             for batching in batchings(setup, run, args, slots):
-                engine, cost = run.make(slots, batching, setup.context, args.chunk), None
-                if args.step_cost == "measured" and engine.setup.verify == "packed" and \
-                        engine.setup.draft_budget == "confidence":
-                    cost = measure_step_cost(engine.setup, engine.target_params, engine.draft_params, slots,
-                                             typical_context(setup, args.new_tokens))
-                    del engine
-                    engine = run.make(slots, batching, setup.context, args.chunk, cost)
+                engine = run.make(slots, batching, setup.context, args.chunk)  # measured pricing: timed here
                 t0 = time.perf_counter()
                 engine.warm_up()
                 compile_s = time.perf_counter() - t0
@@ -215,7 +203,7 @@ def main(argv=None):
                     row = {"plan": run.name, "speculative": run.speculative, "ar_baseline": run.ar_baseline,
                            "batching": batching_label(batching), "overlap": getattr(batching, "overlap", "none"),
                            "slots": slots, "compile_s": compile_s, "token_budget": engine.setup.token_budget,
-                           "stream_sizes": engine.setup.stream_sizes, "step_cost_points": cost and cost.points,
+                           "stream_sizes": engine.setup.stream_sizes, "step_cost_points": engine.setup.cost.points,
                            "mismatched_requests": diff, **row}
                     rows.append(row)
                     print_row(row)

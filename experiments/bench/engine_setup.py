@@ -35,16 +35,17 @@ BATCHINGS = {"fixed": {}, "budget": {"draft_budget": "confidence"},
              "budget+packed": {"draft_budget": "confidence", "verify": "packed"}}
 
 
-def batching_for(name: str, slots: int, block: int, token_budget: int, overlap: str = "none", streams: int = 1):
+def batching_for(name: str, slots: int, block: int, token_budget: int, overlap: str = "none", streams: int = 1,
+                 pricing: str = "flat"):
     """The plan.Batching of a --batching name and --overlap value (budgeted ones at token_budget, default
     rows x block / 2 over the rows one step verifies: the slots, or half of them under halves; packed ones
-    with `streams` stream sizes)."""
+    with `streams` stream sizes and `pricing`)."""
     fields = dict(BATCHINGS[name])
     if not fields:
         return Batching(overlap=overlap)
     rows = slots // 2 if overlap == "halves" else slots
     if fields.get("verify") == "packed":
-        fields["streams"] = streams
+        fields.update(streams=streams, pricing=pricing)
     return Batching(**fields, token_budget=token_budget or max(2 * rows, rows * block // 2), overlap=overlap)
 
 
@@ -60,8 +61,7 @@ def batching_label(b) -> str:
 
 @dataclasses.dataclass
 class PlanRun:
-    """One plan of the bench: `make(slots, batching or None, context_len, prefill_chunk, step_cost=None)`
-    builds its engine."""
+    """One plan of the bench: `make(slots, batching or None, context_len, prefill_chunk)` builds its engine."""
 
     name: str
     make: Callable[..., Engine]
@@ -150,9 +150,9 @@ def shape_setup(args, n_prompts: int) -> Setup:
             smollm2_folder(args.model_dir), block, n_prompts, prompt_len)
 
     def make(d, dp, bs):
-        return lambda slots, batching, context_len, prefill_chunk, step_cost=None: Engine(
+        return lambda slots, batching, context_len, prefill_chunk: Engine(
             target, params, d, dp, block_size=bs, slots=slots, context_len=context_len,
-            prefill_chunk=prefill_chunk, sampling=False, batching=batching, step_cost=step_cost)
+            prefill_chunk=prefill_chunk, sampling=False, batching=batching)
 
     plans = {"ar": PlanRun("ar", make(None, None, None), ar_baseline=True),
              "stock": PlanRun("stock", make(drafter, dparams, block), block=block)}
@@ -183,14 +183,14 @@ def compose_config(overrides: str, n_prompts: int, batch: int):
 
 
 def deployment_engine(dep, plan, slots: int, batching, context_len: int, prefill_chunk: int,
-                      cost_setting=None, step_cost=None) -> Engine:
+                      cost_setting=None) -> Engine:
     """`Engine.from_plan(dep, plan, ...)` with the bench's engine settings (greedy). With `cost_setting` (a
     `prediction.Setting`), a confidence budget over packed verification prices its token counts by the cost
     model's step time at the rows one step verifies (`budget.StepCost.from_predict`); padded verification
     computes every row's whole block whatever it keeps, so its step cost stays flat, as without."""
     batching = batching or plan.batching
-    cost = step_cost
-    if cost is None and cost_setting is not None and batching.draft_budget == "confidence" and batching.verify == "packed":
+    cost = None
+    if cost_setting is not None and batching.draft_budget == "confidence" and batching.verify == "packed":
         rows = slots // 2 if batching.overlap == "halves" else slots
         cost = StepCost.from_predict(plan, cost_setting, rows)
     return Engine.from_plan(dep, plan, slots=slots, context_len=context_len, prefill_chunk=prefill_chunk,
@@ -232,7 +232,7 @@ def deployment_setup(args, n_prompts: int) -> Setup:
     cost_setting = None
     if args.step_cost == "model":
         cost_setting = prediction.Setting.from_deployment(dep, cfg.gpu)
-    runs = [PlanRun(p.name, lambda s, b, c, ch, cost=None, p=p: deployment_engine(dep, p, s, b, c, ch, cost_setting, cost),
+    runs = [PlanRun(p.name, lambda s, b, c, ch, p=p: deployment_engine(dep, p, s, b, c, ch, cost_setting),
                     block=p.block_size,
                     ar_baseline=is_ar_baseline_candidate(p), replays=oracle and p.uses_drafter,
                     batching=p.batching, tree=p.verify == "tree",
@@ -268,7 +268,8 @@ def _mechanisms(setup: Setup, run: PlanRun, args, slots: int) -> list:
     out = []
     for name in bench.comma_list(args.batching or "fixed"):
         for overlap in bench.comma_list(args.overlap or "none"):
-            b = batching_for(name, slots, run.block, args.token_budget, overlap, getattr(args, "streams", 1))
+            b = batching_for(name, slots, run.block, args.token_budget, overlap, getattr(args, "streams", 1),
+                             "measured" if getattr(args, "step_cost", "flat") == "measured" else "flat")
             out.append(dataclasses.replace(b, policy=run.batching.policy) if run.batching is not None else b)
     return out
 

@@ -240,6 +240,8 @@ def batching_choices(cfg: DictConfig) -> list[Choice]:
                    targets=("verify", "matmul", "attention")),
             Choice("batching.streams", (b.streams, 2, 4), "int", targets=("verify", "matmul"),
                    when=("batching.verify", "packed")),
+            Choice("batching.pricing", _first(b.pricing, plan_mod.PRICINGS), "categorical",
+                   targets=("verify", "matmul"), when=("batching.draft_budget", "confidence")),
             Choice("batching.overlap", _first(b.overlap, plan_mod.OVERLAPS), "categorical", targets=("draft",)),
             Choice("batching.dispatch", _first(b.dispatch, plan_mod.DISPATCHES), "categorical",
                    targets=("host", "accept")),

@@ -158,6 +158,7 @@ class BatchingConf:
     verify: str = "padded"  # padded | packed (only kept candidates enter the verify forward)
     token_budget: Optional[int] = None  # verification tokens per step over the batch; null: no limit
     streams: int = 1  # packed: stream sizes compiled up to token_budget; each step runs the smallest that fits
+    pricing: str = "flat"  # flat | measured (packed + confidence: each stream size's step timed at build)
     overlap: str = "none"  # none | halves (verify one half of the slots while drafting the other)
     dispatch: str = "pipelined"  # sync | pipelined (enqueue the next step before reading this one's tokens)
     kv: str = "contiguous"  # contiguous | paged (K/V in pages of a pool, allocated as rows grow)

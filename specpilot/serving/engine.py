@@ -33,6 +33,7 @@ from specpilot.serving.engine_checks import (check_plan, check_tree_batching, st
                                              tree_block_size)
 from specpilot.serving.handles import DECODING, DONE, PREFILL, WAITING, EngineStats, Handle, PendingStep
 from specpilot.serving.request import Request, RequestError, check_request
+from specpilot.serving.step_timing import measure_step_cost
 
 
 def _replays(drafter) -> bool:
@@ -101,6 +102,9 @@ class Engine:
         if self.setup.uses_drafter and _replays(drafter):
             self.reference = jnp.zeros((self.slots, self.setup.max_len), jnp.int32)
             self.draft_params = _with_reference(drafter, draft_params, self.reference)
+        if step_cost is None and self.batching.pricing == "measured":  # the chooser's prices, timed here
+            self.setup = dataclasses.replace(self.setup, cost=measure_step_cost(
+                self.setup, target_params, self.draft_params, self.slots, int(context_len) // 2))
         self.state = sl.init_slots(self.setup, self.draft_params, self.slots, self.paged and self.paged.layout)
         self._state_shape = jax.eval_shape(lambda: self.state)  # fixed; read by compiles in any thread
         self._compact_ready: set | None = None  # compact decodes a step may take (None: any, compiled on use)
