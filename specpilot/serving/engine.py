@@ -382,10 +382,9 @@ class Engine:
         if overflow:
             raise RuntimeError("a compact decode wrote past its window: the host's bound on a row's length is wrong")
         now = time.perf_counter()
-        sizes = self.setup.stream_sizes
-        if verified is not None and len(sizes) > 1:  # the stream the step ran: the smallest holding its tokens
+        if verified is not None and len(self.setup.stream_sizes) > 1:  # the stream size the step ran
             total = int(np.sum(verified))
-            self.stats.forward_tokens += next((n for n in sizes if n >= total), sizes[-1])
+            self.stats.forward_tokens += next(n for n in self.setup.stream_sizes if n >= total)
         got = []
         for h in pending.final:
             if not h.done:
