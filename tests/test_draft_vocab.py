@@ -114,8 +114,9 @@ def test_bad_rankings_name_the_field(ids, match):
         draft_vocab.check_ids(np.array(ids), 128)
 
 
-def test_ranking_orders_by_count_then_id():
+def test_ranking_orders_by_count_then_tiebreak_then_id():
     np.testing.assert_array_equal(draft_vocab.ranking_from_counts([0, 5, 2, 5, 0]), [1, 3, 2, 0, 4])
+    np.testing.assert_array_equal(draft_vocab.ranking_from_counts([0, 5, 2, 5, 0], [1, 0, 9, 3, 2]), [3, 1, 2, 4, 0])
 
 
 def test_the_deployment_reads_the_drafter_folders_ranking_or_the_named_one(pair, tmp_path):

@@ -61,9 +61,12 @@ def select(ranking: np.ndarray, k: int, vocab_size: int, field: str = "drafter.d
     return np.sort(ranking[:k])
 
 
-def ranking_from_counts(counts: np.ndarray) -> np.ndarray:
-    """Every token id, most counted first (ties, unseen tokens included, by id): [V] int32."""
-    return np.argsort(-np.asarray(counts, np.int64), kind="stable").astype(np.int32)
+def ranking_from_counts(counts, tiebreak=None) -> np.ndarray:
+    """Every token id, most counted first; equal counts (unseen tokens too) by `tiebreak`'s counts, most
+    first, then by id: [V] int32."""
+    counts = np.asarray(counts, np.int64)
+    tiebreak = np.zeros_like(counts) if tiebreak is None else np.asarray(tiebreak, np.int64)
+    return np.lexsort((np.arange(counts.size), -tiebreak, -counts)).astype(np.int32)
 
 
 def head_rows(target_params: dict, target_cfg: ModelConfig, ids: np.ndarray) -> jax.Array:
