@@ -58,14 +58,15 @@ def main() -> None:
         np.add.at(counts, row[start:end], 1)
     for p in every:  # the tie-break: every train request's tokens (code the replies quote)
         np.add.at(in_prompts, p, 1)
-    ranking = draft_vocab.ranking_from_counts(counts, in_prompts).astype(np.uint16 if cfg.vocab_size <= 2**16 else np.int32)
+    ranking = draft_vocab.ranking_from_counts(counts, in_prompts)
+    ranking = ranking.astype(np.uint16 if cfg.vocab_size <= 2**16 else np.int32)  # 96 KB for SmolLM2
     args.out.parent.mkdir(parents=True, exist_ok=True)
     np.save(args.out, ranking)
     total, seen = int(counts.sum()), int((counts > 0).sum())
     order = np.sort(counts)[::-1]
     cover = ", ".join(f"top {k}: {order[:k].sum() / total:.4f}" for k in (1024, 4096, 8192, 16384))
-    print(f"{len(prompts)} of {len(every)} train prompts answered, {total} reply tokens ({time.perf_counter() - t0:.0f} s), {seen} "
-          f"distinct; share covered: {cover} -> {args.out}")
+    print(f"{len(prompts)} of {len(every)} train prompts answered, {total} reply tokens "
+          f"({time.perf_counter() - t0:.0f} s), {seen} distinct; share covered: {cover} -> {args.out}")
 
 
 if __name__ == "__main__":
