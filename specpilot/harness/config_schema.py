@@ -60,6 +60,8 @@ class DrafterConf:
     block_size: int = 16
     num_layers: int = 1
     num_taps: int = 5
+    draft_vocab: Optional[int] = None  # score only the first K ids of a token ranking (null: all ids)
+    draft_vocab_ids: Optional[str] = None  # that ranking (.npy); null: the drafter folder's draft_vocab.npy
     # oracle acceptance: per-position conditional acceptance probabilities, a target tau, or a trace
     # recorded by an earlier run (its results.jsonl or run folder; e.g. the trained embedded pair's)
     acceptance: Optional[List[float]] = None
@@ -308,6 +310,13 @@ def validate(cfg: DictConfig) -> None:
         _fail("drafter.block_size", f"must be >= 1, got {d.block_size}")
     if d.num_layers < 1:
         _fail("drafter.num_layers", f"must be >= 1, got {d.num_layers}")
+    if d.draft_vocab is None and d.draft_vocab_ids is not None:
+        _fail("drafter.draft_vocab_ids", "names a ranking, but drafter.draft_vocab is null; set it, e.g. 8192")
+    if d.draft_vocab is not None and d.draft_vocab < 1:
+        _fail("drafter.draft_vocab", f"must be >= 1 (or null for the full vocabulary), got {d.draft_vocab}")
+    if d.draft_vocab is not None and d.source in ("none", "oracle", "oracle_trace"):
+        _fail("drafter.draft_vocab", f"a {d.source!r} drafter has no draft head to reduce (oracle drafters "
+              "replay the target's tokens); set drafter.draft_vocab=null")
     if d.source == "embedded" and t.source != "embedded":
         _fail("drafter.source", "the embedded drafter belongs to the embedded target (target=embedded)")
     if b.prompts == "heldout" and t.source != "embedded":

@@ -21,7 +21,7 @@ from specpilot.decoding.sampling import SamplingConfig
 from specpilot.harness import fit, shapes
 from specpilot.harness.config_errors import ConfigValueError
 from specpilot.harness.shapes import DTYPES, target_tap_layers  # noqa: F401  (the deployment's dtypes, taps)
-from specpilot.models import dense, gguf_import, hybrid
+from specpilot.models import dense, draft_vocab, gguf_import, hybrid
 from specpilot.models import drafter as dr
 from specpilot.models.checkpoint import load_hf
 from specpilot.models.confidence_trace import load_calibration
@@ -227,7 +227,29 @@ def build_drafter(dconf: DictConfig, target_cfg: ModelConfig, target_params, see
     else:
         raise NotImplementedError(f"drafter source {dconf.source!r} is not available yet")
     target_cfg = target_cfg.with_taps(dcfg.tap_layers)
-    return dr.BlockDrafter(dcfg, target_cfg), params, target_cfg, notes
+    folder = path if dconf.source in ("dflash", "packaged") else None
+    params, vnotes = reduce_draft_vocab(dconf, params, target_params, target_cfg, folder)
+    return dr.BlockDrafter(dcfg, target_cfg), params, target_cfg, notes + vnotes
+
+
+def reduce_draft_vocab(dconf: DictConfig, params, target_params, target_cfg: ModelConfig, folder: Path | None):
+    """The drafter's params with the reduced head of `drafter.draft_vocab` gathered in (unchanged when it
+    is null): the first K ids of `drafter.draft_vocab_ids`, else of the drafter folder's ranking.
+    -> (params, notes)."""
+    k = dconf.get("draft_vocab")
+    if k is None:
+        return params, []
+    where = dconf.get("draft_vocab_ids") or (None if folder is None else folder / draft_vocab.RANKING_FILE)
+    if where is None:
+        raise ConfigValueError(f"drafter.draft_vocab_ids: a {dconf.source!r} drafter has no folder holding a "
+                               f"token ranking; name one (a .npy of token ids, experiments/draft_vocab.py)")
+    vocab = target_cfg.vocab_size
+    try:
+        ids = draft_vocab.select(draft_vocab.load_ranking(where, vocab), k, vocab)
+    except draft_vocab.DraftVocabError as e:
+        raise ConfigValueError(str(e)) from None
+    return (draft_vocab.with_draft_vocab(params, target_params, target_cfg, ids),
+            [f"reduced draft vocabulary: the first {len(ids)} ids of {Path(str(where)).name} (of {vocab})"])
 
 
 def random_prompts(n: int, length: int, vocab_size: int, seed: int) -> list[list[int]]:
@@ -256,11 +278,13 @@ def build_embedded(cfg: DictConfig):
     econf = embedded.from_overrides(OmegaConf.to_container(cfg.embedded, resolve=True))
     pair = embedded.ensure_pair(cfg.cache_dir, econf, dtype=DTYPES[cfg.target.dtype])
     drafter = None
-    if cfg.drafter.source == "embedded":
-        dcfg = dataclasses.replace(pair.drafter_cfg, block_size=int(cfg.drafter.block_size))
-        drafter = (dr.BlockDrafter(dcfg, pair.target_cfg), pair.drafter_params)
     notes = [f"embedded pair trained here ({pair.directory.name}; drafter trained at block "
              f"{pair.drafter_cfg.block_size})"]
+    if cfg.drafter.source == "embedded":
+        dcfg = dataclasses.replace(pair.drafter_cfg, block_size=int(cfg.drafter.block_size))
+        dparams, vnotes = reduce_draft_vocab(cfg.drafter, pair.drafter_params, pair.target_params,
+                                             pair.target_cfg, None)
+        drafter, notes = (dr.BlockDrafter(dcfg, pair.target_cfg), dparams), notes + vnotes
     return pair.target_params, pair.target_cfg, drafter, pair.prompts.as_lists(), notes, pair.tokenizer
 
 

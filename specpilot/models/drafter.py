@@ -15,7 +15,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from specpilot import sharding
-from specpilot.models import dense
+from specpilot.models import dense, draft_vocab
 from specpilot.models.config import ModelConfig
 # The config and checkpoint names are part of this module's API: callers reach them as `drafter.X`.
 from specpilot.models.drafter_checkpoint import (PACKAGED, DrafterCheckpointError,  # noqa: F401
@@ -174,12 +174,16 @@ class BlockDrafter:
 
     def propose(self, params: Params, target_params: Params, state: TargetState, last_tokens: jax.Array,
                 block_size: int):
-        """last_tokens [B] -> (draft logits [B, Bs-1, V] float32, state)."""
+        """last_tokens [B] -> (draft logits [B, Bs-1, V] float32, state). Params carrying a reduced draft
+        vocabulary (`draft_vocab.with_draft_vocab`) score only its ids, the rest at a floor."""
         b = last_tokens.shape[0]
         masks = jnp.full((b, block_size - 1), self.cfg.mask_token_id, jnp.int32)
         block = jnp.concatenate([last_tokens[:, None].astype(jnp.int32), masks], axis=1)  # [B, Bs]
         hidden, state = draft_block(params, self.cfg, target_params, self.target_cfg, state, block)
-        return dense.lm_head(target_params, self.target_cfg, hidden[:, 1:]), sharding.constrain_state(state, self.mesh)
+        state = sharding.constrain_state(state, self.mesh)
+        if draft_vocab.has_draft_vocab(params):  # a reduced draft vocabulary: its own gathered head rows
+            return draft_vocab.reduced_logits(params, hidden[:, 1:], self.target_cfg.vocab_size), state
+        return dense.lm_head(target_params, self.target_cfg, hidden[:, 1:]), state
 
 
 @dataclasses.dataclass(frozen=True)
