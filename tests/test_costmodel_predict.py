@@ -1,5 +1,7 @@
 """Prediction and attribution arithmetic on a tiny shape with hand-made rates."""
 
+import dataclasses
+
 import pytest
 
 from specpilot.costmodel.roofline import Hardware
@@ -62,3 +64,20 @@ def test_attribution_splits_the_measured_step_and_sorts_by_lost_time():
     assert lost == sorted(lost, reverse=True)
     assert [r["lost_ms"] for r in att["classes"]] == sorted((r["lost_ms"] for r in att["classes"]), reverse=True)
     assert att["error"] == pytest.approx(att["predicted_ms_per_step"] / 2.0 - 1)
+
+
+def test_a_reduced_draft_vocabulary_counts_its_rows_and_the_fill():
+    """The drafter's head reads K rows instead of the vocabulary's, and its scores are put into full-size
+    logits (one float32 pass); the target's head is unchanged."""
+    big = dataclasses.replace(CFG, vocab_size=4096)
+    shape = Shape(big, dr.DrafterConfig.for_target(big, num_layers=2, block_size=4), batch=2, context=20,
+                  cache_len=64, dtype_bytes=2)
+    full = {k.name: k for k in step_counts(STOCK, shape).kernels}
+    cut = {k.name: k for k in step_counts(STOCK, dataclasses.replace(shape, draft_vocab=256)).kernels}
+    assert "drafter.lm_head" in full and "drafter.lm_head" not in cut
+    head = cut["drafter.draft_head"]
+    assert (head.m, head.k, head.n) == (2 * 3, 32, 256) and head.weight_bytes == 256 * 32 * 2
+    assert cut["drafter.draft_vocab_fill"].bytes == 2 * 3 * 4096 * 4
+    assert cut["target.lm_head"] == full["target.lm_head"]
+    assert predict(STOCK, dataclasses.replace(SETTING, shape=dataclasses.replace(shape, draft_vocab=256)),
+                   1.0).stages["draft"] < predict(STOCK, dataclasses.replace(SETTING, shape=shape), 1.0).stages["draft"]

@@ -9,6 +9,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
+from specpilot.models import draft_vocab
 from specpilot.models.oracle import OracleDrafter
 
 STAGES = ("draft", "verify", "accept")
@@ -80,6 +81,7 @@ class Shape:
     greedy: bool = True
     fused: bool = True  # a dense target's q/k/v and gate/up are single matrices (target.layout=fused)
     max_block: int = 16  # hybrid targets: per-token snapshots each recurrent layer keeps
+    draft_vocab: int = 0  # ids a reduced draft vocabulary scores (0: the target's whole head)
 
     def __post_init__(self):
         for name in ("batch", "dtype_bytes", "max_block"):
@@ -108,9 +110,11 @@ class Shape:
         if context is None:
             context = int(sum(len(p) for p in dep.prompts) / len(dep.prompts) + dep.new_tokens / 2)
         layer0 = dep.params["layers"][0]
+        dparams = dep.drafter[1] if dep.drafter is not None else None
         return cls(target=dep.cfg, drafter=dcfg, batch=dep.batch_size, context=context,
                    cache_len=dep.cache_len, dtype_bytes=dep.params["embed"].dtype.itemsize, oracle=oracle,
-                   greedy=dep.sampling.greedy, fused="qkv" in layer0 or "gate_up" in layer0)
+                   greedy=dep.sampling.greedy, fused="qkv" in layer0 or "gate_up" in layer0,
+                   draft_vocab=int(dparams["draft_ids"].shape[0]) if draft_vocab.has_draft_vocab(dparams) else 0)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -342,7 +346,14 @@ def drafter_propose(st: StepCounter, bs: int, choose_passes: int | None = None):
     lc = d.layer_config
     st.embedding("draft", "drafter", b * bs, d.hidden_size)
     _dense_layers(st, "draft", lc, bs, d.num_layers, fused=False, who="drafter")
-    _lm_head(st, "draft", "drafter", b * (bs - 1))
+    if st.s.draft_vocab:  # its own gathered rows, then the scores put into full-vocabulary logits
+        rows, cfg = b * (bs - 1), st.s.target
+        st.norm("draft", "drafter.final_norm", 1, rows, cfg.hidden_size)
+        st.matmul("draft", "drafter", "draft_head", 1, rows, cfg.hidden_size, st.s.draft_vocab, cls="lm_head",
+                  out_bytes=F32, tied=True)  # an einsum against [K, H], like the tied head
+        st.logits_pass("draft", "drafter.draft_vocab_fill", 1, rows)
+    else:
+        _lm_head(st, "draft", "drafter", b * (bs - 1))
     passes = (1 if st.s.greedy else 6) if choose_passes is None else choose_passes  # argmax, or sampling's
     if st.s.oracle:
         passes += 4  # the oracle's one-hot logits, the max that keeps the real forward alive, the sum
