@@ -71,10 +71,14 @@ def confidence_of(draft_logits: jax.Array) -> jax.Array:
     return jnp.max(jax.nn.softmax(draft_logits.astype(jnp.float32), axis=-1), axis=-1)
 
 
+def stream_index(tokens: jax.Array, sizes: tuple[int, ...]) -> jax.Array:
+    """The index of the smallest of the ascending stream `sizes` holding `tokens` (the last where none does)."""
+    return jnp.minimum(jnp.searchsorted(jnp.asarray(sizes, jnp.int32), tokens, side="left"), len(sizes) - 1)
+
+
 def round_up(tokens: jax.Array, sizes: tuple[int, ...]) -> jax.Array:
     """The smallest of the ascending stream `sizes` holding `tokens` (the largest where none does)."""
-    table = jnp.asarray(sizes, jnp.int32)
-    return table[jnp.minimum(jnp.searchsorted(table, tokens, side="left"), len(sizes) - 1)]
+    return jnp.asarray(sizes, jnp.int32)[stream_index(tokens, sizes)]
 
 
 def choose_draft_lengths(confidence: jax.Array, active: jax.Array, token_budget: int,

@@ -8,7 +8,6 @@ import dataclasses
 
 import jax
 import jax.numpy as jnp
-
 import numpy as np
 
 from pallas_kernels.tree_attention import float32_products
@@ -111,29 +110,40 @@ def check_packable(target) -> None:
                                   "plan needs verify: padded")
 
 
-def stream_forward(target, params, block: jax.Array, counts: jax.Array, state: TargetState, n: int):
-    """block [S, T] (row b's first counts[b] tokens are its candidates), counts [S] (sum <= n) -> (logits
-    [S, T, V] float32, taps [S, T, n_taps*H], the stream's new K/V per layer: ([N, KVH, D], [N, KVH, D])).
-    The state is only read. At j < counts[b] the logits are the padded forward's."""
+def _stream_layers(target, params, block: jax.Array, counts: jax.Array, state: TargetState, n: int, view_of):
+    """The packed forward's body: the stream's tokens through every layer, each layer's K/V seen through
+    `view_of(kv, rows, offsets, slots, index)` -> (logits [S, T, V] float32, taps [S, T, n_taps*H], the
+    layers' views after their layer)."""
     cfg = target.cfg
-    s, t = block.shape
+    t = block.shape[1]
     rows, offsets, valid, starts = packed_layout(counts, n)
     tokens = jnp.where(valid, block[rows, jnp.minimum(offsets, t - 1)], 0)  # [N]
     positions = state.lengths[rows] + offsets  # [N]
+    slots = jnp.where(valid, positions, state.max_len)  # idle tokens write nowhere
     index = jnp.minimum(starts[:, None] + jnp.arange(t, dtype=jnp.int32)[None, :], n - 1)  # [S, T]
     cos, sin = rope_tables(positions[None], cfg.inv_freq())
     x = dense.embed(params, tokens[None])  # [1, N, H]
-    new, taps = [], []
+    views, taps = [], []
     for i, p in enumerate(params["layers"]):
-        kv = state.layers[i]
-        x, view = dense.decoder_layer(p, cfg, x, cos, sin, _StreamKV(kv.k, kv.v, rows, offsets, index, state.lengths),
+        x, view = dense.decoder_layer(p, cfg, x, cos, sin, view_of(state.layers[i], rows, offsets, slots, index),
                                       None, None)
-        new.append((view.new_k, view.new_v))
+        views.append(view)
         if i in cfg.tap_layers:
             taps.append(x)
     taps = jnp.concatenate(taps, axis=-1) if taps else jnp.zeros((1, n, 0), x.dtype)
     logits = dense.lm_head(params, cfg, rms_norm(x, params["final_norm"], cfg.rms_norm_eps))  # [1, N, V]
-    return logits[0][index], taps[0][index], new
+    return logits[0][index], taps[0][index], views
+
+
+def stream_forward(target, params, block: jax.Array, counts: jax.Array, state: TargetState, n: int):
+    """block [S, T] (row b's first counts[b] tokens are its candidates), counts [S] (sum <= n) -> (logits
+    [S, T, V] float32, taps [S, T, n_taps*H], the stream's new K/V per layer: ([N, KVH, D], [N, KVH, D])).
+    The state is only read. At j < counts[b] the logits are the padded forward's."""
+    def view_of(kv, rows, offsets, slots, index):
+        return _StreamKV(kv.k, kv.v, rows, offsets, index, state.lengths)
+
+    logits, taps, views = _stream_layers(target, params, block, counts, state, n, view_of)
+    return logits, taps, [(v.new_k, v.new_v) for v in views]
 
 
 def write_stream(state: TargetState, new, counts: jax.Array) -> TargetState:
@@ -153,25 +163,8 @@ def packed_forward(target, params, block: jax.Array, counts: jax.Array, state: T
     lengths[b]+counts[b]-1, uncommitted). At j < counts[b] the logits are the padded forward's. Each layer
     writes its K/V before attending (in place: `stream_forward` with `write_stream` after it would copy
     the cache, as nothing orders the writes after its reads)."""
-    cfg = target.cfg
-    s, t = block.shape
-    max_len = state.max_len
-    rows, offsets, valid, starts = packed_layout(counts, n)
-    tokens = jnp.where(valid, block[rows, jnp.minimum(offsets, t - 1)], 0)  # [N]
-    positions = state.lengths[rows] + offsets  # [N]
-    slots = jnp.where(valid, positions, max_len)  # idle tokens write nowhere
-    index = jnp.minimum(starts[:, None] + jnp.arange(t, dtype=jnp.int32)[None, :], n - 1)  # [S, T]
-    cos, sin = rope_tables(positions[None], cfg.inv_freq())
-    x = dense.embed(params, tokens[None])  # [1, N, H]
-    layers, taps = [], []
-    for i, p in enumerate(params["layers"]):
-        kv = state.layers[i]
-        view = _RowKV(kv.k, kv.v, rows, offsets, slots, index, state.lengths)
-        x, view = dense.decoder_layer(p, cfg, x, cos, sin, view, None, None)
-        layers.append(AttentionState(view.k, view.v))
-        if i in cfg.tap_layers:
-            taps.append(x)
-    taps = jnp.concatenate(taps, axis=-1) if taps else jnp.zeros((1, n, 0), x.dtype)
-    logits = dense.lm_head(params, cfg, rms_norm(x, params["final_norm"], cfg.rms_norm_eps))  # [1, N, V]
-    idx = jnp.minimum(starts[:, None] + jnp.arange(t, dtype=jnp.int32)[None, :], n - 1)  # [S, T]
-    return logits[0][idx], taps[0][idx], TargetState(tuple(layers), state.lengths)
+    def view_of(kv, rows, offsets, slots, index):
+        return _RowKV(kv.k, kv.v, rows, offsets, slots, index, state.lengths)
+
+    logits, taps, views = _stream_layers(target, params, block, counts, state, n, view_of)
+    return logits, taps, TargetState(tuple(AttentionState(v.k, v.v) for v in views), state.lengths)

@@ -214,8 +214,7 @@ def packed_verify(setup: EngineSetup, target_params, block: jax.Array, verified:
             return logits, taps, [(pad(k), pad(v)) for k, v in new]
         return run
 
-    which = jnp.searchsorted(jnp.asarray(sizes, jnp.int32), jnp.sum(verified), side="left")
-    logits, taps, new = jax.lax.switch(jnp.minimum(which, len(sizes) - 1), [branch(n) for n in sizes],
+    logits, taps, new = jax.lax.switch(bd.stream_index(jnp.sum(verified), sizes), [branch(n) for n in sizes],
                                        target_params, block, verified, ts)
     return logits, taps, write_stream(ts, new, verified)
 

@@ -1,7 +1,7 @@
 """A measured step cost for the confidence chooser: one decode's draft stage and its packed verify forward
-(`stream_forward`, the branch a step runs) at each stream size, timed on this device with the engine's shapes, as `StepCost` points. Where the cost
-model is not calibrated (a CPU's products are not free at 4-16 rows), this prices what a step really
-costs at each size.
+(`stream_forward`, the branch a step runs) at each stream size, timed on this device with the engine's
+shapes, as `StepCost` points. Where the cost model is not calibrated (a CPU's products are not free at
+4-16 rows), this prices what a step really costs at each size.
 """
 
 from __future__ import annotations
