@@ -11,10 +11,7 @@ from __future__ import annotations
 import json
 import logging
 import os
-import secrets
-import selectors
 import shutil
-import signal
 import subprocess
 import sys
 import tempfile
@@ -22,23 +19,15 @@ import time
 from pathlib import Path
 from typing import Callable, Iterable
 
-import dask
-import distributed  # noqa: F401  (registers the nanny's configuration with dask.config)
-from dask.distributed import Client, Lock, Nanny, Scheduler, SpecCluster, as_completed, get_worker
+from dask.distributed import Client, Nanny, Scheduler, SpecCluster, as_completed
 
-from specpilot import sharding
 from specpilot.agent import sandbox as sb
+from specpilot.agent import warm_pool
+from specpilot.agent.candidate_io import (  # noqa: F401  (the evaluator's names for callers and tests)
+    BAD_OUTPUT, CHECK, CRASHED, GROUP_ENV, KILLED, OK, OOM, TIMEOUT, TIMING, VARIANT_REJECTED, Channel,
+    candidate_env, device_group_labels, failure, group_env, group_label, nanny_injected, parse_group,
+    prepared_spec, self_reported_decode, spec_reads, timing, timing_lock_held)
 from specpilot.agent.cluster_security import TLSConf, check_scheduler, security
-
-OK, CRASHED, TIMEOUT, OOM, KILLED, BAD_OUTPUT = "ok", "crashed", "timeout", "oom", "killed", "bad_output"
-VARIANT_REJECTED = "variant_rejected"  # a kernel variant failed its reference check (or its source check)
-TIMING, CHECK = "device_group", "cpu_check"  # worker resources: a timing job's group, a CPU check
-GROUP_ENV = "SPECPILOT_DEVICE_GROUP"  # a worker's devices: "<platform>:<id>,<id>..."
-OOM_MARKERS = ("MemoryError", "RESOURCE_EXHAUSTED", "std::bad_alloc", "Cannot allocate memory",
-               "out of memory")
-# RESOURCE_EXHAUSTED that is a kernel's launch limit, not memory running out: the config is invalid there
-LAUNCH_LIMIT_MARKERS = ("Shared memory size limit exceeded", "out of resource: shared memory",
-                        "registers exceeded")
 
 
 # a worker process reads Dask's log level for its `distributed` loggers from this as it imports distributed
@@ -64,164 +53,6 @@ def set_dask_log_level(level: int) -> None:
 LOOPBACK = "127.0.0.1"
 
 
-class _Channel:
-    """Line protocol with a child over its stdin/stdout, every read bounded by a deadline."""
-
-    def __init__(self, proc: subprocess.Popen, deadline: float):
-        self.proc, self.deadline, self.buf = proc, deadline, b""
-        self.sel = selectors.DefaultSelector()
-        self.sel.register(proc.stdout, selectors.EVENT_READ)
-
-    def readline(self) -> str | None:
-        """The next line, or None if the child closed its stdout; raises TimeoutError at the deadline."""
-        while b"\n" not in self.buf:
-            left = self.deadline - time.monotonic()
-            if left <= 0:
-                raise TimeoutError
-            if not self.sel.select(timeout=left):
-                continue
-            chunk = os.read(self.proc.stdout.fileno(), 65536)
-            if not chunk:
-                return None
-            self.buf += chunk
-        line, self.buf = self.buf.split(b"\n", 1)
-        return line.decode(errors="replace")
-
-    def send(self, line: str) -> None:
-        self.proc.stdin.write((line + "\n").encode())
-        self.proc.stdin.flush()
-
-
-def _tail(path: Path, size: int = 2000) -> str:
-    """The end of a file that may be large (a candidate's stderr, capped by its file-size limit)."""
-    if not path.exists():
-        return ""
-    with open(path, "rb") as f:
-        f.seek(max(0, path.stat().st_size - size))
-        return f.read().decode(errors="replace")
-
-
-def _failure(proc: sb.Process, err_path: Path, default: str) -> tuple[str, str]:
-    tail = _tail(err_path)
-    rc = proc.returncode
-    if rc is not None and rc < 0 and -rc == signal.SIGKILL:
-        return KILLED, f"killed by signal 9{': ' + tail.splitlines()[-1] if tail.strip() else ''}"
-    if rc is not None and rc < 0:
-        name = signal.Signals(-rc).name if -rc in signal.Signals._value2member_map_ else str(-rc)
-        return default, f"killed by {name}{': ' + tail.strip().splitlines()[-1] if tail.strip() else ''}"
-    if any(m in tail for m in LAUNCH_LIMIT_MARKERS):
-        last = next(ln for ln in reversed(tail.splitlines()) if any(m in ln for m in LAUNCH_LIMIT_MARKERS))
-        return default, f"a kernel exceeds the device's launch limits (exit {rc}): {last.strip()}"
-    if any(m in tail for m in OOM_MARKERS):
-        return OOM, f"out of memory (exit {rc}): {tail.strip().splitlines()[-1] if tail.strip() else ''}"
-    last = tail.strip().splitlines()[-1] if tail.strip() else "no stderr"
-    if rc == 3 and last.startswith("variant-rejected:"):
-        return VARIANT_REJECTED, last[len("variant-rejected:"):].strip()
-    return default, f"exit {rc}: {last}"
-
-
-def group_label(platform: str, ids: Iterable[int]) -> str:
-    """The name of a device group: "gpu:0,1" (device ids), "cpu:0,1" (simulated CPU devices), "cpu:" (none)."""
-    if platform not in ("gpu", "cpu"):
-        raise ValueError(f"device groups are GPUs or CPU devices, not {platform!r}")
-    return f"{platform}:{','.join(str(int(i)) for i in ids)}"
-
-
-def parse_group(label: str) -> tuple[str, list[int]]:
-    platform, sep, ids = label.partition(":")
-    if not sep or platform not in ("gpu", "cpu"):
-        raise ValueError(f"{GROUP_ENV}={label!r}: expected '<gpu|cpu>:<id>,<id>...'")
-    try:
-        return platform, [int(i) for i in ids.split(",") if i.strip()]
-    except ValueError:
-        raise ValueError(f"{GROUP_ENV}={label!r}: device ids must be integers") from None
-
-
-def group_env(label: str | None, base: dict | None = None) -> dict:
-    """The variables a candidate process of group `label` runs with: only its devices visible (a CPU
-    group's device count joins `base`'s XLA_FLAGS, default os.environ's)."""
-    if not label:
-        return {}
-    platform, ids = parse_group(label)
-    env = {GROUP_ENV: label}
-    if platform == "gpu":
-        if not ids:
-            raise ValueError(f"{GROUP_ENV}={label!r}: a GPU group names at least one device")
-        env["CUDA_VISIBLE_DEVICES"] = ",".join(map(str, ids))
-        return env
-    flags = [f for f in (os.environ if base is None else base).get("XLA_FLAGS", "").split()
-             if "xla_force_host_platform_device_count" not in f]
-    env.update(JAX_PLATFORMS="cpu", CUDA_VISIBLE_DEVICES="",
-               XLA_FLAGS=" ".join(flags + [f"--xla_force_host_platform_device_count={max(1, len(ids))}"]))
-    return env
-
-
-def nanny_injected() -> dict:
-    """The variables a Dask nanny sets in its worker's environment (`distributed.nanny.pre-spawn-environ`:
-    MALLOC_TRIM_THRESHOLD_=65536 and one thread for OpenMP, MKL and OpenBLAS by default)."""
-    return {k: str(v) for k, v in (dask.config.get("distributed.nanny.pre-spawn-environ") or {}).items()}
-
-
-def candidate_env(group: str | None, base: dict | None = None) -> dict:
-    """The environment of a candidate process, built from scratch (`sandbox.minimal_env`): from its worker's
-    (`base`, default os.environ) only device and XLA variables, less what the Dask nanny injected (a
-    variable still holding the value the nanny sets), plus its device group's. A candidate is timed in
-    the environment a deployment runs in: measured on the CPU, the nanny's MALLOC_TRIM_THRESHOLD_ made a
-    stock step of the default deployment 4.3x slower (decode 4.2 s vs 0.97 s)."""
-    env = dict(os.environ if base is None else base)
-    for key, value in nanny_injected().items():
-        if env.get(key) == value:
-            del env[key]
-    return sb.minimal_env(group_env(group, env), env)
-
-
-def device_group_labels(mesh, devices) -> list[str]:
-    """One label per group of `sharding.device_groups(mesh, devices)` (jax devices, or ints for ids)."""
-    groups = sharding.device_groups(mesh, devices)
-    platform = "cpu" if all(getattr(d, "platform", "cpu") == "cpu" for d in devices) else "gpu"
-    return [group_label(platform, [getattr(d, "id", d) for d in g]) for g in groups]
-
-
-class _NoLock:
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
-        return False
-
-
-def _timing_lock(name: str | None):
-    """A cluster-wide lock around the timed runs (None, or outside a Dask worker: none)."""
-    if not name:
-        return _NoLock()
-    try:
-        get_worker()
-    except ValueError:
-        return _NoLock()
-    return Lock(name)
-
-
-def _prepared(spec: dict, mode: str, folder: Path) -> dict:
-    """The spec as the sandboxed process reads it: fresh inputs for its variants' reference check, its own
-    compile cache in its scratch (never the shared one), the cache folder as an absolute path (its HOME
-    is its scratch)."""
-    if spec.get("variants"):  # the reference check's inputs: fresh, drawn here, per candidate
-        spec = {**spec, "variant_check": {**spec.get("variant_check", {}), "seed": secrets.randbits(63)}}
-    if spec.get("compile_cache"):
-        spec = {**spec, "compile_cache": f"{sb.SCRATCH}/xla" if mode == sb.BWRAP else str(folder / "xla")}
-    if (spec.get("config") or {}).get("cache_dir"):
-        spec = {**spec, "config": {**spec["config"], "cache_dir": str(Path(spec["config"]["cache_dir"]).expanduser())}}
-    return spec
-
-
-def _reads(spec: dict) -> list[str]:
-    """What a candidate must see of the file system beyond the project and Python: its program, its
-    variants' modules, the deployment's caches (weights, tokenizers; read-only)."""
-    paths = [spec.get("program"), *[v.get("path") for v in spec.get("variants") or []],
-             (spec.get("config") or {}).get("cache_dir")]
-    return [p for p in paths if p and Path(p).exists()]
-
-
 def evaluate_candidate(spec: dict, *, timeout_s: float, memory_mb: int | None, workdir: str,
                        python: str = sys.executable, timing_lock: str | None = None,
                        group: str | None = None, sandbox: str = sb.BWRAP) -> dict:
@@ -244,7 +75,7 @@ def evaluate_candidate(spec: dict, *, timeout_s: float, memory_mb: int | None, w
     spec_path, out_path, err_path = folder / "spec.json", folder / "out.json", folder / "stderr.txt"
     base = {"name": spec["name"], "stage": spec.get("stage", "full"), "folder": str(folder), "wall_s": [],
             "group": group}
-    spec = _prepared(spec, sandbox, folder)
+    spec = prepared_spec(spec, sandbox, folder)
     spec_path.write_text(json.dumps(spec, default=list))
     out_path.touch()
     program = spec.get("program")
@@ -253,7 +84,7 @@ def evaluate_candidate(spec: dict, *, timeout_s: float, memory_mb: int | None, w
         sb.require(sandbox, python=python)
         cmd = sb.command([*argv, str(spec_path), str(out_path)], mode=sandbox, python=python,
                          limits=sb.Limits.for_deadline(timeout_s, memory_mb), env=candidate_env(group),
-                         reads=[spec_path, *_reads(spec)], writes=[out_path], hide=[workdir])
+                         reads=[spec_path, *spec_reads(spec)], writes=[out_path], hide=[workdir])
         sb.give(out_path, cmd.uid)
     except (sb.SandboxUnavailable, ValueError, OSError) as e:
         return {**base, "status": CRASHED, "reason": f"not started: {e}"}
@@ -270,16 +101,17 @@ def evaluate_candidate(spec: dict, *, timeout_s: float, memory_mb: int | None, w
 def _drive(proc: sb.Process, spec: dict, base: dict, timeout_s: float, t_start: float, timing_lock: str | None,
            out_path: Path, err_path: Path) -> dict:
     """The evaluator's side of the protocol: ready, one go/done per timed repeat (timed here), end."""
-    chan = _Channel(proc.proc, t_start + timeout_s)
+    chan = Channel(proc.proc, t_start + timeout_s)
     walls = []
     try:
         line = chan.readline()
         if line is None or not line.startswith("ready"):
             proc.proc.wait(timeout=max(1.0, chan.deadline - time.monotonic()))
-            status, reason = _failure(proc, err_path, CRASHED)
+            status, reason = failure(proc, err_path, CRASHED)
             return {**base, "status": status, "reason": f"before ready: {reason}"}
         waited = time.monotonic()
-        with _timing_lock(timing_lock):
+        base = {**base, "ready_s": waited - t_start}  # process start, deployment, compiles, warm-up
+        with timing_lock_held(timing_lock):
             chan.deadline += time.monotonic() - waited
             for _ in range(0 if base["stage"] == "check" else int(spec.get("repeats", 1))):
                 t0 = time.perf_counter()
@@ -288,7 +120,7 @@ def _drive(proc: sb.Process, spec: dict, base: dict, timeout_s: float, t_start: 
                 walls.append(time.perf_counter() - t0)
                 if line != "done":
                     proc.proc.wait(timeout=max(1.0, chan.deadline - time.monotonic()))
-                    status, reason = _failure(proc, err_path, CRASHED)
+                    status, reason = failure(proc, err_path, CRASHED)
                     return {**base, "status": status, "reason": f"during timed run {len(walls)}: {reason}"}
         chan.send("end")
         proc.proc.wait(timeout=max(1.0, chan.deadline - time.monotonic()))
@@ -297,10 +129,10 @@ def _drive(proc: sb.Process, spec: dict, base: dict, timeout_s: float, t_start: 
         return {**base, "status": TIMEOUT, "reason": f"no answer within {timeout_s:.0f} s", "wall_s": walls}
     except (BrokenPipeError, OSError):
         proc.kill()
-        status, reason = _failure(proc, err_path, CRASHED)
+        status, reason = failure(proc, err_path, CRASHED)
         return {**base, "status": status, "reason": reason, "wall_s": walls}
     if proc.returncode != 0 or out_path.stat().st_size == 0:
-        status, reason = _failure(proc, err_path, CRASHED)
+        status, reason = failure(proc, err_path, CRASHED)
         return {**base, "status": status, "reason": f"after the timed runs: {reason}", "wall_s": walls}
     try:
         out = json.loads(out_path.read_text())
@@ -311,37 +143,6 @@ def _drive(proc: sb.Process, spec: dict, base: dict, timeout_s: float, t_start: 
     if base["stage"] == "check":
         return {**base, "status": OK, "reason": "", "checked": out.get("checked") or []}
     return {**base, **timing(walls, spec, out)}
-
-
-def timing(walls: list[float], spec: dict, out: dict) -> dict:
-    """The evaluator's numbers for a finished candidate: its median wall time per output token (the
-    output tokens the spec asked for), and its tokens and stats, checked for shape."""
-    tokens = out.get("tokens") or []
-    n_prompts, new = len(spec["prompts"]), int(spec["new_tokens"])
-    if len(tokens) != len(walls) or any(len(t) != n_prompts or any(len(row) != new for row in t) for t in tokens):
-        return {"status": BAD_OUTPUT, "reason": f"expected {len(walls)} timed runs of {n_prompts} x {new} tokens",
-                "wall_s": walls}
-    batch = int(spec["config"]["bench"]["batch_size"])
-    output_tokens = (n_prompts // batch) * new  # per sequence, over the batches
-    ordered = sorted(walls)
-    median = ordered[(len(ordered) - 1) // 2]
-    return {"status": OK, "reason": "", "wall_s": walls, "s_per_token": median / output_tokens,
-            "decode_s_per_token": self_reported_decode(out),
-            "spread": (ordered[-1] - ordered[0]) / median if median > 0 else 0.0,
-            "tokens": tokens, "stats": out.get("stats") or {}, "self_reported_s": out.get("self_reported_s"),
-            "plan": out.get("plan"), "checked": out.get("checked") or []}
-
-
-def self_reported_decode(out: dict) -> float | None:
-    """The candidate's own median decode seconds per decoded token (prefill left out), or None. Its own
-    clock: used only to rank the cheap stage for pruning (a short run's wall time is mostly prefill),
-    never by the gate, which times every accepted candidate itself."""
-    try:
-        per = sorted(float(s) / float(n) for s, n in zip(out.get("decode_s") or [], out.get("decode_tokens") or [])
-                     if float(n) > 0)
-    except (TypeError, ValueError):
-        return None
-    return per[(len(per) - 1) // 2] if per and per[0] > 0 else None
 
 
 class Evaluator:
@@ -376,25 +177,37 @@ class Evaluator:
             self.cluster = _cluster(self.groups, int(workers), int(timing_slots), self.checks, level)
             self.client = Client(self.cluster)
 
-    def evaluate(self, specs: Iterable[dict], progress: Callable[[dict], None] | None = None) -> list[dict]:
-        """Every spec's result, in the order given; `progress(result)` hears each as it finishes."""
+    def evaluate(self, specs: Iterable[dict], progress: Callable[[dict], None] | None = None,
+                 warm: bool = False) -> list[dict]:
+        """Every spec's result, in the order given; `progress(result)` hears each as it finishes. `warm`:
+        the plan-only specs run together in a timing worker's warm worker (`warm_pool`), timed in turn,
+        the first of them kept loaded; the others each in a process of their own."""
         specs = list(specs)
-        futures = [self.client.submit(evaluate_candidate, s, timeout_s=self.timeout_s, memory_mb=self.memory_mb,
-                                      workdir=str(self.workdir), timing_lock=self.timing_lock, sandbox=self.sandbox,
-                                      resources={self._resource(s): 1}, pure=False,
-                                      key=f"candidate-{i}-{s['name']}-{time.monotonic_ns()}")
-                   for i, s in enumerate(specs)]
-        index = {f.key: i for i, f in enumerate(futures)}
+        together = [i for i, s in enumerate(specs) if warm and warm_pool.plan_only(s)]
+        kw = dict(timeout_s=self.timeout_s, memory_mb=self.memory_mb, workdir=str(self.workdir),
+                  timing_lock=self.timing_lock, sandbox=self.sandbox, pure=False)
+        futures = {}  # future -> the indices of the specs it answers
+        if together:
+            fut = self.client.submit(warm_pool.evaluate_warm, [specs[i] for i in together], resources={TIMING: 1},
+                                     key=f"warm-{len(together)}-{time.monotonic_ns()}", **kw)
+            futures[fut] = together
+        for i, s in enumerate(specs):
+            if i not in together:
+                fut = self.client.submit(evaluate_candidate, s, resources={self._resource(s): 1},
+                                         key=f"candidate-{i}-{s['name']}-{time.monotonic_ns()}", **kw)
+                futures[fut] = [i]
         results: list[dict | None] = [None] * len(specs)
-        for fut in as_completed(futures):
+        for fut in as_completed(list(futures)):
+            idx = futures[fut]
             try:
-                res = fut.result()
-            except Exception as e:  # the worker itself died: this candidate only
-                res = {"name": specs[index[fut.key]]["name"], "status": CRASHED,
-                       "reason": f"worker lost: {type(e).__name__}: {e}", "wall_s": []}
-            results[index[fut.key]] = res
-            if progress:
-                progress(res)
+                got = fut.result()
+            except Exception as e:  # the worker itself died: these candidates only
+                got = [{"name": specs[i]["name"], "status": CRASHED, "reason": f"worker lost: {type(e).__name__}: {e}",
+                        "wall_s": []} for i in idx]
+            for i, res in zip(idx, got if isinstance(got, list) else [got]):
+                results[i] = res
+                if progress:
+                    progress(res)
         return results  # type: ignore[return-value]
 
     def _resource(self, spec: dict) -> str:

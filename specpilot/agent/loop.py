@@ -70,6 +70,9 @@ class AgentConf:
     prefill_chunk: int = 64  # workload=engine: prompt tokens a prefilling row is fed per engine step
     dask_log_level: str = "WARNING"  # Dask's own log lines (driver and workers); INFO brings them back
     sandbox: str = "bwrap"  # how proposed code is isolated (agent.sandbox: bwrap | none; evaluator, sandbox)
+    # plan-only candidates in a warm worker that keeps the deployment and its compiles, timed in turn with
+    # the incumbent (warm_pool); false: every candidate in a fresh process
+    warm: bool = True
     tls: cluster_security.TLSConf | None = None  # Dask over TLS, required for a scheduler not on 127.0.0.1
 
 
@@ -180,7 +183,8 @@ class Loop:
                 prompts = gate.draw(r)
                 self.progress(f"round {r}: {len(prompts)} fresh prompts; incumbent {json.dumps(self.incumbent)}")
                 if att is None:
-                    inc_result = evaluator.evaluate([self.spec(f"r{r}-incumbent", self.incumbent, prompts)])[0]
+                    inc_result = evaluator.evaluate([self.spec(f"r{r}-incumbent", self.incumbent, prompts)],
+                                                    warm=a.warm)[0]
                     if inc_result["status"] != "ok":
                         raise RuntimeError(f"the incumbent failed: {inc_result['reason']}")
                     att = self._attribution(gate, self.incumbent, inc_result)
@@ -288,7 +292,7 @@ class Loop:
         cheap = [x for x in runnable if x[1].cheap]
         if cheap:
             self.progress(f"round {r}: cheap stage for {len(cheap)} candidate(s)")
-            results = evaluator.evaluate([self.spec(x[2], x[3], prompts, "cheap", x[5]) for x in cheap])
+            results = evaluator.evaluate([self.spec(x[2], x[3], prompts, "cheap", x[5]) for x in cheap], warm=a.warm)
             for x, res in zip(cheap, results):
                 # ranked by decode time per token: the cheap stage's few tokens make its wall time mostly prefill
                 rank = res.get("decode_s_per_token") or res.get("s_per_token")
@@ -304,7 +308,8 @@ class Loop:
         specs += [self.spec(x[2], x[3], prompts, "full", x[5]) for x in runnable]
         results = evaluator.evaluate(specs, progress=lambda res: self.progress(
             f"  {res['name']}: {res['status']}" + (f" {1e3 * res['s_per_token']:.3f} ms/token"
-                                                   if res.get("s_per_token") else f" ({res.get('reason')})")))
+                                                   if res.get("s_per_token") else f" ({res.get('reason')})")),
+                                     warm=a.warm)
         inc_res = results[0]
         inc_plan = self.space.check("incumbent", self.incumbent)
         inc_verdict = gate.check(inc_res, inc_plan, None)

@@ -63,12 +63,21 @@ class Deployment:
         kernel's layout, bf16 -> its twin's tiles, for "mosaic"; unchanged for XLA): encoded once per
         deployment and cached (offline work, outside every timing). In a W12 plan, the matrices the encoder
         kept bf16 (too many exceptions) stay plain arrays and go to XLA's dot."""
-        key = (role, plan.weights, plan.kernels, self._rows(plan))
+        key = self._prepared_key(role, plan)
         if key not in self.prepared:
             encoded = formats.encode_params(params, plan.weights, extra=extra, cache_dir=self.weight_cache)
             self.prepared[key] = dispatch.prepare_params(encoded, plan.kernels.matmul, self._rows(plan), extra,
                                                          layout_bf16=plan.weights == "bf16")
         return self.prepared[key]
+
+    def _prepared_key(self, role: str, plan: Plan) -> tuple:
+        if not plan.mesh.is_single:
+            return (role, "sharded", plan.mesh)
+        return (role, plan.weights, plan.kernels, self._rows(plan))
+
+    def prepared_keys(self, plan: Plan) -> set:
+        """The `prepared` entries `plan` multiplies with (what a cache that drops other plans must keep)."""
+        return {self._prepared_key("target", plan), self._prepared_key("drafter", plan)}
 
     def mesh_for(self, plan: Plan):
         """The jax Mesh of `plan`'s mesh shape (None for one device), built once per shape."""
@@ -80,7 +89,7 @@ class Deployment:
 
     def _sharded(self, role: str, params, plan: Plan, unfuse: bool):
         """`params` placed on the plan's mesh (fused projections split back first), cached."""
-        key = (role, "sharded", plan.mesh)
+        key = self._prepared_key(role, plan)
         if key not in self.prepared:
             if unfuse and not hasattr(self.cfg, "layer_types"):  # dense layouts only: hybrids are unfused
                 params = sharding.unfuse_projections(params, self.cfg)

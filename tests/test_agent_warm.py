@@ -1,0 +1,127 @@
+"""The warm worker: plan-only candidates on a kept deployment, timed in turn, with the tokens a fresh
+process gives; a candidate that breaks the worker loses alone."""
+
+import re
+import sys
+import textwrap
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from agent_helpers import spec, toy_cfg
+from specpilot.agent import evaluator as ev
+from specpilot.agent import warm_pool
+from specpilot.agent import warm_worker as ww
+
+
+@pytest.fixture(scope="module")
+def toy(tmp_path_factory):
+    cache = tmp_path_factory.mktemp("warm-cache")
+    cfg = toy_cfg(cache_dir=str(cache))
+    prompts = np.random.default_rng(0).integers(0, 200, size=(1, 12)).tolist()
+    return cfg, prompts, tmp_path_factory.mktemp("warm-work")
+
+
+def _go_order(folder) -> list[str]:
+    return re.findall(r"^== go (\S+)$", (Path(folder) / "stderr.txt").read_text(), re.M)
+
+
+def test_plan_only_specs_share_one_kept_deployment(toy):
+    cfg, prompts, work = toy
+    specs = [spec(cfg, "inc", {"verify": "chain"}, prompts), spec(cfg, "b4", {"verify": "chain", "block_size": 4}, prompts),
+             spec(cfg, "ar", {"verify": "ar"}, prompts),
+             spec(cfg, "bad", {"verify": "chain", "batching": {"nonsense": 1}}, prompts)]
+    first = warm_pool.evaluate_warm(specs, timeout_s=300, memory_mb=None, workdir=str(work), sandbox="none")
+    by = {r["name"]: r for r in first}
+    assert [r["name"] for r in first] == ["inc", "b4", "ar", "bad"]
+    assert by["bad"]["status"] == ev.CRASHED and "nonsense" in by["bad"]["reason"]
+    for name in ("inc", "b4", "ar"):
+        assert by[name]["status"] == ev.OK, by[name]
+        assert len(by[name]["wall_s"]) == 2 and by[name]["warm"]
+    # lossless: stock at either block size emits AR's tokens, run after run
+    assert by["inc"]["tokens"] == by["ar"]["tokens"] == by["b4"]["tokens"]
+    assert by["inc"]["deployment_built"] and not by["b4"]["deployment_built"]
+    # timed in turn, each plan first in one repeat
+    assert _go_order(by["inc"]["folder"]) == ["inc", "b4", "ar", "b4", "ar", "inc"]
+
+    again = warm_pool.evaluate_warm(specs[:2], timeout_s=300, memory_mb=None, workdir=str(work), sandbox="none")
+    assert [r["status"] for r in again] == [ev.OK, ev.OK]
+    assert {r["worker_pid"] for r in again} == {by["inc"]["worker_pid"]}  # the same process
+    assert not any(r["deployment_built"] for r in again)
+    assert again[1]["tokens"] == by["b4"]["tokens"]
+
+    cold = ev.evaluate_candidate(specs[1], timeout_s=300, memory_mb=None, workdir=str(work), sandbox="none")
+    assert cold["status"] == ev.OK and cold["tokens"] == by["b4"]["tokens"]  # what a fresh process gives
+
+
+def test_a_candidate_that_kills_the_worker_loses_alone(toy, tmp_path):
+    cfg, prompts, work = toy
+    # the worker, with a plan that ends its process on its first timed run
+    crashing = tmp_path / "crashing_worker.py"
+    crashing.write_text(textwrap.dedent("""
+        import os, signal, sys
+        from specpilot.agent import warm_worker as ww
+        go = ww.WarmWorker.go
+        def killing_go(self, name):
+            if name == "crash-me":
+                os.kill(os.getpid(), signal.SIGKILL)
+            return go(self, name)
+        ww.WarmWorker.go = killing_go
+        sys.exit(ww.main())
+    """))
+    python = tmp_path / "python"
+    python.write_text(f'#!/bin/sh\nif [ "$2" = specpilot.agent.warm_worker ]; then exec {sys.executable} {crashing}; fi\n'
+                      f'exec {sys.executable} "$@"\n')
+    python.chmod(0o755)
+    specs = [spec(cfg, name, {"verify": "chain", "block_size": b}, prompts) for name, b in
+             (("inc", 8), ("crash-me", 4), ("b2", 2))]
+    out = warm_pool.evaluate_warm(specs, timeout_s=300, memory_mb=None, workdir=str(work), python=str(python),
+                                  sandbox="none")
+    by = {r["name"]: r for r in out}
+    assert by["crash-me"]["status"] == ev.KILLED and "signal 9" in by["crash-me"]["reason"]
+    assert by["inc"]["status"] == by["b2"]["status"] == ev.OK
+    assert by["inc"]["tokens"] == by["b2"]["tokens"]
+    assert "crash-me" not in _go_order(by["inc"]["folder"])  # the others ran again in a new worker
+
+
+def test_evaluator_runs_plan_only_specs_warm_and_programs_apart(toy, tmp_path):
+    cfg, prompts, _ = toy
+    program = tmp_path / "honest.py"
+    program.write_text(textwrap.dedent("""
+        import json, sys
+        spec = json.load(open(sys.argv[1]))
+        print("ready", flush=True)
+        runs = 0
+        for line in sys.stdin:
+            if line.strip() == "end":
+                break
+            runs += 1
+            print("done", flush=True)
+        tokens = [[[0] * spec["new_tokens"] for _ in spec["prompts"]] for _ in range(runs)]
+        json.dump({"tokens": tokens, "stats": {}}, open(sys.argv[2], "w"))
+    """))
+    specs = [spec(cfg, "inc", {"verify": "chain"}, prompts),
+             spec(cfg, "given", {"verify": "chain"}, prompts, program=program),
+             spec(cfg, "b4", {"verify": "chain", "block_size": 4}, prompts)]
+    assert [warm_pool.plan_only(s) for s in specs] == [True, False, True]
+    assert not warm_pool.plan_only({**specs[0], "stage": "check"})
+    with ev.Evaluator(1, timeout_s=300, memory_mb=None, workdir=tmp_path / "work", sandbox="none") as e:
+        seen = []
+        out = e.evaluate(specs, progress=seen.append, warm=True)
+    assert [r["name"] for r in out] == ["inc", "given", "b4"] and sorted(r["name"] for r in seen) == sorted(
+        ["inc", "given", "b4"])
+    assert [r["status"] for r in out] == [ev.OK] * 3
+    assert out[0]["warm"] and out[2]["warm"] and not out[1].get("warm")
+    assert out[0]["worker_pid"] == out[2]["worker_pid"]
+    assert out[0]["tokens"] == out[2]["tokens"] and out[1]["tokens"][0] == [[0] * 16]
+
+
+def test_the_deployment_key_ignores_what_each_plan_sets(toy):
+    cfg, prompts, _ = toy
+    a = spec(cfg, "a", {"verify": "chain"}, prompts)
+    b = spec(cfg, "b", {"verify": "ar"}, prompts, new_tokens=4)
+    b["config"]["bench"]["prompt_len"] = 99
+    assert ww.deployment_key(a) == ww.deployment_key(b)
+    c = spec(toy_cfg("seed=7", cache_dir=str(cfg.cache_dir)), "c", {"verify": "chain"}, prompts)
+    assert ww.deployment_key(c) != ww.deployment_key(a)
