@@ -47,6 +47,15 @@ def converted(request, tmp_path_factory):
     return case, ref, params, cfg, out, path
 
 
+def test_the_import_is_readable_by_all(converted):
+    # a sandboxed candidate runs as another uid and must read the weights
+    *_, out, path = converted
+    assert all(f.stat().st_mode & 0o044 == 0o044 for f in out.iterdir() if f.is_file())
+    (out / "model.safetensors").chmod(0o600)  # an import made before the files were shared
+    assert import_gguf(path, out) == out
+    assert (out / "model.safetensors").stat().st_mode & 0o044 == 0o044
+
+
 def _leaf(params, where):
     for step in where:
         params = params[step]

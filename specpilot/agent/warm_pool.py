@@ -47,6 +47,7 @@ class WarmProcess:
             self.proc = sb.Process(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=err)
         self.chan = ev.Channel(self.proc.proc, 0.0)
         self.pid: int | None = None  # the worker's own, from its ready line
+        self.start_s: float | None = None  # from its start to its ready line (imports, no deployment)
 
     def ask(self, message: dict | None, timeout_s: float) -> dict:
         """The answer to `message` (None: the first line); TimeoutError past the deadline, WorkerDied when it
@@ -97,9 +98,11 @@ def _process(key: tuple, timeout_s: float, **start) -> WarmProcess:
     if proc is not None and proc.proc.proc.poll() is None:
         return proc
     _close_all()
+    t0 = time.monotonic()
     proc = WarmProcess(key, **start)
     try:
         proc.pid = proc.ask(None, timeout_s)["ready"]
+        proc.start_s = time.monotonic() - t0
     except (WorkerDied, TimeoutError, json.JSONDecodeError, KeyError, TypeError):
         status, reason = proc.failure()
         raise WorkerDied(f"{status}: {reason}") from None
@@ -157,7 +160,9 @@ def _attempt(proc: WarmProcess, ready: dict[int, dict], specs: list[dict], resul
     kills or hangs it gets its failure in `results`, and the worker is discarded (the caller runs the rest
     again in a new one)."""
     current = None
-    base = {i: {**_base(specs[i], group, proc.folder), "worker_pid": proc.pid} for i in ready}
+    started, proc.start_s = proc.start_s, None  # reported with the call that started it only
+    base = {i: {**_base(specs[i], group, proc.folder), "worker_pid": proc.pid, "worker_start_s": started}
+            for i in ready}
     try:
         loaded, ready_s = [], {}
         for i, spec in ready.items():
