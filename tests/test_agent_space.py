@@ -19,10 +19,14 @@ def toy():
 def test_space_of_a_cpu_deployment(toy):
     cfg, space = toy
     fields = [c.field for c in space.choices]
-    assert fields == ["verify", "block_size", "weights", "kernels.matmul.implementation"]
+    assert fields == ["verify", "block_size", "tree.nodes", "tree.depth", "tree.branching", "weights",
+                      "kernels.matmul.implementation"]
+    assert space.choice("verify").values == ("ar", "chain", "tree")
     assert space.choice("block_size").values == (2, 3, 4, 6, 8)  # up to the drafter's block size
+    assert space.choice("tree.depth").values == (2, 3, 5, 7)  # below the drafter's block size
     assert space.choice("kernels.matmul.implementation").values == (("xla",),)  # no Pallas backend on a CPU
-    assert {c.field for c in space.targeting("verify")} == {"verify", "block_size"}
+    assert {c.field for c in space.targeting("verify")} == {"verify", "block_size", "tree.nodes", "tree.depth",
+                                                            "tree.branching"}
     assert {c.field for c in space.targeting("matmul")} == {"weights", "kernels.matmul.implementation"}
 
 
@@ -133,3 +137,41 @@ def test_a_weight_format_brings_the_devices_kernels_for_it():
     assert plan.kernels.matmul.implementation[0] == "mosaic"
     fields, plan = space.rewrite("cand", incumbent, {"weights": "w12", "kernels.matmul.implementation": ["xla"]})
     assert plan.kernels.matmul.implementation == ("xla",)
+
+
+def test_a_chain_becomes_a_tree_and_back(toy):
+    _, space = toy
+    chain = sp.plan_fields(space.check("inc", {"verify": "chain", "block_size": 4}))
+    verify = space.choice("verify")
+    to_tree = next(rw for rw in sp.single_field_rewrites(space, chain, verify) if rw["verify"] == "tree")
+    assert to_tree == {"verify": "tree", "tree.nodes": 8, "tree.depth": 3, "tree.branching": 2}
+    fields, plan = space.rewrite("t", chain, to_tree)
+    assert plan.verify == "tree" and plan.tree == plan_mod.TreeShape(8, 3, 2)
+    assert plan.block_size == plan.tree.width == 8  # the width, not the chain's 4
+    assert space.check("t", fields) == plan  # the found fields build the same plan again
+    # a tree's shape is searched, its block size is not
+    assert not space.choice("block_size").applies(fields)
+    assert {f: space.choice(f).applies(fields) for f in ("tree.nodes", "tree.depth", "tree.branching")} == \
+        {"tree.nodes": True, "tree.depth": True, "tree.branching": True}
+    assert not space.choice("tree.nodes").applies(chain)
+    wider = space.rewrite("t2", fields, {"tree.nodes": 12})
+    assert wider[1].tree == plan_mod.TreeShape(12, 3, 2) and wider[1].block_size == 12
+    too_many = space.rewrite("t3", fields, {"tree.nodes": 64})  # a depth-3 binary tree has 15 nodes
+    assert isinstance(too_many, sp.Dropped) and "tree.nodes" in too_many.reason
+    back, plan = space.rewrite("c", fields, {"verify": "chain"})
+    assert plan.verify == "chain" and plan.tree is None and "tree" not in back
+
+
+def test_optuna_never_pairs_a_tree_with_a_block_size(toy):
+    _, space = toy
+    chain = sp.plan_fields(space.check("inc", {"verify": "chain", "block_size": 4}))
+    proposer = props.OptunaProposer(seed=3)
+    ctx = props.Context(space, chain, None, set(), [], [], {})
+    rewrites = [p.rewrite for p in proposer.propose(ctx, 24)]
+    trees = [rw for rw in rewrites if rw.get("verify") == "tree"]
+    assert trees, rewrites
+    for rw in trees:
+        assert "block_size" not in rw and {"tree.nodes", "tree.depth", "tree.branching"} <= set(rw)
+    for rw in rewrites:
+        if rw.get("verify", "chain") == "chain":
+            assert not any(k.startswith("tree.") for k in rw)

@@ -192,10 +192,8 @@ class OptunaProposer(Proposer):
             trial = self.study.ask()
             rw = {}
             for c in ctx.space.choices:
-                if c.when is not None and not c.when_holds(rw.get(c.when[0], sp.current_value(ctx.incumbent, c.when[0]))):
-                    continue  # a config field of an implementation (a token budget of a draft budget) not run
-                if c.field.startswith("batching.") and rw.get("verify", ctx.incumbent.get("verify")) != "chain":
-                    continue  # the engine's batching: chain plans only
+                if not c.applies(sp.apply(ctx.incumbent, rw)):
+                    continue  # e.g. a config field of an implementation not run, a block size of a tree
                 value = json.loads(trial.suggest_categorical(c.field, [self._encode(v) for v in c.values]))
                 current = sp.current_value(ctx.incumbent, c.field)
                 if c.field == "mesh" and current is None:

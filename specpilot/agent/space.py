@@ -22,6 +22,12 @@ from specpilot.harness.config_schema import ConfigValueError, build_plans, typed
 from specpilot.models.checkpoint import HYBRID_ARCHITECTURES
 
 BLOCK_SIZES = (2, 3, 4, 6, 8, 12, 16, 24, 32)
+# tree plans: node budgets (the root included), depths (drafted positions, below the drafter's block) and
+# branchings; switching a chain to a tree starts from DEFAULT_TREE, clipped to the drafter's block
+TREE_NODES = (4, 6, 8, 12, 16, 32, 64)
+TREE_DEPTHS = (2, 3, 5, 7, 11, 15)
+TREE_BRANCHINGS = (1, 2, 4)
+DEFAULT_TREE = {"nodes": 8, "depth": 3, "branching": 2}
 PALLAS_ON_GPU = {"matmul": ("triton", "mosaic"), "gated_delta_rule": ("triton",),
                  "attention": ("triton", "triton_block"), "residual_norm": ("triton",)}
 OP_TARGETS = {"matmul": ("matmul", "lm_head"), "attention": ("attention",),
@@ -42,8 +48,8 @@ class Choice:
     def applies(self, fields: Mapping) -> bool:
         """Whether this choice means anything for plan `fields` (a config field: its implementation first;
         the block size: a drafting plan, since an AR plan verifies one token whatever it is set to)."""
-        if self.field == "block_size" and fields.get("verify") == "ar":
-            return False
+        if self.field == "block_size" and fields.get("verify") in ("ar", *plan_mod.TREE_KINDS):
+            return False  # AR verifies one token; a tree's block is its width
         if self.field.startswith("batching.") and fields.get("verify", "chain") != "chain":
             return False
         return self.when is None or self.when_holds(current_value(fields, self.when[0]))
@@ -110,6 +116,10 @@ def apply(fields: Mapping, rewrite: Mapping[str, Any]) -> dict:
         # a weight format's kernels are the device's for that format (gpu.matmul.<format>): w12 kept on
         # bf16's XLA dot would decode its weights in jnp and be judged by the wrong kernel
         out.setdefault("kernels", {})["matmul"] = {"implementation": None, "config": {}}
+    if out.get("verify") not in plan_mod.TREE_KINDS:
+        out.pop("tree", None)  # a shape belongs to tree verification only
+    elif "block_size" not in rewrite:
+        out["block_size"] = None  # a tree's block is its width
     if out.get("verify") == "ar":
         out["block_size"] = None
     elif out.get("verify") == "chain" and rewrite.get("verify") == "chain" and "block_size" not in rewrite:
@@ -207,6 +217,13 @@ def plan_fields(plan: plan_mod.Plan) -> dict:
     return out
 
 
+def default_tree(space: Space) -> dict:
+    """`tree.*` fields of the tree a chain switches to: DEFAULT_TREE within the space's depths."""
+    depths = space.choice("tree.depth")
+    depth = min(DEFAULT_TREE["depth"], max(depths.values)) if depths else DEFAULT_TREE["depth"]
+    return {"tree.nodes": DEFAULT_TREE["nodes"], "tree.depth": depth, "tree.branching": DEFAULT_TREE["branching"]}
+
+
 def _is_config_field(dotted: str) -> bool:
     parts = dotted.split(".")
     return len(parts) == 4 and parts[0] == "kernels" and parts[1] in plan_mod.KERNEL_OPS and parts[2] == "config"
@@ -258,12 +275,17 @@ def build_space(cfg: DictConfig, *, platform: str = "cpu", devices: int = 1, wor
     if workload not in WORKLOADS:
         raise ValueError(f"agent.workload: {workload!r} is not one of {', '.join(WORKLOADS)}")
     d = cfg.drafter
-    choices = [Choice("verify", ("ar", "chain") if d.source != "none" else ("ar",), "categorical",
+    choices = [Choice("verify", ("ar", "chain", "tree") if d.source != "none" else ("ar",), "categorical",
                       targets=("draft", "verify", "accept"))]
     if d.source != "none":
         top = int(d.block_size)
         sizes = tuple(b for b in BLOCK_SIZES if b <= top) or (top,)
         choices.append(Choice("block_size", sizes, "int", targets=("verify", "draft", "attention")))
+        tree = ("verify", "tree")
+        choices += [Choice("tree.nodes", TREE_NODES, "int", targets=("verify", "attention"), when=tree),
+                    Choice("tree.depth", tuple(x for x in TREE_DEPTHS if x < top) or (top - 1,), "int",
+                           targets=("verify", "draft"), when=tree),
+                    Choice("tree.branching", TREE_BRANCHINGS, "int", targets=("verify", "draft"), when=tree)]
     choices.append(Choice("weights", plan_mod.WEIGHT_FORMATS, "categorical", targets=("matmul", "lm_head")))
     hybrid = _is_hybrid(cfg.target)
     for op in plan_mod.KERNEL_OPS:
@@ -323,6 +345,8 @@ def single_field_rewrites(space: Space, incumbent: Mapping, choice: Choice) -> l
         value = list(v) if isinstance(v, tuple) else v
         if value != current and not (isinstance(current, list) and list(current) == value):
             out.append({choice.field: value})
+            if (choice.field, value) == ("verify", "tree"):
+                out[-1].update(default_tree(space))
             if (choice.field, value) == ("batching.draft_budget", "confidence") and budgets is not None \
                     and current_value(incumbent, "batching.token_budget") is None:
                 out[-1]["batching.token_budget"] = budgets.values[len(budgets.values) // 2]
