@@ -15,7 +15,7 @@ from specpilot.plan import Batching
 STOCK = {"verify": "chain", "block_size": 8}
 BATCHING_FIELDS = {"batching.policy", "batching.draft_budget", "batching.token_budget", "batching.verify", "batching.streams",
                    "batching.pricing",
-                   "batching.overlap", "batching.dispatch", "batching.kv"}
+                   "batching.overlap", "batching.dispatch", "batching.kv", "batching.page_size"}
 
 
 def test_batching_fields_are_choices_only_when_the_engine_times_candidates():
@@ -36,6 +36,10 @@ def test_batching_fields_are_choices_only_when_the_engine_times_candidates():
         {"batching.overlap": "halves"}]
     fields, plan = engine.rewrite("c", STOCK, {"batching.kv": "paged"})
     assert plan.batching == Batching(kv="paged") and fields["batching"]["kv"] == "paged"
+    pages = engine.choice("batching.page_size")
+    assert pages.values == (16, 32, 64) and not pages.applies(STOCK) and pages.applies(fields)
+    fields, plan = engine.rewrite("c", fields, {"batching.page_size": 32})
+    assert plan.batching == Batching(kv="paged", page_size=32)
     fields, plan = engine.rewrite("c", STOCK, {"batching.draft_budget": "confidence", "batching.token_budget": 8,
                                                "batching.verify": "packed"})
     assert plan.batching == Batching(draft_budget="confidence", verify="packed", token_budget=8)

@@ -262,7 +262,9 @@ def batching_choices(cfg: DictConfig) -> list[Choice]:
             Choice("batching.overlap", _first(b.overlap, plan_mod.OVERLAPS), "categorical", targets=("draft",)),
             Choice("batching.dispatch", _first(b.dispatch, plan_mod.DISPATCHES), "categorical",
                    targets=("host", "accept")),
-            Choice("batching.kv", _first(b.kv, plan_mod.KV_LAYOUTS), "categorical", targets=("attention",))]
+            Choice("batching.kv", _first(b.kv, plan_mod.KV_LAYOUTS), "categorical", targets=("attention",)),
+            Choice("batching.page_size", tuple(sorted({b.page_size, 16, 32, 64})), "int", targets=("attention",),
+                   when=("batching.kv", "paged"))]
 
 
 def _first(default: str, known) -> tuple:
