@@ -5,6 +5,7 @@ replies (a malformed reply and a wrong kernel are rejected with their reasons; a
 import http.server
 import json
 import threading
+import types
 
 import pytest
 from agent_helpers import toy_cfg
@@ -200,9 +201,6 @@ class _AcceptingGate:
 def test_the_loop_records_rejected_replies_and_goes_on(replay_server, tmp_path):
     """A round with the LLM proposer: the malformed reply is dropped, the wrong kernel fails its reference
     check on the CPU check stage, the correct one reaches the full stage; each is recorded with why."""
-    import types
-
-
     server, handler = replay_server
     handler.replies, handler.seen = [(200, MALFORMED), (200, WRONG), (200, GOOD)], []
     url = f"http://127.0.0.1:{server.server_address[1]}/v1"
@@ -226,3 +224,61 @@ def test_the_loop_records_rejected_replies_and_goes_on(replay_server, tmp_path):
     assert "wrong at" in recorded[rows["candidates"][1]["name"]].reason
     # a resumed loop finds the variant its incumbent may name in the sandbox
     assert name in loop_mod.recover_variants(tmp_path / "out" / "sandbox")
+
+
+FORBIDDEN = """```python
+import os
+
+
+def matmul(x, w):
+    return os.environ
+```"""
+
+
+def test_the_transcript_records_each_ask_and_replays_offline(replay_server, tmp_path):
+    """A round of the loop with the LLM proposer leaves <run>/llm/round_0/ask_<n>.json: the endpoint, the prompt
+    (the attribution's lines, memory's rewrites), the reply, the time and what became of it; a proposer
+    replaying that folder answers the same without the endpoint."""
+    server, handler = replay_server
+    handler.replies, handler.seen = [(200, MALFORMED), (200, GOOD), (200, FORBIDDEN)], []
+    url = f"http://127.0.0.1:{server.server_address[1]}/v1"
+    agent = loop_mod.agent_conf({"proposers": ["llm"], "per_proposer": 3, "llm": {"url": url, "model": "replay"},
+                                 "memory_url": f"sqlite:///{tmp_path / 'memory.db'}"})
+    loop = loop_mod.Loop(toy_cfg(), agent, tmp_path / "out", progress=lambda m: None)
+    loop.model_cfg = types.SimpleNamespace(hidden_size=64, intermediate_size=128)
+    loop.memory.start_run(loop.key, loop.features, loop.versions)
+    att, seeds = _attribution([("matmul", 3.0), ("attention", 0.5)]), [{"block_size": 8}]
+    rows = loop._round(0, _AcceptingGate(), _InProcessEvaluator(), props.make(["llm"], llm=agent.llm),
+                       [[1, 2, 3]], att, seeds, [])["candidates"]
+    folder = tmp_path / "out" / "llm"
+    asks = kp.read_transcript(folder)
+    assert sorted(p.name for p in (folder / "round_0").iterdir()) == ["ask_0.json", "ask_1.json", "ask_2.json"]
+    for ask, seen, (_, reply) in zip(asks, handler.seen, [(200, MALFORMED), (200, GOOD), (200, FORBIDDEN)]):
+        assert (ask["url"], ask["model"], ask["op"]) == (url, "replay", "matmul")
+        assert ask["prompt"] == seen["body"]["messages"][-1]["content"] and ask["reply"] == reply
+        assert ask["elapsed_s"] >= 0
+    prompt = asks[0]["prompt"]
+    assert "- stage verify: 1.000 ms lost per step" in prompt and "kernel class matmul: 3.000 ms lost" in prompt
+    assert "kernel class attention: 0.500 ms lost" in prompt and '- {"block_size": 8}' in prompt
+    no_code, good, forbidden = asks
+    assert no_code["dropped"].startswith("the reply has no python code block") and no_code["status"] == "dropped"
+    assert forbidden["dropped"].startswith("variant rejected: line 1: imports 'os'"), forbidden["dropped"]
+    assert forbidden["status"] == "dropped"
+    # the good variant went through the check stage and the gate: its verdict and time are in the transcript
+    row = next(r for r in rows if r["status"] == "accepted")
+    assert good["dropped"] is None and good["variant"] == row["fields"]["kernels"]["matmul"]["implementation"][0]
+    assert good["status"] == "accepted" and good["s_per_token"] == row["s_per_token"]
+    assert [r["status"] for r in rows] == ["dropped", "dropped", "accepted"]
+
+    # offline: the recorded replies answer in order (the endpoint and model as recorded); then none are left
+    asked = len(handler.seen)
+    replay = kp.LLMProposer(llm={"replay": str(folder)})
+    assert (replay.conf.url, replay.conf.model) == (url, "replay")
+    ctx = props.Context(loop.space, loop.incumbent, att, set(), seeds)
+    again = replay.propose(ctx, 4)
+    assert len(handler.seen) == asked
+    assert [p.dropped.split(":")[0] if p.dropped else p.variant.name for p in again] == [
+        "the reply has no python code block", good["variant"], "variant rejected", "the endpoint failed"]
+    assert "has no more recorded replies" in again[-1].dropped
+    with pytest.raises(ValueError, match="no recorded asks"):
+        kp.LLMConf(replay=str(tmp_path))
