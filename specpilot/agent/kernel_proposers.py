@@ -78,6 +78,7 @@ class LLMConf:
     api_key_env: str | None = None  # the environment variable holding the API key (None: no key)
     timeout_s: float = 120.0
     temperature: float = 0.2
+    max_tokens: int | None = None  # the reply's token limit (None: the endpoint's default, which may cut it)
     replay: str | None = None  # a recorded run's llm/ folder: its replies answer, in order, offline
 
     def __post_init__(self):
@@ -109,7 +110,8 @@ def build_prompt(ctx: Context, op: str) -> str:
     weights = str(ctx.incumbent.get("weights") or "bf16")
     att = ctx.attribution or {}
     rows = [f"- stage {r['stage']}: {r['lost_ms']:.3f} ms lost per step" for r in att.get("stages", [])]
-    rows += [f"- kernel class {r['class']}: {r['lost_ms']:.3f} ms lost per step" for r in att.get("classes", [])]
+    rows += [f"- {r['stage']} kernel class {r['class']}: {r['lost_ms']:.3f} ms lost per step"
+             for r in att.get("classes", [])]
     if att.get("measured_ms_per_step") is not None:  # a full `prediction.attribute` report
         rows = format_attribution("incumbent", att, top=5) + rows
     memory = [f"- {json.dumps(rw, sort_keys=True)}" for rw in ctx.seeds[:8]]
@@ -180,12 +182,15 @@ class LLMProposer(Proposer):
         self.record_dir: Path | None = None  # the loop sets <run>/llm/round_<r>: each ask is written there
         self.recorded = iter(read_transcript(conf.replay)) if conf.replay else None
 
-    def ask(self, prompt: str) -> str:
-        """The reply's text (raises OSError / ValueError when the endpoint fails or answers nonsense)."""
+    def ask(self, prompt: str) -> tuple[str, str | None]:
+        """The reply's text and why it ended (`finish_reason`: "length" when cut at the token limit); raises
+        OSError / ValueError when the endpoint fails or answers nonsense."""
         if self.recorded is not None:
             return self.replay()
         body = {"model": self.conf.model, "temperature": self.conf.temperature,
                 "messages": [{"role": "system", "content": self.system}, {"role": "user", "content": prompt}]}
+        if self.conf.max_tokens:
+            body["max_tokens"] = int(self.conf.max_tokens)
         headers = {"Content-Type": "application/json"}
         if self.conf.api_key_env:
             key = os.environ.get(self.conf.api_key_env)
@@ -197,18 +202,18 @@ class LLMProposer(Proposer):
         with urllib.request.urlopen(req, timeout=self.conf.timeout_s) as resp:
             data = json.loads(resp.read().decode())
         try:
-            return str(data["choices"][0]["message"]["content"])
-        except (KeyError, IndexError, TypeError):
+            return str(data["choices"][0]["message"]["content"]), data["choices"][0].get("finish_reason")
+        except (KeyError, IndexError, TypeError, AttributeError):
             raise ValueError(f"the endpoint's answer has no choices[0].message.content: {str(data)[:200]}") from None
 
-    def replay(self) -> str:
-        """The next recorded reply (a recorded failure fails again)."""
+    def replay(self) -> tuple[str, str | None]:
+        """The next recorded reply and its finish reason (a recorded failure fails again)."""
         entry = next(self.recorded, None)
         if entry is None:
             raise ValueError(f"agent.llm.replay: {self.conf.replay} has no more recorded replies")
         if entry.get("reply") is None:
             raise OSError(f"recorded: {entry.get('error')}")
-        return str(entry["reply"])
+        return str(entry["reply"]), entry.get("finish_reason")
 
     def begin(self, op: str, prompt: str) -> Ask:
         """The transcript entry of an ask about to be sent (`record_dir/ask_<n>.json`, n after those there)."""
@@ -228,17 +233,18 @@ class LLMProposer(Proposer):
             prompt = build_prompt(ctx, op)
             ask, start = self.begin(op, prompt), time.perf_counter()
             try:
-                reply = self.ask(prompt)
+                reply, finish = self.ask(prompt)
             except (OSError, ValueError, urllib.error.URLError) as e:
                 error = f"{type(e).__name__}: {e}"
                 ask.update(reply=None, error=error, elapsed_s=round(time.perf_counter() - start, 3),
                            dropped=f"the endpoint failed: {error}", variant=None, status="dropped")
                 out.append(Proposal({}, self.name, why, handle=ask, dropped=f"the endpoint failed: {error}"))
                 continue
-            ask.entry.update(reply=reply, elapsed_s=round(time.perf_counter() - start, 3))
+            ask.entry.update(reply=reply, finish_reason=finish, elapsed_s=round(time.perf_counter() - start, 3))
             code = extract_code(reply)
             if code is None:
-                dropped = f"the reply has no python code block: {reply.strip()[:120]!r}"
+                cut = " (cut at its token limit: agent.llm.max_tokens)" if finish == "length" else ""
+                dropped = f"the reply has no python code block{cut}: {reply.strip()[:120]!r}"
                 ask.update(dropped=dropped, variant=None, status="dropped")
                 out.append(Proposal({}, self.name, why, handle=ask, dropped=dropped))
                 continue
