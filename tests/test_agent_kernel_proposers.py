@@ -1,6 +1,7 @@
 """Proposers of kernel variants: template expansion of the Pallas kernels (each expansion checked against
 the op's reference, interpreted on the CPU) and the LLM plugin against a local server replaying recorded
-replies (a malformed reply and a wrong kernel are rejected with their reasons; a correct kernel passes)."""
+replies (a malformed reply and a wrong kernel are rejected with their reasons; a correct kernel passes),
+with the transcript each run leaves and its offline replay."""
 
 import http.server
 import json
