@@ -1,13 +1,18 @@
 """Proposers of kernel variants: template expansion of the Pallas kernels (each expansion checked against
 the op's reference, interpreted on the CPU) and the LLM plugin against a local server replaying recorded
-replies (a malformed reply and a wrong kernel are rejected with their reasons; a correct kernel passes)."""
+replies (a malformed reply and a wrong kernel are rejected with their reasons; a correct kernel passes),
+with the transcript each run leaves and its offline replay."""
 
 import http.server
 import json
+import os
+import subprocess
+import sys
 import threading
+import types
 
 import pytest
-from agent_helpers import toy_cfg
+from agent_helpers import ROOT, TOY, toy_cfg
 
 from specpilot.agent import kernel_proposers as kp
 from specpilot.agent import proposers as props
@@ -111,8 +116,9 @@ class _Replay(http.server.BaseHTTPRequestHandler):
     def do_POST(self):  # noqa: N802 (http.server's name)
         body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
         type(self).seen.append({"path": self.path, "auth": self.headers.get("Authorization"), "body": body})
-        status, text = type(self).replies.pop(0)
-        data = json.dumps({"choices": [{"message": {"role": "assistant", "content": text}}]}).encode()
+        status, text, *finish = type(self).replies.pop(0)
+        data = json.dumps({"choices": [{"message": {"role": "assistant", "content": text},
+                                        "finish_reason": finish[0] if finish else "stop"}]}).encode()
         self.send_response(status)
         self.send_header("Content-Type", "application/json")
         self.send_header("Content-Length", str(len(data)))
@@ -200,9 +206,6 @@ class _AcceptingGate:
 def test_the_loop_records_rejected_replies_and_goes_on(replay_server, tmp_path):
     """A round with the LLM proposer: the malformed reply is dropped, the wrong kernel fails its reference
     check on the CPU check stage, the correct one reaches the full stage; each is recorded with why."""
-    import types
-
-
     server, handler = replay_server
     handler.replies, handler.seen = [(200, MALFORMED), (200, WRONG), (200, GOOD)], []
     url = f"http://127.0.0.1:{server.server_address[1]}/v1"
@@ -226,3 +229,107 @@ def test_the_loop_records_rejected_replies_and_goes_on(replay_server, tmp_path):
     assert "wrong at" in recorded[rows["candidates"][1]["name"]].reason
     # a resumed loop finds the variant its incumbent may name in the sandbox
     assert name in loop_mod.recover_variants(tmp_path / "out" / "sandbox")
+
+
+CUT = "```python\nimport jax.numpy as jnp\n\n\ndef matmul(x, w):\n    return jnp.einsum("  # at the token limit
+FORBIDDEN = """```python
+import os
+
+
+def matmul(x, w):
+    return os.environ
+```"""
+
+
+def test_the_transcript_records_each_ask_and_replays_offline(replay_server, tmp_path):
+    """A round of the loop with the LLM proposer leaves <run>/llm/round_0/ask_<n>.json: the endpoint, the prompt
+    (the attribution's lines, memory's rewrites), the reply, the time and what became of it; a proposer
+    replaying that folder answers the same without the endpoint."""
+    server, handler = replay_server
+    replies = [(200, MALFORMED), (200, GOOD), (200, FORBIDDEN), (200, CUT, "length")]
+    handler.replies, handler.seen = list(replies), []
+    url = f"http://127.0.0.1:{server.server_address[1]}/v1"
+    agent = loop_mod.agent_conf({"proposers": ["llm"], "per_proposer": 4, "llm": {"url": url, "model": "replay",
+                                                                                 "max_tokens": 512},
+                                 "memory_url": f"sqlite:///{tmp_path / 'memory.db'}"})
+    loop = loop_mod.Loop(toy_cfg(), agent, tmp_path / "out", progress=lambda m: None)
+    loop.model_cfg = types.SimpleNamespace(hidden_size=64, intermediate_size=128)
+    loop.memory.start_run(loop.key, loop.features, loop.versions)
+    att, seeds = _attribution([("matmul", 3.0), ("attention", 0.5)]), [{"block_size": 8}]
+    rows = loop._round(0, _AcceptingGate(), _InProcessEvaluator(), props.make(["llm"], llm=agent.llm),
+                       [[1, 2, 3]], att, seeds, [])["candidates"]
+    folder = tmp_path / "out" / "llm"
+    asks = kp.read_transcript(folder)
+    assert sorted(p.name for p in (folder / "round_0").iterdir()) == [f"ask_{i}.json" for i in range(4)]
+    for ask, seen, (_, reply, *finish) in zip(asks, handler.seen, replies, strict=True):
+        assert (ask["url"], ask["model"], ask["op"]) == (url, "replay", "matmul")
+        assert ask["prompt"] == seen["body"]["messages"][-1]["content"] and ask["reply"] == reply
+        assert seen["body"]["max_tokens"] == 512 and ask["finish_reason"] == (finish or ["stop"])[0]
+        assert ask["elapsed_s"] >= 0
+    prompt = asks[0]["prompt"]
+    assert "- stage verify: 1.000 ms lost per step" in prompt and "- verify kernel class matmul: 3.000 ms" in prompt
+    assert "- verify kernel class attention: 0.500 ms lost" in prompt and '- {"block_size": 8}' in prompt
+    no_code, good, forbidden, cut = asks
+    assert no_code["dropped"].startswith("the reply has no python code block") and no_code["status"] == "dropped"
+    assert forbidden["dropped"].startswith("variant rejected: line 1: imports 'os'"), forbidden["dropped"]
+    assert forbidden["status"] == "dropped"
+    assert cut["dropped"].startswith("the reply has no python code block (cut at its token limit")
+    # the good variant went through the check stage and the gate: its verdict and time are in the transcript
+    row = next(r for r in rows if r["status"] == "accepted")
+    assert good["dropped"] is None and good["variant"] == row["fields"]["kernels"]["matmul"]["implementation"][0]
+    assert good["status"] == "accepted" and good["s_per_token"] == row["s_per_token"]
+    assert [r["status"] for r in rows] == ["dropped", "dropped", "dropped", "accepted"]
+
+    # offline: the recorded replies answer in order (the endpoint and model as recorded); then none are left
+    asked = len(handler.seen)
+    replay = kp.LLMProposer(llm={"replay": str(folder)})
+    assert (replay.conf.url, replay.conf.model) == (url, "replay")
+    ctx = props.Context(loop.space, loop.incumbent, att, set(), seeds)
+    again = replay.propose(ctx, 5)
+    assert len(handler.seen) == asked
+    assert [p.dropped.split(":")[0] if p.dropped else p.variant.name for p in again] == [
+        "the reply has no python code block", good["variant"], "variant rejected",
+        "the reply has no python code block (cut at its token limit", "the endpoint failed"]
+    assert "has no more recorded replies" in again[-1].dropped
+    with pytest.raises(ValueError, match="no recorded asks"):
+        kp.LLMConf(replay=str(tmp_path))
+
+
+def _agent_command(tmp_path, run, llm):
+    return [sys.executable, str(ROOT / "experiments" / "agent.py"), *TOY, "agent.rounds=1", "agent.workers=1",
+            "agent.repeats=1", "agent.heldout=4", "agent.prompts_per_round=1", "agent.proposers=[llm]",
+            "agent.per_proposer=2", f"agent.llm={llm}", f"agent.memory_url=sqlite:///{tmp_path / run / 'memory.db'}",
+            f"cache_dir={tmp_path / 'cache'}", f"output_dir={tmp_path / run / 'out'}",
+            f"hydra.run.dir={tmp_path / run / 'hydra'}"]
+
+
+@pytest.mark.slow
+def test_a_recorded_run_through_the_sandbox_and_the_gate_replays_offline(replay_server, tmp_path):
+    """experiments/agent.py with the llm proposer against the replaying endpoint, as a user runs it (Dask, the
+    sandbox, the real gate): the transcript holds each reply's fate; the same command given the transcript
+    instead of the endpoint judges the same replies the same way without asking anything."""
+    server, handler = replay_server
+    handler.replies, handler.seen = [(200, MALFORMED), (200, GOOD)], []
+    url = f"http://127.0.0.1:{server.server_address[1]}/v1"
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    first = subprocess.run(_agent_command(tmp_path, "live", f"{{url: {url}, model: replay}}"), cwd=tmp_path,
+                           capture_output=True, text=True, env=env, timeout=600)
+    assert first.returncode == 0, first.stdout[-3000:] + first.stderr[-3000:]
+    asks = kp.read_transcript(tmp_path / "live" / "out" / "llm")
+    assert len(asks) == len(handler.seen) == 2 and asks[1]["reply"] == GOOD
+    assert asks[0]["status"] == "dropped" and asks[0]["dropped"].startswith("the reply has no python code block")
+    good = asks[1]
+    assert good["variant"].startswith("variant:") and good["status"] in ("accepted", "rejected"), good
+    assert good["s_per_token"] > 0  # reference-checked in the sandbox, timed, and judged by the gate
+    assert f"{good['variant']}" in (tmp_path / "live" / "out" / "round_0.md").read_text()
+
+    handler.replies = []  # the endpoint has nothing more to say: the replay must not ask it
+    folder = tmp_path / "live" / "out" / "llm"
+    again = subprocess.run(_agent_command(tmp_path, "replayed", f"{{replay: {folder}}}"), cwd=tmp_path,
+                           capture_output=True, text=True, env=env, timeout=600)
+    assert again.returncode == 0, again.stdout[-3000:] + again.stderr[-3000:]
+    replayed = kp.read_transcript(tmp_path / "replayed" / "out" / "llm")
+    assert len(handler.seen) == 2 and [a["reply"] for a in replayed] == [MALFORMED, GOOD]
+    assert [a["replay"] for a in replayed] == [str(folder)] * 2 and replayed[0]["url"] == url
+    assert replayed[0]["dropped"] == asks[0]["dropped"] and replayed[1]["variant"] == good["variant"]
+    assert replayed[1]["status"] in ("accepted", "rejected") and replayed[1]["s_per_token"] > 0

@@ -1,7 +1,7 @@
 """Proposers that write kernel variants: template expansion of the Pallas kernels (`template`, on GPUs),
-and any OpenAI-compatible endpoint (`llm`, off by default). Both aim at the kernel classes where the cost
-model says time is lost and put the variant first in the op's implementation list, XLA after it. Design
-notes: docs/design/agent.md.
+and any OpenAI-compatible endpoint (`llm`, off by default; every ask is recorded in the run folder and a
+recorded run replays offline). Both aim at the kernel classes where the cost model says time is lost and
+put the variant first in the op's implementation list, XLA after it. Design notes: docs/design/agent.md.
 """
 
 from __future__ import annotations
@@ -12,9 +12,12 @@ import inspect
 import json
 import os
 import re
+import time
 import urllib.error
 import urllib.request
+from pathlib import Path
 
+from specpilot import atomic_io
 from specpilot.agent import space as sp
 from specpilot.agent import templates
 from specpilot.harness import kernel_variants as va
@@ -75,6 +78,13 @@ class LLMConf:
     api_key_env: str | None = None  # the environment variable holding the API key (None: no key)
     timeout_s: float = 120.0
     temperature: float = 0.2
+    max_tokens: int | None = None  # the reply's token limit (None: the endpoint's default, which may cut it)
+    replay: str | None = None  # a recorded run's llm/ folder: its replies answer, in order, offline
+
+    def __post_init__(self):
+        if self.replay:  # the recorded endpoint and model stand unless given
+            first = next(iter(read_transcript(self.replay)), {})
+            self.url, self.model = self.url or first.get("url", ""), self.model or first.get("model", "")
 
 
 REFERENCES = {  # op -> (module, function) of its pure-jnp reference, by weight format for matmul
@@ -100,7 +110,8 @@ def build_prompt(ctx: Context, op: str) -> str:
     weights = str(ctx.incumbent.get("weights") or "bf16")
     att = ctx.attribution or {}
     rows = [f"- stage {r['stage']}: {r['lost_ms']:.3f} ms lost per step" for r in att.get("stages", [])]
-    rows += [f"- kernel class {r['class']}: {r['lost_ms']:.3f} ms lost per step" for r in att.get("classes", [])]
+    rows += [f"- {r['stage']} kernel class {r['class']}: {r['lost_ms']:.3f} ms lost per step"
+             for r in att.get("classes", [])]
     if att.get("measured_ms_per_step") is not None:  # a full `prediction.attribute` report
         rows = format_attribution("incumbent", att, top=5) + rows
     memory = [f"- {json.dumps(rw, sort_keys=True)}" for rw in ctx.seeds[:8]]
@@ -124,6 +135,30 @@ def build_prompt(ctx: Context, op: str) -> str:
     ])
 
 
+def read_transcript(folder: str | Path) -> list[dict]:
+    """The asks recorded under a run's `llm/` folder (`round_<r>/ask_<n>.json`), in the order they were asked."""
+    folder = Path(folder).expanduser()
+    paths = sorted(folder.glob("round_*/ask_*.json"),
+                   key=lambda path: (int(path.parent.name.split("_")[1]), int(path.stem.split("_")[1])))
+    if not paths:
+        raise ValueError(f"agent.llm.replay: no recorded asks (round_<r>/ask_<n>.json) under {folder}; "
+                         "name the llm/ folder of a run made with the llm proposer")
+    return [json.loads(p.read_text()) for p in paths]
+
+
+@dataclasses.dataclass
+class Ask:
+    """One ask in the transcript: what was sent, what came back, what became of it; written to `path`."""
+
+    path: Path | None
+    entry: dict
+
+    def update(self, **fields) -> None:
+        self.entry.update(fields)
+        if self.path is not None:
+            atomic_io.write_json(self.path, self.entry, indent=1)
+
+
 def extract_code(reply: str) -> str | None:
     m = CODE_BLOCK.search(reply or "")
     return m.group(1).strip() + "\n" if m and m.group(1).strip() else None
@@ -134,6 +169,7 @@ class LLMProposer(Proposer):
     """Kernel variants from an OpenAI-compatible chat endpoint (`agent.llm`)."""
 
     name = "llm"
+    system = "You write JAX and Pallas kernels. Reply with code."
 
     def __init__(self, seed: int = 0, llm: dict | LLMConf | None = None):
         conf = llm if isinstance(llm, LLMConf) else LLMConf(**(llm or {}))
@@ -143,12 +179,18 @@ class LLMProposer(Proposer):
         if not conf.model:
             raise ValueError("agent.llm.model is not set")
         self.conf, self.seed = conf, seed
+        self.record_dir: Path | None = None  # the loop sets <run>/llm/round_<r>: each ask is written there
+        self.recorded = iter(read_transcript(conf.replay)) if conf.replay else None
 
-    def ask(self, prompt: str) -> str:
-        """The reply's text (raises OSError / ValueError when the endpoint fails or answers nonsense)."""
+    def ask(self, prompt: str) -> tuple[str, str | None]:
+        """The reply's text and why it ended (`finish_reason`: "length" when cut at the token limit); raises
+        OSError / ValueError when the endpoint fails or answers nonsense."""
+        if self.recorded is not None:
+            return self.replay()
         body = {"model": self.conf.model, "temperature": self.conf.temperature,
-                "messages": [{"role": "system", "content": "You write JAX and Pallas kernels. Reply with code."},
-                             {"role": "user", "content": prompt}]}
+                "messages": [{"role": "system", "content": self.system}, {"role": "user", "content": prompt}]}
+        if self.conf.max_tokens:
+            body["max_tokens"] = int(self.conf.max_tokens)
         headers = {"Content-Type": "application/json"}
         if self.conf.api_key_env:
             key = os.environ.get(self.conf.api_key_env)
@@ -160,9 +202,27 @@ class LLMProposer(Proposer):
         with urllib.request.urlopen(req, timeout=self.conf.timeout_s) as resp:
             data = json.loads(resp.read().decode())
         try:
-            return str(data["choices"][0]["message"]["content"])
-        except (KeyError, IndexError, TypeError):
+            return str(data["choices"][0]["message"]["content"]), data["choices"][0].get("finish_reason")
+        except (KeyError, IndexError, TypeError, AttributeError):
             raise ValueError(f"the endpoint's answer has no choices[0].message.content: {str(data)[:200]}") from None
+
+    def replay(self) -> tuple[str, str | None]:
+        """The next recorded reply and its finish reason (a recorded failure fails again)."""
+        entry = next(self.recorded, None)
+        if entry is None:
+            raise ValueError(f"agent.llm.replay: {self.conf.replay} has no more recorded replies")
+        if entry.get("reply") is None:
+            raise OSError(f"recorded: {entry.get('error')}")
+        return str(entry["reply"]), entry.get("finish_reason")
+
+    def begin(self, op: str, prompt: str) -> Ask:
+        """The transcript entry of an ask about to be sent (`record_dir/ask_<n>.json`, n after those there)."""
+        path = None
+        if self.record_dir is not None:
+            self.record_dir.mkdir(parents=True, exist_ok=True)
+            path = self.record_dir / f"ask_{len(list(self.record_dir.glob('ask_*.json')))}.json"
+        return Ask(path, {"url": self.conf.url, "model": self.conf.model, "replay": self.conf.replay, "op": op,
+                          "temperature": self.conf.temperature, "system": self.system, "prompt": prompt})
 
     def propose(self, ctx: Context, n: int) -> list[Proposal]:
         ops = target_ops(ctx)
@@ -170,21 +230,43 @@ class LLMProposer(Proposer):
         for i in range(n if ops else 0):
             op = ops[i % len(ops)]
             why = f"{op} variant from {self.conf.model}"
+            prompt = build_prompt(ctx, op)
+            ask, start = self.begin(op, prompt), time.perf_counter()
             try:
-                reply = self.ask(build_prompt(ctx, op))
+                reply, finish = self.ask(prompt)
             except (OSError, ValueError, urllib.error.URLError) as e:
-                out.append(Proposal({}, self.name, why, dropped=f"the endpoint failed: {type(e).__name__}: {e}"))
+                error = f"{type(e).__name__}: {e}"
+                ask.update(reply=None, error=error, elapsed_s=round(time.perf_counter() - start, 3),
+                           dropped=f"the endpoint failed: {error}", variant=None, status="dropped")
+                out.append(Proposal({}, self.name, why, handle=ask, dropped=f"the endpoint failed: {error}"))
                 continue
+            ask.entry.update(reply=reply, finish_reason=finish, elapsed_s=round(time.perf_counter() - start, 3))
             code = extract_code(reply)
             if code is None:
-                out.append(Proposal({}, self.name, why, dropped=f"the reply has no python code block: "
-                                                                 f"{reply.strip()[:120]!r}"))
+                cut = " (cut at its token limit: agent.llm.max_tokens)" if finish == "length" else ""
+                dropped = f"the reply has no python code block{cut}: {reply.strip()[:120]!r}"
+                ask.update(dropped=dropped, variant=None, status="dropped")
+                out.append(Proposal({}, self.name, why, handle=ask, dropped=dropped))
                 continue
             v = va.Variant(op, code)
             rw = variant_rewrite(v)
             key = sp.rewrite_key(rw)
-            if key in ctx.tried or key in taken:
-                continue  # the same module again
+            if key in ctx.tried or key in taken:  # the same module again
+                ask.update(dropped="the same module as an earlier reply", variant=v.name, status="not proposed")
+                continue
             taken.add(key)
-            out.append(Proposal(rw, self.name, why, variant=v))
+            try:  # the loop checks it too; here the reason joins the transcript
+                va.static_check(op, code)
+            except va.VariantRejected as e:
+                dropped = f"variant rejected: {e}"
+                ask.update(dropped=dropped, variant=v.name, status="dropped")
+                out.append(Proposal(rw, self.name, why, handle=ask, dropped=dropped))
+                continue
+            ask.update(dropped=None, variant=v.name, rewrite=rw, status="proposed")
+            out.append(Proposal(rw, self.name, why, handle=ask, variant=v))
         return out
+
+    def observe(self, proposal: Proposal, s_per_token: float | None, status: str) -> None:
+        """The loop's verdict joins the transcript (why a candidate failed or lost: the run's round_<r>.md)."""
+        if isinstance(proposal.handle, Ask):
+            proposal.handle.update(status=status, s_per_token=s_per_token)

@@ -31,7 +31,7 @@ from specpilot.agent import report
 from specpilot.agent import space as sp
 from specpilot.harness import kernel_variants as va
 from specpilot.agent.gate import Gate
-from specpilot.agent.kernel_proposers import LLMConf  # its import registers "template" and "llm"
+from specpilot.agent.kernel_proposers import LLMConf, LLMProposer  # registers "template", "llm"
 from specpilot.costmodel import counts, prediction, roofline
 from specpilot.costmodel.rates import Rates
 from specpilot.sharding import MeshShape
@@ -243,6 +243,8 @@ class Loop:
                             self.avoid)
         proposals: list[props.Proposal] = []
         for p in proposers:
+            if isinstance(p, LLMProposer):  # its transcript: every ask of this round, and what became of it
+                p.record_dir = self.out / "llm" / f"round_{r}"
             got = p.propose(ctx, a.per_proposer)
             ctx.tried |= {sp.rewrite_key(x.rewrite) for x in got}
             proposals += [(p, x) for x in got]
