@@ -58,6 +58,18 @@ def sweep(dest: str | Path) -> None:
             remove(stale)
 
 
+def readable_by_all(folder: str | Path) -> None:
+    """Every file of `folder` we own made readable by all, as a folder of weights is: safetensors writes its
+    files owner-only, and a sandboxed candidate (a uid of its own) must read the weights."""
+    for f in Path(folder).iterdir():
+        try:
+            st = f.stat()
+            if f.is_file() and st.st_uid == os.geteuid() and (st.st_mode & 0o044) != 0o044:
+                f.chmod(st.st_mode | 0o044)
+        except OSError:
+            pass
+
+
 def remove(path: str | Path) -> None:
     """Remove a file, a link or a whole folder; absent is fine."""
     path = Path(path)

@@ -325,3 +325,12 @@ def test_a_damaged_training_step_is_removed_and_the_older_one_resumed(tmp_path):
         assert step == 1 and saved == {"seed": 0} and ckpt.latest_step() == 1
     np.testing.assert_array_equal(restored["w"], state["w"])
     assert int(restored["step"]) == 0
+
+
+def test_saved_checkpoints_are_readable_by_all(good, tmp_path):
+    # safetensors writes owner-only; a sandboxed candidate runs as a uid of its own and must read them
+    save_hf(random_params(QWEN3, jnp.float32), QWEN3, tmp_path / "sharded", max_shard_bytes=SHARD_BYTES)
+    for folder in (good, tmp_path / "sharded"):
+        files = [f for f in folder.iterdir() if f.is_file()]
+        assert any(f.suffix == ".safetensors" for f in files)
+        assert all(f.stat().st_mode & 0o044 == 0o044 for f in files), folder

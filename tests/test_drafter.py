@@ -135,6 +135,8 @@ def test_save_load_roundtrip_in_dflash_layout(params, tmp_path):
     _, dp = params
     dp16 = jax.tree.map(lambda x: x.astype(jnp.bfloat16), dp)
     dr.save_drafter(tmp_path, dp16, DCFG)
+    # readable by all: a sandboxed candidate (a uid of its own) loads the drafter
+    assert all(f.stat().st_mode & 0o044 == 0o044 for f in tmp_path.iterdir() if f.is_file())
     hf = json.loads((tmp_path / "config.json").read_text())
     assert hf["architectures"] == ["DFlashDraftModel"]
     assert hf["dflash_config"] == {"block_size": 4, "mask_token_id": CFG.vocab_size - 1,

@@ -13,6 +13,7 @@ import jax.numpy as jnp
 import numpy as np
 from safetensors.numpy import save_file
 
+from specpilot import atomic_io
 from specpilot.models import dense, hybrid, hybrid_checkpoint
 from specpilot.models.config import ModelConfig
 # CONFIG_FILE, INDEX_FILE, SINGLE_FILE, CheckpointError, non_finite and HYBRID_ARCHITECTURES are also
@@ -124,6 +125,7 @@ def save_hf(params: dense.Params, cfg: ModelConfig, path: str | Path,
     meta = {"format": "pt"}  # transformers refuses safetensors files without a format tag
     if max_shard_bytes is None:
         save_file(tensors, str(root / SINGLE_FILE), metadata=meta)
+        atomic_io.readable_by_all(root)
         return root
     # Greedy fill in key order; a tensor larger than the limit gets a shard of its own.
     groups: list[list[str]] = [[]]
@@ -142,4 +144,5 @@ def save_hf(params: dense.Params, cfg: ModelConfig, path: str | Path,
     index = {"metadata": {"total_size": int(sum(a.nbytes for a in tensors.values()))},
              "weight_map": weight_map}
     (root / INDEX_FILE).write_text(json.dumps(index, indent=2, sort_keys=True) + "\n")
+    atomic_io.readable_by_all(root)
     return root

@@ -73,6 +73,7 @@ def save_drafter(path: str | Path, params: Params, cfg: DrafterConfig) -> None:
     with atomic_io.temporary_directory(path) as tmp:
         (tmp / "config.json").write_text(json.dumps(hf_cfg, indent=2))
         save_file(tensors, str(tmp / "model.safetensors"), metadata={"format": "pt"})  # the marker, last
+        atomic_io.readable_by_all(tmp)
 
 
 def load_drafter(path: str | Path, dtype=None) -> tuple[Params, DrafterConfig]:

@@ -18,6 +18,7 @@ from typing import Any
 import numpy as np
 from safetensors.numpy import save_file
 
+from specpilot import atomic_io
 from specpilot.models.checkpoint import TOP_KEYS, hf_key_map
 from specpilot.models.config import ConfigError, ModelConfig
 from specpilot.models.hf_files import ATTENTION_MLP_KEYS, CONFIG_FILE, SINGLE_FILE, hf_shape, listing
@@ -287,17 +288,6 @@ def is_converted(out: str | Path, key: dict[str, Any]) -> bool:
     return _recorded_key(out) == key and all((out / name).is_file() for name in needed)
 
 
-def readable(out: Path) -> None:
-    """Every file of an import readable by all, like the folder: safetensors writes its file owner-only,
-    and a sandboxed candidate (another uid) must read the weights (files we do not own are left)."""
-    for f in out.iterdir():
-        try:
-            if f.is_file() and f.stat().st_uid == os.geteuid() and (f.stat().st_mode & 0o044) != 0o044:
-                f.chmod(f.stat().st_mode | 0o044)
-        except OSError:
-            pass
-
-
 def _write(plan: _Plan, path: Path, key: dict[str, Any], tmp: Path) -> None:
     tensors = {name: _dequantized(plan, name, path) for name in plan.tensors}
     save_file(tensors, str(tmp / SINGLE_FILE), metadata={"format": "pt"})
@@ -316,7 +306,7 @@ def _write(plan: _Plan, path: Path, key: dict[str, Any], tmp: Path) -> None:
     record = {**key, "source": path.name, "architecture": plan.meta["general.architecture"],
               "tensor_types": dict(sorted(types.items())), "rope_rows_unpermuted": plan.permuted}
     (tmp / SOURCE_FILE).write_text(json.dumps(record, indent=2, sort_keys=True) + "\n")
-    readable(tmp)
+    atomic_io.readable_by_all(tmp)
 
 
 def import_gguf(gguf_path: str | Path, out_dir: str | Path, key: dict[str, Any] | None = None) -> Path:
@@ -335,7 +325,7 @@ def import_gguf(gguf_path: str | Path, out_dir: str | Path, key: dict[str, Any] 
     if key is None:
         key = file_key(path) if path.is_file() else None
     if key is not None and is_converted(out, key):
-        readable(out)  # an import made before its files were given read access to all
+        atomic_io.readable_by_all(out)  # an import made before its files were given read access to all
         return out
     plan = _plan(path)  # every header check, before anything is dequantized or written
     assert key is not None  # _plan refuses a path that is not a file
