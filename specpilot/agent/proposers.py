@@ -13,6 +13,7 @@ from typing import Any, Callable
 
 import optuna
 
+from specpilot import plan as plan_mod
 from specpilot.agent import space as sp
 
 log = logging.getLogger(__name__)
@@ -200,6 +201,11 @@ class OptunaProposer(Proposer):
                     current = {"data": 1, "tensor": 1}
                 if value != current:
                     rw[c.field] = value
+            tree = sp.apply(ctx.incumbent, rw).get("tree") or {}
+            if rw and all(tree.get(k) for k in ("nodes", "depth", "branching")):
+                full = plan_mod.max_nodes(tree["depth"], tree["branching"])
+                if tree["nodes"] > full:  # more nodes than the tree has: its largest budget that fits
+                    rw["tree.nodes"] = max([n for n in sp.TREE_NODES if n <= full] or [full])
             if not rw or not _fresh(ctx, rw, taken):
                 self.study.tell(trial, state=self.optuna.trial.TrialState.PRUNED)
                 continue
