@@ -39,6 +39,7 @@ def test_plan_only_specs_share_one_kept_deployment(toy):
     for name in ("inc", "b4", "ar"):
         assert by[name]["status"] == ev.OK, by[name]
         assert len(by[name]["wall_s"]) == 2 and by[name]["warm"]
+        assert by[name]["timed_compiles"] == 0  # every program compiled at load, none evicted since
     # lossless: stock at either block size emits AR's tokens, run after run
     assert by["inc"]["tokens"] == by["ar"]["tokens"] == by["b4"]["tokens"]
     assert by["inc"]["deployment_built"] and not by["b4"]["deployment_built"]

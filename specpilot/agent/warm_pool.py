@@ -194,7 +194,8 @@ def _attempt(proc: WarmProcess, ready: dict[int, dict], specs: list[dict], resul
                 results[i] = {**base[i], "status": ev.BAD_OUTPUT, "wall_s": walls[i],
                               "reason": f"after the timed runs: {answer.get('error')}"}
                 continue
-            results[i] = {**base[i], "ready_s": ready_s[i], **ev.timing(walls[i], specs[i], answer["result"])}
+            results[i] = {**base[i], "ready_s": ready_s[i], **ev.timing(walls[i], specs[i], answer["result"]),
+                          "timed_compiles": answer["result"].get("timed_compiles")}
         current = None
         first = next(iter(ready))
         proc.ask({"cmd": "retain", "names": [specs[first]["name"]] if first in loaded else []}, timeout_s)

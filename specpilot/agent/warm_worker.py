@@ -20,6 +20,7 @@ from typing import Callable
 
 from specpilot.agent import candidate
 from specpilot.agent.engine_workload import PREFILL_CHUNK, EngineWorkload
+from specpilot.decoding import aot
 from specpilot.harness import config_schema, deploy, fit, methods
 from specpilot.models.oracle import OracleDrafter
 
@@ -47,6 +48,7 @@ class Loaded:
     workload: str
     runs: list = dataclasses.field(default_factory=list)
     self_times: list = dataclasses.field(default_factory=list)
+    timed_compiles: int = 0  # programs compiled inside its timed runs (should stay 0: all compiled at load)
 
 
 class WarmWorker:
@@ -101,9 +103,11 @@ class WarmWorker:
 
     def go(self, name: str) -> dict:
         entry = self.loaded[name]
+        before = aot.total_compiles()
         t0 = time.perf_counter()
         entry.runs.append(entry.run())
         entry.self_times.append(time.perf_counter() - t0)
+        entry.timed_compiles += aot.total_compiles() - before
         return {"done": name}
 
     def result(self, name: str) -> dict:
@@ -111,6 +115,7 @@ class WarmWorker:
         entry = self.loaded[name]
         runs, plan = entry.runs, entry.plan
         stats = dict(runs[-1].stats) if runs else {}
+        timed_compiles = entry.timed_compiles
         if runs and plan.uses_drafter and entry.workload == "harness":
             entry.dep.profile_split = True  # one profiled pass, outside the timed runs, for the stage split
             stats = dict(methods.run_plan(entry.dep, plan).stats)
@@ -119,7 +124,7 @@ class WarmWorker:
                            "self_reported_s": entry.self_times, "decode_s": [r.decode_s for r in runs],
                            "decode_tokens": [r.decode_tokens for r in runs], "stats": stats,
                            "batches": len(entry.dep.batches()), "new_tokens": entry.dep.new_tokens,
-                           "checked": []}}
+                           "checked": [], "timed_compiles": timed_compiles}}
 
     def retain(self, names: list[str]) -> dict:
         """Drop every loaded plan but `names`, and every prepared weight format none of them uses."""

@@ -13,11 +13,23 @@ import jax
 from specpilot import sharding
 
 
+_ALL: list = []  # every CompileCache of the process, for `total_compiles`
+
+
+def total_compiles() -> int:
+    """Executables every compile cache of this process has built so far."""
+    return sum(c.compiles for c in _ALL)
+
+
 class CompileCache:
-    def __init__(self, max_size: int = 64):
+    # 512: a warm worker holds a round's plans (each a few programs) and times them in turn; an evicted
+    # program would compile again inside a timed run
+    def __init__(self, max_size: int = 512):
         self.max_size = max_size
+        self.compiles = 0  # executables built so far (a timed call that moves it compiled)
         self._exes: collections.OrderedDict = collections.OrderedDict()
         self._shapes: collections.OrderedDict = collections.OrderedDict()
+        _ALL.append(self)
 
     def out_shapes(self, fn, static: Any, args: tuple):
         """`jax.eval_shape(fn(static, *args))`, traced once per signature (values never matter)."""
@@ -47,6 +59,7 @@ class CompileCache:
             self._exes.move_to_end(sig)
         else:
             exe = lower(*args).compile()
+            self.compiles += 1
             self._exes[sig] = exe if mesh is None else _Resharding(exe)
             if len(self._exes) > self.max_size:
                 self._exes.popitem(last=False)

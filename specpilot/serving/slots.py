@@ -259,7 +259,7 @@ decode_ar_jit = _jit(decode_ar)
 decode_chain_jit = _jit(decode_chain)
 set_rows_jit = jax.jit(lambda table, mask, rows: jnp.where(mask[:, None], rows, table), donate_argnums=0)
 
-CACHE = CompileCache(max_size=128)
+CACHE = CompileCache(max_size=512)
 
 
 def compiled(fn, static, *args):
