@@ -16,7 +16,9 @@ import jax.numpy as jnp
 # Candidate set sizes tried in turn for the top-p cut-off: the first for the whole batch, the later
 # ones row by row for the rows still undecided. XLA's CPU top-k is several times cheaper up to k = 64
 # (16 rows of 49152: 64 values ~0.2 ms, 256 ~2.0).
-TOP_P_CANDIDATES = (64, 256, 2048)
+TOP_P_CANDIDATES = (64, 128, 192, 256, 2048)
+# A set at most this much larger than the one before extends it (`_extended`) rather than starting over.
+EXTEND = 64
 # Tokens per chunk of `top_values`' first level.
 CHUNK = 32
 
@@ -108,27 +110,41 @@ def _from_candidates(r: _Row, top: jax.Array, whole_row: bool):
     return cutoff, jnp.where(inside & (r.top_p < 1.0), kept, jnp.nan), decided
 
 
-def _row_stages(r: _Row, sizes: tuple[int, ...]):
-    """(cut-off, kept sum) of one row (arrays [V] and [1]) from the candidate sets sizes in turn, then
-    the sorted row."""
+def _extended(x: jax.Array, top: jax.Array, m: int) -> jax.Array:
+    """The m largest values of a row x [V] from its first ones top [n] (descending), with a top-k of
+    m - n values below top's last (a small k: XLA's CPU top-k costs several times more from k = 128)
+    after the copies of that last value top leaves out."""
+    last = jnp.min(top)
+    extra = jnp.sum(x == last) - jnp.sum(top == last)  # copies of `last` past top, in the sorted row
+    below = top_values(jnp.where(x < last, x, -jnp.inf), m - top.shape[-1])
+    i = jnp.arange(m - top.shape[-1])
+    return jnp.concatenate([top, jnp.where(i < extra, last, below[jnp.maximum(i - extra, 0)])])
+
+
+def _row_stages(r: _Row, top: jax.Array, sizes: tuple[int, ...]):
+    """(cut-off, kept sum) of one row (arrays [V] and [1], its largest logits top [n]) from the
+    candidate sets sizes in turn, then the sorted row."""
     if not sizes:
         cutoff, kept, _ = _from_candidates(r, jnp.sort(r.logits)[::-1], True)
         return cutoff, kept
-    cutoff, kept, decided = _from_candidates(r, top_values(r.logits, sizes[0]), False)
-    return jax.lax.cond(decided[0], lambda: (cutoff, kept), lambda: _row_stages(r, sizes[1:]))
+    m = sizes[0]
+    top = _extended(r.logits, top, m) if m - top.shape[-1] <= EXTEND else top_values(r.logits, m)
+    cutoff, kept, decided = _from_candidates(r, top, False)
+    return jax.lax.cond(decided[0], lambda: (cutoff, kept), lambda: _row_stages(r, top, sizes[1:]))
 
 
-def _undecided_rows(r: _Row, cutoff, kept, decided, sizes: tuple[int, ...]):
+def _undecided_rows(r: _Row, head, cutoff, kept, decided, sizes: tuple[int, ...]):
     """(cut-off, kept sum) with each undecided row searched on its own, so one wide nucleus does not
     move the whole batch to a larger set: a loop over those rows only."""
     shape = cutoff.shape
     flat = _Row(*(a.reshape(-1, a.shape[-1]) for a in r))
+    head = head.reshape(-1, head.shape[-1])
     todo = ~decided.reshape(-1)
     rows = jnp.nonzero(todo, size=todo.shape[0], fill_value=0)[0]
 
     def one(i, carry):
         row = _Row(*(a[rows[i]] for a in flat))
-        c, k = _row_stages(row, sizes)
+        c, k = _row_stages(row, head[rows[i]], sizes)
         return carry[0].at[rows[i]].set(c), carry[1].at[rows[i]].set(k)
 
     cutoff, kept = jax.lax.fori_loop(0, jnp.sum(todo), one, (cutoff.reshape(-1, 1), kept.reshape(-1, 1)))
@@ -157,7 +173,7 @@ def top_p_nucleus(logits: jax.Array, scale: jax.Array, top_p: jax.Array, head: j
     cutoff, kept, decided = _from_candidates(r, head, head.shape[-1] == logits.shape[-1])
     done = decided | (top_p >= 1.0)
     cutoff, kept = jax.lax.cond(jnp.all(done), lambda: (cutoff, kept),
-                                lambda: _undecided_rows(r, cutoff, kept, done, sizes))
+                                lambda: _undecided_rows(r, head, cutoff, kept, done, sizes))
     return Nucleus(jnp.where(top_p >= 1.0, -jnp.inf, cutoff), top, kept)
 
 
