@@ -15,7 +15,7 @@ import jax.numpy as jnp
 
 # Candidate set sizes tried in turn for the top-p cut-off: the first for the whole batch, the later
 # ones row by row for the rows still undecided. XLA's CPU top-k is several times cheaper up to k = 64
-# (16 rows of 49152: 64 values ~0.2 ms, 256 ~2.0).
+# (`top_values` of 16 rows of 49152: 64 values ~0.7 ms, 256 ~2.2).
 TOP_P_CANDIDATES = (64, 128, 192, 256, 2048)
 # A set at most this much larger than the one before extends it (`_extended`) rather than starting over.
 EXTEND = 64

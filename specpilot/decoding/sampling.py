@@ -139,8 +139,7 @@ def _if_filtering(f: Filter, fn):
 
 def filter_sum(logits: jax.Array, f: Filter) -> jax.Array:
     """[...]: the filter's normalizing sum (of `filter_weights`) per row; a pass over the vocabulary
-    only where some row's kept sum is not known from top-p's candidates (one switch, not nested
-    conds: those cost a batch-1 accept a few percent)."""
+    only where some row's kept sum is not known from top-p's candidates (one switch for the three ways)."""
     kept = f.kept_sum[..., 0]
     known = jnp.isfinite(kept)
 
