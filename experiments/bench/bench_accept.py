@@ -15,6 +15,7 @@ The default deployment verifies block 4 of SmolLM2-135M (vocabulary 49152); Qwen
 
 import argparse
 import importlib
+import random
 import re
 import statistics
 import subprocess
@@ -66,16 +67,18 @@ def baseline_modules(commit: str):
     return jax.jit(rejection.verify_chain), importlib.import_module("baseline_sampling").RequestSampling
 
 
-def interleaved_ms(calls: list, trials: int) -> list[list[float]]:
+def interleaved_ms(calls: list, trials: int, seed: int = 0) -> list[list[float]]:
     """Wall ms of each call (a no-argument function) per trial, the calls timed in turn in every trial,
-    starting one further each trial: a call timed right after greedy ran up to 1.8x slower than the
-    same call later in the trial, so no call keeps that place."""
+    in a fresh random order each trial: a call timed right after greedy ran up to 1.8x slower than the
+    same call elsewhere in the trial, so no call keeps that place."""
     for call in calls:
         jax.block_until_ready(call())
     times = [[] for _ in calls]
-    for trial in range(trials):
-        for i in range(len(calls)):
-            j = (trial + i) % len(calls)
+    order = list(range(len(calls)))
+    shuffle = random.Random(seed).shuffle
+    for _ in range(trials):
+        shuffle(order)
+        for j in order:
             t0 = time.perf_counter()
             jax.block_until_ready(calls[j]())
             times[j].append(1e3 * (time.perf_counter() - t0))
