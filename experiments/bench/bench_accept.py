@@ -1,7 +1,7 @@
 """What the accept stage costs: greedy prefix matching against rejection sampling, jitted, on random logits.
 
     PYTHONPATH=. python experiments/bench/bench_accept.py [--vocab 49152,151936] [--blocks 4,8,16]
-        [--batch 1,16] [--trials 30] [--settings 0.7:1:0,0.7:0.9:0,0.7:0.95:50]
+        [--batch 1,16] [--trials 30] [--settings 0.7:1:0,0.7:0.9:0,0.7:0.95:50] [--baseline COMMIT]
 
 One chain verification's accept (`rejection.verify_chain`) over drafts [B, Bs-1], draft logits
 [B, Bs-1, V] and target logits [B, Bs, V], the drafts' own sampling (`rejection.choose_drafts`), and the
@@ -9,10 +9,18 @@ serving engine's row-by-row accept (`slots.verify_rows`). Greedy, then each temp
 setting. Greedy and sampled accepts are timed in turn within each trial (the machine may be shared), so
 "x greedy" is the median of the per-trial ratios, with its interquartile range; other columns are medians.
 The default deployment verifies block 4 of SmolLM2-135M (vocabulary 49152); Qwen3-8B's is 151936.
+--baseline COMMIT also times that commit's decoding/{nucleus,sampling,rejection}.py in the same trials
+(rows "base ..."): before and after from one run.
 """
 
 import argparse
+import importlib
+import random
+import re
 import statistics
+import subprocess
+import sys
+import tempfile
 import time
 
 import jax
@@ -44,16 +52,36 @@ def parse_settings(text: str) -> dict[str, SamplingConfig]:
     return settings
 
 
-def interleaved_ms(calls: list, trials: int) -> list[list[float]]:
-    """Wall ms of each call (a no-argument function) per trial, the calls timed in turn in every trial."""
+def baseline_modules(commit: str):
+    """(verify_chain jitted, RequestSampling) of the sampling modules at a git commit, loaded beside
+    this tree's under other names."""
+    folder = tempfile.mkdtemp()
+    for name in ("nucleus", "sampling", "rejection"):
+        text = subprocess.run(["git", "show", f"{commit}:specpilot/decoding/{name}.py"], capture_output=True,
+                              text=True, check=True).stdout
+        text = re.sub(r"from specpilot\.decoding\.(nucleus|sampling) import", r"from baseline_\1 import", text)
+        with open(f"{folder}/baseline_{name}.py", "w") as f:
+            f.write(text)
+    sys.path.insert(0, folder)
+    rejection = importlib.import_module("baseline_rejection")
+    return jax.jit(rejection.verify_chain), importlib.import_module("baseline_sampling").RequestSampling
+
+
+def interleaved_ms(calls: list, trials: int, seed: int = 0) -> list[list[float]]:
+    """Wall ms of each call (a no-argument function) per trial, the calls timed in turn in every trial,
+    in a fresh random order each trial: a call timed right after greedy ran up to 1.8x slower than the
+    same call elsewhere in the trial, so no call keeps that place."""
     for call in calls:
         jax.block_until_ready(call())
     times = [[] for _ in calls]
+    order = list(range(len(calls)))
+    shuffle = random.Random(seed).shuffle
     for _ in range(trials):
-        for call, out in zip(calls, times):
+        shuffle(order)
+        for j in order:
             t0 = time.perf_counter()
-            jax.block_until_ready(call())
-            out.append(1e3 * (time.perf_counter() - t0))
+            jax.block_until_ready(calls[j]())
+            times[j].append(1e3 * (time.perf_counter() - t0))
     return times
 
 
@@ -71,13 +99,15 @@ def main(argv=None):
     ap.add_argument("--settings", default="0.7:1:0,0.7:0.9:0",
                     help="comma list of temperature:top_p:top_k sampled settings (greedy always runs first)")
     ap.add_argument("--no-rows", action="store_true", help="skip the engine's row-by-row accept and the draws")
+    ap.add_argument("--baseline", help="a git commit whose sampled accepts are timed in the same trials")
     args = ap.parse_args(argv)
 
     chain = jax.jit(verify_chain)
     drafting = jax.jit(choose_drafts)
     rows = jax.jit(verify_rows)
     settings = {"greedy": SamplingConfig(), **parse_settings(args.settings)}
-    print(f"{'V':>7} {'Bs':>3} {'B':>3} {'sampling':>14} {'accept ms':>10} {'x greedy':>9} {'IQR':>11} "
+    base_chain, base_sampling = baseline_modules(args.baseline) if args.baseline else (None, None)
+    print(f"{'V':>7} {'Bs':>3} {'B':>3} {'sampling':>19} {'accept ms':>10} {'x greedy':>9} {'IQR':>11} "
           f"{'rows ms':>8} {'drafts ms':>10}")
     for vocab in (int(v) for v in args.vocab.split(",")):
         for block in (int(b) for b in args.blocks.split(",")):
@@ -87,18 +117,22 @@ def main(argv=None):
                 key = jax.random.key(1)
                 row_keys = jax.random.split(key, batch)
                 per_row = {name: config.for_requests(batch) for name, config in settings.items()}
-                times = interleaved_ms(
-                    [lambda s=s: chain(key, drafts, draft_logits, target_logits, s, kept) for s in per_row.values()],
-                    args.trials)
+                calls = [lambda s=s: chain(key, drafts, draft_logits, target_logits, s, kept) for s in per_row.values()]
+                if base_chain is not None:
+                    for name, s in list(per_row.items())[1:]:
+                        base = base_sampling(s.temperature, s.top_p, greedy=s.greedy, top_k=s.top_k)
+                        calls.append(lambda b=base: base_chain(key, drafts, draft_logits, target_logits, b, kept))
+                        per_row[f"base {name}"] = None
+                times = interleaved_ms(calls, args.trials)
                 for (name, s), accept in zip(per_row.items(), times):
                     ratios = [a / g for a, g in zip(accept, times[0])]
                     q1, ratio, q3 = quartiles(ratios)
                     by_row = draw = float("nan")
-                    if not args.no_rows:
+                    if not args.no_rows and s is not None:
                         by_row = median_ms(rows, row_keys, drafts, draft_logits, target_logits, s, kept,
                                            trials=args.trials)
                         draw = median_ms(drafting, key, draft_logits, s, trials=args.trials)
-                    print(f"{vocab:>7} {block:>3} {batch:>3} {name:>14} {statistics.median(accept):>10.3f} "
+                    print(f"{vocab:>7} {block:>3} {batch:>3} {name:>19} {statistics.median(accept):>10.3f} "
                           f"{ratio:>9.2f} {q1:>5.2f}-{q3:<5.2f} {by_row:>8.3f} {draw:>10.3f}", flush=True)
 
 

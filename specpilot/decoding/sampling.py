@@ -11,7 +11,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from specpilot.decoding.nucleus import top_k_threshold, top_p_cutoff
+from specpilot.decoding.nucleus import top_k_threshold, top_p_nucleus
 
 
 @dataclasses.dataclass(frozen=True)
@@ -91,6 +91,7 @@ class Filter(NamedTuple):
     inv_temperature: jax.Array  # 1 / temperature (1 for a temperature-0 row)
     cutoff: jax.Array  # the smallest x kept by top-k / top-p (-inf: every token)
     top: jax.Array  # the largest raw logit (always kept)
+    kept_sum: jax.Array  # the kept weights' sum where top-p's candidates gave it, else NaN
 
 
 def sampling_filter(logits: jax.Array, sampling) -> Filter:
@@ -101,19 +102,24 @@ def sampling_filter(logits: jax.Array, sampling) -> Filter:
     t = jnp.broadcast_to(_rows(s.temperature, logits), logits.shape[:-1] + (1,))
     inv = jnp.where(t == 0, 1.0, 1.0 / jnp.where(t == 0, 1.0, t))
     none = jnp.full_like(inv, -jnp.inf)
-    kth, head = none, None
+    kth, head, masked = none, None, logits
     if s.top_k and s.top_k < logits.shape[-1]:
-        kth, head = top_k_threshold(logits * inv, s.top_k)
+        # on the logits: x = logits * inv keeps their order, so the k-th x is the k-th logit's
+        kth_logit, head = top_k_threshold(logits, s.top_k)
+        kth = kth_logit * inv
+        masked = jnp.where(logits * inv < kth, -jnp.inf, logits)
     top_p = jnp.broadcast_to(_rows(s.top_p, logits), inv.shape)
 
     def with_top_p():
-        x = logits * inv
         # the top-k values are the masked row's largest: the first top-p candidates
-        return top_p_cutoff(jnp.where(x < kth, -jnp.inf, x), top_p, head)
+        return tuple(top_p_nucleus(masked, inv, top_p, head))
+
+    def without_top_p():
+        return none, jnp.max(logits, axis=-1, keepdims=True), jnp.full_like(inv, jnp.nan)
 
     # Without top-p (every row at 1, the usual case) nothing is sorted or ranked at all.
-    cutoff = jnp.maximum(kth, jax.lax.cond(jnp.any(top_p < 1.0), with_top_p, lambda: none))
-    return Filter(inv, cutoff, jnp.max(logits, axis=-1, keepdims=True))
+    cutoff, top, kept_sum = jax.lax.cond(jnp.any(top_p < 1.0), with_top_p, without_top_p)
+    return Filter(inv, jnp.maximum(kth, cutoff), top, kept_sum)
 
 
 def filter_weights(logits: jax.Array, f: Filter, masked: bool = True) -> jax.Array:
@@ -132,8 +138,16 @@ def _if_filtering(f: Filter, fn):
 
 
 def filter_sum(logits: jax.Array, f: Filter) -> jax.Array:
-    """[...]: the filter's normalizing sum (of `filter_weights`) per row."""
-    return _if_filtering(f, lambda masked: jnp.sum(filter_weights(logits, f, masked), axis=-1))
+    """[...]: the filter's normalizing sum (of `filter_weights`) per row; a pass over the vocabulary
+    only where some row's kept sum is not known from top-p's candidates (one switch for the three ways)."""
+    kept = f.kept_sum[..., 0]
+    known = jnp.isfinite(kept)
+
+    def summed(masked):
+        return jnp.where(known, kept, jnp.sum(filter_weights(logits, f, masked), axis=-1))
+
+    way = jnp.where(jnp.all(known), 0, jnp.where(jnp.any(f.cutoff > -jnp.inf), 1, 2))
+    return jax.lax.switch(way, [lambda: kept, lambda: summed(True), lambda: summed(False)])
 
 
 def filtered_logits(logits: jax.Array, sampling) -> jax.Array:
