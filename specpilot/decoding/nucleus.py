@@ -167,6 +167,8 @@ def top_p_nucleus(logits: jax.Array, scale: jax.Array, top_p: jax.Array, head: j
     lse = jnp.log(jnp.sum(jnp.exp(logits * scale - x_max), axis=-1, keepdims=True)) + x_max
     r = _Row(logits, scale, top_p, lse, top)
     sizes = tuple(m for m in TOP_P_CANDIDATES if m < logits.shape[-1] and (head is None or m > head.shape[-1]))
+    if not chunked:  # a small vocabulary: after the first set, the sorted row (fewer stages to compile)
+        sizes = sizes[:1]
     if head is None:  # the first set (the whole row where the vocabulary is smaller)
         head = top_values(logits, sizes[0] if sizes else logits.shape[-1], maxima=maxima)
         sizes = sizes[1:]
