@@ -182,7 +182,7 @@ class _InProcessEvaluator:
     def __init__(self):
         self.specs = []
 
-    def evaluate(self, specs, progress=None):
+    def evaluate(self, specs, progress=None, warm=False):
         out = []
         for i, s in enumerate(specs):
             self.specs.append(s)
