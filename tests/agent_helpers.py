@@ -26,3 +26,19 @@ def spec(cfg, name, fields, prompts, *, repeats=2, program=None, new_tokens=None
     if program:
         out["program"] = str(program)
     return out
+
+
+# a candidate program speaking the evaluator's protocol without building a deployment (fast): zeros
+HONEST_PROGRAM = """
+import json, sys
+spec = json.load(open(sys.argv[1]))
+print("ready", flush=True)
+runs = 0
+for line in sys.stdin:
+    if line.strip() == "end":
+        break
+    runs += 1
+    print("done", flush=True)
+tokens = [[[0] * spec["new_tokens"] for _ in spec["prompts"]] for _ in range(runs)]
+json.dump({"tokens": tokens, "stats": {}, "self_reported_s": [0.0] * runs}, open(sys.argv[2], "w"))
+"""

@@ -5,24 +5,12 @@ import textwrap
 from pathlib import Path
 
 import pytest
+from agent_helpers import HONEST_PROGRAM
 
 from specpilot.agent import evaluator as ev
 from specpilot.sharding import MeshError, MeshShape
 
-# candidate programs speaking the evaluator's protocol without building a deployment (fast)
-HONEST = """
-import json, sys
-spec = json.load(open(sys.argv[1]))
-print("ready", flush=True)
-runs = 0
-for line in sys.stdin:
-    if line.strip() == "end":
-        break
-    runs += 1
-    print("done", flush=True)
-tokens = [[[0] * spec["new_tokens"] for _ in spec["prompts"]] for _ in range(runs)]
-json.dump({"tokens": tokens, "stats": {}, "self_reported_s": [0.0] * runs}, open(sys.argv[2], "w"))
-"""
+HONEST = HONEST_PROGRAM
 BAD = {
     "crash": "raise RuntimeError('injected crash')",
     "hang": "import time\nprint('ready', flush=True)\ntime.sleep(1000)",

@@ -9,7 +9,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from agent_helpers import spec, toy_cfg
+from agent_helpers import HONEST_PROGRAM, spec, toy_cfg
 from specpilot.agent import evaluator as ev
 from specpilot.agent import warm_pool
 from specpilot.agent import warm_worker as ww
@@ -89,19 +89,7 @@ def test_a_candidate_that_kills_the_worker_loses_alone(toy, tmp_path):
 def test_evaluator_runs_plan_only_specs_warm_and_programs_apart(toy, tmp_path):
     cfg, prompts, _ = toy
     program = tmp_path / "honest.py"
-    program.write_text(textwrap.dedent("""
-        import json, sys
-        spec = json.load(open(sys.argv[1]))
-        print("ready", flush=True)
-        runs = 0
-        for line in sys.stdin:
-            if line.strip() == "end":
-                break
-            runs += 1
-            print("done", flush=True)
-        tokens = [[[0] * spec["new_tokens"] for _ in spec["prompts"]] for _ in range(runs)]
-        json.dump({"tokens": tokens, "stats": {}}, open(sys.argv[2], "w"))
-    """))
+    program.write_text(HONEST_PROGRAM)
     specs = [spec(cfg, "inc", {"verify": "chain"}, prompts),
              spec(cfg, "given", {"verify": "chain"}, prompts, program=program),
              spec(cfg, "b4", {"verify": "chain", "block_size": 4}, prompts)]
