@@ -11,7 +11,7 @@ from experiments.bench import bench_engine, engine_report, engine_setup
 from specpilot.plan import Batching
 from specpilot.serving import Request
 from specpilot.serving.budget import StepCost
-from specpilot.serving.workloads import run_fixed
+from specpilot.serving.workloads import run_fixed, slo_goodput
 
 # run.py's groups at a tiny shape: an oracle drafter (1 layer, block 4) replaying AR's continuation at tau 3
 DEPLOYMENT = ("target=tiny_random drafter=oracle drafter.tau=3 drafter.block_size=4 drafter.num_layers=1 "
@@ -28,7 +28,7 @@ def deployment_record(tmp_path_factory):
 
 def test_bench_engine_smoke(tmp_path):
     out = tmp_path / "engine.json"
-    record = bench_engine.main(["--smoke", "--out", str(out)])
+    record = bench_engine.main(["--smoke", "--out", str(out), "--tpot-slo-ms", "1e6"])
     assert out.is_file() and {r["plan"] for r in record["rows"]} == {"ar", "stock"}
     assert {r["rate"] for r in record["rows"]} == {0.0, 200.0}
     for r in record["rows"]:
@@ -39,6 +39,13 @@ def test_bench_engine_smoke(tmp_path):
         assert r["throughput_tok_s"] > 0 and 0 < r["ttft_p50_s"] <= r["ttft_p99_s"]
         assert r["tpot_p50_s"] <= r["tpot_p99_s"] and 1 <= r["slots_in_use_max"] <= r["slots"]
         assert 0 < r["kv_tokens_max"] <= r["kv_tokens_capacity"]
+        # an SLO every request meets: the goodput is the throughput
+        assert r["slo_met_fraction"] == 1.0 and r["goodput_tok_s"] == pytest.approx(r["throughput_tok_s"])
+
+
+def test_goodput_counts_only_the_requests_that_met_the_slo():
+    got = slo_goodput([0.01, 0.05, None, 0.02], [10, 20, 1, 30], span_s=2.0, tpot_slo_s=0.02)
+    assert got == {"tpot_slo_s": 0.02, "slo_met_fraction": 0.75, "goodput_tok_s": (10 + 1 + 30) / 2.0}
 
 
 def test_deployment_rows_oracle_acceptance_and_batchings(deployment_record):

@@ -89,6 +89,8 @@ def parse_args(argv=None):
                     "0: a fixed batch of one request per slot")
     ap.add_argument("--requests", type=int, default=16, help="requests of each Poisson workload")
     ap.add_argument("--new-tokens", type=int, default=64)
+    ap.add_argument("--tpot-slo-ms", type=float, default=0.0,
+                    help="Poisson rows: goodput at this time-per-output-token SLO (0: off)")
     ap.add_argument("--prompt-len", type=int, default=0, help="the longest prompt (tokens; --shape only)")
     ap.add_argument("--plans", default="ar,stock", help="comma list of plan names (--shape: ar, stock)")
     ap.add_argument("--block", type=int, default=0, help="stock's block size (--shape only; default 8, tiny 4)")
@@ -193,7 +195,8 @@ def main(argv=None):
                         requests = with_reference(requests, want[workload])
                     engine.stats = type(engine.stats)()
                     row, handles = (run_fixed(engine, requests, args.device_calls) if rate == 0
-                                    else run_workload(engine, requests, rate, args.seed + i))
+                                    else run_workload(engine, requests, rate, args.seed + i,
+                                                      args.tpot_slo_ms / 1e3 if args.tpot_slo_ms else None))
                     if rate == 0 and args.trace_top:
                         row["kernels"] = trace_decode(engine, args.device_calls, args.trace_top)
                     tokens = [h.tokens for h in handles]

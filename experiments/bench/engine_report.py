@@ -49,6 +49,9 @@ def print_row(row: dict) -> None:
               f"{row['kv_tokens_max']}, rows V/D {row['rows_verified_per_decode']:.2f}/"
               f"{row['rows_drafted_per_decode']:.2f}, both {row['both_halves_busy_fraction']:.2f}, compile "
               f"{row['compile_s']:.1f} s", flush=True)
+        if row.get("tpot_slo_s") is not None:
+            print(f"    goodput at TPOT <= {1e3 * row['tpot_slo_s']:.1f} ms: {row['goodput_tok_s']:.1f} tok/s "
+                  f"({100 * row['slo_met_fraction']:.0f}% of requests met it)", flush=True)
     if row.get("kv") == "paged":
         print(f"    K/V per slot {row['kv_bytes_per_slot'] / 2**10:.1f} KiB paged ({row['kv_pages_per_row_mean']:.2f} "
               f"pages of {row['kv_page_size']} on average, peak {row['kv_pages_peak']} of {row['kv_pool_pages']}) "

@@ -51,9 +51,17 @@ def _mean_length(committed: list[int], slots: list[int]) -> float:
     return float(np.mean([c / s for c, s in pairs])) if pairs else float("nan")
 
 
-def run_workload(engine: Engine, requests: list[Request], rate: float, seed: int):
+def slo_goodput(tpots: list, tokens: list[int], span_s: float, tpot_slo_s: float) -> dict:
+    """Goodput at a time-per-output-token SLO: output tokens per second of the requests that met it (a
+    request of one token has no TPOT and meets it), and the fraction of requests that met it."""
+    met = [t is None or t <= tpot_slo_s for t in tpots]
+    return {"tpot_slo_s": tpot_slo_s, "slo_met_fraction": float(np.mean(met)) if met else float("nan"),
+            "goodput_tok_s": _ratio(sum(n for n, m in zip(tokens, met) if m), span_s)}
+
+
+def run_workload(engine: Engine, requests: list[Request], rate: float, seed: int, tpot_slo_s: float | None = None):
     """Submit `requests` at Poisson arrival times (rate per second) and step until all are done
-    -> (row, handles)."""
+    -> (row, handles); with `tpot_slo_s`, the row has the goodput at that SLO too (`slo_goodput`)."""
     rng = np.random.default_rng(seed)
     arrivals = np.cumsum(rng.exponential(1.0 / rate, len(requests)))
     handles, nxt, slots_used, kv_used = [None] * len(requests), 0, [], []
@@ -73,8 +81,10 @@ def run_workload(engine: Engine, requests: list[Request], rate: float, seed: int
     ttft = [h.token_s[0] - t0 - a for h, a in zip(handles, arrivals)]
     tpot = [h.tpot_s for h in handles if h.tpot_s is not None]
     out_tokens = sum(len(h.tokens) for h in handles)
+    slo = ({} if tpot_slo_s is None else
+           slo_goodput([h.tpot_s for h in handles], [len(h.tokens) for h in handles], end - arrivals[0], tpot_slo_s))
     return {"rate": rate, "requests": len(requests), "output_tokens": out_tokens,
-            "throughput_tok_s": out_tokens / (end - arrivals[0]),
+            "throughput_tok_s": out_tokens / (end - arrivals[0]), **slo,
             "ttft_p50_s": percentile(ttft, 50), "ttft_p99_s": percentile(ttft, 99),
             "tpot_p50_s": percentile(tpot, 50), "tpot_p99_s": percentile(tpot, 99),
             "slots_in_use_mean": float(np.mean(slots_used)), "slots_in_use_max": int(np.max(slots_used)),
