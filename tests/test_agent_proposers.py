@@ -31,7 +31,8 @@ def test_guided_targets_the_largest_gap_first(gpu_space):
     got = props.GuidedProposer().propose(props.Context(space, INCUMBENT, verify_bound, set()), 3)
     assert [p.rewrite for p in got][:2] == [{"verify": "ar"}, {"verify": "tree", "tree.nodes": 8, "tree.depth": 3,
                                                                "tree.branching": 2}]
-    assert list(got[2].rewrite) == ["block_size"]
+    assert got[2].rewrite == {"verify": "two_level", "tree.nodes": 8, "tree.depth": 3, "tree.branching": 2,
+                              "two_level.first": "drafter_confidence", "two_level.keep": 4}
     assert "verify loses 5.000 ms" in got[0].why
     matmul_bound = _attribution([("verify", 0.1)], [("matmul", 9.0), ("attention", 0.1)])
     got = props.GuidedProposer().propose(props.Context(space, INCUMBENT, matmul_bound, set()), 3)

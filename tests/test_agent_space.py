@@ -19,14 +19,15 @@ def toy():
 def test_space_of_a_cpu_deployment(toy):
     cfg, space = toy
     fields = [c.field for c in space.choices]
-    assert fields == ["verify", "block_size", "tree.nodes", "tree.depth", "tree.branching", "weights",
-                      "kernels.matmul.implementation"]
-    assert space.choice("verify").values == ("ar", "chain", "tree")
+    assert fields == ["verify", "block_size", "tree.nodes", "tree.depth", "tree.branching", "two_level.first",
+                      "two_level.keep", "two_level.exit_layer", "weights", "kernels.matmul.implementation"]
+    assert space.choice("verify").values == ("ar", "chain", "tree", "two_level")
     assert space.choice("block_size").values == (2, 3, 4, 6, 8)  # up to the drafter's block size
     assert space.choice("tree.depth").values == (2, 3, 5, 7)  # below the drafter's block size
     assert space.choice("kernels.matmul.implementation").values == (("xla",),)  # no Pallas backend on a CPU
     assert {c.field for c in space.targeting("verify")} == {"verify", "block_size", "tree.nodes", "tree.depth",
-                                                            "tree.branching"}
+                                                            "tree.branching", "two_level.first", "two_level.keep",
+                                                            "two_level.exit_layer"}
     assert {c.field for c in space.targeting("matmul")} == {"weights", "kernels.matmul.implementation"}
 
 
@@ -144,6 +145,7 @@ def test_a_chain_becomes_a_tree_and_back(toy):
     chain = sp.plan_fields(space.check("inc", {"verify": "chain", "block_size": 4}))
     verify = space.choice("verify")
     to_tree = next(rw for rw in sp.single_field_rewrites(space, chain, verify) if rw["verify"] == "tree")
+    assert {rw["verify"] for rw in sp.single_field_rewrites(space, chain, verify)} == {"ar", "tree", "two_level"}
     assert to_tree == {"verify": "tree", "tree.nodes": 8, "tree.depth": 3, "tree.branching": 2}
     fields, plan = space.rewrite("t", chain, to_tree)
     assert plan.verify == "tree" and plan.tree == plan_mod.TreeShape(8, 3, 2)
@@ -177,3 +179,36 @@ def test_optuna_never_pairs_a_tree_with_a_block_size(toy):
     for rw in rewrites:
         if rw.get("verify", "chain") == "chain":
             assert not any(k.startswith("tree.") for k in rw)
+
+
+def test_a_chain_becomes_a_two_level_tree_and_its_first_level_changes(toy):
+    _, space = toy
+    chain = sp.plan_fields(space.check("inc", {"verify": "chain", "block_size": 4}))
+    to_two = next(rw for rw in sp.single_field_rewrites(space, chain, space.choice("verify"))
+                  if rw["verify"] == "two_level")
+    fields, plan = space.rewrite("t", chain, to_two)
+    assert plan.verify == "two_level" and plan.tree == plan_mod.TreeShape(8, 3, 2)
+    assert plan.two_level == plan_mod.TwoLevel("drafter_confidence", 4) and space.check("t", fields) == plan
+    first = space.choice("two_level.first")
+    exit_rw = next(rw for rw in sp.single_field_rewrites(space, fields, first))
+    assert exit_rw["two_level.first"] == "early_exit" and exit_rw["two_level.exit_layer"] >= 1
+    exited, plan = space.rewrite("e", fields, exit_rw)
+    assert plan.two_level.first == "early_exit" and plan.two_level.exit_layer == exit_rw["two_level.exit_layer"]
+    back, plan = space.rewrite("b", exited, {"two_level.first": "drafter_confidence"})
+    assert plan.two_level == plan_mod.TwoLevel("drafter_confidence", 4)  # the exit layer went with early_exit
+    _, plan = space.rewrite("c", back, {"verify": "chain"})
+    assert plan.tree is None and plan.two_level is None
+    assert not space.choice("two_level.keep").applies(chain) and space.choice("tree.nodes").applies(fields)
+
+
+def test_optuna_two_level_plans_keep_fewer_nodes_than_their_tree(toy):
+    _, space = toy
+    chain = sp.plan_fields(space.check("inc", {"verify": "chain", "block_size": 4}))
+    space, _ = space.feasible(chain)
+    proposer = props.OptunaProposer(seed=5)
+    rewrites = [p.rewrite for p in proposer.propose(props.Context(space, chain, None, set(), [], [], {}), 32)]
+    two = [rw for rw in rewrites if rw.get("verify") == "two_level"]
+    assert two, rewrites
+    for rw in two:
+        got = space.rewrite("t", chain, rw)
+        assert not isinstance(got, sp.Dropped), (rw, got)

@@ -201,11 +201,16 @@ class OptunaProposer(Proposer):
                     current = {"data": 1, "tensor": 1}
                 if value != current:
                     rw[c.field] = value
-            tree = sp.apply(ctx.incumbent, rw).get("tree") or {}
+            view = sp.apply(ctx.incumbent, rw)
+            tree = view.get("tree") or {}
             if rw and all(tree.get(k) for k in ("nodes", "depth", "branching")):
                 full = plan_mod.max_nodes(tree["depth"], tree["branching"])
                 if tree["nodes"] > full:  # more nodes than the tree has: its largest budget that fits
-                    rw["tree.nodes"] = max([n for n in sp.TREE_NODES if n <= full] or [full])
+                    rw["tree.nodes"] = nodes = max([n for n in sp.TREE_NODES if n <= full] or [full])
+                    tree = {**tree, "nodes": nodes}
+                keep = (view.get("two_level") or {}).get("keep")
+                if keep is not None and keep >= tree["nodes"]:  # a first level keeps fewer than the tree has
+                    rw["two_level.keep"] = max([k for k in sp.TWO_LEVEL_KEEP if k < tree["nodes"]] or [2])
             if not rw or not _fresh(ctx, rw, taken):
                 self.study.tell(trial, state=self.optuna.trial.TrialState.PRUNED)
                 continue

@@ -28,6 +28,9 @@ TREE_NODES = (4, 6, 8, 12, 16, 32, 64)
 TREE_DEPTHS = (2, 3, 5, 7, 11, 15)
 TREE_BRANCHINGS = (1, 2, 4)
 DEFAULT_TREE = {"nodes": 8, "depth": 3, "branching": 2}
+# two-level plans: how many of the drafted tree's nodes the first level keeps for the target to verify
+TWO_LEVEL_KEEP = (4, 6, 8, 12, 16, 32)
+DEFAULT_TWO_LEVEL = {"two_level.first": "drafter_confidence", "two_level.keep": 4}
 PALLAS_ON_GPU = {"matmul": ("triton", "mosaic"), "gated_delta_rule": ("triton",),
                  "attention": ("triton", "triton_block"), "residual_norm": ("triton",)}
 OP_TARGETS = {"matmul": ("matmul", "lm_head"), "attention": ("attention",),
@@ -116,6 +119,10 @@ def apply(fields: Mapping, rewrite: Mapping[str, Any]) -> dict:
         # a weight format's kernels are the device's for that format (gpu.matmul.<format>): w12 kept on
         # bf16's XLA dot would decode its weights in jnp and be judged by the wrong kernel
         out.setdefault("kernels", {})["matmul"] = {"implementation": None, "config": {}}
+    if out.get("verify") != "two_level":
+        out.pop("two_level", None)
+    elif (out.get("two_level") or {}).get("first") != "early_exit":
+        (out.get("two_level") or {}).pop("exit_layer", None)  # an exit layer belongs to early_exit only
     if out.get("verify") not in plan_mod.TREE_KINDS:
         out.pop("tree", None)  # a shape belongs to tree verification only
     elif "block_size" not in rewrite:
@@ -277,17 +284,24 @@ def build_space(cfg: DictConfig, *, platform: str = "cpu", devices: int = 1, wor
     if workload not in WORKLOADS:
         raise ValueError(f"agent.workload: {workload!r} is not one of {', '.join(WORKLOADS)}")
     d = cfg.drafter
-    choices = [Choice("verify", ("ar", "chain", "tree") if d.source != "none" else ("ar",), "categorical",
-                      targets=("draft", "verify", "accept"))]
+    choices = [Choice("verify", ("ar", "chain", "tree", "two_level") if d.source != "none" else ("ar",),
+                      "categorical", targets=("draft", "verify", "accept"))]
     if d.source != "none":
         top = int(d.block_size)
         sizes = tuple(b for b in BLOCK_SIZES if b <= top) or (top,)
         choices.append(Choice("block_size", sizes, "int", targets=("verify", "draft", "attention")))
-        tree = ("verify", "tree")
+        tree, two = ("verify", plan_mod.TREE_KINDS), ("verify", "two_level")
         choices += [Choice("tree.nodes", TREE_NODES, "int", targets=("verify", "attention"), when=tree),
                     Choice("tree.depth", tuple(x for x in TREE_DEPTHS if x < top) or (top - 1,), "int",
                            targets=("verify", "draft"), when=tree),
-                    Choice("tree.branching", TREE_BRANCHINGS, "int", targets=("verify", "draft"), when=tree)]
+                    Choice("tree.branching", TREE_BRANCHINGS, "int", targets=("verify", "draft"), when=tree),
+                    Choice("two_level.first", plan_mod.FIRST_LEVELS, "categorical", targets=("verify",), when=two),
+                    Choice("two_level.keep", TWO_LEVEL_KEEP, "int", targets=("verify", "attention"), when=two)]
+        layers = _num_layers(cfg.target)
+        if layers and layers > 1:  # early exits after a quarter or half of the target's layers, or its first
+            exits = tuple(sorted({max(1, layers // 4), max(1, layers // 2), 1}))
+            choices.append(Choice("two_level.exit_layer", exits, "int", targets=("verify",),
+                                  when=("two_level.first", "early_exit")))
     choices.append(Choice("weights", plan_mod.WEIGHT_FORMATS, "categorical", targets=("matmul", "lm_head")))
     hybrid = _is_hybrid(cfg.target)
     for op in plan_mod.KERNEL_OPS:
@@ -311,6 +325,15 @@ def build_space(cfg: DictConfig, *, platform: str = "cpu", devices: int = 1, wor
         choices.append(Choice("mesh", tuple({"data": a, "tensor": b} for a, b in meshes), "categorical",
                               targets=("matmul", "attention", "interconnect")))
     return Space(tuple(_dedupe(choices)), cfg)
+
+
+def _num_layers(tconf) -> int | None:
+    """The target's layer count (a random target's shape, or a checkpoint's config.json), or None."""
+    hf = OmegaConf.to_container(tconf.model, resolve=True) if tconf.get("model") else {}
+    if tconf.source == "hf" and tconf.path and (Path(str(tconf.path)).expanduser() / "config.json").is_file():
+        hf = json.loads((Path(str(tconf.path)).expanduser() / "config.json").read_text())
+    n = hf.get("num_hidden_layers")
+    return int(n) if n else None
 
 
 def _is_hybrid(tconf) -> bool:
@@ -347,8 +370,13 @@ def single_field_rewrites(space: Space, incumbent: Mapping, choice: Choice) -> l
         value = list(v) if isinstance(v, tuple) else v
         if value != current and not (isinstance(current, list) and list(current) == value):
             out.append({choice.field: value})
-            if (choice.field, value) == ("verify", "tree"):
+            if (choice.field, value) in (("verify", "tree"), ("verify", "two_level")) and not incumbent.get("tree"):
                 out[-1].update(default_tree(space))
+            if (choice.field, value) == ("verify", "two_level"):
+                out[-1].update(DEFAULT_TWO_LEVEL)
+            exits = space.choice("two_level.exit_layer")
+            if (choice.field, value) == ("two_level.first", "early_exit") and exits is not None:
+                out[-1]["two_level.exit_layer"] = exits.values[len(exits.values) // 2]
             if (choice.field, value) == ("batching.draft_budget", "confidence") and budgets is not None \
                     and current_value(incumbent, "batching.token_budget") is None:
                 out[-1]["batching.token_budget"] = budgets.values[len(budgets.values) // 2]
