@@ -306,7 +306,7 @@ def build_space(cfg: DictConfig, *, platform: str = "cpu", devices: int = 1, wor
     hybrid = _is_hybrid(cfg.target)
     for op in plan_mod.KERNEL_OPS:
         if op == "gated_delta_rule" and not hybrid or op.startswith("tree_"):
-            continue  # no recurrence in a dense target; no tree plans in this space
+            continue  # no recurrence in a dense target; the tree ops keep their defaults here
         if op in ("attention", "residual_norm") and platform != "gpu":
             continue  # these kernels run on GPUs only: elsewhere the op has XLA alone
         lists = [("xla",)]
