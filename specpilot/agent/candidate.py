@@ -12,12 +12,13 @@ import os
 import sys
 import time
 from pathlib import Path
+from typing import Callable
 
 import jax
 from omegaconf import OmegaConf
 
 from specpilot.agent.engine_workload import PREFILL_CHUNK, EngineWorkload
-from specpilot.harness import config_schema, deploy, devices, kernel_variants, methods  # tests patch methods.run_plan
+from specpilot.harness import config_schema, deploy, devices, kernel_variants, methods, shapes  # tests patch methods.run_plan
 from specpilot.models.oracle import OracleDrafter
 
 PROTOCOL_READY, PROTOCOL_GO, PROTOCOL_DONE, PROTOCOL_END = "ready", "go", "done", "end"
@@ -55,7 +56,7 @@ def build(spec: dict, cfg=None):
     dep = deploy.build(cfg, plans)
     dep.prompts = prompts  # the gate's draw, whatever prompt set the config names
     longest, block = max(len(p) for p in prompts), max(p.block_size for p in plans)
-    dep.cache_len = -(-(longest + dep.new_tokens + block) // 128) * 128
+    dep.cache_len = shapes.cache_len(longest, dep.new_tokens, block)
     plan = next(p for p in plans if p.name == spec["name"])
     return dep, plan, plans
 
@@ -100,13 +101,7 @@ def main(spec_path: str, out_path: str) -> int:
     dep, plan, plans = build(spec, cfg)
     if plan.uses_drafter and isinstance(dep.drafter[0], OracleDrafter):
         dep.reference_tokens = methods.run_plan(dep, plans[0]).tokens  # the oracle replays the AR reference
-    if spec.get("workload", "harness") == "engine":
-        workload = EngineWorkload(dep, plan, prefill_chunk=int(spec.get("prefill_chunk") or PREFILL_CHUNK))
-        run = workload.run
-    elif spec.get("workload", "harness") == "harness":
-        run = lambda: methods.run_plan(dep, plan)  # noqa: E731
-    else:
-        raise ValueError(f"agent.workload: {spec['workload']!r} is not one of harness, engine")
+    run = workload_run(dep, plan, spec)
     warm = run()  # compiles every step
     proto.write(f"{PROTOCOL_READY} {len(warm.tokens)}\n")
     runs, self_times = [], []
@@ -121,16 +116,36 @@ def main(spec_path: str, out_path: str) -> int:
         self_times.append(time.perf_counter() - t0)
         runs.append(r)
         proto.write(f"{PROTOCOL_DONE}\n")
-    stats = dict(runs[-1].stats) if runs else {}
-    if runs and plan.uses_drafter and spec.get("workload", "harness") == "harness":
-        dep.profile_split = True  # one profiled pass, outside the timed runs, for the stage split
-        stats = dict(methods.run_plan(dep, plan).stats)
-    out = {"name": plan.name, "plan": plan.describe(), "tokens": [r.tokens for r in runs],
-           "self_reported_s": self_times, "decode_s": [r.decode_s for r in runs],
-           "decode_tokens": [r.decode_tokens for r in runs], "stats": stats,
-           "batches": len(dep.batches()), "new_tokens": dep.new_tokens, "checked": checked}
+    out = out_record(dep, plan, runs, self_times, spec.get("workload", "harness"), checked)
     Path(out_path).write_text(json.dumps(out, default=str))
     return 0
+
+
+def workload_run(dep, plan, spec: dict) -> Callable[[], methods.MethodRun]:
+    """One run of the spec's plan: the harness's fixed batch, or the prompts as requests through the engine."""
+    workload = spec.get("workload", "harness")
+    if workload == "engine":
+        return EngineWorkload(dep, plan, prefill_chunk=int(spec.get("prefill_chunk") or PREFILL_CHUNK)).run
+    if workload == "harness":
+        return lambda: methods.run_plan(dep, plan)
+    raise ValueError(f"agent.workload: {workload!r} is not one of harness, engine")
+
+
+def out_record(dep, plan, runs: list, self_times: list, workload: str, checked: list) -> dict:
+    """What the evaluator reads of a candidate: the tokens of every timed run, its own times (reported,
+    never trusted) and the plan's stats, from one profiled pass after the timed runs for a drafting plan
+    on the harness (the stage split)."""
+    stats = dict(runs[-1].stats) if runs else {}
+    if runs and plan.uses_drafter and workload == "harness":
+        dep.profile_split = True
+        try:
+            stats = dict(methods.run_plan(dep, plan).stats)
+        finally:
+            dep.profile_split = False
+    return {"name": plan.name, "plan": plan.describe(), "tokens": [r.tokens for r in runs],
+            "self_reported_s": self_times, "decode_s": [r.decode_s for r in runs],
+            "decode_tokens": [r.decode_tokens for r in runs], "stats": stats,
+            "batches": len(dep.batches()), "new_tokens": dep.new_tokens, "checked": checked}
 
 
 if __name__ == "__main__":

@@ -16,7 +16,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from specpilot import forcing
 from specpilot.costmodel import roofline
-from specpilot.harness import deploy, methods
+from specpilot.harness import deploy, methods, shapes
 from specpilot.harness.config_schema import build_plans, typed
 from specpilot.plan import Plan
 
@@ -86,7 +86,7 @@ class Gate:
         self.dep.reference_tokens = None
         longest = max(len(p) for p in prompts)
         block = max(self.reference.block_size, self.stock.block_size)
-        self.dep.cache_len = -(-(longest + self.dep.new_tokens + block) // 128) * 128
+        self.dep.cache_len = shapes.cache_len(longest, self.dep.new_tokens, block)
 
     def forcing_report(self, tokens) -> forcing.ForcingReport:
         """Stock's choices with `tokens` (the candidate's) forced: a mismatch is a position where stock

@@ -327,20 +327,22 @@ def build_space(cfg: DictConfig, *, platform: str = "cpu", devices: int = 1, wor
     return Space(tuple(_dedupe(choices)), cfg)
 
 
-def _num_layers(tconf) -> int | None:
-    """The target's layer count (a random target's shape, or a checkpoint's config.json), or None."""
+def _hf_config(tconf) -> dict:
+    """The target's model config: a random target's shape, or a checkpoint's config.json ({} if neither)."""
     hf = OmegaConf.to_container(tconf.model, resolve=True) if tconf.get("model") else {}
     if tconf.source == "hf" and tconf.path and (Path(str(tconf.path)).expanduser() / "config.json").is_file():
         hf = json.loads((Path(str(tconf.path)).expanduser() / "config.json").read_text())
-    n = hf.get("num_hidden_layers")
+    return hf
+
+
+def _num_layers(tconf) -> int | None:
+    n = _hf_config(tconf).get("num_hidden_layers")
     return int(n) if n else None
 
 
 def _is_hybrid(tconf) -> bool:
-    """Whether the target has linear-attention layers (a random target's shape, or a checkpoint's config.json)."""
-    hf = OmegaConf.to_container(tconf.model, resolve=True) if tconf.get("model") else {}
-    if tconf.source == "hf" and tconf.path and (Path(str(tconf.path)).expanduser() / "config.json").is_file():
-        hf = json.loads((Path(str(tconf.path)).expanduser() / "config.json").read_text())
+    """Whether the target has linear-attention layers."""
+    hf = _hf_config(tconf)
     return (hf.get("architectures") or [None])[0] in HYBRID_ARCHITECTURES or hf.get("model_type") == "qwen3_5_text"
 
 

@@ -19,9 +19,8 @@ import traceback
 from typing import Callable
 
 from specpilot.agent import candidate
-from specpilot.agent.engine_workload import PREFILL_CHUNK, EngineWorkload
 from specpilot.decoding import aot
-from specpilot.harness import config_schema, deploy, fit, methods
+from specpilot.harness import config_schema, deploy, fit, methods, shapes
 from specpilot.models.oracle import OracleDrafter
 
 # config keys a spec may change without a new deployment: its plan, its prompts' count and length, its
@@ -73,7 +72,7 @@ class WarmWorker:
         if built:
             self.loaded.clear()
             self.references.clear()
-            self.base, self.key = None, None
+            self.base = self.key = None  # a build that raises leaves no half-kept deployment
             self.base, self.key = deploy.build(cfg, plans), key
         else:
             fit.preflight(cfg, plans)
@@ -83,21 +82,15 @@ class WarmWorker:
         longest, block = max(len(p) for p in prompts), max(p.block_size for p in plans)
         # a copy per plan: its own prompts and lengths, the weights and their prepared formats shared
         dep = dataclasses.replace(self.base, prompts=prompts, new_tokens=new, reference_tokens=None,
-                                  profile_split=False, cache_len=-(-(longest + new + block) // 128) * 128)
+                                  profile_split=False, cache_len=shapes.cache_len(longest, new, block))
         if plan.uses_drafter and isinstance(dep.drafter[0], OracleDrafter):
             ref_key = (json.dumps(prompts), new)
             if ref_key not in self.references:  # the oracle replays the AR reference
                 self.references[ref_key] = methods.run_plan(dep, plans[0]).tokens
             dep.reference_tokens = self.references[ref_key]
-        workload = spec.get("workload", "harness")
-        if workload == "engine":
-            run = EngineWorkload(dep, plan, prefill_chunk=int(spec.get("prefill_chunk") or PREFILL_CHUNK)).run
-        elif workload == "harness":
-            run = lambda: methods.run_plan(dep, plan)  # noqa: E731
-        else:
-            raise ValueError(f"agent.workload: {workload!r} is not one of harness, engine")
+        run = candidate.workload_run(dep, plan, spec)
         warm = run()
-        self.loaded[spec["name"]] = Loaded(plan, dep, run, workload)
+        self.loaded[spec["name"]] = Loaded(plan, dep, run, spec.get("workload", "harness"))
         return {"loaded": spec["name"], "tokens": len(warm.tokens), "load_s": time.perf_counter() - t0,
                 "built": built}
 
@@ -112,19 +105,9 @@ class WarmWorker:
 
     def result(self, name: str) -> dict:
         """What a candidate process writes to its out.json (`candidate.main`), for a loaded plan."""
-        entry = self.loaded[name]
-        runs, plan = entry.runs, entry.plan
-        stats = dict(runs[-1].stats) if runs else {}
-        timed_compiles = entry.timed_compiles
-        if runs and plan.uses_drafter and entry.workload == "harness":
-            entry.dep.profile_split = True  # one profiled pass, outside the timed runs, for the stage split
-            stats = dict(methods.run_plan(entry.dep, plan).stats)
-            entry.dep.profile_split = False
-        return {"result": {"name": plan.name, "plan": plan.describe(), "tokens": [r.tokens for r in runs],
-                           "self_reported_s": entry.self_times, "decode_s": [r.decode_s for r in runs],
-                           "decode_tokens": [r.decode_tokens for r in runs], "stats": stats,
-                           "batches": len(entry.dep.batches()), "new_tokens": entry.dep.new_tokens,
-                           "checked": [], "timed_compiles": timed_compiles}}
+        e = self.loaded[name]
+        out = candidate.out_record(e.dep, e.plan, e.runs, e.self_times, e.workload, [])
+        return {"result": {**out, "timed_compiles": e.timed_compiles}}
 
     def retain(self, names: list[str]) -> dict:
         """Drop every loaded plan but `names`, and every prepared weight format none of them uses."""
