@@ -154,6 +154,7 @@ def test_batchings_apply_to_speculative_plans_only():
     (["--m", "3", "--overlap", "halves"], r"--m 3 with --overlap halves"),
     (["--block", "8"], r"--block belongs to --shape"),
     (["--rates", "0", "--new-tokens", "1"], r"--new-tokens must be >= 2"),
+    (["--tpot-slo-ms", "-5"], r"--tpot-slo-ms takes a time per output token"),
     (["--deployment", "", "--shape", "tiny", "--step-cost", "model"], r"--step-cost model prices a --deployment"),
 ])
 def test_bad_arguments_exit_naming_them(capsys, argv, message):

@@ -133,6 +133,8 @@ def parse_args(argv=None):
             ap.error(f"{flag} takes a comma list of {', '.join(allowed)}, got {value!r}")
     if not args.rates or min(args.rates) < 0:
         ap.error(f"--rates takes request rates >= 0 (0: a fixed batch), got {args.rates}")
+    if args.tpot_slo_ms < 0:
+        ap.error(f"--tpot-slo-ms takes a time per output token in ms (0: no goodput), got {args.tpot_slo_ms}")
     if args.streams < 1:
         ap.error(f"--streams must be >= 1, got {args.streams}")
     if args.page_size < 1 or args.pages < 0:
