@@ -1,7 +1,7 @@
 """What the accept stage costs: greedy prefix matching against rejection sampling, jitted, on random logits.
 
     PYTHONPATH=. python experiments/bench/bench_accept.py [--vocab 49152,151936] [--blocks 4,8,16]
-        [--batch 1,16] [--trials 30] [--settings 0.7:1:0,0.7:0.9:0,0.7:0.95:50] [--baseline COMMIT]
+        [--batch 1,16] [--trials 30] [--settings 0.7:1:0,0.7:0.9:0,0.7:0.95:50] [--baseline COMMIT] [--trace-top N]
 
 One chain verification's accept (`rejection.verify_chain`) over drafts [B, Bs-1], draft logits
 [B, Bs-1, V] and target logits [B, Bs, V], the drafts' own sampling (`rejection.choose_drafts`), and the
@@ -28,7 +28,7 @@ import jax.numpy as jnp
 
 from specpilot.decoding.rejection import choose_drafts, verify_chain
 from specpilot.decoding.sampling import SamplingConfig
-from specpilot.harness.bench import median_ms
+from specpilot.harness.bench import median_ms, traced_kernels
 from specpilot.serving.slots import verify_rows
 
 
@@ -100,6 +100,9 @@ def main(argv=None):
                     help="comma list of temperature:top_p:top_k sampled settings (greedy always runs first)")
     ap.add_argument("--no-rows", action="store_true", help="skip the engine's row-by-row accept and the draws")
     ap.add_argument("--baseline", help="a git commit whose sampled accepts are timed in the same trials")
+    ap.add_argument("--trace-top", type=int, default=0,
+                    help="also trace each setting's accept under the JAX profiler: device time, kernels per call "
+                         "and this many of its costliest kernels")
     args = ap.parse_args(argv)
 
     chain = jax.jit(verify_chain)
@@ -134,6 +137,26 @@ def main(argv=None):
                         draw = median_ms(drafting, key, draft_logits, s, trials=args.trials)
                     print(f"{vocab:>7} {block:>3} {batch:>3} {name:>19} {statistics.median(accept):>10.3f} "
                           f"{ratio:>9.2f} {q1:>5.2f}-{q3:<5.2f} {by_row:>8.3f} {draw:>10.3f}", flush=True)
+                if args.trace_top:
+                    for (name, _), call in zip(per_row.items(), calls):
+                        print_trace(name, call, args.trace_top)
+
+
+def print_trace(name: str, call, top: int, calls: int = 10) -> None:
+    """Device time per accept call (profiler trace of `calls` calls) and its costliest kernels."""
+    def run():
+        out = None
+        for _ in range(calls):
+            out = call()
+        return out
+    summary = traced_kernels(run, calls, top=top)
+    if "busy_ms_per_step" not in summary:
+        print(f"    trace {name}: {summary}")
+        return
+    print(f"    trace {name}: device {summary['busy_ms_per_step']:.3f} ms, span {summary['span_ms_per_step']:.3f} ms, "
+          f"{summary['kernels_per_step']:.0f} kernels per call")
+    for k in summary["top"]:
+        print(f"      {k['ms_per_step'] * 1e3:8.1f} us  {k['calls_per_step']:4.1f}x  {k['name'][:100]}")
 
 
 if __name__ == "__main__":
