@@ -79,13 +79,15 @@ def _to_host(metrics: dict) -> dict:
 def run_training(state: Any, step_fn: Callable, batch_fn: Callable[[int], Any], *, steps: int,
                  out_dir: str | Path, meta: dict, log_every: int, checkpoint_every: int,
                  eval_every: int = 0, eval_fn: Callable[[Any], dict] | None = None,
-                 stop_at: int | None = None, tokens_per_step: int = 0, desc: str = "train",
-                 progress: bool = True, max_to_keep: int = 2) -> tuple[Any, int]:
+                 stop_at: int | None = None, max_minutes: float | None = None, tokens_per_step: int = 0,
+                 desc: str = "train", progress: bool = True, max_to_keep: int = 2) -> tuple[Any, int]:
     """Run `state, metrics = step_fn(state, batch_fn(step))` from the latest checkpoint to `steps`.
 
     `meta` (JSON) is saved with each checkpoint; on resume its values must match the saved ones
     (same data, same seed), else the run would silently continue a different experiment.
-    `stop_at` ends the run early after saving a checkpoint (an interruption, for tests and budgets).
+    `stop_at` ends the run early after saving a checkpoint (an interruption, for tests and budgets);
+    `max_minutes` does so after the first step that ends past that wall time (a run in chunks of a time
+    budget: the next run resumes there and, the data being a function of the step, matches one run).
     Returns (state, completed steps).
     """
     out_dir = Path(out_dir)
@@ -102,6 +104,8 @@ def run_training(state: Any, step_fn: Callable, batch_fn: Callable[[int], Any], 
         end = steps if stop_at is None else min(steps, stop_at)
         bar = tqdm(total=steps, initial=start, desc=desc, disable=not progress, dynamic_ncols=True)
         t0, last_t, last_step = time.perf_counter(), time.perf_counter(), start
+        deadline = None if max_minutes is None else t0 + 60 * max_minutes
+        stopped = end
         for step in range(start, end):
             state, metrics = step_fn(state, batch_fn(step))
             done = step + 1
@@ -122,7 +126,12 @@ def run_training(state: Any, step_fn: Callable, batch_fn: Callable[[int], Any], 
                 log.write(record)
                 bar.write(f"{desc} step {done}: " + ", ".join(f"{k}={v:.4f}" for k, v in record.items()
                                                                  if k != "step"))
-            if done % checkpoint_every == 0 or done == end:
+            out_of_time = deadline is not None and done < end and time.perf_counter() >= deadline
+            if done % checkpoint_every == 0 or done == end or out_of_time:
                 ckpt.save(done, state, meta)
+            if out_of_time:
+                bar.write(f"{desc}: stopped at step {done} of {steps} ({max_minutes} min); run again to continue")
+                stopped = done
+                break
         bar.close()
-        return state, max(start, end)
+        return state, max(start, stopped)

@@ -106,6 +106,9 @@ class Sequences:
         return Sequences(self.tokens[idx], self.starts[idx], self.ends[idx])
 
 
+EMPTY = Sequences(np.zeros((0, 1), np.int32), np.zeros(0, np.int32), np.zeros(0, np.int32))
+
+
 def regenerate(target_params: dict, target_cfg: ModelConfig, prompts: Sequence[Sequence[int]],
                gen_len: int, batch: int, stop_token: int | None = None, progress=None) -> Sequences:
     """Each prompt followed by the target's greedy continuation of up to gen_len tokens (cut after the
@@ -283,7 +286,8 @@ def window_prompts(cfg: DrafterTrainConfig, corpus: Corpus,
 def regenerated_data(cfg: DrafterTrainConfig, prompts: tuple, target_params: dict,
                      target_cfg: ModelConfig, out_dir: Path, stop_token: int | None = None,
                      progress: bool = True) -> tuple[Sequences, Sequences]:
-    """(train, held-out) regenerated sequences from (train, held-out) prompts, cached in out_dir."""
+    """(train, held-out) regenerated sequences from (train, held-out) prompts, cached in out_dir (no train
+    prompts: no train sequences)."""
     path = out_dir / "regenerated.npz"
     train_prompts, held_prompts = ([list(map(int, p)) for p in part] for part in prompts)
     # What the sequences depend on; a checksum of the target's weights catches a retrained target.
@@ -296,7 +300,7 @@ def regenerated_data(cfg: DrafterTrainConfig, prompts: tuple, target_params: dic
     bar = tqdm(total=len(train_prompts) + len(held_prompts), desc="regenerate", disable=not progress)
     t0 = time.perf_counter()
     train = regenerate(target_params, target_cfg, train_prompts, cfg.gen_len, cfg.gen_batch, stop_token,
-                       lambda n: bar.update(n - bar.n))
+                       lambda n: bar.update(n - bar.n)) if train_prompts else EMPTY
     heldout = regenerate(target_params, target_cfg, held_prompts, cfg.gen_len, cfg.gen_batch, stop_token,
                          lambda n: bar.update(len(train_prompts) + n - bar.n))
     bar.close()
@@ -328,13 +332,18 @@ def load_sequences(path: Path, key: str) -> tuple[Sequences, Sequences] | None:
 def train_drafter(cfg: DrafterTrainConfig, corpus: Corpus, tokenizer: TextTokenizer, target_params: dict,
                   target_cfg: ModelConfig, out_dir: str | Path, *, prompts: tuple | None = None,
                   stop_token: int | None = None, stop_at: int | None = None, export_at_stop: bool = False,
-                  progress: bool = True) -> tuple[dict, drafter_model.DrafterConfig]:
+                  train_sequences: Sequences | None = None, data_id: str | None = None,
+                  max_minutes: float | None = None, progress: bool = True
+                  ) -> tuple[dict, drafter_model.DrafterConfig]:
     """Train (or resume training) the block drafter against the frozen target.
 
     `prompts`: (train, held-out) token-id prompts the target continues (default: corpus windows of
     `cfg.prompt_len` tokens, `window_prompts`); continuations end after `stop_token` if given.
+    `train_sequences`: train on these instead (e.g. `replies.load_replies`; the train prompts must then be
+    empty), identified in the checkpoints by `data_id` so a resume on other data is refused.
     `stop_at` ends the run after that step; `export_at_stop` then writes that step's params as the model
-    (a checkpoint taken before the learning-rate schedule's end).
+    (a checkpoint taken before the learning-rate schedule's end). `max_minutes` ends it after the first
+    step past that wall time (checkpointed: the same call again continues).
     Writes `out_dir/regenerated.npz`, `log.jsonl`, `checkpoints/` and, once done, `out_dir/model/`
     (DFlash layout, `drafter.load_drafter`). Returns (float32 drafter params, drafter config).
     """
@@ -343,7 +352,12 @@ def train_drafter(cfg: DrafterTrainConfig, corpus: Corpus, tokenizer: TextTokeni
     tcfg = target_cfg.with_taps(dcfg.tap_layers)
     target_params = jax.tree.map(jnp.asarray, target_params)
     prompts = window_prompts(cfg, corpus, tokenizer) if prompts is None else prompts
+    if train_sequences is not None and len(prompts[0]):
+        raise ValueError("train_sequences replace the train prompts: give an empty train prompt list")
     train, heldout = regenerated_data(cfg, prompts, target_params, tcfg, out_dir, stop_token, progress)
+    train = train if train_sequences is None else train_sequences
+    if len(train) < cfg.batch_size:
+        raise ValueError(f"{len(train)} train sequences cannot fill a batch of {cfg.batch_size}")
     optimizer = make_optimizer(cfg.learning_rate, cfg.steps, cfg.warmup_steps, cfg.weight_decay,
                                cfg.grad_clip, cfg.min_lr_ratio)
     params = drafter_model.init(jax.random.key(cfg.seed), dcfg, jnp.float32)
@@ -351,6 +365,8 @@ def train_drafter(cfg: DrafterTrainConfig, corpus: Corpus, tokenizer: TextTokeni
     meta = {"kind": "drafter", "seed": cfg.seed, "sequences": len(train),
             "seq_len": int(train.tokens.shape[1]), "batch_size": cfg.batch_size, "steps": cfg.steps,
             "block_size": cfg.block_size, "tap_layers": list(dcfg.tap_layers)}
+    if data_id is not None:
+        meta["data"] = data_id
     step_fn = make_train_step(cfg, dcfg, tcfg, optimizer)
     order = np.arange(len(train), dtype=np.int32)[:, None]  # batches of row indices
 
@@ -361,7 +377,7 @@ def train_drafter(cfg: DrafterTrainConfig, corpus: Corpus, tokenizer: TextTokeni
     state, done = run_training(
         state, step_fn, batch, steps=cfg.steps, out_dir=out_dir, meta=meta, log_every=cfg.log_every,
         checkpoint_every=cfg.checkpoint_every, eval_every=cfg.eval_every,
-        eval_fn=make_eval_fn(cfg, dcfg, tcfg, target_params, heldout), stop_at=stop_at,
+        eval_fn=make_eval_fn(cfg, dcfg, tcfg, target_params, heldout), stop_at=stop_at, max_minutes=max_minutes,
         tokens_per_step=cfg.batch_size * cfg.anchors_per_seq * (cfg.block_size - 1),
         desc="drafter", progress=progress)
     if done >= cfg.steps or (export_at_stop and stop_at is not None and done >= stop_at):
