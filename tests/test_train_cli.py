@@ -1,5 +1,6 @@
 """The training entry point: every stage on a toy corpus folder, and a drafter for a HF checkpoint."""
 
+import json
 import subprocess
 import sys
 from pathlib import Path
@@ -14,6 +15,7 @@ from specpilot.models import dense
 from specpilot.models import drafter as dr
 from specpilot.models.checkpoint import save_hf
 from specpilot.models.config import ModelConfig
+from specpilot.training import replies as rp
 
 ROOT = Path(__file__).resolve().parents[1]
 TOY_SIZES = [
@@ -67,3 +69,54 @@ def test_drafter_for_a_hugging_face_checkpoint(tmp_path):
 def test_missing_target_is_a_clear_error(tmp_path):
     proc = _train("stage=drafter", f"out_dir={tmp_path / 'out'}", cwd=tmp_path)
     assert proc.returncode != 0 and "no target at" in proc.stderr
+
+
+def test_bad_replies_settings_are_a_clear_error(tmp_path):
+    proc = _train("stage=replies", "replies.policy=eager", f"out_dir={tmp_path / 'out'}", cwd=tmp_path)
+    assert proc.returncode != 0 and "replies.policy must be one of ('static', 'continuous')" in proc.stderr
+
+
+def test_the_v2_config_composes():
+    sys.path.insert(0, str(ROOT / "experiments"))
+    try:
+        import train
+    finally:
+        sys.path.remove(str(ROOT / "experiments"))
+    from hydra import compose, initialize_config_dir
+
+    with initialize_config_dir(config_dir=str(ROOT / "conf"), version_base=None):
+        cfg = compose(config_name="train_smollm2_v2", overrides=["out_dir=/tmp/unused"])
+    assert (cfg.stage, cfg.data, cfg.drafter.block_size, cfg.target_path) == ("drafter", "replies", 16, "smollm2")
+    conf = train.replies_config(cfg)
+    assert conf.num_replies >= 100_000 and conf.temperatures[0] == 0.0 and cfg.drafter.gen_len == conf.max_new_tokens
+
+
+CHAT_TEMPLATE = ("{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n{% endfor %}"
+                 "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+
+
+@pytest.mark.slow  # four runs of the entry point
+def test_replies_in_runs_then_a_drafter_from_them(tmp_path):
+    corpus = _corpus(tmp_path / "corpus")
+    tok = train_tokenizer(load_corpus(corpus).texts("train"), vocab_size=300)
+    cfg = ModelConfig(vocab_size=tok.vocab_size, hidden_size=32, intermediate_size=64, num_layers=3,
+                      num_heads=2, num_kv_heads=1, head_dim=16, qk_norm=True, tie_word_embeddings=True)
+    save_hf(dense.init(jax.random.key(0), cfg, dtype=jnp.float32), cfg, tmp_path / "hf")
+    tok.save(tmp_path / "hf")
+    (tmp_path / "hf" / "tokenizer_config.json").write_text(json.dumps({"chat_template": CHAT_TEMPLATE}))
+    common = [f"target_path={tmp_path / 'hf'}", f"out_dir={tmp_path / 'out'}", f"corpus.root={corpus}",
+              "chat.max_prompt_tokens=200", "chat.num_heldout=2", "replies.num_replies=8", "replies.shard_size=4",
+              "replies.max_new_tokens=6", "replies.slots=4", "replies.prefill_chunk=64",
+              "replies.temperatures=[0.0,0.8]", *TOY_SIZES]
+    first = _train("stage=replies", "replies.max_minutes=1e-9", *common, cwd=tmp_path)
+    assert first.returncode == 0 and "1 of 2 shards" in first.stdout and "run the same command again" in first.stdout
+    rest = _train("stage=replies", *common, cwd=tmp_path)
+    assert rest.returncode == 0 and "2 of 2 shards" in rest.stdout and "complete" in rest.stdout, rest.stderr[-3000:]
+    seqs, info = rp.load_replies(tmp_path / "out" / "replies")
+    assert len(seqs) == 8 and {s["where"].split(":")[0] for s in info["sources"]} <= set(load_corpus(corpus).train_files)
+    proc = _train("stage=drafter", "data=replies", *common, cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "8 sequences from 2 shards" in proc.stdout and dr.load_drafter(tmp_path / "out" / "drafter" / "model")
+    # Another split of the corpus would hold some replies' files out: refused before training.
+    proc = _train("stage=drafter", "data=replies", *common, "corpus.heldout_fraction=0.5", cwd=tmp_path)
+    assert proc.returncode != 0 and "held out in this corpus split" in proc.stderr
