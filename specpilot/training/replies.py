@@ -167,7 +167,8 @@ def _shard_id(path: Path) -> str | None:
     """The key id a readable shard was written for (None: absent; a torn one is removed with a warning)."""
     def load(p: Path) -> str:
         with np.load(p) as data:
-            data["tokens"].shape  # noqa: B018  (a truncated member raises here)
+            if data["tokens"].ndim != 2:  # reading the member whole: a truncated one raises here
+                raise ValueError(f"tokens of shape {data['tokens'].shape}, not [replies, positions]")
             return str(data["key"])
     return atomic_io.read_cache(path, load, "a replies shard")
 
