@@ -8,6 +8,7 @@ import signal
 import subprocess
 import sys
 import time
+import types
 from pathlib import Path
 
 import pytest
@@ -15,7 +16,7 @@ import pytest
 from agent_helpers import ROOT, TOY, toy_cfg
 
 from specpilot.agent import memory as mem
-from specpilot.agent.loop import tried_before
+from specpilot.agent.loop import Loop, tried_before
 from specpilot.harness.config_schema import build_plans, validate
 
 
@@ -95,3 +96,25 @@ def test_a_resumed_round_counts_only_finished_rounds_as_tried(tmp_path):
     memory.finish_round("k", 0, {"verify": "ar"}, 1e-3, 1e-3)  # round 1 was interrupted after judging "b"
     assert tried_before(memory, "k", 1) == {"a"}
     assert tried_before(memory, "k", 2) == {"a", "b"}
+
+
+def test_a_winner_is_profiled_once_and_keeps_its_timed_result_if_that_fails():
+    """Candidates are timed without the stage split; the loop asks for it once, from the winner."""
+    calls = []
+
+    class FakeEvaluator:
+        def __init__(self, status):
+            self.status = status
+
+        def evaluate(self, specs, warm):
+            calls.append((specs, warm))
+            return [{"status": self.status, "stats": {"time_split": {"draft": 1.0}}}]
+
+    fake = types.SimpleNamespace(agent=types.SimpleNamespace(warm=True),
+                                 spec=lambda name, fields, prompts, profile: {"name": name, "fields": fields,
+                                                                              "profile": profile, "repeats": 3})
+    best = {"fields": {"block_size": 4}, "result": {"status": "ok", "stats": {}}}
+    out = Loop._profiled(fake, FakeEvaluator("ok"), 2, best, [[1, 2]])
+    assert calls == [([{"name": "r2-winner", "fields": {"block_size": 4}, "profile": True, "repeats": 1}], True)]
+    assert out["stats"]["time_split"] == {"draft": 1.0}
+    assert Loop._profiled(fake, FakeEvaluator("crashed"), 2, best, [[1, 2]]) is best["result"]

@@ -29,7 +29,8 @@ def _go_order(folder) -> list[str]:
 
 def test_plan_only_specs_share_one_kept_deployment(toy):
     cfg, prompts, work = toy
-    specs = [spec(cfg, "inc", {"verify": "chain"}, prompts), spec(cfg, "b4", {"verify": "chain", "block_size": 4}, prompts),
+    specs = [spec(cfg, "inc", {"verify": "chain"}, prompts),
+             {**spec(cfg, "b4", {"verify": "chain", "block_size": 4}, prompts), "profile": False},
              spec(cfg, "ar", {"verify": "ar"}, prompts),
              spec(cfg, "bad", {"verify": "chain", "batching": {"nonsense": 1}}, prompts)]
     first = warm_pool.evaluate_warm(specs, timeout_s=300, memory_mb=None, workdir=str(work), sandbox="none")
@@ -43,6 +44,8 @@ def test_plan_only_specs_share_one_kept_deployment(toy):
     # lossless: stock at either block size emits AR's tokens, run after run
     assert by["inc"]["tokens"] == by["ar"]["tokens"] == by["b4"]["tokens"]
     assert by["inc"]["deployment_built"] and not by["b4"]["deployment_built"]
+    # the stage split only where asked for (the incumbent's and a winner's: its programs compile)
+    assert by["inc"]["stats"].get("time_split") and not by["b4"]["stats"].get("time_split")
     # timed in turn, each plan first in one repeat
     assert _go_order(by["inc"]["folder"]) == ["inc", "b4", "ar", "b4", "ar", "inc"]
 
@@ -54,6 +57,7 @@ def test_plan_only_specs_share_one_kept_deployment(toy):
 
     cold = ev.evaluate_candidate(specs[1], timeout_s=300, memory_mb=None, workdir=str(work), sandbox="none")
     assert cold["status"] == ev.OK and cold["tokens"] == by["b4"]["tokens"]  # what a fresh process gives
+    assert not cold["stats"].get("time_split")  # nor does a fresh process profile what is not asked for
 
 
 def test_a_candidate_that_kills_the_worker_loses_alone(toy, tmp_path):

@@ -116,7 +116,8 @@ def main(spec_path: str, out_path: str) -> int:
         self_times.append(time.perf_counter() - t0)
         runs.append(r)
         proto.write(f"{PROTOCOL_DONE}\n")
-    out = out_record(dep, plan, runs, self_times, spec.get("workload", "harness"), checked)
+    out = out_record(dep, plan, runs, self_times, spec.get("workload", "harness"), checked,
+                     bool(spec.get("profile", True)))
     Path(out_path).write_text(json.dumps(out, default=str))
     return 0
 
@@ -131,12 +132,13 @@ def workload_run(dep, plan, spec: dict) -> Callable[[], methods.MethodRun]:
     raise ValueError(f"agent.workload: {workload!r} is not one of harness, engine")
 
 
-def out_record(dep, plan, runs: list, self_times: list, workload: str, checked: list) -> dict:
+def out_record(dep, plan, runs: list, self_times: list, workload: str, checked: list, profile: bool = True) -> dict:
     """What the evaluator reads of a candidate: the tokens of every timed run, its own times (reported,
-    never trusted) and the plan's stats, from one profiled pass after the timed runs for a drafting plan
-    on the harness (the stage split)."""
+    never trusted) and the plan's stats, with `profile` from one profiled pass after the timed runs for a
+    drafting plan on the harness (the stage split: its stage programs compile, so only the incumbent and a
+    winner ask for it)."""
     stats = dict(runs[-1].stats) if runs else {}
-    if runs and plan.uses_drafter and workload == "harness":
+    if profile and runs and plan.uses_drafter and workload == "harness":
         dep.profile_split = True
         try:
             stats = dict(methods.run_plan(dep, plan).stats)

@@ -137,14 +137,17 @@ class Loop:
         self.variants = recover_variants(self.sandbox)  # name -> Variant (a resumed incumbent may name one)
         self.model_cfg = None  # the target's model config (the gate's deployment): variant check shapes
 
-    def spec(self, name: str, fields: dict, prompts, stage: str = "full", program: str | None = None) -> dict:
+    def spec(self, name: str, fields: dict, prompts, stage: str = "full", program: str | None = None,
+             profile: bool = False) -> dict:
+        """One evaluation's spec; `profile`: also the stage split (its programs compile: the incumbent's and a
+        winner's, which the attribution reads, never every candidate's)."""
         new = int(self.cfg.bench.new_tokens)
         if stage == "cheap":
             new = max(2, int(round(new * self.agent.cheap_fraction)))
         out = {"name": name, "fields": fields, "config": OmegaConf.to_container(self.cfg, resolve=True),
                "prompts": prompts, "new_tokens": new, "repeats": int(self.agent.repeats), "stage": stage,
                "compile_cache": self.compile_cache, "workload": self.agent.workload,
-               "prefill_chunk": int(self.agent.prefill_chunk)}
+               "prefill_chunk": int(self.agent.prefill_chunk), "profile": bool(profile)}
         if program:
             out["program"] = str(program)
         named = variant_names(fields)
@@ -183,8 +186,8 @@ class Loop:
                 prompts = gate.draw(r)
                 self.progress(f"round {r}: {len(prompts)} fresh prompts; incumbent {json.dumps(self.incumbent)}")
                 if att is None:
-                    inc_result = evaluator.evaluate([self.spec(f"r{r}-incumbent", self.incumbent, prompts)],
-                                                    warm=a.warm)[0]
+                    inc_spec = self.spec(f"r{r}-incumbent", self.incumbent, prompts, profile=True)
+                    inc_result = evaluator.evaluate([inc_spec], warm=a.warm)[0]
                     if inc_result["status"] != "ok":
                         raise RuntimeError(f"the incumbent failed: {inc_result['reason']}")
                     att = self._attribution(gate, self.incumbent, inc_result)
@@ -196,7 +199,7 @@ class Loop:
                 survivors = [row["rewrite"] for row in accepted if row is not best and row["proposer"] != "given"]
                 if best is not None:
                     self.incumbent = best["fields"]
-                    att = self._attribution(gate, self.incumbent, best["result"])
+                    att = self._attribution(gate, self.incumbent, self._profiled(evaluator, r, best, prompts))
                     memory.record_mechanism(features(self.cfg, old, a.workload), best["rewrite"], best["fields"],
                                             best["gain"], [self.key, best["folder"]], self.versions)
                     self.progress(f"round {r}: accepted {best['name']} ({best['gain']:.3f}x): "
@@ -219,6 +222,13 @@ class Loop:
                                "best_s_per_token": x.best_s_per_token} for x in memory.rounds(self.key)]}
         atomic_io.write_json(self.out / "summary.json", summary, indent=2)
         return summary
+
+    def _profiled(self, evaluator: ev.Evaluator, r: int, best: dict, prompts) -> dict:
+        """The winner's result with its stage split: one profiled evaluation (candidates are timed without
+        it); the timed result when that evaluation fails."""
+        spec = {**self.spec(f"r{r}-winner", best["fields"], prompts, profile=True), "repeats": 1}
+        res = evaluator.evaluate([spec], warm=self.agent.warm)[0]
+        return res if res["status"] == "ok" else best["result"]
 
     def _attribution(self, gate: Gate, fields: dict, result: dict) -> dict | None:
         plan = self.space.check("incumbent", fields)
@@ -306,7 +316,7 @@ class Loop:
                     runnable.remove(x)
         self.progress(f"round {r}: evaluating {len(runnable)} candidate(s) and the incumbent on "
                       f"{a.workers} worker(s)")
-        specs = [self.spec(f"r{r}-incumbent", self.incumbent, prompts)]
+        specs = [self.spec(f"r{r}-incumbent", self.incumbent, prompts, profile=True)]
         specs += [self.spec(x[2], x[3], prompts, "full", x[5]) for x in runnable]
         results = evaluator.evaluate(specs, progress=lambda res: self.progress(
             f"  {res['name']}: {res['status']}" + (f" {1e3 * res['s_per_token']:.3f} ms/token"

@@ -45,6 +45,7 @@ class Loaded:
     dep: deploy.Deployment
     run: Callable[[], methods.MethodRun]
     workload: str
+    profile: bool = True  # the stage split after the timed runs (`candidate.out_record`)
     runs: list = dataclasses.field(default_factory=list)
     self_times: list = dataclasses.field(default_factory=list)
     timed_compiles: int = 0  # programs compiled inside its timed runs (should stay 0: all compiled at load)
@@ -90,7 +91,8 @@ class WarmWorker:
             dep.reference_tokens = self.references[ref_key]
         run = candidate.workload_run(dep, plan, spec)
         warm = run()
-        self.loaded[spec["name"]] = Loaded(plan, dep, run, spec.get("workload", "harness"))
+        self.loaded[spec["name"]] = Loaded(plan, dep, run, spec.get("workload", "harness"),
+                                            bool(spec.get("profile", True)))
         return {"loaded": spec["name"], "tokens": len(warm.tokens), "load_s": time.perf_counter() - t0,
                 "built": built}
 
@@ -106,7 +108,7 @@ class WarmWorker:
     def result(self, name: str) -> dict:
         """What a candidate process writes to its out.json (`candidate.main`), for a loaded plan."""
         e = self.loaded[name]
-        out = candidate.out_record(e.dep, e.plan, e.runs, e.self_times, e.workload, [])
+        out = candidate.out_record(e.dep, e.plan, e.runs, e.self_times, e.workload, [], e.profile)
         return {"result": {**out, "timed_compiles": e.timed_compiles}}
 
     def retain(self, names: list[str]) -> dict:
