@@ -71,7 +71,8 @@ def main(argv=None) -> int:
         named = [("incumbent", incumbent)] + [(f"c{i}", sp.apply(incumbent, c)) for i, c in enumerate(changes)]
         return [{"name": f"{tag}-{n}", "fields": f, "config": config, "prompts": prompts,
                  "new_tokens": args.new_tokens, "repeats": args.repeats, "stage": "full",
-                 "compile_cache": str(Path(cfg.cache_dir).expanduser() / "xla"), "workload": "harness"}
+                 "compile_cache": str(Path(cfg.cache_dir).expanduser() / "xla"), "workload": "harness",
+                 "profile": n == "incumbent"}  # as the loop asks: the stage split for the incumbent only
                 for n, f in named]
 
     print(f"incumbent {json.dumps(incumbent)}; candidates {json.dumps(changes)}", flush=True)
