@@ -95,3 +95,16 @@ def test_a_scheduler_elsewhere_needs_tls(tmp_path):
         cluster_security.check_scheduler("tcp://10.1.2.3:8786", sec)
     with pytest.raises(ValueError, match="agent.tls.key_file is not set"):
         cluster_security.security({"ca_file": str(files["ca_file"]), "cert_file": str(files["cert_file"])})
+
+
+def test_a_candidate_imports_what_its_driver_imports_from_pythonpath(tmp_path):
+    """Packages installed with `pip install --target DIR` and found through PYTHONPATH: the candidate's
+    environment is built from scratch but keeps those folders after the project's own."""
+    site = tmp_path / "site"
+    site.mkdir()
+    (site / "only_on_pythonpath.py").write_text("VALUE = 41 + 1\n")
+    env = sb.minimal_env({}, {"PYTHONPATH": f"{site}{os.pathsep}", "OPENAI_API_KEY": "k"})
+    assert env["PYTHONPATH"].split(os.pathsep)[:len(sb.project_roots())] == sb.project_roots()
+    out = subprocess.run([sys.executable, "-c", "import only_on_pythonpath as m, specpilot; print(m.VALUE)"],
+                         env=env, capture_output=True, text=True, check=True).stdout
+    assert out.strip() == "42" and "OPENAI_API_KEY" not in env

@@ -88,7 +88,8 @@ def project_roots() -> list[str]:
 
 def minimal_env(extra: dict, base: dict | None = None, scratch: str = SCRATCH) -> dict:
     """A process's environment built from scratch: PATH, HOME and TMPDIR in its scratch, the project on
-    PYTHONPATH, the device and XLA variables of `base` (default os.environ) that name no credential, and
+    PYTHONPATH (then `base`'s own PYTHONPATH: packages installed with --target import from there), the
+    device and XLA variables of `base` (default os.environ) that name no credential, and
     `extra` (its device group's) on top."""
     base = os.environ if base is None else base
     env = {k: v for k, v in base.items()
@@ -96,7 +97,8 @@ def minimal_env(extra: dict, base: dict | None = None, scratch: str = SCRATCH) -
     env.update(PATH=os.pathsep.join(dict.fromkeys([str(Path(sys.executable).parent), "/usr/local/bin", "/usr/bin",
                                                    "/bin"])),
                HOME=scratch, TMPDIR=scratch, USER="sandbox", LOGNAME="sandbox", PYTHONUNBUFFERED="1",
-               PYTHONPATH=os.pathsep.join(project_roots()))
+               PYTHONPATH=os.pathsep.join(dict.fromkeys(
+                   project_roots() + [p for p in base.get("PYTHONPATH", "").split(os.pathsep) if p])))
     return {**env, **extra}
 
 
