@@ -207,7 +207,7 @@ def _check_hydra(c: Command, args: list[str]) -> None:
         if c.program == "experiments/train.py":
             train = _script(c.program)  # registers its schema, then composes like the script
             cfg = _compose(config, overrides)
-            assert cfg.stage in train.STAGES and cfg.data in ("stdlib", "chat"), f"{c}\n  stage / data"
+            assert cfg.stage in train.STAGES and cfg.data in train.DATA, f"{c}\n  stage / data"
         elif c.program == "experiments/agent.py":
             agent_loop = pytest.importorskip("specpilot.agent.loop")
             cfg = _compose(config, overrides)
