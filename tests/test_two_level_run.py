@@ -33,5 +33,6 @@ def test_two_level_plans_run_and_pass_token_forcing(tmp_path):
         assert rec["forcing"]["positions"] == 24 and rec["mismatches"] == 0
         assert rec["forcing"]["outputs_differ"] == 0
         assert rec["stats"]["nodes_verified"] == 6
-    assert records["exit"]["stats"]["first_level"] == {"nodes": 12, "layers": 2, "target_layers": 4}
+    assert records["exit"]["stats"]["first_level"] == {"nodes": 12, "layers": 2, "target_layers": 4,
+                                                       "head": "the target's"}
     assert "exit: token forcing: 24 positions, 0 mismatches" in proc.stdout
