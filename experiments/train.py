@@ -1,10 +1,11 @@
-"""Train a tokenizer, a target or a block drafter: `python experiments/train.py stage=... out_dir=...`.
+"""Train a tokenizer, a target, a block drafter or an exit head: `python experiments/train.py stage=... out_dir=...`.
 
 A drafter can be trained for any loadable target (a target trained here, a local Hugging Face
 checkpoint, a GGUF file, or `smollm2`: SmolLM2-135M-Instruct from the package registry) on any folder
 of text files (`corpus.root=/path`), either on windows of the corpus (`data=stdlib`) or on chat
-requests about its functions rendered with the target's chat template (`data=chat`). Each stage
-resumes from its orbax checkpoints when run again with the same out_dir. See conf/train.yaml.
+requests about its functions rendered with the target's chat template (`data=chat`). An exit head
+(`stage=exit_head`, a two-level first level) trains on the same data. Each stage resumes from its orbax
+checkpoints when run again with the same out_dir. See conf/train.yaml.
 """
 
 import dataclasses
@@ -26,12 +27,13 @@ from specpilot.embedded import from_overrides
 from specpilot.models.gguf_import import import_cached
 from specpilot.training.checkpointing import load_target
 from specpilot.training.drafter import DrafterTrainConfig, train_drafter, window_prompts
+from specpilot.training.exit_head import ExitHeadTrainConfig, train_exit_head
 from specpilot.training.target import TargetTrainConfig, train_target
 
 for noisy in ("jax._src.xla_bridge", "absl", "orbax"):
     logging.getLogger(noisy).setLevel(logging.WARNING)
 
-STAGES = ("tokenizer", "target", "drafter", "all")
+STAGES = ("tokenizer", "target", "drafter", "all", "exit_head")  # all: the first three
 
 
 def _mutable(cls):
@@ -42,6 +44,7 @@ def _mutable(cls):
 
 
 TargetSizes, DrafterSizes = _mutable(TargetTrainConfig), _mutable(DrafterTrainConfig)
+ExitHeadSizes = _mutable(ExitHeadTrainConfig)
 
 
 @dataclasses.dataclass
@@ -82,6 +85,7 @@ class TrainConf:
     drafter_stop_at: Optional[int] = None  # stop the drafter at this step and export its params
     target: TargetSizes = dataclasses.field(default_factory=TargetSizes)
     drafter: DrafterSizes = dataclasses.field(default_factory=DrafterSizes)
+    exit_head: ExitHeadSizes = dataclasses.field(default_factory=ExitHeadSizes)
     progress: bool = True
 
 
@@ -125,6 +129,27 @@ def main(cfg: DictConfig) -> None:
                                 stop_token=stop, stop_at=cfg.drafter_stop_at,
                                 export_at_stop=cfg.drafter_stop_at is not None, progress=bool(cfg.progress))
         print(f"drafter (block {dcfg.block_size}, taps {dcfg.tap_layers}) -> {out / 'drafter' / 'model'}")
+    if "exit_head" in stages:
+        train_exit_head_stage(cfg, corpus, out, sizes.drafter)
+
+
+def train_exit_head_stage(cfg: DictConfig, corpus, out: Path, drafter_sizes) -> None:
+    """An exit head for the target on its greedy replies (chat requests, or corpus windows of
+    drafter.prompt_len tokens), written to out/exit_head/model."""
+    target_path = resolve_target(cfg.target_path, out, cfg.cache_dir)
+    params, tcfg = load_target(target_path, dtype=jnp.float32)
+    tok = load_tokenizer(target_path, eos_token=cfg.tokenizer.eos_token, mask_token=cfg.tokenizer.mask_token)
+    if cfg.data == "chat":
+        prompts, stop = chat_prompts(cfg, corpus, tok, target_path, drafter_sizes), tok.eos_id
+    else:
+        prompts, stop = window_prompts(drafter_sizes, corpus, tok), None
+    sizes = ExitHeadTrainConfig(**OmegaConf.to_container(cfg.exit_head, resolve=True))
+    _, ids, hcfg, metrics = train_exit_head(sizes, prompts, params, tcfg, out / "exit_head", stop_token=stop,
+                                            progress=bool(cfg.progress))
+    u, t = metrics["untrained"], metrics["trained"]
+    print(f"exit head (layer {hcfg.exit_layer}, rank {hcfg.rank}, {len(ids)} ids, {hcfg.num_params()} params): "
+          f"held-out top-1 agreement with the target {u['heldout_top1']:.3f} untrained -> "
+          f"{t['heldout_top1']:.3f} trained -> {out / 'exit_head' / 'model'}")
 
 
 def resolve_target(target_path, out: Path, cache_dir: str) -> Path:
