@@ -1,4 +1,4 @@
-"""Train a tokenizer, a target or a block drafter: `python experiments/train.py stage=... out_dir=...`.
+"""Train a tokenizer, a target, a block drafter or an exit head: `python experiments/train.py stage=... out_dir=...`.
 
 A drafter can be trained for any loadable target (a target trained here, a local Hugging Face
 checkpoint, a GGUF file, or `smollm2`: SmolLM2-135M-Instruct from the package registry) on any folder
@@ -6,7 +6,8 @@ of text files (`corpus.root=/path`), either on windows of the corpus (`data=stdl
 requests about its functions rendered with the target's chat template (`data=chat`), or on the
 target's replies to such requests generated beforehand in resumable shards (`stage=replies`, then
 `data=replies`). Each stage resumes when run again with the same out_dir (the drafter from its orbax
-checkpoints, the replies from the shards written). See conf/train.yaml.
+checkpoints, the replies from the shards written). An exit head (`stage=exit_head`, a two-level first
+level) trains on the target's greedy replies to chat requests or corpus windows. See conf/train.yaml.
 """
 
 import dataclasses
@@ -30,12 +31,13 @@ from specpilot.training.checkpointing import Checkpointer, load_target
 from specpilot.training.drafter import DrafterTrainConfig, train_drafter, window_prompts
 from specpilot.training.replies import (RepliesConfig, RepliesError, generate_replies, load_replies,
                                         weights_digest)
+from specpilot.training.exit_head import ExitHeadTrainConfig, train_exit_head
 from specpilot.training.target import TargetTrainConfig, train_target
 
 for noisy in ("jax._src.xla_bridge", "absl", "orbax"):
     logging.getLogger(noisy).setLevel(logging.WARNING)
 
-STAGES = ("tokenizer", "target", "drafter", "all", "replies")  # all: the first three
+STAGES = ("tokenizer", "target", "drafter", "all", "replies", "exit_head")  # all: the first three
 DATA = ("stdlib", "chat", "replies")
 
 
@@ -47,6 +49,7 @@ def _mutable(cls):
 
 
 TargetSizes, DrafterSizes = _mutable(TargetTrainConfig), _mutable(DrafterTrainConfig)
+ExitHeadSizes = _mutable(ExitHeadTrainConfig)
 
 
 @dataclasses.dataclass
@@ -107,6 +110,7 @@ class TrainConf:
     drafter_max_minutes: Optional[float] = None  # stop (checkpointed) after this much training; rerun to go on
     target: TargetSizes = dataclasses.field(default_factory=TargetSizes)
     drafter: DrafterSizes = dataclasses.field(default_factory=DrafterSizes)
+    exit_head: ExitHeadSizes = dataclasses.field(default_factory=ExitHeadSizes)
     progress: bool = True
 
 
@@ -162,6 +166,8 @@ def main(cfg: DictConfig) -> None:
             print(f"drafter: step {step} of {sizes.drafter.steps}; run the same command again to continue")
         else:
             print(f"drafter (block {dcfg.block_size}, taps {dcfg.tap_layers}) -> {out / 'drafter' / 'model'}")
+    if "exit_head" in stages:
+        train_exit_head_stage(cfg, corpus, out, sizes.drafter)
 
 
 def replies_config(cfg: DictConfig) -> RepliesConfig:
@@ -229,6 +235,25 @@ def replies_data(cfg: DictConfig, corpus, out: Path, params) -> dict:
                          f"(e.g. {leaked[:3]}): the held-out tau would be measured on trained prompts")
     print(f"replies data: {len(seqs)} sequences from {info['shards']} shards of {folder}")
     return {"train_sequences": seqs, "data_id": f"{info['id']}:{info['shards']}"}
+
+
+def train_exit_head_stage(cfg: DictConfig, corpus, out: Path, drafter_sizes) -> None:
+    """An exit head for the target on its greedy replies (chat requests, or corpus windows of
+    drafter.prompt_len tokens), written to out/exit_head/model."""
+    target_path = resolve_target(cfg.target_path, out, cfg.cache_dir)
+    params, tcfg = load_target(target_path, dtype=jnp.float32)
+    tok = load_tokenizer(target_path, eos_token=cfg.tokenizer.eos_token, mask_token=cfg.tokenizer.mask_token)
+    if cfg.data in ("chat", "replies"):  # greedy replies to the chat requests
+        prompts, stop = chat_prompts(cfg, corpus, tok, target_path, drafter_sizes), tok.eos_id
+    else:
+        prompts, stop = window_prompts(drafter_sizes, corpus, tok), None
+    sizes = ExitHeadTrainConfig(**OmegaConf.to_container(cfg.exit_head, resolve=True))
+    _, ids, hcfg, metrics = train_exit_head(sizes, prompts, params, tcfg, out / "exit_head", stop_token=stop,
+                                            progress=bool(cfg.progress))
+    u, t = metrics["untrained"], metrics["trained"]
+    print(f"exit head (layer {hcfg.exit_layer}, rank {hcfg.rank}, {len(ids)} ids, {hcfg.num_params()} params): "
+          f"held-out top-1 agreement with the target {u['heldout_top1']:.3f} untrained -> "
+          f"{t['heldout_top1']:.3f} trained -> {out / 'exit_head' / 'model'}")
 
 
 def resolve_target(target_path, out: Path, cache_dir: str) -> Path:

@@ -14,7 +14,7 @@ import numpy as np
 
 from specpilot.decoding.ar import pack_prompts
 from specpilot.decoding.token_tree import build_tree, root_path
-from specpilot.decoding.two_level import first_level_scores, select_subtree
+from specpilot.decoding.two_level import check_exit_head, first_level_scores, select_subtree, with_exit_head
 from specpilot.sharding import host_array
 from specpilot.state import chain_forward, prompt_forward, tree_mask
 
@@ -61,7 +61,7 @@ def _two_level_chunk(params, target, shape, level, tokens, state):
     # early-exit forward runs), the path's scores are raised to the top so it survives, and the target
     # verifies the `keep` kept nodes, compacted and remapped as a two-level step does.
     nodes, depth, branching = shape
-    first, keep, exit_layer = level
+    first, keep, exit_layer, exit_head = level
     b, k = tokens.shape
     v = target.vocab_size
     spread = jnp.arange(v, dtype=jnp.float32)[None, None, :] * (1.0 / v)
@@ -69,7 +69,7 @@ def _two_level_chunk(params, target, shape, level, tokens, state):
     full = build_tree(logprobs, tokens[:, 0], nodes, depth, branching)
     end = jnp.argmax(full.depths == depth, axis=1).astype(jnp.int32)
     on_path = jnp.take_along_axis(full.ancestors, end[:, None, None], axis=1)[:, 0]  # [B, N]
-    scores = first_level_scores(first, exit_layer, depth, target, params, state, full, logprobs)
+    scores = first_level_scores(first, exit_layer, depth, target, params, state, full, logprobs, exit_head)
     t, kept = select_subtree(full, jnp.where(on_path, jnp.inf, scores), keep)
     last = jnp.argmax(kept == end[:, None], axis=1).astype(jnp.int32)
     path = root_path(t, last, k)
@@ -113,17 +113,22 @@ def tree_scorer(params, target, nodes: int, depth: int, branching: int, cache_dt
 
 
 def two_level_scorer(params, target, nodes: int, depth: int, branching: int, first: str, keep: int,
-                     exit_layer=None, cache_dtype=None) -> Scorer:
+                     exit_layer=None, cache_dtype=None, exit_head: dict | None = None) -> Scorer:
     """Scorer as `tree_scorer` through a two-level step: an `nodes`-node tree carrying the forced path,
-    scored by the first level, cut to `keep` nodes (the path kept) and verified. Needs keep >= depth + 1."""
+    scored by the first level (`exit_head`: a trained head's arrays for the early exit), cut to `keep`
+    nodes (the path kept) and verified. Needs keep >= depth + 1."""
     if keep < depth + 1:
         raise ValueError(f"{keep} kept nodes cannot hold a root path of depth {depth}")
+    if exit_head is not None:
+        check_exit_head(exit_head, target)
+        params = with_exit_head(params, exit_head)
     k = depth + 1
+    level = (first, keep, exit_layer, exit_head is not None)
 
     def score(prompt_tokens, prompt_lengths, forced):
         return _score_in_chunks(params, target, prompt_tokens, prompt_lengths, forced, k, nodes, cache_dtype,
                                 lambda tokens, state: _two_level_chunk(params, target, (nodes, depth, branching),
-                                                                       (first, keep, exit_layer), tokens, state))
+                                                                       level, tokens, state))
 
     return score
 

@@ -72,12 +72,14 @@ class TreeShape:
 @dataclasses.dataclass(frozen=True)
 class TwoLevel:
     """A two_level plan's first level (`decoding.two_level`): what scores the drafted tree's nodes
-    (`drafter_confidence` or `early_exit`), how many nodes the target verifies, and for `early_exit` how
-    many target layers score them."""
+    (`drafter_confidence` or `early_exit`), how many nodes the target verifies, for `early_exit` how
+    many target layers score them and `exit_head`, a trained head's folder (`models.exit_head`; None: the
+    target's own final norm and head)."""
 
     first: str
     keep: int
     exit_layer: int | None = None
+    exit_head: str | None = None
 
 
 def max_nodes(depth: int, branching: int) -> int:
@@ -264,6 +266,12 @@ class Plan:
         except ValueError as e:
             field = next((f for f in ("first", "keep", "exit_layer") if f"two_level.{f}" in str(e)), "first")
             _fail(self.name, f"two_level.{field}", str(e))
+        if t.exit_head is not None:
+            if not isinstance(t.exit_head, str) or not t.exit_head.strip():
+                _fail(self.name, "two_level.exit_head", f"a trained exit head's folder (a path), got {t.exit_head!r}")
+            if t.first != "early_exit":
+                _fail(self.name, "two_level.exit_head", f"a trained exit head belongs to the early_exit first "
+                      f"level, not {t.first!r}")
 
     @property
     def uses_drafter(self) -> bool:
@@ -386,10 +394,11 @@ def _tree(name: str, fields) -> TreeShape | None:
 
 
 def _two_level(name: str, fields) -> TwoLevel | None:
-    """A plan's first level from its config mapping ({first, keep, exit_layer}; absent or null: none)."""
+    """A plan's first level from its config mapping ({first, keep, exit_layer, exit_head}; absent or null:
+    none)."""
     if fields is None:
         return None
-    known = ("first", "keep", "exit_layer")
+    known = ("first", "keep", "exit_layer", "exit_head")
     if not isinstance(fields, Mapping):
         _fail(name, "two_level", f"expected a mapping with first, keep and exit_layer, got {fields!r}")
     unknown = sorted(set(fields) - set(known))
@@ -398,7 +407,7 @@ def _two_level(name: str, fields) -> TwoLevel | None:
     for k in ("first", "keep"):
         if fields.get(k) is None:
             _fail(name, f"two_level.{k}", "missing (a two_level plan gives first and keep)")
-    return TwoLevel(str(fields["first"]), fields["keep"], fields.get("exit_layer"))
+    return TwoLevel(str(fields["first"]), fields["keep"], fields.get("exit_layer"), fields.get("exit_head"))
 
 
 def _mesh(name: str, fields) -> MeshShape:

@@ -209,7 +209,10 @@ def test_a_two_level_plan_builds():
     p = plan_mod.build("t", {"verify": "two_level", "tree": TREE,
                              "two_level": {"first": "early_exit", "keep": 8, "exit_layer": 3}}, **KW)
     assert p.block_size == 16 and p.two_level == plan_mod.TwoLevel("early_exit", 8, 3) and p.uses_drafter
-    assert p.describe()["two_level"] == {"first": "early_exit", "keep": 8, "exit_layer": 3}
+    assert p.describe()["two_level"] == {"first": "early_exit", "keep": 8, "exit_layer": 3, "exit_head": None}
+    head = plan_mod.build("t", {"verify": "two_level", "tree": TREE, "two_level": {
+        "first": "early_exit", "keep": 8, "exit_layer": 3, "exit_head": "/heads/exit3"}}, **KW)
+    assert head.two_level == plan_mod.TwoLevel("early_exit", 8, 3, "/heads/exit3")
 
 
 @pytest.mark.parametrize("level,match", [
@@ -224,6 +227,9 @@ def test_a_two_level_plan_builds():
     ({"first": "early_exit", "keep": 8, "exit_layer": 0}, r"t\.two_level\.exit_layer: "),
     ({"first": "drafter_confidence", "keep": 8, "exit_layer": 2}, r"t\.two_level\.exit_layer: .*belongs to"),
     ({"first": "early_exit", "keep": 8, "layer": 2}, r"t\.two_level: unknown key.*'layer'"),
+    ({"first": "drafter_confidence", "keep": 8, "exit_head": "/h"}, r"t\.two_level\.exit_head: .*belongs to the early_exit"),
+    ({"first": "early_exit", "keep": 8, "exit_layer": 2, "exit_head": ""}, r"t\.two_level\.exit_head: .*folder"),
+    ({"first": "early_exit", "keep": 8, "exit_layer": 2, "exit_head": 3}, r"t\.two_level\.exit_head: .*folder"),
     ("early_exit", r"t\.two_level: expected a mapping"),
 ])
 def test_bad_two_level_fields_fail_naming_the_field(level, match):

@@ -15,8 +15,11 @@ from specpilot.decoding import spec, tree as tree_loop
 from specpilot.decoding.ar import check_stop_token
 from specpilot.decoding.sampling import GREEDY, SamplingConfig
 from specpilot.decoding.token_tree import Tree, build_tree
+from specpilot.models import exit_head as exit_head_model
 from specpilot.plan import check_first_level
 from specpilot.state import tree_mask
+
+EXIT_HEAD = "exit_head"  # where target params carry a trained exit head's arrays (`with_exit_head`)
 
 
 def path_scores(tree: Tree, node_logprob: jax.Array, depth: int) -> jax.Array:
@@ -77,27 +80,60 @@ def early_exit_node_logprob(target, target_params, target_state, tree: Tree, exi
     return logp[jnp.arange(tree.tokens.shape[0])[:, None], up, tree.tokens]
 
 
+def with_exit_head(target_params: dict, head: dict) -> dict:
+    """Target params carrying a trained exit head (`exit_head.for_target`'s arrays): they travel with the
+    params through the compiled loop, where a static setup cannot hold arrays."""
+    return {**target_params, EXIT_HEAD: head}
+
+
+def check_exit_head(head, target) -> None:
+    """A clear error for exit head arrays that do not score for `target`."""
+    if not isinstance(head, dict) or not {"rows", "ids", "norm", "down", "up", "bias"} <= set(head):
+        raise ValueError("exit_head must be a head's arrays from exit_head.for_target (rows, ids, norm, down, "
+                         "up, bias)")
+    k, h = head["rows"].shape
+    if h != target.cfg.hidden_size or head["ids"].shape != (k,):
+        raise ValueError(f"the exit head's rows are [{k}, {h}] for {head['ids'].shape} ids; the target's hidden "
+                         f"size is {target.cfg.hidden_size}")
+
+
+def exit_head_node_logprob(target, target_params, target_state, tree: Tree, exit_layer: int) -> jax.Array:
+    """[B, N]: log p(token | parent) under the trained exit head `target_params` carries, on the output of
+    the target's first `exit_layer` layers, over the whole tree in one forward (its state is dropped)."""
+    positions = target_state.lengths[:, None] + tree.depths
+    hidden, _ = target.exit_hidden(target_params, tree.tokens, positions, target_state,
+                                   tree_mask(target_state, tree.ancestors), parents=tree.parents,
+                                   exit_layer=exit_layer)
+    return exit_head_model.token_logprob(target_params[EXIT_HEAD], hidden, tree.parents, tree.tokens,
+                                         target.cfg.rms_norm_eps)
+
+
 def first_level_scores(first: str, exit_layer, depth: int, target, target_params, target_state, tree: Tree,
-                       draft_logprobs) -> jax.Array:
-    """[B, N] the path scores of first level `first` over a tree of depth <= depth."""
+                       draft_logprobs, exit_head: bool = False) -> jax.Array:
+    """[B, N] the path scores of first level `first` over a tree of depth <= depth (`exit_head`: an
+    early exit through the trained head `target_params` carries)."""
     if first == "drafter_confidence":
         return path_scores(tree, drafter_node_logprob(tree, draft_logprobs), depth)
-    return path_scores(tree, early_exit_node_logprob(target, target_params, target_state, tree, exit_layer),
-                       depth)
+    exit_logprob = exit_head_node_logprob if exit_head else early_exit_node_logprob
+    return path_scores(tree, exit_logprob(target, target_params, target_state, tree, exit_layer), depth)
 
 
 @dataclasses.dataclass(frozen=True)
 class TwoLevelSetup(tree_loop.TreeSetup):
-    """A tree run whose drafted `nodes`-node tree is cut to `keep` nodes by `first` before verification."""
+    """A tree run whose drafted `nodes`-node tree is cut to `keep` nodes by `first` before verification
+    (`exit_head`: the early exit scores through a trained head that the target params carry)."""
 
     first: str = "drafter_confidence"
     keep: int = 2
     exit_layer: int | None = None
+    exit_head: bool = False
 
     def __post_init__(self):
         super().__post_init__()
         check_first_level(self.first, self.keep, self.exit_layer, self.nodes,
                           getattr(self.target.cfg, "num_layers", None))
+        if self.exit_head and self.first != "early_exit":
+            raise ValueError(f"a trained exit head scores for the early_exit first level, not {self.first!r}")
 
     def step(self, target_params, draft_params, state: spec.SpecState) -> spec.SpecState:
         return two_level_step(self, target_params, draft_params, state)
@@ -110,7 +146,7 @@ def two_level_step(setup: TwoLevelSetup, target_params, draft_params, state: spe
     full = build_tree(logprobs, state.last, setup.nodes, setup.depth, setup.branching)
     state = dataclasses.replace(state, draft_state=draft_state)
     scores = first_level_scores(setup.first, setup.exit_layer, setup.depth, setup.target, target_params,
-                                state.target_state, full, logprobs)
+                                state.target_state, full, logprobs, setup.exit_head)
     kept, _ = select_subtree(full, scores, setup.keep)
     state, logits, taps = tree_loop.verify_phase(setup, target_params, state, kept)
     return tree_loop.accept_phase(setup, target_params, draft_params, state, kept, logits, taps)
@@ -118,14 +154,18 @@ def two_level_step(setup: TwoLevelSetup, target_params, draft_params, state: spe
 
 def generate(target, target_params, drafter, draft_params, prompts: Sequence[Sequence[int]],
              max_new_tokens: int, *, nodes: int, depth: int, branching: int, first: str, keep: int,
-             exit_layer: int | None = None, sampling: SamplingConfig = GREEDY, key=None,
-             cache_len: int | None = None, cache_dtype=None, budgets=None, temperature=None, top_p=None,
-             stop_token: int | None = None, record_steps: bool = False) -> spec.SpecResult:
-    """Two-level tree-speculative generation (`tree.generate`'s arguments, plus the first level)."""
+             exit_layer: int | None = None, exit_head: dict | None = None, sampling: SamplingConfig = GREEDY,
+             key=None, cache_len: int | None = None, cache_dtype=None, budgets=None, temperature=None,
+             top_p=None, stop_token: int | None = None, record_steps: bool = False) -> spec.SpecResult:
+    """Two-level tree-speculative generation (`tree.generate`'s arguments, plus the first level;
+    `exit_head`: a trained head's arrays, `exit_head.for_target`, for the early exit)."""
     tree_loop.check_depth(drafter, depth)
     setup = TwoLevelSetup(target, drafter, nodes, depth, branching, max_new_tokens,
                           check_stop_token(stop_token, target.vocab_size), first=first, keep=keep,
-                          exit_layer=exit_layer)
+                          exit_layer=exit_layer, exit_head=exit_head is not None)
+    if exit_head is not None:
+        check_exit_head(exit_head, target)
+        target_params = with_exit_head(target_params, exit_head)
     return tree_loop.run(setup, target_params, draft_params, prompts, sampling=sampling, key=key,
                          cache_len=cache_len, cache_dtype=cache_dtype, budgets=budgets,
                          temperature=temperature, top_p=top_p, record_steps=record_steps)

@@ -141,6 +141,7 @@ class TwoLevelConf:
     first: str = "drafter_confidence"  # drafter_confidence | early_exit
     keep: int = 0  # nodes the target verifies (root included)
     exit_layer: Optional[int] = None  # early_exit: target layers that score the drafted tree
+    exit_head: Optional[str] = None  # early_exit: a trained exit head's folder (null: the target's own head)
 
 
 @dataclasses.dataclass

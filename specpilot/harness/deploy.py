@@ -21,7 +21,7 @@ from specpilot.decoding.sampling import SamplingConfig
 from specpilot.harness import fit, shapes
 from specpilot.harness.config_errors import ConfigValueError
 from specpilot.harness.shapes import DTYPES, target_tap_layers  # noqa: F401  (the deployment's dtypes, taps)
-from specpilot.models import dense, draft_vocab, gguf_import, hybrid
+from specpilot.models import dense, draft_vocab, exit_head, gguf_import, hybrid
 from specpilot.models import drafter as dr
 from specpilot.models.checkpoint import load_hf
 from specpilot.models.confidence_trace import load_calibration
@@ -54,6 +54,7 @@ class Deployment:
     prepared: dict = dataclasses.field(default_factory=dict, repr=False)  # (role, weights, kernels) -> params
     meshes: dict = dataclasses.field(default_factory=dict, repr=False)  # MeshShape -> jax Mesh
     weight_cache: str | None = None  # the run's cache_dir: encoded weights kept on disk (formats.w12_cache)
+    exit_heads: dict = dataclasses.field(default_factory=dict, repr=False)  # (folder, layer) -> head arrays
 
     def _rows(self, plan: Plan) -> int:
         return self.batch_size * plan.block_size  # the most rows one of the plan's steps multiplies per call
@@ -135,6 +136,21 @@ class Deployment:
         if not plan.mesh.is_single:
             return drafter.with_mesh(self.mesh_for(plan)), self._sharded("drafter", params, plan, unfuse=False)
         return drafter, self._prepare("drafter", params, plan, extra=("fc",))
+
+    def exit_head_for(self, plan: Plan):
+        """The trained exit head `plan`'s first level reads (`exit_head.for_target`'s arrays, the target's
+        head rows gathered from its unencoded params), loaded once per folder; None when it names none."""
+        level = plan.two_level
+        if level is None or level.exit_head is None:
+            return None
+        key = (level.exit_head, level.exit_layer)
+        if key not in self.exit_heads:
+            try:
+                params, ids, _ = exit_head.load(level.exit_head, self.cfg, level.exit_layer)
+            except exit_head.ExitHeadError as e:
+                raise ConfigValueError(f"decoding.plans.{plan.name}.two_level.exit_head: {e}") from None
+            self.exit_heads[key] = exit_head.for_target(params, ids, self.params, self.cfg)
+        return self.exit_heads[key]
 
     def batches(self) -> list[list[list[int]]]:
         """Prompts grouped into batches of `batch_size` (a trailing partial batch is dropped)."""
@@ -354,7 +370,7 @@ def build(cfg: DictConfig, plans: list[Plan]) -> Deployment:
     cache_len = shapes.cache_len(max(len(p) for p in prompts), int(b.new_tokens), max(p.block_size for p in plans),
                                  b.cache_len)
     check_meshes(plans, mcfg, int(b.batch_size), drafter)
-    return Deployment(
+    dep = Deployment(
         params=params, cfg=mcfg,
         sampling=SamplingConfig(float(dec.temperature), int(dec.top_k), float(dec.top_p)),
         prompts=prompts, batch_size=int(b.batch_size), new_tokens=int(b.new_tokens),
@@ -363,3 +379,6 @@ def build(cfg: DictConfig, plans: list[Plan]) -> Deployment:
         chat_template=None if text is None else text.chat_template,
         profile_split=bool(dec.profile_split), notes=notes, labels=labels(cfg), stop_token=stop,
         weight_cache=str(cfg.cache_dir))
+    for plan in plans:  # a missing or unfitting exit head fails here, before any plan runs
+        dep.exit_head_for(plan)
+    return dep

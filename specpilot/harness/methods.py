@@ -155,20 +155,21 @@ def run_two_level(dep, plan: Plan, on_batch: BatchCallback | None = None) -> Met
     """Block drafter + two-level tree verification (`decoding.two_level`): the plan's tree cut to
     `two_level.keep` nodes by its first level, then verified; stats add the nodes each step verifies
     (and, for early exit, the nodes the first level's layers see)."""
-    shape, level = plan.tree, plan.two_level
+    shape, level, head = plan.tree, plan.two_level, dep.exit_head_for(plan)
 
     def generate(target, params, drafter, draft_params, batch):
         return two_level.generate(target, params, drafter, draft_params, batch, dep.new_tokens,
                                   nodes=shape.nodes, depth=shape.depth, branching=shape.branching,
                                   first=level.first, keep=level.keep, exit_layer=level.exit_layer,
-                                  sampling=dep.sampling, key=dep.key, cache_len=dep.cache_len,
+                                  exit_head=head, sampling=dep.sampling, key=dep.key, cache_len=dep.cache_len,
                                   stop_token=dep.stop_token)
 
     run = _run_speculative(dep, plan, generate, on_batch)
     run.stats["nodes_verified"] = level.keep
     if level.first == "early_exit":
         run.stats["first_level"] = {"nodes": shape.nodes, "layers": level.exit_layer,
-                                    "target_layers": dep.cfg.num_layers}
+                                    "target_layers": dep.cfg.num_layers,
+                                    "head": "trained" if head is not None else "the target's"}
     return run
 
 
@@ -190,7 +191,8 @@ def scorer(dep, plan: Plan):
     if plan.verify == "two_level":
         t, lv = plan.tree, plan.two_level
         depth = min(t.depth, lv.keep - 1)
-        return two_level_scorer(params, target, t.nodes, depth, t.branching, lv.first, lv.keep, lv.exit_layer)
+        return two_level_scorer(params, target, t.nodes, depth, t.branching, lv.first, lv.keep, lv.exit_layer,
+                                exit_head=dep.exit_head_for(plan))
     if plan.verify == "tree":
         t = plan.tree
         return tree_scorer(params, target, t.nodes, min(t.depth, t.nodes - 1), t.branching)  # N-node forwards

@@ -384,6 +384,15 @@ class Target:
                                           exit_layer)
         return logits, taps, sharding.constrain_state(state, self.mesh)
 
+    def exit_hidden(self, params: Params, tokens: jax.Array, positions: jax.Array, state: TargetState,
+                    mask: jax.Array, parents: jax.Array | None = None, exit_layer: int | None = None):
+        """`forward` up to the head: (final-normed hidden [B, T, H] after the first `exit_layer` layers,
+        state) -- what a trained exit head reads (`models.exit_head`)."""
+        with sharding.active(self.mesh):
+            x, _, state = hidden_forward(params, self.cfg, embed(params, tokens), positions, state, mask, parents,
+                                         exit_layer)
+        return x, sharding.constrain_state(state, self.mesh)
+
 
 def target(cfg: ModelConfig, dtype, mesh=None) -> Target:
     """The dense target for cfg with state and activations in dtype (e.g. params['embed'].dtype), its

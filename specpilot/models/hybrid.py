@@ -156,13 +156,21 @@ def forward(params: Params, cfg: HybridConfig, tokens: jax.Array, positions: jax
     (None: a chain or prompt) -> (logits [B, T, V] float32, taps [B, T, n_taps*H], state with K/V and
     recurrent snapshots written). Nothing is committed. exit_layer: logits from the first that many
     layers (an early exit; the later layers' state is returned unchanged)."""
+    x, taps, state = hidden_forward(params, cfg, tokens, positions, state, mask, parents, exit_layer)
+    return dense.lm_head(params, cfg, x), taps, state
+
+
+def hidden_forward(params: Params, cfg: HybridConfig, tokens: jax.Array, positions: jax.Array,
+                   state: TargetState, mask: jax.Array, parents: jax.Array | None = None,
+                   exit_layer: int | None = None):
+    """`forward` up to the head -> (final-normed hidden [B, T, H], taps, state)."""
     x = dense.embed(params, tokens)
     cos, sin = rope_tables(positions, cfg.inv_freq())  # [B, T, rotary_dim]
     lengths = state.lengths
     x, taps, state = dense.run_layers(
         params, cfg, x, state, exit_layer,
         lambda i, p, x, layer_state: decoder_layer(p, cfg, i, x, cos, sin, layer_state, lengths, mask, parents))
-    return dense.lm_head(params, cfg, rms_norm(x, params["final_norm"], cfg.rms_norm_eps)), taps, state
+    return rms_norm(x, params["final_norm"], cfg.rms_norm_eps), taps, state
 
 
 @dataclasses.dataclass(frozen=True)
@@ -202,6 +210,12 @@ class Target(dense.Target):
         with mesh_sharding.active(self.mesh):
             logits, taps, state = forward(params, self.cfg, tokens, positions, state, mask, parents, exit_layer)
         return logits, taps, mesh_sharding.constrain_state(state, self.mesh)
+
+    def exit_hidden(self, params: Params, tokens: jax.Array, positions: jax.Array, state: TargetState,
+                    mask: jax.Array, parents: jax.Array | None = None, exit_layer: int | None = None):
+        with mesh_sharding.active(self.mesh):
+            x, _, state = hidden_forward(params, self.cfg, tokens, positions, state, mask, parents, exit_layer)
+        return x, mesh_sharding.constrain_state(state, self.mesh)
 
 
 def target(cfg: HybridConfig, dtype, max_block_size: int = DEFAULT_MAX_BLOCK, mesh=None) -> Target:
