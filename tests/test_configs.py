@@ -117,6 +117,12 @@ def test_every_option_composes(group):
     ("decoding=stock", "needs a drafter"),
     ("decoding=ar_w12_twin target.dtype=float32", "the Mosaic GPU kernel multiplies bfloat16 weights"),
     ("drafter=oracle decoding=stock decoding.plans.stock.block_size=32", "an oracle drafter replays a profile"),
+    # a plan the recorded trace file does not name, and the file has no model to sample one from
+    ("drafter=oracle_trace drafter.num_layers=1 decoding=two_level",
+     "plan 'tree_n16' has no trace in .* no acceptance model"),
+    # the calibrated file's model samples chains and trees, not an early exit's first level
+    ("drafter=oracle_trace drafter.num_layers=1 drafter.step_trace=docs/results/trace_ddtree_calibrated.json "
+     "decoding=two_level", "'early_exit' first level has no trace here"),
 ])
 def test_impossible_values_fail_clearly(override, match):
     base = [*TINY, "drafter=random"] if "decoding.plans." in override and "drafter=" not in override else TINY

@@ -4,7 +4,6 @@ passes), its output equals AR, and a trace a plan cannot hold is refused."""
 
 import json
 
-import jax.numpy as jnp
 import numpy as np
 import pytest
 
@@ -12,7 +11,9 @@ from specpilot import plan as plan_mod
 from specpilot.decoding import ar, spec, tree, two_level
 from specpilot.models import dense
 from specpilot.models import drafter as dr
-from specpilot.models.oracle_trace import OracleTraceDrafter, load_traces
+from specpilot.models import tree_acceptance as ta
+from specpilot.models.oracle_trace import (MODEL_SEED, MODEL_STEPS, OracleTraceDrafter, load_model, load_traces,
+                                           sample_for_plan)
 from helpers import random_params
 from test_tree import CFG, PROMPTS, TARGET
 
@@ -88,6 +89,79 @@ def test_a_plan_replays_its_own_trace_and_refuses_one_too_deep(tmp_path):
         load_traces(path)
 
 
+CALIBRATED = "docs/results/trace_ddtree_calibrated.json"
+
+
+def _plan(name, fields, block=16):
+    return plan_mod.build(name, fields, drafter_block_size=block, default_matmul={"bf16": ["xla"]})
+
+
+def test_plans_without_a_recorded_trace_get_one_sampled_for_their_shape():
+    """The calibrated file's model covers any chain or tree shape (what the loop proposes): a shorter chain
+    accepts the block-16 chain's draws cut at its block, the recorded 32-node tree's shape under another
+    name accepts what the recorded trace does (within sampling error), and each plan's trace fits its shape."""
+    model = load_model(CALIBRATED)
+    drafter = OracleTraceDrafter.from_traces(None, load_traces(CALIBRATED), CALIBRATED, model)
+    chain16 = ta.sample_accepted(model, None, MODEL_STEPS, MODEL_SEED)
+    for block in (2, 4, 8, 16):
+        d = drafter.for_plan(_plan("candidate_chain", {"verify": "chain", "block_size": block}))
+        assert d.sampled and len(d.trace) == MODEL_STEPS
+        np.testing.assert_array_equal(d.trace, np.minimum(chain16, block - 1))
+    recorded = np.array(dict(drafter.traces)["tree_n32"])
+    d = drafter.for_plan(_plan("candidate_tree", {"verify": "tree", "tree": {"nodes": 32, "depth": 15,
+                                                                             "branching": 4}}))
+    se = np.hypot(recorded.std() / np.sqrt(recorded.size), np.std(d.trace) / np.sqrt(len(d.trace)))
+    assert abs(np.mean(d.trace) - recorded.mean()) < 4 * se
+    assert not drafter.for_plan(_plan("oracle_tree_n32", {"verify": "tree", "tree": {
+        "nodes": 32, "depth": 15, "branching": 4}})).sampled  # a recorded method is replayed as before
+    shallow = drafter.for_plan(_plan("c", {"verify": "tree", "tree": {"nodes": 24, "depth": 5, "branching": 2}}))
+    assert max(shallow.trace) <= 5
+    # drafter confidence keeps the best `keep` paths of the tree: the tree of `keep` nodes
+    kept = drafter.for_plan(_plan("c", {"verify": "two_level", "tree": {"nodes": 32, "depth": 7, "branching": 2},
+                                        "two_level": {"first": "drafter_confidence", "keep": 8}}))
+    small = drafter.for_plan(_plan("c", {"verify": "tree", "tree": {"nodes": 8, "depth": 7, "branching": 2}}))
+    assert kept.trace == small.trace
+    line = drafter.for_plan(_plan("c", {"verify": "tree", "tree": {"nodes": 6, "depth": 9, "branching": 1}}))
+    np.testing.assert_array_equal(line.trace, np.minimum(chain16, 5))  # branching 1: a chain of 5 drafts
+    with pytest.raises(ValueError, match="'early_exit' first level has no trace here"):
+        drafter.for_plan(_plan("c", {"verify": "two_level", "tree": {"nodes": 16, "depth": 7, "branching": 2},
+                                     "two_level": {"first": "early_exit", "keep": 8, "exit_layer": 2}}))
+    with pytest.raises(ValueError, match="drafts 19 positions; the acceptance model has 15"):
+        sample_for_plan(model, _plan("c", {"verify": "chain", "block_size": 20}, block=20))
+
+
+def test_the_truncated_sampler_agrees_with_the_truncated_models_expectation():
+    """A tree drafting the first d positions: the sampler (cut after its draws) against the expectation of
+    the model whose hazard stops at d, computed by the independent Rao-Blackwellised path."""
+    model = load_model(CALIBRATED)
+    for budget, depth in ((7, 3), (31, 6), (63, 10)):
+        acc = ta.sample_accepted(model, budget, 4096, seed=3, max_depth=depth)
+        cut = ta.ForkModel(model.hazard[:depth], model.spread, model.coherence)
+        expected = ta.tau(cut, budget, 4096, seed=4)
+        assert acc.max() <= depth
+        assert abs(acc.mean() + 1 - expected) < 4 * acc.std() / np.sqrt(acc.size) + 0.03, (budget, depth)
+    with pytest.raises(ValueError, match="max_depth must be in 1..15"):
+        ta.sample_accepted(model, 7, 16, seed=0, max_depth=16)
+
+
+def test_a_trace_file_model_is_checked(tmp_path):
+    path = tmp_path / "trace.json"
+    path.write_text(json.dumps({"methods": {"a": {"accepted": [1]}}}))
+    assert load_model(path) is None
+    drafter = OracleTraceDrafter.from_traces(None, load_traces(path), str(path))
+    with pytest.raises(ValueError, match="no acceptance model to sample one from"):
+        drafter.for_plan(_plan("other", {"verify": "chain"}))
+    for bad, msg in (({"kind": "Other"}, "kind 'ForkModel'"),
+                     ({"kind": "ForkModel", "hazard": [0.5, 1.5], "spread": 1, "coherence": 0.5}, "hazard"),
+                     ({"kind": "ForkModel", "hazard": [0.5], "spread": 0, "coherence": 0.5}, "spread"),
+                     ({"kind": "ForkModel", "hazard": [0.5], "spread": 1, "coherence": 2}, "coherence")):
+        path.write_text(json.dumps({"methods": {"a": {"accepted": [1]}}, "model": bad}))
+        with pytest.raises(ValueError, match=msg):
+            load_model(path)
+    model = load_model(CALIBRATED)
+    assert ta.from_record(ta.to_record(model)) == model
+
+
 @pytest.mark.slow
 def test_oracle_trace_plans_through_the_run_entry_point(tmp_path):
     import subprocess
@@ -96,11 +170,13 @@ def test_oracle_trace_plans_through_the_run_entry_point(tmp_path):
 
     root = Path(__file__).resolve().parents[1]
     trace = tmp_path / "trace.json"
+    model = load_model(root / CALIBRATED)  # plans without a recorded method sample from it
     trace.write_text(json.dumps({"source": "test", "methods": {"chain": {"accepted": [1, 3, 0, 2]},
-                                                               "tree": {"accepted": [3, 3, 1, 2]}}}))
+                                                               "tree": {"accepted": [3, 3, 1, 2]}},
+                                 "model": ta.to_record(model)}))
     out = tmp_path / "out"
     plans = ("+decoding.plans={oracle_chain: {verify: chain, block_size: 4}, oracle_tree: {verify: tree, "
-             "tree: {nodes: 8, depth: 3, branching: 2}}}")
+             "tree: {nodes: 8, depth: 3, branching: 2}}, candidate: {verify: chain, block_size: 3}}")
     proc = subprocess.run(
         [sys.executable, str(root / "experiments" / "run.py"), "target=tiny_random", "drafter=oracle_trace",
          "drafter.num_layers=1", "drafter.block_size=4", f"drafter.step_trace={trace}", "decoding=ar", plans,
@@ -113,4 +189,27 @@ def test_oracle_trace_plans_through_the_run_entry_point(tmp_path):
         rec = records[name]
         assert rec["tau"] == pytest.approx(tau) and rec["stats"]["trace_tau"] == pytest.approx(tau)
         assert rec["mismatches"] == 0 and rec["forcing"]["outputs_differ"] == 0
-        assert "oracle acceptance (step trace" in rec["notes"]
+        assert "oracle acceptance (step trace" in rec["notes"] and not rec["stats"]["trace_sampled"]
+    sampled = records["candidate"]
+    expected = np.minimum(ta.sample_accepted(model, None, MODEL_STEPS, MODEL_SEED), 2).mean() + 1
+    assert sampled["stats"]["trace_sampled"] and sampled["stats"]["trace_tau"] == pytest.approx(expected)
+    assert sampled["mismatches"] == 0 and sampled["forcing"]["outputs_differ"] == 0
+
+
+def test_the_loop_space_admits_any_shape_at_the_calibrated_deployment():
+    """At a deployment replaying the calibrated file, the loop's candidates (block sizes, tree shapes) are
+    plans the space admits, each with a trace sampled for its shape; an early exit is refused by name."""
+    from agent_helpers import toy_cfg
+    from specpilot.agent import space as sp
+
+    cfg = toy_cfg("drafter=oracle_trace", f"drafter.step_trace={CALIBRATED}", "drafter.block_size=16")
+    space = sp.build_space(cfg)
+    model = load_model(CALIBRATED)
+    for fields in ({"verify": "chain", "block_size": 4},
+                   {"verify": "tree", "tree": {"nodes": 12, "depth": 5, "branching": 2}}):
+        plan = space.check("candidate", fields)
+        assert not isinstance(plan, str), plan
+        assert len(sample_for_plan(model, plan)) == MODEL_STEPS
+    refused = space.check("candidate", {"verify": "two_level", "tree": {"nodes": 16, "depth": 5, "branching": 2},
+                                        "two_level": {"first": "early_exit", "keep": 8, "exit_layer": 1}})
+    assert isinstance(refused, str) and "early_exit' first level has no trace here" in refused

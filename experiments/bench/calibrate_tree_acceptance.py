@@ -77,7 +77,9 @@ def main() -> None:
         m.update(label=LABEL, tau=float(np.mean(acc)) + 1.0,
                  model_tau=ta.tau(model, m["budget"], EVAL_STEPS, EVAL_SEED), accepted=[int(a) for a in acc])
         print(f"trace {name}: {TRACE_STEPS} steps, tau {m['tau']:.3f} (model {m['model_tau']:.3f})")
-    Path(args.out_trace).write_text(json.dumps({"source": source, "label": LABEL, "methods": methods}) + "\n")
+    # the model rides along: a plan with no recorded method gets a trace sampled for its shape
+    Path(args.out_trace).write_text(json.dumps({"source": source, "label": LABEL, "methods": methods,
+                                                "model": ta.to_record(model)}) + "\n")
     fit_record = {"label": LABEL, "model": "ForkModel", "hazard": list(model.hazard), "spread": model.spread,
                   "coherence": model.coherence, "fit_budget": FIT_BUDGET, "eval_steps": EVAL_STEPS,
                   "eval_seed": EVAL_SEED, "table": rows, "humaneval": he, "published": str(PUBLISHED.name)}

@@ -20,7 +20,7 @@ from specpilot.harness import config_errors, shapes
 from specpilot.harness.config_errors import ConfigValueError, fail as _fail  # noqa: F401  (raised by every check)
 from specpilot.models.confidence_trace import load_calibration
 from specpilot.models.drafter import PACKAGED, packaged_drafters
-from specpilot.models.oracle_trace import load_traces, trace_method, trace_path
+from specpilot.models.oracle_trace import load_model, load_traces, model_shape, trace_method, trace_path
 from specpilot.plan import Plan
 
 TARGET_SOURCES = ("random", "hf", "embedded", "gguf", "smollm2")
@@ -268,6 +268,22 @@ def register() -> None:
         cs.store(group=group, name=f"{group}_schema", node=node)
 
 
+def _check_step_trace(plan, step_trace) -> None:
+    """A plan an oracle_trace drafter can run: its trace recorded under its name, else one the file's
+    acceptance model can sample for its shape."""
+    if trace_method(plan.name) in load_traces(step_trace):
+        return
+    model = load_model(step_trace)
+    if model is None:
+        _fail("drafter.step_trace", f"plan {plan.name!r} has no trace in {step_trace} and the file holds no "
+              f"acceptance model to sample one (traces are per plan name: "
+              f"{', '.join(sorted(load_traces(step_trace)))})")
+    try:
+        model_shape(plan, model.depth)
+    except ValueError as e:
+        _fail("drafter.step_trace", str(e))
+
+
 def _check_confidence_trace(d) -> None:
     if d.source != "oracle":
         _fail("drafter.confidence_trace", f"a recorded confidence calibrates an oracle drafter; source is "
@@ -353,9 +369,7 @@ def validate(cfg: DictConfig) -> None:
             _check_implementations(f"{key}.kernels.{op}.implementation", getattr(plan.kernels, op).implementation,
                                    op=op, variants=True)
         if plan.uses_drafter and d.source == "oracle_trace":
-            if trace_method(plan.name) not in load_traces(d.step_trace):
-                _fail("drafter.step_trace", f"plan {plan.name!r} has no trace in {d.step_trace} (traces are "
-                      f"per plan name: {', '.join(sorted(load_traces(d.step_trace)))})")
+            _check_step_trace(plan, d.step_trace)
         if plan.uses_drafter and d.source == "none":
             _fail("drafter", f"plan {plan.name!r} ({plan.verify} verification) needs a drafter; choose one, "
                   "e.g. drafter=embedded")

@@ -28,7 +28,7 @@ from specpilot.models.confidence_trace import load_calibration
 from specpilot.models.config import ModelConfig
 from specpilot.models.hybrid_config import HybridConfig
 from specpilot.models.oracle import OracleDrafter, conditional_profile, expected_tau, load_trace
-from specpilot.models.oracle_trace import OracleTraceDrafter, load_traces, trace_label
+from specpilot.models.oracle_trace import MODEL_STEPS, OracleTraceDrafter, load_model, load_traces, trace_label
 from specpilot.plan import Plan
 
 
@@ -233,10 +233,14 @@ def build_drafter(dconf: DictConfig, target_cfg: ModelConfig, target_params, see
         taus = ", ".join(f"{k} {np.mean(m['accepted']) + 1:.2f}" for k, m in methods.items())
         label = trace_label(dconf.step_trace)
         prefix = f"{label}, " if label else ""
-        note = (f"oracle acceptance ({prefix}step trace {dconf.step_trace}, tau by plan: {taus}; real drafter "
-                f"forward, tree builder and verifier at their shape, the target's greedy continuation placed "
-                f"in the draft to each step's recorded depth)")
-        return OracleTraceDrafter.from_traces(inner, methods, str(dconf.step_trace)), params, target_cfg, [note]
+        model = load_model(dconf.step_trace)
+        sampled = (f"; other plans: {MODEL_STEPS} steps sampled for their shape from the file's model"
+                   if model is not None else "")
+        note = (f"oracle acceptance ({prefix}step trace {dconf.step_trace}, tau by plan: {taus}{sampled}; real "
+                f"drafter forward, tree builder and verifier at their shape, the target's greedy continuation "
+                f"placed in the draft to each step's recorded depth)")
+        return (OracleTraceDrafter.from_traces(inner, methods, str(dconf.step_trace), model), params, target_cfg,
+                [note])
     if dconf.source == "random":
         dcfg = dr.DrafterConfig.for_target(target_cfg, num_layers=int(dconf.num_layers),
                                            block_size=int(dconf.block_size),

@@ -101,6 +101,7 @@ def _run_speculative(dep, plan: Plan, generate, on_batch: BatchCallback | None =
              "acceptance_per_position": [float(a) for a in at_least[1:]]}
     if hasattr(drafter, "trace_tau"):
         stats["trace_tau"] = drafter.trace_tau  # oracle acceptance: the tau its recorded trace gives
+        stats["trace_sampled"] = bool(getattr(drafter, "sampled", False))  # sampled from the file's model
     return MethodRun(tokens, prefill_s, decode_s, decode_tokens, stats, batch_times)
 
 

@@ -14,7 +14,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from specpilot.models import tree_acceptance
+
 STRIDE = 7919  # spreads the rows' start points over the trace
+MODEL_STEPS, MODEL_SEED = 4096, 7  # a plan's trace sampled from the file's model (one seed: common draws)
 
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -42,6 +45,46 @@ def load_traces(path) -> dict:
     return methods
 
 
+def load_model(path):
+    """A trace file's acceptance model (`tree_acceptance.ForkModel`), from which a trace is sampled for
+    plans it has no recorded method for; None if the file holds none."""
+    data = json.loads(trace_path(path).read_text())
+    record = data.get("model") if isinstance(data, dict) else None
+    if record is None:
+        return None
+    try:
+        return tree_acceptance.from_record(record)
+    except ValueError as e:
+        raise ValueError(f"{trace_path(path)}: model: {e}") from None
+
+
+def model_shape(plan, depth: int) -> tuple[int | None, int]:
+    """(node budget, drafted depth) of `plan` under a model of `depth` positions: a chain (budget None)
+    drafts block_size - 1 positions; a tree of N nodes drafts the top N - 1 paths by the drafter's marginals
+    (branching 1: a chain of its depth); a two_level plan whose first level is the drafter's confidence
+    keeps its `keep` best such paths, which is the tree of `keep` nodes."""
+    if plan.tree is None:
+        budget, drafted = None, plan.block_size - 1
+    else:
+        budget, drafted = plan.tree.nodes - 1, plan.tree.depth
+        if plan.two_level is not None:
+            if plan.two_level.first != "drafter_confidence":
+                raise ValueError(f"plan {plan.name!r}: the acceptance model scores paths by the drafter's "
+                                 f"marginals; a {plan.two_level.first!r} first level has no trace here")
+            budget = plan.two_level.keep - 1
+        if plan.tree.branching == 1:
+            budget, drafted = None, min(drafted, budget)
+    if drafted > depth:
+        raise ValueError(f"plan {plan.name!r} drafts {drafted} positions; the acceptance model has {depth}")
+    return budget, drafted
+
+
+def sample_for_plan(model, plan, steps: int = MODEL_STEPS, seed: int = MODEL_SEED) -> np.ndarray:
+    """Per-step accepted drafts of `plan`'s shape sampled from `model` (the same draws for every plan)."""
+    budget, drafted = model_shape(plan, model.depth)
+    return tree_acceptance.sample_accepted(model, budget, steps, seed, max_depth=drafted)
+
+
 def trace_label(path) -> str:
     """A trace file's label (what its acceptance is, e.g. "calibrated to DDTree (published)"), else ""."""
     data = json.loads(trace_path(path).read_text())
@@ -65,11 +108,13 @@ class OracleTraceDrafter:
     trace: tuple[int, ...] = ()  # the active plan's (`for_plan`)
     source: str = ""
     confidence: float = 30.0
+    model: Any = None  # the file's acceptance model: plans with no recorded method get a sampled trace
+    sampled: bool = False  # the active trace was sampled from `model` for the plan's shape
 
     @classmethod
-    def from_traces(cls, inner, methods: dict, source: str = "") -> "OracleTraceDrafter":
+    def from_traces(cls, inner, methods: dict, source: str = "", model=None) -> "OracleTraceDrafter":
         return cls(inner, tuple((k, tuple(int(a) for a in m["accepted"])) for k, m in methods.items()),
-                   source=source)
+                   source=source, model=model)
 
     @property
     def block_size(self) -> int:
@@ -84,15 +129,18 @@ class OracleTraceDrafter:
         return trace_tau(self.trace)
 
     def with_trace(self, accepted) -> "OracleTraceDrafter":
-        return dataclasses.replace(self, trace=tuple(int(a) for a in accepted))
+        return dataclasses.replace(self, trace=tuple(int(a) for a in accepted), sampled=False)
 
     def for_plan(self, plan) -> "OracleTraceDrafter":
-        """This drafter replaying `plan`'s recorded trace (by name), checked against the plan's shape."""
+        """This drafter replaying `plan`'s recorded trace (by name), checked against the plan's shape; a plan
+        with none, a trace sampled for its shape from the file's model (if it has one)."""
         traces = dict(self.traces)
         name = trace_method(plan.name)
         if name not in traces:
-            raise ValueError(f"plan {plan.name!r}: the step trace {self.source} has no method {name!r}; "
-                             f"it has {sorted(traces)}")
+            if self.model is None:
+                raise ValueError(f"plan {plan.name!r}: the step trace {self.source} has no method {name!r} "
+                                 f"and no acceptance model to sample one from; it has {sorted(traces)}")
+            return dataclasses.replace(self.with_trace(sample_for_plan(self.model, plan)), sampled=True)
         trace = traces[name]
         longest = max(trace)
         if plan.tree is not None:

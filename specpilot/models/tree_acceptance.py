@@ -133,25 +133,54 @@ def length_histogram(model: ForkModel, budget: int | None, steps: int = 1024, se
     return surv[:-1] - surv[1:]
 
 
-def sample_accepted(model: ForkModel, budget: int | None, steps: int, seed: int) -> np.ndarray:
+def sample_accepted(model: ForkModel, budget: int | None, steps: int, seed: int,
+                    max_depth: int | None = None) -> np.ndarray:
     """Seeded per-step accepted drafts [steps]: each step draws its confidences and the target's ranks,
-    then accepts the longest prefix of that path the chain (budget None) or the top-`budget` tree holds."""
+    then accepts the longest prefix of that path the chain (budget None) or the top-`budget` tree holds.
+    `max_depth`: the chain or tree drafts only the first max_depth positions (a shorter block, a tree of
+    that depth); the draws are the same for every budget and depth (common random numbers)."""
     rng = np.random.default_rng(seed)
     p = confidences(model, rng.random((steps, model.depth)))
     r, kept = rng.random((steps, model.depth)), rng.random((steps, model.depth))
     rank = np.where(r < p, 0, 1)
     off = np.concatenate([np.zeros((steps, 1), bool), np.cumsum(rank, axis=1)[:, :-1] > 0], 1)
     rank = np.where(off & (kept >= model.coherence), 2, rank)  # 2: a token no tree holds
+    depth = model.depth if max_depth is None else max_depth
+    if not 1 <= depth <= model.depth:
+        raise ValueError(f"max_depth must be in 1..{model.depth} (the model's positions), got {max_depth}")
+    p, rank = p[:, :depth], rank[:, :depth]
     if budget is None:
         return np.argmax(np.concatenate([rank, np.ones((steps, 1), int)], 1) != 0, axis=1)
     depths, codes = top_tree(p, budget)
-    room = 1 << model.depth
-    held = np.sort((np.arange(steps)[:, None] * (model.depth + 1) + depths) * room + codes, axis=None)
-    path = np.cumsum(np.minimum(rank, 1) << np.arange(model.depth), axis=1)  # prefix codes [S, D]
-    keys = (np.arange(steps)[:, None] * (model.depth + 1) + np.arange(1, model.depth + 1)) * room + path
+    room = 1 << depth
+    held = np.sort((np.arange(steps)[:, None] * (depth + 1) + depths) * room + codes, axis=None)
+    path = np.cumsum(np.minimum(rank, 1) << np.arange(depth), axis=1)  # prefix codes [S, D]
+    keys = (np.arange(steps)[:, None] * (depth + 1) + np.arange(1, depth + 1)) * room + path
     pos = np.minimum(np.searchsorted(held, keys), held.size - 1)
     inside = (held[pos] == keys) & np.cumprod(rank < 2, axis=1).astype(bool)
     return np.cumprod(inside, axis=1).sum(1)
+
+
+def to_record(model: ForkModel) -> dict:
+    """The model as plain data (a step trace file's `model`)."""
+    return {"kind": "ForkModel", "hazard": [float(h) for h in model.hazard], "spread": float(model.spread),
+            "coherence": float(model.coherence)}
+
+
+def from_record(record) -> ForkModel:
+    """A ForkModel from `to_record`'s data; a clear error naming what is wrong otherwise."""
+    if not isinstance(record, dict) or record.get("kind") != "ForkModel":
+        raise ValueError(f"a tree acceptance model record has kind 'ForkModel', got {record!r:.80}")
+    hazard = record.get("hazard")
+    if not isinstance(hazard, list) or not hazard or not all(isinstance(h, (int, float)) and 0 < h < 1
+                                                              for h in hazard):
+        raise ValueError("a ForkModel's hazard is a non-empty list of probabilities in (0, 1)")
+    spread, coherence = record.get("spread"), record.get("coherence")
+    if not isinstance(spread, (int, float)) or spread <= 0:
+        raise ValueError(f"a ForkModel's spread is a positive number, got {spread!r}")
+    if not isinstance(coherence, (int, float)) or not 0 <= coherence <= 1:
+        raise ValueError(f"a ForkModel's coherence is in [0, 1], got {coherence!r}")
+    return ForkModel(tuple(float(h) for h in hazard), float(spread), float(coherence))
 
 
 def fit(hazard, budget: int, tree_tau: float, tree_hist_percent, spreads=None, steps: int = 512,
