@@ -15,6 +15,9 @@ VERIFY_KINDS = ("ar", "chain", "tree", "two_level")
 RESERVED_VERIFY_KINDS = ()
 TREE_KINDS = ("tree", "two_level")  # verification kinds that draft a tree (`tree:` shape)
 WEIGHT_FORMATS = ("bf16", "w12")
+# the matrix classes a w12 plan may encode (`Plan.w12_matrices`), each with the param names it covers
+W12_CLASSES = {"qkv": ("q", "k", "v", "qkv"), "o": ("o",), "gate_up": ("gate", "up", "gate_up"),
+               "down": ("down",), "lm_head": ("lm_head",), "fc": ("fc",)}
 BATCHING_POLICIES = ("continuous", "static")  # static: a new wave is admitted only into an empty batch
 DRAFT_BUDGETS = ("fixed", "confidence")  # fixed: every row verifies block_size - 1 drafts
 VERIFY_LAYOUTS = ("padded", "packed")  # packed: only kept candidates enter the verify forward
@@ -154,6 +157,9 @@ class Plan:
     two_level: TwoLevel | None = None  # two_level plans: the first level
     batching: Batching = Batching()  # the serving engine's batching (harness runs decode one fixed batch)
     mesh: MeshShape = MeshShape()  # devices over batch rows (data) x heads and features (tensor)
+    # a w12 plan's encoded matrix classes (W12_CLASSES; an untied LM head, a drafter's `fc`); the rest stay
+    # bf16 and go to XLA's dot
+    w12_matrices: tuple[str, ...] = tuple(W12_CLASSES)
 
     def __post_init__(self):
         if self.verify in RESERVED_VERIFY_KINDS:
@@ -176,6 +182,7 @@ class Plan:
         elif self.two_level is not None:
             _fail(self.name, "two_level", f"a first level belongs to verify: two_level, not {self.verify!r}")
         self._check_batching()
+        self._check_w12_matrices()
         for op in KERNEL_OPS:
             if not getattr(self.kernels, op).implementation:
                 _fail(self.name, f"kernels.{op}.implementation", "name at least one implementation")
@@ -220,6 +227,20 @@ class Plan:
                       f"token and one draft), got {t!r}")
             if self.verify != "chain":
                 _fail(self.name, "batching.token_budget", f"budgets chain verification, got verify={self.verify!r}")
+
+    def _check_w12_matrices(self):
+        m = self.w12_matrices
+        if not isinstance(m, tuple) or not m or len(set(m)) != len(m) or any(c not in W12_CLASSES for c in m):
+            _fail(self.name, "w12_matrices", f"a non-empty list of distinct matrix classes from "
+                  f"{', '.join(W12_CLASSES)}, got {m!r}")
+        if self.weights != "w12" and set(m) != set(W12_CLASSES):
+            _fail(self.name, "w12_matrices", f"chooses what a w12 plan encodes; this plan's weights are "
+                  f"{self.weights!r}")
+
+    def w12_params(self) -> tuple[tuple[str, ...], bool, bool]:
+        """(per-layer param names, the LM head?, a drafter's fc?) this plan encodes in W12 (all for w12)."""
+        names = tuple(n for c in self.w12_matrices if c not in ("lm_head", "fc") for n in W12_CLASSES[c])
+        return names, "lm_head" in self.w12_matrices, "fc" in self.w12_matrices
 
     def _check_paged(self):
         b = self.batching
@@ -356,9 +377,11 @@ def build(name: str, fields: Mapping[str, Any], *, drafter_block_size: int | Non
                      tree_attention=_op_choice(name, kernels, "tree_attention", default_tree_attention),
                      attention=_op_choice(name, kernels, "attention", default_attention),
                      residual_norm=_op_choice(name, kernels, "residual_norm", default_residual_norm))
+    w12 = fields.get("w12_matrices")
+    w12 = tuple(W12_CLASSES) if w12 is None else (tuple(w12) if isinstance(w12, (list, tuple)) else w12)
     return Plan(name=name, verify=verify, weights=weights, block_size=int(block), kernels=chosen,
                 tree=tree, two_level=_two_level(name, fields.get("two_level")),
-                batching=_batching(name, fields.get("batching")), mesh=mesh)
+                batching=_batching(name, fields.get("batching")), mesh=mesh, w12_matrices=w12)
 
 
 def _batching(name: str, fields) -> Batching:

@@ -20,7 +20,8 @@ def test_space_of_a_cpu_deployment(toy):
     cfg, space = toy
     fields = [c.field for c in space.choices]
     assert fields == ["verify", "block_size", "tree.nodes", "tree.depth", "tree.branching", "two_level.first",
-                      "two_level.keep", "two_level.exit_layer", "weights", "kernels.matmul.implementation"]
+                      "two_level.keep", "two_level.exit_layer", "weights", "w12_matrices",
+                      "kernels.matmul.implementation"]
     assert space.choice("verify").values == ("ar", "chain", "tree", "two_level")
     assert space.choice("block_size").values == (2, 3, 4, 6, 8)  # up to the drafter's block size
     assert space.choice("tree.depth").values == (2, 3, 5, 7)  # below the drafter's block size
@@ -28,7 +29,7 @@ def test_space_of_a_cpu_deployment(toy):
     assert {c.field for c in space.targeting("verify")} == {"verify", "block_size", "tree.nodes", "tree.depth",
                                                             "tree.branching", "two_level.first", "two_level.keep",
                                                             "two_level.exit_layer"}
-    assert {c.field for c in space.targeting("matmul")} == {"weights", "kernels.matmul.implementation"}
+    assert {c.field for c in space.targeting("matmul")} == {"weights", "w12_matrices", "kernels.matmul.implementation"}
 
 
 def test_gpu_space_lists_kernels_and_their_config_fields(toy):

@@ -117,6 +117,9 @@ def test_every_option_composes(group):
     ("decoding=stock", "needs a drafter"),
     ("decoding=ar_w12_twin target.dtype=float32", "the Mosaic GPU kernel multiplies bfloat16 weights"),
     ("drafter=oracle decoding=stock decoding.plans.stock.block_size=32", "an oracle drafter replays a profile"),
+    ("decoding.plans.stock.w12_matrices=[qkv]", "decoding.plans.stock.w12_matrices: chooses what a w12 plan"),
+    ("decoding.plans.stock.weights=w12 target.dtype=bfloat16 decoding.plans.stock.w12_matrices=[mlp]",
+     "w12_matrices: a non-empty list of distinct matrix classes from qkv, o, gate_up, down, lm_head, fc"),
     # a plan the recorded trace file does not name, and the file has no model to sample one from
     ("drafter=oracle_trace drafter.num_layers=1 decoding=two_level",
      "plan 'tree_n16' has no trace in .* no acceptance model"),

@@ -144,6 +144,19 @@ def test_w12_plan_stores_the_linear_matrices_at_12_bits():
             assert b.weight_bytes == a.weight_bytes
 
 
+def test_a_w12_plan_of_some_matrix_classes_stores_only_those_at_12_bits():
+    _, _, _, _, shape = _setup(DENSE, jnp.bfloat16, 4)
+    bf16 = step_counts(Plan("stock", verify="chain", block_size=4), shape)
+    mlp = step_counts(Plan("w12", verify="chain", block_size=4, weights="w12", w12_matrices=("gate_up", "down")),
+                      shape)
+    roles = set()
+    for a, b in zip(bf16.kernels, mlp.kernels):
+        mlp_product = a.cls == "matmul" and any(r in a.name for r in ("gate_up", "gate", "up", "down"))
+        roles.add(mlp_product)
+        assert b.weight_bytes == pytest.approx((0.75 if mlp_product else 1.0) * a.weight_bytes), a.name
+    assert roles == {True, False}  # both kinds of product were counted
+
+
 def test_bad_shapes_are_refused_by_name():
     with pytest.raises(ValueError, match="Shape.batch"):
         Shape(DENSE, batch=0)

@@ -79,6 +79,16 @@ def test_the_cache_grows_with_slots_and_the_weight_formats_add_copies():
     assert large.cache - small.cache == pytest.approx((8 * 4096 - 1024) * per_slot, rel=1e-3)
     # ar_w12 and stock_w12 each hold their own 12-bit copy of the target's matrices
     assert 2 * 1.5 * 7.5 * GB < small.formats < 2 * 1.5 * 7.7 * GB
+    # a plan encoding only the MLP's products holds a 12-bit copy of those: 36 x 3 x 4096 x 12288 weights
+    mlp = [p for p in config_schema.build_plans(_compose(["experiment=stock_qwen3_8b_h200", "gpu=cpu",
+           "decoding=w12", "+decoding.plans.ar_w12.w12_matrices=[gate_up,down]",
+           "+decoding.plans.stock_w12.w12_matrices=[gate_up,down]"]))]
+    part = fit.needs(cfg, mlp, batch=1, slots=1024, on_cpu=True)
+    assert part.formats == 2 * 1.5 * 36 * 3 * 4096 * 12288  # ar_w12's and stock_w12's target copies
+    # stock_w12's drafter: its own weights (as the bf16 plans alone hold them), then a 12-bit copy of its 5
+    # layers' MLP (the target's widths)
+    bf16_only = fit.needs(cfg, [p for p in mlp if p.weights == "bf16"], batch=1, slots=1024, on_cpu=True)
+    assert part.drafter - bf16_only.drafter == 1.5 * 5 * 3 * 4096 * 12288
 
 
 def test_the_bench_of_a_real_run_sets_the_slots(monkeypatch):

@@ -33,6 +33,9 @@ TWO_LEVEL_KEEP = (4, 6, 8, 12, 16, 32)
 DEFAULT_TWO_LEVEL = {"two_level.first": "drafter_confidence", "two_level.keep": 4}
 PALLAS_ON_GPU = {"matmul": ("triton", "mosaic"), "gated_delta_rule": ("triton",),
                  "attention": ("triton", "triton_block"), "residual_norm": ("triton",)}
+# w12 plans: which matrix classes are encoded (all; the large products; the MLP; all but the head)
+W12_SUBSETS = (tuple(plan_mod.W12_CLASSES), ("gate_up", "down", "lm_head", "fc"), ("gate_up", "down"),
+               ("qkv", "o", "gate_up", "down", "fc"))
 OP_TARGETS = {"matmul": ("matmul", "lm_head"), "attention": ("attention",),
               "residual_norm": ("elementwise",)}  # others: the recurrence
 
@@ -119,6 +122,8 @@ def apply(fields: Mapping, rewrite: Mapping[str, Any]) -> dict:
         # a weight format's kernels are the device's for that format (gpu.matmul.<format>): w12 kept on
         # bf16's XLA dot would decode its weights in jnp and be judged by the wrong kernel
         out.setdefault("kernels", {})["matmul"] = {"implementation": None, "config": {}}
+    if out.get("weights") != "w12":
+        out.pop("w12_matrices", None)  # the encoded classes belong to w12 plans only
     if out.get("verify") != "two_level":
         out.pop("two_level", None)
     elif (out.get("two_level") or {}).get("first") != "early_exit":
@@ -221,6 +226,8 @@ def plan_fields(plan: plan_mod.Plan) -> dict:
         out["batching"] = dataclasses.asdict(plan.batching)
     if not plan.mesh.is_single:
         out["mesh"] = {"data": plan.mesh.data, "tensor": plan.mesh.tensor}
+    if plan.weights == "w12":
+        out["w12_matrices"] = list(plan.w12_matrices)
     return out
 
 
@@ -303,6 +310,8 @@ def build_space(cfg: DictConfig, *, platform: str = "cpu", devices: int = 1, wor
             choices.append(Choice("two_level.exit_layer", exits, "int", targets=("verify",),
                                   when=("two_level.first", "early_exit")))
     choices.append(Choice("weights", plan_mod.WEIGHT_FORMATS, "categorical", targets=("matmul", "lm_head")))
+    choices.append(Choice("w12_matrices", W12_SUBSETS, "categorical", targets=("matmul", "lm_head"),
+                          when=("weights", "w12")))
     hybrid = _is_hybrid(cfg.target)
     for op in plan_mod.KERNEL_OPS:
         if op == "gated_delta_rule" and not hybrid or op.startswith("tree_"):

@@ -14,7 +14,7 @@ from specpilot.costmodel import tree_counts
 from specpilot.costmodel.kernel_counts import (CLASSES, F32, STAGES, Kernel, Shape, StepCounter,  # noqa: F401
                                                StepCounts, accept, drafter_extend, drafter_propose,
                                                target_forward)
-from specpilot.plan import Kernels
+from specpilot.plan import Kernels, Plan
 
 
 @dataclasses.dataclass(frozen=True)
@@ -24,6 +24,10 @@ class _Forward:
     weights: str = "bf16"
     kernels: Any = None
     name: str = "forward"
+
+    def w12_params(self) -> tuple[tuple[str, ...], bool, bool]:
+        """A lone forward's W12 encodes every matrix class (`Plan.w12_params`)."""
+        return Plan("forward", verify="ar", weights=self.weights).w12_params()
 
 
 def forward_counts(shape: Shape, tokens: int, weights: str = "bf16") -> StepCounts:

@@ -136,7 +136,9 @@ class StepCounter:
     def _storage(self, name: str) -> tuple[float, str]:
         plain = {2: "bf16", 4: "f32"}.get(self.e, f"{8 * self.e}bit")
         if self.plan.weights == "w12" and name in W12_NAMES + ("lm_head", "fc"):
-            return 1.5, "w12"
+            names, head, fc = self.plan.w12_params()
+            if name in names or (name == "lm_head" and head) or (name == "fc" and fc):
+                return 1.5, "w12"
         return float(self.e), plain
 
     def _impl(self, storage: str, tied: bool) -> str:

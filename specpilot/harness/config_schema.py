@@ -181,6 +181,8 @@ class PlanConf:
     two_level: Optional[TwoLevelConf] = None  # two_level plans: the first level
     batching: BatchingConf = dataclasses.field(default_factory=BatchingConf)
     mesh: Optional[MeshConf] = None  # null: one device
+    # a w12 plan's encoded matrix classes (qkv, o, gate_up, down, lm_head, fc); null: all of them
+    w12_matrices: Optional[List[str]] = None
 
 
 @dataclasses.dataclass

@@ -66,7 +66,12 @@ class Deployment:
         kept bf16 (too many exceptions) stay plain arrays and go to XLA's dot."""
         key = self._prepared_key(role, plan)
         if key not in self.prepared:
-            encoded = formats.encode_params(params, plan.weights, extra=extra, cache_dir=self.weight_cache)
+            if plan.weights == "w12":  # the plan's matrix classes; the rest stay bf16 (XLA's dot)
+                names, head, fc = plan.w12_params()
+                encoded = formats.encode_params(params, "w12", names=names, lm_head=head,
+                                                extra=extra if fc else (), cache_dir=self.weight_cache)
+            else:
+                encoded = formats.encode_params(params, plan.weights, extra=extra, cache_dir=self.weight_cache)
             self.prepared[key] = dispatch.prepare_params(encoded, plan.kernels.matmul, self._rows(plan), extra,
                                                          layout_bf16=plan.weights == "bf16")
         return self.prepared[key]
@@ -74,7 +79,7 @@ class Deployment:
     def _prepared_key(self, role: str, plan: Plan) -> tuple:
         if not plan.mesh.is_single:
             return (role, "sharded", plan.mesh)
-        return (role, plan.weights, plan.kernels, self._rows(plan))
+        return (role, plan.weights, plan.w12_matrices, plan.kernels, self._rows(plan))
 
     def prepared_keys(self, plan: Plan) -> set:
         """The `prepared` entries `plan` multiplies with (what a cache that drops other plans must keep)."""

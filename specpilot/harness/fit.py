@@ -18,7 +18,7 @@ from specpilot.harness.config_errors import ConfigValueError
 from specpilot.models import dense, hybrid
 from specpilot.models import drafter as dr
 from specpilot.models.config import ModelConfig
-from specpilot.plan import Plan
+from specpilot.plan import W12_CLASSES, Plan
 
 try:
     import psutil
@@ -67,9 +67,14 @@ def _size(shape) -> int:
     return int(np.prod(shape, dtype=np.int64))
 
 
-def _matrices(tree) -> int:
-    """Weights of the matrices a weight format encodes: the layers' and the head (not the embedding)."""
-    return sum(_size(s) for n, s in _leaves(tree) if len(s) == 2 and n != "embed")
+def _matrices(tree, plan: Plan | None = None) -> int:
+    """Weights of the matrices a weight format encodes: the layers' and the head (not the embedding);
+    for a w12 `plan`, those of its encoded matrix classes."""
+    if plan is None or plan.weights != "w12" or set(plan.w12_matrices) == set(W12_CLASSES):
+        return sum(_size(s) for n, s in _leaves(tree) if len(s) == 2 and n != "embed")
+    names, head, fc = plan.w12_params()
+    chosen = set(names) | ({"lm_head"} if head else set()) | ({"fc"} if fc else set())
+    return sum(_size(s) for n, s in _leaves(tree) if len(s) == 2 and n in chosen)
 
 
 def _state_bytes(fn) -> int:
@@ -98,14 +103,14 @@ def needs(cfg: DictConfig, plans: list[Plan], batch: int, slots: int, on_cpu: bo
                 formats += int(weights * share)
                 draft_formats += int(draft * share) if plan.uses_drafter else 0
             continue
-        key = (plan.weights, plan.kernels, batch * plan.block_size)  # as Deployment caches them
+        key = (plan.weights, plan.w12_matrices, plan.kernels, batch * plan.block_size)  # as Deployment caches them
         if key in seen:
             continue
         seen.add(key)
         per_weight = W12_BYTES if plan.weights == "w12" else e if plan.kernels.matmul.implementation[0] == "mosaic" \
             else 0  # bf16 through XLA or Triton multiplies the params as they are
-        formats += int(_matrices(tree) * per_weight)
-        draft_formats += int(_matrices(draft_tree) * per_weight) if plan.uses_drafter else 0
+        formats += int(_matrices(tree, plan) * per_weight)
+        draft_formats += int(_matrices(draft_tree, plan) * per_weight) if plan.uses_drafter else 0
     block = max(p.block_size for p in plans)
     if is_hybrid:
         state = functools.partial(hybrid.init_state, target, batch, slots, dtype, max_block_size=max(16, block))
