@@ -7,7 +7,8 @@ bench), takes the deployment's shapes from the configs alone (no weight is made 
 plan, the cost model's time per step of each stage and per output token at a tau, against the gpu
 config's calibrated rates (`conf/gpu/rates/<gpu>.yaml`). Prompts count at `bench.prompt_len` tokens: for
 random prompts a prediction equals the `pred ms` a run of the same config prints at the same tau.
-Options: `+predict.tau=7.94` (tokens per verification step; default the drafter config's `tau`),
+Options: `+predict.tau=7.94` (tokens per verification step; default the drafter config's `tau`; under
+`drafter=oracle_trace`, each plan's own trace tau: recorded, or sampled for its shape from the file's model),
 `+predict.rates=<file>` (another rates file, e.g. a fresh calibration), `+predict.out=<file.jsonl>`.
 """
 
@@ -21,6 +22,7 @@ from omegaconf import DictConfig, open_dict
 from specpilot.costmodel import prediction, roofline
 from specpilot.costmodel.rates import Rates
 from specpilot.harness import config_schema, deploy, entry, shapes
+from specpilot.models.oracle_trace import OracleTraceDrafter, load_model, load_traces
 
 config_schema.register()
 
@@ -34,13 +36,18 @@ def predict_all(cfg, tau: float | None = None, rates: Rates | None = None) -> li
         tau = cfg.drafter.get("tau")
     rates = rates or Rates.for_gpu(cfg.gpu)
     setting = prediction.Setting(shapes.cost_shape(cfg, plans), rates, roofline.Hardware.from_conf(cfg.gpu))
+    traces = None
+    if tau is None and cfg.drafter.source == "oracle_trace":  # each plan's trace tau, as a run replays it
+        path = cfg.drafter.step_trace
+        traces = OracleTraceDrafter.from_traces(None, load_traces(path), str(path), load_model(path))
     rows = []
     for plan in plans:
-        if plan.verify != "ar" and tau is None:
+        plan_tau = traces.for_plan(plan).trace_tau if traces is not None and plan.verify != "ar" else tau
+        if plan.verify != "ar" and plan_tau is None:
             raise config_schema.ConfigValueError(
                 f"predict.tau: plan {plan.name!r} drafts: give its tau (+predict.tau=...); the drafter config "
                 f"{cfg.drafter.name!r} states none")
-        p = prediction.predict(plan, setting, None if plan.verify == "ar" else float(tau))
+        p = prediction.predict(plan, setting, None if plan.verify == "ar" else float(plan_tau))
         rows.append({**deploy.labels(cfg), "method": plan.name, **p.to_dict(), "rates": rates.source})
     return rows
 

@@ -7,6 +7,7 @@ import sys
 import time
 from pathlib import Path
 
+import numpy as np
 import pytest
 from hydra import compose, initialize_config_dir
 
@@ -81,3 +82,21 @@ def test_the_readme_line_predicts_the_8b_shape_in_seconds(tmp_path):
     assert rows["stock"]["tau"] == 6.27 and rows["stock"]["ms_per_token"] < rows["ar"]["ms_per_token"]
     for name in rows:
         assert f"| {name} |" in proc.stdout
+
+
+def test_under_a_step_trace_each_plan_is_predicted_at_its_own_trace_tau():
+    """drafter=oracle_trace: a recorded plan at its trace's tau, another shape at the tau of the trace
+    sampled for it from the file's model (what a run would replay), AR at 1."""
+    from specpilot.models.oracle_trace import OracleTraceDrafter, load_model, load_traces
+
+    trace = "docs/results/trace_ddtree_calibrated.json"
+    cfg = _cfg(["drafter=oracle_trace", "drafter.num_layers=1", f"drafter.step_trace={trace}",
+                "+decoding.plans={ar: {verify: ar}, oracle_tree_n32: {verify: tree, tree: {nodes: 32, depth: 15, "
+                "branching: 4}}, b8: {verify: chain, block_size: 8}}"], config="predict")
+    rows = {r["method"]: r for r in _script().predict_all(cfg)}
+    drafter = OracleTraceDrafter.from_traces(None, load_traces(trace), trace, load_model(trace))
+    plans = {p.name: p for p in config_schema.build_plans(cfg)}
+    assert rows["ar"]["tau"] == 1.0
+    assert rows["oracle_tree_n32"]["tau"] == pytest.approx(np.mean(dict(drafter.traces)["tree_n32"]) + 1)
+    assert rows["b8"]["tau"] == pytest.approx(drafter.for_plan(plans["b8"]).trace_tau)
+    assert 1 < rows["b8"]["tau"] < rows["oracle_tree_n32"]["tau"]
