@@ -118,3 +118,23 @@ def test_the_deployment_key_ignores_what_each_plan_sets(toy):
     assert ww.deployment_key(a) == ww.deployment_key(b)
     c = spec(toy_cfg("seed=7", cache_dir=str(cfg.cache_dir)), "c", {"verify": "chain"}, prompts)
     assert ww.deployment_key(c) != ww.deployment_key(a)
+
+
+def test_candidates_at_a_step_trace_deployment_replay_their_traces_warm_and_cold(tmp_path):
+    """drafter=oracle_trace (the DDTree-calibrated file): a candidate shape the file does not name runs from
+    a trace sampled for it, in the warm worker and in a fresh process alike, and emits AR's tokens."""
+    cfg = toy_cfg("drafter=oracle_trace", "drafter.block_size=16",
+                  "drafter.step_trace=docs/results/trace_ddtree_calibrated.json", cache_dir=str(tmp_path / "c"))
+    prompts = np.random.default_rng(1).integers(0, 200, size=(1, 12)).tolist()
+    specs = [spec(cfg, "inc", {"verify": "chain", "block_size": 16}, prompts, repeats=1),
+             {**spec(cfg, "t12", {"verify": "tree", "tree": {"nodes": 12, "depth": 5, "branching": 2}}, prompts,
+                     repeats=1), "profile": False},
+             spec(cfg, "ar", {"verify": "ar"}, prompts, repeats=1)]
+    warm = {r["name"]: r for r in warm_pool.evaluate_warm(specs, timeout_s=300, memory_mb=None,
+                                                          workdir=str(tmp_path / "w"), sandbox="none")}
+    assert all(r["status"] == ev.OK for r in warm.values()), warm
+    assert warm["inc"]["tokens"] == warm["t12"]["tokens"] == warm["ar"]["tokens"]
+    assert warm["t12"]["stats"]["trace_sampled"] and warm["t12"]["stats"]["tau"] > 1
+    cold = ev.evaluate_candidate(specs[1], timeout_s=300, memory_mb=None, workdir=str(tmp_path / "w"),
+                                 sandbox="none")
+    assert cold["status"] == ev.OK and cold["tokens"] == warm["ar"]["tokens"], cold

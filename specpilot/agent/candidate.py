@@ -19,7 +19,6 @@ from omegaconf import OmegaConf
 
 from specpilot.agent.engine_workload import PREFILL_CHUNK, EngineWorkload
 from specpilot.harness import config_schema, deploy, devices, kernel_variants, methods, shapes  # tests patch methods.run_plan
-from specpilot.models.oracle import OracleDrafter
 
 PROTOCOL_READY, PROTOCOL_GO, PROTOCOL_DONE, PROTOCOL_END = "ready", "go", "done", "end"
 VARIANT_REJECTED = "variant-rejected"  # the last stderr line of a candidate whose kernel variant failed
@@ -99,7 +98,7 @@ def main(spec_path: str, out_path: str) -> int:
     if checked is None:
         return 3
     dep, plan, plans = build(spec, cfg)
-    if plan.uses_drafter and isinstance(dep.drafter[0], OracleDrafter):
+    if plan.uses_drafter and methods.replays_reference(dep.drafter[0]):
         dep.reference_tokens = methods.run_plan(dep, plans[0]).tokens  # the oracle replays the AR reference
     run = workload_run(dep, plan, spec)
     warm = run()  # compiles every step

@@ -21,7 +21,6 @@ from typing import Callable
 from specpilot.agent import candidate
 from specpilot.decoding import aot
 from specpilot.harness import config_schema, deploy, fit, methods, shapes
-from specpilot.models.oracle import OracleDrafter
 
 # config keys a spec may change without a new deployment: its plan, its prompts' count and length, its
 # output length (the worker gives every plan a copy of the deployment with its own prompts)
@@ -84,7 +83,7 @@ class WarmWorker:
         # a copy per plan: its own prompts and lengths, the weights and their prepared formats shared
         dep = dataclasses.replace(self.base, prompts=prompts, new_tokens=new, reference_tokens=None,
                                   profile_split=False, cache_len=shapes.cache_len(longest, new, block))
-        if plan.uses_drafter and isinstance(dep.drafter[0], OracleDrafter):
+        if plan.uses_drafter and methods.replays_reference(dep.drafter[0]):
             ref_key = (json.dumps(prompts), new)
             if ref_key not in self.references:  # the oracle replays the AR reference
                 self.references[ref_key] = methods.run_plan(dep, plans[0]).tokens

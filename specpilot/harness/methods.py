@@ -59,9 +59,14 @@ def run_ar(dep, plan: Plan, on_batch: BatchCallback | None = None) -> MethodRun:
     return MethodRun(tokens, prefill_s, decode_s, decode_tokens, batch_times=batch_times)
 
 
+def replays_reference(drafter) -> bool:
+    """Whether `drafter` is an oracle that replays the AR baseline's tokens (its runs need them first)."""
+    return isinstance(drafter, (OracleDrafter, OracleTraceDrafter))
+
+
 def _draft_params(dep, drafter, base, batch_index: int, batch):
     """The drafter's params for one batch: an oracle drafter replays the AR baseline's tokens."""
-    if not isinstance(drafter, (OracleDrafter, OracleTraceDrafter)):
+    if not replays_reference(drafter):
         return base
     if dep.reference_tokens is None:
         raise RuntimeError("an oracle drafter needs the AR baseline's tokens; run AR first")
