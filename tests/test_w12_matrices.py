@@ -69,12 +69,16 @@ def test_the_plan_field_is_checked_and_the_loop_can_choose_it():
     assert "w12_matrices" not in sp.apply({"weights": "w12", "w12_matrices": ["down"]}, {"weights": "bf16"})
 
 
-def test_partial_w12_plans_decode_the_bf16_tokens(tmp_path):
+@pytest.mark.parametrize("kernel", ["xla", pytest.param("mosaic", marks=pytest.mark.slow)])
+def test_partial_w12_plans_decode_the_bf16_tokens(tmp_path, kernel):
+    """The encoded classes through XLA's decode or the Mosaic W12 kernel (interpreted on a CPU: 90 s), the
+    bf16 ones through XLA's dot either way."""
     out = tmp_path / "out"
     proc = subprocess.run(
         [sys.executable, str(ROOT / "experiments" / "run.py"), "target=tiny_random", "target.dtype=bfloat16",
          "drafter=oracle", "drafter.num_layers=1", "drafter.block_size=4", "drafter.tau=2.5", "decoding=w12",
          "+decoding.plans.stock_w12.w12_matrices=[gate_up,down,fc]", "+decoding.plans.ar_w12.w12_matrices=[qkv,o]",
+         f"gpu.matmul.w12=[{kernel},xla]",
          "bench=default", "bench.num_prompts=1", "bench.new_tokens=8", f"output_dir={out}",
          f"hydra.run.dir={tmp_path / 'hydra'}"], cwd=tmp_path, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
