@@ -1,7 +1,7 @@
 """What XLA's products cost on this machine at a few rows: the decoder stack's MLP at SmolLM2-135M's shape.
 
-    python experiments/bench/bench_cpu_products.py [--rows 1,4,8] [--layout kn,nk] [--trials 15] [--dtype bfloat16]
-    XLA_FLAGS=--xla_cpu_use_onednn=true python experiments/bench/bench_cpu_products.py
+    PYTHONPATH=. python experiments/bench/bench_cpu_products.py [--rows 1,4,8] [--layout kn,nk] [--trials 15] [--dtype bfloat16]
+    XLA_FLAGS=--xla_cpu_use_onednn=true PYTHONPATH=. python experiments/bench/bench_cpu_products.py
 
 Each layer multiplies its rows by a gate/up weight (576 x 3072) and the product's SwiGLU by a down weight
 (1536 x 576), 30 layers chained as in the model, float32 (or bfloat16); the weights (319 MB) are far larger than the
@@ -12,11 +12,12 @@ as rows grow costs what one row does (docs/performance.md, default deployment, "
 
 import argparse
 import os
-import time
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+
+from specpilot.harness.bench import median_ms
 
 LAYERS, HIDDEN, INTER = 30, 576, 1536
 
@@ -32,16 +33,6 @@ def chained_mlp(nk: bool):
         return x
 
     return run
-
-
-def median_ms(fn, *args, trials: int) -> float:
-    jax.block_until_ready(fn(*args))
-    times = []
-    for _ in range(trials):
-        t = time.perf_counter()
-        jax.block_until_ready(fn(*args))
-        times.append(time.perf_counter() - t)
-    return float(np.median(times)) * 1e3
 
 
 def main(argv=None):
