@@ -213,3 +213,28 @@ def test_the_loop_space_admits_any_shape_at_the_calibrated_deployment():
     refused = space.check("candidate", {"verify": "two_level", "tree": {"nodes": 16, "depth": 5, "branching": 2},
                                         "two_level": {"first": "early_exit", "keep": 8, "exit_layer": 1}})
     assert isinstance(refused, str) and "early_exit' first level has no trace here" in refused
+
+
+@pytest.mark.parametrize("kv", ["contiguous", "paged"])
+def test_the_serving_engine_replays_a_step_trace(kv):
+    """Staggered requests through the engine with a trace drafter: every request's tokens are AR's, and
+    rows accept drafts (what the trace's depths place), contiguous and paged K/V alike."""
+    from engine_helpers import BUDGETS, CAP, CFG, PROMPTS, TARGET, run_staggered
+    from helpers import random_params
+    from specpilot.plan import Batching
+    from specpilot.serving.engine import Engine
+    from specpilot.serving.request import Request
+
+    params = random_params(dense.param_shapes(CFG), 0.5, 0)
+    reference = [row.tolist() for row in ar.generate(TARGET, params, PROMPTS, CAP + 8).tokens]
+    dcfg = dr.DrafterConfig.for_target(CFG, num_layers=1, block_size=8)
+    drafter = OracleTraceDrafter.from_traces(dr.BlockDrafter(dcfg, CFG), {"t": {"accepted": list(TRACE)}}
+                                             ).with_trace(TRACE)
+    slots = 3
+    dparams = drafter.make_params(random_params(dr.param_shapes(dcfg), 0.5, 1), np.zeros((slots, 1), np.int32))
+    engine = Engine(TARGET, params, drafter, dparams, block_size=7, slots=slots, context_len=48, prefill_chunk=8,
+                    sampling=False, batching=Batching(kv=kv))
+    requests = [Request(p, b, draft_reference=list(p) + reference[i]) for i, (p, b) in enumerate(zip(PROMPTS, BUDGETS))]
+    handles = run_staggered(engine, requests, [0, 0, 1, 3, 3, 4, 9, 10])
+    assert [h.tokens for h in handles] == [reference[i][:b] for i, b in enumerate(BUDGETS)]
+    assert engine.stats.tokens_per_row_step > 1.5  # the trace's mean depth is 2.25 drafts a step

@@ -204,9 +204,6 @@ def deployment_setup(args, n_prompts: int) -> Setup:
             raise ValueError(f"{flag} belongs to --shape; with --deployment set it in the config "
                              f"(bench.prompt_len, drafter.block_size, target.path)")
     cfg = compose_config(args.deployment, n_prompts, min(args.m))
-    if cfg.drafter.source == "oracle_trace":
-        raise ValueError("drafter=oracle_trace: its per-plan step traces do not run through the engine; use "
-                         "drafter=oracle (drafter.tau, drafter.acceptance or drafter.acceptance_trace)")
     devices.setup(cfg)
     plans = config_schema.build_plans(cfg)
     by_name = {p.name: p for p in plans}
@@ -220,7 +217,7 @@ def deployment_setup(args, n_prompts: int) -> Setup:
             raise ValueError(f"--plans: {name!r} is a {by_name[name].verify} plan; the engine runs ar, chain and "
                              f"tree plans")
     reference = plans[0]  # the run harness's reference: the device's first AR baseline candidate
-    oracle = cfg.drafter.source == "oracle" and any(by_name[n].uses_drafter for n in wanted)
+    oracle = cfg.drafter.source in ("oracle", "oracle_trace") and any(by_name[n].uses_drafter for n in wanted)
     if reference.name not in wanted and (oracle or 0.0 in args.rates):
         wanted = [reference.name] + wanted
     selected = [reference] * (reference.name in wanted) + [by_name[n] for n in wanted if n != reference.name]

@@ -22,6 +22,7 @@ from specpilot import sharding
 from specpilot.decoding.sampling import RequestSampling
 from specpilot.models.drafter import ReplayDrafter
 from specpilot.models.oracle import OracleDrafter
+from specpilot.models.oracle_trace import OracleTraceDrafter
 from specpilot.plan import Batching, TreeShape
 from specpilot.serving import compact as cp
 from specpilot.serving import overlap as ov
@@ -37,7 +38,7 @@ from specpilot.serving.step_timing import measure_step_cost
 
 
 def _replays(drafter) -> bool:
-    return isinstance(drafter, (ReplayDrafter, OracleDrafter))
+    return isinstance(drafter, (ReplayDrafter, OracleDrafter, OracleTraceDrafter))
 
 
 def _with_reference(drafter, params, reference):
@@ -126,9 +127,9 @@ class Engine:
         if plan.verify == "tree":
             check_tree_batching(kwargs.get("batching") or plan.batching, f"decoding.plans.{plan.name}")
         drafter, dparams = deployment.drafter_for(plan) if plan.uses_drafter else (None, None)
-        if isinstance(drafter, OracleDrafter):  # a deployment keeps the inner drafter's params; the
-            # oracle's own (a reference the engine fills per slot, a key) wrap them
-            dparams = OracleDrafter.make_params(dparams, np.zeros((int(kwargs.get("slots", 4)), 1), np.int32))
+        if isinstance(drafter, (OracleDrafter, OracleTraceDrafter)):  # a deployment keeps the inner drafter's
+            # params; the oracle's own (a reference the engine fills per slot, a key or trace starts) wrap them
+            dparams = type(drafter).make_params(dparams, np.zeros((int(kwargs.get("slots", 4)), 1), np.int32))
         kwargs.setdefault("batching", plan.batching)
         if plan.verify == "tree":
             kwargs["tree"] = plan.tree
@@ -212,7 +213,8 @@ class Engine:
     def submit(self, request: Request) -> Handle:
         """Queue a request; a bad one raises RequestError naming its field (nothing else is touched)."""
         reason = ("the oracle drafter drafts one-hot tokens (greedy only)"
-                  if isinstance(self.setup.drafter, OracleDrafter) else "the engine was built without sampling")
+                  if isinstance(self.setup.drafter, (OracleDrafter, OracleTraceDrafter))
+                  else "the engine was built without sampling")
         request = check_request(request, vocab_size=self.setup.target.vocab_size,
                                 context_len=self.setup.context_len, sampling=self.sampling,
                                 greedy_only_reason=reason)
