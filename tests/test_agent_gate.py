@@ -10,10 +10,12 @@ import textwrap
 import numpy as np
 import pytest
 from agent_helpers import spec, toy_cfg
+from omegaconf import OmegaConf
 
 from specpilot.agent import evaluator as ev
 from specpilot.agent import space as sp
 from specpilot.agent.gate import Gate
+from specpilot.harness.config_schema import typed
 
 STOCK = {"verify": "chain", "block_size": 4}
 PATCH = """
@@ -128,8 +130,18 @@ def test_a_faked_clock_is_not_believed(setting):
     assert not v.accepted and any("not faster than the incumbent" in r for r in v.reasons)
 
 
-def test_beating_the_ceiling_is_rejected_and_flagged(setting):
-    res, v = _judge(setting, "skips_work")
+def test_beating_the_ceiling_is_rejected_and_flagged(setting, monkeypatch):
+    # judged against a device 25x slower than the configured CPU profile: skipping the work leaves only a
+    # pipe's round trip, ~1 ms a run on a loaded 2-core machine (above the CPU profile's ceiling of
+    # ~0.4 ms a run), and honest work on the CPU (~1 ms/token) stays far above the slower ceiling
+    gate = setting[1]
+    slow = OmegaConf.create(OmegaConf.to_container(gate.cfg, resolve=True))
+    slow.gpu.memory_bandwidth_gbs = gate.cfg.gpu.memory_bandwidth_gbs / 25
+    slow.gpu.matmul_tflops_bf16 = gate.cfg.gpu.matmul_tflops_bf16 / 25
+    monkeypatch.setattr(gate, "cfg", typed(slow))
+    res, v = _judge(setting, "skips_work", repeats=5)
     assert v.mismatches == 0 and v.reference_equal  # its tokens are right...
     assert res["s_per_token"] < v.ceiling_s_per_token  # ...and it is faster than physics allows
     assert not v.accepted and v.flagged and any("ceiling" in r for r in v.reasons)
+    honest = gate.check(setting[3], gate.stock, None)  # the incumbent, against the same slower ceiling
+    assert honest.accepted and not honest.flagged
