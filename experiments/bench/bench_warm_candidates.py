@@ -11,6 +11,7 @@ compared across the modes.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import shlex
 import sys
@@ -52,6 +53,8 @@ def main(argv=None) -> int:
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--timeout", type=float, default=900.0)
     ap.add_argument("--sandbox", default="bwrap")
+    ap.add_argument("--workdir", default=None,
+                    help="keep the candidates' and warm workers' folders (stderr.txt) here (default: a temporary folder)")
     ap.add_argument("--modes", default="cold,warm,warm", help="evaluator modes in order (warm twice: two rounds)")
     args = ap.parse_args(argv)
 
@@ -77,8 +80,8 @@ def main(argv=None) -> int:
 
     print(f"incumbent {json.dumps(incumbent)}; candidates {json.dumps(changes)}", flush=True)
     tokens: dict[str, list] = {}
-    with tempfile.TemporaryDirectory(prefix="bench-warm-") as work, \
-            ev.Evaluator(1, timeout_s=args.timeout, memory_mb=None, workdir=work, sandbox=args.sandbox) as e:
+    with (contextlib.nullcontext(args.workdir) if args.workdir else tempfile.TemporaryDirectory(prefix="bench-warm-")) \
+            as work, ev.Evaluator(1, timeout_s=args.timeout, memory_mb=None, workdir=work, sandbox=args.sandbox) as e:
         for r, mode in enumerate(args.modes.split(",")):
             batch = specs(f"r{r}")
             t0 = time.perf_counter()
