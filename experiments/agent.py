@@ -24,6 +24,7 @@ for noisy in NOISY:
 
 @entry.app(config_path="../conf", config_name="agent")
 def main(cfg: DictConfig) -> None:
+    devices.share_gpu_memory()  # the driver, its workers and candidates share the GPU: none reserves it all
     hydra_dir = Path(HydraConfig.get().runtime.output_dir)
     for noisy in NOISY:  # again, after Hydra has configured logging
         logging.getLogger(noisy).setLevel(logging.WARNING)

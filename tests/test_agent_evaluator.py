@@ -8,6 +8,7 @@ import pytest
 from agent_helpers import HONEST_PROGRAM
 
 from specpilot.agent import evaluator as ev
+from specpilot.harness import devices
 from specpilot.sharding import MeshError, MeshShape
 
 HONEST = HONEST_PROGRAM
@@ -161,6 +162,18 @@ def test_a_candidate_runs_without_what_the_nanny_injected_or_any_secret():
     assert "/opt/private/bin" not in env["PATH"] and env["HOME"] == "/tmp" and env["TMPDIR"] == "/tmp"
     assert env["PYTHONUNBUFFERED"] == "1" and env["JAX_PLATFORMS"] == "cpu"
     assert "--xla_dump_to=/x" in env["XLA_FLAGS"] and "device_count=1" in env["XLA_FLAGS"]
+
+
+def test_processes_sharing_a_gpu_allocate_as_they_go_unless_the_user_chose():
+    # the loop's driver holds the gate's deployment on the GPU its workers time candidates on: with each
+    # reserving 75% up front, the second process would get only what the first left
+    env = {"PATH": "/usr/bin"}
+    assert devices.share_gpu_memory(env) and env["XLA_PYTHON_CLIENT_PREALLOCATE"] == "false"
+    assert ev.candidate_env("gpu:0", env)["XLA_PYTHON_CLIENT_PREALLOCATE"] == "false"  # inherited
+    for var, value in (("XLA_PYTHON_CLIENT_MEM_FRACTION", ".3"), ("XLA_PYTHON_CLIENT_PREALLOCATE", "true")):
+        mine = {var: value}
+        assert not devices.share_gpu_memory(mine) and mine == {var: value}
+        assert ev.candidate_env("gpu:0", mine)[var] == value
 
 
 def test_the_cheap_stage_ranks_by_the_candidates_decode_time():

@@ -25,7 +25,7 @@ from omegaconf import OmegaConf
 from specpilot.agent import evaluator as ev
 from specpilot.agent import space as sp
 from specpilot.agent.gate import Gate
-from specpilot.harness import config_schema
+from specpilot.harness import config_schema, devices
 
 CONF = Path(__file__).resolve().parents[2] / "conf"
 DEFAULT_CANDIDATES = "block_size=2;block_size=3;block_size=5;block_size=6;block_size=8;verify=ar;" \
@@ -57,6 +57,7 @@ def main(argv=None) -> int:
                     help="keep the candidates' and warm workers' folders (stderr.txt) here (default: a temporary folder)")
     ap.add_argument("--modes", default="cold,warm,warm", help="evaluator modes in order (warm twice: two rounds)")
     args = ap.parse_args(argv)
+    devices.share_gpu_memory()  # this process (the gate) and the candidates' share the GPU
 
     config_schema.register()
     with initialize_config_dir(config_dir=str(CONF), version_base=None):

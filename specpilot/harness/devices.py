@@ -1,9 +1,11 @@
-"""Devices before a run builds anything: simulated CPU devices and multi-host initialisation (both before
-jax starts its backends), the persistent compile cache, and the check that the `gpu` config names the
-device jax sees (its rates, kernels and records are that device's)."""
+"""Devices before a run builds anything: simulated CPU devices, multi-host initialisation and how
+processes sharing a GPU allocate its memory (all before jax starts its backends), the persistent compile
+cache, and the check that the `gpu` config names the device jax sees (its rates, kernels and records are
+that device's)."""
 
 from __future__ import annotations
 
+import os
 import re
 from pathlib import Path
 
@@ -23,6 +25,24 @@ class DeviceSetupError(RuntimeError):
 
 def _backends_started() -> bool:
     return bool(getattr(xla_bridge, "_backends", None))
+
+
+# jax's allocator settings: a user who sets any of them chooses for every process
+GPU_MEMORY_VARS = ("XLA_PYTHON_CLIENT_PREALLOCATE", "XLA_PYTHON_CLIENT_MEM_FRACTION", "XLA_PYTHON_CLIENT_ALLOCATOR")
+
+
+def share_gpu_memory(environ=None) -> bool:
+    """Let processes that share a GPU (the loop's driver, its warm workers and candidates) allocate as
+    they go instead of each reserving 75% of it up front: the second process would otherwise get only
+    what the first left, and its compiles, autotuning and kernel loads fail for want of memory. Sets
+    XLA_PYTHON_CLIENT_PREALLOCATE=false in `environ` (default os.environ: inherited by the processes
+    started from here) unless one of GPU_MEMORY_VARS is set; True when it set it. Called before jax
+    starts its backends, it covers this process too; after, only the processes it starts."""
+    env = os.environ if environ is None else environ
+    if any(k in env for k in GPU_MEMORY_VARS):
+        return False
+    env["XLA_PYTHON_CLIENT_PREALLOCATE"] = "false"
+    return True
 
 
 def setup(cfg) -> None:
