@@ -15,12 +15,10 @@ from omegaconf.errors import OmegaConfBaseException
 
 from pallas_kernels import dispatch
 from specpilot import plan as plan_mod
-from specpilot.data import prompt_sets
-from specpilot.harness import config_errors, shapes
+from specpilot.harness import config_errors, config_files, shapes
 from specpilot.harness.config_errors import ConfigValueError, fail as _fail  # noqa: F401  (raised by every check)
-from specpilot.models.confidence_trace import load_calibration
 from specpilot.models.drafter import PACKAGED, packaged_drafters
-from specpilot.models.oracle_trace import load_model, load_traces, model_shape, trace_method, trace_path
+from specpilot.models.oracle_trace import trace_path
 from specpilot.plan import Plan
 
 TARGET_SOURCES = ("random", "hf", "embedded", "gguf", "smollm2")
@@ -270,34 +268,6 @@ def register() -> None:
         cs.store(group=group, name=f"{group}_schema", node=node)
 
 
-def _check_step_trace(plan, step_trace) -> None:
-    """A plan an oracle_trace drafter can run: its trace recorded under its name, else one the file's
-    acceptance model can sample for its shape."""
-    if trace_method(plan.name) in load_traces(step_trace):
-        return
-    model = load_model(step_trace)
-    if model is None:
-        _fail("drafter.step_trace", f"plan {plan.name!r} has no trace in {step_trace} and the file holds no "
-              f"acceptance model to sample one (traces are per plan name: "
-              f"{', '.join(sorted(load_traces(step_trace)))})")
-    try:
-        model_shape(plan, model.depth)
-    except ValueError as e:
-        _fail("drafter.step_trace", str(e))
-
-
-def _check_confidence_trace(d) -> None:
-    if d.source != "oracle":
-        _fail("drafter.confidence_trace", f"a recorded confidence calibrates an oracle drafter; source is "
-              f"{d.source!r}")
-    if not trace_path(d.confidence_trace).is_file():
-        _fail("drafter.confidence_trace", f"no trace file at {d.confidence_trace}")
-    try:
-        load_calibration(d.confidence_trace, d.confidence_method)
-    except (ValueError, KeyError, TypeError) as e:
-        _fail("drafter.confidence_trace", " ".join(str(e).split()))
-
-
 def validate(cfg: DictConfig) -> None:
     """Raise ConfigValueError naming the key for impossible values (types are checked by Hydra)."""
     t, d, b, dec = cfg.target, cfg.drafter, cfg.bench, cfg.decoding
@@ -361,7 +331,7 @@ def validate(cfg: DictConfig) -> None:
         if not d.step_trace or not trace_path(d.step_trace).is_file():
             _fail("drafter.step_trace", f"an oracle_trace drafter needs a step trace file, got {d.step_trace!r}")
     if d.confidence_trace:
-        _check_confidence_trace(d)
+        config_files.check_confidence_trace(d)
     if d.source in ("oracle", "oracle_trace") and dec.temperature != 0:
         _fail("drafter.source", "oracle acceptance replays greedy continuations; use temperature 0")
     plans = build_plans(cfg)
@@ -371,7 +341,7 @@ def validate(cfg: DictConfig) -> None:
             _check_implementations(f"{key}.kernels.{op}.implementation", getattr(plan.kernels, op).implementation,
                                    op=op, variants=True)
         if plan.uses_drafter and d.source == "oracle_trace":
-            _check_step_trace(plan, d.step_trace)
+            config_files.check_step_trace(plan, d.step_trace)
         if plan.uses_drafter and d.source == "none":
             _fail("drafter", f"plan {plan.name!r} ({plan.verify} verification) needs a drafter; choose one, "
                   "e.g. drafter=embedded")
@@ -402,45 +372,14 @@ def validate(cfg: DictConfig) -> None:
         _fail("bench.batch_size", f"{b.batch_size} is larger than the prompt set ({b.num_prompts})")
     if b.prompts not in PROMPT_SETS:
         _fail("bench.prompts", f"{b.prompts!r} is not one of {PROMPT_SETS}")
-    _check_text_prompts(t, b)
-    _check_stop(t, b)
+    config_files.check_text_prompts(t, b)
+    config_files.check_stop(t, b)
     block = max(p.block_size for p in plans)
     needed = b.prompt_len + b.new_tokens + block
     if b.cache_len is not None and b.cache_len < needed:
         _fail("bench.cache_len", f"{b.cache_len} cannot hold prompt_len + new_tokens + the largest block size "
               f"= {needed}")
     shapes.check_drafter_fits(cfg)  # the drafter reads the target's states, embedding and head
-
-
-def _check_text_prompts(t: DictConfig, b: DictConfig) -> None:
-    """A text prompt set needs the target's tokenizer, and a chat one its chat template (GGUF files are
-    checked once converted, when the deployment is built)."""
-    if b.prompts not in prompt_sets.TEXT_SETS:
-        return
-    chat = b.prompts in prompt_sets.CHAT_SETS
-    if t.source == "random":
-        _fail("bench.prompts", f"{b.prompts!r} prompts are text and need the target's tokenizer; the random-weight "
-              f"target {t.name!r} has none (use bench.prompts=random, or a target with one: hf, gguf, smollm2)")
-    if t.source == "embedded" and chat:
-        _fail("bench.prompts", f"{b.prompts!r} prompts are chats; the embedded target has no chat template "
-              "(use bench.prompts=humaneval or heldout)")
-    if t.source == "hf":
-        path = Path(str(t.path)).expanduser()
-        if not prompt_sets.has_tokenizer(path):
-            _fail("bench.prompts", f"{b.prompts!r} prompts need the target's tokenizer; no tokenizer.json in {path}")
-        if chat and not prompt_sets.chat_template(path):
-            _fail("bench.prompts", f"{b.prompts!r} prompts are chats; {path} has no chat template")
-
-
-def _check_stop(t: DictConfig, b: DictConfig) -> None:
-    """bench.stop_at_eos needs a target with a tokenizer naming its end-of-sequence token."""
-    if b.stop_at_eos and t.source == "random":
-        _fail("bench.stop_at_eos", "a random-weight target has no tokenizer, so no end-of-sequence token; "
-              "use a target with one (hf, gguf, smollm2, embedded) or bench.stop_at_eos=false")
-    if b.stop_at_eos and t.source == "hf":
-        if prompt_sets.eos_token_id(Path(str(t.path)).expanduser()) is None:
-            _fail("bench.stop_at_eos", f"the checkpoint at {t.path} names no end-of-sequence token (no "
-                  "tokenizer.json / tokenizer_config.json eos_token, no config.json eos_token_id)")
 
 
 def _check_implementations(key: str, impl, op: str = "matmul", variants: bool = False) -> None:
