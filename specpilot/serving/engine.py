@@ -34,7 +34,7 @@ from specpilot.serving.engine_checks import (check_plan, check_tree_batching, st
                                              tree_block_size)
 from specpilot.serving.handles import DECODING, DONE, PREFILL, WAITING, EngineStats, Handle, PendingStep
 from specpilot.serving.request import Request, RequestError, check_request
-from specpilot.serving.step_timing import measure_step_cost
+from specpilot.serving.step_timing import device_step_ms, measure_step_cost
 
 
 def _replays(drafter) -> bool:
@@ -477,28 +477,5 @@ class Engine:
     # Measurement
 
     def device_step_ms(self, calls: int = 20) -> float:
-        """Milliseconds one decode call takes when `calls` of them run back to back with no host work
-        between them (greedy, every row computed, none committed): the device's share of a step, against
-        which `step()`'s wall time shows the host's. Call it between workloads (it leaves every row's
-        committed length as it was; halves engines time their first half's call)."""
-        if calls < 1:
-            raise ValueError(f"calls must be >= 1, got {calls}")
-        which = "halves0" if self.overlap is not None else "decode"
-        exe, idle = self._exe(which, True), np.zeros(self.slots, bool)
-        sampling = RequestSampling(np.zeros(self.slots, np.float32), np.ones(self.slots, np.float32), greedy=True,
-                                   top_k=self.setup.top_k)
-
-        def call():
-            if self.overlap is not None:
-                self.state, self.prepared, *_ = exe(self.target_params, self.draft_params, self.state,
-                                                    self.prepared, idle, idle, sampling)
-            else:
-                self.state, *_ = exe(self.target_params, self.draft_params, self.state, idle, sampling)
-
-        call()  # the first call after host work may include transfers
-        jax.block_until_ready(self.state)
-        t0 = time.perf_counter()
-        for _ in range(calls):
-            call()
-        jax.block_until_ready(self.state)
-        return 1e3 * (time.perf_counter() - t0) / calls
+        """Milliseconds one decode call takes with no host work between calls (`step_timing.device_step_ms`)."""
+        return device_step_ms(self, calls)

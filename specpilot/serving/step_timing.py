@@ -1,7 +1,8 @@
-"""A measured step cost for the confidence chooser: one decode's draft stage and its packed verify forward
-(`stream_forward`, the branch a step runs) at each stream size, timed on this device with the engine's
-shapes, as `StepCost` points. Where the cost model is not calibrated (a CPU's products are not free at
-4-16 rows), this prices what a step really costs at each size.
+"""Step timings on this device. A measured step cost for the confidence chooser: one decode's draft stage
+and its packed verify forward (`stream_forward`, the branch a step runs) at each stream size, timed with
+the engine's shapes, as `StepCost` points (where the cost model is not calibrated, a CPU's products are
+not free at 4-16 rows, this prices what a step really costs at each size). And an engine's device share
+of a step: decode calls back to back, no host work between them.
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from specpilot.decoding.sampling import RequestSampling
 from specpilot.serving import slots as sl
 from specpilot.serving.budget import StepCost
 from specpilot.serving.packed import stream_forward
@@ -59,3 +61,31 @@ def measure_step_cost(setup: sl.EngineSetup, target_params, draft_params, slots:
         verify_s = _median_s(forward, (target_params, block, counts, ts), repeats)
         points.append((int(n), draft_s + verify_s))
     return StepCost(points=tuple(points))
+
+
+def device_step_ms(engine, calls: int = 20) -> float:
+    """Milliseconds one decode call of `engine` takes when `calls` of them run back to back with no host work
+    between them (greedy, every row computed, none committed): the device's share of a step, against
+    which `step()`'s wall time shows the host's. Call it between workloads (it leaves every row's
+    committed length as it was; halves engines time their first half's call)."""
+    if calls < 1:
+        raise ValueError(f"calls must be >= 1, got {calls}")
+    which = "halves0" if engine.overlap is not None else "decode"
+    exe, idle = engine._exe(which, True), np.zeros(engine.slots, bool)
+    sampling = RequestSampling(np.zeros(engine.slots, np.float32), np.ones(engine.slots, np.float32), greedy=True,
+                               top_k=engine.setup.top_k)
+
+    def call():
+        if engine.overlap is not None:
+            engine.state, engine.prepared, *_ = exe(engine.target_params, engine.draft_params, engine.state,
+                                                    engine.prepared, idle, idle, sampling)
+        else:
+            engine.state, *_ = exe(engine.target_params, engine.draft_params, engine.state, idle, sampling)
+
+    call()  # the first call after host work may include transfers
+    jax.block_until_ready(engine.state)
+    t0 = time.perf_counter()
+    for _ in range(calls):
+        call()
+    jax.block_until_ready(engine.state)
+    return 1e3 * (time.perf_counter() - t0) / calls
