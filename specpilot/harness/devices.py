@@ -27,14 +27,17 @@ def _backends_started() -> bool:
     return bool(getattr(xla_bridge, "_backends", None))
 
 
-# jax's allocator settings: a user who sets any of them chooses for every process
-GPU_MEMORY_VARS = ("XLA_PYTHON_CLIENT_PREALLOCATE", "XLA_PYTHON_CLIENT_MEM_FRACTION", "XLA_PYTHON_CLIENT_ALLOCATOR")
+# jax's allocator settings (XLA_CLIENT_MEM_FRACTION is the newer name of the fraction): a user who sets
+# any of them chooses for every process
+GPU_MEMORY_VARS = ("XLA_PYTHON_CLIENT_PREALLOCATE", "XLA_PYTHON_CLIENT_MEM_FRACTION", "XLA_CLIENT_MEM_FRACTION",
+                   "XLA_PYTHON_CLIENT_ALLOCATOR")
 
 
 def share_gpu_memory(environ=None) -> bool:
     """Let processes that share a GPU (the loop's driver, its warm workers and candidates) allocate as
     they go instead of each reserving 75% of it up front: the second process would otherwise get only
-    what the first left, and its compiles, autotuning and kernel loads fail for want of memory. Sets
+    what the first left, and its compiles, autotuning and kernel loads fail for want of memory (jax's
+    GPU memory notes name concurrent processes as the common cause of OOM and this as a fix). Sets
     XLA_PYTHON_CLIENT_PREALLOCATE=false in `environ` (default os.environ: inherited by the processes
     started from here) unless one of GPU_MEMORY_VARS is set; True when it set it. Called before jax
     starts its backends, it covers this process too; after, only the processes it starts."""
