@@ -26,6 +26,7 @@ from specpilot import atomic_io
 from specpilot.agent import cluster_security
 from specpilot.agent import evaluator as ev
 from specpilot.agent import memory as mem
+from specpilot.agent import predicted  # registers "predicted"
 from specpilot.agent import proposers as props
 from specpilot.agent import report
 from specpilot.agent import space as sp
@@ -45,7 +46,8 @@ class AgentConf:
     workers: int = 2
     timeout_s: float = 300.0  # per candidate process
     memory_mb: int = 8192  # address-space limit per candidate process
-    proposers: list = dataclasses.field(default_factory=lambda: ["memory", "integrate", "guided", "optuna"])
+    proposers: list = dataclasses.field(
+        default_factory=lambda: ["memory", "integrate", "predicted", "guided", "optuna"])
     per_proposer: int = 2  # proposals per proposer per round
     memory_url: str | None = None  # default: sqlite:///<cache_dir>/agent_memory.db
     heldout: int = 16  # the gate's held-out prompt pool
@@ -119,6 +121,7 @@ class Loop:
         self.space = sp.build_space(cfg, platform=dev[0].platform, devices=len(dev), workload=agent.workload)
         self.incumbent = initial_plan(cfg, self.space)
         self.avoid: dict[str, str] = {}  # plans memory saw lose clearly nearby (`Memory.losses`)
+        self.predictor = None  # the cost model's time per token of a plan here (`_attribution` sets it)
         self.groups = None  # one timing worker per device group of the incumbent's mesh
         if dev[0].platform == "gpu" or len(dev) > 1:
             mesh = MeshShape(**(self.incumbent.get("mesh") or {}))
@@ -231,6 +234,9 @@ class Loop:
         return res if res["status"] == "ok" else best["result"]
 
     def _attribution(self, gate: Gate, fields: dict, result: dict) -> dict | None:
+        """The cost model's attribution of the incumbent's measured run; sets `predictor` (the `predicted`
+        proposer's) at the same deployment and measured τ."""
+        self.predictor = None
         plan = self.space.check("incumbent", fields)
         if isinstance(plan, str):
             return None
@@ -239,6 +245,8 @@ class Loop:
                                      roofline.Hardware.from_conf(self.cfg.gpu))
         stats = result.get("stats") or {}
         tau = min(float(stats.get("tau") or 1.0), float(plan.block_size))
+        self.predictor = predicted.predictor_for(setting, gate.dep.drafter[0] if gate.dep.drafter else None, plan,
+                                                 max(1.0, tau))
         try:
             return prediction.attribute(plan, setting, prediction.Measurement(result["s_per_token"], max(1.0, tau),
                                                                               stats.get("time_split")))
@@ -250,7 +258,7 @@ class Loop:
                survivors) -> dict:
         a, memory = self.agent, self.memory
         ctx = props.Context(self.space, self.incumbent, att, tried_before(memory, self.key, r), seeds, survivors,
-                            self.avoid)
+                            self.avoid, self.predictor)
         proposals: list[props.Proposal] = []
         for p in proposers:
             if isinstance(p, LLMProposer):  # its transcript: every ask of this round, and what became of it

@@ -41,6 +41,8 @@ class Context:
     survivors: list[dict] = dataclasses.field(default_factory=list)
     # {plan key: why}: plans memory saw lose clearly at a near deployment (`Memory.losses`), not proposed
     avoid: dict[str, str] = dataclasses.field(default_factory=dict)
+    # a plan's predicted seconds per output token at this deployment, None where unknown (`predicted`)
+    predict: Callable[[plan_mod.Plan], float | None] | None = None
 
     def avoided(self, rewrite: dict) -> str | None:
         """Why the plan `rewrite` makes of the incumbent is in `avoid`, or None."""

@@ -18,7 +18,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from pallas_kernels import dispatch
 from specpilot import plan as plan_mod
-from specpilot.harness.config_schema import ConfigValueError, build_plans, typed, validate
+from specpilot.harness.config_schema import DEFAULTED_OPS, ConfigValueError, build_plans, typed, validate
 from specpilot.models.checkpoint import HYBRID_ARCHITECTURES
 
 BLOCK_SIZES = (2, 3, 4, 6, 8, 12, 16, 24, 32)
@@ -177,6 +177,19 @@ class Space:
             return next(p for p in build_plans(cfg) if p.name == name)
         except (ConfigValueError, plan_mod.PlanError, ValueError, TypeError, KeyError) as e:
             return f"{type(e).__name__}: {e}"
+
+    def quick_plan(self, name: str, fields: Mapping) -> plan_mod.Plan | None:
+        """The plan of `fields` with the deployment's defaults, without `check`'s validation against the
+        deployment (a fast estimate for ranking; a proposal still passes `rewrite`), None if it is no plan."""
+        c = self.base_cfg
+        drafter_block = int(c.drafter.block_size) if c.drafter.source != "none" else None
+        ops = {f"default_{op}": tuple(str(i) for i in c.gpu[op]) for op in DEFAULTED_OPS}
+        try:
+            return plan_mod.build(name, dict(fields), drafter_block_size=drafter_block,
+                                  default_matmul={k: list(v) for k, v in c.gpu.matmul.items()},
+                                  default_gated_delta_rule=tuple(str(i) for i in c.gpu.gated_delta_rule), **ops)
+        except (plan_mod.PlanError, ValueError, TypeError, KeyError):
+            return None
 
     def feasible(self, incumbent: Mapping) -> tuple["Space", list[Dropped]]:
         """The space without the values that fail on their own at this deployment (each one-field rewrite of

@@ -1,0 +1,160 @@
+"""The `predicted` proposer: plans the cost model predicts faster than the incumbent, best first.
+
+A plan's time per token is its predicted step time over its τ. The step time comes from the cost model at
+the deployment's shape and the device's calibrated rates. τ comes from what the deployment knows:
+- an oracle_trace drafter with an acceptance model samples a trace for any shape, as a run of the plan would;
+- a constant-profile oracle gives a chain's τ at any block size from its profile;
+- any other drafter gives τ only for the incumbent's own drafting shape (its measured τ). That covers
+  weight-format and kernel rewrites; other shapes are not predicted and not proposed.
+The proposer enumerates the structural fields jointly (verification kind, block size, tree shape, two-level
+cut, weight format and W12 classes), so multi-field plans such as W12 with a 32-node tree are reached,
+which single-field rewrites from a chain never are.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import logging
+from typing import Callable, Iterator, Mapping
+
+from specpilot import plan as plan_mod
+from specpilot.agent import space as sp
+from specpilot.agent.proposers import Context, Proposal, Proposer, _fresh, register
+from specpilot.costmodel import prediction
+from specpilot.models import oracle
+from specpilot.models.oracle import OracleDrafter
+from specpilot.models.oracle_trace import OracleTraceDrafter, model_shape, sample_for_plan, trace_tau
+
+log = logging.getLogger(__name__)
+
+# the fields enumerated jointly, in an order where each field's condition (`Choice.when`) is set before it
+STRUCTURAL = ("verify", "block_size", "tree.nodes", "tree.depth", "tree.branching", "two_level.first",
+              "two_level.keep", "weights", "w12_matrices")
+MAX_PLANS = 20000  # enumeration cap: beyond it the rest are left out (logged)
+MIN_GAIN = 1.02  # predicted gain a plan needs over the incumbent's prediction to be proposed
+
+
+def drafting_shape(plan: plan_mod.Plan) -> tuple:
+    """What a plan's acceptance depends on: how it drafts and verifies (not its weights or kernels)."""
+    return plan.verify, plan.block_size, plan.tree, plan.two_level
+
+
+@dataclasses.dataclass
+class Predictor:
+    """Predicted seconds per output token of a plan at this deployment, or None where its τ is unknown."""
+
+    setting: prediction.Setting
+    drafter: object  # the deployment's drafter (dep.drafter[0]), or None
+    incumbent: plan_mod.Plan
+    incumbent_tau: float  # the incumbent's measured τ
+    _taus: dict = dataclasses.field(default_factory=dict)
+
+    def tau(self, plan: plan_mod.Plan) -> float | None:
+        if plan.verify == "ar":
+            return 1.0
+        d = self.drafter
+        if isinstance(d, OracleTraceDrafter) and d.model is not None:
+            try:
+                key = model_shape(plan, d.model.depth)
+            except ValueError:  # a shape the model cannot sample (an early-exit first level, too deep)
+                return None
+            if key not in self._taus:
+                self._taus[key] = trace_tau(sample_for_plan(d.model, plan))
+            return self._taus[key]
+        if isinstance(d, OracleDrafter) and plan.verify == "chain":
+            conditional = d.conditional[: plan.block_size - 1]
+            return oracle.expected_tau(conditional) if len(conditional) == plan.block_size - 1 else None
+        if drafting_shape(plan) == drafting_shape(self.incumbent):
+            return self.incumbent_tau
+        return None
+
+    def __call__(self, plan: plan_mod.Plan) -> float | None:
+        tau = self.tau(plan)
+        if tau is None:
+            return None
+        try:
+            return prediction.predict(plan, self.setting, None if plan.verify == "ar" else tau).per_token_s
+        except (NotImplementedError, ValueError) as e:
+            log.debug("no prediction for %s: %s", plan.name, e)
+            return None
+
+
+def structural_rewrites(space: sp.Space, incumbent: Mapping) -> Iterator[dict]:
+    """Every joint assignment of the space's structural fields that differs from the incumbent, each as the
+    rewrite of the fields it changes (a field whose condition does not hold is left out)."""
+    choices = [space.choice(f) for f in STRUCTURAL if space.choice(f) is not None]
+
+    def walk(i: int, fields: dict, rewrite: dict) -> Iterator[dict]:
+        if i == len(choices):
+            yield rewrite
+            return
+        c = choices[i]
+        if not c.applies(fields):
+            yield from walk(i + 1, fields, rewrite)
+            return
+        current = sp.current_value(fields, c.field)
+        for v in c.values:
+            value = list(v) if isinstance(v, tuple) else v
+            if c.field == "two_level.keep" and value >= (sp.current_value(fields, "tree.nodes") or 0):
+                continue  # a first level keeps fewer nodes than the tree it cuts
+            step = {} if value == current else {c.field: value}
+            yield from walk(i + 1, sp.apply(fields, step) if step else fields, {**rewrite, **step})
+
+    seen = set()
+    for rw in itertools.islice(walk(0, dict(incumbent), {}), MAX_PLANS):
+        key = sp.rewrite_key(rw)
+        if rw and key not in seen:
+            seen.add(key)
+            yield rw
+
+
+@register("predicted")
+class PredictedProposer(Proposer):
+    """The plans the cost model predicts fastest (`Context.predict`), best first, while predicted at least
+    MIN_GAIN faster than the incumbent; nothing where the loop has no prediction for the incumbent."""
+
+    name = "predicted"
+
+    def __init__(self, seed: int = 0):
+        self.seed = seed
+
+    def propose(self, ctx: Context, n: int) -> list[Proposal]:
+        if ctx.predict is None:
+            return []
+        base = ctx.space.quick_plan("incumbent", ctx.incumbent)
+        base_s = ctx.predict(base) if base is not None else None
+        if base_s is None:
+            return []
+        ranked, plans = [], set()
+        for rw in structural_rewrites(ctx.space, ctx.incumbent):
+            plan = ctx.space.quick_plan("candidate", sp.apply(ctx.incumbent, rw))
+            if plan is None or plan in plans:  # the same plan by another rewrite (a default set explicitly)
+                continue
+            plans.add(plan)
+            s = ctx.predict(plan)
+            if s is not None and base_s / s >= MIN_GAIN:
+                ranked.append((s, sp.rewrite_key(rw), rw, (plan.verify, plan.weights)))
+        ranked.sort(key=lambda x: (x[0], x[1]))
+        # the best plan of each kind (verification, weight format) first, then the rest by prediction: a
+        # round's few proposals spread over the mechanisms instead of near-copies of one
+        firsts, seen = [], set()
+        for x in ranked:
+            if x[3] not in seen:
+                seen.add(x[3])
+                firsts.append(x)
+        out, taken = [], set()
+        for s, _, rw, _ in firsts + [x for x in ranked if x not in firsts]:
+            if len(out) == n:
+                break
+            if _fresh(ctx, rw, taken):
+                taken.add(sp.rewrite_key(rw))
+                out.append(Proposal(rw, self.name, f"the cost model predicts {1e3 * s:.3f} ms/token against the "
+                                                   f"incumbent's {1e3 * base_s:.3f} ({base_s / s:.2f}x)"))
+        return out
+
+
+def predictor_for(setting: prediction.Setting, drafter, incumbent: plan_mod.Plan,
+                  measured_tau: float) -> Callable[[plan_mod.Plan], float | None]:
+    """The loop's `Context.predict` for a deployment whose incumbent measured `measured_tau`."""
+    return Predictor(setting, drafter, incumbent, float(measured_tau))
