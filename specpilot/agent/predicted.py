@@ -24,7 +24,7 @@ from specpilot.agent.proposers import Context, Proposal, Proposer, _fresh, regis
 from specpilot.costmodel import prediction
 from specpilot.models import oracle
 from specpilot.models.oracle import OracleDrafter
-from specpilot.models.oracle_trace import OracleTraceDrafter, model_shape, sample_for_plan, trace_tau
+from specpilot.models.oracle_trace import OracleTraceDrafter, sample_for_plan, trace_tau
 
 log = logging.getLogger(__name__)
 
@@ -48,20 +48,16 @@ class Predictor:
     drafter: object  # the deployment's drafter (dep.drafter[0]), or None
     incumbent: plan_mod.Plan
     incumbent_tau: float  # the incumbent's measured τ
-    _taus: dict = dataclasses.field(default_factory=dict)
 
     def tau(self, plan: plan_mod.Plan) -> float | None:
         if plan.verify == "ar":
             return 1.0
         d = self.drafter
         if isinstance(d, OracleTraceDrafter) and d.model is not None:
-            try:
-                key = model_shape(plan, d.model.depth)
+            try:  # the trace a run of the plan replays (sampled once per shape)
+                return trace_tau(sample_for_plan(d.model, plan))
             except ValueError:  # a shape the model cannot sample (an early-exit first level, too deep)
                 return None
-            if key not in self._taus:
-                self._taus[key] = trace_tau(sample_for_plan(d.model, plan))
-            return self._taus[key]
         if isinstance(d, OracleDrafter) and plan.verify == "chain":
             conditional = d.conditional[: plan.block_size - 1]
             return oracle.expected_tau(conditional) if len(conditional) == plan.block_size - 1 else None

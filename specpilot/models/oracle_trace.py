@@ -6,6 +6,7 @@ tree builder and verifier run. Design notes: docs/design/models.md.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 from pathlib import Path
 from typing import Any
@@ -82,7 +83,13 @@ def model_shape(plan, depth: int) -> tuple[int | None, int]:
 def sample_for_plan(model, plan, steps: int = MODEL_STEPS, seed: int = MODEL_SEED) -> np.ndarray:
     """Per-step accepted drafts of `plan`'s shape sampled from `model` (the same draws for every plan)."""
     budget, drafted = model_shape(plan, model.depth)
-    return tree_acceptance.sample_accepted(model, budget, steps, seed, max_depth=drafted)
+    return np.array(_sampled(model, budget, drafted, steps, seed))
+
+
+@functools.lru_cache(maxsize=256)
+def _sampled(model, budget, drafted: int, steps: int, seed: int) -> tuple[int, ...]:
+    # a warm worker and the loop's predictions ask for the same shapes round after round (0.1-0.5 s each)
+    return tuple(int(a) for a in tree_acceptance.sample_accepted(model, budget, steps, seed, max_depth=drafted))
 
 
 def trace_label(path) -> str:
