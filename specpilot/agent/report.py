@@ -30,6 +30,9 @@ def write_round(out: Path, index: int, old: dict, new: dict, incumbent: dict, ro
         reason = (row.get("reason") or "").replace("|", "/").replace("\n", " ")
         lines.append(f"| {row['name']} | {row['proposer']} | `{json.dumps(row['rewrite'])}` | {row['status']} | "
                      f"{_ms(row.get('s_per_token'))} | {gain} | {_ms(v.get('ceiling_s_per_token'))} | {reason} |")
+    whys = [f"- {row['name']}: {row['why']}" for row in rows if row.get("why")]
+    if whys:  # the proposers' reasons (the cost model's predicted gain, say), beside what was measured
+        lines += ["", "Why each was proposed:", "", *whys]
     lines += ["", f"Incumbent after the round: `{json.dumps(new)}`", ""]
     path = out / f"round_{index}.md"
     atomic_io.write_text(path, "\n".join(lines))
