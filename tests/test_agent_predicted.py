@@ -114,3 +114,20 @@ def test_the_enumeration_keeps_each_fields_condition():
             assert rw["two_level.keep"] < sp.current_value(fields, "tree.nodes")
         if "w12_matrices" in rw:
             assert fields["weights"] == "w12"
+
+
+def test_a_kind_measured_below_its_prediction_is_corrected_for_the_rest_of_the_run(calibrated):
+    _, space, inc, setting, drafter = calibrated
+    pred = predicted.predictor_for(setting, drafter, space.quick_plan("incumbent", inc), 7.8)
+    proposer = predicted.PredictedProposer()
+    first = proposer.propose(props.Context(space, inc, None, set(), predict=pred), 1)[0]
+    kind, gain = first.handle
+    assert kind == ("tree", "w12") and gain > 1.1
+    proposer.observe(first, 1.0e-3, "rejected", incumbent_s_per_token=1.0e-3)  # measured: no gain at all
+    assert proposer.correction[kind] == pytest.approx(1 / gain)
+    tried = {sp.rewrite_key(first.rewrite)}
+    later = proposer.propose(props.Context(space, inc, None, tried, predict=pred), 6)
+    kinds = [p.handle[0] for p in later]
+    assert later and kind not in kinds  # every plan of that kind now falls below the needed gain
+    proposer.observe(later[0], None, "failed", incumbent_s_per_token=1.0e-3)  # a failure corrects nothing
+    assert later[0].handle[0] not in proposer.correction

@@ -266,7 +266,8 @@ class LLMProposer(Proposer):
             out.append(Proposal(rw, self.name, why, handle=ask, variant=v))
         return out
 
-    def observe(self, proposal: Proposal, s_per_token: float | None, status: str) -> None:
+    def observe(self, proposal: Proposal, s_per_token: float | None, status: str,
+                incumbent_s_per_token: float | None = None) -> None:
         """The loop's verdict joins the transcript (why a candidate failed or lost: the run's round_<r>.md)."""
         if isinstance(proposal.handle, Ask):
             proposal.handle.update(status=status, s_per_token=s_per_token)

@@ -347,7 +347,8 @@ class Loop:
             row["result"] = res
             rows.append(row)
             if proposer is not None:
-                proposer.observe(prop, res.get("s_per_token") if res["status"] == "ok" else None, status)
+                proposer.observe(prop, res.get("s_per_token") if res["status"] == "ok" else None, status,
+                                 inc_res.get("s_per_token") if inc_res["status"] == "ok" else None)
             self.progress(f"  {name}: {status}" + (f" ({row['reason']})" if row["reason"] else ""))
         return {"incumbent": inc_res, "candidates": rows}
 

@@ -108,12 +108,22 @@ def structural_rewrites(space: sp.Space, incumbent: Mapping) -> Iterator[dict]:
 @register("predicted")
 class PredictedProposer(Proposer):
     """The plans the cost model predicts fastest (`Context.predict`), best first, while predicted at least
-    MIN_GAIN faster than the incumbent; nothing where the loop has no prediction for the incumbent."""
+    MIN_GAIN faster than the incumbent; nothing where the loop has no prediction for the incumbent. Each
+    measured proposal corrects the predictions of its kind (verification, weight format) for the rest of
+    the run by measured gain over predicted gain, so a kind the model overrates stops being proposed."""
 
     name = "predicted"
 
     def __init__(self, seed: int = 0):
         self.seed = seed
+        self.correction: dict[tuple, float] = {}  # kind -> measured gain / predicted gain, last measured
+
+    def observe(self, proposal: Proposal, s_per_token: float | None, status: str,
+                incumbent_s_per_token: float | None = None) -> None:
+        if not isinstance(proposal.handle, tuple) or not s_per_token or not incumbent_s_per_token:
+            return
+        kind, predicted_gain = proposal.handle
+        self.correction[kind] = (incumbent_s_per_token / s_per_token) / predicted_gain
 
     def propose(self, ctx: Context, n: int) -> list[Proposal]:
         if ctx.predict is None:
@@ -129,8 +139,12 @@ class PredictedProposer(Proposer):
                 continue
             plans.add(plan)
             s = ctx.predict(plan)
-            if s is not None and base_s / s >= MIN_GAIN:
-                ranked.append((s, sp.rewrite_key(rw), rw, (plan.verify, plan.weights)))
+            if s is None:
+                continue
+            kind = (plan.verify, plan.weights)
+            s /= self.correction.get(kind, 1.0)
+            if base_s / s >= MIN_GAIN:
+                ranked.append((s, sp.rewrite_key(rw), rw, kind))
         ranked.sort(key=lambda x: (x[0], x[1]))
         # the best plan of each kind (verification, weight format) first, then the rest by prediction: a
         # round's few proposals spread over the mechanisms instead of near-copies of one
@@ -140,13 +154,16 @@ class PredictedProposer(Proposer):
                 seen.add(x[3])
                 firsts.append(x)
         out, taken = [], set()
-        for s, _, rw, _ in firsts + [x for x in ranked if x not in firsts]:
+        for s, _, rw, kind in firsts + [x for x in ranked if x not in firsts]:
             if len(out) == n:
                 break
             if _fresh(ctx, rw, taken):
                 taken.add(sp.rewrite_key(rw))
+                corrected = f", corrected by {self.correction[kind]:.2f} from a measured {kind[0]} {kind[1]} plan" \
+                    if kind in self.correction else ""
                 out.append(Proposal(rw, self.name, f"the cost model predicts {1e3 * s:.3f} ms/token against the "
-                                                   f"incumbent's {1e3 * base_s:.3f} ({base_s / s:.2f}x)"))
+                                                   f"incumbent's {1e3 * base_s:.3f} ({base_s / s:.2f}x{corrected})",
+                                    handle=(kind, base_s / s)))
         return out
 
 

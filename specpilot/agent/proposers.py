@@ -58,8 +58,10 @@ class Proposer:
     def propose(self, ctx: Context, n: int) -> list[Proposal]:
         raise NotImplementedError
 
-    def observe(self, proposal: Proposal, s_per_token: float | None, status: str) -> None:
-        """The outcome of one proposal: the full run's time per token (None if it failed or was pruned)."""
+    def observe(self, proposal: Proposal, s_per_token: float | None, status: str,
+                incumbent_s_per_token: float | None = None) -> None:
+        """The outcome of one proposal: the full run's time per token (None if it failed or was pruned), and
+        the incumbent's, timed beside it (None where the proposal did not run)."""
 
     def should_prune(self, proposal: Proposal, cheap_s_per_token: float) -> bool:
         return False
@@ -224,7 +226,8 @@ class OptunaProposer(Proposer):
         proposal.handle.report(cheap_s_per_token, step=1)
         return proposal.handle.should_prune()
 
-    def observe(self, proposal: Proposal, s_per_token: float | None, status: str) -> None:
+    def observe(self, proposal: Proposal, s_per_token: float | None, status: str,
+                incumbent_s_per_token: float | None = None) -> None:
         trial = proposal.handle
         if trial is None:
             return
