@@ -14,7 +14,6 @@ which single-field rewrites from a chain never are.
 from __future__ import annotations
 
 import dataclasses
-import itertools
 import logging
 from typing import Callable, Iterator, Mapping
 
@@ -98,7 +97,10 @@ def structural_rewrites(space: sp.Space, incumbent: Mapping) -> Iterator[dict]:
             yield from walk(i + 1, sp.apply(fields, step) if step else fields, {**rewrite, **step})
 
     seen = set()
-    for rw in itertools.islice(walk(0, dict(incumbent), {}), MAX_PLANS):
+    for i, rw in enumerate(walk(0, dict(incumbent), {})):
+        if i == MAX_PLANS:
+            log.warning("predicted: the structural space has more than %d plans; the rest are left out", MAX_PLANS)
+            return
         key = sp.rewrite_key(rw)
         if rw and key not in seen:
             seen.add(key)
