@@ -2,6 +2,8 @@
 proposals are the plans predict.py predicts fastest, each checked through predict.py's own path; without an
 acceptance model it proposes only rewrites that keep the incumbent's drafting shape."""
 
+import os
+import subprocess
 import sys
 from pathlib import Path
 
@@ -131,3 +133,22 @@ def test_a_kind_measured_below_its_prediction_is_corrected_for_the_rest_of_the_r
     assert later and kind not in kinds  # every plan of that kind now falls below the needed gain
     proposer.observe(later[0], None, "failed", incumbent_s_per_token=1.0e-3)  # a failure corrects nothing
     assert later[0].handle[0] not in proposer.correction
+
+
+@pytest.mark.slow
+def test_the_loop_asks_the_predicted_proposer_at_a_calibrated_deployment(tmp_path):
+    """One round at a tiny target with the DDTree-calibrated acceptance: the loop sets the predictor from its
+    attribution, and the round report carries each predicted proposal with its reason (about 30 s)."""
+    cmd = [sys.executable, str(ROOT / "experiments" / "agent.py"), "target=tiny_random", "drafter=oracle_trace",
+           "drafter.block_size=16", "drafter.num_layers=1",
+           "drafter.step_trace=docs/results/trace_ddtree_calibrated.json", "decoding=stock", "bench=default",
+           "bench.new_tokens=24", "agent.rounds=1", "agent.workers=1", "agent.per_proposer=2",
+           "agent.proposers=[predicted]", "agent.sandbox=none", "agent.heldout=4", "agent.prompts_per_round=1",
+           "agent.repeats=2", f"agent.memory_url=sqlite:///{tmp_path / 'm.db'}", f"cache_dir={tmp_path / 'c'}",
+           f"output_dir={tmp_path / 'out'}", f"hydra.run.dir={tmp_path / 'h'}"]
+    run = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=600,
+                         env={**os.environ, "PYTHONPATH": str(ROOT)})
+    assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-2000:]
+    report = (tmp_path / "out" / "round_0.md").read_text()
+    assert "| r0-c0-predicted | predicted |" in report
+    assert "- r0-c0-predicted: the cost model predicts" in report
