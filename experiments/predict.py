@@ -9,7 +9,10 @@ config's calibrated rates (`conf/gpu/rates/<gpu>.yaml`). Prompts count at `bench
 random prompts a prediction equals the `pred ms` a run of the same config prints at the same tau.
 Options: `+predict.tau=7.94` (tokens per verification step; default the drafter config's `tau`; under
 `drafter=oracle_trace`, each plan's own trace tau: recorded, or sampled for its shape from the file's model),
-`+predict.rates=<file>` (another rates file, e.g. a fresh calibration), `+predict.out=<file.jsonl>`.
+`+predict.rates=<file>` (another rates file, e.g. a fresh calibration), `+predict.out=<file.jsonl>`,
+`+predict.best=8` (also what the loop's `predicted` proposer would propose first from the first drafting
+plan: the plans of the structural space predicted fastest, each at its own τ where the drafter's
+acceptance model gives one).
 """
 
 from __future__ import annotations
@@ -17,8 +20,12 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig, open_dict
 
+from specpilot.agent import predicted
+from specpilot.agent import proposers as props
+from specpilot.agent import space as sp
 from specpilot.costmodel import prediction, roofline
 from specpilot.costmodel.rates import Rates
 from specpilot.harness import config_schema, deploy, entry, shapes
@@ -52,6 +59,33 @@ def predict_all(cfg, tau: float | None = None, rates: Rates | None = None) -> li
     return rows
 
 
+def best_plans(cfg, n: int, tau: float | None = None, rates: Rates | None = None) -> tuple[str, list[dict]]:
+    """(the starting plan's name, rows) of the `n` plans the `predicted` proposer ranks first from the first
+    drafting plan of the typed config `cfg` (else its first plan). τ per plan: an oracle_trace file's model
+    for any shape, else `tau` (default the drafter config's) for the starting plan's drafting shape only."""
+    plans = config_schema.build_plans(cfg)
+    start = next((p for p in plans if p.verify != "ar"), plans[0])
+    setting = prediction.Setting(shapes.cost_shape(cfg, plans), rates or Rates.for_gpu(cfg.gpu),
+                                 roofline.Hardware.from_conf(cfg.gpu))
+    drafter = None
+    if cfg.drafter.source == "oracle_trace":
+        path = cfg.drafter.step_trace
+        drafter = OracleTraceDrafter.from_traces(None, load_traces(path), str(path), load_model(path))
+    start_tau = tau if tau is not None else cfg.drafter.get("tau")
+    if start_tau is None and drafter is not None and start.verify != "ar":
+        start_tau = drafter.for_plan(start).trace_tau
+    predictor = predicted.predictor_for(setting, drafter, start, float(start_tau or 1.0))
+    space = sp.build_space(cfg, platform="cpu" if cfg.gpu.name == "cpu" else "gpu")
+    fields = sp.plan_fields(start)
+    proposals = predicted.PredictedProposer().propose(props.Context(space, fields, None, set(), predict=predictor), n)
+    rows = []
+    for prop in proposals:
+        plan = space.quick_plan("candidate", sp.apply(fields, prop.rewrite))
+        rows.append({"rewrite": prop.rewrite, "tau": predictor.tau(plan), "ms_per_token": 1e3 * predictor(plan),
+                     "gain": prop.handle[1]})
+    return start.name, rows
+
+
 def format_rows(rows: list[dict]) -> str:
     lines = ["| plan | tau | pred ms/step | pred ms/token | floor ms/token | stages (pred ms per step) |",
              "|---|---:|---:|---:|---:|---|"]
@@ -68,18 +102,28 @@ def main(cfg: DictConfig) -> None:
     with open_dict(cfg):  # this script's own options, not part of the run config the schema types
         opts = cfg.pop("predict", None) or {}
     try:
-        unknown = sorted(set(opts) - {"tau", "rates", "out"})
+        unknown = sorted(set(opts) - {"tau", "rates", "out", "best"})
         if unknown:
             raise config_schema.ConfigValueError(f"predict.{unknown[0]}: not an option of predict.py (options: "
-                                                 "tau, rates, out)")
+                                                 "tau, rates, out, best)")
         cfg = config_schema.typed(cfg)
         rates = Rates.load(opts["rates"]) if opts.get("rates") else None
         tau = float(opts["tau"]) if opts.get("tau") is not None else None
         rows = predict_all(cfg, tau, rates)
+        best = best_plans(cfg, int(opts["best"]), tau, rates) if opts.get("best") else None
     except Exception as e:
         entry.report(e)
+    given = [o.split("=", 1)[0].lstrip("+~") for o in HydraConfig.get().overrides.task]
+    if "experiment" in given and "drafter" not in given:  # conf/predict.yaml's drafter wins over the experiment's
+        print(f"note: predicting with drafter={cfg.drafter.name} (conf/predict.yaml's); pass drafter=... for the "
+              f"experiment's own drafter")
     print(f"rates: {rows[0]['rates'] if rows else ''}")
     print(format_rows(rows))
+    if best is not None:
+        print(f"\nwhat the loop's predicted proposer would propose first, from {best[0]}:")
+        print("| rewrite | tau | pred ms/token | predicted gain |\n|---|---:|---:|---:|")
+        for r in best[1]:
+            print(f"| `{json.dumps(r['rewrite'])}` | {r['tau']:.2f} | {r['ms_per_token']:.3f} | {r['gain']:.2f}x |")
     if opts.get("out"):
         Path(opts["out"]).write_text("".join(json.dumps(r) + "\n" for r in rows))
         print(f"predictions: {opts['out']}")

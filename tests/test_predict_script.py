@@ -10,6 +10,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 from hydra import compose, initialize_config_dir
+from omegaconf import OmegaConf
 
 from specpilot.costmodel import counts, prediction, roofline
 from specpilot.costmodel.rates import Rates
@@ -100,3 +101,30 @@ def test_under_a_step_trace_each_plan_is_predicted_at_its_own_trace_tau():
     assert rows["oracle_tree_n32"]["tau"] == pytest.approx(np.mean(dict(drafter.traces)["tree_n32"]) + 1)
     assert rows["b8"]["tau"] == pytest.approx(drafter.for_plan(plans["b8"]).trace_tau)
     assert 1 < rows["b8"]["tau"] < rows["oracle_tree_n32"]["tau"]
+
+
+def test_best_lists_what_the_predicted_proposer_proposes_each_at_predict_alls_figure(tmp_path):
+    """+predict.best=N: the plans the loop's `predicted` proposer would propose first, each row's τ and
+    ms/token those predict_all gives the same plan."""
+    mod = _script()
+    config_schema.register()
+    trace = "docs/results/trace_ddtree_calibrated.json"
+    with initialize_config_dir(config_dir=str(ROOT / "conf"), version_base=None):
+        cfg = config_schema.typed(compose("predict", overrides=[
+            "experiment=oracle_tree_ddtree_qwen3_8b_h200", "drafter=oracle_trace", f"drafter.step_trace={trace}"]))
+    start, rows = mod.best_plans(cfg, 3)
+    assert start == "oracle_chain" and len(rows) == 3
+    assert rows[0]["rewrite"]["weights"] == "w12" and rows[0]["rewrite"]["verify"] == "tree"
+    from specpilot.agent import space as sp
+    chain = next(p for p in config_schema.build_plans(cfg) if p.name == "oracle_chain")
+    fields = sp.plan_fields(chain)
+    again = OmegaConf.create(OmegaConf.to_container(cfg, resolve=True))
+    # beside the config's own plans: the cost shape's cache length follows the largest block of the run
+    again.decoding.plans = {**again.decoding.plans, "base": fields,
+                            **{f"p{i}": sp.apply(fields, r["rewrite"]) for i, r in enumerate(rows)}}
+    again = config_schema.typed(again)
+    want = {r["method"]: r for r in mod.predict_all(again)}
+    for i, r in enumerate(rows):
+        assert r["tau"] == pytest.approx(want[f"p{i}"]["tau"])
+        assert r["ms_per_token"] == pytest.approx(want[f"p{i}"]["ms_per_token"])
+        assert r["gain"] == pytest.approx(want["base"]["ms_per_token"] / want[f"p{i}"]["ms_per_token"])
