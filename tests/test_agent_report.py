@@ -46,7 +46,8 @@ def test_the_round_report_says_why_each_candidate_was_proposed(tmp_path):
     rows = [{"name": "r0-c0-predicted", "proposer": "predicted", "rewrite": {"weights": "w12"}, "status": "rejected",
              "s_per_token": 0.002, "gain": 0.9, "verdict": {}, "reason": "not faster",
              "why": "the cost model predicts 1.000 ms/token against the incumbent's 1.140 (1.14x)"},
-            {"name": "r0-given0-x", "proposer": "given", "rewrite": {}, "status": "dropped", "reason": "bad", "why": ""}]
+            {"name": "r0-given0-x", "proposer": "given", "rewrite": {}, "status": "dropped", "reason": "bad",
+             "why": ""}]
     text = report.write_round(tmp_path, 0, {"verify": "chain"}, {"verify": "chain"},
                               {"s_per_token": 0.0018, "status": "ok", "wall_s": [0.1]}, rows).read_text()
     assert "| r0-c0-predicted | predicted | `{\"weights\": \"w12\"}` | rejected | 2.000 | 0.900x |" in text

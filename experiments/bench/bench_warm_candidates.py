@@ -54,7 +54,8 @@ def main(argv=None) -> int:
     ap.add_argument("--timeout", type=float, default=900.0)
     ap.add_argument("--sandbox", default="bwrap")
     ap.add_argument("--workdir", default=None,
-                    help="keep the candidates' and warm workers' folders (stderr.txt) here (default: a temporary folder)")
+                    help="keep the candidates' and warm workers' folders (stderr.txt) here (default: a temporary "
+                         "folder)")
     ap.add_argument("--modes", default="cold,warm,warm", help="evaluator modes in order (warm twice: two rounds)")
     args = ap.parse_args(argv)
     devices.share_gpu_memory()  # this process (the gate) and the candidates' share the GPU
