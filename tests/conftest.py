@@ -1,6 +1,7 @@
 """Shared fixtures: tiny model configs built with dataclasses.replace, as the style guide suggests."""
 
 import dataclasses
+import gc
 import os
 
 import jax
@@ -15,6 +16,7 @@ import jax.numpy as jnp  # noqa: E402
 import pytest  # noqa: E402
 from jax._src import compilation_cache  # noqa: E402
 
+from specpilot.decoding import aot  # noqa: E402
 from specpilot.models import dense  # noqa: E402
 from specpilot.models.config import ModelConfig  # noqa: E402
 
@@ -77,6 +79,18 @@ def pytest_collection_modifyitems(config, items):
         skip = pytest.mark.skip(reason="needs a CUDA GPU (jax finds none)")
         for item in gpu_items:
             item.add_marker(skip)
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _release_compiled_programs():
+    """After each test module, drop its compiled programs. An xdist worker runs hundreds of tests, and each
+    CPU executable holds memory mappings of its own. Kept, they reached the kernel's limit
+    (vm.max_map_count, 65,530; a crashed worker's core had 65,189 mappings); the next compile's mmap
+    failed, and unwinding that error segfaulted the worker (two tests per run were rescheduled so)."""
+    yield
+    aot.clear_all()
+    jax.clear_caches()
+    gc.collect()
 
 
 # A worker that dies mid-test (a native crash) gets that test rescheduled once on a fresh worker, so an

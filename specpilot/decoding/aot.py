@@ -21,6 +21,13 @@ def total_compiles() -> int:
     return sum(c.compiles for c in _ALL)
 
 
+def clear_all() -> None:
+    """Drop the executables of every compile cache of this process (each holds memory mappings of its own;
+    on the CPU a process that keeps thousands of them can run out of the kernel's map count)."""
+    for c in _ALL:
+        c.clear()
+
+
 class CompileCache:
     # 512: a warm worker holds a round's plans (each a few programs) and times them in turn; an evicted
     # program would compile again inside a timed run
@@ -45,6 +52,11 @@ class CompileCache:
     def __len__(self) -> int:
         """Executables held (each one compile): a call that adds none did not compile."""
         return len(self._exes)
+
+    def clear(self) -> None:
+        """Drop every executable and traced shape held (the compile count stays)."""
+        self._exes.clear()
+        self._shapes.clear()
 
     def get(self, fn, static: Any, args: tuple, lower: Callable[..., Any]):
         """The executable of `fn` for `static` and `args` (arrays or ShapeDtypeStructs); `lower(*args)`
