@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import functools
 import json
 from pathlib import Path
 from typing import Any, Mapping
@@ -18,7 +19,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from pallas_kernels import dispatch
 from specpilot import plan as plan_mod
-from specpilot.harness.config_schema import DEFAULTED_OPS, ConfigValueError, build_plans, typed, validate
+from specpilot.harness.config_schema import ConfigValueError, build_plans, plan_defaults, typed, validate
 from specpilot.models.checkpoint import HYBRID_ARCHITECTURES
 
 BLOCK_SIZES = (2, 3, 4, 6, 8, 12, 16, 24, 32)
@@ -178,16 +179,15 @@ class Space:
         except (ConfigValueError, plan_mod.PlanError, ValueError, TypeError, KeyError) as e:
             return f"{type(e).__name__}: {e}"
 
+    @functools.cached_property
+    def _plan_defaults(self) -> dict:
+        return plan_defaults(self.base_cfg)
+
     def quick_plan(self, name: str, fields: Mapping) -> plan_mod.Plan | None:
         """The plan of `fields` with the deployment's defaults, without `check`'s validation against the
         deployment (a fast estimate for ranking; a proposal still passes `rewrite`), None if it is no plan."""
-        c = self.base_cfg
-        drafter_block = int(c.drafter.block_size) if c.drafter.source != "none" else None
-        ops = {f"default_{op}": tuple(str(i) for i in c.gpu[op]) for op in DEFAULTED_OPS}
         try:
-            return plan_mod.build(name, dict(fields), drafter_block_size=drafter_block,
-                                  default_matmul={k: list(v) for k, v in c.gpu.matmul.items()},
-                                  default_gated_delta_rule=tuple(str(i) for i in c.gpu.gated_delta_rule), **ops)
+            return plan_mod.build(name, dict(fields), **self._plan_defaults)
         except (plan_mod.PlanError, ValueError, TypeError, KeyError):
             return None
 

@@ -393,24 +393,29 @@ def _check_implementations(key: str, impl, op: str = "matmul", variants: bool = 
             _fail(key, f"{name!r} is not one of {known}" + (" or variant:<hash>" if variants else ""))
 
 
+def plan_defaults(cfg: DictConfig) -> dict:
+    """`plan_mod.build`'s keyword arguments for this deployment: the drafter's block size and the `gpu`
+    group's default implementations."""
+    d = cfg.drafter
+    return {"drafter_block_size": int(d.block_size) if d.source != "none" else None,
+            "default_matmul": {k: list(v) for k, v in cfg.gpu.matmul.items()},
+            "default_gated_delta_rule": tuple(str(i) for i in cfg.gpu.gated_delta_rule),
+            **{f"default_{op}": tuple(str(i) for i in cfg.gpu[op]) for op in DEFAULTED_OPS}}
+
+
 def build_plans(cfg: DictConfig) -> list[Plan]:
     """The run's plans: the AR baseline candidates of the device first (`gpu.ar_baselines`, unless a plan
     of `decoding.plans` already is one; Mosaic candidates only for bf16 targets), then `decoding.plans` in
     order. Raises ConfigValueError naming
     the field of an impossible plan."""
-    d = cfg.drafter
-    drafter_block = int(d.block_size) if d.source != "none" else None
-    defaults = {k: list(v) for k, v in cfg.gpu.matmul.items()}
     _check_implementations("gpu.gated_delta_rule", cfg.gpu.gated_delta_rule, op="gated_delta_rule")
-    gdr = tuple(str(i) for i in cfg.gpu.gated_delta_rule)
-    op_defaults = {}
     for op in DEFAULTED_OPS:
         _check_implementations(f"gpu.{op}", cfg.gpu[op], op=op)
-        op_defaults[f"default_{op}"] = tuple(str(i) for i in cfg.gpu[op])
+    defaults = plan_defaults(cfg)
+    gdr = defaults["default_gated_delta_rule"]
+    op_defaults = {f"default_{op}": defaults[f"default_{op}"] for op in DEFAULTED_OPS}
     try:
-        given = [plan_mod.build(str(name), OmegaConf.to_container(fields, resolve=True),
-                                drafter_block_size=drafter_block, default_matmul=defaults,
-                                default_gated_delta_rule=gdr, **op_defaults)
+        given = [plan_mod.build(str(name), OmegaConf.to_container(fields, resolve=True), **defaults)
                  for name, fields in cfg.decoding.plans.items()]
     except plan_mod.PlanError as e:
         raise ConfigValueError(str(e)) from None
