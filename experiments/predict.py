@@ -34,6 +34,18 @@ from specpilot.models.oracle_trace import OracleTraceDrafter, load_model, load_t
 config_schema.register()
 
 
+def _setting(cfg, plans, rates: Rates) -> prediction.Setting:
+    return prediction.Setting(shapes.cost_shape(cfg, plans), rates, roofline.Hardware.from_conf(cfg.gpu))
+
+
+def _trace_drafter(cfg) -> OracleTraceDrafter | None:
+    """An oracle_trace drafter's traces and acceptance model (no inner drafter: nothing is built), else None."""
+    if cfg.drafter.source != "oracle_trace":
+        return None
+    path = cfg.drafter.step_trace
+    return OracleTraceDrafter.from_traces(None, load_traces(path), str(path), load_model(path))
+
+
 def predict_all(cfg, tau: float | None = None, rates: Rates | None = None) -> list[dict]:
     """One row per plan of the composed, typed config `cfg`: the prediction's dict plus the deployment's
     labels. Nothing is built: the shapes come from the configs."""
@@ -42,11 +54,8 @@ def predict_all(cfg, tau: float | None = None, rates: Rates | None = None) -> li
     if tau is None:
         tau = cfg.drafter.get("tau")
     rates = rates or Rates.for_gpu(cfg.gpu)
-    setting = prediction.Setting(shapes.cost_shape(cfg, plans), rates, roofline.Hardware.from_conf(cfg.gpu))
-    traces = None
-    if tau is None and cfg.drafter.source == "oracle_trace":  # each plan's trace tau, as a run replays it
-        path = cfg.drafter.step_trace
-        traces = OracleTraceDrafter.from_traces(None, load_traces(path), str(path), load_model(path))
+    setting = _setting(cfg, plans, rates)
+    traces = _trace_drafter(cfg) if tau is None else None  # each plan's trace tau, as a run replays it
     rows = []
     for plan in plans:
         plan_tau = traces.for_plan(plan).trace_tau if traces is not None and plan.verify != "ar" else tau
@@ -65,16 +74,12 @@ def best_plans(cfg, n: int, tau: float | None = None, rates: Rates | None = None
     for any shape, else `tau` (default the drafter config's) for the starting plan's drafting shape only."""
     plans = config_schema.build_plans(cfg)
     start = next((p for p in plans if p.verify != "ar"), plans[0])
-    setting = prediction.Setting(shapes.cost_shape(cfg, plans), rates or Rates.for_gpu(cfg.gpu),
-                                 roofline.Hardware.from_conf(cfg.gpu))
-    drafter = None
-    if cfg.drafter.source == "oracle_trace":
-        path = cfg.drafter.step_trace
-        drafter = OracleTraceDrafter.from_traces(None, load_traces(path), str(path), load_model(path))
+    setting = _setting(cfg, plans, rates or Rates.for_gpu(cfg.gpu))
+    drafter = _trace_drafter(cfg)
     start_tau = tau if tau is not None else cfg.drafter.get("tau")
     if start_tau is None and drafter is not None and start.verify != "ar":
         start_tau = drafter.for_plan(start).trace_tau
-    predictor = predicted.predictor_for(setting, drafter, start, float(start_tau or 1.0))
+    predictor = predicted.Predictor(setting, drafter, start, float(start_tau or 1.0))
     space = sp.build_space(cfg, platform="cpu" if cfg.gpu.name == "cpu" else "gpu")
     fields = sp.plan_fields(start)
     proposals = predicted.PredictedProposer().propose(props.Context(space, fields, None, set(), predict=predictor), n)

@@ -55,7 +55,7 @@ def _predict_py(cfg, plans: dict) -> dict:
 def test_the_proposals_are_predicted_faster_and_w12_with_a_tree_comes_first(calibrated):
     cfg, space, inc, setting, drafter = calibrated
     base_plan = space.quick_plan("incumbent", inc)
-    ctx = props.Context(space, inc, None, set(), predict=predicted.predictor_for(setting, drafter, base_plan, 7.8))
+    ctx = props.Context(space, inc, None, set(), predict=predicted.Predictor(setting, drafter, base_plan, 7.8))
     out = predicted.PredictedProposer().propose(ctx, 4)
     assert len(out) == 4 and len({sp.rewrite_key(p.rewrite) for p in out}) == 4
     built = {f"p{i}": space.rewrite(f"p{i}", inc, p.rewrite) for i, p in enumerate(out)}
@@ -85,7 +85,7 @@ def test_nothing_is_proposed_without_a_prediction_for_the_incumbent(calibrated):
 def test_without_an_acceptance_model_only_the_incumbents_drafting_shape_is_proposed(calibrated):
     _, space, inc, setting, _ = calibrated
     base = space.quick_plan("incumbent", inc)
-    pred = predicted.predictor_for(setting, None, base, 7.8)  # a real drafter: τ known for this shape only
+    pred = predicted.Predictor(setting, None, base, 7.8)  # a real drafter: τ known for this shape only
     assert pred.tau(space.quick_plan("t", sp.apply(inc, {"verify": "tree", **sp.default_tree(space)}))) is None
     out = predicted.PredictedProposer().propose(props.Context(space, inc, None, set(), predict=pred), 8)
     assert out, "W12 keeps the chain's shape and is predicted faster at the 8B shape"
@@ -97,7 +97,7 @@ def test_without_an_acceptance_model_only_the_incumbents_drafting_shape_is_propo
 
 def test_tried_and_avoided_plans_are_not_proposed_again(calibrated):
     _, space, inc, setting, drafter = calibrated
-    pred = predicted.predictor_for(setting, drafter, space.quick_plan("incumbent", inc), 7.8)
+    pred = predicted.Predictor(setting, drafter, space.quick_plan("incumbent", inc), 7.8)
     first = predicted.PredictedProposer().propose(props.Context(space, inc, None, set(), predict=pred), 2)
     tried = {sp.rewrite_key(p.rewrite) for p in first}
     again = predicted.PredictedProposer().propose(props.Context(space, inc, None, set(tried), predict=pred), 2)
@@ -121,7 +121,7 @@ def test_the_enumeration_keeps_each_fields_condition():
 
 def test_a_kind_measured_below_its_prediction_is_corrected_for_the_rest_of_the_run(calibrated):
     _, space, inc, setting, drafter = calibrated
-    pred = predicted.predictor_for(setting, drafter, space.quick_plan("incumbent", inc), 7.8)
+    pred = predicted.Predictor(setting, drafter, space.quick_plan("incumbent", inc), 7.8)
     proposer = predicted.PredictedProposer()
     first = proposer.propose(props.Context(space, inc, None, set(), predict=pred), 1)[0]
     kind, gain = first.handle

@@ -245,8 +245,8 @@ class Loop:
                                      roofline.Hardware.from_conf(self.cfg.gpu))
         stats = result.get("stats") or {}
         tau = min(float(stats.get("tau") or 1.0), float(plan.block_size))
-        self.predictor = predicted.predictor_for(setting, gate.dep.drafter[0] if gate.dep.drafter else None, plan,
-                                                 max(1.0, tau))
+        self.predictor = predicted.Predictor(setting, gate.dep.drafter[0] if gate.dep.drafter else None, plan,
+                                             max(1.0, tau))
         try:
             return prediction.attribute(plan, setting, prediction.Measurement(result["s_per_token"], max(1.0, tau),
                                                                               stats.get("time_split")))

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-from typing import Callable, Iterator, Mapping
+from typing import Iterator, Mapping
 
 from specpilot import plan as plan_mod
 from specpilot.agent import space as sp
@@ -167,9 +167,3 @@ class PredictedProposer(Proposer):
                                                    f"incumbent's {1e3 * base_s:.3f} ({base_s / s:.2f}x{corrected})",
                                     handle=(kind, base_s / s)))
         return out
-
-
-def predictor_for(setting: prediction.Setting, drafter, incumbent: plan_mod.Plan,
-                  measured_tau: float) -> Callable[[plan_mod.Plan], float | None]:
-    """The loop's `Context.predict` for a deployment whose incumbent measured `measured_tau`."""
-    return Predictor(setting, drafter, incumbent, float(measured_tau))
