@@ -115,7 +115,12 @@ def main(cfg: DictConfig) -> None:
         rates = Rates.load(opts["rates"]) if opts.get("rates") else None
         tau = float(opts["tau"]) if opts.get("tau") is not None else None
         rows = predict_all(cfg, tau, rates)
-        best = best_plans(cfg, int(opts["best"]), tau, rates) if opts.get("best") else None
+        best = None
+        if opts.get("best") is not None:
+            n = opts["best"]
+            if isinstance(n, bool) or not isinstance(n, int) or n < 1:
+                raise config_schema.ConfigValueError(f"predict.best: {n!r} is not a number of plans (an integer >= 1)")
+            best = best_plans(cfg, n, tau, rates)
     except Exception as e:
         entry.report(e)
     given = [o.split("=", 1)[0].lstrip("+~") for o in HydraConfig.get().overrides.task]

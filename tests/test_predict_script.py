@@ -128,3 +128,12 @@ def test_best_lists_what_the_predicted_proposer_proposes_each_at_predict_alls_fi
         assert r["tau"] == pytest.approx(want[f"p{i}"]["tau"])
         assert r["ms_per_token"] == pytest.approx(want[f"p{i}"]["ms_per_token"])
         assert r["gain"] == pytest.approx(want["base"]["ms_per_token"] / want[f"p{i}"]["ms_per_token"])
+
+
+@pytest.mark.parametrize("value", ["0", "two"])
+def test_best_that_is_not_a_count_of_plans_is_refused_by_name(tmp_path, value):
+    cmd = [sys.executable, str(ROOT / "experiments" / "predict.py"), *OVERRIDES, "+predict.tau=2",
+           f"+predict.best={value}", f"hydra.run.dir={tmp_path}/h"]
+    bad = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT, timeout=300)
+    assert bad.returncode == 1 and bad.stderr.strip().splitlines()[-1].startswith("config error: predict.best: ")
+    assert "is not a number of plans (an integer >= 1)" in bad.stderr
