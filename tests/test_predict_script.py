@@ -85,6 +85,19 @@ def test_the_readme_line_predicts_the_8b_shape_in_seconds(tmp_path):
         assert f"| {name} |" in proc.stdout
 
 
+def test_the_bare_command_predicts_the_8b_stock_experiment(tmp_path):
+    """`python experiments/predict.py` with no override: the GPU experiments' setting, not run.py's CPU
+    default (whose block-4 plan cannot emit the oracle's 6.27 tokens a step)."""
+    out = tmp_path / "p.jsonl"
+    proc = subprocess.run([sys.executable, str(ROOT / "experiments" / "predict.py"), f"+predict.out={out}",
+                           f"hydra.run.dir={tmp_path}/h"], capture_output=True, text=True, cwd=ROOT, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    rows = {r["method"]: r for r in map(json.loads, out.read_text().splitlines())}
+    assert set(rows) == {"ar", "ar_mosaic", "stock"}
+    assert all(r["target"] == "qwen3_8b" and r["gpu"] == "h200" for r in rows.values())
+    assert rows["stock"]["tau"] == 6.27 and rows["stock"]["ms_per_token"] < rows["ar"]["ms_per_token"]
+
+
 def test_under_a_step_trace_each_plan_is_predicted_at_its_own_trace_tau():
     """drafter=oracle_trace: a recorded plan at its trace's tau, another shape at the tau of the trace
     sampled for it from the file's model (what a run would replay), AR at 1."""
