@@ -23,6 +23,7 @@ from specpilot.plan import Plan
 
 TARGET_SOURCES = ("random", "hf", "embedded", "gguf", "smollm2")
 DRAFTER_SOURCES = ("none", "random", "dflash", "packaged", "embedded", "oracle", "oracle_trace")
+MATMUL_PRECISIONS = (None, "default", "high", "highest")  # jax.default_matmul_precision's names
 # random token ids | heldout (embedded corpus) | text sets tokenized with the target's own tokenizer:
 # chat (held-out stdlib requests) | humaneval (plain completion) | humaneval_chat (specpilot.data.prompt_sets)
 PROMPT_SETS = ("random", "heldout", "chat", "humaneval", "humaneval_chat")
@@ -39,6 +40,10 @@ class TargetConf:
     source: str = "random"
     path: Optional[str] = None
     dtype: str = "bfloat16"
+    # jax's default_matmul_precision for the whole process (null: jax's default, under which float32
+    # products may run in TF32 on NVIDIA GPUs); highest keeps float32 products float32, so a float32
+    # target's choices do not depend on how many tokens a forward holds
+    matmul_precision: Optional[str] = None
     # fused: q/k/v and gate/up as one matrix each (7.2 -> 5.1 ms/token for Qwen3-8B on an H200);
     # every method of a run uses the same layout, so outputs stay comparable token for token
     layout: str = "fused"
@@ -293,6 +298,8 @@ def validate(cfg: DictConfig) -> None:
         _fail("target.init", f"{t.init!r} is not normal or wide_margin")
     if t.dtype not in ("bfloat16", "float32"):
         _fail("target.dtype", f"{t.dtype!r} is not bfloat16 or float32")
+    if t.matmul_precision not in MATMUL_PRECISIONS:
+        _fail("target.matmul_precision", f"{t.matmul_precision!r} is not null or one of {MATMUL_PRECISIONS[1:]}")
     if d.source not in DRAFTER_SOURCES:
         _fail("drafter.source", f"{d.source!r} is not one of {DRAFTER_SOURCES}")
     if d.block_size < 1:

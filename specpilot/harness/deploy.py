@@ -348,6 +348,10 @@ def build(cfg: DictConfig, plans: list[Plan]) -> Deployment:
     """The deployment of `cfg` for `plans`, after the checks that need no weight (`fit.preflight`)."""
     b, dec = cfg.bench, cfg.decoding
     checked = fit.preflight(cfg, plans)
+    precision = cfg.target.get("matmul_precision")
+    if precision:  # read when each program is traced, so it is set before anything is built
+        jax.config.update("jax_default_matmul_precision", precision)
+        checked = checked + [f"matmul precision {precision} (jax's default_matmul_precision, for the process)"]
     drafter, heldout, text = None, None, None
     if cfg.target.source == "embedded":
         params, mcfg, drafter, heldout, notes, tokenizer = build_embedded(cfg)
