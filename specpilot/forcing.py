@@ -243,6 +243,11 @@ class ForcingReport:
                  f"margin < {self.tie_margin:g}); reference self-mismatches "
                  f"{self.reference_self_mismatches}; non-finite logits at {self.num_non_finite} "
                  f"positions"]
+        if self.reference_self_mismatches:  # e.g. a bfloat16 target whose choice depends on the forward's length
+            lines.append(f"  the reference disagrees with itself at {self.reference_self_mismatches} positions: its "
+                         "forward over the forced tokens chooses other tokens than its output, so the plan's "
+                         "mismatches cannot be told from the reference's own (a bfloat16 target: run it in float32 "
+                         "with target.matmul_precision=highest, docs/plans.md)")
         for i, p in enumerate(self.prompts):
             if p.non_finite:
                 shown = ", ".join(f"@{n.position} ({n.side})" for n in p.non_finite[:5])

@@ -56,6 +56,7 @@ def test_perturbed_candidate_is_flagged_at_the_right_position(target, ar_tokens)
     candidate = forcing.chunked_scorer(target, PerturbedTarget(CFG, "float32"), chunk=4)
     report = forcing.force(reference, candidate, PROMPTS, ar_tokens, tie_margin=1e-3)
     assert not report.passed and report.reference_self_mismatches == 0
+    assert "disagrees with itself" not in report.summary()
     for b, prompt in enumerate(PROMPTS):
         # Logits at absolute position P - 1 + i predict generated token i.
         want = PERTURBED_POSITION - len(prompt) + 1
@@ -94,6 +95,8 @@ def test_reference_inconsistent_with_forced_tokens_is_reported(target, ar_tokens
     # Later positions are conditioned on the altered token, so they may disagree too.
     assert report.reference_self_mismatches >= 2 and report.num_mismatches >= 2
     assert [p.first_mismatch for p in report.prompts] == [5, 5] and not report.passed
+    assert (f"the reference disagrees with itself at {report.reference_self_mismatches} positions"
+            in report.summary().splitlines()[1])
 
 
 def test_non_finite_logits_fail_even_when_tokens_agree(target):
