@@ -3,11 +3,10 @@
 import dataclasses
 import gc
 import os
-
 import tempfile
 
 # One persistent compilation cache for the whole run, its workers and the scripts tests start: the tiny
-# models' programs recur across modules and subprocesses (the default run took 18 min with it against 24
+# models' programs recur across modules and subprocesses (the default test run took 18 min with it, 24
 # without, 2 cores, 2026-12-05). Keys hold the program, jax's version and flags, so a kept folder is safe;
 # a user's own JAX_COMPILATION_CACHE_DIR is kept, and an empty one turns the cache off.
 _TEST_CACHE = {"JAX_COMPILATION_CACHE_DIR": os.path.join(tempfile.gettempdir(), f"specpilot-tests-xla-{os.getuid()}"),
