@@ -35,6 +35,8 @@ def test_a_run_keeps_its_table_and_its_log(tmp_path):
     assert "| ms/token | spread |" in header
     row = next(line for line in summary.splitlines() if line.startswith("| ar |"))
     assert f"| {rec['decode_ms_per_token']:.3f} |" in row and "| 1.00x |" in row
+    # the dense format names the target's dtype: this target keeps float32 weights, not bf16
+    assert rec["weights"] == "bf16" and rec["dtype"] == "float32" and "| f32 |" in row and "| bf16 |" not in row
     assert "- note: random weights" in summary
 
     log = (hydra_dir / "run.log").read_text()

@@ -40,7 +40,7 @@ summary_log.propagate = False
 LOG_NAME = "run.log"  # Hydra's job log of experiments/run.py has this name in its output folder
 
 CSV_FIELDS = ("target", "drafter", "gpu", "batch_size", "prompts", "new_tokens", "method", "verify", "weights",
-              "matmul", "block_size", "decode_ms_per_token", "tokens_per_s", "prefill_ms", "speedup_vs_ar",
+              "dtype", "matmul", "block_size", "decode_ms_per_token", "tokens_per_s", "prefill_ms", "speedup_vs_ar",
               "baseline", "speedup_vs_stock", "tau", "acceptance_length_upstream", "ceiling_ms_per_token",
               "pct_of_ceiling", "predicted_ms_per_token", "mismatches", "spread_pct", "notes")
 
@@ -133,6 +133,7 @@ def measure(cfg: DictConfig) -> list[dict]:
             method=plan.name,
             verify=plan.verify,
             weights=plan.weights,
+            dtype=str(dep.params["embed"].dtype),  # the dense plans' weights are in this dtype, not bf16
             matmul="+".join(plan.kernels.matmul.implementation),
             gated_delta_rule="+".join(plan.kernels.gated_delta_rule.implementation),
             mesh=plan.mesh.describe(),

@@ -19,12 +19,21 @@ def _opt(value, fmt: str) -> str:
     return "-" if value is None else format(value, fmt)
 
 
+def weights_cell(r: dict) -> str:
+    """The plan's weight format, naming the target's dtype for dense weights (`weights: bf16` is the dense
+    format; a float32 target keeps float32 weights)."""
+    short = {"bfloat16": "bf16", "float32": "f32", "float16": "f16"}
+    if r["weights"] == "bf16" and r.get("dtype"):
+        return short.get(r["dtype"], r["dtype"])
+    return r["weights"]
+
+
 def table_rows(records: list[dict]) -> list[list[str]]:
     """One row of cells per record: the plan's name, then `COLUMNS`."""
     rows = []
     for r in records:
         pct = r.get("pct_of_ceiling")
-        rows.append([r["method"], r["verify"], r["weights"], r["matmul"], str(r["block_size"]),
+        rows.append([r["method"], r["verify"], weights_cell(r), r["matmul"], str(r["block_size"]),
                      f"{r['decode_ms_per_token']:.3f}", format_spread(r.get("spread")), f"{r['tokens_per_s']:.1f}",
                      f"{r['speedup_vs_ar']:.2f}x", _opt(r.get("tau"), ".2f"),
                      _opt(r.get("ceiling_ms_per_token"), ".3f"), "-" if pct is None else f"{pct:.0f}%",
