@@ -3,6 +3,7 @@ composed from run.py's config groups (tiny random target, oracle drafter at a ta
 (and a tree plan of decoding=tree) emits AR's tokens per request through the engine; speedups against AR of
 the same run; clear errors."""
 
+import dataclasses
 import re
 
 import pytest
@@ -201,3 +202,41 @@ def test_tree_plans_refuse_chain_only_batchings(capsys):
     with pytest.raises(SystemExit):
         bench_engine.main(["--deployment", TREE_DEPLOYMENT, "--plans", "tree_n16", "--batching", "budget"])
     assert re.search(r"--plans tree_n16 is a tree plan: --batching budget is chain-only", capsys.readouterr().err)
+
+
+def test_context_reserves_positions_per_slot_and_refuses_too_few(capsys):
+    record = bench_engine.main(["--smoke", "--context", "256", "--kv", "contiguous,paged"])
+    assert record["context"] == 256 and not record["not_fitting"]
+    rows = {r["kv"]: r for r in record["rows"] if r["plan"] == "stock" and r["rate"] == 0}
+    short = bench_engine.main(["--smoke", "--plans", "stock", "--kv", "contiguous"])
+    assert short["context"] == 64  # the default: the longest prompt plus the new tokens, rounded up to 64
+    [row64] = [r for r in short["rows"] if r["plan"] == "stock" and r["rate"] == 0]
+    # contiguous K/V reserves every position of the context per slot; paged holds what the rows use
+    # (the cache also holds a verification block past the context)
+    per_position = (rows["contiguous"]["kv_bytes_per_slot"] - row64["kv_bytes_per_slot"]) / (256 - 64)
+    assert per_position > 0 and 64 <= row64["kv_bytes_per_slot"] / per_position <= 64 + 16
+    assert rows["paged"]["kv_bytes_per_slot"] <= row64["kv_bytes_per_slot"] < rows["contiguous"]["kv_bytes_per_slot"]
+    assert all(r["mismatched_requests"] == 0 for r in record["rows"])
+    with pytest.raises(SystemExit):
+        bench_engine.main(["--smoke", "--context", "8"])
+    assert "--context 8 is shorter than the longest prompt" in capsys.readouterr().err
+
+
+def test_an_engine_out_of_device_memory_is_a_row_not_a_crash(monkeypatch):
+    real = bench_engine.build_setup
+
+    def build_setup(args, ap=None):
+        setup = real(args, ap)
+        stock = next(p for p in setup.plans if p.name == "stock")
+
+        def make(*a):
+            raise RuntimeError("RESOURCE_EXHAUSTED: Out of memory while trying to allocate 77.3GiB.")
+        setup.plans[setup.plans.index(stock)] = dataclasses.replace(stock, make=make)
+        return setup
+    monkeypatch.setattr(bench_engine, "build_setup", build_setup)
+    record = bench_engine.main(["--smoke"])
+    assert {r["plan"] for r in record["rows"]} == {"ar"}  # AR ran; stock's engine did not fit
+    [miss] = record["not_fitting"]
+    assert miss["plan"] == "stock" and miss["slots"] == 2 and "RESOURCE_EXHAUSTED" in miss["error"]
+    assert bench_engine.out_of_memory(RuntimeError("XlaRuntimeError: RESOURCE_EXHAUSTED: ..."))
+    assert not bench_engine.out_of_memory(ValueError("a shape mismatch"))

@@ -67,6 +67,11 @@ def lockstep_ar_row(run: PlanRun, requests: list[Request], context: int) -> tupl
     return row, res.as_lists()
 
 
+def out_of_memory(e: Exception) -> bool:
+    """Whether `e` is the device running out of memory (XLA's RESOURCE_EXHAUSTED), a row that does not fit."""
+    return "RESOURCE_EXHAUSTED" in str(e) or "out of memory" in str(e).lower()
+
+
 def trace_decode(engine: Engine, calls: int, top: int) -> dict | None:
     """`engine.device_step_ms(calls)` under the JAX profiler -> the device kernels per decode call
     (`bench.kernel_summary`: busy time, categories, the `top` kernels; None where the device has no
@@ -101,6 +106,9 @@ def parse_args(argv=None):
     ap.add_argument("--overlap", default=None, help="comma list of none, halves (speculative plans)")
     ap.add_argument("--kv", default=None, help="comma list of contiguous, paged: the K/V layouts each plan runs "
                     "with (default: the plan's own); rows report K/V bytes per slot")
+    ap.add_argument("--context", type=int, default=0, help="positions each slot's K/V holds (contiguous: reserved "
+                    "per slot; paged: the most a row's page table maps), at least the longest prompt plus "
+                    "--new-tokens (0: that, rounded up to 64)")
     ap.add_argument("--page-size", type=int, default=16, help="--kv paged: slots per page")
     ap.add_argument("--pages", type=int, default=0, help="--kv paged: pages in the pool (0: every slot's whole context)")
     ap.add_argument("--token-budget", type=int, default=0, help="verification tokens per step (0: slots x block / 2)")
@@ -137,8 +145,8 @@ def parse_args(argv=None):
         ap.error(f"--tpot-slo-ms takes a time per output token in ms (0: no goodput), got {args.tpot_slo_ms}")
     if args.streams < 1:
         ap.error(f"--streams must be >= 1, got {args.streams}")
-    if args.page_size < 1 or args.pages < 0:
-        ap.error("--page-size must be >= 1 and --pages >= 0")
+    if args.page_size < 1 or args.pages < 0 or args.context < 0:
+        ap.error("--page-size must be >= 1, --pages and --context >= 0")
     if args.requests < 1 or args.chunk < 1 or args.new_tokens < 1 or args.device_calls < 0 or args.trace_top < 0:
         ap.error("--requests, --chunk and --new-tokens must be >= 1, --device-calls and --trace-top >= 0")
     if args.trace_top and not args.device_calls:
@@ -179,16 +187,29 @@ def main(argv=None):
     rows = []
     record = {"setup": setup.label, "shape": "deployment" if args.deployment else args.shape, "jax": jax.__version__,
               "device": str(jax.devices()[0]), "new_tokens": args.new_tokens, "context": setup.context,
-              "chunk": args.chunk, "block": max(p.block for p in setup.plans), "notes": setup.notes, "rows": rows}
+              "chunk": args.chunk, "block": max(p.block for p in setup.plans), "notes": setup.notes, "rows": rows,
+              "not_fitting": []}
     reference = setup.reference
     for slots in args.m:
         fixed = [Request(p, args.new_tokens) for p in setup.prompts[:slots]]
         want = {}  # workload -> the reference plan's tokens per request, at this slot count
         for run in setup.plans:
             for batching in batchings(setup, run, args, slots):
-                engine = run.make(slots, batching, setup.context, args.chunk)  # measured pricing: timed here
                 t0 = time.perf_counter()
-                engine.warm_up()
+                try:
+                    engine = run.make(slots, batching, setup.context, args.chunk)  # measured pricing: timed here
+                    t0 = time.perf_counter()
+                    engine.warm_up()
+                except Exception as e:  # noqa: BLE001 -- only the device's out-of-memory is a row; the rest raise
+                    if not out_of_memory(e):
+                        raise
+                    engine = None
+                    miss = {"plan": run.name, "batching": batching_label(batching), "slots": slots,
+                            "context": setup.context, "error": str(e).splitlines()[0][:300]}
+                    record["not_fitting"].append(miss)
+                    print(f"{run.name + '/' + miss['batching']:>30} {slots:>5}   does not fit in device memory at "
+                          f"context {setup.context}: {miss['error']}", flush=True)
+                    continue
                 compile_s = time.perf_counter() - t0
                 for i, rate in enumerate(args.rates):
                     workload = "fixed" if rate == 0 else "poisson"
@@ -218,7 +239,16 @@ def main(argv=None):
                         Path(args.out).write_text(json.dumps(record, indent=1, default=str))
                 del engine  # its slot state (K/V of every slot) goes before the next engine's
             if run.lockstep is not None and 0.0 in args.rates:
-                row, tokens = lockstep_ar_row(run, fixed, setup.context)
+                try:
+                    row, tokens = lockstep_ar_row(run, fixed, setup.context)
+                except Exception as e:  # noqa: BLE001 -- as the engines: out of memory is a row, the rest raise
+                    if not out_of_memory(e):
+                        raise
+                    record["not_fitting"].append({"plan": f"{run.name}_lockstep", "batching": "lockstep",
+                                                  "slots": slots, "context": setup.context,
+                                                  "error": str(e).splitlines()[0][:300]})
+                    print(f"{run.name + '_lockstep':>30} {slots:>5}   does not fit in device memory", flush=True)
+                    continue
                 diff = sum(a != b for a, b in zip(tokens, want["fixed"])) if "fixed" in want else None
                 rows.append({**row, "mismatched_requests": diff})
                 print_row(rows[-1])

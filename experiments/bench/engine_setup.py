@@ -128,8 +128,14 @@ def smollm2_pair(folder: Path, block: int, num: int, prompt_len: int):
             prompt_sets.eos_token_id(folder))
 
 
-def context_for(prompts, new_tokens: int) -> int:
-    return -(-(max(len(p) for p in prompts) + new_tokens) // 64) * 64
+def context_for(prompts, new_tokens: int, asked: int = 0) -> int:
+    """Positions per slot: `asked` (--context), which must hold the longest prompt and `new_tokens`; 0: that
+    length rounded up to 64."""
+    need = max(len(p) for p in prompts) + new_tokens
+    if asked and asked < need:
+        raise ValueError(f"--context {asked} is shorter than the longest prompt ({max(map(len, prompts))} tokens) "
+                         f"plus --new-tokens {new_tokens}: give at least {need}")
+    return asked or -(-need // 64) * 64
 
 
 def shape_setup(args, n_prompts: int) -> Setup:
@@ -161,7 +167,8 @@ def shape_setup(args, n_prompts: int) -> Setup:
     runs = [plans["ar"]] * ("ar" in wanted) + [plans[p] for p in wanted if p != "ar"]
     poisson = (random_budgets(prompts[: args.requests], args.new_tokens, args.seed) if args.shape == "tiny"
                else [Request(p, args.new_tokens, stop_token=stop) for p in prompts[: args.requests]])
-    return Setup(args.shape, runs, prompts, poisson, context_for(prompts, args.new_tokens))
+    context = context_for(prompts, args.new_tokens, getattr(args, "context", 0))
+    return Setup(args.shape, runs, prompts, poisson, context)
 
 
 def compose_config(overrides: str, n_prompts: int, batch: int):
@@ -238,7 +245,7 @@ def deployment_setup(args, n_prompts: int) -> Setup:
             for p in selected]
     prompts = [list(p) for p in dep.prompts]
     poisson = random_budgets(prompts[: args.requests], args.new_tokens, args.seed, dep.stop_token)
-    context = context_for(prompts, args.new_tokens)
+    context = context_for(prompts, args.new_tokens, getattr(args, "context", 0))
     if context > dep.cfg.max_position_embeddings:
         raise ValueError(f"prompts of up to {max(map(len, prompts))} tokens + --new-tokens {args.new_tokens} need "
                          f"{context} positions, past the target's max_position_embeddings "
