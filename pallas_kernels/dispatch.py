@@ -14,8 +14,10 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from pallas_kernels import attention_block as ab
+from pallas_kernels import cpu_rows
 from pallas_kernels import gated_delta_rule as gdr
 from pallas_kernels import ragged_attention as ra
 from pallas_kernels import residual_norm as rn
@@ -40,8 +42,15 @@ class XlaConfig:
     """XLA (its dot, the jnp reference of an op) has no settings of ours."""
 
 
+@dataclasses.dataclass(frozen=True)
+class CpuRowsConfig:
+    """The CPU rows kernel (`pallas_kernels.cpu_rows`) has no settings: its tiles suit every shape it takes."""
+
+
 CONFIGS: dict[str, dict[str, type]] = {
-    "matmul": {"mosaic": W12MosaicConfig, "triton": w12_matmul.W12TritonConfig, "xla": XlaConfig},
+    # cpu_rows: float32 weights on the CPU, laid out in column panels (`cpu_rows.RowPanels`)
+    "matmul": {"mosaic": W12MosaicConfig, "triton": w12_matmul.W12TritonConfig, "cpu_rows": CpuRowsConfig,
+               "xla": XlaConfig},
     "gated_delta_rule": {"triton": gdr.GatedDeltaRuleTritonConfig, "xla": XlaConfig},
     "tree_gated_delta_rule": {"triton": gdr.GatedDeltaRuleTritonConfig, "xla": XlaConfig},
     "tree_attention": {"triton": ta.TreeAttentionTritonConfig, "xla": XlaConfig},
@@ -169,6 +178,8 @@ def _dense(w) -> jax.Array:
         return w12_mosaic.decode_nk(w)
     if isinstance(w, TwinNK):
         return w12_mosaic.untile_twin(w)
+    if isinstance(w, cpu_rows.RowPanels):
+        return cpu_rows.from_panels(w)
     return w
 
 
@@ -185,7 +196,12 @@ def _mosaic(x, w, config: W12MosaicConfig):
     return w12_mosaic.mosaic_matmul(x, w, config)
 
 
-_MATMULS = {"xla": _xla, "triton": _triton, "mosaic": _mosaic}
+def _cpu_rows(x, w, config: CpuRowsConfig):
+    del config
+    return cpu_rows.rows_matmul(x, w)
+
+
+_MATMULS = {"xla": _xla, "triton": _triton, "mosaic": _mosaic, "cpu_rows": _cpu_rows}
 
 
 def _matmul_impl(impl: str) -> Callable:
@@ -201,6 +217,8 @@ def default_choice(w) -> OpChoice:
     choice names a kernel for it: `ModelConfig.matmul`)."""
     if isinstance(w, (W12NK, TwinNK)):
         return OpChoice(("mosaic",))
+    if isinstance(w, cpu_rows.RowPanels):
+        return OpChoice(("cpu_rows", "xla"))
     return OpChoice(("xla",))
 
 
@@ -387,7 +405,17 @@ def _prepare_mosaic(w, rows: int, config: W12MosaicConfig):
     return w12_mosaic.prepare_twin(w, rows, config)
 
 
-_PREPARE = {"xla": _prepare_xla, "triton": _prepare_triton, "mosaic": _prepare_mosaic}
+def _prepare_cpu_rows(w, rows: int, config: CpuRowsConfig):
+    del rows, config
+    if isinstance(w, cpu_rows.RowPanels):
+        return w
+    if not isinstance(w, (jax.Array, np.ndarray)) or jax.default_backend() != "cpu" or not cpu_rows.available():
+        raise NotImplementedError(cpu_rows.unavailable_reason() or "the CPU rows kernel takes float32 arrays "
+                                  "on the CPU backend")
+    return cpu_rows.to_panels(w)
+
+
+_PREPARE = {"xla": _prepare_xla, "triton": _prepare_triton, "mosaic": _prepare_mosaic, "cpu_rows": _prepare_cpu_rows}
 
 
 def prepare_weight(w, c: OpChoice, rows: int = 1):

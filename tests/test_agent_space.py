@@ -25,7 +25,8 @@ def test_space_of_a_cpu_deployment(toy):
     assert space.choice("verify").values == ("ar", "chain", "tree", "two_level")
     assert space.choice("block_size").values == (2, 3, 4, 6, 8)  # up to the drafter's block size
     assert space.choice("tree.depth").values == (2, 3, 5, 7)  # below the drafter's block size
-    assert space.choice("kernels.matmul.implementation").values == (("xla",),)  # no Pallas backend on a CPU
+    # no Pallas backend on a CPU: XLA, or the CPU rows kernel with XLA behind it
+    assert space.choice("kernels.matmul.implementation").values == (("xla",), ("cpu_rows", "xla"))
     assert {c.field for c in space.targeting("verify")} == {"verify", "block_size", "tree.nodes", "tree.depth",
                                                             "tree.branching", "two_level.first", "two_level.keep",
                                                             "two_level.exit_layer"}

@@ -34,8 +34,8 @@ def test_choice_builds_configs_from_plain_values():
     assert dispatch.choice("matmul", "xla") == dispatch.OpChoice(("xla",), None)
     t = dispatch.choice("matmul", "triton", {"blocks": {"block_n": 64, "split_k": 2}, "decode": "jnp"})
     assert t.config == km.W12TritonConfig(blocks=km.W12Blocks(block_n=64, split_k=2), decode="jnp")
-    assert set(dispatch.IMPLEMENTATIONS["matmul"]) == {"mosaic", "triton", "xla"}
-    with pytest.raises(ValueError, match="unknown matmul implementation.*'cuda'.*known: mosaic, triton, xla"):
+    assert set(dispatch.IMPLEMENTATIONS["matmul"]) == {"mosaic", "triton", "cpu_rows", "xla"}
+    with pytest.raises(ValueError, match="unknown matmul implementation.*'cuda'.*known: mosaic, triton, cpu_rows, xla"):
         dispatch.choice("matmul", ("mosaic", "cuda"))
     with pytest.raises(ValueError, match="unknown key.*'block_k'.*matmul 'mosaic' config; known: mp_choices"):
         dispatch.choice("matmul", "mosaic", {"block_k": 64})

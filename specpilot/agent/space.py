@@ -334,6 +334,8 @@ def build_space(cfg: DictConfig, *, platform: str = "cpu", devices: int = 1, wor
         lists = [("xla",)]
         if platform == "gpu":
             lists += [(impl, "xla") for impl in PALLAS_ON_GPU[op]]
+        elif op == "matmul":
+            lists.append(("cpu_rows", "xla"))  # float32 products that stay near one row's cost at 4-16 rows
         targets = OP_TARGETS.get(op, ("recurrence",))
         choices.append(Choice(f"kernels.{op}.implementation", tuple(lists), "categorical", targets=targets))
         if platform == "gpu":
