@@ -23,6 +23,7 @@ inline void store(float* p, v16 v) { *reinterpret_cast<v16u*>(p) = v; }
 
 constexpr int64_t kCols = 64;  // columns per panel: 4 vectors of 16
 constexpr int64_t kRows = 8;   // rows per tile: 8 x 4 accumulators
+constexpr int64_t kAhead = 32;  // panel rows prefetched ahead (8 KB): the stream overlaps the FMAs
 
 // y[m0:m0+MT, n0:n0+kCols] from one panel [K, kCols].
 template <int MT>
@@ -32,6 +33,10 @@ void panel_block(const float* x, const float* panel, float* y, int64_t K, int64_
     for (int j = 0; j < 4; ++j) acc[m][j] = v16{};
   for (int64_t k = 0; k < K; ++k) {
     const float* wr = panel + k * kCols;
+    __builtin_prefetch(wr + kAhead * kCols);
+    __builtin_prefetch(wr + kAhead * kCols + 16);
+    __builtin_prefetch(wr + kAhead * kCols + 32);
+    __builtin_prefetch(wr + kAhead * kCols + 48);
     v16 w0 = load(wr), w1 = load(wr + 16), w2 = load(wr + 32), w3 = load(wr + 48);
     for (int m = 0; m < MT; ++m) {
       float xv = x[(m0 + m) * K + k];
