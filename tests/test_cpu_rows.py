@@ -90,6 +90,18 @@ def test_without_the_kernel_the_weights_stay_as_they_are_for_xla(monkeypatch):
         cpu_rows.rows_matmul(jnp.asarray(x), cpu_rows.to_panels(jnp.asarray(w)))
 
 
+def test_an_unwritable_cache_or_a_failing_compiler_leaves_xla_in_charge(monkeypatch, tmp_path):
+    monkeypatch.setattr(cpu_rows, "_state", {})
+    blocked = tmp_path / "file"
+    blocked.write_text("not a folder")
+    monkeypatch.setenv("SPECPILOT_KERNEL_CACHE", str(blocked))  # the cache folder cannot be made
+    assert not cpu_rows.available() and "could not be built or loaded" in cpu_rows.unavailable_reason()
+    monkeypatch.setattr(cpu_rows, "_state", {})
+    monkeypatch.setenv("SPECPILOT_KERNEL_CACHE", str(tmp_path / "cache"))
+    monkeypatch.setenv("CXX", "false")  # a compiler that fails
+    assert not cpu_rows.available() and "did not compile" in cpu_rows.unavailable_reason()
+
+
 @needs_kernel
 def test_a_stock_plan_on_the_kernel_emits_ars_tokens_under_forcing():
     config_schema.register()

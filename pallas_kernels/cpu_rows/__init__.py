@@ -122,6 +122,8 @@ def available() -> bool:
             _state["lib"] = lib
         except NotImplementedError as e:
             _state["error"] = str(e)
+        except OSError as e:  # an unwritable cache folder, a library that will not load
+            _state["error"] = f"the CPU rows kernel could not be built or loaded: {e}"
         return "lib" in _state
 
 
