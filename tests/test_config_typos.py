@@ -28,7 +28,8 @@ def _composition_message(overrides, config="config"):
     ("decoding.plans.stock.blok_size=4", "decoding.plans.stock has no key 'blok_size'; did you mean 'block_size'?"),
     ("sed=3", "the config has no key 'sed'; did you mean 'seed'?"),
     ("bench.new_tokenz=5", "bench has no key 'new_tokenz'; did you mean 'new_tokens'?"),
-    ("decoding.plans.stok.block_size=4", "decoding.plans has no key 'stok'; did you mean 'stock'?"),
+    ("decoding.plans.stok.block_size=4",  # the default run's plans: stock and stock_rows
+     "decoding.plans has no key 'stok'; did you mean 'stock' or 'stock_rows'?"),
     ("gpu.allow_missmatch=true", "gpu has no key 'allow_missmatch'; did you mean 'allow_mismatch'?"),
     ("decoding.plans.stock.kernels.matmul.implementaion=[xla]",
      "decoding.plans.stock.kernels.matmul has no key 'implementaion'; did you mean 'implementation'?"),
