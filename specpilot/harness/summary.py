@@ -47,7 +47,8 @@ def table_notes(records: list[dict]) -> list[str]:
     if records:
         r = records[0]
         stock = f"; stock: {r['stock_baseline']}" if r.get("stock_baseline") else ""
-        lines.append(f"speedup over AR = the fastest bf16 ar plan measured in this run: {r['baseline']}{stock}; "
+        lines.append(f"speedup over AR = the fastest ar plan on dense weights (not W12) measured in this run: "
+                     f"{r['baseline']}{stock}; "
                      "spread: (max - min) / median of the time per token over the repeats (with one repeat, over "
                      "the batches); ceiling: the cost model's floor per output token; pred: its prediction from "
                      "the device's measured rates (conf/gpu/rates/)")
