@@ -78,6 +78,21 @@ def test_the_dispatch_lays_out_what_the_kernel_takes_and_gives_the_rest_to_xla()
     np.testing.assert_allclose(np.asarray(y16, np.float32), x @ w, rtol=0.05, atol=0.1)
 
 
+@needs_kernel
+def test_a_tied_head_gets_the_embeddings_transpose_in_panels_only_when_the_kernel_comes_first():
+    rng = np.random.default_rng(3)
+    params = {"embed": jnp.asarray(rng.standard_normal((512, 128)), jnp.float32),
+              "layers": [{"o": jnp.asarray(rng.standard_normal((128, 128)), jnp.float32)}]}
+    prepared = dispatch.prepare_params(params, CHOICE)
+    assert isinstance(prepared["tied_head"], cpu_rows.RowPanels) and prepared["embed"] is params["embed"]
+    assert np.array_equal(np.asarray(cpu_rows.from_panels(prepared["tied_head"])), np.asarray(params["embed"]).T)
+    assert "tied_head" not in dispatch.prepare_params(params, dispatch.OpChoice(("xla", "cpu_rows")))
+    assert "tied_head" not in dispatch.prepare_params(params, dispatch.OpChoice(("xla",)))
+    untied = {**params, "lm_head": jnp.asarray(rng.standard_normal((128, 512)), jnp.float32)}
+    assert "tied_head" not in dispatch.prepare_params(untied, CHOICE)  # its own head is laid out instead
+    assert isinstance(dispatch.prepare_params(untied, CHOICE)["lm_head"], cpu_rows.RowPanels)
+
+
 def test_without_the_kernel_the_weights_stay_as_they_are_for_xla(monkeypatch):
     monkeypatch.setattr(cpu_rows, "_state", {"error": "the CPU rows kernel needs a C++ compiler"})
     assert not cpu_rows.available() and "C++ compiler" in cpu_rows.unavailable_reason()

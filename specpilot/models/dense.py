@@ -187,6 +187,8 @@ def embed(params: Params, tokens: jax.Array) -> jax.Array:
 def lm_head(params: Params, cfg: ModelConfig, x: jax.Array) -> jax.Array:
     """Final-normed hidden states [..., H] -> float32 logits [..., V]."""
     if cfg.tie_word_embeddings:
+        if "tied_head" in params:  # the embedding's transpose laid out for a kernel (dispatch.prepare_params)
+            return dispatch.matmul(x, params["tied_head"], choice=cfg.matmul, role="lm_head", out_dtype=jnp.float32)
         return jnp.einsum("...h,vh->...v", x, params["embed"], preferred_element_type=jnp.float32)
     return dispatch.matmul(x, params["lm_head"], choice=cfg.matmul, role="lm_head", out_dtype=jnp.float32)
 
