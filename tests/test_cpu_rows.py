@@ -121,10 +121,9 @@ def test_an_unwritable_cache_or_a_failing_compiler_leaves_xla_in_charge(monkeypa
 def test_a_stock_plan_on_the_kernel_emits_ars_tokens_under_forcing():
     config_schema.register()
     conf = Path(__file__).resolve().parents[1] / "conf"
-    overrides = ["target=tiny_random", "drafter=oracle", "drafter.tau=3", "drafter.block_size=8",
+    overrides = ["target=tiny_random", "drafter=oracle", "drafter.tau=3", "drafter.block_size=4",
                  "drafter.num_layers=1", "decoding=stock_cpu", "bench=default", "bench.num_prompts=2",
-                 "bench.prompt_len=12", "bench.new_tokens=16", "bench.repeats=1",
-                 "decoding.plans.stock.block_size=5"]  # stock_rows' block, on XLA's products
+                 "bench.prompt_len=12", "bench.new_tokens=16", "bench.repeats=1"]
     with initialize_config_dir(config_dir=str(conf), version_base=None):
         cfg = config_schema.typed(compose(config_name="config", overrides=overrides))
     records = {r["method"]: r for r in runner.measure(cfg)}
