@@ -33,6 +33,9 @@ def test_products_within_the_float32_summation_bound(m, k, n):
     assert y.dtype == np.float32 and y.shape == (m, n)
     assert np.all(np.abs(y - exact) <= bound)
     assert np.abs(y - exact).max() > 0  # float32 results, not a float64 shortcut
+    # the pure-jnp reference (XLA's float32 dot) sits within the same bound, so the two within twice it
+    ref = np.asarray(cpu_rows.rows_matmul_reference(jnp.asarray(x), cpu_rows.to_panels(jnp.asarray(w))))
+    assert np.all(np.abs(y - ref) <= 2 * bound)
 
 
 @needs_kernel
