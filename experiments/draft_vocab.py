@@ -24,7 +24,7 @@ from specpilot.models.drafter import PACKAGED
 from specpilot.models.gguf_import import import_cached
 from specpilot.training.drafter import regenerate
 
-DEFAULT_OUT = PACKAGED / "smollm2-135m-instruct-dflash-b8" / draft_vocab.RANKING_FILE
+DEFAULT_OUT = PACKAGED / "smollm2-135m-instruct-dflash-b16" / draft_vocab.RANKING_FILE
 
 
 def train_prompts(text, max_tokens: int) -> list[list[int]]:

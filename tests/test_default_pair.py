@@ -19,7 +19,7 @@ from tests.test_data import write_tree
 from specpilot.harness import config_schema
 from specpilot.harness.config_schema import ConfigValueError, typed, validate
 
-SHIPPED = "smollm2-135m-instruct-dflash-b8"
+SHIPPED = "smollm2-135m-instruct-dflash-b16"
 # SmolLM2-135M-Instruct as its GGUF's metadata gives it (tests/test_gguf_import.py checks the reader).
 SMOLLM2 = ModelConfig(vocab_size=49152, hidden_size=576, intermediate_size=1536, num_layers=30, num_heads=9,
                       num_kv_heads=3, head_dim=64, rope_theta=100000.0, tie_word_embeddings=True,
@@ -29,7 +29,7 @@ SMOLLM2 = ModelConfig(vocab_size=49152, hidden_size=576, intermediate_size=1536,
 def test_the_shipped_drafter_loads_and_fits_smollm2():
     assert SHIPPED in dr.packaged_drafters()
     params, cfg = dr.load_drafter(dr.PACKAGED / SHIPPED)
-    assert (cfg.block_size, cfg.num_layers, cfg.tap_layers, cfg.mask_token_id) == (8, 3, (6, 12, 17, 23, 29), 16)
+    assert (cfg.block_size, cfg.num_layers, cfg.tap_layers, cfg.mask_token_id) == (16, 4, (6, 12, 17, 23, 29), 16)
     assert params["fc"].dtype == jnp.bfloat16  # shipped in bf16: it shares the target's embedding and head
     dr.check_compatible(cfg, SMOLLM2.with_taps(cfg.tap_layers))
     with pytest.raises(ConfigError, match="30-layer target"):
@@ -76,5 +76,27 @@ def test_an_unknown_packaged_drafter_is_refused_naming_the_key():
     with initialize_config_dir(config_dir=str(conf), version_base=None):
         cfg = typed(compose(config_name="config", overrides=["drafter.path=no-such-drafter"]))
     with pytest.raises(ConfigValueError, match=r"drafter.path: 'no-such-drafter' is not a drafter shipped in .*"
-                                               r"smollm2-135m-instruct-dflash-b8"):
+                                               r"smollm2-135m-instruct-dflash-b16"):
         validate(cfg)
+
+
+def test_the_shipped_drafter_drafts_as_wide_as_it_was_trained():
+    """conf/drafter/smollm2.yaml drafts every block 16 rows wide; null: as wide as the plan's block; 0 refused."""
+    from hydra import compose, initialize_config_dir
+    from omegaconf import OmegaConf
+
+    from specpilot.harness import deploy
+
+    config_schema.register()
+    conf = Path(__file__).resolve().parents[1] / "conf"
+    with initialize_config_dir(config_dir=str(conf), version_base=None):
+        dconf = compose(config_name="config").drafter
+    target_params = {"embed": jnp.zeros((1, 1), jnp.float32)}  # only its dtype is read without a draft vocabulary
+    for width in (16, None, 8):
+        got = OmegaConf.merge(dconf, {"draft_vocab": None} if width == 16 else {"draft_vocab": None,
+                                                                                  "draft_width": width})
+        drafter, _, _, notes = deploy.build_drafter(got, SMOLLM2, target_params, 0)
+        assert drafter.draft_width == width and drafter.block_size == 16
+        assert any(f"drafted {width} rows wide" in n for n in notes) == (width is not None)
+    with pytest.raises(ConfigValueError, match="drafter.draft_width: must be >= 1 rows"):
+        deploy.build_drafter(OmegaConf.merge(dconf, {"draft_width": 0}), SMOLLM2, target_params, 0)

@@ -144,7 +144,7 @@ def test_the_deployment_reads_the_drafter_folders_ranking_or_the_named_one(pair,
 
 
 def test_the_shipped_ranking_covers_smollm2s_vocabulary():
-    path = dr.PACKAGED / "smollm2-135m-instruct-dflash-b8" / draft_vocab.RANKING_FILE
+    path = dr.PACKAGED / "smollm2-135m-instruct-dflash-b16" / draft_vocab.RANKING_FILE
     ranking = draft_vocab.load_ranking(path, 49152)
     assert ranking.size == 49152  # every id, so any K in [1, 49152] is a prefix
 

@@ -248,3 +248,28 @@ def test_context_cache_dtype_follows_the_drafter(params):
     assert state.max_len == 8 and state.lengths.tolist() == [0, 0]
     with pytest.raises(ValueError, match="dtype must be given"):
         dr.init_context_cache(DCFG, 2, 8)
+
+
+def test_drafting_wider_than_the_plan_keeps_its_first_rows_and_writes_only_those(params):
+    """draft_width: the block drafted as wide as the drafter was trained (every row sees all mask rows, as
+    in training), the plan's first rows kept; the cache holds only the kept rows' K/V."""
+    tp, dp = params
+    rng = np.random.default_rng(3)
+    b, max_len, keep = 2, 16, 2
+    taps = rng.normal(size=(b, 6, DCFG.num_taps * CFG.hidden_size)).astype(np.float32)
+    wide = dr.BlockDrafter(DCFG, CFG, draft_width=DCFG.block_size)
+    state = wide.init_state(dp, b, max_len, jnp.float32)
+    state = wide.extend(dp, tp, state, jnp.asarray(taps), jnp.asarray([6, 4], jnp.int32))
+    last = jnp.asarray([3, 7], jnp.int32)
+    logits, after = wide.propose(dp, tp, state, last, keep)
+    assert logits.shape == (b, keep - 1, CFG.vocab_size)
+    narrow, _ = dr.BlockDrafter(DCFG, CFG).propose(dp, tp, state, last, keep)
+    for i, n in enumerate((6, 4)):
+        block = np.array([int(last[i])] + [DCFG.mask_token_id] * (DCFG.block_size - 1))
+        hidden = reference_hidden(dp, tp, taps[i, :n], block)  # the full-width block, cache-free
+        want = np.asarray(dense.lm_head(tp, CFG, jnp.asarray(hidden[1:keep], jnp.float32)))
+        np.testing.assert_allclose(np.asarray(logits[i]), want, rtol=1e-4, atol=1e-4)
+        assert not np.allclose(np.asarray(narrow[i]), want, rtol=1e-4, atol=1e-4)  # the width matters
+        for layer in after.layers:  # the kept rows written, the slots past them untouched
+            assert np.abs(np.asarray(layer.k[i, :, n:n + keep])).sum() > 0
+            assert np.abs(np.asarray(layer.k[i, :, n + keep:])).sum() == 0

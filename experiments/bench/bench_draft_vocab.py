@@ -18,8 +18,9 @@ import jax.numpy as jnp
 from specpilot.models import draft_vocab
 from specpilot.models import drafter as dr
 from specpilot.models.checkpoint import load_hf
+from specpilot.training.locate import DEFAULT_DRAFTER
 
-DRAFTER = dr.PACKAGED / "smollm2-135m-instruct-dflash-b8"
+DRAFTER = dr.PACKAGED / DEFAULT_DRAFTER
 
 
 def main(argv=None):
@@ -34,7 +35,7 @@ def main(argv=None):
     tparams, tcfg = load_hf(args.checkpoint, dtype=jnp.float32)
     dparams, dcfg = dr.load_drafter(DRAFTER, dtype=jnp.float32)
     tcfg = tcfg.with_taps(dcfg.tap_layers)
-    drafter = dr.BlockDrafter(dcfg, tcfg)
+    drafter = dr.BlockDrafter(dcfg, tcfg, draft_width=dcfg.block_size)
     ranking = draft_vocab.load_ranking(DRAFTER / draft_vocab.RANKING_FILE, tcfg.vocab_size)
     state = drafter.init_state(dparams, 1, args.context + 64).commit(jnp.array([args.context], jnp.int32))
     propose = jax.jit(lambda p, tp, s, last: drafter.propose(p, tp, s, last, args.block)[0])

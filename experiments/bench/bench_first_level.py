@@ -24,8 +24,9 @@ from specpilot.decoding.token_tree import build_tree
 from specpilot.models import dense, draft_vocab, exit_head
 from specpilot.models import drafter as dr
 from specpilot.models.checkpoint import load_hf
+from specpilot.training.locate import DEFAULT_DRAFTER
 
-DRAFTER = dr.PACKAGED / "smollm2-135m-instruct-dflash-b8"
+DRAFTER = dr.PACKAGED / DEFAULT_DRAFTER
 DEPTH, BRANCHING = 7, 4
 
 
@@ -50,7 +51,7 @@ def main(argv=None):
     head = exit_head.for_target(hparams, ids, tparams, tcfg)
     tparams = dense.fuse_projections(tparams)  # the layout the run harness multiplies with
     head_params = two_level.with_exit_head(tparams, head)
-    target, drafter = dense.target(tcfg, jnp.float32), dr.BlockDrafter(dcfg, tcfg)
+    target, drafter = dense.target(tcfg, jnp.float32), dr.BlockDrafter(dcfg, tcfg, draft_width=dcfg.block_size)
     context = jnp.array([args.context], jnp.int32)
     tstate = target.init_state(1, args.context + 2 * args.nodes).commit(context)
     dstate = drafter.init_state(dparams, 1, args.context + 2 * args.nodes).commit(context)

@@ -26,6 +26,7 @@ from specpilot.models import drafter as dr
 from specpilot.models.checkpoint import load_hf
 from specpilot.models.config import ModelConfig
 from specpilot.plan import Batching, is_ar_baseline_candidate
+from specpilot.training.locate import DEFAULT_DRAFTER
 from specpilot.serving import Engine, Request
 from specpilot.serving.budget import StepCost
 
@@ -120,11 +121,11 @@ def smollm2_folder(given: str) -> Path:
 
 def smollm2_pair(folder: Path, block: int, num: int, prompt_len: int):
     params, cfg = load_hf(folder, dtype=jnp.float32)
-    dparams, dcfg = dr.load_drafter(dr.PACKAGED / "smollm2-135m-instruct-dflash-b8", dtype=jnp.float32)
-    dcfg = dataclasses.replace(dcfg, block_size=block)
+    dparams, dcfg = dr.load_drafter(dr.PACKAGED / DEFAULT_DRAFTER, dtype=jnp.float32)
+    trained, dcfg = dcfg.block_size, dataclasses.replace(dcfg, block_size=block)
     cfg = cfg.with_taps(dcfg.tap_layers)
     prompts, _ = prompt_sets.build("chat", prompt_sets.load_model_text(folder), num, prompt_len)
-    return (dense.target(cfg, jnp.float32), params, dr.BlockDrafter(dcfg, cfg), dparams, prompts,
+    return (dense.target(cfg, jnp.float32), params, dr.BlockDrafter(dcfg, cfg, draft_width=trained), dparams, prompts,
             prompt_sets.eos_token_id(folder))
 
 

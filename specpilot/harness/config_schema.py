@@ -65,6 +65,9 @@ class DrafterConf:
     num_taps: int = 5
     draft_vocab: Optional[int] = None  # score only the first K ids of a token ranking (null: all ids)
     draft_vocab_ids: Optional[str] = None  # that ranking (.npy); null: the drafter folder's draft_vocab.npy
+    # draft every block this many rows wide (a trained drafter's training block: it saw that many mask
+    # rows, bidirectionally), keeping the plan's first block_size rows; null: as wide as the plan's block
+    draft_width: Optional[int] = None
     # oracle acceptance: per-position conditional acceptance probabilities, a target tau, or a trace
     # recorded by an earlier run (its results.jsonl or run folder; e.g. the trained embedded pair's)
     acceptance: Optional[List[float]] = None

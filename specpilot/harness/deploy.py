@@ -246,6 +246,7 @@ def build_drafter(dconf: DictConfig, target_cfg: ModelConfig, target_params, see
                 f"placed in the draft to each step's recorded depth)")
         return (OracleTraceDrafter.from_traces(inner, methods, str(dconf.step_trace), model), params, target_cfg,
                 [note])
+    width = draft_width(dconf)
     if dconf.source == "random":
         dcfg = dr.DrafterConfig.for_target(target_cfg, num_layers=int(dconf.num_layers),
                                            block_size=int(dconf.block_size),
@@ -257,13 +258,23 @@ def build_drafter(dconf: DictConfig, target_cfg: ModelConfig, target_params, see
                 else Path(str(dconf.path)).expanduser())
         params, dcfg = dr.load_drafter(path, dtype=dtype)
         notes = [f"drafter {path.name} (trained at block {dcfg.block_size})"]
+        if width is not None:
+            notes.append(f"every block drafted {width} rows wide, the plan's first rows kept")
         dcfg = dataclasses.replace(dcfg, block_size=int(dconf.block_size))
     else:
         raise NotImplementedError(f"drafter source {dconf.source!r} is not available yet")
     target_cfg = target_cfg.with_taps(dcfg.tap_layers)
     folder = path if dconf.source in ("dflash", "packaged") else None
     params, vnotes = reduce_draft_vocab(dconf, params, target_params, target_cfg, folder)
-    return dr.BlockDrafter(dcfg, target_cfg), params, target_cfg, notes + vnotes
+    return dr.BlockDrafter(dcfg, target_cfg, draft_width=width), params, target_cfg, notes + vnotes
+
+
+def draft_width(dconf: DictConfig) -> int | None:
+    """`drafter.draft_width`, checked: None or a positive row count."""
+    width = dconf.get("draft_width")
+    if width is not None and int(width) < 1:
+        raise ConfigValueError(f"drafter.draft_width: must be >= 1 rows (or null: the plan's block), got {width}")
+    return None if width is None else int(width)
 
 
 def reduce_draft_vocab(dconf: DictConfig, params, target_params, target_cfg: ModelConfig, folder: Path | None):
@@ -318,7 +329,8 @@ def build_embedded(cfg: DictConfig):
         dcfg = dataclasses.replace(pair.drafter_cfg, block_size=int(cfg.drafter.block_size))
         dparams, vnotes = reduce_draft_vocab(cfg.drafter, pair.drafter_params, pair.target_params,
                                              pair.target_cfg, None)
-        drafter, notes = (dr.BlockDrafter(dcfg, pair.target_cfg), dparams), notes + vnotes
+        drafter = (dr.BlockDrafter(dcfg, pair.target_cfg, draft_width=draft_width(cfg.drafter)), dparams)
+        notes = notes + vnotes
     return pair.target_params, pair.target_cfg, drafter, pair.prompts.as_lists(), notes, pair.tokenizer
 
 

@@ -104,29 +104,40 @@ def extend_context(params: Params, cfg: DrafterConfig, cache: TargetState, taps:
 
 
 def draft_block(params: Params, cfg: DrafterConfig, target_params: Params, target_cfg: ModelConfig,
-                cache: TargetState, block_tokens: jax.Array):
+                cache: TargetState, block_tokens: jax.Array, keep: int | None = None):
     """block_tokens [B, Bs] -> (final-normed hidden [B, Bs, H], cache with block K/V written, uncommitted).
 
     The block sits at positions lengths[b] .. lengths[b]+Bs-1 and sees every committed context row and
-    every block row (bidirectional inside the block).
+    every block row (bidirectional inside the block). With `keep` < Bs only the first `keep` rows' K/V
+    are written to the cache (which need only hold those); the rest are attended to from registers.
     """
     b, t = block_tokens.shape
+    keep = t if keep is None else keep
+    if not 0 < keep <= t:
+        raise ValueError(f"keep={keep} rows of a {t}-row block")
     x = dense.embed(target_params, block_tokens).astype(params["norm"].dtype)  # [B, Bs, H]
     start = cache.lengths  # [B]
     positions = start[:, None] + jnp.arange(t, dtype=jnp.int32)[None, :]  # [B, Bs]
     cos, sin = rope_tables(positions, cfg.layer_config.inv_freq())
     key_pos = jnp.arange(cache.max_len, dtype=jnp.int32)
-    visible = key_pos[None, :] < (start + t)[:, None]  # [B, S]: context + the whole block
+    visible = key_pos[None, :] < (start + keep)[:, None]  # [B, S]: context + the block's kept rows
     mask = jnp.broadcast_to(visible[:, None, :], (b, t, cache.max_len))  # [B, Bs, S]
+    if keep < t:  # the rows past `keep` are keys after the cache's slots, visible to every block row
+        mask = jnp.concatenate([mask, jnp.ones((b, t, t - keep), bool)], axis=2)
     layers = []
     for i, lp in enumerate(params["layers"]):
         h = rms_norm(x, lp["attn_norm"], cfg.rms_norm_eps)
         q = linear(h, lp["q"], lp.get("q_bias"), choice=cfg.matmul, role="q")
         q = q.reshape(b, t, cfg.num_heads, cfg.head_dim)
         q = apply_rope(rms_norm(q, lp["q_norm"], cfg.rms_norm_eps), cos, sin)
-        kv = cache.layers[i].write(*_keys_values(lp, cfg, h, cos, sin), start)
+        k, v = _keys_values(lp, cfg, h, cos, sin)  # [B, Bs, KVH, D]
+        kv = cache.layers[i].write(k[:, :keep], v[:, :keep], start)
         layers.append(kv)
-        attn = attention(q, kv.k.astype(q.dtype), kv.v.astype(q.dtype), mask)
+        keys, values = kv.k.astype(q.dtype), kv.v.astype(q.dtype)  # [B, KVH, S, D]
+        if keep < t:
+            keys = jnp.concatenate([keys, k[:, keep:].transpose(0, 2, 1, 3).astype(q.dtype)], axis=2)
+            values = jnp.concatenate([values, v[:, keep:].transpose(0, 2, 1, 3).astype(q.dtype)], axis=2)
+        attn = attention(q, keys, values, mask)
         x = x + linear(attn.reshape(b, t, cfg.num_heads * cfg.head_dim), lp["o"], lp.get("o_bias"),
                        choice=cfg.matmul, role="o")
         h = rms_norm(x, lp["mlp_norm"], cfg.rms_norm_eps)
@@ -146,6 +157,9 @@ class BlockDrafter:
     cfg: DrafterConfig
     target_cfg: ModelConfig
     mesh: Any = None  # a jax.sharding.Mesh: the context cache is sharded over it (specpilot.sharding)
+    # Draft every block this wide (the block the drafter was trained at: it saw that many mask rows) and
+    # keep the plan's first Bs rows; None: as wide as the plan's block.
+    draft_width: int | None = None
 
     def __post_init__(self):
         check_compatible(self.cfg, self.target_cfg)
@@ -177,13 +191,16 @@ class BlockDrafter:
         """last_tokens [B] -> (draft logits [B, Bs-1, V] float32, state). Params carrying a reduced draft
         vocabulary (`draft_vocab.with_draft_vocab`) score only its ids, the rest at a floor."""
         b = last_tokens.shape[0]
-        masks = jnp.full((b, block_size - 1), self.cfg.mask_token_id, jnp.int32)
-        block = jnp.concatenate([last_tokens[:, None].astype(jnp.int32), masks], axis=1)  # [B, Bs]
-        hidden, state = draft_block(params, self.cfg, target_params, self.target_cfg, state, block)
+        width = max(block_size, self.draft_width or 0)
+        masks = jnp.full((b, width - 1), self.cfg.mask_token_id, jnp.int32)
+        block = jnp.concatenate([last_tokens[:, None].astype(jnp.int32), masks], axis=1)  # [B, width]
+        hidden, state = draft_block(params, self.cfg, target_params, self.target_cfg, state, block,
+                                    keep=block_size)
         state = sharding.constrain_state(state, self.mesh)
+        hidden = hidden[:, 1:block_size]
         if draft_vocab.has_draft_vocab(params):  # a reduced draft vocabulary: its own gathered head rows
-            return draft_vocab.reduced_logits(params, hidden[:, 1:], self.target_cfg.vocab_size), state
-        return dense.lm_head(target_params, self.target_cfg, hidden[:, 1:]), state
+            return draft_vocab.reduced_logits(params, hidden, self.target_cfg.vocab_size), state
+        return dense.lm_head(target_params, self.target_cfg, hidden), state
 
 
 @dataclasses.dataclass(frozen=True)

@@ -19,7 +19,7 @@ PAIR_PREFIX = "embedded-"  # a trained pair's folder: this prefix and its config
 TARGET_MODEL = Path("target") / "model"  # a pair folder's target, drafter
 DRAFTER_MODEL = Path("drafter") / "model"
 GGUF_DIR = "gguf"  # `gguf_import.import_cached` converts into cache_dir/gguf/<stem>-<sha256 prefix>
-DEFAULT_DRAFTER = "smollm2-135m-instruct-dflash-b8"  # conf/drafter/smollm2.yaml's packaged drafter
+DEFAULT_DRAFTER = "smollm2-135m-instruct-dflash-b16"  # conf/drafter/smollm2.yaml's packaged drafter
 
 
 @dataclasses.dataclass(frozen=True)
