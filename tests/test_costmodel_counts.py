@@ -188,3 +188,22 @@ def test_qwen3_8b_stock_step_matches_hand_counts():
     assert draft.total("flops") == 2 * 16 * 5 * layer + 2 * 15 * head
     extend = c.select("accept", "matmul")
     assert extend.total("weight_bytes") == 2 * (5 * 4096 * 4096 + 5 * 2 * 4096 * 1024)
+
+
+@pytest.mark.parametrize("order, head", [(("cpu_rows", "xla"), "cpu_rows/f32"), (("xla", "cpu_rows"), "xla-tied/f32"),
+                                         (("xla",), "xla-tied/f32")])
+def test_a_tied_head_is_priced_on_the_kernel_that_multiplies_it(order, head):
+    """dispatch.prepare_params lays the embedding's transpose out for the CPU rows kernel (`tied_head`) only
+    when the kernel comes before XLA in float32; the cost model prices the head as that kernel's product."""
+    from specpilot.plan import Kernels, OpChoice
+
+    cfg = dataclasses.replace(DENSE, tie_word_embeddings=True)
+    dcfg = dr.DrafterConfig.for_target(cfg, num_layers=1, block_size=4)
+    plan = Plan("stock", verify="chain", block_size=4, kernels=Kernels(matmul=OpChoice(order)))
+    shape = Shape(target=cfg, drafter=dcfg, batch=1, context=CTX, dtype_bytes=4)
+    heads = [k for k in step_counts(plan, shape).kernels if k.name.endswith(".lm_head")]
+    assert heads and {k.impl for k in heads} == {head}
+    layers = {k.impl for k in step_counts(plan, shape).kernels if k.name == "target.o"}
+    assert layers == {"cpu_rows/f32" if order[0] == "cpu_rows" else "xla/f32"}
+    assert {k.impl for k in step_counts(plan, dataclasses.replace(shape, dtype_bytes=2)).kernels
+            if k.name.endswith(".lm_head")} == {"xla-tied/bf16"}

@@ -141,8 +141,10 @@ class StepCounter:
                 return 1.5, "w12"
         return float(self.e), plain
 
-    def _impl(self, storage: str, tied: bool) -> str:
+    def _impl(self, storage: str, tied: bool, name: str = "") -> str:
         if tied:
+            if name == "lm_head" and storage == "f32" and self._rows_before_xla():
+                return "cpu_rows/f32"  # the embedding's transpose in panels (dispatch.prepare_params' tied_head)
             return f"xla-tied/{storage}"  # the tied head: an einsum against the embedding [V, H]
         for impl in self.impls:  # the first implementation that takes this weight (dispatch.matmul)
             if impl == "triton" and storage != "w12":
@@ -153,6 +155,12 @@ class StepCounter:
                 continue  # a W12 plan leaves the matrices it kept bf16 to XLA (layout_bf16=False)
             return f"{impl}/{storage}"
         return f"xla/{storage}"
+
+    def _rows_before_xla(self) -> bool:
+        for impl in self.impls:
+            if impl in ("cpu_rows", "xla"):
+                return impl == "cpu_rows"
+        return False
 
     def add(self, **kw):
         self.kernels.append(Kernel(**kw))
@@ -169,7 +177,7 @@ class StepCounter:
         act = count * (m * k * self.e + m * n * out_bytes)
         self.add(stage=stage, cls=cls, name=f"{who}.{role}", count=count, flops=2.0 * count * m * k * n,
                  bytes=weights + act, floor_flops=2.0 * count * m * k * n, floor_bytes=weights,
-                 weight_bytes=weights, dot=True, m=m, k=k, n=n, impl=self._impl(storage, tied))
+                 weight_bytes=weights, dot=True, m=m, k=k, n=n, impl=self._impl(storage, tied, param or role))
 
     def elementwise(self, stage, name, count, nbytes, weight_bytes=0.0, flops=0.0):
         if count and nbytes:
