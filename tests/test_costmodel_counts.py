@@ -37,7 +37,7 @@ def _abstract(tree):
     return jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), tree)
 
 
-def _setup(cfg, dtype, block, fused=False, oracle=False, tied=False):
+def _setup(cfg, dtype, block, fused=False, oracle=False, tied=False, width=None):
     cfg = dataclasses.replace(cfg, tie_word_embeddings=tied)
     key = jax.random.key(0)
     if isinstance(cfg, HybridConfig):
@@ -49,7 +49,7 @@ def _setup(cfg, dtype, block, fused=False, oracle=False, tied=False):
         if fused:
             tparams = jax.eval_shape(dense.fuse_projections, tparams)
     dcfg = dr.DrafterConfig.for_target(cfg, num_layers=2, block_size=block)
-    drafter = dr.BlockDrafter(dcfg, cfg)
+    drafter = dr.BlockDrafter(dcfg, cfg, draft_width=width)
     dparams = jax.eval_shape(functools.partial(dr.init, cfg=dcfg, dtype=dtype), key)
     if oracle:
         drafter = OracleDrafter(drafter, tuple([0.5] * (block - 1)))
@@ -64,7 +64,7 @@ def _setup(cfg, dtype, block, fused=False, oracle=False, tied=False):
     state = jax.eval_shape(functools.partial(spec._initial_state, setup), first, tstate, dstate,
                            jax.random.key(0), budget, req)
     shape = Shape(cfg, dcfg, batch=B, context=CTX, cache_len=S, dtype_bytes=jnp.dtype(dtype).itemsize,
-                  oracle=oracle, fused=fused, max_block=8)
+                  oracle=oracle, fused=fused, max_block=8, draft_width=width or 0)
     return setup, tparams, dparams, state, shape
 
 
@@ -207,3 +207,15 @@ def test_a_tied_head_is_priced_on_the_kernel_that_multiplies_it(order, head):
     assert layers == {"cpu_rows/f32" if order[0] == "cpu_rows" else "xla/f32"}
     assert {k.impl for k in step_counts(plan, dataclasses.replace(shape, dtype_bytes=2)).kernels
             if k.name.endswith(".lm_head")} == {"xla-tied/bf16"}
+
+
+@pytest.mark.parametrize("oracle", [False, True], ids=["drafter", "oracle"])
+def test_a_draft_wider_than_the_block_is_counted_as_drafted(oracle):
+    """draft_width 8 at block 4: every draft layer over 8 rows, 4 of them written, 4 extra keys attended to."""
+    block, width = 4, 8
+    setup, tp, dp, state, shape = _setup(DENSE, jnp.float32, block, oracle=oracle, width=width)
+    counts = step_counts(Plan("stock", verify="chain", block_size=block), shape)
+    m, wb = bf.count(lambda w, st: spec.draft_phase(setup, w[0], w[1], st), (tp, dp), state)
+    _compare(counts.select("draft"), m, wb)
+    narrow = step_counts(Plan("stock", verify="chain", block_size=block), dataclasses.replace(shape, draft_width=0))
+    assert counts.select("draft").total("flops") > 1.5 * narrow.select("draft").total("flops")

@@ -82,6 +82,7 @@ class Shape:
     fused: bool = True  # a dense target's q/k/v and gate/up are single matrices (target.layout=fused)
     max_block: int = 16  # hybrid targets: per-token snapshots each recurrent layer keeps
     draft_vocab: int = 0  # ids a reduced draft vocabulary scores (0: the target's whole head)
+    draft_width: int = 0  # rows the drafter drafts a block over (BlockDrafter.draft_width; 0: the plan's block)
 
     def __post_init__(self):
         for name in ("batch", "dtype_bytes", "max_block"):
@@ -102,11 +103,12 @@ class Shape:
     def from_deployment(cls, dep, context: int | None = None) -> "Shape":
         """The shape of a harness `deploy.Deployment`; context defaults to the mean committed length
         over the decode (mean prompt + half the new tokens)."""
-        dcfg, oracle = None, False
+        dcfg, oracle, width = None, False, 0
         if dep.drafter is not None:
             d = dep.drafter[0]
             oracle = isinstance(d, OracleDrafter)
             dcfg = getattr(getattr(d, "inner", d), "cfg", None)
+            width = getattr(getattr(d, "inner", d), "draft_width", None) or 0
         if context is None:
             context = int(sum(len(p) for p in dep.prompts) / len(dep.prompts) + dep.new_tokens / 2)
         layer0 = dep.params["layers"][0]
@@ -114,7 +116,8 @@ class Shape:
         return cls(target=dep.cfg, drafter=dcfg, batch=dep.batch_size, context=context,
                    cache_len=dep.cache_len, dtype_bytes=dep.params["embed"].dtype.itemsize, oracle=oracle,
                    greedy=dep.sampling.greedy, fused="qkv" in layer0 or "gate_up" in layer0,
-                   draft_vocab=int(dparams["draft_ids"].shape[0]) if draft_vocab.has_draft_vocab(dparams) else 0)
+                   draft_vocab=int(dparams["draft_ids"].shape[0]) if draft_vocab.has_draft_vocab(dparams) else 0,
+                   draft_width=int(width))
 
 
 # --------------------------------------------------------------------------------------------------
@@ -231,8 +234,12 @@ class StepCounter:
 
 # ---- the target forward -----------------------------------------------------------------------------
 
-def _dense_layers(st: StepCounter, stage: str, cfg, t: int, count: int, fused: bool, who: str = "target"):
+def _dense_layers(st: StepCounter, stage: str, cfg, t: int, count: int, fused: bool, who: str = "target",
+                  written: int | None = None):
+    """`written`: rows whose K/V go to the cache (default t); the other t - written rows' K/V are extra keys
+    every row attends to (a drafter drafting wider than the plan's block)."""
     b, e, h, i = st.s.batch, st.e, cfg.hidden_size, cfg.intermediate_size
+    written = t if written is None else written
     m = b * t
     st.norm(stage, f"{who}.attn_norm", count, m, h)
     ab, mb = cfg.attention_bias, getattr(cfg, "mlp_bias", False)
@@ -244,8 +251,9 @@ def _dense_layers(st: StepCounter, stage: str, cfg, t: int, count: int, fused: b
     if cfg.qk_norm:
         st.norm(stage, f"{who}.qk_norm", count, m, cfg.q_size + cfg.kv_size, 2 * cfg.head_dim)
     st.rope(stage, f"{who}.rope", count, m, cfg.num_heads + cfg.num_kv_heads, cfg.head_dim)
-    st.cache_write(stage, who, count, t, cfg.num_kv_heads, cfg.head_dim)
-    st.attention(stage, who, count, t, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, st.s.context, st.s.slots)
+    st.cache_write(stage, who, count, written, cfg.num_kv_heads, cfg.head_dim)
+    st.attention(stage, who, count, t, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, st.s.context,
+                 st.s.slots + t - written)
     st.matmul(stage, who, "o", count, m, cfg.q_size, h, bias=ab)
     st.elementwise(stage, f"{who}.residual", count, 2 * 3 * m * h * e)
     st.norm(stage, f"{who}.mlp_norm", count, m, h)
@@ -354,8 +362,9 @@ def drafter_propose(st: StepCounter, bs: int, choose_passes: int | None = None):
     then `choose_passes` passes over those logits (default: the chain's argmax or sampling)."""
     d, b = st.s.drafter, st.s.batch
     lc = d.layer_config
-    st.embedding("draft", "drafter", b * bs, d.hidden_size)
-    _dense_layers(st, "draft", lc, bs, d.num_layers, fused=False, who="drafter")
+    width = max(bs, st.s.draft_width)  # drafted this many rows wide, the first bs kept
+    st.embedding("draft", "drafter", b * width, d.hidden_size)
+    _dense_layers(st, "draft", lc, width, d.num_layers, fused=False, who="drafter", written=bs)
     if st.s.draft_vocab:  # its own gathered rows, then the scores put into full-vocabulary logits
         rows, cfg = b * (bs - 1), st.s.target
         st.norm("draft", "drafter.final_norm", 1, rows, cfg.hidden_size)

@@ -150,4 +150,5 @@ def cost_shape(cfg: DictConfig, plans) -> counts.Shape:
         cache_len=cache_len(int(b.prompt_len), int(b.new_tokens), block, b.cache_len),
         dtype_bytes=jnp.dtype(DTYPES[cfg.target.dtype]).itemsize, oracle=cfg.drafter.source == "oracle",
         greedy=float(cfg.decoding.temperature) == 0.0,
-        fused=cfg.target.layout == "fused" and isinstance(target, ModelConfig))
+        fused=cfg.target.layout == "fused" and isinstance(target, ModelConfig),
+        draft_width=int(cfg.drafter.get("draft_width") or 0))
