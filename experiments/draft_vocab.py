@@ -23,8 +23,9 @@ from specpilot.models.checkpoint import load_hf
 from specpilot.models.drafter import PACKAGED
 from specpilot.models.gguf_import import import_cached
 from specpilot.training.drafter import regenerate
+from specpilot.training.locate import DEFAULT_DRAFTER
 
-DEFAULT_OUT = PACKAGED / "smollm2-135m-instruct-dflash-b16" / draft_vocab.RANKING_FILE
+DEFAULT_OUT = PACKAGED / DEFAULT_DRAFTER / draft_vocab.RANKING_FILE
 
 
 def train_prompts(text, max_tokens: int) -> list[list[int]]:

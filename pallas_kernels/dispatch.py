@@ -447,7 +447,7 @@ def prepare_params(params: dict, choice: OpChoice, rows: int = 1, extra: tuple[s
         return prepare_weight(w, choice, rows) if layout_bf16 or not isinstance(w, jax.Array) else w
 
     out = w12_format.map_matrices(prepare, params, names, lm_head, extra)
-    if lm_head and layout_bf16 and "embed" in out and "lm_head" not in out and _rows_before_xla(choice):
+    if lm_head and layout_bf16 and "embed" in out and "lm_head" not in out and rows_before_xla(choice):
         # a tied head on the CPU rows kernel: the embedding's transpose in panels, `tied_head` (a copy of
         # the embedding's size; XLA's einsum against the embedding costs 2-3x one row's at 4-8 rows)
         try:
@@ -458,8 +458,8 @@ def prepare_params(params: dict, choice: OpChoice, rows: int = 1, extra: tuple[s
     return out
 
 
-def _rows_before_xla(choice: OpChoice) -> bool:
-    """Whether `choice` tries the CPU rows kernel before XLA."""
+def rows_before_xla(choice: OpChoice) -> bool:
+    """Whether `choice` tries the CPU rows kernel before XLA (where a tied head gets `tied_head`)."""
     for impl in choice.implementation:
         if impl in ("cpu_rows", "xla"):
             return impl == "cpu_rows"

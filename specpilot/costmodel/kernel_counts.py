@@ -9,6 +9,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
+from pallas_kernels.dispatch import rows_before_xla
 from specpilot.models import draft_vocab
 from specpilot.models.oracle import OracleDrafter
 
@@ -106,9 +107,8 @@ class Shape:
         dcfg, oracle, width = None, False, 0
         if dep.drafter is not None:
             d = dep.drafter[0]
-            oracle = isinstance(d, OracleDrafter)
-            dcfg = getattr(getattr(d, "inner", d), "cfg", None)
-            width = getattr(getattr(d, "inner", d), "draft_width", None) or 0
+            oracle, inner = isinstance(d, OracleDrafter), getattr(d, "inner", d)
+            dcfg, width = getattr(inner, "cfg", None), getattr(inner, "draft_width", None) or 0
         if context is None:
             context = int(sum(len(p) for p in dep.prompts) / len(dep.prompts) + dep.new_tokens / 2)
         layer0 = dep.params["layers"][0]
@@ -146,7 +146,7 @@ class StepCounter:
 
     def _impl(self, storage: str, tied: bool, name: str = "") -> str:
         if tied:
-            if name == "lm_head" and storage == "f32" and self._rows_before_xla():
+            if name == "lm_head" and storage == "f32" and rows_before_xla(self.plan.kernels.matmul):
                 return "cpu_rows/f32"  # the embedding's transpose in panels (dispatch.prepare_params' tied_head)
             return f"xla-tied/{storage}"  # the tied head: an einsum against the embedding [V, H]
         for impl in self.impls:  # the first implementation that takes this weight (dispatch.matmul)
@@ -158,12 +158,6 @@ class StepCounter:
                 continue  # a W12 plan leaves the matrices it kept bf16 to XLA (layout_bf16=False)
             return f"{impl}/{storage}"
         return f"xla/{storage}"
-
-    def _rows_before_xla(self) -> bool:
-        for impl in self.impls:
-            if impl in ("cpu_rows", "xla"):
-                return impl == "cpu_rows"
-        return False
 
     def add(self, **kw):
         self.kernels.append(Kernel(**kw))
