@@ -99,15 +99,21 @@ class PagedAttentionState:
         return self.k.shape[2]
 
     @property
+    def columns(self) -> int:
+        """Pages per row the table in hand addresses: pages_per_row, or fewer where a step was given the
+        first columns of the table (a window holding every row's pages: `serving.pages.PagedKV.window`)."""
+        return self.pages_per_row if self.pages is None else int(self.pages.shape[1])
+
+    @property
     def max_len(self) -> int:
         """Slots per row the page table can address."""
-        return self.pages_per_row * self.page_size
+        return self.columns * self.page_size
 
     def _where(self, slots: jax.Array):
         """slots [B, T] -> (page [B, T], offset [B, T]) in the pool (page >= P: none)."""
         block = slots // self.page_size
-        page = jnp.take_along_axis(self.pages, jnp.clip(block, 0, self.pages_per_row - 1), axis=1)
-        page = jnp.where((block >= 0) & (block < self.pages_per_row), page, self.k.shape[0])
+        page = jnp.take_along_axis(self.pages, jnp.clip(block, 0, self.columns - 1), axis=1)
+        page = jnp.where((block >= 0) & (block < self.columns), page, self.k.shape[0])
         return page, slots % self.page_size
 
     def write(self, k: jax.Array, v: jax.Array, start: jax.Array) -> "PagedAttentionState":

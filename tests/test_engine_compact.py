@@ -77,9 +77,9 @@ def test_background_compiles_leave_steps_on_the_plain_decode_until_ready(params,
     first = run_staggered(engine, [Request(p, 60) for p in PROMPTS[:3]], [0, 0, 5])  # while compiling
     want = len(cp.shapes(2, engine.setup.max_len))
     deadline = time.monotonic() + 120
-    while len(engine._compact_ready) < want and time.monotonic() < deadline:
+    while len(engine._extras_ready) < want and time.monotonic() < deadline:
         time.sleep(0.05)
-    assert len(engine._compact_ready) == want
+    assert len(engine._extras_ready) == want
     calls = engine.stats.compact_calls
     again = run_staggered(engine, [Request(p, 60) for p in PROMPTS[:3]], [0, 0, 5])
     for i, h in enumerate(first + again):

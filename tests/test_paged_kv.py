@@ -65,6 +65,39 @@ def test_paged_write_and_gather_equal_a_contiguous_cache():
     assert untouched == [9, 10] and not np.asarray(paged.k[9:]).any()  # no write landed outside the rows' own pages
 
 
+def test_a_window_of_the_table_reads_and_writes_as_the_whole_table_within_it():
+    """The first W columns of the page table (what a step gets where every row holds <= W pages): the view
+    is W pages long and equals the whole table's over them; a write past the window is dropped, never
+    sent to another row's page."""
+    b, kvh, d, ps, per_row, t, w = 2, 1, 2, 2, 6, 3, 3
+    table = np.array([[4, 1, 0, 9, 9, 9], [2, 3, 5, 9, 9, 9]], np.int32)  # 9 = no page; 6-8 free
+    pool = st.TargetState((st.init_paged_attention_state(9, ps, per_row, kvh, d, jnp.float32),), jnp.zeros(b, jnp.int32))
+    k = jax.random.normal(jax.random.key(2), (b, t, kvh, d))
+    start = jnp.array([1, 5], jnp.int32)  # row 1 writes slots 5..7: slot 5 in its page 5, slots 6-7 past the window
+    whole = st.with_pages(pool, jnp.asarray(table)).layers[0].write(k, k, start)
+    window = st.with_pages(pool, jnp.asarray(table[:, :w])).layers[0]
+    assert window.columns == w and window.max_len == w * ps and window.pages_per_row == per_row
+    window = window.write(k, k, start)
+    np.testing.assert_array_equal(window.k, whole.k)  # the whole table drops slots 6-7 too: no page there
+    assert not np.asarray(window.k[6:]).any()
+    np.testing.assert_array_equal(window.gather().k, whole.gather().k[:, :, : w * ps])
+    stored = st.without_pages(st.TargetState((window,), jnp.zeros(b, jnp.int32)))
+    assert stored.layers[0].pages_per_row == per_row  # the stored state keeps its shape for every executable
+
+
+def test_the_window_is_the_narrowest_size_holding_every_row():
+    assert pg.window_sizes(14) == (2, 4, 7, 14) and pg.window_sizes(258) == (33, 65, 129, 258)
+    assert pg.window_sizes(3) == (1, 2, 3) and pg.window_sizes(1) == (1,)
+    kv = pg.PagedKV(pg.PageLayout(num_pages=64, page_size=4, pages_per_row=40), slots=2, block_size=4,
+                    max_len=160, margin=8)
+    assert kv.window() == 5  # nothing held yet: windows of 5, 10, 20 and 40 pages
+    kv.alloc.reserve(0, 20), kv.alloc.reserve(1, 30)
+    kv.alloc.grow(0, 36)  # 9 pages
+    assert kv.window() == 10 and kv.table_window(10).shape == (2, 10)
+    kv.alloc.grow(1, 4 * 30)
+    assert kv.window() == 40
+
+
 def test_without_pages_keeps_the_pool_and_drops_the_table():
     layer = st.init_paged_attention_state(4, 2, 3, 1, 2, jnp.float32)
     ts = st.with_pages(st.TargetState((layer,), jnp.zeros(2, jnp.int32)), jnp.zeros((2, 3), jnp.int32))
@@ -137,8 +170,11 @@ def run_checked(engine, requests, arrivals, cancels):
     """run_staggered, checking the allocator after every step: invariants hold, only live slots hold pages."""
     step = engine.step
 
+    engine.windows = set()
+
     def checked_step():
         got = step()
+        engine.windows.add(engine.last_window)
         alloc = engine.paged.alloc
         check_invariants(alloc)
         live = {h.slot for h in engine.table if h is not None}
@@ -170,6 +206,7 @@ def test_paged_engine_equals_ar_under_arrivals_departures_and_cancellations(para
         else:
             assert h.tokens == want, i
     assert engine.paged.deferred > 0  # some request waited for pages while a slot was free
+    assert {"4", "7"} <= engine.windows  # steps read 4- and 7-page windows of the 14-page table
     assert engine.paged.alloc.in_use() == 0 and sorted(engine.paged.alloc.free) == list(range(18))
     assert 0 < engine.stats.peak_pages <= 18 and engine.stats.pages_per_row > 1
 

@@ -108,7 +108,7 @@ class Engine:
                 self.setup, target_params, self.draft_params, self.slots, int(context_len) // 2))
         self.state = sl.init_slots(self.setup, self.draft_params, self.slots, self.paged and self.paged.layout)
         self._state_shape = jax.eval_shape(lambda: self.state)  # fixed; read by compiles in any thread
-        self._compact_ready: set | None = None  # compact decodes a step may take (None: any, compiled on use)
+        self._extras_ready: set | None = None  # compact decodes, page windows a step may take (None: any)
         halves = self.batching.overlap == "halves"
         self.overlap = ov.Overlap(self.slots) if halves else None
         self.prepared = ov.init_prepared(self.setup, self.slots) if halves else None
@@ -118,6 +118,7 @@ class Engine:
         self._ids = itertools.count()
         self._exes: dict = {}
         self._pending: PendingStep | None = None  # pipelined dispatch: the step whose tokens are unread
+        self.last_window = ""  # paged K/V: the page-table window of the last prefill or decode ("": all)
 
     @classmethod
     def from_plan(cls, deployment, plan, **kwargs) -> "Engine":
@@ -154,6 +155,9 @@ class Engine:
         i32 = lambda *shape: jax.ShapeDtypeStruct(shape, jnp.int32)  # noqa: E731
         flag = jax.ShapeDtypeStruct((s,), jnp.bool_)
         state = self._state_shape
+        if "@" in which:  # paged K/V over the first `window` columns of the page table
+            which, window = which.split("@")
+            state = dataclasses.replace(state, pages=i32(s, int(window)))
         tp, dp, setup = self.target_params, self.draft_params, self.setup
         if which == "reset":
             return sl.compiled(sl.reset_jit, setup, state, flag, i32(s))
@@ -180,9 +184,9 @@ class Engine:
 
     def warm_up(self, compact_in_background: bool = False) -> None:
         """Compile every executable a step may call (both sampling variants where the engine samples).
-        `compact_in_background`: the compact decodes (many on a long context) compile in a daemon thread,
-        fewest rows and smallest windows first; until one is ready, a step that would take it runs the
-        plain decode, so no step waits for a compile."""
+        `compact_in_background`: the compact decodes (many on a long context) and the paged engine's
+        page-table windows compile in a daemon thread, fewest rows and smallest windows first; until one
+        is ready, a step that would take it runs the plain decode (the whole table), so no step waits."""
         self._exe("reset")
         if self.reference is not None:
             self._exe("reference")
@@ -191,21 +195,24 @@ class Engine:
             self._exe("prefill", greedy)
             for which in ("halves0", "halves1") if self.overlap is not None else ("decode",):
                 self._exe(which, greedy)
-        compact = [(f"compact{rows}x{window}", greedy) for rows, window in
-                   cp.shapes(self.slots, self.setup.max_len) for greedy in modes] if self.compact else []
+        extras = [(f"compact{rows}x{window}", greedy) for rows, window in
+                  cp.shapes(self.slots, self.setup.max_len) for greedy in modes] if self.compact else []
+        if self.paged is not None:
+            extras += [(f"{which}@{w}", greedy) for w in pg.window_sizes(self.paged.layout.pages_per_row)[:-1]
+                       for which in ("prefill", "decode") for greedy in modes]
         if not compact_in_background:
-            for key in compact:
+            for key in extras:
                 self._exe(*key)
             return
-        self._compact_ready = set()
-        threading.Thread(target=self._compile_compact, args=(compact,), name="engine-compile", daemon=True).start()
+        self._extras_ready = set()
+        threading.Thread(target=self._compile_extras, args=(extras,), name="engine-compile", daemon=True).start()
 
-    def _compile_compact(self, keys: list) -> None:
+    def _compile_extras(self, keys: list) -> None:
         """The background compiles of `warm_up`: each executable is published once built."""
         for key in keys:
             if key not in self._exes:
                 self._exes[key] = self._build(*key)
-            self._compact_ready.add(key)
+            self._extras_ready.add(key)
 
     # ----------------------------------------------------------------------------------------------
     # Requests
@@ -343,8 +350,7 @@ class Engine:
                     is_final[h.slot] = True
                     final.append(h)
             sampling = self._sampling(final)
-            self.state, first = self._exe("prefill", sampling.greedy)(
-                self.target_params, self.draft_params, self.state, tokens, counts, is_final, sampling)
+            first, = self._call("prefill", sampling.greedy, tokens, counts, is_final, sampling)
             self.stats.prefill_calls += 1
         if self.overlap is not None:
             if decoding or final:
@@ -355,8 +361,7 @@ class Engine:
             active = np.zeros(self.slots, bool)
             active[[h.slot for h in decoding]] = True
             sampling = self._sampling(decoding)
-            self.state, emitted, n_new, verified = self._exe("decode", sampling.greedy)(
-                self.target_params, self.draft_params, self.state, active, sampling)
+            emitted, n_new, verified = self._call("decode", sampling.greedy, active, sampling)
             self.stats.decode_calls += 1
             self.stats.rows_drafted += len(decoding) if self.setup.uses_drafter else 0
             self.stats.forward_tokens += self._forward_tokens()
@@ -366,6 +371,22 @@ class Engine:
         if first is None and emitted is None:
             return None
         return PendingStep(final, decoding, first, emitted, n_new, verified, overflow)
+
+    def _call(self, which: str, greedy: bool, *args) -> tuple:
+        """Run executable `which` (prefill, decode) on the params, the state and `args`; store the state it
+        returns -> its other outputs. Paged K/V: the call reads the narrowest page-table window holding
+        every row's pages (`PagedKV.window`), compiled once per window."""
+        state = self.state
+        if self.paged is not None:
+            window = self.paged.window()
+            ready = self._extras_ready is None or (f"{which}@{window}", greedy) in self._extras_ready
+            if window < self.paged.layout.pages_per_row and ready:
+                state = dataclasses.replace(state, pages=jnp.asarray(self.paged.table_window(window)))
+                which = f"{which}@{window}"
+            self.last_window = which.partition("@")[2]
+        new, *out = self._exe(which, greedy)(self.target_params, self.draft_params, state, *args)
+        self.state = new if state is self.state else dataclasses.replace(new, pages=self.state.pages)
+        return tuple(out)
 
     def _grow_pages(self, prefilling: list[Handle], decoding: list[Handle]) -> None:
         """Paged K/V: pages for what this step writes, and the page table onto the device if it changed."""
@@ -420,8 +441,8 @@ class Engine:
         need = max(h.prefilled + max(len(h.tokens) - 1, 0) for h in decoding) + 2 * bs
         shape = cp.choose(len(decoding), need, self.slots, self.setup.max_len)
         greedy = all(h.request.temperature == 0 for h in decoding)
-        if shape is not None and self._compact_ready is not None and \
-                (f"compact{shape[0]}x{shape[1]}", greedy) not in self._compact_ready:
+        if shape is not None and self._extras_ready is not None and \
+                (f"compact{shape[0]}x{shape[1]}", greedy) not in self._extras_ready:
             return None  # still compiling in the background
         return shape
 

@@ -154,6 +154,17 @@ class PagedKV:
             self.alloc.grow(h.slot, h.prefilled + max(len(h.tokens) - 1, 0) + self.margin)
         return int((self.alloc.held > 0).sum()), self.alloc.in_use()
 
+    def window(self) -> int:
+        """Page-table columns a step must read: the smallest of `window_sizes` holding every row's pages.
+        Columns past a row's held pages map no page, so a narrower table reads and writes the same K/V
+        (the attention view gathers window x page_size slots instead of the whole context)."""
+        need = max(int(self.alloc.held.max()), 1)
+        return next(w for w in window_sizes(self.layout.pages_per_row) if w >= need)
+
+    def table_window(self, window: int) -> np.ndarray:
+        """The host's page table, its first `window` columns."""
+        return np.ascontiguousarray(self.alloc.table[:, :window])
+
     def table_if_changed(self) -> np.ndarray | None:
         if not self.alloc.changed:
             return None
@@ -162,6 +173,12 @@ class PagedKV:
 
     def release(self, slot: int) -> None:
         self.alloc.release(slot)
+
+
+def window_sizes(pages_per_row: int) -> tuple[int, ...]:
+    """The page-table widths a paged engine compiles: an eighth, a quarter and a half of `pages_per_row`
+    (rounded up), then all of it; a step reads the narrowest holding every row's pages."""
+    return tuple(sorted({-(-pages_per_row // d) for d in (8, 4, 2, 1)}))
 
 
 def kv_bytes_per_slot(state: TargetState) -> int:

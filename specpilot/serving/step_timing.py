@@ -7,6 +7,7 @@ of a step: decode calls back to back, no host work between them.
 
 from __future__ import annotations
 
+import dataclasses
 import statistics
 import time
 
@@ -71,6 +72,11 @@ def device_step_ms(engine, calls: int = 20) -> float:
     if calls < 1:
         raise ValueError(f"calls must be >= 1, got {calls}")
     which = "halves0" if engine.overlap is not None else "decode"
+    full_pages = engine.state.pages
+    if engine.last_window:  # paged K/V: the page-table window the engine's last step read
+        which += "@" + engine.last_window
+        window = jnp.asarray(engine.paged.table_window(int(engine.last_window)))
+        engine.state = dataclasses.replace(engine.state, pages=window)
     exe, idle = engine._exe(which, True), np.zeros(engine.slots, bool)
     sampling = RequestSampling(np.zeros(engine.slots, np.float32), np.ones(engine.slots, np.float32), greedy=True,
                                top_k=engine.setup.top_k)
@@ -88,4 +94,6 @@ def device_step_ms(engine, calls: int = 20) -> float:
     for _ in range(calls):
         call()
     jax.block_until_ready(engine.state)
+    if engine.last_window:
+        engine.state = dataclasses.replace(engine.state, pages=full_pages)
     return 1e3 * (time.perf_counter() - t0) / calls
