@@ -240,3 +240,19 @@ def test_an_engine_out_of_device_memory_is_a_row_not_a_crash(monkeypatch):
     assert miss["plan"] == "stock" and miss["slots"] == 2 and "RESOURCE_EXHAUSTED" in miss["error"]
     assert bench_engine.out_of_memory(RuntimeError("XlaRuntimeError: RESOURCE_EXHAUSTED: ..."))
     assert not bench_engine.out_of_memory(ValueError("a shape mismatch"))
+
+
+def test_an_engine_out_of_device_memory_mid_run_is_a_row_not_a_crash(monkeypatch):
+    """As at build: an engine that runs out of memory while running a workload (a prefill's temporaries) is
+    listed under not_fitting with the workload, and the other plans still run."""
+    real = bench_engine.run_fixed
+
+    def run_fixed(engine, requests, calls):
+        if engine.setup.uses_drafter:
+            raise RuntimeError("RESOURCE_EXHAUSTED: Out of memory while trying to allocate 7.49GiB.")
+        return real(engine, requests, calls)
+    monkeypatch.setattr(bench_engine, "run_fixed", run_fixed)
+    record = bench_engine.main(["--smoke"])
+    assert {r["plan"] for r in record["rows"]} == {"ar"}
+    [miss] = record["not_fitting"]
+    assert miss["plan"] == "stock" and miss["workload"] == "fixed" and "7.49GiB" in miss["error"]

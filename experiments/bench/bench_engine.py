@@ -67,6 +67,17 @@ def lockstep_ar_row(run: PlanRun, requests: list[Request], context: int) -> tupl
     return row, res.as_lists()
 
 
+def note_not_fitting(record: dict, plan: str, batching: str, slots: int, context: int, e: Exception,
+                     workload: str = "") -> None:
+    """An engine that ran out of device memory (at build, or running `workload`): listed, and said."""
+    miss = {"plan": plan, "batching": batching, "slots": slots, "context": context,
+            "error": str(e).splitlines()[0][:300], **({"workload": workload} if workload else {})}
+    record["not_fitting"].append(miss)
+    when = f" running the {workload} workload" if workload else ""
+    print(f"{plan + '/' + batching:>30} {slots:>5}   does not fit in device memory at context {context}{when}: "
+          f"{miss['error']}", flush=True)
+
+
 def out_of_memory(e: Exception) -> bool:
     """Whether `e` is the device running out of memory (XLA's RESOURCE_EXHAUSTED), a row that does not fit."""
     return "RESOURCE_EXHAUSTED" in str(e) or "out of memory" in str(e).lower()
@@ -204,11 +215,7 @@ def main(argv=None):
                     if not out_of_memory(e):
                         raise
                     engine = None
-                    miss = {"plan": run.name, "batching": batching_label(batching), "slots": slots,
-                            "context": setup.context, "error": str(e).splitlines()[0][:300]}
-                    record["not_fitting"].append(miss)
-                    print(f"{run.name + '/' + miss['batching']:>30} {slots:>5}   does not fit in device memory at "
-                          f"context {setup.context}: {miss['error']}", flush=True)
+                    note_not_fitting(record, run.name, batching_label(batching), slots, setup.context, e)
                     continue
                 compile_s = time.perf_counter() - t0
                 for i, rate in enumerate(args.rates):
@@ -217,9 +224,15 @@ def main(argv=None):
                     if run.replays:
                         requests = with_reference(requests, want[workload])
                     engine.stats = type(engine.stats)()
-                    row, handles = (run_fixed(engine, requests, args.device_calls) if rate == 0
-                                    else run_workload(engine, requests, rate, args.seed + i,
-                                                      args.tpot_slo_ms / 1e3 if args.tpot_slo_ms else None))
+                    try:
+                        row, handles = (run_fixed(engine, requests, args.device_calls) if rate == 0
+                                        else run_workload(engine, requests, rate, args.seed + i,
+                                                          args.tpot_slo_ms / 1e3 if args.tpot_slo_ms else None))
+                    except Exception as e:  # noqa: BLE001 -- as at build: out of memory mid-run (a prefill's
+                        if not out_of_memory(e):  # temporaries) is a row; the engine is dropped, the rest run
+                            raise
+                        note_not_fitting(record, run.name, batching_label(batching), slots, setup.context, e, workload)
+                        break
                     if rate == 0 and args.trace_top:
                         row["kernels"] = trace_decode(engine, args.device_calls, args.trace_top)
                     tokens = [h.tokens for h in handles]
