@@ -3,6 +3,8 @@ allocator (growth within a reservation, release, exhaustion, no page shared by t
 after completion and cancellation), the engine's outputs equal AR's per request with a pool too small for
 every slot's whole context, and the refusals."""
 
+import time
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -15,7 +17,7 @@ from specpilot.models import hybrid
 from specpilot.plan import Batching, Plan, PlanError, TreeShape
 from specpilot.serving import Engine, Request, RequestError
 from specpilot.serving import pages as pg
-from engine_helpers import BUDGETS, CAP, CFG, PROMPTS, TARGET, cut_at_stop, run_staggered
+from engine_helpers import BUDGETS, CAP, CFG, PROMPTS, TARGET, count_compiles, cut_at_stop, run_staggered
 from helpers import random_params
 from test_engine import dense_shapes
 from test_engine_sampling import ARRIVALS as SAMPLED_ARRIVALS
@@ -209,6 +211,27 @@ def test_paged_engine_equals_ar_under_arrivals_departures_and_cancellations(para
     assert {"4", "7"} <= engine.windows  # steps read 4- and 7-page windows of the 14-page table
     assert engine.paged.alloc.in_use() == 0 and sorted(engine.paged.alloc.free) == list(range(18))
     assert 0 < engine.stats.peak_pages <= 18 and engine.stats.pages_per_row > 1
+
+
+def test_page_windows_compiled_in_the_background_are_taken_once_ready(params, reference):
+    """warm_up(compact_in_background=True): steps read the whole table until a window's executable is
+    built, then the window; outputs are AR's either way and no step compiles."""
+    engine = Engine(TARGET, params, slots=2, context_len=48, prefill_chunk=8, sampling=False,
+                    batching=Batching(kv="paged", page_size=4))
+    engine.warm_up(compact_in_background=True)
+    want = 2 * (len(pg.window_sizes(engine.paged.layout.pages_per_row)) - 1)  # prefill and decode per window
+    deadline = time.monotonic() + 120
+    while len(engine._extras_ready) < want and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert len(engine._extras_ready) == want
+    windows = set()
+    with count_compiles() as compiles:
+        handles = [engine.submit(Request(p, 12)) for p in PROMPTS[:2]]
+        while engine.busy:
+            engine.step()
+            windows.add(engine.last_window)
+    assert compiles == [] and windows - {""}  # some steps read a narrower window
+    assert [h.tokens for h in handles] == [reference[i][:12] for i in range(2)]
 
 
 def test_paged_sampled_requests_equal_single_runs(params):
