@@ -198,11 +198,8 @@ class Engine:
         extras = [(f"compact{rows}x{window}", greedy) for rows, window in
                   cp.shapes(self.slots, self.setup.max_len) for greedy in modes] if self.compact else []
         if self.paged is not None:
-            windows = pg.window_sizes(self.paged.layout.pages_per_row)
-            extras += [(f"{which}@{w}", greedy) for w in windows[:-1] for which in ("prefill", "decode")
-                       for greedy in modes]
-            for w in windows:  # moving a table of a new shape to the device compiles once: here, not in a step
-                jnp.asarray(self.paged.table_window(w))
+            extras += [(f"{which}@{w}", greedy) for w in self.paged.stage_windows()
+                       for which in ("prefill", "decode") for greedy in modes]
         if not compact_in_background:
             for key in extras:
                 self._exe(*key)

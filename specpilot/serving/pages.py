@@ -165,6 +165,14 @@ class PagedKV:
         """The host's page table, its first `window` columns."""
         return np.ascontiguousarray(self.alloc.table[:, :window])
 
+    def stage_windows(self) -> tuple[int, ...]:
+        """Move a table of every window's shape to the device once (a new shape compiles there: at warm-up,
+        not in a step) -> the windows narrower than the whole table (each its own executables)."""
+        windows = window_sizes(self.layout.pages_per_row)
+        for w in windows:
+            jnp.asarray(self.table_window(w))
+        return windows[:-1]
+
     def table_if_changed(self) -> np.ndarray | None:
         if not self.alloc.changed:
             return None
