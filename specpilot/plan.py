@@ -160,6 +160,9 @@ class Plan:
     # a w12 plan's encoded matrix classes (W12_CLASSES; an untied LM head, a drafter's `fc`); the rest stay
     # bf16 and go to XLA's dot
     w12_matrices: tuple[str, ...] = tuple(W12_CLASSES)
+    # rows a block drafter drafts each block over, the first block_size kept (a drafter trained at a wider
+    # block drafts better as wide as it was trained); None: the drafter's own setting (`drafter.draft_width`)
+    draft_width: int | None = None
 
     def __post_init__(self):
         if self.verify in RESERVED_VERIFY_KINDS:
@@ -183,6 +186,12 @@ class Plan:
             _fail(self.name, "two_level", f"a first level belongs to verify: two_level, not {self.verify!r}")
         self._check_batching()
         self._check_w12_matrices()
+        if self.draft_width is not None:
+            w = self.draft_width
+            if not isinstance(w, int) or isinstance(w, bool) or w < 1:
+                _fail(self.name, "draft_width", f"must be a positive number of rows or null, got {w!r}")
+            if self.verify == "ar":
+                _fail(self.name, "draft_width", "an ar plan drafts nothing; leave it unset")
         for op in KERNEL_OPS:
             if not getattr(self.kernels, op).implementation:
                 _fail(self.name, f"kernels.{op}.implementation", "name at least one implementation")
@@ -381,7 +390,8 @@ def build(name: str, fields: Mapping[str, Any], *, drafter_block_size: int | Non
     w12 = tuple(W12_CLASSES) if w12 is None else (tuple(w12) if isinstance(w12, (list, tuple)) else w12)
     return Plan(name=name, verify=verify, weights=weights, block_size=int(block), kernels=chosen,
                 tree=tree, two_level=_two_level(name, fields.get("two_level")),
-                batching=_batching(name, fields.get("batching")), mesh=mesh, w12_matrices=w12)
+                batching=_batching(name, fields.get("batching")), mesh=mesh, w12_matrices=w12,
+                draft_width=fields.get("draft_width"))
 
 
 def _batching(name: str, fields) -> Batching:

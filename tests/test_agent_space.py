@@ -20,7 +20,7 @@ def test_space_of_a_cpu_deployment(toy):
     cfg, space = toy
     fields = [c.field for c in space.choices]
     assert fields == ["verify", "block_size", "tree.nodes", "tree.depth", "tree.branching", "two_level.first",
-                      "two_level.keep", "two_level.exit_layer", "weights", "w12_matrices",
+                      "two_level.keep", "draft_width", "two_level.exit_layer", "weights", "w12_matrices",
                       "kernels.matmul.implementation"]
     assert space.choice("verify").values == ("ar", "chain", "tree", "two_level")
     assert space.choice("block_size").values == (2, 3, 4, 6, 8)  # up to the drafter's block size

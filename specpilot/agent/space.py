@@ -23,6 +23,8 @@ from specpilot.harness.config_schema import ConfigValueError, build_plans, plan_
 from specpilot.models.checkpoint import HYBRID_ARCHITECTURES
 
 BLOCK_SIZES = (2, 3, 4, 6, 8, 12, 16, 24, 32)
+# drafters whose acceptance replays a profile or trace, whatever their forward computes: no draft width
+REPLAYING_SOURCES = ("oracle", "oracle_trace")
 # tree plans: node budgets (the root included), depths (drafted positions, below the drafter's block) and
 # branchings; switching a chain to a tree starts from DEFAULT_TREE, clipped to the drafter's block
 TREE_NODES = (4, 6, 8, 12, 16, 32, 64)
@@ -241,6 +243,8 @@ def plan_fields(plan: plan_mod.Plan) -> dict:
         out["mesh"] = {"data": plan.mesh.data, "tensor": plan.mesh.tensor}
     if plan.weights == "w12":
         out["w12_matrices"] = list(plan.w12_matrices)
+    if plan.draft_width is not None:
+        out["draft_width"] = plan.draft_width
     return out
 
 
@@ -317,6 +321,9 @@ def build_space(cfg: DictConfig, *, platform: str = "cpu", devices: int = 1, wor
                     Choice("tree.branching", TREE_BRANCHINGS, "int", targets=("verify", "draft"), when=tree),
                     Choice("two_level.first", plan_mod.FIRST_LEVELS, "categorical", targets=("verify",), when=two),
                     Choice("two_level.keep", TWO_LEVEL_KEEP, "int", targets=("verify", "attention"), when=two)]
+        if d.source not in REPLAYING_SOURCES and top > 4:  # as wide as trained, or nearer the plan's block
+            widths = tuple(sorted({w for w in (4, 8) if w < top} | {top}))
+            choices.append(Choice("draft_width", widths, "int", targets=("draft",), when=("verify", "chain")))
         layers = _num_layers(cfg.target)
         if layers and layers > 1:  # early exits after a quarter or half of the target's layers, or its first
             exits = tuple(sorted({max(1, layers // 4), max(1, layers // 2), 1}))

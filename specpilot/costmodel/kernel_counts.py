@@ -356,7 +356,8 @@ def drafter_propose(st: StepCounter, bs: int, choose_passes: int | None = None):
     then `choose_passes` passes over those logits (default: the chain's argmax or sampling)."""
     d, b = st.s.drafter, st.s.batch
     lc = d.layer_config
-    width = max(bs, st.s.draft_width)  # drafted this many rows wide, the first bs kept
+    plan_width = getattr(st.plan, "draft_width", None)  # a plan's own width replaces the drafter's
+    width = max(bs, st.s.draft_width if plan_width is None else plan_width)  # drafted this wide, bs rows kept
     st.embedding("draft", "drafter", b * width, d.hidden_size)
     _dense_layers(st, "draft", lc, width, d.num_layers, fused=False, who="drafter", written=bs)
     if st.s.draft_vocab:  # its own gathered rows, then the scores put into full-vocabulary logits

@@ -189,6 +189,8 @@ class PlanConf:
     mesh: Optional[MeshConf] = None  # null: one device
     # a w12 plan's encoded matrix classes (qkv, o, gate_up, down, lm_head, fc); null: all of them
     w12_matrices: Optional[List[str]] = None
+    # rows a block drafter drafts each block over (the first block_size kept); null: drafter.draft_width
+    draft_width: Optional[int] = None
 
 
 @dataclasses.dataclass

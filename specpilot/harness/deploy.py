@@ -136,6 +136,11 @@ class Deployment:
             raise ValueError(f"plan {plan.name!r} needs a drafter; the deployment has none")
         drafter, params = self.drafter
         drafter = drafter.with_matmul(plan.kernels.matmul)
+        if plan.draft_width is not None:
+            if not isinstance(drafter, dr.BlockDrafter):  # an oracle's acceptance would not follow the width
+                raise ConfigValueError(f"decoding.plans.{plan.name}.draft_width: a {type(drafter).__name__} does "
+                                       f"not draft over mask rows; the width applies to a trained block drafter")
+            drafter = drafter.with_draft_width(plan.draft_width)
         if hasattr(drafter, "for_plan"):  # an oracle trace drafter replays the plan's own trace
             drafter = drafter.for_plan(plan)
         if not plan.mesh.is_single:

@@ -177,6 +177,10 @@ class BlockDrafter:
         """This drafter with its context cache sharded over `mesh` (None: one device)."""
         return dataclasses.replace(self, mesh=mesh)
 
+    def with_draft_width(self, width: int | None) -> "BlockDrafter":
+        """This drafter drafting every block `width` rows wide (None: as wide as the plan's block)."""
+        return dataclasses.replace(self, draft_width=width)
+
     def init_state(self, params: Params, batch_size: int, max_len: int, dtype=None) -> TargetState:
         """The context cache, in dtype or else the drafter's own dtype (that of a norm: never encoded)."""
         cache = init_context_cache(self.cfg, batch_size, max_len, dtype or params["hidden_norm"].dtype)
