@@ -214,3 +214,14 @@ def test_optuna_two_level_plans_keep_fewer_nodes_than_their_tree(toy):
     for rw in two:
         got = space.rewrite("t", chain, rw)
         assert not isinstance(got, sp.Dropped), (rw, got)
+
+
+def test_an_early_exit_is_offered_only_where_the_target_s_layers_are_known(tmp_path):
+    """A GGUF target not converted yet has no known layer count: the space offers no early exit (a first
+    level without a layer to exit after would be an impossible plan); a random target's shape has them."""
+    unknown = sp.build_space(toy_cfg("target=smollm2", "drafter.block_size=8", cache_dir=tmp_path))
+    assert unknown.choice("two_level.first").values == ("drafter_confidence",)
+    assert unknown.choice("two_level.exit_layer") is None
+    known = sp.build_space(toy_cfg())
+    assert known.choice("two_level.first").values == ("drafter_confidence", "early_exit")
+    assert known.choice("two_level.exit_layer") is not None

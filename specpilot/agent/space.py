@@ -19,6 +19,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from pallas_kernels import dispatch
 from specpilot import plan as plan_mod
+from specpilot.harness import shapes
 from specpilot.harness.config_schema import ConfigValueError, build_plans, plan_defaults, typed, validate
 from specpilot.models.checkpoint import HYBRID_ARCHITECTURES
 
@@ -315,16 +316,17 @@ def build_space(cfg: DictConfig, *, platform: str = "cpu", devices: int = 1, wor
         sizes = tuple(b for b in BLOCK_SIZES if b <= top) or (top,)
         choices.append(Choice("block_size", sizes, "int", targets=("verify", "draft", "attention")))
         tree, two = ("verify", plan_mod.TREE_KINDS), ("verify", "two_level")
+        layers = _target_layers(cfg)  # an early exit needs a layer to exit after: none offered where unknown
+        firsts = plan_mod.FIRST_LEVELS if layers and layers > 1 else ("drafter_confidence",)
         choices += [Choice("tree.nodes", TREE_NODES, "int", targets=("verify", "attention"), when=tree),
                     Choice("tree.depth", tuple(x for x in TREE_DEPTHS if x < top) or (top - 1,), "int",
                            targets=("verify", "draft"), when=tree),
                     Choice("tree.branching", TREE_BRANCHINGS, "int", targets=("verify", "draft"), when=tree),
-                    Choice("two_level.first", plan_mod.FIRST_LEVELS, "categorical", targets=("verify",), when=two),
+                    Choice("two_level.first", firsts, "categorical", targets=("verify",), when=two),
                     Choice("two_level.keep", TWO_LEVEL_KEEP, "int", targets=("verify", "attention"), when=two)]
         if d.source not in REPLAYING_SOURCES and top > 4:  # as wide as trained, or nearer the plan's block
             widths = tuple(sorted({w for w in (4, 8) if w < top} | {top}))
             choices.append(Choice("draft_width", widths, "int", targets=("draft",), when=("verify", "chain")))
-        layers = _num_layers(cfg.target)
         if layers and layers > 1:  # early exits after a quarter or half of the target's layers, or its first
             exits = tuple(sorted({max(1, layers // 4), max(1, layers // 2), 1}))
             choices.append(Choice("two_level.exit_layer", exits, "int", targets=("verify",),
@@ -369,6 +371,18 @@ def _hf_config(tconf) -> dict:
 def _num_layers(tconf) -> int | None:
     n = _hf_config(tconf).get("num_hidden_layers")
     return int(n) if n else None
+
+
+def _target_layers(cfg: DictConfig) -> int | None:
+    """The target's layer count: from its model config, else from its converted checkpoint (a GGUF target's
+    header, converted on first use); None where it is not known before the target is built."""
+    n = _num_layers(cfg.target)
+    if n:
+        return n
+    try:
+        return getattr(shapes.target_config(cfg), "num_layers", None)
+    except ConfigValueError:
+        return None
 
 
 def _is_hybrid(tconf) -> bool:
