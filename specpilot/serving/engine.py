@@ -373,16 +373,14 @@ class Engine:
         return PendingStep(final, decoding, first, emitted, n_new, verified, overflow)
 
     def _call(self, which: str, greedy: bool, *args) -> tuple:
-        """Run executable `which` (prefill, decode) on the params, the state and `args`; store the state it
-        returns -> its other outputs. Paged K/V: the call reads the narrowest page-table window holding
-        every row's pages (`PagedKV.window`), compiled once per window."""
+        """Run executable `which` (prefill, decode) on the params, the state and `args`, keep the state it
+        returns -> its other outputs. Paged K/V: over the narrowest page-table window (`PagedKV.window`)."""
         state = self.state
         if self.paged is not None:
             window = self.paged.window()
             ready = self._extras_ready is None or (f"{which}@{window}", greedy) in self._extras_ready
             if window < self.paged.layout.pages_per_row and ready:
-                state = dataclasses.replace(state, pages=jnp.asarray(self.paged.table_window(window)))
-                which = f"{which}@{window}"
+                state, which = dataclasses.replace(state, pages=self.paged.table_window(window)), f"{which}@{window}"
             self.last_window = which.partition("@")[2]
         new, *out = self._exe(which, greedy)(self.target_params, self.draft_params, state, *args)
         self.state = new if state is self.state else dataclasses.replace(new, pages=self.state.pages)

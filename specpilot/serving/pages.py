@@ -161,16 +161,16 @@ class PagedKV:
         need = max(int(self.alloc.held.max()), 1)
         return next(w for w in window_sizes(self.layout.pages_per_row) if w >= need)
 
-    def table_window(self, window: int) -> np.ndarray:
-        """The host's page table, its first `window` columns."""
-        return np.ascontiguousarray(self.alloc.table[:, :window])
+    def table_window(self, window: int) -> jax.Array:
+        """The host's page table, its first `window` columns, on the device."""
+        return jnp.asarray(self.alloc.table[:, :window])
 
     def stage_windows(self) -> tuple[int, ...]:
         """Move a table of every window's shape to the device once (a new shape compiles there: at warm-up,
         not in a step) -> the windows narrower than the whole table (each its own executables)."""
         windows = window_sizes(self.layout.pages_per_row)
         for w in windows:
-            jnp.asarray(self.table_window(w))
+            self.table_window(w)
         return windows[:-1]
 
     def table_if_changed(self) -> np.ndarray | None:

@@ -75,8 +75,7 @@ def device_step_ms(engine, calls: int = 20) -> float:
     full_pages = engine.state.pages
     if engine.last_window:  # paged K/V: the page-table window the engine's last step read
         which += "@" + engine.last_window
-        window = jnp.asarray(engine.paged.table_window(int(engine.last_window)))
-        engine.state = dataclasses.replace(engine.state, pages=window)
+        engine.state = dataclasses.replace(engine.state, pages=engine.paged.table_window(int(engine.last_window)))
     exe, idle = engine._exe(which, True), np.zeros(engine.slots, bool)
     sampling = RequestSampling(np.zeros(engine.slots, np.float32), np.ones(engine.slots, np.float32), greedy=True,
                                top_k=engine.setup.top_k)
