@@ -125,7 +125,7 @@ def test_a_kind_measured_below_its_prediction_is_corrected_for_the_rest_of_the_r
     proposer = predicted.PredictedProposer()
     first = proposer.propose(props.Context(space, inc, None, set(), predict=pred), 1)[0]
     kind, gain = first.handle
-    assert kind == ("tree", "w12") and gain > 1.1
+    assert kind == ("tree", "w12", False) and gain > 1.1
     proposer.observe(first, 1.0e-3, "rejected", incumbent_s_per_token=1.0e-3)  # measured: no gain at all
     assert proposer.correction[kind] == pytest.approx(1 / gain)
     tried = {sp.rewrite_key(first.rewrite)}

@@ -190,6 +190,33 @@ def test_qwen3_8b_stock_step_matches_hand_counts():
     assert extend.total("weight_bytes") == 2 * (5 * 4096 * 4096 + 5 * 2 * 4096 * 1024)
 
 
+@pytest.mark.parametrize("impl", ["triton", "triton_block"])
+def test_a_chain_attention_kernel_reads_each_rows_keys_and_keeps_scores_on_chip(impl):
+    """Hand counts at the Qwen3-8B shape, 16 rows: the Pallas chain attention reads the committed keys and
+    the block's (not every cache slot) and writes no scores or mask; XLA's reads every slot and moves its
+    scores (float32 and bf16, written and read) and mask through memory. The drafter's attention is not
+    the target's kernel and stays as counted."""
+    from specpilot.plan import Kernels, OpChoice
+
+    q8 = ModelConfig(vocab_size=151936, hidden_size=4096, intermediate_size=12288, num_layers=36,
+                     num_heads=32, num_kv_heads=8, head_dim=128, qk_norm=True, rope_theta=1e6,
+                     tap_layers=(1, 9, 17, 25, 33))
+    dcfg = dr.DrafterConfig.for_target(q8, num_layers=5, block_size=16)
+    b, ctx, cache, t = 16, 1088, 1152, 16
+    shape = Shape(q8, dcfg, batch=b, context=ctx, cache_len=cache, dtype_bytes=2, fused=True)
+    xla = step_counts(Plan("stock", verify="chain", block_size=t), shape)
+    kern = step_counts(Plan("k", verify="chain", block_size=t,
+                            kernels=Kernels(attention=OpChoice((impl, "xla")))), shape)
+    qo = 2 * b * t * 32 * 128 * 2
+    kv = lambda slots: 2 * b * slots * 8 * 128 * 2  # noqa: E731
+    scores = b * 32 * t * cache
+    assert xla.select("verify", "attention").total("bytes") == 36 * (kv(cache) + qo + scores * 12 + b * t * cache)
+    assert kern.select("verify", "attention").total("bytes") == 36 * (kv(ctx + t) + qo)
+    assert kern.select("verify", "attention").total("floor_bytes") == xla.select("verify", "attention").total("floor_bytes")
+    assert kern.select("draft", "attention").total("bytes") == xla.select("draft", "attention").total("bytes")
+    assert kern.select("verify", "matmul").total("bytes") == xla.select("verify", "matmul").total("bytes")
+
+
 @pytest.mark.parametrize("order, head", [(("cpu_rows", "xla"), "cpu_rows/f32"), (("xla", "cpu_rows"), "xla-tied/f32"),
                                          (("xla",), "xla-tied/f32")])
 def test_a_tied_head_is_priced_on_the_kernel_that_multiplies_it(order, head):

@@ -7,8 +7,8 @@ the deployment's shape and the device's calibrated rates. τ comes from what the
 - any other drafter gives τ only for the incumbent's own drafting shape (its measured τ). That covers
   weight-format and kernel rewrites; other shapes are not predicted and not proposed.
 The proposer enumerates the structural fields jointly (verification kind, block size, tree shape, two-level
-cut, weight format and W12 classes), so multi-field plans such as W12 with a 32-node tree are reached,
-which single-field rewrites from a chain never are.
+cut, weight format and W12 classes, the chain attention's kernel), so multi-field plans such as W12 with a
+32-node tree are reached, which single-field rewrites from a chain never are.
 """
 
 from __future__ import annotations
@@ -29,9 +29,25 @@ log = logging.getLogger(__name__)
 
 # the fields enumerated jointly, in an order where each field's condition (`Choice.when`) is set before it
 STRUCTURAL = ("verify", "block_size", "tree.nodes", "tree.depth", "tree.branching", "two_level.first",
-              "two_level.keep", "weights", "w12_matrices")
+              "two_level.keep", "weights", "w12_matrices", "kernels.attention.implementation")
 MAX_PLANS = 20000  # enumeration cap: beyond it the rest are left out (logged)
 MIN_GAIN = 1.02  # predicted gain a plan needs over the incumbent's prediction to be proposed
+
+
+def plan_kind(plan: plan_mod.Plan) -> tuple:
+    """The mechanism a plan stands for (verification, weight format, a chain attention kernel): a round's
+    proposals spread over kinds, and a measured plan corrects the predictions of its kind."""
+    return plan.verify, plan.weights, plan.kernels.attention.implementation[0] != "xla"
+
+
+def _attention_pays(ctx, base: plan_mod.Plan, plan: plan_mod.Plan, s: float) -> bool:
+    """Whether a plan's chain attention kernel, where it differs from the incumbent's, is itself predicted
+    MIN_GAIN faster than the same plan on the incumbent's (near-ties would double a round's proposals)."""
+    if plan.kernels.attention == base.kernels.attention:
+        return True
+    same = dataclasses.replace(plan, kernels=dataclasses.replace(plan.kernels, attention=base.kernels.attention))
+    other = ctx.predict(same)
+    return other is None or other / s >= MIN_GAIN
 
 
 def drafting_shape(plan: plan_mod.Plan) -> tuple:
@@ -111,7 +127,7 @@ def structural_rewrites(space: sp.Space, incumbent: Mapping) -> Iterator[dict]:
 class PredictedProposer(Proposer):
     """The plans the cost model predicts fastest (`Context.predict`), best first, while predicted at least
     MIN_GAIN faster than the incumbent; nothing where the loop has no prediction for the incumbent. Each
-    measured proposal corrects the predictions of its kind (verification, weight format) for the rest of
+    measured proposal corrects the predictions of its kind (`plan_kind`) for the rest of
     the run by measured gain over predicted gain, so a kind the model overrates stops being proposed."""
 
     name = "predicted"
@@ -141,14 +157,14 @@ class PredictedProposer(Proposer):
                 continue
             plans.add(plan)
             s = ctx.predict(plan)
-            if s is None:
+            if s is None or not _attention_pays(ctx, base, plan, s):
                 continue
-            kind = (plan.verify, plan.weights)
+            kind = plan_kind(plan)
             s /= self.correction.get(kind, 1.0)
             if base_s / s >= MIN_GAIN:
                 ranked.append((s, sp.rewrite_key(rw), rw, kind))
         ranked.sort(key=lambda x: (x[0], x[1]))
-        # the best plan of each kind (verification, weight format) first, then the rest by prediction: a
+        # the best plan of each kind (`plan_kind`) first, then the rest by prediction: a
         # round's few proposals spread over the mechanisms instead of near-copies of one
         firsts, seen = [], set()
         for x in ranked:
@@ -161,7 +177,7 @@ class PredictedProposer(Proposer):
                 break
             if _fresh(ctx, rw, taken):
                 taken.add(sp.rewrite_key(rw))
-                corrected = f", corrected by {self.correction[kind]:.2f} from a measured {kind[0]} {kind[1]} plan" \
+                corrected = f", corrected by {self.correction[kind]:.2f} from a measured {' '.join(kind)} plan" \
                     if kind in self.correction else ""
                 out.append(Proposal(rw, self.name, f"the cost model predicts {1e3 * s:.3f} ms/token against the "
                                                    f"incumbent's {1e3 * base_s:.3f} ({base_s / s:.2f}x{corrected})",

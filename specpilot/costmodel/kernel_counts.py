@@ -193,20 +193,27 @@ class StepCounter:
         self.elementwise(stage, name, count, 2 * rows * heads * dim * self.e + 2 * rows * dim * F32)
 
     def attention(self, stage, who, count, t, heads, kv_heads, dim, committed, slots):
-        """T queries per sequence over `slots` cached keys (ours: every slot, masked; the floor: the
-        committed context plus the block). A tree forward whose plan puts the tree attention on the
-        Triton kernel reads only the committed prefix and the block (`pallas_kernels.tree_attention`)."""
+        """T queries per sequence over `slots` cached keys (ours: every slot, masked, its scores and mask
+        through memory; the floor: the committed context plus the block). A tree forward whose plan puts the
+        tree attention on the Triton kernel reads only the committed prefix and the block
+        (`pallas_kernels.tree_attention`); a target's other forwards whose plan puts the attention on a
+        Pallas kernel (`pallas_kernels.ragged_attention`, `attention_block`) read each row's keys alone and
+        keep the scores on chip."""
         b, e = self.s.batch, self.e
         if count == 0:
             return
+        on_chip = False
         if self.tree and tuple(self.plan.kernels.tree_attention.implementation)[:1] == ("triton",):
             slots = min(slots, committed + t)
+        elif not self.tree and who == "target" and \
+                tuple(self.plan.kernels.attention.implementation)[:1] in (("triton",), ("triton_block",)):
+            slots, on_chip = min(slots, committed + t), True
         kv_read = 2 * b * slots * kv_heads * dim * e
-        scores = b * heads * t * slots
+        scores = 0 if on_chip else b * heads * t * slots
         qo = 2 * b * t * heads * dim * e
         self.add(stage=stage, cls="attention", name=f"{who}.attention", count=count,
                  flops=count * 4.0 * b * t * heads * dim * slots,
-                 bytes=count * (kv_read + qo + scores * (2 * F32 + 2 * e) + b * t * slots),
+                 bytes=count * (kv_read + qo + scores * (2 * F32 + 2 * e) + (0 if on_chip else b * t * slots)),
                  floor_flops=count * 4.0 * b * t * heads * dim * (committed + t),
                  floor_bytes=count * 2 * b * committed * kv_heads * dim * e, dot=True)
 
