@@ -44,6 +44,22 @@ def test_gpu_space_lists_kernels_and_their_config_fields(toy):
     assert space.choice("kernels.gated_delta_rule.implementation") is None  # a dense target has none
 
 
+def test_the_engine_workload_offers_only_what_the_engine_runs(toy):
+    """The serving engine runs AR, chain and tree plans (`engine_checks.check_plan` refuses two-level ones):
+    its space offers no two-level verification, so no round spends a candidate on a plan that cannot run."""
+    from specpilot.serving.engine_checks import check_plan
+
+    cfg, _ = toy
+    space = sp.build_space(cfg, workload="engine")
+    assert space.choice("verify").values == ("ar", "chain", "tree")
+    inc = {"verify": "chain", "block_size": 4}
+    for choice in space.choices:
+        for rw in sp.single_field_rewrites(space, inc, choice):
+            plan = space.check("candidate", sp.apply(inc, rw))
+            if not isinstance(plan, str):
+                check_plan(plan)
+
+
 def test_rewrite_builds_the_plan_the_harness_builds(toy):
     cfg, space = toy
     incumbent = {"verify": "chain", "block_size": 4}

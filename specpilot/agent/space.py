@@ -309,7 +309,8 @@ def build_space(cfg: DictConfig, *, platform: str = "cpu", devices: int = 1, wor
     if workload not in WORKLOADS:
         raise ValueError(f"agent.workload: {workload!r} is not one of {', '.join(WORKLOADS)}")
     d = cfg.drafter
-    choices = [Choice("verify", ("ar", "chain", "tree", "two_level") if d.source != "none" else ("ar",),
+    kinds = ("ar", "chain", "tree") if workload == "engine" else ("ar", "chain", "tree", "two_level")
+    choices = [Choice("verify", kinds if d.source != "none" else ("ar",),  # the engine runs no two_level plan
                       "categorical", targets=("draft", "verify", "accept"))]
     if d.source != "none":
         top = int(d.block_size)
