@@ -58,6 +58,12 @@ def test_the_engine_workload_offers_only_what_the_engine_runs(toy):
             plan = space.check("candidate", sp.apply(inc, rw))
             if not isinstance(plan, str):
                 check_plan(plan)
+    # memory may bring a mechanism validated where the harness timed it: dropped here, with why
+    dropped = space.rewrite("seed", inc, {"verify": "two_level", "tree.nodes": 8, "tree.depth": 3,
+                                          "tree.branching": 2, "two_level.keep": 4})
+    assert isinstance(dropped, sp.Dropped) and "not offered here: verify=\"two_level\"" in dropped.reason
+    assert not isinstance(space.rewrite("seed", inc, {"verify": "tree", "tree.nodes": 8, "tree.depth": 3,
+                                                      "tree.branching": 2}), sp.Dropped)
 
 
 def test_rewrite_builds_the_plan_the_harness_builds(toy):

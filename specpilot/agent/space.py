@@ -215,6 +215,11 @@ class Space:
         unknown = [k for k in rewrite if self.choice(k) is None and not _is_config_field(k)]
         if unknown:
             return Dropped(dict(rewrite), f"not in the rewrite space: {', '.join(unknown)}")
+        for k, v in rewrite.items():  # e.g. a mechanism memory brings from a deployment whose space had it
+            c = self.choice(k)
+            if c is not None and c.kind == "categorical" and _hashable(v) not in map(_hashable, c.values):
+                return Dropped(dict(rewrite), f"not offered here: {k}={json.dumps(v)} (this space offers "
+                                              f"{', '.join(json.dumps(_jsonable(x)) for x in c.values)})")
         fields = apply(incumbent, rewrite)
         result = self.check(name, fields)
         if isinstance(result, str):
@@ -224,6 +229,19 @@ class Space:
             return Dropped(dict(rewrite), "changes nothing (the incumbent's plan)")
         fields = plan_fields(result)
         return fields, result
+
+
+def _jsonable(v):
+    return list(v) if isinstance(v, tuple) else v
+
+
+def _hashable(v):
+    """A field value as a comparable key (lists as tuples, mappings as sorted items)."""
+    if isinstance(v, Mapping):
+        return tuple(sorted((k, _hashable(x)) for k, x in v.items()))
+    if isinstance(v, (list, tuple)):
+        return tuple(_hashable(x) for x in v)
+    return v
 
 
 def plan_fields(plan: plan_mod.Plan) -> dict:
