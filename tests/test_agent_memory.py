@@ -58,6 +58,11 @@ def test_retrieval_is_nearest_deployment_first(tmp_path):
     new = _features(2048, 32, gpu="h200")
     assert [x.rewrite for x in m.retrieve(new)][-1] == {"block_size": 4}
     assert mem.distance(new, _features(2048, 32, gpu="h200")) == 0.0
+    # the same deployment through the serving engine: a step further than through the harness
+    engine = {**_features(2560, 36, gpu="h200"), "workload": "engine"}
+    assert mem.distance(engine, _features(2560, 36, gpu="h200")) == 1.0
+    m.record_mechanism(engine, {"block_size": 6}, {}, 1.05, ["d"], {})
+    assert [x.rewrite for x in m.retrieve(engine)][:2] == [{"block_size": 6}, {"block_size": 8}]
 
 
 def test_clear_losses_travel_to_near_deployments_only(tmp_path):

@@ -97,7 +97,8 @@ def run_key(features: dict, initial_plan: dict, name: str = "") -> str:
 
 def distance(a: dict, b: dict) -> float:
     """How far two deployments' features are: log2 ratios of the target's sizes and the batch, plus a step
-    for a different gpu, drafter source or target dtype."""
+    for a different gpu, drafter source, target dtype or workload (a mechanism that paid for one stream
+    through the harness need not through the engine: on the CPU pair block 8 on the rows kernel did not)."""
     ta, tb = a.get("target", {}), b.get("target", {})
     d = 0.0
     for k in ("hidden_size", "num_layers", "intermediate_size", "vocab_size"):
@@ -107,6 +108,7 @@ def distance(a: dict, b: dict) -> float:
     d += 2.0 * (a.get("gpu") != b.get("gpu"))
     d += 1.0 * (a.get("drafter", {}).get("source") != b.get("drafter", {}).get("source"))
     d += 0.5 * (ta.get("dtype") != tb.get("dtype"))
+    d += 1.0 * (a.get("workload", "harness") != b.get("workload", "harness"))
     return d
 
 
