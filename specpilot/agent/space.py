@@ -217,7 +217,8 @@ class Space:
             return Dropped(dict(rewrite), f"not in the rewrite space: {', '.join(unknown)}")
         for k, v in rewrite.items():  # e.g. a mechanism memory brings from a deployment whose space had it
             c = self.choice(k)
-            if c is not None and c.kind == "categorical" and _hashable(v) not in map(_hashable, c.values):
+            if c is not None and c.kind == "categorical" and not _names_a_variant(v) and \
+                    _hashable(v) not in map(_hashable, c.values):
                 return Dropped(dict(rewrite), f"not offered here: {k}={json.dumps(v)} (this space offers "
                                               f"{', '.join(json.dumps(_jsonable(x)) for x in c.values)})")
         fields = apply(incumbent, rewrite)
@@ -229,6 +230,11 @@ class Space:
             return Dropped(dict(rewrite), "changes nothing (the incumbent's plan)")
         fields = plan_fields(result)
         return fields, result
+
+
+def _names_a_variant(v) -> bool:
+    """An implementation list naming a proposed program ("variant:<digest>"), which no space lists."""
+    return isinstance(v, (list, tuple)) and any(isinstance(x, str) and x.startswith("variant:") for x in v)
 
 
 def _jsonable(v):
