@@ -238,6 +238,23 @@ def test_optuna_two_level_plans_keep_fewer_nodes_than_their_tree(toy):
         assert not isinstance(got, sp.Dropped), (rw, got)
 
 
+def test_optuna_asks_again_for_what_the_deployment_cannot_run(toy):
+    """Through the engine most batching combinations are impossible (measured pricing without packed
+    verification, paged K/V with it, ...): Optuna's proposals are all plans the deployment runs, and each
+    impossible draw is told to the study as failed, so the sampler learns from it."""
+    cfg, _ = toy
+    space = sp.build_space(cfg, workload="engine")
+    chain = sp.plan_fields(space.check("inc", {"verify": "chain", "block_size": 4}))
+    space, _ = space.feasible(chain)
+    proposer = props.OptunaProposer(seed=0)
+    out = proposer.propose(props.Context(space, chain, None, set(), [], [], {}), 8)
+    assert len(out) == 8
+    for p in out:
+        assert not isinstance(space.rewrite("t", chain, p.rewrite), sp.Dropped), p.rewrite
+    failed = [t for t in proposer.study.trials if t.state == proposer.optuna.trial.TrialState.FAIL]
+    assert failed, "no impossible draw: the test no longer exercises the check"
+
+
 def test_an_early_exit_is_offered_only_where_the_target_s_layers_are_known(tmp_path):
     """A GGUF target not converted yet has no known layer count: the space offers no early exit (a first
     level without a layer to exit after would be an impossible plan); a random target's shape has them."""

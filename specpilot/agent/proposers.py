@@ -218,6 +218,10 @@ class OptunaProposer(Proposer):
             if not rw or not _fresh(ctx, rw, taken):
                 self.study.tell(trial, state=self.optuna.trial.TrialState.PRUNED)
                 continue
+            checked = ctx.space.rewrite("probe", ctx.incumbent, rw)
+            if isinstance(checked, sp.Dropped):  # an impossible combination (e.g. of batching fields): the
+                self.study.tell(trial, state=self.optuna.trial.TrialState.FAIL)  # sampler learns, asks again
+                continue
             taken.add(sp.rewrite_key(rw))
             out.append(Proposal(rw, self.name, f"TPE trial {trial.number}", cheap=True, handle=trial))
         return out
