@@ -60,25 +60,29 @@ def test_plan_only_specs_share_one_kept_deployment(toy):
     assert not cold["stats"].get("time_split")  # nor does a fresh process profile what is not asked for
 
 
+def _patched_python(tmp_path, go_body: str) -> Path:
+    """A python that runs the warm worker with `go` patched (`go_body`: statements before the real go, with
+    `self`, `name` and `Path` in scope), everything else as usual."""
+    worker = tmp_path / "patched_worker.py"
+    worker.write_text("import sys\nfrom pathlib import Path\nfrom specpilot.agent import warm_worker as ww\n"
+                      "go = ww.WarmWorker.go\ndef patched_go(self, name):\n"
+                      + textwrap.indent(textwrap.dedent(go_body), "    ")
+                      + "    return go(self, name)\nww.WarmWorker.go = patched_go\nsys.exit(ww.main())\n")
+    python = tmp_path / "python"
+    python.write_text(f'#!/bin/sh\nif [ "$2" = specpilot.agent.warm_worker ]; then exec {sys.executable} {worker}; fi\n'
+                      f'exec {sys.executable} "$@"\n')
+    python.chmod(0o755)
+    return python
+
+
 def test_a_candidate_that_kills_the_worker_loses_alone(toy, tmp_path):
     cfg, prompts, work = toy
     # the worker, with a plan that ends its process on its first timed run
-    crashing = tmp_path / "crashing_worker.py"
-    crashing.write_text(textwrap.dedent("""
-        import os, signal, sys
-        from specpilot.agent import warm_worker as ww
-        go = ww.WarmWorker.go
-        def killing_go(self, name):
-            if name == "crash-me":
-                os.kill(os.getpid(), signal.SIGKILL)
-            return go(self, name)
-        ww.WarmWorker.go = killing_go
-        sys.exit(ww.main())
-    """))
-    python = tmp_path / "python"
-    python.write_text(f'#!/bin/sh\nif [ "$2" = specpilot.agent.warm_worker ]; then exec {sys.executable} {crashing}; fi\n'
-                      f'exec {sys.executable} "$@"\n')
-    python.chmod(0o755)
+    python = _patched_python(tmp_path, """
+        import os, signal
+        if name == "crash-me":
+            os.kill(os.getpid(), signal.SIGKILL)
+    """)
     specs = [spec(cfg, name, {"verify": "chain", "block_size": b}, prompts) for name, b in
              (("inc", 8), ("crash-me", 4), ("b2", 2))]
     out = warm_pool.evaluate_warm(specs, timeout_s=300, memory_mb=None, workdir=str(work), python=str(python),
@@ -88,6 +92,42 @@ def test_a_candidate_that_kills_the_worker_loses_alone(toy, tmp_path):
     assert by["inc"]["status"] == by["b2"]["status"] == ev.OK
     assert by["inc"]["tokens"] == by["b2"]["tokens"]
     assert "crash-me" not in _go_order(by["inc"]["folder"])  # the others ran again in a new worker
+
+
+def test_every_plan_failing_its_timed_runs_is_reported_not_a_lost_worker(toy, tmp_path):
+    cfg, prompts, work = toy
+    python = _patched_python(tmp_path, """
+        if name.startswith("fail"):
+            raise RuntimeError("this plan breaks when timed")
+    """)
+    specs = [spec(cfg, name, {"verify": "chain", "block_size": b}, prompts) for name, b in (("fail-a", 8), ("fail-b", 4))]
+    out = warm_pool.evaluate_warm(specs, timeout_s=300, memory_mb=None, workdir=str(work), python=str(python),
+                                  sandbox="none")
+    for r in out:
+        assert r["status"] == ev.CRASHED and "during timed run 1" in r["reason"] and "breaks" in r["reason"], r
+
+
+def test_a_kept_worker_out_of_memory_is_replaced_and_the_round_runs_again(toy, tmp_path):
+    """A worker kept across rounds holds what they compiled and kept; out of memory there, its plans run
+    again in a fresh worker (on the CPU pair, a second round's every candidate failed in the old one)."""
+    cfg, prompts, work = toy
+    marker = tmp_path / "oom-once"
+    python = _patched_python(tmp_path, f"""
+        if Path({str(marker)!r}).exists():
+            Path({str(marker)!r}).unlink()
+            raise RuntimeError("RESOURCE_EXHAUSTED: Out of memory allocating 51576912 bytes.")
+    """)
+    specs = [spec(cfg, "inc", {"verify": "chain", "block_size": 8}, prompts),
+             spec(cfg, "b4", {"verify": "chain", "block_size": 4}, prompts)]
+    first = warm_pool.evaluate_warm(specs, timeout_s=300, memory_mb=None, workdir=str(work), python=str(python),
+                                    sandbox="none")
+    assert [r["status"] for r in first] == [ev.OK, ev.OK]
+    marker.touch()  # the kept worker's next timed run runs out of memory
+    again = warm_pool.evaluate_warm(specs, timeout_s=300, memory_mb=None, workdir=str(work), python=str(python),
+                                    sandbox="none")
+    assert [r["status"] for r in again] == [ev.OK, ev.OK], again
+    assert not marker.exists() and {r["worker_pid"] for r in again} != {first[0]["worker_pid"]}
+    assert again[0]["tokens"] == first[0]["tokens"] and again[1]["tokens"] == first[1]["tokens"]
 
 
 def test_evaluator_runs_plan_only_specs_warm_and_programs_apart(toy, tmp_path):

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import atexit
 import json
+import logging
 import os
 import subprocess
 import sys
@@ -19,6 +20,8 @@ from pathlib import Path
 
 from specpilot.agent import candidate_io as ev
 from specpilot.agent import sandbox as sb
+
+log = logging.getLogger(__name__)
 
 WARM_CPU_S = 7 * 24 * 3600  # RLIMIT_CPU of a worker that lives for a whole run; each answer has its deadline
 
@@ -154,6 +157,20 @@ def _base(spec: dict, group: str | None, folder: Path | None) -> dict:
             "wall_s": [], "group": group, "warm": True}
 
 
+OUT_OF_MEMORY = ("RESOURCE_EXHAUSTED", "MemoryError", "Out of memory")
+
+
+def _retry_fresh(proc: WarmProcess, started: float | None, error: str) -> bool:
+    """Whether a worker kept from earlier calls ran out of memory: it holds what those calls compiled and
+    kept, so it is discarded and this call's plans run again in a fresh one (a fresh worker's own out of
+    memory is the candidate's failure)."""
+    if started is not None or not any(m in str(error) for m in OUT_OF_MEMORY):
+        return False
+    log.warning("the warm worker ran out of memory with what earlier rounds left in it; starting a fresh one")
+    _discard(proc)
+    return True
+
+
 def _attempt(proc: WarmProcess, ready: dict[int, dict], specs: list[dict], results: dict, timeout_s: float,
              timing_lock: str | None, group: str | None) -> None:
     """Load, time in turn and collect `ready` (index -> prepared spec) in one worker; a candidate that
@@ -168,6 +185,8 @@ def _attempt(proc: WarmProcess, ready: dict[int, dict], specs: list[dict], resul
         for i, spec in ready.items():
             current, t0 = i, time.monotonic()
             answer = proc.ask({"cmd": "load", "spec": spec}, timeout_s)
+            if "error" in answer and _retry_fresh(proc, started, answer["error"]):
+                return
             if "error" in answer:
                 results[i] = {**base[i], "status": ev.CRASHED, "reason": f"before ready: {answer['error']}"}
                 continue
@@ -178,11 +197,17 @@ def _attempt(proc: WarmProcess, ready: dict[int, dict], specs: list[dict], resul
         repeats = {i: int(specs[i].get("repeats", 1)) for i in loaded}
         with ev.timing_lock_held(timing_lock):
             for r in range(max(repeats.values(), default=0)):
+                if not loaded:  # every plan failed in its timed runs
+                    break
                 turn = loaded[r % len(loaded):] + loaded[:r % len(loaded)]  # each plan first in turn
                 for i in [i for i in turn if len(walls[i]) < repeats[i]]:
                     current, t0 = i, time.perf_counter()
                     answer = proc.ask({"cmd": "go", "name": specs[i]["name"]}, timeout_s)
                     walls[i].append(time.perf_counter() - t0)
+                    if "error" in answer and _retry_fresh(proc, started, answer["error"]):
+                        for j in ready:  # this call's plans all run again in a fresh worker
+                            results.pop(j, None)
+                        return
                     if "error" in answer:
                         results[i] = {**base[i], "status": ev.CRASHED, "wall_s": walls[i],
                                       "reason": f"during timed run {len(walls[i])}: {answer['error']}"}
