@@ -24,7 +24,7 @@ for noisy in NOISY:
 
 @entry.app(config_path="../conf", config_name="agent")
 def main(cfg: DictConfig) -> None:
-    devices.share_gpu_memory()  # the driver, its workers and candidates share the GPU: none reserves it all
+    shared = devices.share_gpu_memory()  # the driver, its workers and candidates share the GPU: none reserves it all
     hydra_dir = Path(HydraConfig.get().runtime.output_dir)
     for noisy in NOISY:  # again, after Hydra has configured logging
         logging.getLogger(noisy).setLevel(logging.WARNING)
@@ -37,6 +37,8 @@ def main(cfg: DictConfig) -> None:
         rest.pop("agent", None)
         run_cfg = config_schema.typed(OmegaConf.create(rest))
         devices.setup(run_cfg)
+        if shared:  # the driver gives back what its references free; its workers keep pooling
+            devices.start_backends_returning_memory()
         config_schema.validate(run_cfg)
         fit.preflight(run_cfg, config_schema.build_plans(run_cfg))  # the device and its memory, before any round
         out_dir = run_cfg.output_dir or str(hydra_dir)

@@ -1,6 +1,9 @@
 """The evaluator on Dask: a crash, a hang, an out-of-memory, a kill -9 or a lie lose that candidate only."""
 
 import json
+import os
+import subprocess
+import sys
 import textwrap
 from pathlib import Path
 
@@ -174,6 +177,31 @@ def test_processes_sharing_a_gpu_allocate_as_they_go_unless_the_user_chose():
         mine = {var: value}
         assert not devices.share_gpu_memory(mine) and mine == {var: value}
         assert ev.candidate_env("gpu:0", mine)[var] == value
+
+
+def test_the_driver_alone_starts_with_the_returning_allocator():
+    # the driver's pooled memory (its references' buffers) is what its workers' compiles then lack; its
+    # workers and candidates, which time, keep the pooling allocator
+    probe = ("import os, subprocess, sys\n"
+             "from specpilot.harness import devices\n"
+             "seen = {}\n"
+             "import jax._src.xla_bridge as xb\n"
+             "make = xb.backends\n"
+             "def spy():\n"
+             "    seen.setdefault('allocator', os.environ.get('XLA_PYTHON_CLIENT_ALLOCATOR'))\n"
+             "    return make()\n"
+             "xb.backends = spy\n"
+             "shared = devices.share_gpu_memory()\n"
+             "print(shared, devices.start_backends_returning_memory(), seen.get('allocator'),\n"
+             "      os.environ.get('XLA_PYTHON_CLIENT_ALLOCATOR'), devices.start_backends_returning_memory())\n"
+             "child = 'import os; print(os.environ.get(\"XLA_PYTHON_CLIENT_ALLOCATOR\"))'\n"
+             "print(subprocess.run([sys.executable, '-c', child], capture_output=True, text=True).stdout.strip())\n")
+    env = {k: v for k, v in os.environ.items() if k not in devices.GPU_MEMORY_VARS}
+    out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, env=env, check=True)
+    assert out.stdout.split() == ["True", "True", "platform", "None", "False", "None"], out.stdout + out.stderr
+    env["XLA_PYTHON_CLIENT_MEM_FRACTION"] = ".5"  # the user's choice: nothing changes
+    out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, env=env, check=True)
+    assert out.stdout.split()[:2] == ["False", "False"], out.stdout + out.stderr
 
 
 def test_the_cheap_stage_ranks_by_the_candidates_decode_time():

@@ -48,6 +48,25 @@ def share_gpu_memory(environ=None) -> bool:
     return True
 
 
+def start_backends_returning_memory() -> bool:
+    """Start this process's jax backends with the platform allocator, which gives each freed buffer back
+    to the device instead of keeping it in a pool, and leave the environment as it was, so that the
+    processes started from here keep the pooling allocator. For the loop's driver: it holds the
+    gate's deployment and runs the AR reference and the forcing scorer between rounds, times nothing, and
+    a pool kept from those runs is memory its workers' compiles and autotuning then lack. Does nothing
+    (False) when a GPU_MEMORY_VARS variable was set by the user or the backends have started."""
+    env = os.environ
+    if _backends_started() or env.get("XLA_PYTHON_CLIENT_PREALLOCATE") != "false" \
+            or "XLA_PYTHON_CLIENT_ALLOCATOR" in env:
+        return False
+    env["XLA_PYTHON_CLIENT_ALLOCATOR"] = "platform"
+    try:
+        jax.devices()  # the backends read the allocator now, once
+    finally:
+        del env["XLA_PYTHON_CLIENT_ALLOCATOR"]
+    return True
+
+
 def setup(cfg) -> None:
     """Apply `cfg.simulated_cpu_devices` and `cfg.distributed` (a typed run config)."""
     n = cfg.get("simulated_cpu_devices")
