@@ -145,3 +145,18 @@ def test_beating_the_ceiling_is_rejected_and_flagged(setting, monkeypatch):
     assert not v.accepted and v.flagged and any("ceiling" in r for r in v.reasons)
     honest = gate.check(setting[3], gate.stock, None)  # the incumbent, against the same slower ceiling
     assert honest.accepted and not honest.flagged
+
+
+def test_a_forcing_run_that_fails_rejects_the_candidate_and_not_the_loop(setting, monkeypatch):
+    # the gate's own forcing run ran out of GPU memory beside a warm worker: that candidate is not judged,
+    # and the loop goes on to the next
+    cfg, gate, _, incumbent, *_ = setting
+
+    def out_of_memory(tokens):
+        raise RuntimeError("RESOURCE_EXHAUSTED: Out of memory while trying to allocate 2.27GiB\nmore")
+
+    monkeypatch.setattr(gate, "forcing_report", out_of_memory)
+    v = gate.check({**incumbent, "s_per_token": incumbent["s_per_token"] * 0.5}, gate.stock, incumbent)
+    assert not v.accepted and v.mismatches is None
+    assert v.reasons == ["not checked: the forcing run failed (RuntimeError: RESOURCE_EXHAUSTED: Out of memory "
+                         "while trying to allocate 2.27GiB)"]

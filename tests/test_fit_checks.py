@@ -91,6 +91,30 @@ def test_the_cache_grows_with_slots_and_the_weight_formats_add_copies():
     assert part.drafter - bf16_only.drafter == 1.5 * 5 * 3 * 4096 * 12288
 
 
+def test_a_process_that_holds_the_deployment_counts_only_what_a_plan_adds(monkeypatch):
+    # a warm worker with the 8B deployment in its memory: a W12 plan adds its 12-bit copies and a cache,
+    # not a second copy of the weights (which made the device's 25 GB left look too little on an H100)
+    cfg = _compose(["experiment=stock_qwen3_8b_h200", "gpu=cpu", "decoding=w12", "bench.batch_size=16"])
+    by_name = {p.name: p for p in config_schema.build_plans(cfg)}
+    stock, ar_w12, stock_w12 = by_name["stock"], by_name["ar_w12"], by_name["stock_w12"]
+    slots = 1280
+    w12 = fit.needs(cfg, [stock, stock_w12], 16, slots, on_cpu=True)
+    bf16 = fit.needs(cfg, [stock], 16, slots, on_cpu=True)
+    adds = w12.formats + w12.drafter_formats + w12.cache
+    assert adds == w12.total - w12.weights - bf16.drafter < 20 * GB  # the copies and the cache only
+    _with_memory(monkeypatch, int(adds) + GB)
+    with pytest.raises(fit.DoesNotFitError, match=r"^the deployment needs at least"):
+        fit.check(cfg, [stock, stock_w12], 16, slots)  # a fresh process builds it all
+    assert fit.check(cfg, [stock, stock_w12], 16, slots, held=[stock]).total == w12.total
+    _with_memory(monkeypatch, int(w12.cache) + GB)  # its 12-bit copies made already: only a cache
+    fit.check(cfg, [stock, stock_w12], 16, slots, held=[stock_w12])
+    with pytest.raises(fit.DoesNotFitError):  # AR's copies are laid out for 16 rows, not 16 x 16: others
+        fit.check(cfg, [stock, stock_w12], 16, slots, held=[ar_w12])
+    with pytest.raises(fit.DoesNotFitError, match=r"^the plan needs 1\d\.\d GB more than this process holds "
+                                                  r"but there is \d\.\d GB.*weight formats and layouts 1\d\.\d GB"):
+        fit.check(cfg, [stock, stock_w12], 16, slots, held=[stock])
+
+
 def test_the_bench_of_a_real_run_sets_the_slots(monkeypatch):
     seen = {}
     monkeypatch.setattr(fit, "needs", lambda cfg, plans, batch, slots, on_cpu: seen.update(b=batch, s=slots))

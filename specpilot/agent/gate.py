@@ -118,7 +118,11 @@ class Gate:
         runs = [np.asarray(t) for t in result["tokens"]]
         if any(not np.array_equal(runs[0], r) for r in runs[1:]):
             reasons.append("its timed runs produced different tokens")
-        report = self.forcing_report(runs[0])
+        try:
+            report = self.forcing_report(runs[0])
+        except Exception as e:  # the gate's own run (its device's memory, say): this candidate is not judged
+            first = str(e).strip().splitlines()[0][:300] if str(e).strip() else ""
+            return Verdict(False, [*reasons, f"not checked: the forcing run failed ({type(e).__name__}: {first})"])
         v = Verdict(False, reasons, mismatches=report.num_mismatches, near_ties=report.num_near_ties,
                     forcing_summary=report.summary().replace("reference self-mismatches", "stock disagrees"))
         if not report.passed:

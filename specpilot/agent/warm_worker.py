@@ -75,7 +75,7 @@ class WarmWorker:
             self.base = self.key = None  # a build that raises leaves no half-kept deployment
             self.base, self.key = deploy.build(cfg, plans), key
         else:
-            fit.preflight(cfg, plans)
+            fit.preflight(cfg, plans, held=[e.plan for e in self.loaded.values()])  # its weights are held
             deploy.check_meshes(plans, self.base.cfg, int(cfg.bench.batch_size), self.base.drafter)
         prompts = [list(map(int, p)) for p in spec["prompts"]]
         new = int(cfg.bench.new_tokens)

@@ -43,6 +43,7 @@ class Needs:
     drafter: int  # the drafter's own layers and `fc`, with their copies
     cache: int  # K/V and recurrent state of the target and the drafter's context, batch x slots
     building: int  # held only while building (both layouts of the fused projections, say)
+    drafter_formats: int = 0  # the part of `drafter` that is the plans' copies
 
     @property
     def total(self) -> int:
@@ -124,7 +125,8 @@ def needs(cfg: DictConfig, plans: list[Plan], batch: int, slots: int, on_cpu: bo
             if cfg.target.source == "random" and cfg.target.init == "wide_margin" else 0
     else:
         transient = sum(_size(s) for n, s in _leaves(tree) if n in FUSED) * e if cfg.target.layout == "fused" else 0
-    return Needs(weights=weights, formats=formats, drafter=draft + draft_formats, cache=cache, building=transient)
+    return Needs(weights=weights, formats=formats, drafter=draft + draft_formats, cache=cache, building=transient,
+                 drafter_formats=draft_formats)
 
 
 def _meminfo_available() -> int | None:
@@ -156,9 +158,14 @@ def _gb(n: float) -> str:
     return f"{n / 1e9:.1f} GB"
 
 
-def check(cfg: DictConfig, plans: list[Plan], batch: int | None = None, slots: int | None = None) -> Needs | None:
+def check(cfg: DictConfig, plans: list[Plan], batch: int | None = None, slots: int | None = None,
+          held: list[Plan] | None = None) -> Needs | None:
     """Raise DoesNotFitError (one line) when the deployment cannot fit the first device's memory. `batch`
-    and `slots` default to the bench's (batch size; prompt + new tokens + one block, rounded up)."""
+    and `slots` default to the bench's (batch size; prompt + new tokens + one block, rounded up).
+
+    `held`: this process holds the deployment already (a warm worker), with the weight formats of the
+    `held` plans made; its weights are in the device's use, so only what `plans` add counts: the formats
+    no held plan made, and a cache."""
     b = cfg.bench
     batch = int(batch or b.batch_size)
     slots = int(slots or shapes.cache_len(int(b.prompt_len), int(b.new_tokens),
@@ -166,7 +173,21 @@ def check(cfg: DictConfig, plans: list[Plan], batch: int | None = None, slots: i
     device = jax.devices()[0]
     need = needs(cfg, plans, batch, slots, on_cpu=device.platform == "cpu")
     have = available(device)
-    if need is None or have is None or need.total <= have[0]:
+    if need is None or have is None:
+        return need
+    if held is not None:
+        made, both = (needs(cfg, ps, batch, slots, on_cpu=device.platform == "cpu") for ps in (held, held + plans)) \
+            if held else (None, need)
+        new = both.formats + both.drafter_formats - (made.formats + made.drafter_formats if made else 0)
+        added = new + need.cache
+        if added <= have[0]:
+            return need
+        raise DoesNotFitError(
+            f"the plan needs {_gb(added)} more than this process holds but there is {_gb(have[0])} of "
+            f"{have[1]} left (weight formats and layouts {_gb(new)}, cache {_gb(need.cache)} for "
+            f"{batch} x {slots} slots); use fewer slots or a shorter context (bench.batch_size, "
+            f"bench.prompt_len, bench.new_tokens), or a device with more memory (gpu=...)")
+    if need.total <= have[0]:
         return need
     parts = [f"target={cfg.target.name} {cfg.target.dtype} weights {_gb(need.weights)}"]
     if need.formats:
@@ -183,9 +204,11 @@ def check(cfg: DictConfig, plans: list[Plan], batch: int | None = None, slots: i
         f"bench.new_tokens), or a device with more memory (gpu=...)")
 
 
-def preflight(cfg: DictConfig, plans: list[Plan], batch: int | None = None, slots: int | None = None) -> list[str]:
+def preflight(cfg: DictConfig, plans: list[Plan], batch: int | None = None, slots: int | None = None,
+              held: list[Plan] | None = None) -> list[str]:
     """The checks before a deployment is built: the `gpu` config names the device jax sees (or allows a
-    mismatch: -> the note records carry) and the deployment fits its memory."""
+    mismatch: -> the note records carry) and the deployment fits its memory (`check`; `held`: what a
+    process that holds it already has made)."""
     note = devices.check_gpu(cfg)
-    check(cfg, plans, batch, slots)
+    check(cfg, plans, batch, slots, held)
     return [note] if note else []
