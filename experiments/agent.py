@@ -37,8 +37,9 @@ def main(cfg: DictConfig) -> None:
         rest.pop("agent", None)
         run_cfg = config_schema.typed(OmegaConf.create(rest))
         devices.setup(run_cfg)
-        if shared:  # the driver gives back what its references free; its workers keep pooling
+        if shared:  # the driver gives back what its references free; its workers keep pooling, up to a cap
             devices.start_backends_returning_memory()
+            devices.cap_started_processes(agent.worker_gpu_fraction)
         config_schema.validate(run_cfg)
         fit.preflight(run_cfg, config_schema.build_plans(run_cfg))  # the device and its memory, before any round
         out_dir = run_cfg.output_dir or str(hydra_dir)

@@ -11,6 +11,7 @@ import pytest
 from agent_helpers import HONEST_PROGRAM
 
 from specpilot.agent import evaluator as ev
+from specpilot.agent import loop
 from specpilot.harness import devices
 from specpilot.sharding import MeshError, MeshShape
 
@@ -202,6 +203,19 @@ def test_the_driver_alone_starts_with_the_returning_allocator():
     env["XLA_PYTHON_CLIENT_MEM_FRACTION"] = ".5"  # the user's choice: nothing changes
     out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, env=env, check=True)
     assert out.stdout.split()[:2] == ["False", "False"], out.stdout + out.stderr
+
+
+def test_the_processes_the_driver_starts_pool_at_most_their_share():
+    # a worker's pool grows to its limit and stays (61 GB of an 80 GB H100 at jax's 75%), leaving the
+    # driver's scorer too little beside it
+    env = {"XLA_PYTHON_CLIENT_PREALLOCATE": "false"}
+    devices.cap_started_processes(None, env)
+    assert env == {"XLA_PYTHON_CLIENT_PREALLOCATE": "false"}
+    devices.cap_started_processes(0.55, env)
+    assert ev.candidate_env("gpu:0", env)["XLA_PYTHON_CLIENT_MEM_FRACTION"] == "0.55"  # inherited
+    assert loop.agent_conf({"worker_gpu_fraction": 0.55}).worker_gpu_fraction == 0.55
+    with pytest.raises(ValueError, match=r"agent.worker_gpu_fraction: must be in \(0, 1\), got 1.5"):
+        loop.agent_conf({"worker_gpu_fraction": 1.5})
 
 
 def test_the_cheap_stage_ranks_by_the_candidates_decode_time():

@@ -76,6 +76,9 @@ class AgentConf:
     # the incumbent (warm_pool); false: every candidate in a fresh process
     warm: bool = True
     tls: cluster_security.TLSConf | None = None  # Dask over TLS, required for a scheduler not on 127.0.0.1
+    # the share of a GPU each process the driver starts (workers, candidates) may pool; the rest is the
+    # driver's (the gate's deployment, references and scorer). None: jax's default (75%)
+    worker_gpu_fraction: float | None = None
 
 
 def features(cfg: DictConfig, plan_fields: dict, workload: str = "harness") -> dict:
@@ -442,4 +445,6 @@ def agent_conf(node: Any) -> AgentConf:
         raise ValueError(f"agent.prefill_chunk: must be >= 1, got {a.prefill_chunk}")
     if not 0 <= a.noise_margin < 1:
         raise ValueError(f"agent.noise_margin: must be in [0, 1), got {a.noise_margin}")
+    if a.worker_gpu_fraction is not None and not 0 < a.worker_gpu_fraction < 1:
+        raise ValueError(f"agent.worker_gpu_fraction: must be in (0, 1), got {a.worker_gpu_fraction}")
     return a

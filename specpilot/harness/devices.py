@@ -48,6 +48,14 @@ def share_gpu_memory(environ=None) -> bool:
     return True
 
 
+def cap_started_processes(fraction: float | None, environ=None) -> None:
+    """Let each process started from here pool at most `fraction` of a GPU (XLA_PYTHON_CLIENT_MEM_FRACTION
+    in `environ`, default os.environ, which they inherit); None leaves jax's default. Call it after this
+    process's backends have started, so that the cap is theirs only."""
+    if fraction is not None:
+        (os.environ if environ is None else environ)["XLA_PYTHON_CLIENT_MEM_FRACTION"] = f"{float(fraction):g}"
+
+
 def start_backends_returning_memory() -> bool:
     """Start this process's jax backends with the platform allocator, which gives each freed buffer back
     to the device instead of keeping it in a pool, and leave the environment as it was, so that the
