@@ -159,4 +159,12 @@ def test_a_forcing_run_that_fails_rejects_the_candidate_and_not_the_loop(setting
     v = gate.check({**incumbent, "s_per_token": incumbent["s_per_token"] * 0.5}, gate.stock, incumbent)
     assert not v.accepted and v.mismatches is None
     assert v.reasons == ["not checked: the forcing run failed (RuntimeError: RESOURCE_EXHAUSTED: Out of memory "
-                         "while trying to allocate 2.27GiB)"]
+                         "while trying to allocate 2.27GiB); the workers may be pooling the GPU: set "
+                         "agent.worker_gpu_fraction"]
+
+    def crash(tokens):
+        raise ValueError("a bad scorer")
+
+    monkeypatch.setattr(gate, "forcing_report", crash)
+    assert gate.check(incumbent, gate.stock, None).reasons == [
+        "not checked: the forcing run failed (ValueError: a bad scorer)"]

@@ -122,7 +122,9 @@ class Gate:
             report = self.forcing_report(runs[0])
         except Exception as e:  # the gate's own run (its device's memory, say): this candidate is not judged
             first = str(e).strip().splitlines()[0][:300] if str(e).strip() else ""
-            return Verdict(False, [*reasons, f"not checked: the forcing run failed ({type(e).__name__}: {first})"])
+            hint = "; the workers may be pooling the GPU: set agent.worker_gpu_fraction" \
+                if "RESOURCE_EXHAUSTED" in str(e) or "out of memory" in str(e).lower() else ""
+            return Verdict(False, [*reasons, f"not checked: the forcing run failed ({type(e).__name__}: {first}){hint}"])
         v = Verdict(False, reasons, mismatches=report.num_mismatches, near_ties=report.num_near_ties,
                     forcing_summary=report.summary().replace("reference self-mismatches", "stock disagrees"))
         if not report.passed:

@@ -171,6 +171,9 @@ class PredictedProposer(Proposer):
             if x[3] not in seen:
                 seen.add(x[3])
                 firsts.append(x)
+        setting = getattr(ctx.predict, "setting", None)
+        rates = "" if setting is None or setting.rates.calibrated else \
+            f"; from the gpu config's datasheet numbers: no rates measured on {setting.rates.device}"
         out, taken = [], set()
         for s, _, rw, kind in firsts + [x for x in ranked if x not in firsts]:
             if len(out) == n:
@@ -180,6 +183,6 @@ class PredictedProposer(Proposer):
                 corrected = f", corrected by {self.correction[kind]:.2f} from a measured {' '.join(kind)} plan" \
                     if kind in self.correction else ""
                 out.append(Proposal(rw, self.name, f"the cost model predicts {1e3 * s:.3f} ms/token against the "
-                                                   f"incumbent's {1e3 * base_s:.3f} ({base_s / s:.2f}x{corrected})",
+                                                   f"incumbent's {1e3 * base_s:.3f} ({base_s / s:.2f}x{corrected}){rates}",
                                     handle=(kind, base_s / s)))
         return out
