@@ -1,6 +1,7 @@
 """The checks before a deployment is built: the gpu config names the device jax sees, the deployment fits
 its memory, the drafter fits its target; each from shapes alone, failing in one line."""
 
+import dataclasses
 import subprocess
 import sys
 import time
@@ -12,6 +13,7 @@ from hydra import compose, initialize_config_dir
 
 from specpilot.harness import config_schema, deploy, devices, fit, shapes
 from specpilot.harness.config_errors import ConfigValueError
+from pallas_kernels import dispatch
 
 ROOT = Path(__file__).resolve().parents[1]
 config_schema.register()
@@ -113,6 +115,26 @@ def test_a_process_that_holds_the_deployment_counts_only_what_a_plan_adds(monkey
     with pytest.raises(fit.DoesNotFitError, match=r"^the plan needs 1\d\.\d GB more than this process holds "
                                                   r"but there is \d\.\d GB.*weight formats and layouts 1\d\.\d GB"):
         fit.check(cfg, [stock, stock_w12], 16, slots, held=[stock])
+
+
+def _with_ragged_attention(plan):
+    return dataclasses.replace(plan, name=plan.name + "_ragged", kernels=dataclasses.replace(
+        plan.kernels, attention=dispatch.OpChoice(("triton", "xla"))))
+
+
+def test_plans_that_differ_only_in_their_attention_kernel_share_one_weight_copy():
+    # a W12 plan with the ragged attention kernel and one without it hold one 12-bit copy (two held 25 GB
+    # of an H100 in the loop's warm worker), in the deployment and in what fit counts
+    cfg = _compose(["experiment=stock_qwen3_8b_h200", "gpu=cpu", "decoding=w12"])
+    w12 = [p for p in config_schema.build_plans(cfg) if p.name == "stock_w12"]
+    one, two = (fit.needs(cfg, ps, 1, 1024, on_cpu=True) for ps in (w12, [*w12, _with_ragged_attention(w12[0])]))
+    assert one.formats > 0 and one.formats == two.formats and one.drafter == two.drafter
+    tiny = _compose([*TINY, "decoding=w12", "~decoding.plans.stock", "~decoding.plans.stock_w12", "target.dtype=bfloat16"])
+    ar_w12 = next(p for p in config_schema.build_plans(tiny) if p.name == "ar_w12")
+    ragged = _with_ragged_attention(ar_w12)
+    dep = deploy.build(tiny, [ar_w12, ragged])
+    assert dep.prepared_keys(ragged) == dep.prepared_keys(ar_w12)
+    assert dep.params_for(ragged) is dep.params_for(ar_w12)
 
 
 def test_the_bench_of_a_real_run_sets_the_slots(monkeypatch):

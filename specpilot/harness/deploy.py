@@ -79,7 +79,8 @@ class Deployment:
     def _prepared_key(self, role: str, plan: Plan) -> tuple:
         if not plan.mesh.is_single:
             return (role, "sharded", plan.mesh)
-        return (role, plan.weights, plan.w12_matrices, plan.kernels, self._rows(plan))
+        # what `_prepare` reads: plans that differ in another kernel (attention, say) share the copy
+        return (role, plan.weights, plan.w12_matrices, plan.kernels.matmul, self._rows(plan))
 
     def prepared_keys(self, plan: Plan) -> set:
         """The `prepared` entries `plan` multiplies with (what a cache that drops other plans must keep)."""

@@ -104,7 +104,7 @@ def needs(cfg: DictConfig, plans: list[Plan], batch: int, slots: int, on_cpu: bo
                 formats += int(weights * share)
                 draft_formats += int(draft * share) if plan.uses_drafter else 0
             continue
-        key = (plan.weights, plan.w12_matrices, plan.kernels, batch * plan.block_size)  # as Deployment caches them
+        key = (plan.weights, plan.w12_matrices, plan.kernels.matmul, batch * plan.block_size)  # as Deployment caches them
         if key in seen:
             continue
         seen.add(key)
