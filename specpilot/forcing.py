@@ -25,8 +25,7 @@ DEFAULT_TIE_MARGIN = 1e-3  # float32 logits; state the margin used in every repo
 @functools.partial(jax.jit, static_argnames=("target",), donate_argnames=("state",))
 def _prefill(params, target, tokens, lengths, state):
     # prompt_forward hides each row's padding (a recurrent layer would otherwise feed it to its state)
-    logits, _, state = prompt_forward(target, params, tokens, lengths, state)
-    last = jnp.take_along_axis(logits, (lengths - 1)[:, None, None], axis=1)[:, 0]  # [B, V]
+    last, _, state = prompt_forward(target, params, tokens, lengths, state)
     return last, state
 
 

@@ -326,12 +326,12 @@ def prompt_mask(state: TargetState, positions: jax.Array, lengths: jax.Array) ->
 
 def prompt_forward(target, params, tokens: jax.Array, lengths: jax.Array, state: TargetState):
     """Prefill: `target.forward` over right-padded prompts [B, T] (row b's first lengths[b] tokens are
-    its prompt) -> (logits [B, T, V], taps, state committed by lengths). Padding is written but never
-    committed; at prompt positions the logits are those of `chain_forward`."""
+    its prompt) -> (logits at each prompt's last token [B, V], taps, state committed by lengths). Padding
+    is written but never committed; the logits are those of `chain_forward` at that position."""
     positions = chain_positions(state, tokens.shape[1])
     logits, taps, state = target.forward(params, tokens, positions, state,
-                                         prompt_mask(state, positions, lengths))
-    return logits, taps, state.commit(lengths)
+                                         prompt_mask(state, positions, lengths), logits_at=lengths - 1)
+    return logits[:, 0], taps, state.commit(lengths)
 
 
 def chain_forward(target, params, tokens: jax.Array, state: TargetState):

@@ -36,9 +36,10 @@ def ar_tokens(target):
 class PerturbedTarget(dense.Target):
     """The dense target, except logits at one absolute position are negated (argmax becomes argmin)."""
 
-    def forward(self, params, tokens, positions, state, mask):
-        logits, taps, state = super().forward(params, tokens, positions, state, mask)
-        return jnp.where((positions == PERTURBED_POSITION)[..., None], -logits, logits), taps, state
+    def forward(self, params, tokens, positions, state, mask, logits_at=None):
+        logits, taps, state = super().forward(params, tokens, positions, state, mask, logits_at=logits_at)
+        at = dense.at_positions(positions, logits_at)  # the positions the logits are at
+        return jnp.where((at == PERTURBED_POSITION)[..., None], -logits, logits), taps, state
 
 
 def test_block_verification_numerics_agree_with_ar(target, ar_tokens):

@@ -62,7 +62,10 @@ def _chain(target, params, tokens, state):
 
 @functools.partial(jax.jit, static_argnums=0)
 def _prompt(target, params, tokens, lengths, state):
-    return st.prompt_forward(target, params, tokens, lengths, state)
+    """`st.prompt_forward` with the logits at every position (it keeps each prompt's last only)."""
+    positions = st.chain_positions(state, tokens.shape[1])
+    logits, taps, state = target.forward(params, tokens, positions, state, st.prompt_mask(state, positions, lengths))
+    return logits, taps, state.commit(lengths)
 
 
 def _hf_logits(model, tokens) -> np.ndarray:
@@ -104,6 +107,11 @@ def test_padded_prompts_of_several_lengths_match_transformers(case):
     logits, _, state = _prompt(target, params, jnp.asarray(tokens), jnp.asarray(lengths),
                                target.init_state(4, 128))
     step, _, _ = _chain(target, params, jnp.asarray(nxt), state)
+    last, _, _ = jax.jit(st.prompt_forward, static_argnums=0)(target, params, jnp.asarray(tokens), jnp.asarray(lengths),
+                                                              target.init_state(4, 128))
+    for b, n in enumerate(lengths):
+        ref = _hf_logits(model, tokens[b:b + 1, :n])
+        np.testing.assert_allclose(np.asarray(last[b]), ref[0, n - 1], atol=LOGITS_ATOL, rtol=0)  # its head's one row
     for b, n in enumerate(lengths):
         ref = _hf_logits(model, np.concatenate([tokens[b:b + 1, :n], nxt[b:b + 1]], axis=1))
         np.testing.assert_allclose(np.asarray(logits[b, :n]), ref[0, :n], atol=LOGITS_ATOL, rtol=0)

@@ -121,6 +121,26 @@ def test_float32_prefill_and_decode_equal_the_full_forward():
     np.testing.assert_allclose(got, np.asarray(want)[:, 5:11], rtol=0, atol=F32_TOL * scale)
 
 
+def test_a_prompts_logits_at_its_last_token_alone_equal_the_full_heads():
+    # a prefill keeps one position per row: the head reads just those rows (16 x 1,024 positions of a
+    # 151,936-token vocabulary in float32 are 10 GB), the state as the full forward leaves it
+    params = random_params(dense.param_shapes(CFG), 0.3, 0)
+    target = dense.target(CFG, params["embed"].dtype)
+    tokens = jnp.asarray(np.random.default_rng(3).integers(0, CFG.vocab_size, (3, 9)).astype(np.int32))
+    lengths = jnp.asarray([9, 4, 1], jnp.int32)
+    fresh = target.init_state(3, 16)
+    positions = st.chain_positions(fresh, 9)
+    full, taps, full_state = target.forward(params, tokens, positions, fresh, st.prompt_mask(fresh, positions, lengths))
+    full_state = full_state.commit(lengths)
+    last, last_taps, state = st.prompt_forward(target, params, tokens, lengths, target.init_state(3, 16))
+    assert last.shape == (3, CFG.vocab_size)
+    want = np.asarray(full)[np.arange(3), np.asarray(lengths) - 1]
+    np.testing.assert_allclose(np.asarray(last), want, rtol=0, atol=F32_TOL * float(np.abs(want).max()))
+    assert np.array_equal(np.asarray(last_taps), np.asarray(taps))
+    for a, b in zip(jax.tree.leaves(state), jax.tree.leaves(full_state)):
+        assert np.array_equal(np.asarray(a), np.asarray(b))
+
+
 # A tree of 7 nodes after the committed prefix; node 0 is the last committed-side token (the root).
 PARENTS = [-1, 0, 0, 1, 1, 2, 5]
 

@@ -40,9 +40,9 @@ _FORWARDS = []  # chain length T of every counted target forward, as it runs
 class CountingTarget(dense.Target):
     """The dense target, recording each forward's chain length when it executes (also inside loops)."""
 
-    def forward(self, params, tokens, positions, state, mask):
+    def forward(self, params, tokens, positions, state, mask, logits_at=None):
         jax.debug.callback(functools.partial(_FORWARDS.append, tokens.shape[1]))
-        return super().forward(params, tokens, positions, state, mask)
+        return super().forward(params, tokens, positions, state, mask, logits_at=logits_at)
 
 
 def count_steps(run, chain: int) -> int:

@@ -137,8 +137,7 @@ def ar_step(target, params, sampling: RequestSampling, tokens: jax.Array, state:
 def ar_prefill(target, params, sampling: RequestSampling, tokens: jax.Array, lengths: jax.Array,
                state: TargetState, key: jax.Array):
     """Prompt pass + first token: -> (first tokens [B], taps [B, T, n*H], committed state)."""
-    logits, taps, state = prompt_forward(target, params, tokens, lengths, state)
-    last = jnp.take_along_axis(logits, (lengths - 1)[:, None, None], axis=1)[:, 0]  # [B, V]
+    last, taps, state = prompt_forward(target, params, tokens, lengths, state)
     return sample(key, last, sampling), taps, state
 
 

@@ -104,8 +104,7 @@ def _prefill_core(static, target_params, draft_params, tokens, lengths, target_s
                   sampling):
     target, drafter = static
     key, key_first = _split(key, sampling)
-    logits, taps, target_state = prompt_forward(target, target_params, tokens, lengths, target_state)
-    last_logits = jnp.take_along_axis(logits, (lengths - 1)[:, None, None], axis=1)[:, 0]  # [B, V]
+    last_logits, taps, target_state = prompt_forward(target, target_params, tokens, lengths, target_state)
     first = sample(key_first, last_logits, sampling)  # [B]
     if drafter is not None:
         draft_state = drafter.extend(draft_params, target_params, draft_state, taps, lengths)

@@ -321,16 +321,26 @@ def run_layers(params: Params, cfg, x: jax.Array, state: TargetState, exit_layer
 
 def forward(params: Params, cfg: ModelConfig, tokens: jax.Array, positions: jax.Array,
             state: TargetState, mask: jax.Array, parents: jax.Array | None = None,
-            exit_layer: int | None = None):
+            exit_layer: int | None = None, logits_at: jax.Array | None = None):
     """tokens [B, T], positions [B, T] int32, mask [B, T, S] bool (True: query t sees slot s)
     -> (logits [B, T, V] float32, taps [B, T, n_taps*H], state with K/V written at slots
     lengths[b] .. lengths[b]+T-1). Nothing is committed (see `TargetState.commit`). parents [B, T]
     marks a tree forward: attention then runs as cfg.tree_attention chooses (the tree is in the mask);
     otherwise as cfg.attention chooses (lengths and counts read off the chain or prompt mask).
-    exit_layer: the final norm and head read the output of that many layers (`hidden_forward`)."""
+    exit_layer: the final norm and head read the output of that many layers (`hidden_forward`).
+    logits_at [B] int32: the head reads only that position of each row -> logits [B, 1, V] (a prompt's
+    last token: the head over every position of a long prefill is most of its memory)."""
     x, taps, state = hidden_forward(params, cfg, embed(params, tokens), positions, state, mask, parents,
                                     exit_layer)
-    return lm_head(params, cfg, x), taps, state
+    return lm_head(params, cfg, at_positions(x, logits_at)), taps, state
+
+
+def at_positions(x: jax.Array, at: jax.Array | None) -> jax.Array:
+    """x [B, T, ...] at position at[b] of each row -> [B, 1, ...]; x itself where `at` is None."""
+    if at is None:
+        return x
+    index = at.astype(jnp.int32).reshape((-1,) + (1,) * (x.ndim - 1))
+    return jnp.take_along_axis(x, index, axis=1)
 
 
 def chain_forward(params: Params, cfg: ModelConfig, tokens: jax.Array, state: TargetState):
@@ -376,14 +386,15 @@ class Target:
         return dataclasses.replace(self, mesh=mesh)
 
     def forward(self, params: Params, tokens: jax.Array, positions: jax.Array, state: TargetState,
-                mask: jax.Array, parents: jax.Array | None = None, exit_layer: int | None = None):
+                mask: jax.Array, parents: jax.Array | None = None, exit_layer: int | None = None,
+                logits_at: jax.Array | None = None):
         """`forward` with the state's mesh constraints. parents [B, T] (a tree's, `decoding.tree`):
         attention layers read the tree from the mask; parents only mark the forward as a tree's, which
         `cfg.tree_attention` computes. exit_layer: logits from the first that many layers (an early
-        exit, `decoding.two_level`)."""
+        exit, `decoding.two_level`). logits_at [B]: logits at that position of each row only, [B, 1, V]."""
         with sharding.active(self.mesh):
             logits, taps, state = forward(params, self.cfg, tokens, positions, state, mask, parents,
-                                          exit_layer)
+                                          exit_layer, logits_at)
         return logits, taps, sharding.constrain_state(state, self.mesh)
 
     def exit_hidden(self, params: Params, tokens: jax.Array, positions: jax.Array, state: TargetState,
@@ -416,9 +427,10 @@ def prefill(params: Params, cfg: ModelConfig, tokens: jax.Array, prompt_lengths:
     Returns (logits at each prompt's last token [B, V], taps [B, T, n_taps*H], state committed by
     prompt_lengths). Padding positions are written but never committed, so later steps overwrite them.
     """
-    logits, taps, state = chain_forward(params, cfg, tokens, state)
-    last = jnp.take_along_axis(logits, (prompt_lengths - 1)[:, None, None], axis=1)[:, 0]
-    return last, taps, state.commit(prompt_lengths)
+    positions = st.chain_positions(state, tokens.shape[1])
+    logits, taps, state = forward(params, cfg, tokens, positions, state, st.causal_mask(state, positions),
+                                  logits_at=prompt_lengths - 1)
+    return logits[:, 0], taps, state.commit(prompt_lengths)
 
 
 @functools.partial(jax.jit, static_argnames=("cfg",), donate_argnames=("state",))

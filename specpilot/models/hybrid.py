@@ -151,13 +151,14 @@ def init_state(cfg: HybridConfig, batch_size: int, max_len: int, dtype=None,
 
 def forward(params: Params, cfg: HybridConfig, tokens: jax.Array, positions: jax.Array,
             state: TargetState, mask: jax.Array, parents: jax.Array | None = None,
-            exit_layer: int | None = None):
+            exit_layer: int | None = None, logits_at: jax.Array | None = None):
     """tokens [B, T], positions [B, T] int32, mask [B, T, S] bool, parents [B, T] for a tree's nodes
     (None: a chain or prompt) -> (logits [B, T, V] float32, taps [B, T, n_taps*H], state with K/V and
     recurrent snapshots written). Nothing is committed. exit_layer: logits from the first that many
-    layers (an early exit; the later layers' state is returned unchanged)."""
+    layers (an early exit; the later layers' state is returned unchanged). logits_at [B]: logits at
+    that position of each row only, [B, 1, V] (`dense.forward`)."""
     x, taps, state = hidden_forward(params, cfg, tokens, positions, state, mask, parents, exit_layer)
-    return dense.lm_head(params, cfg, x), taps, state
+    return dense.lm_head(params, cfg, dense.at_positions(x, logits_at)), taps, state
 
 
 def hidden_forward(params: Params, cfg: HybridConfig, tokens: jax.Array, positions: jax.Array,
@@ -206,9 +207,11 @@ class Target(dense.Target):
         return mesh_sharding.constrain_state(state, self.mesh)
 
     def forward(self, params: Params, tokens: jax.Array, positions: jax.Array, state: TargetState,
-                mask: jax.Array, parents: jax.Array | None = None, exit_layer: int | None = None):
+                mask: jax.Array, parents: jax.Array | None = None, exit_layer: int | None = None,
+                logits_at: jax.Array | None = None):
         with mesh_sharding.active(self.mesh):
-            logits, taps, state = forward(params, self.cfg, tokens, positions, state, mask, parents, exit_layer)
+            logits, taps, state = forward(params, self.cfg, tokens, positions, state, mask, parents, exit_layer,
+                                          logits_at)
         return logits, taps, mesh_sharding.constrain_state(state, self.mesh)
 
     def exit_hidden(self, params: Params, tokens: jax.Array, positions: jax.Array, state: TargetState,

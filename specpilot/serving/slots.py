@@ -151,12 +151,13 @@ def prefill_chunk(setup: EngineSetup, target_params, draft_params, state: SlotSt
     positions = chain_positions(ts, tokens.shape[1])
     feeding = (counts > 0)[:, None, None]
     mask = jnp.where(feeding, prompt_mask(ts, positions, counts), causal_mask(ts, positions))
-    logits, taps, ts = setup.target.forward(target_params, tokens, positions, ts, mask)
+    logits, taps, ts = setup.target.forward(target_params, tokens, positions, ts, mask,
+                                            logits_at=jnp.maximum(counts - 1, 0))
     ts = ts.commit(counts)
     ds = state.draft_state
     if setup.uses_drafter:
         ds = setup.drafter.extend(draft_params, target_params, ds, taps, counts)
-    last_logits = jnp.take_along_axis(logits, jnp.maximum(counts - 1, 0)[:, None, None], axis=1)[:, 0]
+    last_logits = logits[:, 0]
     if setup.uses_drafter:  # spec.generate: key, key_first = split(key)
         key, first_keys = split_rows(state.key, sampling)
     else:  # ar.generate: token 0 takes split(key, N)[0]
