@@ -178,3 +178,23 @@ def test_candidates_at_a_step_trace_deployment_replay_their_traces_warm_and_cold
     cold = ev.evaluate_candidate(specs[1], timeout_s=300, memory_mb=None, workdir=str(tmp_path / "w"),
                                  sandbox="none")
     assert cold["status"] == ev.OK and cold["tokens"] == warm["ar"]["tokens"], cold
+
+
+def test_under_an_address_space_limit_a_worker_drops_the_programs_of_plans_it_no_longer_keeps(toy, monkeypatch):
+    # a CPU warm worker kept every program of every round's candidates and outgrew its 8 GB limit
+    from specpilot.decoding import aot
+    cfg, prompts, _ = toy
+    worker = ww.WarmWorker()
+    for s in (spec(cfg, "inc", {"verify": "chain"}, prompts), spec(cfg, "b4", {"verify": "chain", "block_size": 4}, prompts)):
+        worker.load(s)
+        worker.go(s["name"])
+    monkeypatch.setattr(ww, "address_space_limited", lambda: True)
+    assert worker.retain(["inc", "b4"])["programs_dropped"] == 0  # both kept: nothing to drop
+    assert worker.retain(["inc"])["programs_dropped"] > 0  # b4's own
+    before = aot.total_compiles()
+    worker.load(spec(cfg, "inc2", {"verify": "chain"}, prompts))  # the kept plan's programs: no compile
+    assert aot.total_compiles() == before
+    worker.load(spec(cfg, "b4_again", {"verify": "chain", "block_size": 4}, prompts))  # the dropped plan's: again
+    assert aot.total_compiles() > before
+    monkeypatch.setattr(ww, "address_space_limited", lambda: False)  # no limit: programs stay
+    assert worker.retain(["inc2"])["programs_dropped"] == 0

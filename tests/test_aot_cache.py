@@ -3,6 +3,7 @@
 import jax
 import jax.numpy as jnp
 
+from specpilot.decoding import aot
 from specpilot.decoding.aot import CompileCache
 
 
@@ -24,3 +25,29 @@ def test_output_shapes_are_traced_once_per_signature():
     assert cache.out_shapes(fn, 2.0, (jnp.ones((5, 3)), b))["sum"].shape == (5, 4)  # a new shape: traced
     assert cache.out_shapes(fn, 3.0, (a, b)) is not got  # another static argument: its own entry
     assert len(traces) == 4 and len(cache._shapes) == 2  # bounded like the executables
+
+
+def test_recordings_nest_and_keep_only_drops_the_rest():
+    cache = CompileCache()
+
+    def fn(scale, x):
+        return x * scale
+
+    def run(scale, x):
+        return cache.get(fn, scale, (x,), lambda *a: jax.jit(lambda v: fn(scale, v)).lower(*a))(x)
+
+    x = jnp.ones((3,))
+    with aot.recording() as outer:
+        with aot.recording() as inner:  # equal sets while open: each closes as itself
+            run(2.0, x)
+        run(3.0, x)
+    assert inner < outer and len(outer) == 2
+    with aot.recording() as other:
+        run(4.0, x)
+    assert len(cache) == 3
+    assert aot.keep_only(inner | other, [cache]) == 1 and len(cache) == 2  # 3.0's program dropped, the others kept
+    compiles = cache.compiles
+    run(2.0, x), run(4.0, x)
+    assert cache.compiles == compiles
+    run(3.0, x)
+    assert cache.compiles == compiles + 1

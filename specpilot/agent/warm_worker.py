@@ -13,6 +13,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import resource
 import sys
 import time
 import traceback
@@ -48,6 +49,7 @@ class Loaded:
     runs: list = dataclasses.field(default_factory=list)
     self_times: list = dataclasses.field(default_factory=list)
     timed_compiles: int = 0  # programs compiled inside its timed runs (should stay 0: all compiled at load)
+    programs: set = dataclasses.field(default_factory=set)  # the compiled programs it ran (`aot.recording`)
 
 
 class WarmWorker:
@@ -56,6 +58,7 @@ class WarmWorker:
         self.base: deploy.Deployment | None = None
         self.loaded: dict[str, Loaded] = {}
         self.references: dict[tuple, list] = {}  # (prompts, new_tokens) -> the AR reference's tokens
+        self.reference_programs: set = set()  # what the references ran: kept for the next round's
 
     def load(self, spec: dict) -> dict:
         """Build `spec`'s plan on the kept deployment (built first when the spec's differs), warm it up
@@ -72,6 +75,7 @@ class WarmWorker:
         if built:
             self.loaded.clear()
             self.references.clear()
+            self.reference_programs.clear()
             self.base = self.key = None  # a build that raises leaves no half-kept deployment
             self.base, self.key = deploy.build(cfg, plans), key
         else:
@@ -83,15 +87,18 @@ class WarmWorker:
         # a copy per plan: its own prompts and lengths, the weights and their prepared formats shared
         dep = dataclasses.replace(self.base, prompts=prompts, new_tokens=new, reference_tokens=None,
                                   profile_split=False, cache_len=shapes.cache_len(longest, new, block))
-        if plan.uses_drafter and methods.replays_reference(dep.drafter[0]):
-            ref_key = (json.dumps(prompts), new)
-            if ref_key not in self.references:  # the oracle replays the AR reference
-                self.references[ref_key] = methods.run_plan(dep, plans[0]).tokens
-            dep.reference_tokens = self.references[ref_key]
-        run = candidate.workload_run(dep, plan, spec)
-        warm = run()
+        with aot.recording() as programs:
+            if plan.uses_drafter and methods.replays_reference(dep.drafter[0]):
+                ref_key = (json.dumps(prompts), new)
+                if ref_key not in self.references:  # the oracle replays the AR reference
+                    with aot.recording() as reference:
+                        self.references[ref_key] = methods.run_plan(dep, plans[0]).tokens
+                    self.reference_programs |= reference
+                dep.reference_tokens = self.references[ref_key]
+            run = candidate.workload_run(dep, plan, spec)
+            warm = run()
         self.loaded[spec["name"]] = Loaded(plan, dep, run, spec.get("workload", "harness"),
-                                            bool(spec.get("profile", True)))
+                                            bool(spec.get("profile", True)), programs=programs)
         return {"loaded": spec["name"], "tokens": len(warm.tokens), "load_s": time.perf_counter() - t0,
                 "built": built}
 
@@ -99,25 +106,34 @@ class WarmWorker:
         entry = self.loaded[name]
         before = aot.total_compiles()
         t0 = time.perf_counter()
-        entry.runs.append(entry.run())
+        with aot.recording() as programs:
+            entry.runs.append(entry.run())
         entry.self_times.append(time.perf_counter() - t0)
+        entry.programs |= programs
         entry.timed_compiles += aot.total_compiles() - before
         return {"done": name}
 
     def result(self, name: str) -> dict:
         """What a candidate process writes to its out.json (`candidate.main`), for a loaded plan."""
         e = self.loaded[name]
-        out = candidate.out_record(e.dep, e.plan, e.runs, e.self_times, e.workload, [], e.profile)
+        with aot.recording() as programs:  # the stage split's own programs
+            out = candidate.out_record(e.dep, e.plan, e.runs, e.self_times, e.workload, [], e.profile)
+        e.programs |= programs
         return {"result": {**out, "timed_compiles": e.timed_compiles}}
 
     def retain(self, names: list[str]) -> dict:
-        """Drop every loaded plan but `names`, and every prepared weight format none of them uses."""
+        """Drop every loaded plan but `names`, and every prepared weight format none of them uses; under
+        an address-space limit (`agent.memory_mb`) also the compiled programs only dropped plans ran,
+        whose memory mappings count toward it (the references' stay: the next round's reuse them)."""
         self.loaded = {n: e for n, e in self.loaded.items() if n in names}
         if self.base is not None:
             used = set().union(*[self.base.prepared_keys(e.plan) for e in self.loaded.values()])
             for k in [k for k in self.base.prepared if k not in used]:
                 del self.base.prepared[k]
-        return {"retained": sorted(self.loaded)}
+        dropped = 0
+        if address_space_limited():
+            dropped = aot.keep_only(self.reference_programs.union(*[e.programs for e in self.loaded.values()]))
+        return {"retained": sorted(self.loaded), "programs_dropped": dropped}
 
     def handle(self, message: dict) -> dict:
         cmd = message.get("cmd")
@@ -130,6 +146,12 @@ class WarmWorker:
         if cmd == "retain":
             return self.retain(list(message.get("names") or []))
         raise ValueError(f"unknown warm worker command {cmd!r}")
+
+
+def address_space_limited() -> bool:
+    """Whether this process runs under an address-space limit (the evaluator's `memory_mb`)."""
+    soft, _ = resource.getrlimit(resource.RLIMIT_AS)
+    return soft != resource.RLIM_INFINITY
 
 
 def main() -> int:

@@ -5,6 +5,7 @@ Design notes: docs/design/decoding.md.
 from __future__ import annotations
 
 import collections
+import contextlib
 import functools
 from typing import Any, Callable
 
@@ -14,11 +15,37 @@ from specpilot import sharding
 
 
 _ALL: list = []  # every CompileCache of the process, for `total_compiles`
+_RECORDINGS: list[set] = []  # open `recording()` sets: each collects the (cache, signature) pairs used
 
 
 def total_compiles() -> int:
     """Executables every compile cache of this process has built so far."""
     return sum(c.compiles for c in _ALL)
+
+
+@contextlib.contextmanager
+def recording():
+    """Collect the executables used while open, as (cache id, signature) pairs in the set it yields
+    (`keep_only`). Recordings nest: each open one collects."""
+    used: set = set()
+    _RECORDINGS.append(used)
+    try:
+        yield used
+    finally:  # by identity: two open recordings may hold equal sets
+        del _RECORDINGS[next(i for i, r in enumerate(_RECORDINGS) if r is used)]
+
+
+def keep_only(used: set, caches: list | None = None) -> int:
+    """Drop every executable and traced shape not in `used` (pairs from `recording`), in `caches` (default:
+    every compile cache of this process): a warm worker drops the programs of the plans it no longer keeps
+    (on the CPU their memory mappings outgrew its address-space limit). Returns the executables dropped."""
+    dropped = 0
+    for c in _ALL if caches is None else caches:
+        for table in (c._exes, c._shapes):
+            for sig in [s for s in table if (id(c), s) not in used]:
+                dropped += table is c._exes
+                del table[sig]
+    return dropped
 
 
 def clear_all() -> None:
@@ -41,6 +68,7 @@ class CompileCache:
     def out_shapes(self, fn, static: Any, args: tuple):
         """`jax.eval_shape(fn(static, *args))`, traced once per signature (values never matter)."""
         sig = _signature(fn, static, args, jax.tree.leaves(args))
+        self._record(sig)
         if sig in self._shapes:
             self._shapes.move_to_end(sig)
         else:
@@ -48,6 +76,10 @@ class CompileCache:
             if len(self._shapes) > self.max_size:
                 self._shapes.popitem(last=False)
         return self._shapes[sig]
+
+    def _record(self, sig) -> None:
+        for used in _RECORDINGS:
+            used.add((id(self), sig))
 
     def __len__(self) -> int:
         """Executables held (each one compile): a call that adds none did not compile."""
@@ -67,6 +99,7 @@ class CompileCache:
         leaves = jax.tree.leaves(args)
         sig = (*_signature(fn, static, args, leaves),
                None if mesh is None else tuple(str(getattr(x, "sharding", None)) for x in leaves))
+        self._record(sig)
         if sig in self._exes:
             self._exes.move_to_end(sig)
         else:
