@@ -43,7 +43,7 @@ def _gather_numpy(buf, lengths, path, count):
 
 def test_gather_path_moves_accepted_nodes_like_numpy():
     rng = np.random.default_rng(0)
-    b, s, p = 4, 24, 5
+    b, s = 4, 24
     lengths = np.array([3, 10, 0, 19])
     # Root-first paths through a tree of up to 8 nodes; row 2 accepts nothing, row 3 fills the end.
     path = np.array([[0, 2, 5, 6, 7], [0, 1, 3, 4, 0], [0, 0, 0, 0, 0], [0, 2, 3, 4, 4]], np.int32)
