@@ -33,6 +33,12 @@ LAUNCH_LIMIT_MARKERS = ("Shared memory size limit exceeded", "out of resource: s
                         "registers exceeded")
 
 
+def out_of_memory(text: str) -> bool:
+    """Whether an error's text says memory ran out (`OOM_MARKERS`, any case; not a kernel's launch limit)."""
+    low = str(text).lower()
+    return any(m.lower() in low for m in OOM_MARKERS) and not any(m in str(text) for m in LAUNCH_LIMIT_MARKERS)
+
+
 class Channel:
     """Line protocol with a child over its stdin/stdout, every read bounded by a deadline."""
 

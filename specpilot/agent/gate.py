@@ -15,6 +15,7 @@ import numpy as np
 from omegaconf import DictConfig, OmegaConf
 
 from specpilot import forcing
+from specpilot.agent import candidate_io
 from specpilot.costmodel import roofline
 from specpilot.harness import deploy, methods, shapes
 from specpilot.harness.config_schema import build_plans, typed
@@ -123,7 +124,7 @@ class Gate:
         except Exception as e:  # the gate's own run (its device's memory, say): this candidate is not judged
             first = str(e).strip().splitlines()[0][:300] if str(e).strip() else ""
             hint = "; the workers may be pooling the GPU: set agent.worker_gpu_fraction" \
-                if "RESOURCE_EXHAUSTED" in str(e) or "out of memory" in str(e).lower() else ""
+                if candidate_io.out_of_memory(str(e)) else ""
             return Verdict(False, [*reasons, f"not checked: the forcing run failed ({type(e).__name__}: {first}){hint}"])
         v = Verdict(False, reasons, mismatches=report.num_mismatches, near_ties=report.num_near_ties,
                     forcing_summary=report.summary().replace("reference self-mismatches", "stock disagrees"))

@@ -218,9 +218,9 @@ class Space:
         for k, v in rewrite.items():  # e.g. a mechanism memory brings from a deployment whose space had it
             c = self.choice(k)
             if c is not None and c.kind == "categorical" and not _names_a_variant(v) and \
-                    _hashable(v) not in map(_hashable, c.values):
+                    _canonical(v) not in map(_canonical, c.values):
                 return Dropped(dict(rewrite), f"not offered here: {k}={json.dumps(v)} (this space offers "
-                                              f"{', '.join(json.dumps(_jsonable(x)) for x in c.values)})")
+                                              f"{', '.join(json.dumps(x) for x in c.values)})")
         fields = apply(incumbent, rewrite)
         result = self.check(name, fields)
         if isinstance(result, str):
@@ -237,17 +237,9 @@ def _names_a_variant(v) -> bool:
     return isinstance(v, (list, tuple)) and any(isinstance(x, str) and x.startswith("variant:") for x in v)
 
 
-def _jsonable(v):
-    return list(v) if isinstance(v, tuple) else v
-
-
-def _hashable(v):
-    """A field value as a comparable key (lists as tuples, mappings as sorted items)."""
-    if isinstance(v, Mapping):
-        return tuple(sorted((k, _hashable(x)) for k, x in v.items()))
-    if isinstance(v, (list, tuple)):
-        return tuple(_hashable(x) for x in v)
-    return v
+def _canonical(v) -> str:
+    """A field value as a comparable key (lists and tuples alike, mappings by sorted keys)."""
+    return json.dumps(v, sort_keys=True, default=list)
 
 
 def plan_fields(plan: plan_mod.Plan) -> dict:

@@ -157,14 +157,11 @@ def _base(spec: dict, group: str | None, folder: Path | None) -> dict:
             "wall_s": [], "group": group, "warm": True}
 
 
-OUT_OF_MEMORY = ("RESOURCE_EXHAUSTED", "MemoryError", "Out of memory")
-
-
 def _retry_fresh(proc: WarmProcess, started: float | None, error: str) -> bool:
     """Whether a worker kept from earlier calls ran out of memory: it holds what those calls compiled and
     kept, so it is discarded and this call's plans run again in a fresh one (a fresh worker's own out of
     memory is the candidate's failure)."""
-    if started is not None or not any(m in str(error) for m in OUT_OF_MEMORY):
+    if started is not None or not ev.out_of_memory(error):
         return False
     log.warning("the warm worker ran out of memory with what earlier rounds left in it; starting a fresh one")
     _discard(proc)

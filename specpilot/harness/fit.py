@@ -46,6 +46,11 @@ class Needs:
     drafter_formats: int = 0  # the part of `drafter` that is the plans' copies
 
     @property
+    def copies(self) -> int:
+        """The plans' weight formats and layouts, the target's and the drafter's."""
+        return self.formats + self.drafter_formats
+
+    @property
     def total(self) -> int:
         """The larger of the build's peak and what the runs hold."""
         return max(self.weights + self.drafter + self.building,
@@ -176,9 +181,9 @@ def check(cfg: DictConfig, plans: list[Plan], batch: int | None = None, slots: i
     if need is None or have is None:
         return need
     if held is not None:
-        made, both = (needs(cfg, ps, batch, slots, on_cpu=device.platform == "cpu") for ps in (held, held + plans)) \
-            if held else (None, need)
-        new = both.formats + both.drafter_formats - (made.formats + made.drafter_formats if made else 0)
+        on_cpu = device.platform == "cpu"
+        new = needs(cfg, held + plans, batch, slots, on_cpu).copies - needs(cfg, held, batch, slots, on_cpu).copies \
+            if held else need.copies
         added = new + need.cache
         if added <= have[0]:
             return need
