@@ -63,6 +63,19 @@ def test_the_stored_cpu_rates_load():
     assert r.copy_gbs > 0 and "xla/f32" in r.matmul
 
 
+@pytest.mark.parametrize("name", sorted(p.stem for p in RATES_DIR.glob("*.yaml")))
+def test_every_stored_rates_file_is_what_its_gpu_config_reads(name):
+    """Each shipped calibration loads through its gpu config (the file a run of gpu=<name> prices with),
+    says where it was measured, and holds a positive time for every product it measured."""
+    gpu = OmegaConf.load(RATES_DIR.parent / f"{name}.yaml")
+    r = Rates.for_gpu(gpu)
+    assert r.calibrated and r.copy_gbs > 0 and r.matmul
+    raw = OmegaConf.load(RATES_DIR / f"{name}.yaml")
+    assert "calibrate.py" in raw.source
+    for table in r.matmul.values():
+        assert all(t > 0 for row in table.seconds for t in row), table.impl
+
+
 @pytest.mark.slow
 def test_calibrate_measures_the_grid_it_is_given_and_the_plans_m(tmp_path):
     import subprocess
