@@ -53,3 +53,18 @@ def test_the_round_report_says_why_each_candidate_was_proposed(tmp_path):
     assert "| r0-c0-predicted | predicted | `{\"weights\": \"w12\"}` | rejected | 2.000 | 0.900x |" in text
     assert "- r0-c0-predicted: the cost model predicts 1.000 ms/token against the incumbent's 1.140 (1.14x)" in text
     assert "- r0-given0-x" not in text  # no reason given, no line
+
+
+def test_the_round_report_shows_each_timed_run_its_tau_and_compiles_while_timed(tmp_path):
+    rows = [{"name": "r0-c0-predicted", "proposer": "predicted", "rewrite": {"block_size": 12}, "status": "accepted",
+             "s_per_token": 0.003, "gain": 1.16, "verdict": {}, "reason": "", "why": "",
+             "result": {"wall_s": [0.3851, 0.3907], "stats": {"tau": 5.8712}, "timed_compiles": 2}},
+            {"name": "r0-c1-guided", "proposer": "guided", "rewrite": {"verify": "ar"}, "status": "failed",
+             "s_per_token": None, "gain": None, "verdict": {}, "reason": "crashed", "why": ""}]
+    text = report.write_round(tmp_path, 0, {"verify": "chain"}, {"verify": "chain", "block_size": 12},
+                              {"s_per_token": 0.0035, "status": "ok", "wall_s": [0.45, 0.44], "stats": {"tau": 6.27}},
+                              rows).read_text()
+    assert "runs 0.4500, 0.4400 s; τ 6.27)" in text
+    assert ("| r0-c0-predicted | predicted | `{\"block_size\": 12}` | accepted | 3.000 | 1.160x | 0.3851, 0.3907 | "
+            "5.87 | - | 2 program(s) compiled while timed |") in text
+    assert "| r0-c1-guided | guided | `{\"verify\": \"ar\"}` | failed | - | - | - | - | - | crashed |" in text

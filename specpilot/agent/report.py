@@ -19,17 +19,22 @@ def _ms(s) -> str:
 
 
 def write_round(out: Path, index: int, old: dict, new: dict, incumbent: dict, rows: list[dict]) -> Path:
+    """round_<index>.md: the incumbent's re-measurement and every candidate's verdict, with each timed run
+    and the τ it ran at, so a gain can be told from a run's noise or a change of acceptance."""
     lines = [f"# Round {index}", "", f"Incumbent at the start: `{json.dumps(old)}`",
              f"re-measured this session: {_ms(incumbent.get('s_per_token'))} ms/token "
-             f"(status {incumbent.get('status')}; runs {[round(w, 4) for w in incumbent.get('wall_s', [])]} s)", "",
-             "| candidate | proposer | rewrite | status | ms/token | gain | ceiling ms | reasons |",
-             "|---|---|---|---|---|---|---|---|"]
+             f"(status {incumbent.get('status')}; runs {_runs(incumbent)} s; τ {_tau(incumbent)})", "",
+             "| candidate | proposer | rewrite | status | ms/token | gain | runs s | τ | ceiling ms | reasons |",
+             "|---|---|---|---|---|---|---|---|---|---|"]
     for row in rows:
-        v = row.get("verdict") or {}
+        v, res = row.get("verdict") or {}, row.get("result") or {}
         gain = "-" if row.get("gain") is None else f"{row['gain']:.3f}x"
         reason = (row.get("reason") or "").replace("|", "/").replace("\n", " ")
+        if res.get("timed_compiles"):  # a program compiled inside a timed run inflates it
+            reason = f"{reason}; {res['timed_compiles']} program(s) compiled while timed".lstrip("; ")
         lines.append(f"| {row['name']} | {row['proposer']} | `{json.dumps(row['rewrite'])}` | {row['status']} | "
-                     f"{_ms(row.get('s_per_token'))} | {gain} | {_ms(v.get('ceiling_s_per_token'))} | {reason} |")
+                     f"{_ms(row.get('s_per_token'))} | {gain} | {_runs(res)} | {_tau(res)} | "
+                     f"{_ms(v.get('ceiling_s_per_token'))} | {reason} |")
     whys = [f"- {row['name']}: {row['why']}" for row in rows if row.get("why")]
     if whys:  # the proposers' reasons (the cost model's predicted gain, say), beside what was measured
         lines += ["", "Why each was proposed:", "", *whys]
@@ -37,6 +42,16 @@ def write_round(out: Path, index: int, old: dict, new: dict, incumbent: dict, ro
     path = out / f"round_{index}.md"
     atomic_io.write_text(path, "\n".join(lines))
     return path
+
+
+def _runs(result: dict) -> str:
+    walls = result.get("wall_s") or []
+    return ", ".join(f"{w:.4f}" for w in walls) if walls else "-"
+
+
+def _tau(result: dict) -> str:
+    tau = (result.get("stats") or {}).get("tau")
+    return "-" if tau is None else f"{float(tau):.2f}"
 
 
 def plot_best(out: Path, rounds) -> Path | None:
