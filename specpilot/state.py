@@ -324,14 +324,60 @@ def prompt_mask(state: TargetState, positions: jax.Array, lengths: jax.Array) ->
     return causal_mask(state, positions) & (slots[None, None, :] < (state.lengths + lengths)[:, None, None])
 
 
-def prompt_forward(target, params, tokens: jax.Array, lengths: jax.Array, state: TargetState):
+PREFILL_TOKENS = 4096  # prompt tokens one prefill pass feeds over the whole batch (longer prompts go in chunks)
+
+
+def prefill_chunk(batch: int, padded_len: int, max_len: int, tokens_per_pass: int = PREFILL_TOKENS) -> int:
+    """Prompt tokens a row is fed per prefill pass: the whole padded prompt, or a multiple of 64 near
+    tokens_per_pass / batch where that is shorter. A pass's activations and attention scores scale with
+    batch x chunk, so chunks bound a large batch of long prompts. A row whose prompt ended writes (never
+    commits) a chunk past it, so a chunk also fits the cache's room after the padded prompts."""
+    if batch * padded_len <= tokens_per_pass:
+        return padded_len
+    chunk = min(max(64, tokens_per_pass // batch // 64 * 64), (max_len - padded_len) // 64 * 64)
+    return chunk if 64 <= chunk < padded_len else padded_len
+
+
+def prompt_forward(target, params, tokens: jax.Array, lengths: jax.Array, state: TargetState,
+                   tokens_per_pass: int = PREFILL_TOKENS):
     """Prefill: `target.forward` over right-padded prompts [B, T] (row b's first lengths[b] tokens are
-    its prompt) -> (logits at each prompt's last token [B, V], taps, state committed by lengths). Padding
-    is written but never committed; the logits are those of `chain_forward` at that position."""
-    positions = chain_positions(state, tokens.shape[1])
-    logits, taps, state = target.forward(params, tokens, positions, state,
-                                         prompt_mask(state, positions, lengths), logits_at=lengths - 1)
-    return logits[:, 0], taps, state.commit(lengths)
+    its prompt) -> (logits at each prompt's last token [B, V], taps [B, T, ...], state committed by
+    lengths). Padding is written but never committed; the logits are those of `chain_forward` at that
+    position. Fed in chunks of `prefill_chunk` tokens a row (one `lax.scan`) where the whole prompt is
+    more than `tokens_per_pass` tokens over the batch."""
+    b, t = tokens.shape
+    has_slots = any(isinstance(x, (AttentionState, PagedAttentionState)) for x in state.layers)
+    chunk = prefill_chunk(b, t, state.max_len, tokens_per_pass) if has_slots else t
+    if chunk >= t:
+        positions = chain_positions(state, t)
+        logits, taps, state = target.forward(params, tokens, positions, state,
+                                             prompt_mask(state, positions, lengths), logits_at=lengths - 1)
+        return logits[:, 0], taps, state.commit(lengths)
+    n = -(-t // chunk)
+    tokens = jnp.pad(tokens, ((0, 0), (0, n * chunk - t)))
+
+    def piece(state, k):
+        # every row has >= 1 committed token after chunk 0, so a row with none left here still sees some
+        counts = jnp.clip(lengths - k * chunk, 0, chunk)
+        positions = chain_positions(state, chunk)
+        logits, taps, state = target.forward(params, jax.lax.dynamic_slice_in_dim(tokens, k * chunk, chunk, axis=1),
+                                             positions, state, prompt_mask(state, positions, counts),
+                                             logits_at=jnp.maximum(counts - 1, 0))
+        ends_here = (lengths > k * chunk) & (lengths <= (k + 1) * chunk)
+        return state.commit(counts), logits[:, 0], taps, ends_here
+
+    state, last, first_taps, _ = piece(state, 0)
+
+    def step(carry, k):
+        state, last = carry
+        state, logits, taps, ends_here = piece(state, k)
+        return (state, jnp.where(ends_here[:, None], logits, last)), taps
+
+    (state, last), later = jax.lax.scan(step, (state, last), jnp.arange(1, n, dtype=jnp.int32))
+    taps = jax.tree_util.tree_map(
+        lambda a, r: jnp.concatenate([a, jnp.moveaxis(r, 0, 1).reshape(b, (n - 1) * chunk, *a.shape[2:])], axis=1)[:, :t],
+        first_taps, later)
+    return last, taps, state
 
 
 def chain_forward(target, params, tokens: jax.Array, state: TargetState):

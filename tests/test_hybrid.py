@@ -118,6 +118,26 @@ def test_padded_prompts_of_several_lengths_match_transformers(case):
         np.testing.assert_allclose(np.asarray(step[b, 0]), ref[0, n], atol=LOGITS_ATOL, rtol=0)
 
 
+def test_a_prefill_in_chunks_matches_transformers(case):
+    """Prompts fed 64 tokens a row per pass (`tokens_per_pass` small: three passes, rows ending in each,
+    one in the first): each prompt's last logits and the next step's equal transformers' run of that
+    prompt alone, so attention K/V and recurrent state carry across the passes and padding commits
+    nothing."""
+    _, model, target, params = case
+    lengths = np.array([150, 37, 100, 70], np.int32)
+    tokens = _tokens((4, 150), seed=4)
+    nxt = _tokens((4, 1), seed=5)
+    assert st.prefill_chunk(4, 150, 256, tokens_per_pass=64) == 64
+    last, _, state = jax.jit(st.prompt_forward, static_argnums=(0, 5))(
+        target, params, jnp.asarray(tokens), jnp.asarray(lengths), target.init_state(4, 256), 64)
+    assert np.array_equal(np.asarray(state.lengths), lengths)
+    step, _, _ = _chain(target, params, jnp.asarray(nxt), state)
+    for b, n in enumerate(lengths):
+        ref = _hf_logits(model, np.concatenate([tokens[b:b + 1, :n], nxt[b:b + 1]], axis=1))
+        np.testing.assert_allclose(np.asarray(last[b]), ref[0, n - 1], atol=LOGITS_ATOL, rtol=0)
+        np.testing.assert_allclose(np.asarray(step[b, 0]), ref[0, n], atol=LOGITS_ATOL, rtol=0)
+
+
 def test_cached_decode_step_by_step_equals_the_full_forward(case):
     """Prefill 70 tokens (chunked), then 1-token steps (recurrent form, commit(1) each) reproduce the
     full forward's logits at every later position, ours and transformers'."""

@@ -141,6 +141,37 @@ def test_a_prompts_logits_at_its_last_token_alone_equal_the_full_heads():
         assert np.array_equal(np.asarray(a), np.asarray(b))
 
 
+def test_a_prefill_chunk_bounds_the_tokens_of_a_pass_and_fits_the_cache():
+    assert st.prefill_chunk(1, 512, 768) == 512  # 512 tokens over the batch: one pass
+    assert st.prefill_chunk(16, 1024, 1280) == 256  # 4,096 tokens a pass
+    assert st.prefill_chunk(16, 1024, 1152) == 128  # a row done early writes a chunk past its prompt
+    assert st.prefill_chunk(16, 1024, 1060) == 1024  # no room for one: one pass
+    assert st.prefill_chunk(3, 1000, 2048, tokens_per_pass=200) == 64  # never under 64 tokens
+
+
+def test_a_prefill_in_chunks_leaves_what_one_pass_leaves():
+    """Three passes of 64 tokens a row against one pass (dense target, float32): the same last logits,
+    taps at every prompt position and committed K/V, to the written tolerance; padding committed nowhere."""
+    params = random_params(dense.param_shapes(CFG), 0.3, 0)
+    target = dense.target(CFG, params["embed"].dtype)
+    tokens = jnp.asarray(np.random.default_rng(5).integers(0, CFG.vocab_size, (3, 150)).astype(np.int32))
+    lengths = np.array([150, 64, 3], np.int32)
+    run = jax.jit(st.prompt_forward, static_argnums=(0, 5))
+    one = run(target, params, tokens, jnp.asarray(lengths), target.init_state(3, 256), 10_000)
+    chunked = run(target, params, tokens, jnp.asarray(lengths), target.init_state(3, 256), 64)
+    (last1, taps1, state1), (last, taps, state) = one, chunked
+    scale = float(np.abs(np.asarray(last1)).max())
+    np.testing.assert_allclose(np.asarray(last), np.asarray(last1), rtol=0, atol=F32_TOL * scale)
+    assert np.array_equal(np.asarray(state.lengths), lengths) and taps.shape == taps1.shape
+    for b, n in enumerate(lengths):
+        np.testing.assert_allclose(np.asarray(taps[b, :n]), np.asarray(taps1[b, :n]), rtol=0,
+                                   atol=F32_TOL * float(np.abs(np.asarray(taps1)).max()))
+        for layer, layer1 in zip(state.layers, state1.layers):
+            for kv, kv1 in ((layer.k, layer1.k), (layer.v, layer1.v)):
+                np.testing.assert_allclose(np.asarray(kv[b, :, :n]), np.asarray(kv1[b, :, :n]), rtol=0,
+                                           atol=F32_TOL * float(np.abs(np.asarray(kv1)).max()))
+
+
 # A tree of 7 nodes after the committed prefix; node 0 is the last committed-side token (the root).
 PARENTS = [-1, 0, 0, 1, 1, 2, 5]
 
