@@ -374,9 +374,11 @@ def prompt_forward(target, params, tokens: jax.Array, lengths: jax.Array, state:
         return (state, jnp.where(ends_here[:, None], logits, last)), taps
 
     (state, last), later = jax.lax.scan(step, (state, last), jnp.arange(1, n, dtype=jnp.int32))
-    taps = jax.tree_util.tree_map(
-        lambda a, r: jnp.concatenate([a, jnp.moveaxis(r, 0, 1).reshape(b, (n - 1) * chunk, *a.shape[2:])], axis=1)[:, :t],
-        first_taps, later)
+    def joined(first, rest):  # [B, chunk, ...] and [n-1, B, chunk, ...] -> [B, T, ...]
+        rest = jnp.moveaxis(rest, 0, 1).reshape(b, (n - 1) * chunk, *first.shape[2:])
+        return jnp.concatenate([first, rest], axis=1)[:, :t]
+
+    taps = jax.tree_util.tree_map(joined, first_taps, later)
     return last, taps, state
 
 
