@@ -65,9 +65,10 @@ def test_the_proposals_are_predicted_faster_and_w12_with_a_tree_comes_first(cali
     ms = _predict_py(cfg, {"incumbent": dict(inc), **{n: b[0] for n, b in built.items()}})
     gains = [ms["incumbent"] / ms[f"p{i}"] for i in range(len(out))]
     assert all(g >= predicted.MIN_GAIN for g in gains), gains
-    for p, g in zip(out, gains):
+    for i, (p, g) in enumerate(zip(out, gains)):
         assert p.handle[1] == pytest.approx(g, rel=1e-9)  # the proposer's gain is predict.py's
         assert f"({g:.2f}x)" in p.why
+        assert f"predicts {ms[f'p{i}']:.3f} ms/token of decoding (prefill not counted)" in p.why, p.why
     first = built["p0"][1]
     assert first.weights == "w12" and first.verify == "tree"  # the combination no single-field rewrite reaches
     assert gains[0] == max(gains) and gains[0] > 1.1

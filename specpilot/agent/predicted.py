@@ -182,7 +182,8 @@ class PredictedProposer(Proposer):
                 taken.add(sp.rewrite_key(rw))
                 corrected = f", corrected by {self.correction[kind]:.2f} from a measured {' '.join(kind)} plan" \
                     if kind in self.correction else ""
-                out.append(Proposal(rw, self.name, f"the cost model predicts {1e3 * s:.3f} ms/token against the "
-                                                   f"incumbent's {1e3 * base_s:.3f} ({base_s / s:.2f}x{corrected}){rates}",
+                out.append(Proposal(rw, self.name, f"the cost model predicts {1e3 * s:.3f} ms/token of decoding "
+                                                   f"(prefill not counted) against the incumbent's {1e3 * base_s:.3f} "
+                                                   f"({base_s / s:.2f}x{corrected}){rates}",
                                     handle=(kind, base_s / s)))
         return out
