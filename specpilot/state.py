@@ -349,37 +349,37 @@ def prompt_forward(target, params, tokens: jax.Array, lengths: jax.Array, state:
     has_slots = any(isinstance(x, (AttentionState, PagedAttentionState)) for x in state.layers)
     chunk = prefill_chunk(b, t, state.max_len, tokens_per_pass) if has_slots else t
     if chunk >= t:
-        positions = chain_positions(state, t)
-        logits, taps, state = target.forward(params, tokens, positions, state,
-                                             prompt_mask(state, positions, lengths), logits_at=lengths - 1)
-        return logits[:, 0], taps, state.commit(lengths)
+        return fed_forward(target, params, tokens, lengths, state)
     n = -(-t // chunk)
     tokens = jnp.pad(tokens, ((0, 0), (0, n * chunk - t)))
 
-    def piece(state, k):
-        # every row has >= 1 committed token after chunk 0, so a row with none left here still sees some
-        counts = jnp.clip(lengths - k * chunk, 0, chunk)
-        positions = chain_positions(state, chunk)
-        logits, taps, state = target.forward(params, jax.lax.dynamic_slice_in_dim(tokens, k * chunk, chunk, axis=1),
-                                             positions, state, prompt_mask(state, positions, counts),
-                                             logits_at=jnp.maximum(counts - 1, 0))
-        ends_here = (lengths > k * chunk) & (lengths <= (k + 1) * chunk)
-        return state.commit(counts), logits[:, 0], taps, ends_here
-
-    state, last, first_taps, _ = piece(state, 0)
-
     def step(carry, k):
         state, last = carry
-        state, logits, taps, ends_here = piece(state, k)
+        counts = jnp.clip(lengths - k * chunk, 0, chunk)
+        logits, taps, state = fed_forward(target, params, jax.lax.dynamic_slice_in_dim(tokens, k * chunk, chunk, 1),
+                                          counts, state)
+        ends_here = (counts > 0) & (lengths <= (k + 1) * chunk)
         return (state, jnp.where(ends_here[:, None], logits, last)), taps
 
+    last, first_taps, state = fed_forward(target, params, tokens[:, :chunk], jnp.minimum(lengths, chunk), state)
     (state, last), later = jax.lax.scan(step, (state, last), jnp.arange(1, n, dtype=jnp.int32))
+
     def joined(first, rest):  # [B, chunk, ...] and [n-1, B, chunk, ...] -> [B, T, ...]
         rest = jnp.moveaxis(rest, 0, 1).reshape(b, (n - 1) * chunk, *first.shape[2:])
         return jnp.concatenate([first, rest], axis=1)[:, :t]
 
-    taps = jax.tree_util.tree_map(joined, first_taps, later)
-    return last, taps, state
+    return last, jax.tree_util.tree_map(joined, first_taps, later), state
+
+
+def fed_forward(target, params, tokens: jax.Array, counts: jax.Array, state: TargetState):
+    """One prefill pass: row b feeds the first counts[b] of its tokens [B, C] (the rest is padding, written
+    and never committed) -> (logits at each row's last fed token [B, V], taps, state committed by counts).
+    A row feeding none (0) takes the causal mask, as its prompt mask would hide every slot of a row with
+    nothing committed yet; its logits mean nothing (the serving engine's idle and decoding rows)."""
+    positions = chain_positions(state, tokens.shape[1])
+    mask = jnp.where((counts > 0)[:, None, None], prompt_mask(state, positions, counts), causal_mask(state, positions))
+    logits, taps, state = target.forward(params, tokens, positions, state, mask, logits_at=jnp.maximum(counts - 1, 0))
+    return logits[:, 0], taps, state.commit(counts)
 
 
 def chain_forward(target, params, tokens: jax.Array, state: TargetState):

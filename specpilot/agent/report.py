@@ -31,7 +31,7 @@ def write_round(out: Path, index: int, old: dict, new: dict, incumbent: dict, ro
         gain = "-" if row.get("gain") is None else f"{row['gain']:.3f}x"
         reason = (row.get("reason") or "").replace("|", "/").replace("\n", " ")
         if res.get("timed_compiles"):  # a program compiled inside a timed run inflates it
-            reason = f"{reason}; {res['timed_compiles']} program(s) compiled while timed".lstrip("; ")
+            reason = "; ".join(filter(None, [reason, f"{res['timed_compiles']} program(s) compiled while timed"]))
         lines.append(f"| {row['name']} | {row['proposer']} | `{json.dumps(row['rewrite'])}` | {row['status']} | "
                      f"{_ms(row.get('s_per_token'))} | {gain} | {_runs(res)} | {_tau(res)} | "
                      f"{_ms(v.get('ceiling_s_per_token'))} | {reason} |")

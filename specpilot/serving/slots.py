@@ -17,8 +17,7 @@ from specpilot.decoding.sampling import RequestSampling, sample_uniform
 from specpilot.serving import budget as bd
 from specpilot.serving.packed import packed_forward, stream_forward, write_stream
 from specpilot.serving.pages import PageLayout, init_paged_state
-from specpilot.state import (RecurrentState, TargetState, causal_mask, chain_forward, chain_positions,
-                             prompt_mask, with_pages, without_pages)
+from specpilot.state import RecurrentState, TargetState, chain_forward, fed_forward, with_pages, without_pages
 
 
 @dataclasses.dataclass(frozen=True)
@@ -147,17 +146,10 @@ def prefill_chunk(setup: EngineSetup, target_params, draft_params, state: SlotSt
                   counts: jax.Array, final: jax.Array, sampling: RequestSampling):
     """tokens [S, C] (row b's next counts[b] prompt tokens, right-padded), final [S] bool (its prompt
     ends here) -> (state, first tokens [S]: meaningful where final)."""
-    ts = state.target_view()
-    positions = chain_positions(ts, tokens.shape[1])
-    feeding = (counts > 0)[:, None, None]
-    mask = jnp.where(feeding, prompt_mask(ts, positions, counts), causal_mask(ts, positions))
-    logits, taps, ts = setup.target.forward(target_params, tokens, positions, ts, mask,
-                                            logits_at=jnp.maximum(counts - 1, 0))
-    ts = ts.commit(counts)
+    last_logits, taps, ts = fed_forward(setup.target, target_params, tokens, counts, state.target_view())
     ds = state.draft_state
     if setup.uses_drafter:
         ds = setup.drafter.extend(draft_params, target_params, ds, taps, counts)
-    last_logits = logits[:, 0]
     if setup.uses_drafter:  # spec.generate: key, key_first = split(key)
         key, first_keys = split_rows(state.key, sampling)
     else:  # ar.generate: token 0 takes split(key, N)[0]
